@@ -1,0 +1,15 @@
+"""flashtx: flash attention, fused RoPE and SwiGLU for PyTorch, written in Triton.
+
+    >>> import flashtx
+    >>> out = flashtx.attention(q, k, v, is_causal=True)      # like F.scaled_dot_product_attention
+    >>> out = flashtx.flash_attn_func(q, k, v, causal=True)   # like flash_attn.flash_attn_func
+
+Run ``python -m flashtx`` for the environment, the backends and a self-check of every op.
+"""
+from . import _env  # noqa: F401  (must run before anything imports triton)
+from .backends import BACKENDS, BackendNotSupported
+from .functional import attention, flash_attn_func
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "flash_attn_func", "BACKENDS", "BackendNotSupported", "__version__"]

@@ -1,0 +1,68 @@
+"""Input checks with messages that name the argument, what it got and what is allowed."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ALLOWED = "float16, bfloat16, float32 (float64 for tests)"
+
+
+def check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in ALLOWED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; allowed: {_ALLOWED}")
+
+
+def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: bool, gqa_hint: str = "") -> None:
+    """Check (B, H, S, D) views of q, k, v; `layout` names the user's layout for messages.
+
+    names: the user-facing argument names; layout: e.g. "(B, H, S, D)".
+    """
+    nq, nk, nv = names
+    for n, t in zip(names, (q, k, v)):
+        check_tensor(n, t)
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{nq}, {nk}, {nv} must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
+    B, Hq, Sq, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: {shapes}, layout {layout}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"{nk} and {nv} must have the same number of heads: {shapes}, layout {layout}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{nk} and {nv} must have the same sequence length: {shapes}, layout {layout}")
+    if k.shape[3] != D:
+        raise ValueError(f"{nq} and {nk} must have the same head dim: {shapes}, layout {layout}")
+    Hkv = k.shape[1]
+    if Hq != Hkv:
+        if Hkv == 0 or Hq % Hkv != 0:
+            raise ValueError(f"the number of {nq} heads ({Hq}) must be a multiple of the number of {nk}/{nv} "
+                             f"heads ({Hkv}): {shapes}, layout {layout}")
+        if not allow_gqa:
+            raise ValueError(f"{nq} has {Hq} heads but {nk}/{nv} have {Hkv}: {shapes}, layout {layout}. "
+                             f"{gqa_hint}")
+    if k.shape[2] == 0:
+        raise ValueError(f"{nk} and {nv} have sequence length 0: attention over no keys is undefined; {shapes}")
+    if D == 0 or v.shape[3] == 0:
+        raise ValueError(f"head dims must be >= 1: {shapes}")
+
+
+def resolve_scale(name: str, scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name} must be None or a real number; got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be finite; got {scale}")
+    return scale
+
+
+def not_implemented(arg: str, value, issue: str) -> NotImplementedError:
+    return NotImplementedError(f"{arg}={value!r} is not supported yet ({issue}); flashtx never ignores it silently")

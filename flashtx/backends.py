@@ -1,0 +1,214 @@
+"""Backends and dispatch, in the style of xformers' operator selection.
+
+Each backend answers `not_supported_reasons(inputs)`: an empty list means it can run them. With
+`backend=None`, flashtx takes the first fast backend that fits (cuda, then triton); when none
+does, it falls back to `reference` with a one-time warning that lists every backend and why. A
+backend asked for by name raises `BackendNotSupported` with its reasons instead.
+
+CPU tensors go to `reference` unless Triton's interpreter is on (FLASHTX_INTERPRET=1 or
+TRITON_INTERPRET=1), in which case they run through the real Triton kernels: that is how the
+tests check the kernels on machines without a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from . import _env, reference
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256  # the largest head dim the Triton configs cover (configs.head_dim_bucket)
+INT32_MAX = 2**31 - 1  # kernels index within a (batch, head) slice with int32 offsets
+
+
+class BackendNotSupported(NotImplementedError):
+    """Raised when the requested backend cannot run the given inputs; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """Attention inputs as the kernels see them: (B, H, S, D) views, any strides."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    causal: bool = False
+    bottom_right: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+
+class Backend:
+    name = "?"
+
+    def not_supported_reasons(self, inp: AttentionInputs) -> list[str]:
+        raise NotImplementedError
+
+    def forward(self, q, k, v, out, *, scale, causal, bottom_right):
+        """Write attention of (q, k, v) into `out`; return lse2 (B, H, Sq) in log2 units."""
+        raise NotImplementedError
+
+    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right):
+        """Write the gradients of (q, k, v) into (dq, dk, dv)."""
+        raise NotImplementedError
+
+
+class ReferenceBackend(Backend):
+    """Eager PyTorch (flashtx.reference): any device, any float dtype; O(N^2) memory."""
+
+    name = "reference"
+
+    def not_supported_reasons(self, inp):
+        if inp.dtype not in SUPPORTED_DTYPES:
+            return [f"dtype {inp.dtype} is not a floating type flashtx supports"]
+        return []
+
+    def forward(self, q, k, v, out, *, scale, causal, bottom_right):
+        o, lse2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right)
+        out.copy_(o)
+        return lse2
+
+    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right):
+        grads = reference.attention_backward(do, q, k, v, out, lse2, scale=scale, causal=causal,
+                                             bottom_right=bottom_right, dlse2=dlse2)
+        for buf, g in zip((dq, dk, dv), grads):
+            buf.copy_(g)
+
+
+class TritonBackend(Backend):
+    """flashtx's Triton kernels: CUDA tensors, or CPU tensors in Triton's interpreter."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, inp):
+        if not _env.HAS_TRITON:
+            return [_env.TRITON_IMPORT_ERROR]
+        reasons = []
+        dev = inp.device.type
+        if dev == "cpu":
+            if not _env.INTERPRET:
+                why = ("FLASHTX_INTERPRET was set after triton had been imported; set it before"
+                       if _env.INTERPRET_TOO_LATE else "set FLASHTX_INTERPRET=1 to run them in Triton's interpreter")
+                reasons.append(f"CPU tensors need Triton's interpreter ({why})")
+        elif dev == "cuda":
+            if _env.INTERPRET:
+                reasons.append("Triton's interpreter is on (TRITON_INTERPRET=1); it runs CPU tensors only")
+            else:
+                major, minor = torch.cuda.get_device_capability(inp.device)
+                if major < 8:
+                    reasons.append(f"needs compute capability >= 8.0 (Ampere); this GPU is sm_{major}{minor}")
+        else:
+            reasons.append(f"device type {dev!r} is not supported (cuda, or cpu in the interpreter)")
+        dt = inp.dtype
+        if dt not in SUPPORTED_DTYPES:
+            reasons.append(f"dtype {dt} is not supported (float16, bfloat16, float32)")
+        elif dt == torch.float64 and dev != "cpu":
+            reasons.append("float64 runs only in Triton's interpreter (for gradchecks); use float32 on a GPU")
+        elif dt == torch.bfloat16 and dev == "cpu":
+            reasons.append("bfloat16 is miscomputed by Triton's interpreter (triton-lang/triton#11584); "
+                           "bfloat16 runs on GPUs only")
+        d_qk, d_v = inp.q.shape[-1], inp.v.shape[-1]
+        for what, d in (("query/key", d_qk), ("value", d_v)):
+            if d > MAX_HEAD_DIM:
+                reasons.append(f"{what} head dim {d} is above {MAX_HEAD_DIM}")
+        for name, t in (("query", inp.q), ("key", inp.k), ("value", inp.v)):
+            if t.shape[2] * max(t.stride(2), 1) > INT32_MAX:
+                reasons.append(f"{name}'s sequence span ({t.shape[2]} x stride {t.stride(2)}) overflows int32 offsets")
+        if not reasons and dev == "cuda":
+            reasons += self._config_reasons(inp)
+        return reasons
+
+    @staticmethod
+    def _config_reasons(inp):
+        from .triton_kernels.configs import select_config
+        from .triton_kernels.launch import head_block, target_for
+
+        target = target_for(inp.q)
+        bq, bv = head_block(inp.q.shape[-1]), head_block(inp.v.shape[-1])
+        reasons = []
+        for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
+            try:
+                select_config(kernel, bq, bv, inp.q.element_size(), target)
+            except RuntimeError as exc:
+                reasons.append(str(exc))
+        return reasons
+
+    def forward(self, q, k, v, out, *, scale, causal, bottom_right):
+        from .triton_kernels.attention_fwd import attention_forward
+
+        q, k, v = (_unit_last(t) for t in (q, k, v))
+        _, lse2 = attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right, out=out)
+        return lse2
+
+    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right):
+        from .triton_kernels.attention_bwd import attention_backward
+
+        do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
+        if dlse2 is not None:
+            dlse2 = dlse2.contiguous()
+        attention_backward(do, q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right,
+                           dlse2=dlse2, grads=(dq, dk, dv))
+
+
+class CudaBackend(Backend):
+    """The optional CUDA C++ extension (csrc/). It holds no attention kernel yet."""
+
+    name = "cuda"
+
+    def not_supported_reasons(self, inp):
+        return ["flashtx's CUDA extension (csrc/) has no attention kernel in this release"]
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take any strides, but a strided last dim would defeat vectorised loads: copy then."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (CudaBackend(), TritonBackend(), ReferenceBackend())}
+FAST_BACKENDS = ("cuda", "triton")
+_warned: set = set()
+
+
+def describe_reasons(inp: AttentionInputs, names=tuple(BACKENDS)) -> str:
+    lines = []
+    for name in names:
+        reasons = BACKENDS[name].not_supported_reasons(inp)
+        lines.append(f"  `{name}`: " + ("supported" if not reasons else "; ".join(reasons)))
+    return "\n".join(lines)
+
+
+def _inputs_summary(inp: AttentionInputs) -> str:
+    return (f"query {tuple(inp.q.shape)}, key {tuple(inp.k.shape)}, value {tuple(inp.v.shape)} "
+            f"(B, H, S, D), dtype={inp.dtype}, device={inp.device}, causal={inp.causal}")
+
+
+def select_backend(inp: AttentionInputs, requested: str | None = None) -> str:
+    """Name of the backend that will run `inp` (see the module docstring for the rules)."""
+    if requested is not None:
+        if requested not in BACKENDS:
+            raise ValueError(f"backend must be None or one of {sorted(BACKENDS)}; got {requested!r}")
+        reasons = BACKENDS[requested].not_supported_reasons(inp)
+        if reasons:
+            raise BackendNotSupported(
+                f"backend={requested!r} cannot run {_inputs_summary(inp)}:\n  " + "\n  ".join(reasons)
+                + "\nAll backends:\n" + describe_reasons(inp))
+        return requested
+    if inp.device.type == "cpu" and not _env.INTERPRET:
+        return "reference"  # documented: CPU tensors use the reference unless the interpreter is on
+    for name in FAST_BACKENDS:
+        if not BACKENDS[name].not_supported_reasons(inp):
+            return name
+    table = describe_reasons(inp)
+    if table not in _warned:
+        _warned.add(table)
+        warnings.warn(f"flashtx: no fast backend can run {_inputs_summary(inp)}; using the reference "
+                      f"implementation (O(N^2) memory). Backends:\n{table}", stacklevel=4)
+    return "reference"

@@ -1,0 +1,98 @@
+"""Eager PyTorch references for every flashtx op.
+
+These are the ground truth the tests compare the kernels against (run in float64), and the
+`reference` backend that serves CPU tensors and inputs no kernel supports. They are written for
+clarity, not memory: attention here materialises the (Sq, Sk) score matrix.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+LN2 = math.log(2.0)
+
+
+def causal_visibility(Sq: int, Sk: int, bottom_right: bool, device=None) -> torch.Tensor:
+    """(Sq, Sk) bool: query i may attend to key j.
+
+    Top-left alignment (SDPA's `is_causal`): j <= i. Bottom-right (flash-attn's `causal` when
+    Sq != Sk): j <= i + Sk - Sq, so the last query sees every key.
+    """
+    i = torch.arange(Sq, device=device)[:, None]
+    j = torch.arange(Sk, device=device)[None, :]
+    shift = (Sk - Sq) if bottom_right else 0
+    return j <= i + shift
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+              causal: bool = False, bottom_right: bool = False, return_lse: bool = False):
+    """Softmax attention on (B, H, S, D) tensors, computed in the inputs' dtype.
+
+    q: (B, Hq, Sq, Dqk), k: (B, Hkv, Sk, Dqk), v: (B, Hkv, Sk, Dv) with Hq % Hkv == 0 (GQA/MQA:
+    q head h uses kv head h // (Hq // Hkv)). Rows that see no key give output 0 and lse -inf.
+    Returns out (B, Hq, Sq, Dv), and with return_lse the natural-log lse (B, Hq, Sq).
+    Differentiable by autograd.
+    """
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hq != Hkv:
+        k = k.repeat_interleave(Hq // Hkv, dim=1)
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    empty = None
+    if causal:
+        vis = causal_visibility(q.shape[2], k.shape[2], bottom_right, q.device)  # (Sq, Sk)
+        empty = ~vis.any(-1)  # (Sq,) rows with no visible key
+        # masked entries get -inf; empty rows get finite dummies (zeroed below) so autograd sees no NaN
+        s = s.masked_fill(~vis & ~empty[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
+    p = torch.exp(s - lse[..., None])  # (B, H, Sq, Sk), exactly 0 on masked entries
+    if empty is not None and bool(empty.any()):
+        p = p.masked_fill(empty[:, None], 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
+    out = torch.matmul(p, v)  # (B, H, Sq, Dv)
+    return (out, lse) if return_lse else out
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def attention_forward(q, k, v, *, scale: float, causal: bool, bottom_right: bool):
+    """Reference backend forward with the kernels' contract: returns (out, lse2), lse2 in log2 units.
+
+    Computes in fp32 for half inputs (fp64 for fp64), output cast back to the input dtype.
+    """
+    out, lse = attention(_upcast(q), _upcast(k), _upcast(v), scale=scale, causal=causal,
+                         bottom_right=bottom_right, return_lse=True)
+    return out.to(q.dtype), lse / LN2
+
+
+def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right: bool, dlse2=None):
+    """Reference backend backward from the saved lse (the same recomputation the kernels do)."""
+    dt = q.dtype
+    do, q, k, v, out = (_upcast(t) for t in (do, q, k, v, out))
+    Hq, Hkv = q.shape[1], k.shape[1]
+    group = Hq // Hkv
+    ke = k.repeat_interleave(group, dim=1) if group > 1 else k  # (B, Hq, Sk, D)
+    ve = v.repeat_interleave(group, dim=1) if group > 1 else v
+    s = torch.matmul(q, ke.transpose(-2, -1)) * scale  # (B, Hq, Sq, Sk)
+    lse = (lse2 * LN2).to(s.dtype)
+    if causal:
+        vis = causal_visibility(q.shape[2], k.shape[2], bottom_right, q.device)
+        s = s.masked_fill(~vis, float("-inf"))
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    delta = (do * out).sum(-1)  # (B, Hq, Sq)
+    if dlse2 is not None:
+        delta = delta - dlse2.to(delta.dtype) / LN2
+    dv = torch.matmul(p.transpose(-2, -1), do)  # (B, Hq, Sk, Dv)
+    dp = torch.matmul(do, ve.transpose(-2, -1))
+    ds = p * (dp - delta[..., None])
+    dq = torch.matmul(ds, ke) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), q) * scale
+    if group > 1:
+        B, _, Sk = k.shape[:3]
+        dk = dk.view(B, Hkv, group, Sk, -1).sum(2)
+        dv = dv.view(B, Hkv, group, Sk, -1).sum(2)
+    return dq.to(dt), dk.to(dt), dv.to(dt)

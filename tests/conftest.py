@@ -1,0 +1,108 @@
+"""Shared test setup and helpers.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors; the switch must be set
+before triton is first imported, hence at the very top of this file.
+"""
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("FLASHTX_INTERPRET", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import contextlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+# The interpreter computes bf16 wrongly (triton-lang/triton#11584) and float64 is for gradchecks
+# there; a GPU runs the dtypes users train in.
+KERNEL_DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float16, torch.float32,
+                                                                               torch.float64]
+# "A few ulps" of floor in the tolerance rule, for results that are near exact in both runs.
+FLOOR_ULPS = 4
+OUTPUT_FACTOR = 2.0  # kernel error may be at most 2x the same-dtype eager error (outputs)...
+GRAD_FACTOR = 3.0  # ...and 3x for gradients
+
+
+def dtype_id(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def randn(*shape, dtype=torch.float32, device=DEVICE, requires_grad=False, scale=1.0):
+    """Fresh random data (never zeros)."""
+    t = (torch.randn(*shape, dtype=torch.float64, device=device) * scale).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def to64(*ts):
+    """Detached float64 leaf copies that require grad, for the reference."""
+    return tuple(t.detach().to(torch.float64).requires_grad_(True) for t in ts)
+
+
+def to_dtype(dtype, *ts):
+    """Detached same-dtype leaf copies that require grad, for the eager baseline."""
+    return tuple(t.detach().to(dtype).requires_grad_(True) for t in ts)
+
+
+def max_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
+    a, r = actual.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    both_inf = torch.isinf(a) & torch.isinf(r) & (torch.sign(a) == torch.sign(r))
+    d = torch.where(both_inf, torch.zeros_like(a), (a - r).abs())
+    if d.numel() == 0:
+        return 0.0
+    return float(torch.nan_to_num(d, nan=float("inf")).max())
+
+
+def assert_close_to_reference(name: str, actual: torch.Tensor, ref64: torch.Tensor, eager: torch.Tensor, *,
+                              grad: bool = False) -> None:
+    """The tolerance rule: err(kernel) <= factor * err(same-dtype eager) + a few ulps.
+
+    err(x) is the max abs difference from the float64 reference; factor is 2 for outputs and 3 for
+    gradients. NaN or a missing value anywhere fails.
+    """
+    assert actual.shape == ref64.shape, f"{name}: shape {tuple(actual.shape)} != reference {tuple(ref64.shape)}"
+    dt = actual.dtype
+    err_k = max_err(actual, ref64)
+    err_e = max_err(eager, ref64)
+    finite = ref64[torch.isfinite(ref64)]
+    magnitude = float(finite.abs().max()) if finite.numel() else 1.0
+    floor = FLOOR_ULPS * torch.finfo(dt).eps * max(magnitude, 1e-3)
+    factor = GRAD_FACTOR if grad else OUTPUT_FACTOR
+    bound = factor * err_e + floor
+    assert err_k <= bound, (f"{name} ({dtype_id(dt)}): kernel error {err_k:.3e} > {factor:g} x eager error "
+                            f"{err_e:.3e} + floor {floor:.3e}")
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Make torch.empty / empty_like return NaN-filled (or -1) tensors, so unwritten outputs fail."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(-1)
+        return t
+
+    def empty(*a, **kw):
+        return fill(real_empty(*a, **kw))
+
+    def empty_like(*a, **kw):
+        return fill(real_empty_like(*a, **kw))
+
+    torch.empty, torch.empty_like = empty, empty_like
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+@pytest.fixture
+def poison():
+    """Fixture form of poisoned_allocations()."""
+    with poisoned_allocations():
+        yield
