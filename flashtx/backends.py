@@ -61,6 +61,73 @@ class Backend:
         raise NotImplementedError
 
 
+def triton_device_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Why flashtx's Triton kernels cannot run on this device and dtype (shared by every op)."""
+    if not _env.HAS_TRITON:
+        return [_env.TRITON_IMPORT_ERROR]
+    reasons = []
+    dev = device.type
+    if dev == "cpu":
+        if not _env.INTERPRET:
+            why = ("FLASHTX_INTERPRET was set after triton had been imported; set it before"
+                   if _env.INTERPRET_TOO_LATE else "set FLASHTX_INTERPRET=1 to run them in Triton's interpreter")
+            reasons.append(f"CPU tensors need Triton's interpreter ({why})")
+    elif dev == "cuda":
+        if _env.INTERPRET:
+            reasons.append("Triton's interpreter is on (TRITON_INTERPRET=1); it runs CPU tensors only")
+        else:
+            major, minor = torch.cuda.get_device_capability(device)
+            if major < 8:
+                reasons.append(f"needs compute capability >= 8.0 (Ampere); this GPU is sm_{major}{minor}")
+    else:
+        reasons.append(f"device type {dev!r} is not supported (cuda, or cpu in the interpreter)")
+    if dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {dtype} is not supported (float16, bfloat16, float32)")
+    elif dtype == torch.float64 and dev != "cpu":
+        reasons.append("float64 runs only in Triton's interpreter (for gradchecks); use float32 on a GPU")
+    elif dtype == torch.bfloat16 and dev == "cpu":
+        reasons.append("bfloat16 is miscomputed by Triton's interpreter (triton-lang/triton#11584); "
+                       "bfloat16 runs on GPUs only")
+    return reasons
+
+
+def select_backend_for(op: str, backends: dict, inp, requested: str | None, summary: str) -> str:
+    """Generic dispatch: `backends` maps names to objects with not_supported_reasons(inp).
+
+    Order of `backends` is preference order; "reference" must be present and accept everything.
+    """
+    if requested is not None:
+        if requested not in backends:
+            raise ValueError(f"backend must be None or one of {sorted(backends)}; got {requested!r}")
+        reasons = backends[requested].not_supported_reasons(inp)
+        if reasons:
+            raise BackendNotSupported(
+                f"{op}: backend={requested!r} cannot run {summary}:\n  " + "\n  ".join(reasons)
+                + "\nAll backends:\n" + describe_reasons(backends, inp))
+        return requested
+    device = getattr(inp, "device")
+    if device.type == "cpu" and not _env.INTERPRET:
+        return "reference"  # documented: CPU tensors use the reference unless the interpreter is on
+    for name, b in backends.items():
+        if name != "reference" and not b.not_supported_reasons(inp):
+            return name
+    table = describe_reasons(backends, inp)
+    key = (op, table)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"flashtx.{op}: no fast backend can run {summary}; using the reference "
+                      f"implementation. Backends:\n{table}", stacklevel=4)
+    return "reference"
+
+
+def describe_reasons(backends: dict, inp) -> str:
+    lines = []
+    for name, b in backends.items():
+        reasons = b.not_supported_reasons(inp)
+        lines.append(f"  `{name}`: " + ("supported" if not reasons else "; ".join(reasons)))
+    return "\n".join(lines)
+
+
 class ReferenceBackend(Backend):
     """Eager PyTorch (flashtx.reference): any device, any float dtype; O(N^2) memory."""
 
@@ -89,32 +156,9 @@ class TritonBackend(Backend):
     name = "triton"
 
     def not_supported_reasons(self, inp):
+        reasons = triton_device_reasons(inp.device, inp.dtype)
         if not _env.HAS_TRITON:
-            return [_env.TRITON_IMPORT_ERROR]
-        reasons = []
-        dev = inp.device.type
-        if dev == "cpu":
-            if not _env.INTERPRET:
-                why = ("FLASHTX_INTERPRET was set after triton had been imported; set it before"
-                       if _env.INTERPRET_TOO_LATE else "set FLASHTX_INTERPRET=1 to run them in Triton's interpreter")
-                reasons.append(f"CPU tensors need Triton's interpreter ({why})")
-        elif dev == "cuda":
-            if _env.INTERPRET:
-                reasons.append("Triton's interpreter is on (TRITON_INTERPRET=1); it runs CPU tensors only")
-            else:
-                major, minor = torch.cuda.get_device_capability(inp.device)
-                if major < 8:
-                    reasons.append(f"needs compute capability >= 8.0 (Ampere); this GPU is sm_{major}{minor}")
-        else:
-            reasons.append(f"device type {dev!r} is not supported (cuda, or cpu in the interpreter)")
-        dt = inp.dtype
-        if dt not in SUPPORTED_DTYPES:
-            reasons.append(f"dtype {dt} is not supported (float16, bfloat16, float32)")
-        elif dt == torch.float64 and dev != "cpu":
-            reasons.append("float64 runs only in Triton's interpreter (for gradchecks); use float32 on a GPU")
-        elif dt == torch.bfloat16 and dev == "cpu":
-            reasons.append("bfloat16 is miscomputed by Triton's interpreter (triton-lang/triton#11584); "
-                           "bfloat16 runs on GPUs only")
+            return reasons
         d_qk, d_v = inp.q.shape[-1], inp.v.shape[-1]
         for what, d in (("query/key", d_qk), ("value", d_v)):
             if d > MAX_HEAD_DIM:
@@ -122,7 +166,7 @@ class TritonBackend(Backend):
         for name, t in (("query", inp.q), ("key", inp.k), ("value", inp.v)):
             if t.shape[2] * max(t.stride(2), 1) > INT32_MAX:
                 reasons.append(f"{name}'s sequence span ({t.shape[2]} x stride {t.stride(2)}) overflows int32 offsets")
-        if not reasons and dev == "cuda":
+        if not reasons and inp.device.type == "cuda":
             reasons += self._config_reasons(inp)
         return reasons
 
@@ -173,16 +217,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (CudaBackend(), TritonBackend(), ReferenceBackend())}
-FAST_BACKENDS = ("cuda", "triton")
 _warned: set = set()
-
-
-def describe_reasons(inp: AttentionInputs, names=tuple(BACKENDS)) -> str:
-    lines = []
-    for name in names:
-        reasons = BACKENDS[name].not_supported_reasons(inp)
-        lines.append(f"  `{name}`: " + ("supported" if not reasons else "; ".join(reasons)))
-    return "\n".join(lines)
 
 
 def _inputs_summary(inp: AttentionInputs) -> str:
@@ -191,24 +226,5 @@ def _inputs_summary(inp: AttentionInputs) -> str:
 
 
 def select_backend(inp: AttentionInputs, requested: str | None = None) -> str:
-    """Name of the backend that will run `inp` (see the module docstring for the rules)."""
-    if requested is not None:
-        if requested not in BACKENDS:
-            raise ValueError(f"backend must be None or one of {sorted(BACKENDS)}; got {requested!r}")
-        reasons = BACKENDS[requested].not_supported_reasons(inp)
-        if reasons:
-            raise BackendNotSupported(
-                f"backend={requested!r} cannot run {_inputs_summary(inp)}:\n  " + "\n  ".join(reasons)
-                + "\nAll backends:\n" + describe_reasons(inp))
-        return requested
-    if inp.device.type == "cpu" and not _env.INTERPRET:
-        return "reference"  # documented: CPU tensors use the reference unless the interpreter is on
-    for name in FAST_BACKENDS:
-        if not BACKENDS[name].not_supported_reasons(inp):
-            return name
-    table = describe_reasons(inp)
-    if table not in _warned:
-        _warned.add(table)
-        warnings.warn(f"flashtx: no fast backend can run {_inputs_summary(inp)}; using the reference "
-                      f"implementation (O(N^2) memory). Backends:\n{table}", stacklevel=4)
-    return "reference"
+    """Name of the attention backend that will run `inp` (see the module docstring)."""
+    return select_backend_for("attention", BACKENDS, inp, requested, _inputs_summary(inp))
