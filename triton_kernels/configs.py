@@ -196,3 +196,76 @@ def cuda_target(device_index: int) -> Target:
     arch = props.major * 10 + props.minor
     smem = getattr(props, "shared_memory_per_block_optin", 0) or KNOWN_TARGETS.get(arch, KNOWN_TARGETS[86]).max_shared
     return Target(arch, int(smem))
+
+
+# ==================================================================================================
+# Elementwise kernels: fused RoPE (rotary.py) and fused SwiGLU (swiglu.py)
+# ==================================================================================================
+# Both are memory-bound single passes with no tl.dot and no shared-memory staging, so, unlike the
+# attention tiles above, their configs do not depend on the target's shared memory: the goal is
+# enough bytes in flight per thread to saturate HBM, without spilling registers. They have not
+# been tuned on a GPU yet (bench/RESULTS.md will record it).
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementwiseConfig:
+    block_rows: int  # rotary: positions per program; swiglu: rows per program
+    block_cols: int  # rotary: heads per program (a loop); swiglu: columns per program
+    num_warps: int
+    num_stages: int = 1  # no software-pipelined loop to stage
+    reason: str = ""
+
+    @property
+    def launch_kwargs(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+# Elements of one head's rotary part a rotary program holds per head: 4 warps x 32 threads x 16
+# elements, i.e. two 16-byte fp16 vectors per thread for each of x's halves. E.g. rotary_dim 128
+# gives 16 positions per program.
+ROTARY_TILE_ELEMENTS = 2048
+ROTARY_NUM_WARPS = 4  # 128 threads: one 16-element row of the (positions, rotary_dim) tile each
+# A program loads its cos/sin tile once and reuses it for this many heads (a loop). 4 keeps a
+# 32-head model at 8 head groups, so even a 4k-token prefill (256 position tiles) has thousands of
+# programs, while cos/sin reloads drop to a quarter.
+ROTARY_HEADS_PER_PROGRAM = 4
+# Interpreter: tiny tiles so that test shapes (S ~ 5-20, H ~ 3) span several position tiles and
+# head groups, exercising every mask.
+ROTARY_INTERPRETER = ElementwiseConfig(4, 2, 1, 1, "interpreter: several tiles in test-sized shapes")
+
+# SwiGLU tiles are (rows, columns) of the (M, H) activations. 1024 columns = 2 KB of fp16 per row:
+# fully coalesced, and LLaMA hidden sizes (11008, 14336, 28672) are multiples of 256 so at most
+# one partial column tile per row.
+SWIGLU_MAX_BLOCK_H = 1024
+# Elements per program: 4 warps x 32 threads x 32 elements, i.e. four 16-byte fp16 vectors per
+# thread for each tensor (forward reads 2 and writes 1; backward reads 3 and writes 2).
+SWIGLU_TILE_ELEMENTS = 4096
+SWIGLU_NUM_WARPS = 4
+# Interpreter: 4 x 16 tiles so test shapes (M ~ 1-20, H ~ 1-40) cover partial tiles both ways.
+SWIGLU_INTERPRETER = ElementwiseConfig(4, 16, 1, 1, "interpreter: several tiles in test-sized shapes")
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def rotary_config(rotary_dim: int, seqlen: int, target: Target) -> ElementwiseConfig:
+    """Positions and heads per program for a rotary launch (any target; no shared memory)."""
+    if target is INTERPRETER_TARGET:
+        return ROTARY_INTERPRETER
+    width = _pow2_at_least(max(rotary_dim, 2))
+    rows = max(1, ROTARY_TILE_ELEMENTS // width)
+    rows = min(rows, _pow2_at_least(max(seqlen, 1)))  # decoding (S = 1) wastes no lanes on padding
+    return ElementwiseConfig(rows, ROTARY_HEADS_PER_PROGRAM, ROTARY_NUM_WARPS, 1,
+                             f"{ROTARY_TILE_ELEMENTS}-element tile per head, cos/sin reused over heads")
+
+
+def swiglu_config(hidden: int, rows: int, target: Target) -> ElementwiseConfig:
+    """(rows, columns) tile of a SwiGLU launch, forward and backward alike."""
+    if target is INTERPRETER_TARGET:
+        return SWIGLU_INTERPRETER
+    cols = min(SWIGLU_MAX_BLOCK_H, _pow2_at_least(max(hidden, 1)))
+    block_rows = max(1, SWIGLU_TILE_ELEMENTS // cols)
+    block_rows = min(block_rows, _pow2_at_least(max(rows, 1)))
+    return ElementwiseConfig(block_rows, cols, SWIGLU_NUM_WARPS, 1,
+                             f"{SWIGLU_TILE_ELEMENTS}-element tile, rows of up to {SWIGLU_MAX_BLOCK_H} columns")

@@ -1,0 +1,97 @@
+"""Fused SwiGLU, silu(gate) * up: one kernel for forward and backward (no autograd here).
+
+Forward (BACKWARD=False):  out = silu(g) * u                 with silu(g) = g * sigmoid(g)
+Backward (BACKWARD=True):  dg = do * u * s * (1 + g * (1 - s)),   du = do * silu(g),   s = sigmoid(g)
+
+The backward recomputes s from the saved g and u, so nothing but the inputs is kept for it. Its
+outputs may alias g and u (in-place gradients): each program reads a tile before writing the same
+tile, and no tile is read by another program.
+
+Every tensor is a (M, H) view with any strides; the packed layout [gate | up] of a (M, 2H) tensor
+is the pair of views x[:, :H] and x[:, H:]. Math is fp32 (fp64 for fp64 inputs).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import Target, swiglu_config
+from .launch import ACC_DTYPE, Launch, target_for
+
+
+@triton.jit
+def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H,
+                   stride_gm, stride_gh, stride_um, stride_uh, stride_dom, stride_doh,
+                   stride_o1m, stride_o1h, stride_o2m, stride_o2h,
+                   BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr):
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+    offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # (BLOCK_H,)
+    mask = (offs_m[:, None] < M) & (offs_h[None, :] < H)  # (BLOCK_M, BLOCK_H)
+    g = tl.load(G + offs_m[:, None] * stride_gm + offs_h[None, :] * stride_gh, mask=mask, other=0.0).to(ACC)
+    u = tl.load(U + offs_m[:, None] * stride_um + offs_h[None, :] * stride_uh, mask=mask, other=0.0).to(ACC)
+    s = 1.0 / (1.0 + tl.exp(-g))  # sigmoid, (BLOCK_M, BLOCK_H); 1.0 is exact in any dtype
+    silu = g * s
+    if BACKWARD:
+        do = tl.load(DO + offs_m[:, None] * stride_dom + offs_h[None, :] * stride_doh, mask=mask, other=0.0).to(ACC)
+        dg = do * u * (s + silu * (1.0 - s))  # = do * u * s * (1 + g * (1 - s))
+        du = do * silu
+        tl.store(OUT1 + offs_m[:, None] * stride_o1m + offs_h[None, :] * stride_o1h,
+                 dg.to(OUT1.dtype.element_ty), mask=mask)
+        tl.store(OUT2 + offs_m[:, None] * stride_o2m + offs_h[None, :] * stride_o2h,
+                 du.to(OUT2.dtype.element_ty), mask=mask)
+    else:
+        tl.store(OUT1 + offs_m[:, None] * stride_o1m + offs_h[None, :] * stride_o1h,
+                 (silu * u).to(OUT1.dtype.element_ty), mask=mask)
+
+
+def plan_swiglu(g, u, out1, *, do=None, out2=None, target: Target | None = None) -> Launch:
+    """Launch for the forward (out1 = silu(g) * u) or, when `do` is given, the backward
+    (out1 = dgate, out2 = dup). Every tensor is an (M, H) view with any strides."""
+    M, H = g.shape
+    target = target if target is not None else target_for(g)
+    cfg = swiglu_config(H, M, target)
+    backward = do is not None
+    do_, out2_ = (do, out2) if backward else (g, out1)  # placeholders, unused in the forward
+    args = dict(
+        G=g, U=u, DO=do_, OUT1=out1, OUT2=out2_, M=M, H=H,
+        stride_gm=g.stride(0), stride_gh=g.stride(1), stride_um=u.stride(0), stride_uh=u.stride(1),
+        stride_dom=do_.stride(0), stride_doh=do_.stride(1),
+        stride_o1m=out1.stride(0), stride_o1h=out1.stride(1), stride_o2m=out2_.stride(0), stride_o2h=out2_.stride(1),
+        BLOCK_M=cfg.block_rows, BLOCK_H=cfg.block_cols, BACKWARD=backward, ACC=ACC_DTYPE[g.dtype],
+    )
+    grid = (triton.cdiv(M, cfg.block_rows), triton.cdiv(H, cfg.block_cols))
+    return Launch(_swiglu_kernel, grid, args, cfg)
+
+
+def swiglu_forward(g, u, out) -> None:
+    """out = silu(g) * u on (M, H) views; launches nothing for empty inputs."""
+    if g.numel():
+        plan_swiglu(g, u, out).run()
+
+
+def swiglu_backward(do, g, u, dg, du) -> None:
+    """dg, du = gradients of silu(g) * u for the incoming do, all (M, H) views (dg/du may be g/u)."""
+    if g.numel():
+        plan_swiglu(g, u, dg, do=do, out2=du).run()
+
+
+def compile_plans(target: Target) -> list[tuple[str, Launch]]:
+    """Forward and backward, fp16 and bf16, separate and packed [gate | up] inputs, at LLaMA-like
+    hidden sizes (a 256-wide one, 11008 = LLaMA-7B with a partial column tile, 14336 = LLaMA-3-8B)."""
+    plans = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for h in (256, 11008, 14336):
+            g = torch.empty(8, h, dtype=dtype)
+            u = torch.empty(8, h, dtype=dtype)
+            x = torch.empty(8, 2 * h, dtype=dtype)  # packed [gate | up]
+            gp, up = x[:, :h], x[:, h:]
+            plans.append((f"swiglu_fwd_h{h}_{dtype}", plan_swiglu(g, u, torch.empty_like(g), target=target)))
+            plans.append((f"swiglu_fwd_packed_h{h}_{dtype}",
+                          plan_swiglu(gp, up, torch.empty(8, h, dtype=dtype), target=target)))
+            plans.append((f"swiglu_bwd_h{h}_{dtype}",
+                          plan_swiglu(g, u, torch.empty_like(g), do=torch.empty_like(g), out2=torch.empty_like(u),
+                                      target=target)))
+            plans.append((f"swiglu_bwd_packed_inplace_h{h}_{dtype}",
+                          plan_swiglu(gp, up, gp, do=torch.empty(8, h, dtype=dtype), out2=up, target=target)))
+    return plans
