@@ -13,3 +13,10 @@ from .functional import attention, flash_attn_func
 __version__ = "0.1.0"
 
 __all__ = ["attention", "flash_attn_func", "BACKENDS", "BackendNotSupported", "__version__"]
+
+# Fused RoPE and SwiGLU, and the layers built on them (flashtx.nn)
+from . import nn  # noqa: E402
+from .rotary import apply_rotary, apply_rotary_pos_emb, apply_rotary_qk  # noqa: E402
+from .swiglu import swiglu, swiglu_packed  # noqa: E402
+
+__all__ += ["apply_rotary", "apply_rotary_qk", "apply_rotary_pos_emb", "swiglu", "swiglu_packed", "nn"]

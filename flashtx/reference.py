@@ -96,3 +96,65 @@ def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bo
         dk = dk.view(B, Hkv, group, Sk, -1).sum(2)
         dv = dv.view(B, Hkv, group, Sk, -1).sum(2)
     return dq.to(dt), dk.to(dt), dv.to(dt)
+
+
+# ==================================================================================================
+# Rotary position embeddings (RoPE) and SwiGLU
+# ==================================================================================================
+
+
+def rotary_tokens(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table_index: torch.Tensor,
+                  positions: torch.Tensor, *, interleaved: bool = False, conjugate: bool = False) -> torch.Tensor:
+    """Rotary embedding of a flat list of tokens, the ground truth for flashtx.apply_rotary.
+
+    x: (N, H, D) tokens; cos, sin: (Bc, seqlen_ro, R2) tables, rotary_dim = 2 * R2 <= D;
+    table_index: (N,) which of the Bc tables each token uses; positions: (N,) its position.
+    Pairs are (x[j], x[j + R2]) (half / NeoX style) or (x[2j], x[2j + 1]) (interleaved / GPT-J),
+    rotated by +theta (or -theta with conjugate, the backward); columns past rotary_dim are copied.
+    Tokens at positions outside [0, seqlen_ro) become NaN. Computes in fp32 (fp64 for fp64 x) and
+    returns x's dtype. Differentiable in x.
+    """
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    r2 = cos.shape[-1]
+    ok = (positions >= 0) & (positions < cos.shape[1])  # (N,)
+    safe = torch.where(ok, positions, torch.zeros_like(positions)).long()
+    idx = table_index.long()
+    c = cos[idx, safe].to(acc)[:, None, :]  # (N, 1, R2)
+    s = sin[idx, safe].to(acc)[:, None, :]
+    c = torch.where(ok[:, None, None], c, torch.full_like(c, float("nan")))
+    if conjugate:
+        s = -s
+    xr = x[..., : 2 * r2].to(acc)  # (N, H, 2 * R2)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x1, x2 = xr[..., :r2], xr[..., r2:]
+    o1, o2 = x1 * c - x2 * s, x1 * s + x2 * c  # (N, H, R2)
+    rot = torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * r2:]), dim=-1)  # (N, H, D)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) -> (-x[D/2:], x[:D/2]): the NeoX/LLaMA helper, as in Hugging Face transformers."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in fp32 (fp64 for fp64) and returned in gate's dtype."""
+    acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g, u = gate.to(acc), up.to(acc)
+    return (torch.nn.functional.silu(g) * u).to(gate.dtype)
+
+
+def swiglu_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """Gradients (dgate, dup) of silu(gate) * up, recomputing silu; fp32 math, input dtype out.
+
+    d/dgate silu(g) = s * (1 + g * (1 - s)) with s = sigmoid(g).
+    """
+    acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g, u, do = gate.to(acc), up.to(acc), dout.to(acc)
+    s = torch.sigmoid(g)
+    dg = do * u * s * (1 + g * (1 - s))
+    du = do * g * s
+    return dg.to(gate.dtype), du.to(up.dtype)

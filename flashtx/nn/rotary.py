@@ -1,0 +1,175 @@
+"""RotaryEmbedding: fp32 cos/sin tables grown on demand, with linear, dynamic-NTK and Llama 3 scaling."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+from .._validate import check_tensor
+from ..rotary import apply_rotary, apply_rotary_qk
+
+SCALING_TYPES = ("linear", "dynamic", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _parse_scaling(scaling, max_seq_len: int) -> dict | None:
+    """Normalise a transformers-style rope_scaling dict ("type" or "rope_type" names the rule)."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise TypeError(f"scaling must be None or a dict like {{'type': 'linear', 'factor': 2.0}}; "
+                        f"got {type(scaling).__name__}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in SCALING_TYPES:
+        raise ValueError(f"scaling type must be one of {SCALING_TYPES} (or 'default'); got {kind!r}")
+    out = {"type": kind, "factor": scaling.get("factor")}
+    if kind == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+        if missing:
+            raise ValueError(f"llama3 scaling needs {_LLAMA3_KEYS}; missing {missing}")
+        out.update({k: float(scaling[k]) for k in _LLAMA3_KEYS})
+        if out["high_freq_factor"] <= out["low_freq_factor"]:
+            raise ValueError(f"llama3 scaling needs high_freq_factor > low_freq_factor; got {scaling}")
+    elif kind == "dynamic":
+        out["original_max_position_embeddings"] = int(scaling.get("original_max_position_embeddings", max_seq_len))
+    f = out["factor"]
+    if isinstance(f, bool) or not isinstance(f, numbers.Real) or not f > 0:
+        raise ValueError(f"scaling factor must be a positive number; got {f!r}")
+    out["factor"] = float(f)
+    return out
+
+
+def _llama3_inv_freq(inv_freq: Tensor, sc: dict) -> Tensor:
+    """Llama 3.1's rule (as transformers' _compute_llama3_parameters): keep high frequencies, divide
+    low ones by `factor`, interpolate smoothly in between. inv_freq: (dim/2,) float64."""
+    factor, lo, hi, old = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"], \
+        sc["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old / lo, old / hi
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with cached fp32 cos/sin tables, applied by the fused kernel.
+
+    Args:
+        dim: rotary dim (even); the tables are (seq_len, dim/2). dim < head dim gives partial
+            rotary (the remaining columns pass through).
+        base: theta base; inv_freq = base ** (-arange(0, dim, 2) / dim), kept as an fp32 buffer.
+        max_seq_len: initial table length; tables grow on demand beyond it. For dynamic NTK it is
+            also the original context length unless scaling gives original_max_position_embeddings.
+        scaling: None, or a transformers-style rope_scaling dict:
+            {"type": "linear", "factor": f}: positions divided by f;
+            {"type": "dynamic", "factor": f[, "original_max_position_embeddings": L0]}: for
+            sequences longer than L0, base *= (f * L / L0 - (f - 1)) ** (dim / (dim - 2)) with L
+            the needed length (recomputed when L grows, reset when it drops to L0 or below, as in
+            transformers);
+            {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings"}: Llama 3.1's frequency rule.
+            ("rope_type" works as the key too.)
+        interleaved: GPT-J pairs (x[2j], x[2j+1]) instead of NeoX/LLaMA halves.
+
+    Angles are fl32(inv_freq) * position computed in float64 and rounded once to fp32.
+
+    Example:
+        >>> rope = flashtx.nn.RotaryEmbedding(128, base=500000.0, scaling={"type": "llama3", "factor": 8.0,
+        ...     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+        >>> q, k = rope(q, k, seqlen_offsets=cache_len)     # q, k: (B, S, H, 128)
+        >>> cos, sin = rope.cos_sin(4096)                   # (4096, 64) fp32 each
+    """
+
+    def __init__(self, dim: int, base: float = 10000.0, max_seq_len: int = 2048, scaling: dict | None = None, *,
+                 interleaved: bool = False, device=None):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 2 or dim % 2:
+            raise ValueError(f"dim (the rotary dim) must be an even int >= 2; got {dim!r}")
+        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 1:
+            raise ValueError(f"base must be a number > 1; got {base!r}")
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be an int >= 1; got {max_seq_len!r}")
+        self.dim, self.base, self.max_seq_len = int(dim), float(base), int(max_seq_len)
+        self.scaling = _parse_scaling(scaling, self.max_seq_len)
+        self.interleaved = bool(interleaved)
+        self.register_buffer("inv_freq", self._inv_freq(self.base, device), persistent=False)  # (dim/2,) fp32
+        self._cache: tuple | None = None  # (key, length, cos, sin)
+
+    def _inv_freq(self, base: float, device=None) -> Tensor:
+        inv = base ** (-torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim)
+        if self.scaling is not None and self.scaling["type"] == "llama3":
+            inv = _llama3_inv_freq(inv, self.scaling)
+        return inv.float()
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}, max_seq_len={self.max_seq_len}, scaling={self.scaling}, " \
+               f"interleaved={self.interleaved}"
+
+    def cos_sin(self, seq_len: int, device=None) -> tuple[Tensor, Tensor]:
+        """(cos, sin), each (seq_len, dim/2) float32, for positions 0 .. seq_len - 1 (cached views)."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 0:
+            raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
+        device = torch.device(device) if device is not None else self.inv_freq.device
+        sc = self.scaling
+        if sc is not None and sc["type"] == "dynamic" and seq_len > sc["original_max_position_embeddings"]:
+            key = ("ntk",)  # frequencies depend on the longest length seen: rebuild when it grows
+            cached = self._cache
+            if cached is None or cached[0] != key or cached[1] < seq_len or cached[2].device != device:
+                self._cache = (key, seq_len, *self._tables(seq_len, self._ntk_inv_freq(seq_len, device), device))
+        else:
+            key = ("plain",)
+            cached = self._cache
+            if cached is None or cached[0] != key or cached[1] < seq_len or cached[2].device != device:
+                length = max(seq_len, self.max_seq_len, 2 * cached[1] if cached and cached[0] == key else 0)
+                self._cache = (key, length, *self._tables(length, self.inv_freq.to(device), device))
+        _, _, cos, sin = self._cache
+        return cos[:seq_len], sin[:seq_len]
+
+    def _ntk_inv_freq(self, seq_len: int, device) -> Tensor:
+        sc = self.scaling
+        old = sc["original_max_position_embeddings"]
+        base = self.base * ((sc["factor"] * seq_len / old) - (sc["factor"] - 1)) ** (self.dim / (self.dim - 2))
+        return self._inv_freq(base, device)
+
+    def _tables(self, length: int, inv_freq: Tensor, device) -> tuple[Tensor, Tensor]:
+        t = torch.arange(length, dtype=torch.float64, device=device)  # (L,)
+        if self.scaling is not None and self.scaling["type"] == "linear":
+            t = t / self.scaling["factor"]
+        angles = torch.outer(t, inv_freq.to(device=device, dtype=torch.float64))  # (L, dim/2)
+        return angles.cos().float(), angles.sin().float()
+
+    def forward(self, q: Tensor, k: Tensor | None = None, *, seqlen_offsets=0, position_ids=None, cu_seqlens=None,
+                max_seqlen=None, layout: str = "bshd", inplace: bool = False, backend=None):
+        """Rotate q (and k, in the same launch) by their positions; see flashtx.apply_rotary.
+
+        q: (B, S, Hq, D), k: (B, S, Hk, D) (layout="bhsd": (B, H, S, D); packed (total, H, D)
+        with cu_seqlens). Returns q_rot, or (q_rot, k_rot). Tables grow to cover the positions;
+        with tensor seqlen_offsets or position_ids that reads their max (one device sync).
+        """
+        check_tensor("q", q)
+        needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout)
+        cos, sin = self.cos_sin(needed, q.device)
+        kw = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offsets, position_ids=position_ids,
+                  cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, inplace=inplace, layout=layout, backend=backend)
+        if k is None:
+            return apply_rotary(q, cos, sin, **kw)
+        return apply_rotary_qk(q, k, cos, sin, **kw)
+
+    @staticmethod
+    def _needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout) -> int:
+        if position_ids is not None:
+            return int(position_ids.max()) + 1 if position_ids.numel() else 1
+        if cu_seqlens is not None:
+            seq = max_seqlen if max_seqlen is not None else (
+                int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0)
+        else:
+            seq = q.shape[1] if layout == "bshd" else q.shape[2]
+        if isinstance(seqlen_offsets, Tensor):
+            return seq + (int(seqlen_offsets.max()) if seqlen_offsets.numel() else 0)
+        return seq + int(seqlen_offsets)

@@ -1,0 +1,463 @@
+"""Fused rotary position embeddings (RoPE): custom ops, backends and the public functions.
+
+Three layers, as for attention: the Triton kernel (flashtx.triton_kernels.rotary, no autograd),
+the custom ops here (`flashtx::rotary`, `flashtx::rotary_qk`, and the in-place `flashtx::rotary_`)
+with fake impls and autograd, and the public functions `apply_rotary`, `apply_rotary_qk` and
+`apply_rotary_pos_emb`.
+
+Layouts (the `layout` argument):
+
+==========  ======================  ==========================================================
+layout      x                       notes
+==========  ======================  ==========================================================
+"bshd"      (B, S, H, D)            default, as flash-attn's ``apply_rotary_emb``
+"bhsd"      (B, H, S, D)            as Hugging Face / SDPA; strides only, no copy
+varlen      (total, H, D)           pass cu_seqlens (nseq + 1,); layout must stay "bshd"
+==========  ======================  ==========================================================
+
+cos/sin are (seqlen_ro, rotary_dim / 2) tables indexed by position (flash-attn's convention), or
+(B, seqlen_ro, rotary_dim / 2) per-batch tables. They are read in fp32 (fp64 for fp64 x) whatever
+their dtype, and receive no gradient. Positions are `index + seqlen_offsets` or `position_ids`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+from ._validate import check_tensor
+from .backends import select_backend_for, triton_device_reasons
+
+_INT_DTYPES = (torch.int32, torch.int64)
+LAYOUTS = ("bshd", "bhsd")
+
+
+# ----------------------------------------------------------------------------------- backends
+@dataclasses.dataclass(frozen=True)
+class RotaryInputs:
+    """What dispatch looks at: x as a (B, S, H, D) view and its cos table."""
+
+    x: Tensor
+    cos: Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+
+class RotaryTriton:
+    """flashtx's Triton rotary kernel: CUDA tensors, or CPU tensors in Triton's interpreter."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, inp: RotaryInputs) -> list[str]:
+        reasons = triton_device_reasons(inp.device, inp.dtype)
+        if inp.cos.dtype == torch.bfloat16 and inp.device.type == "cpu":
+            reasons.append("bfloat16 cos/sin are misread by Triton's interpreter (triton-lang/triton#11584)")
+        return reasons
+
+    def run(self, q, qo, k, ko, cos, sin, **spec) -> None:
+        from .triton_kernels.rotary import rotary
+
+        rotary(q, qo, k, ko, cos, sin, **spec)
+
+
+class RotaryReference:
+    """Eager PyTorch (flashtx.reference.rotary_tokens): any device and float dtype."""
+
+    name = "reference"
+
+    def not_supported_reasons(self, inp: RotaryInputs) -> list[str]:
+        return []
+
+    def run(self, q, qo, k, ko, cos, sin, *, offsets=None, offset=0, position_ids=None, cu_seqlens=None,
+            max_seqlen=0, interleaved=False, conjugate=False) -> None:
+        for x, out in ((q, qo), (k, ko)):
+            if x is None or x.numel() == 0:
+                continue
+            B, S, H, D = x.shape
+            dev = x.device
+            if cu_seqlens is None:
+                tables = torch.arange(B, device=dev).repeat_interleave(S)  # (B * S,)
+                if position_ids is not None:
+                    pos = position_ids.expand(B, S).reshape(-1)
+                else:
+                    base = offsets.long()[:, None] if offsets is not None else torch.full((B, 1), offset, device=dev)
+                    pos = (torch.arange(S, device=dev)[None, :] + base).reshape(-1)  # (B * S,)
+                rows = slice(None)
+                tokens = x.reshape(B * S, H, D)
+            else:
+                cu = cu_seqlens.long()
+                tables = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), cu[1:] - cu[:-1])
+                rows = torch.arange(int(cu[0]), int(cu[-1]), device=dev)  # (n,) rows covered by sequences
+                in_seq = rows - cu[tables]
+                if position_ids is not None:
+                    pos = position_ids[0, rows]
+                else:
+                    pos = in_seq + (offsets.long()[tables] if offsets is not None else offset)
+                tokens = x[0, rows]
+            if cos.shape[0] == 1:
+                tables = torch.zeros_like(tables)
+            res = reference.rotary_tokens(tokens, cos, sin, tables, pos, interleaved=interleaved, conjugate=conjugate)
+            if cu_seqlens is None:
+                out.copy_(res.view(B, S, H, D))
+            else:
+                out[0, rows] = res
+
+
+ROTARY_BACKENDS = {"triton": RotaryTriton(), "reference": RotaryReference()}
+
+
+def _spec(offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate) -> dict:
+    return dict(offsets=offsets, offset=offset, position_ids=position_ids, cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen, interleaved=interleaved, conjugate=conjugate)
+
+
+# ----------------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("flashtx::rotary", mutates_args=())
+def rotary_op(x: Tensor, cos: Tensor, sin: Tensor, offsets: Optional[Tensor], offset: int,
+              position_ids: Optional[Tensor], cu_seqlens: Optional[Tensor], max_seqlen: int,
+              interleaved: bool, conjugate: bool, backend: str) -> Tensor:
+    """Rotated copy of x, a (B, S, H, D) view (varlen: (1, total, H, D)); same layout as x."""
+    out = torch.empty_like(x)
+    ROTARY_BACKENDS[backend].run(x, out, None, None, cos, sin, **_spec(
+        offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate))
+    return out
+
+
+@rotary_op.register_fake
+def _(x, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("flashtx::rotary_qk", mutates_args=())
+def rotary_qk_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, offsets: Optional[Tensor], offset: int,
+                 position_ids: Optional[Tensor], cu_seqlens: Optional[Tensor], max_seqlen: int,
+                 interleaved: bool, conjugate: bool, backend: str) -> tuple[Tensor, Tensor]:
+    """Rotated copies of q (B, S, Hq, D) and k (B, S, Hk, D) from one launch."""
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    ROTARY_BACKENDS[backend].run(q, qo, k, ko, cos, sin, **_spec(
+        offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate))
+    return qo, ko
+
+
+@rotary_qk_op.register_fake
+def _(q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.custom_op("flashtx::rotary_", mutates_args=("q", "k"))
+def rotary_inplace_op(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, offsets: Optional[Tensor],
+                      offset: int, position_ids: Optional[Tensor], cu_seqlens: Optional[Tensor], max_seqlen: int,
+                      interleaved: bool, conjugate: bool, backend: str) -> None:
+    """Rotate q (and k) in place; no autograd of its own (see _RotaryInplace)."""
+    ROTARY_BACKENDS[backend].run(q, q, k, k, cos, sin, **_spec(
+        offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate))
+
+
+@rotary_inplace_op.register_fake
+def _(q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend):
+    return None
+
+
+def _setup(ctx, inputs, output):
+    *_, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend = inputs
+    ctx.save_for_backward(cos, sin, offsets, position_ids, cu_seqlens)
+    ctx.args = (offset, max_seqlen, interleaved, not conjugate, backend)  # backward: rotation by -theta
+
+
+def _backward_args(ctx):
+    cos, sin, offsets, position_ids, cu_seqlens = ctx.saved_tensors
+    offset, max_seqlen, interleaved, conjugate, backend = ctx.args
+    return (cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend)
+
+
+def _rotary_backward(ctx, dout):
+    return (rotary_op(dout, *_backward_args(ctx)),) + (None,) * 10
+
+
+def _rotary_qk_backward(ctx, dq, dk):
+    dq, dk = rotary_qk_op(dq, dk, *_backward_args(ctx))
+    return (dq, dk) + (None,) * 10
+
+
+rotary_op.register_autograd(_rotary_backward, setup_context=_setup)
+rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_setup)
+
+
+class _RotaryInplace(torch.autograd.Function):
+    """In-place forward (mark_dirty); the backward rotates the incoming gradients out of place."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, backend):
+        rotary_inplace_op(q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
+                          False, backend)
+        ctx.mark_dirty(*(t for t in (q, k) if t is not None))
+        ctx.save_for_backward(cos, sin, offsets, position_ids, cu_seqlens)
+        ctx.args = (offset, max_seqlen, interleaved, True, backend)
+        ctx.has_k = k is not None
+        return (q, k) if k is not None else q
+
+    @staticmethod
+    def backward(ctx, dq, dk=None):
+        rest = (None,) * 9
+        if ctx.has_k:
+            dq, dk = rotary_qk_op(dq, dk, *_backward_args(ctx))
+            return (dq, dk) + rest
+        return (rotary_op(dq, *_backward_args(ctx)), None) + rest
+
+
+# ----------------------------------------------------------------------------------- validation
+def _check_int(name: str, v, minimum: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int; got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {v}")
+    return int(v)
+
+
+def _check_index_tensor(name: str, t, shape_ok: bool, expected: str, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; allowed: torch.int32, torch.int64")
+    if not shape_ok:
+        raise ValueError(f"{name} must have shape {expected}; got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the activations are on {device}")
+
+
+def _as_bshd(name: str, x, layout: str, varlen: bool) -> Tensor:
+    """x as the kernels' (B, S, H, D) view (varlen: (1, total, H, D)); no copies."""
+    check_tensor(name, x)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if varlen:
+        if layout != "bshd":
+            raise ValueError(f"with cu_seqlens, {name} is packed (total, H, D) and layout must be 'bshd'; "
+                             f"got layout={layout!r}")
+        if x.dim() != 3:
+            raise ValueError(f"with cu_seqlens, {name} must be 3-D (total, H, D); got shape {tuple(x.shape)}")
+        return x.unsqueeze(0)
+    if x.dim() != 4:
+        want = "(B, S, H, D)" if layout == "bshd" else "(B, H, S, D)"
+        raise ValueError(f"{name} must be 4-D {want} for layout={layout!r}; got shape {tuple(x.shape)}")
+    return x if layout == "bshd" else x.transpose(1, 2)
+
+
+def _check_tables(cos, sin, x4: Tensor, nb: int, name: str) -> tuple[Tensor, Tensor]:
+    """cos/sin as (Bc, seqlen_ro, R2) with Bc in {1, nb}; checks rotary_dim against x's head dim."""
+    for n, t in (("cos", cos), ("sin", sin)):
+        check_tensor(n, t)
+        if t.device != x4.device:
+            raise ValueError(f"{n} is on {t.device} but {name} is on {x4.device}")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(f"{n} requires grad, but flashtx's rotary computes no gradient for cos/sin; "
+                                      f"pass {n}.detach() (position tables are constants)")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape; got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() not in (2, 3):
+        raise ValueError(f"cos/sin must be (seqlen_ro, rotary_dim / 2) or (B, seqlen_ro, rotary_dim / 2); "
+                         f"got shape {tuple(cos.shape)}")
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    if cos.shape[0] not in (1, nb):
+        raise ValueError(f"per-batch cos/sin must have batch size 1 or {nb}; got shape {tuple(cos.shape)}")
+    r2, d = cos.shape[-1], x4.shape[-1]
+    if r2 == 0 or 2 * r2 > d:
+        raise ValueError(f"rotary_dim = 2 * cos.shape[-1] = {2 * r2} must be in [2, head dim {d}] of {name} "
+                         f"{tuple(x4.shape)} (cos/sin shape {tuple(cos.shape)})")
+    return cos, sin
+
+
+def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
+    """Validated position arguments: (offsets tensor | None, offset int, position_ids | None, cu, max_seqlen)."""
+    varlen = cu_seqlens is not None
+    if varlen:
+        _check_index_tensor("cu_seqlens", cu_seqlens, cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 1,
+                            "(nseq + 1,)", x4.device)
+        nb = cu_seqlens.numel() - 1
+        if max_seqlen is None:  # one device sync; pass max_seqlen to avoid it
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if nb > 0 else 0
+        max_seqlen = _check_int("max_seqlen", max_seqlen)
+        seq = max_seqlen
+    else:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen is only meaningful with cu_seqlens (packed varlen input)")
+        nb, seq = x4.shape[0], x4.shape[1]
+    offsets, offset = None, 0
+    if isinstance(seqlen_offsets, torch.Tensor):
+        _check_index_tensor("seqlen_offsets", seqlen_offsets, tuple(seqlen_offsets.shape) == (nb,),
+                            f"({nb},) (one offset per sequence)", x4.device)
+        offsets = seqlen_offsets
+    else:
+        offset = _check_int("seqlen_offsets", seqlen_offsets)
+    if position_ids is not None:
+        if offsets is not None or offset != 0:
+            raise ValueError("pass either seqlen_offsets or position_ids, not both (position_ids are absolute)")
+        if varlen:
+            total = x4.shape[1]
+            ok = position_ids.dim() == 1 and position_ids.shape[0] == total
+            _check_index_tensor("position_ids", position_ids, ok, f"({total},) for packed input", x4.device)
+            position_ids = position_ids.unsqueeze(0)  # (1, total)
+        else:
+            B, S = x4.shape[:2]
+            ok = position_ids.dim() == 2 and position_ids.shape[0] in (1, B) and position_ids.shape[1] == S
+            _check_index_tensor("position_ids", position_ids, ok, f"({B}, {S}) or (1, {S})", x4.device)
+            position_ids = position_ids.expand(B, S)
+    elif offsets is None and seq + offset > cos.shape[1]:
+        raise ValueError(f"cos/sin have {cos.shape[1]} positions (shape {tuple(cos.shape)}) but positions up to "
+                         f"{seq + offset - 1} are needed (sequence length {seq} + seqlen_offsets {offset})")
+    return offsets, offset, position_ids, cu_seqlens, (max_seqlen if varlen else 0)
+
+
+def _prepare(tensors: dict, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, backend,
+             op: str):
+    """Validate everything; returns (views, cos3, sin3, position args, backend name)."""
+    varlen = cu_seqlens is not None
+    views = [_as_bshd(n, t, layout, varlen) for n, t in tensors.items()]
+    names = list(tensors)
+    x4 = views[0]
+    for n, v in zip(names[1:], views[1:]):
+        if v.device != x4.device or v.dtype != x4.dtype:
+            raise TypeError(f"{names[0]} and {n} must share dtype and device; got {x4.dtype}/{x4.device} and "
+                            f"{v.dtype}/{v.device}")
+        if (v.shape[0], v.shape[1], v.shape[3]) != (x4.shape[0], x4.shape[1], x4.shape[3]):
+            raise ValueError(f"{names[0]} {tuple(tensors[names[0]].shape)} and {n} {tuple(tensors[n].shape)} must "
+                             f"differ only in the number of heads (layout {layout!r})")
+    nb = cu_seqlens.numel() - 1 if varlen and isinstance(cu_seqlens, torch.Tensor) else x4.shape[0]
+    cos3, sin3 = _check_tables(cos, sin, x4, nb, names[0])
+    pos = _positions(x4, cos3, seqlen_offsets, position_ids, cu_seqlens, max_seqlen)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
+    summary = ", ".join(f"{n} {tuple(t.shape)}" for n, t in tensors.items()) + \
+        f" (layout {layout!r}), cos {tuple(cos.shape)}, dtype={x4.dtype}, device={x4.device}"
+    name = select_backend_for(op, ROTARY_BACKENDS, RotaryInputs(x4, cos3), backend, summary)
+    return views, cos3, sin3, pos, name
+
+
+def _restore(t: Tensor, layout: str, varlen: bool) -> Tensor:
+    """Inverse of _as_bshd for outputs."""
+    if varlen:
+        return t.squeeze(0)
+    return t if layout == "bshd" else t.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------- public API
+def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_ids=None, cu_seqlens=None,
+                 max_seqlen=None, inplace=False, layout="bshd", backend=None):
+    """Rotary position embedding of x, fused (one read and one write of x), forward and backward.
+
+    Args:
+        x: (B, S, H, D) (layout="bshd", the default, as flash-attn's apply_rotary_emb), or
+            (B, H, S, D) (layout="bhsd"), or packed (total, H, D) with cu_seqlens. float16,
+            bfloat16, float32 (float64 for tests); any strides.
+        cos, sin: (seqlen_ro, rotary_dim / 2), or per-batch (B, seqlen_ro, rotary_dim / 2); any
+            float dtype, read in fp32. rotary_dim = 2 * cos.shape[-1] <= D; columns past it
+            pass through unchanged (partial rotary). No gradient flows to them.
+        interleaved: False rotates the pairs (x[j], x[j + rotary_dim/2]) (NeoX/LLaMA,
+            rotate_half); True rotates (x[2j], x[2j+1]) (GPT-J).
+        seqlen_offsets: int, or (B,) int tensor (per sequence; KV-cache decoding): token s of
+            sequence b is at position s + offset[b]. Needs seqlen_ro >= S + offset for an int.
+        position_ids: (B, S) or (1, S) int tensor of absolute positions (packed: (total,));
+            excludes seqlen_offsets. Positions outside [0, seqlen_ro) give NaN (no device sync).
+        cu_seqlens: (nseq + 1,) int32/int64 cumulative sequence lengths of packed x, with
+            cu_seqlens[-1] == total; max_seqlen: longest sequence (computed, with a sync, if None).
+        inplace: rotate x in place and return it (saves one activation); autograd still works
+            unless x is a leaf that requires grad.
+        layout: "bshd" or "bhsd" (4-D x only), see above. backend: None, "triton" or "reference".
+
+    Returns:
+        Tensor shaped like x, in x's dtype (x itself when inplace).
+
+    Example:
+        >>> cos, sin = flashtx.nn.RotaryEmbedding(64).cos_sin(128)   # (128, 32) each
+        >>> q = flashtx.apply_rotary(q, cos, sin)                      # q: (B, 128, H, 64)
+    """
+    views, cos3, sin3, pos, name = _prepare({"x": x}, cos, sin, seqlen_offsets, position_ids, cu_seqlens,
+                                            max_seqlen, layout, backend, "apply_rotary")
+    x4 = views[0]
+    varlen = cu_seqlens is not None
+    if inplace:
+        if torch.is_grad_enabled() and x.requires_grad:
+            _RotaryInplace.apply(x4, None, cos3, sin3, *pos, bool(interleaved), name)
+        else:
+            rotary_inplace_op(x4, None, cos3, sin3, *pos, bool(interleaved), False, name)
+        return x
+    out = rotary_op(x4, cos3, sin3, *pos, bool(interleaved), False, name)
+    return _restore(out, layout, varlen)
+
+
+def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, position_ids=None, cu_seqlens=None,
+                    max_seqlen=None, inplace=False, layout="bshd", backend=None):
+    """Rotate q and k in one kernel launch; they may have different head counts (GQA/MQA).
+
+    q: (B, S, Hq, D) and k: (B, S, Hk, D) (or (B, H, S, D) with layout="bhsd", or packed
+    (total, H, D) with cu_seqlens), same dtype, device, B, S and D. Every other argument is as in
+    apply_rotary and applies to both. Returns (q_rot, k_rot), or (q, k) rotated in place.
+
+    Example:
+        >>> q, k = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=cache_len)
+    """
+    views, cos3, sin3, pos, name = _prepare({"q": q, "k": k}, cos, sin, seqlen_offsets, position_ids, cu_seqlens,
+                                            max_seqlen, layout, backend, "apply_rotary_qk")
+    q4, k4 = views
+    varlen = cu_seqlens is not None
+    if inplace:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            _RotaryInplace.apply(q4, k4, cos3, sin3, *pos, bool(interleaved), name)
+        else:
+            rotary_inplace_op(q4, k4, cos3, sin3, *pos, bool(interleaved), False, name)
+        return q, k
+    qo, ko = rotary_qk_op(q4, k4, cos3, sin3, *pos, bool(interleaved), False, name)
+    return _restore(qo, layout, varlen), _restore(ko, layout, varlen)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Drop-in for Hugging Face transformers' ``modeling_llama.apply_rotary_pos_emb``, fused.
+
+    Args:
+        q: (B, Hq, S, D), k: (B, Hk, S, D) with unsqueeze_dim=1 (the default), or
+            (B, S, H, D) with unsqueeze_dim=2.
+        cos, sin: (B, S, rotary_dim) or (1, S, rotary_dim) as transformers' rotary embeddings
+            return them: full width, with duplicated halves (cat(freqs, freqs)), any float dtype.
+            Only the first half is read. rotary_dim < D rotates the first rotary_dim columns
+            and passes the rest through (as Phi-3's variant). Older transformers passed
+            (max_len, rotary_dim) tables plus position_ids (B, S): that form works too.
+        position_ids: used only with 2-D cos/sin (ignored otherwise, as in transformers).
+        unsqueeze_dim: 1 or 2, as above.
+
+    Returns:
+        (q_embed, k_embed), new tensors shaped like q and k. Differentiable in q and k.
+
+    Example:
+        >>> cos, sin = rotary_emb(v, position_ids)                       # transformers, (B, S, D)
+        >>> q, k = flashtx.apply_rotary_pos_emb(q, k, cos, sin)          # q, k: (B, H, S, D)
+    """
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(f"unsqueeze_dim must be 1 ((B, H, S, D) q/k) or 2 ((B, S, H, D)); got {unsqueeze_dim!r}")
+    layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
+    for n, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_tensor(n, t)
+    if cos.dim() not in (2, 3) or cos.shape[-1] % 2:
+        raise ValueError(f"cos/sin must be (B, S, rotary_dim) or (max_len, rotary_dim) with an even rotary_dim; "
+                         f"got shape {tuple(cos.shape)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape; got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    half = cos.shape[-1] // 2
+    cos_h, sin_h = cos[..., :half], sin[..., :half]  # views: the halves are duplicates
+    if cos.dim() == 3:
+        seq = q.shape[2] if unsqueeze_dim == 1 else q.shape[1]
+        if q.dim() == 4 and cos.shape[1] != seq:
+            raise ValueError(f"cos/sin {tuple(cos.shape)} must cover the sequence length {seq} of q "
+                             f"{tuple(q.shape)} exactly (B, S, rotary_dim)")
+        position_ids = None
+    return apply_rotary_qk(q, k, cos_h, sin_h, position_ids=position_ids, layout=layout)
