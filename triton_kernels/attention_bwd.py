@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .attention_common import kv_loop_bounds, q_loop_bounds, scalar_in, visible
-from .configs import PREPROCESS_BLOCK_M, select_config
+from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
 
 
@@ -239,10 +239,12 @@ def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, ca
     c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target)
     dkdv = Launch(_attn_bwd_dkdv, (triton.cdiv(Sk, c1.block_n), B * Hkv), dict(
         common, DK=dk, DV=dv, **_s("dk", dk), **_s("dv", dv), H=H, HKV=Hkv, GROUP=H // Hkv,
-        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1)
+        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1,
+        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size()))
     c2 = select_config("attn_bwd_dq", block_dqk, block_dv, q.element_size(), target)
     dqk = Launch(_attn_bwd_dq, (triton.cdiv(Sq, c2.block_m), B * H), dict(
-        common, DQ=dq, **_s("dq", dq), H=H, GROUP=H // Hkv, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2)
+        common, DQ=dq, **_s("dq", dq), H=H, GROUP=H // Hkv, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
+        estimate_shared_memory("attn_bwd_dq", c2, block_dqk, block_dv, q.element_size()))
     return [pre, dkdv, dqk]
 
 
@@ -261,3 +263,23 @@ def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool = F
                                 bottom_right=bottom_right, dlse2=dlse2):
         launch.run()
     return dq, dk, dv
+
+
+def compile_plans(target) -> list:
+    """Every backward config `target` can launch (head dims 64/128/256; fp16, bf16, fp32; causal or not)."""
+    plans = []
+    for d in (64, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for causal in ((False, True) if dtype == torch.float16 else (True,)):
+                q, k, v, o, do, dq, dk, dv = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(8))
+                lse2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(2))
+                try:
+                    pre, dkdv, dqk = plan_backward(do, q, k, v, o, lse2, delta, dq, dk, dv, scale=d ** -0.5,
+                                                   causal=causal, bottom_right=False, target=target)
+                except RuntimeError:  # no config fits: the backend reports it and never launches
+                    continue
+                tag = f"D={d} {str(dtype)[6:]} causal={causal}"
+                if causal:
+                    plans.append((f"attn_bwd_preprocess {tag}", pre))
+                plans += [(f"attn_bwd_dkdv {tag}", dkdv), (f"attn_bwd_dq {tag}", dqk)]
+    return plans

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .attention_common import kv_loop_bounds, scalar_in, visible
-from .configs import select_config
+from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
 
 
@@ -117,7 +117,8 @@ def plan_forward(q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right
         CAUSAL=causal, ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype),
     )
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
-    return Launch(_attn_fwd, grid, args, cfg)
+    est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size())
+    return Launch(_attn_fwd, grid, args, cfg, est)
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_right: bool = False,
@@ -137,3 +138,23 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
         return out, lse2
     plan_forward(q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right).run()
     return out, lse2
+
+
+def compile_plans(target) -> list:
+    """Every forward config `target` can launch (head dims 64/128/256; fp16, bf16, fp32; causal or not).
+
+    For the compile check: small CPU tensors whose strides match a real (B, H, S, D) launch.
+    """
+    plans = []
+    for d in (64, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for causal in ((False, True) if dtype == torch.float16 else (True,)):
+                q, k, v, o = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(4))
+                lse2 = torch.empty(1, 2, 128, dtype=torch.float32)
+                try:
+                    launch = plan_forward(q, k, v, o, lse2, scale=d ** -0.5, causal=causal, bottom_right=False,
+                                          target=target)
+                except RuntimeError:  # no config fits: the backend reports it and never launches
+                    continue
+                plans.append((f"attn_fwd D={d} {str(dtype)[6:]} causal={causal}", launch))
+    return plans

@@ -6,9 +6,10 @@ first candidate whose estimated shared memory fits the target GPU, so an RTX 309
 (tests/test_compile.py) compiles every config that this selection can return for sm_80, sm_86 and
 sm_90 without a GPU and checks the compiler's real shared memory against the limit.
 
-Provenance: the candidates are starting points taken from the shapes FlashAttention-2's Triton
-tutorial uses on Ampere (A100), trimmed so that D=128 fits the RTX 3090. They have not been tuned
-on a GPU yet; bench/RESULTS.md records every GPU run and any re-tuning it justified.
+Provenance: the candidates started from the shapes FlashAttention-2's Triton tutorial uses on
+Ampere (A100) and were trimmed with the compile check (Triton 3.9's ptxas for sm_86) until none
+spills or exceeds the RTX 3090's shared memory. They have not been timed on a GPU yet: speed
+tuning belongs to the benchmark issue, and bench/RESULTS.md records every GPU run.
 """
 from __future__ import annotations
 
@@ -54,58 +55,49 @@ class TileConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-# Candidates, best first, per kernel and padded head dim (the larger of the qk and v dims).
+# Candidates, best first, per kernel, element size (2: fp16/bf16, 4: fp32) and padded head dim
+# (the larger of the qk and v dims). Every entry was compiled for sm_80/86/90 by the compile check
+# (no spills, shared memory within the limit); the register notes are from sm_86's ptxas.
 _FWD = {
-    64: [
-        TileConfig(128, 64, 4, 3, "FA2 tutorial's Ampere choice for D<=64: 128 q rows amortise K/V loads"),
-        TileConfig(64, 64, 4, 2, "fallback when 3 stages do not fit"),
-    ],
-    128: [
-        TileConfig(128, 64, 8, 3, "8 warps keep the 128x128 accumulator out of local memory; fits sm_80/90"),
-        TileConfig(128, 64, 8, 2, "2 stages: the largest that fits sm_86's 99 KB"),
-        TileConfig(64, 64, 4, 2, "fallback"),
-    ],
-    256: [
-        TileConfig(128, 64, 8, 2, "sm_80/sm_90 have the shared memory for 128-row tiles at D=256"),
-        TileConfig(64, 32, 4, 2, "fits sm_86: 64 q rows, 2 stages of 32 K/V rows"),
-        TileConfig(32, 32, 4, 1, "last resort"),
-    ],
+    2: {
+        64: [TileConfig(128, 64, 8, 3, "FA2 tutorial's Ampere tile for D<=64; 4 warps spill on sm_80")],
+        128: [TileConfig(128, 64, 8, 2, "8 warps hold the 128x128 fp32 accumulator without spills; 64 KB")],
+        256: [TileConfig(64, 32, 8, 2, "64x256 accumulator over 8 warps; 68 KB fits sm_86")],
+    },
+    4: {
+        64: [TileConfig(64, 32, 8, 2, "fp32 tiles are twice the bytes; 64x64 spills on sm_90")],
+        128: [TileConfig(16, 16, 4, 1, "fp32 at D=128: every larger tile tried spills on sm_86 or sm_90")],
+        256: [TileConfig(32, 32, 8, 1, "96 KB: just fits sm_86")],
+    },
 }
 
-# dK/dV kernel: block_m is the q tile it loops over, block_n the K/V rows it owns.
+# dK/dV kernel: block_m is the q tile it streams, block_n the K/V rows it owns.
 _BWD_DKDV = {
-    64: [
-        TileConfig(32, 128, 4, 3, "FA2 tutorial's dK/dV tile: 128 K/V rows held, 32 q rows streamed"),
-        TileConfig(32, 64, 4, 2, "fallback"),
-    ],
-    128: [
-        TileConfig(32, 128, 8, 2, "128 K/V rows with 8 warps for the two 128x128 accumulators"),
-        TileConfig(32, 64, 4, 2, "fits sm_86"),
-        TileConfig(16, 64, 4, 1, "fallback"),
-    ],
-    256: [
-        TileConfig(32, 64, 8, 2, "fits sm_80/sm_90"),
-        TileConfig(16, 64, 8, 1, "fits sm_86: dK and dV accumulators take 2x64x256 fp32 registers"),
-        TileConfig(16, 32, 4, 1, "last resort"),
-    ],
+    2: {
+        64: [TileConfig(32, 128, 8, 3, "FA2 tutorial's dK/dV tile (128 K/V rows), 8 warps for 2 accumulators")],
+        128: [TileConfig(32, 64, 8, 2, "128 K/V rows spill at D=128; 64 rows use 218 registers")],
+        256: [TileConfig(32, 32, 8, 1, "dK and dV accumulators of 32x256 fp32; 80 KB")],
+    },
+    4: {
+        64: [TileConfig(16, 64, 8, 2, "fp32: 16 q rows per step keeps dK/dV accumulators in registers")],
+        128: [TileConfig(16, 16, 4, 1, "fp32 at D=128: 16x32 spills on sm_80")],
+        # fp32 at D=256: every tile tried spilled on sm_86, so none is offered (reference fallback).
+        256: [],
+    },
 }
 
-# dQ kernel: block_m is the q tile it owns, block_n the K/V tile it loops over.
+# dQ kernel: block_m is the q tile it owns, block_n the K/V tile it streams.
 _BWD_DQ = {
-    64: [
-        TileConfig(128, 32, 4, 3, "FA2 tutorial's dQ tile: 128 q rows held, 32 K/V rows streamed"),
-        TileConfig(64, 32, 4, 2, "fallback"),
-    ],
-    128: [
-        TileConfig(128, 32, 8, 2, "8 warps for the 128x128 dQ accumulator"),
-        TileConfig(64, 32, 4, 2, "fits sm_86"),
-        TileConfig(32, 32, 4, 1, "fallback"),
-    ],
-    256: [
-        TileConfig(64, 32, 8, 2, "fits sm_80/sm_90"),
-        TileConfig(32, 32, 4, 1, "fits sm_86"),
-        TileConfig(16, 32, 4, 1, "last resort"),
-    ],
+    2: {
+        64: [TileConfig(128, 32, 8, 3, "FA2 tutorial's dQ tile: 128 q rows held, 32 K/V rows streamed")],
+        128: [TileConfig(64, 32, 4, 2, "64 q rows at D=128: 50 KB, no spills")],
+        256: [TileConfig(32, 32, 8, 1, "64 KB; 64 q rows spill at D=256")],
+    },
+    4: {
+        64: [TileConfig(64, 32, 8, 2, "fp32: half the q rows of fp16")],
+        128: [TileConfig(16, 32, 8, 1, "fp32 at D=128: 32 q rows spill on sm_90")],
+        256: [TileConfig(16, 32, 8, 1, "fp32 at D=256: 96 KB")],
+    },
 }
 
 # The interpreter runs tiles as numpy arrays: bigger tiles are faster there, but tests need
@@ -140,13 +132,13 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
     m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
     if kernel == "attn_fwd":
         streamed = n * (block_dqk + block_dv)  # K and V tiles
-        resident = m * block_dqk + m * n  # Q tile, P re-laid out as a dot operand
+        resident = m * block_dqk  # Q tile
     elif kernel == "attn_bwd_dkdv":
         streamed = m * (block_dqk + block_dv)  # Q and dO tiles
-        resident = n * (block_dqk + block_dv) + 2 * m * n  # K, V, P^T and dS^T as operands
+        resident = n * (block_dqk + block_dv) + m * max(block_dqk, block_dv)  # K, V, a transposed q/dO tile
     elif kernel == "attn_bwd_dq":
         streamed = n * (block_dqk + block_dv)  # K and V tiles
-        resident = m * (block_dqk + block_dv) + m * n  # Q, dO, dS as an operand
+        resident = m * (block_dqk + block_dv)  # Q and dO tiles
     else:
         raise KeyError(kernel)
     return (s * streamed + resident) * elt
@@ -165,7 +157,7 @@ def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: 
 
 @functools.lru_cache(maxsize=None)
 def _select(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target) -> TileConfig:
-    candidates = CANDIDATES[kernel][head_dim_bucket(max(block_dqk, block_dv))]
+    candidates = CANDIDATES[kernel][2 if elt <= 2 else 4][head_dim_bucket(max(block_dqk, block_dv))]
     for cfg in candidates:
         if estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt) <= target.max_shared:
             return cfg
@@ -173,18 +165,6 @@ def _select(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target
         f"no {kernel} config fits sm_{target.arch} ({target.max_shared} bytes of shared memory) "
         f"for head dims {block_dqk}/{block_dv} with {elt}-byte elements"
     )
-
-
-def launchable_configs(kernel: str, target: Target) -> list[tuple[int, int, TileConfig]]:
-    """Every (block_dqk, elt, config) selection can return for `target`; for the compile check."""
-    out = []
-    for d in (64, 128, 256):
-        for elt in (2, 4):
-            try:
-                out.append((d, elt, _select(kernel, d, d, elt, target)))
-            except RuntimeError:
-                pass
-    return out
 
 
 @functools.lru_cache(maxsize=None)

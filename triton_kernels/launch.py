@@ -33,6 +33,7 @@ class Launch:
     grid: tuple
     args: dict  # every kernel argument by name, constexprs included
     config: TileConfig | None = None
+    shared_estimate: int | None = None  # what config selection assumed (configs.estimate_shared_memory)
 
     def run(self):
         kw = self.config.launch_kwargs if self.config is not None else {}

@@ -1,0 +1,209 @@
+"""Attention kernels against the float64 reference: forward, lse and all three gradients.
+
+Runs the real Triton kernels (Triton's interpreter on CPU without a GPU; CUDA with one) and holds
+them to the tolerance rule in conftest.assert_close_to_reference.
+"""
+import dataclasses
+
+import pytest
+import torch
+from conftest import (DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, poisoned_allocations, randn,
+                      to64, to_dtype)
+
+import flashtx
+from flashtx import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    sq: int
+    sk: int
+    d: int
+    hq: int = 2
+    hkv: int = 2
+    causal: bool = False
+    shell: str = "sdpa"  # "sdpa": flashtx.attention, (B, H, S, D), causal top-left
+    #                      "flash": flashtx.flash_attn_func, (B, S, H, D), causal bottom-right
+    layout: str = "contiguous"  # or "strided": q/k/v are non-contiguous views into larger buffers
+    dv: int | None = None
+    b: int = 2
+
+    @property
+    def id(self):
+        c = ("causal-" + ("tl" if self.shell == "sdpa" else "br")) if self.causal else "full"
+        dv = f"-dv{self.dv}" if self.dv else ""
+        return (f"{self.shell}-q{self.sq}-k{self.sk}-d{self.d}{dv}-h{self.hq}x{self.hkv}-{c}-{self.layout}")
+
+
+CASES = [
+    Case(113, 113, 64),
+    Case(1, 1, 16, causal=True),
+    Case(1, 1, 16, causal=True, shell="flash"),
+    Case(17, 300, 40, hq=4, hkv=2, causal=True),
+    Case(300, 17, 80, hq=4, hkv=1, causal=True, shell="flash"),  # MQA; first 283 rows see no key
+    Case(256, 256, 128, causal=True, shell="flash", layout="strided"),
+    Case(113, 256, 96, hq=4, hkv=2, causal=True, shell="flash"),
+    Case(17, 113, 192, layout="strided"),
+    Case(256, 113, 64, causal=True),  # top-left with Sq > Sk
+    Case(113, 113, 192, dv=128, causal=True),  # value head dim != query head dim (MLA-style)
+    Case(1, 300, 64, hq=8, hkv=2, causal=True, shell="flash", b=1),  # decode step, GQA 4
+    Case(300, 300, 256, causal=True, b=1, hq=1, hkv=1),
+]
+
+
+def make_qkv(case: Case, dtype):
+    """q, k, v in the shell's layout; 'strided' makes them views into a packed buffer."""
+    dv = case.dv or case.d
+    if case.shell == "sdpa":
+        shapes = [(case.b, case.hq, case.sq, case.d), (case.b, case.hkv, case.sk, case.d),
+                  (case.b, case.hkv, case.sk, dv)]
+    else:
+        shapes = [(case.b, case.sq, case.hq, case.d), (case.b, case.sk, case.hkv, case.d),
+                  (case.b, case.sk, case.hkv, dv)]
+    if case.layout == "contiguous":
+        return [randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
+    out = []
+    for s in shapes:  # a view with padding in the last dim and the two middle dims swapped in memory
+        buf = randn(s[0], s[2], s[1], s[3] + 8, dtype=dtype)
+        out.append(buf[..., 3:3 + s[3]].transpose(1, 2).detach().requires_grad_(True))
+        assert not out[-1].is_contiguous()
+    return out
+
+
+def run_shell(case: Case, q, k, v, **kw):
+    if case.shell == "sdpa":
+        return flashtx.attention(q, k, v, is_causal=case.causal, enable_gqa=case.hq != case.hkv, **kw)
+    return flashtx.flash_attn_func(q, k, v, causal=case.causal, **kw)
+
+
+def reference_in_shell(case: Case, q, k, v):
+    """flashtx.reference.attention applied in the shell's layout and alignment."""
+    if case.shell == "sdpa":
+        return reference.attention(q, k, v, causal=case.causal, bottom_right=False)
+    out = reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=case.causal,
+                              bottom_right=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_forward_backward_match_reference(case, dtype):
+    torch.manual_seed(hash(case.id) % 2**31)
+    q, k, v = make_qkv(case, dtype)
+    with poisoned_allocations():
+        out = run_shell(case, q, k, v, backend="triton")
+        do = randn(*out.shape, dtype=dtype)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+
+    q64, k64, v64 = to64(q, k, v)
+    ref = reference_in_shell(case, q64, k64, v64)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.to(torch.float64))
+    qe, ke, ve = to_dtype(dtype, q, k, v)
+    eager = reference_in_shell(case, qe, ke, ve)
+    eager_grads = torch.autograd.grad(eager, (qe, ke, ve), do)
+
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close_to_reference("out", out, ref, eager)
+    grad_scale = max(float(r.abs().max()) for r in ref_grads)
+    for name, g, r, e in zip(("dq", "dk", "dv"), grads, ref_grads, eager_grads):
+        assert g.shape == r.shape
+        assert_close_to_reference(name, g, r, e, grad=True, scale=grad_scale)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lse_and_its_gradient(dtype, causal):
+    """return_lse gives the natural-log lse in fp32 (fp64 for fp64), and gradients flow through it."""
+    torch.manual_seed(1)
+    q = randn(1, 4, 113, 64, dtype=dtype, requires_grad=True)
+    k = randn(1, 2, 77, 64, dtype=dtype, requires_grad=True)
+    v = randn(1, 2, 77, 64, dtype=dtype, requires_grad=True)
+    with poisoned_allocations():
+        out, lse = flashtx.attention(q, k, v, is_causal=causal, enable_gqa=True, return_lse=True, backend="triton")
+        w = randn(*lse.shape, dtype=lse.dtype)
+        loss = (out.float() * 0.5).sum() + (lse * w).sum()
+        grads = torch.autograd.grad(loss, (q, k, v))
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == (1, 4, 113)
+
+    def ref_loss(q, k, v):
+        o, l = reference.attention(q, k, v, causal=causal, return_lse=True)
+        return o, l, (o * 0.5).sum() + (l * w.to(l.dtype)).sum()
+
+    q64, k64, v64 = to64(q, k, v)
+    ref_out, ref_lse, rl = ref_loss(q64, k64, v64)
+    ref_grads = torch.autograd.grad(rl, (q64, k64, v64))
+    qe, ke, ve = to_dtype(dtype, q, k, v)
+    e_out, e_lse, el = ref_loss(qe, ke, ve)
+    e_grads = torch.autograd.grad(el, (qe, ke, ve))
+    assert_close_to_reference("lse", lse, ref_lse, e_lse.to(lse.dtype))
+    for name, g, r, e in zip(("dq", "dk", "dv"), grads, ref_grads, e_grads):
+        assert_close_to_reference(name, g, r, e, grad=True)
+
+
+def test_rows_without_keys_give_zero_output_and_gradient():
+    """Bottom-right causal with Sq > Sk: the first Sq - Sk rows see no key (flash-attn semantics)."""
+    torch.manual_seed(2)
+    dtype = KERNEL_DTYPES[1]
+    q = randn(1, 50, 2, 32, dtype=dtype, requires_grad=True)
+    k = randn(1, 20, 2, 32, dtype=dtype, requires_grad=True)
+    v = randn(1, 20, 2, 32, dtype=dtype, requires_grad=True)
+    with poisoned_allocations():
+        out = flashtx.flash_attn_func(q, k, v, causal=True, backend="triton")
+        out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert (out[:, :30] == 0).all() and (q.grad[:, :30] == 0).all()
+    assert (out[:, 30:].abs().sum(-1) > 0).all()
+    _, lse = flashtx.attention(q.detach().transpose(1, 2), k.detach().transpose(1, 2), v.detach().transpose(1, 2),
+                               return_lse=True, backend="triton")
+    assert torch.isfinite(lse).all()  # top-left alignment: every row sees key 0
+
+
+def test_backward_is_bitwise_deterministic():
+    torch.manual_seed(3)
+    dtype = KERNEL_DTYPES[0]
+    q = randn(2, 4, 130, 64, dtype=dtype, requires_grad=True)
+    k = randn(2, 1, 97, 64, dtype=dtype, requires_grad=True)
+    v = randn(2, 1, 97, 64, dtype=dtype, requires_grad=True)
+    do = randn(2, 4, 130, 64, dtype=dtype)
+    runs = []
+    for _ in range(2):
+        out = flashtx.attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_output_layout_follows_input_layout():
+    """(B, S, H, D) inputs give a contiguous (B, S, H, D) output and gradients without copies."""
+    dtype = KERNEL_DTYPES[0]
+    q, k, v = (randn(2, 33, 3, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = flashtx.flash_attn_func(q, k, v, backend="triton")
+    assert out.shape == (2, 33, 3, 16) and out.is_contiguous()
+    out.sum().backward()
+    assert q.grad.is_contiguous() and k.grad.is_contiguous()
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 40, 16), (3, 40, 16), (40, 16), (2, 2, 3, 40, 16)],
+                         ids=["4d", "3d", "2d", "5d"])
+def test_sdpa_shell_accepts_any_rank_like_sdpa(shape):
+    dtype = torch.float32
+    q, k, v = (randn(*shape, dtype=dtype) for _ in range(3))
+    out = flashtx.attention(q, k, v, is_causal=True, backend="triton")
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert out.shape == ref.shape
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_torch_sdpa_semantics(causal):
+    """Same numbers as torch's SDPA (math backend) for GQA and top-left causal with Sq != Sk."""
+    torch.manual_seed(4)
+    q = randn(2, 8, 40, 32, dtype=torch.float64)
+    k = randn(2, 2, 70, 32, dtype=torch.float64)
+    v = randn(2, 2, 70, 24, dtype=torch.float64)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, scale=0.3)
+    if DEVICE == "cuda":
+        q, k, v = q.float(), k.float(), v.float()
+    out = flashtx.attention(q, k, v, is_causal=causal, enable_gqa=True, scale=0.3, backend="triton")
+    assert torch.allclose(out.double(), ref, atol=1e-5 if DEVICE == "cuda" else 1e-12)

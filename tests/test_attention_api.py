@@ -1,0 +1,200 @@
+"""The attention API: validation errors, empty inputs, dispatch and fallback, torch.compile."""
+import re
+
+import pytest
+import torch
+from conftest import DEVICE, ON_GPU, randn
+
+import flashtx
+from flashtx import backends
+
+
+def qkv(b=2, hq=4, hkv=4, sq=8, sk=8, d=16, dv=None, dtype=torch.float32, device=DEVICE):
+    return (randn(b, hq, sq, d, dtype=dtype, device=device), randn(b, hkv, sk, d, dtype=dtype, device=device),
+            randn(b, hkv, sk, dv or d, dtype=dtype, device=device))
+
+
+# (id, callable producing the call, expected exception, regex the message must match)
+ERROR_CASES = [
+    ("not-a-tensor", lambda: flashtx.attention([1.0], *qkv()[1:]), TypeError, r"query must be a torch\.Tensor"),
+    ("integer-dtype", lambda: flashtx.attention(torch.ones(1, 1, 4, 8, dtype=torch.int64), *qkv(1, 1, 1, 4, 4, 8)[1:]),
+     TypeError, r"query has dtype torch\.int64; allowed: float16, bfloat16, float32"),
+    ("mixed-dtypes", lambda: flashtx.attention(qkv()[0].half(), *qkv()[1:]), TypeError,
+     r"query, key, value must have one dtype; got torch\.float16, torch\.float32"),
+    ("wrong-rank", lambda: flashtx.attention(qkv()[0][0], *qkv()[1:]), ValueError,
+     r"same rank.*\(4, 8, 16\), \(2, 4, 8, 16\)"),
+    ("rank-1", lambda: flashtx.attention(*(randn(8) for _ in range(3))), ValueError, r"at least 2"),
+    ("flash-wrong-rank", lambda: flashtx.flash_attn_func(randn(8, 4, 16), randn(8, 4, 16), randn(8, 4, 16)),
+     ValueError, r"q must be 4-D \(B, S, H, D\); got shape \(8, 4, 16\)"),
+    ("mismatched-batch", lambda: flashtx.attention(qkv(b=2)[0], *qkv(b=3)[1:]), ValueError,
+     r"leading \(batch\) dims"),
+    ("flash-mismatched-batch", lambda: flashtx.flash_attn_func(randn(2, 8, 4, 16), randn(3, 8, 4, 16),
+                                                               randn(3, 8, 4, 16)), ValueError, r"batch sizes differ"),
+    ("head-dims-differ", lambda: flashtx.attention(qkv(d=16)[0], *qkv(d=32)[1:]), ValueError,
+     r"query and key must have the same head dim"),
+    ("kv-seq-differ", lambda: flashtx.attention(qkv()[0], qkv(sk=8)[1], qkv(sk=9)[2]), ValueError,
+     r"key and value must have the same sequence length"),
+    ("gqa-not-divisible", lambda: flashtx.attention(qkv(hq=6)[0], *qkv(hkv=4)[1:], enable_gqa=True), ValueError,
+     r"number of query heads \(6\) must be a multiple of the number of key/value heads \(4\)"),
+    ("gqa-without-flag", lambda: flashtx.attention(qkv(hq=8)[0], *qkv(hkv=2)[1:]), ValueError,
+     r"enable_gqa=True"),
+    ("flash-gqa-not-divisible", lambda: flashtx.flash_attn_func(randn(1, 8, 6, 16), randn(1, 8, 4, 16),
+                                                                randn(1, 8, 4, 16)), ValueError, r"multiple"),
+    ("empty-keys", lambda: flashtx.attention(qkv()[0], *qkv(sk=0)[1:]), ValueError, r"sequence length 0"),
+    ("scale-type", lambda: flashtx.attention(*qkv(), scale="0.1"), TypeError, r"scale must be None or a real"),
+    ("scale-nan", lambda: flashtx.attention(*qkv(), scale=float("nan")), ValueError, r"scale must be finite"),
+    ("bad-backend", lambda: flashtx.attention(*qkv(), backend="cudnn"), ValueError,
+     r"backend must be None or one of \['cuda', 'reference', 'triton'\]; got 'cudnn'"),
+    ("attn-mask", lambda: flashtx.attention(*qkv(), attn_mask=torch.ones(8, 8, dtype=torch.bool)),
+     NotImplementedError, r"attn_mask"),
+    ("dropout", lambda: flashtx.attention(*qkv(), dropout_p=0.1), NotImplementedError, r"dropout_p=0\.1"),
+    ("window", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()), window_size=(4, 0)),
+     NotImplementedError, r"window_size=\(4, 0\)"),
+    ("softcap", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()), softcap=30.0),
+     NotImplementedError, r"softcap=30\.0"),
+    ("alibi", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()), alibi_slopes=torch.ones(4)),
+     NotImplementedError, r"alibi_slopes"),
+    ("flash-dropout", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()), dropout_p=0.5),
+     NotImplementedError, r"dropout_p=0\.5"),
+    ("return-attn-probs", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()),
+                                                          return_attn_probs=True), NotImplementedError,
+     r"return_attn_probs"),
+]
+
+
+@pytest.mark.parametrize("make_call,exc,pattern", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
+def test_bad_input_gets_a_clear_error(make_call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        make_call()
+
+
+def test_mixed_devices_error():
+    q, k, v = qkv(device="cpu")
+    meta = torch.empty(k.shape, device="meta")
+    with pytest.raises(ValueError, match=r"must be on one device; got cpu, meta, cpu"):
+        flashtx.attention(q, meta, v)
+
+
+@pytest.mark.parametrize("shape_q,shape_kv", [((0, 2, 8, 16), (0, 2, 8, 16)), ((2, 2, 0, 16), (2, 2, 8, 16))],
+                         ids=["batch-0", "seqlen-q-0"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_empty_inputs_return_empty_results(shape_q, shape_kv, backend):
+    q = randn(*shape_q, requires_grad=True)
+    k, v = randn(*shape_kv, requires_grad=True), randn(*shape_kv, requires_grad=True)
+    out = flashtx.attention(q, k, v, is_causal=True, backend=backend)
+    assert out.shape == shape_q
+    out.sum().backward()
+    assert q.grad.shape == shape_q and (k.grad == 0).all() and (v.grad == 0).all()
+
+
+def test_unsupported_head_dim_falls_back_with_one_warning_listing_every_backend():
+    q, k, v = qkv(d=320, sq=5, sk=5, dtype=torch.float32)
+    backends._warned.clear()
+    with pytest.warns(UserWarning) as record:
+        out = flashtx.attention(q, k, v)
+        flashtx.attention(q, k, v)  # the same reasons warn only once
+    msgs = [str(w.message) for w in record if "flashtx" in str(w.message)]
+    assert len(msgs) == 1
+    assert "`triton`: " in msgs[0] and "head dim 320 is above 256" in msgs[0]
+    assert "`cuda`: " in msgs[0] and "`reference`: supported" in msgs[0]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_requested_backend_that_cannot_run_raises_with_reasons():
+    q, k, v = qkv(d=320, sq=5, sk=5)
+    with pytest.raises(flashtx.BackendNotSupported, match=r"(?s)backend=.triton. cannot run.*head dim 320 is above 256"):
+        flashtx.attention(q, k, v, backend="triton")
+    with pytest.raises(flashtx.BackendNotSupported, match=r"CUDA extension"):
+        flashtx.attention(*qkv(), backend="cuda")
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreter-only rule: bf16 is miscomputed by Triton's interpreter")
+def test_bf16_in_the_interpreter_is_refused_not_miscomputed():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    with pytest.raises(flashtx.BackendNotSupported, match=r"bfloat16 is miscomputed by Triton's interpreter"):
+        flashtx.attention(q, k, v, backend="triton")
+    backends._warned.clear()
+    with pytest.warns(UserWarning, match="bfloat16"):
+        out = flashtx.attention(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert (out.float() - ref).abs().max() < 2e-2
+
+
+def test_automatic_dispatch_uses_triton_here():
+    q, k, v = qkv()
+    inp = backends.AttentionInputs(q, k, v)
+    assert backends.select_backend(inp) == "triton"
+    assert backends.BACKENDS["triton"].not_supported_reasons(inp) == []
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_reference_and_triton_backends_agree(backend):
+    torch.manual_seed(5)
+    q, k, v = qkv(b=1, hq=4, hkv=2, sq=37, sk=53, d=24, dtype=torch.float64)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out = flashtx.attention(q, k, v, is_causal=True, enable_gqa=True, backend=backend)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    atol = 1e-12 if DEVICE == "cpu" else 1e-5
+    assert torch.allclose(out, ref, atol=atol)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, atol=atol)
+
+
+def test_torch_compile_fullgraph_has_no_graph_breaks():
+    """flashtx.attention is a custom op with a fake impl and autograd: dynamo traces through it."""
+    import torch._dynamo
+
+    def block(x, w):
+        q, k, v = (x @ w).view(2, 9, 3, 2, 8).permute(2, 0, 3, 1, 4)  # 3 x (B, H, S, D)
+        return flashtx.attention(q, k, v, is_causal=True).sum()
+
+    x = randn(2, 9, 16, dtype=torch.float32)
+    w = randn(16, 48, dtype=torch.float32, requires_grad=True)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(block)(x, w)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, w)
+    (gw,) = torch.autograd.grad(loss, (w,))
+    w2 = w.detach().clone().requires_grad_(True)
+    eager = block(x, w2)
+    (gw2,) = torch.autograd.grad(eager, (w2,))
+    assert torch.allclose(loss, eager) and torch.allclose(gw, gw2)
+
+
+def test_flash_attn_shell_defaults_match_flash_attn_semantics():
+    """Default scale 1/sqrt(D), bottom-right causal; deterministic=True is accepted."""
+    torch.manual_seed(6)
+    q, k, v = (randn(1, s, 2, 16, dtype=torch.float64) for s in (5, 9, 9))
+    out = flashtx.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    i = torch.arange(5)[:, None]
+    j = torch.arange(9)[None, :]
+    mask = j <= i + 4  # bottom-right: last query sees every key
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           attn_mask=mask)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-12 if DEVICE == "cpu" else 1e-5)
+
+
+def test_public_functions_have_docstrings_with_shapes():
+    for fn in (flashtx.attention, flashtx.flash_attn_func):
+        doc = fn.__doc__ or ""
+        assert re.search(r"\(B, S, H, D\)|\(\.\.\., H", doc) and "causal" in doc and "Example" in doc
+
+
+def test_no_top_level_triton_kernels_module_is_installed(tmp_path):
+    """triton_kernels/ is installed as flashtx.triton_kernels only (Triton ships its own top-level one)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import importlib.util as u, flashtx.triton_kernels as t; s = u.find_spec('triton_kernels'); "
+            "print(t.__file__); print(s.origin if s else None)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    lines = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    ours = os.path.dirname(lines[0])
+    assert lines[1] == "None" or not lines[1].startswith(ours), lines

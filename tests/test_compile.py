@@ -1,0 +1,55 @@
+"""Compile check: every kernel config flashtx can launch compiles for sm_80, sm_86 and sm_90
+without a GPU, fits that target's shared memory (sm_86: 101,376 bytes a block), does not spill,
+and needs no more shared memory than config selection assumed when it pruned for the target.
+
+The check compiles, so it runs in a subprocess without TRITON_INTERPRET (which conftest sets).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ARCHS = (80, 86, 90)
+
+
+@pytest.fixture(scope="module")
+def compile_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compile") / "results.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its default
+    proc = subprocess.run([sys.executable, "-m", "flashtx.triton_kernels.compile_check", "--json", str(out),
+                           *[a for arch in ARCHS for a in ("--arch", str(arch))]],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    print(proc.stdout)  # the table: kernel, config, target, shared memory, estimate, limit, registers, spills
+    assert out.exists(), f"compile check did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc, json.loads(out.read_text())
+
+
+def test_every_config_compiles_fits_and_does_not_spill(compile_results, capsys):
+    proc, results = compile_results
+    with capsys.disabled():
+        print("\n" + proc.stdout)
+    bad = [r for r in results if not r["ok"]]
+    assert not bad, "configs that fail the compile check:\n" + "\n".join(
+        f"{r['label']} sm_{r['arch']} {r['config']}: shared={r['shared']} limit={r['limit']} "
+        f"estimate={r['estimate']} spill={r['spill_bytes']} {r['error']}" for r in bad)
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
+def test_every_kernel_and_head_dim_is_covered(compile_results, arch):
+    """The check covers forward and backward at head dims 64, 128 and 256 in fp16 and bf16."""
+    _, results = compile_results
+    labels = {r["label"] for r in results if r["arch"] == arch}
+    for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_preprocess"):
+        for d in (64, 128, 256):
+            for dtype in ("float16", "bfloat16"):
+                assert any(l.startswith(f"{kernel} D={d} {dtype}") for l in labels), (kernel, d, dtype, arch)
+
+
+def test_sm86_limit_is_the_rtx3090s():
+    from flashtx.triton_kernels.configs import KNOWN_TARGETS
+
+    assert KNOWN_TARGETS[86].max_shared == 101_376

@@ -1,0 +1,178 @@
+"""Compile every launchable kernel config for GPUs that are not here, and check it fits.
+
+    python -m flashtx.triton_kernels.compile_check            # sm_80, sm_86, sm_90
+    python -m flashtx.triton_kernels.compile_check --arch 86
+
+For each module of flashtx.triton_kernels that defines `compile_plans(target)`, and each target,
+it builds the launches the launchers would make on that GPU, specialises their arguments the
+way `JITFunction.run` does (unit strides, 16-byte alignment), compiles them to cubin with
+Triton's bundled ptxas (no driver needed), and reports shared memory (against the target's
+per-block limit), registers and spills. Exits non-zero if any config fails to compile, exceeds
+shared memory or spills. Needs TRITON_INTERPRET unset (it compiles; it does not interpret).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import importlib
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import tempfile
+
+from .configs import KNOWN_TARGETS, Target
+
+
+@dataclasses.dataclass
+class Result:
+    label: str
+    arch: int
+    shared: int
+    limit: int
+    registers: int
+    spill_bytes: int
+    config: str
+    estimate: int | None = None  # the shared memory config selection assumed, if it assumes any
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return (not self.error and self.shared <= self.limit and self.spill_bytes == 0
+                and (self.estimate is None or self.estimate >= self.shared))
+
+    @property
+    def status(self) -> str:
+        if self.error:
+            return "ERROR " + self.error
+        if self.shared > self.limit:
+            return "SHARED>LIMIT"
+        if self.spill_bytes:
+            return "SPILLS"
+        if self.estimate is not None and self.estimate < self.shared:
+            return "ESTIMATE<SHARED (selection could launch a config that does not fit)"
+        return "ok"
+
+
+def _plan_modules():
+    from . import __name__ as pkg_name, __path__ as pkg_path
+
+    mods = []
+    for info in sorted(pkgutil.iter_modules(pkg_path), key=lambda i: i.name):
+        if info.name == "compile_check":
+            continue
+        mod = importlib.import_module(f"{pkg_name}.{info.name}")
+        if hasattr(mod, "compile_plans"):
+            mods.append(mod)
+    return mods
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, local-memory bytes) of the cubin's kernel, from Triton's bundled cuobjdump."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    local = re.search(r"LOCAL:(\d+)", out)
+    spill = max(int(stack.group(1)) if stack else 0, int(local.group(1)) if local else 0)
+    return (int(regs.group(1)) if regs else -1), spill
+
+
+def compile_launch(launch, target: Target):
+    """Compile one Launch for `target` exactly as JITFunction.run would; return the CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    gpu = GPUTarget("cuda", target.arch, target.warp_size)
+    backend = make_backend(gpu)
+    kernel = launch.kernel
+    kwargs = dict(launch.args)
+    if launch.config is not None:
+        kwargs.update(launch.config.launch_kwargs)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(**kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton_compile(src, target=gpu, options=options.__dict__)
+
+
+def _check_one(arch: int, index: int) -> Result:
+    target = KNOWN_TARGETS[arch]
+    label, launch = _all_plans(target)[index]
+    cfg = launch.config
+    cfg_s = (f"M{cfg.block_m} N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" if cfg is not None
+             and hasattr(cfg, "block_m") else (str(cfg.launch_kwargs) if cfg is not None else "-"))
+    try:
+        compiled = compile_launch(launch, target)
+        regs, spill = _resource_usage(compiled.asm["cubin"])
+        return Result(label, arch, int(compiled.metadata.shared), target.max_shared, regs, spill, cfg_s,
+                      launch.shared_estimate)
+    except Exception as exc:  # report, don't stop: the table shows every failure
+        return Result(label, arch, -1, target.max_shared, -1, -1, cfg_s, launch.shared_estimate,
+                      f"{type(exc).__name__}: {exc}"[:300])
+
+
+_PLAN_CACHE: dict = {}
+
+
+def _all_plans(target: Target):
+    if target.arch not in _PLAN_CACHE:
+        plans = []
+        for mod in _plan_modules():
+            plans += mod.compile_plans(target)
+        _PLAN_CACHE[target.arch] = plans
+    return _PLAN_CACHE[target.arch]
+
+
+def run(archs, jobs: int) -> list[Result]:
+    work = [(a, i) for a in archs for i in range(len(_all_plans(KNOWN_TARGETS[a])))]
+    if jobs <= 1:
+        return [_check_one(a, i) for a, i in work]
+    with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(_check_one, *zip(*work)))
+
+
+def format_table(results: list[Result]) -> str:
+    rows = [f"{'kernel':<48} {'config':<18} {'target':<7} {'shared':>8} {'estim.':>8} {'limit':>8} {'regs':>5} "
+            f"{'spill':>6}  status"]
+    for r in results:
+        est = "-" if r.estimate is None else str(r.estimate)
+        rows.append(f"{r.label:<48} {r.config:<18} sm_{r.arch:<4} {r.shared:>8} {est:>8} {r.limit:>8} "
+                    f"{r.registers:>5} {r.spill_bytes:>6}  {r.status}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, action="append", choices=sorted(KNOWN_TARGETS),
+                    help="compute capability, e.g. 86 (repeatable; default 80, 86, 90)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check compiles kernels: run it with TRITON_INTERPRET unset", file=sys.stderr)
+        return 2
+    results = run(args.arch or [80, 86, 90], args.jobs)
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) | {"ok": r.ok} for r in results], f, indent=1)
+    bad = [r for r in results if not r.ok]
+    print(f"\n{len(results) - len(bad)} of {len(results)} kernel configs compile, fit shared memory (and the "
+          f"estimate config selection uses) and do not spill")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
