@@ -101,7 +101,7 @@ def _rotary_kernel(Q, K, QO, KO, COS, SIN, OFFSETS, POS, CU_SEQLENS,
                   mask=cmask, other=0.0).to(ACC)
     cos = tl.where(in_range[:, None], cos, float("nan"))  # out-of-range positions poison their rows
     if CONJUGATE:
-        sin = sin
+        sin = -sin  # rotation by -theta: the backward
     offs_p = tl.arange(0, BLOCK_REST)
 
     n_q_groups = tl.cdiv(HQ, HEADS_PER_PROG)
