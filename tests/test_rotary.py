@@ -1,0 +1,517 @@
+"""Fused RoPE: kernels (in Triton's interpreter on CPU) against independent eager formulas.
+
+The references here are written out independently of flashtx.reference: rotate_half for the
+NeoX/LLaMA style and complex multiplication for the interleaved (GPT-J) style, in float64. The
+same-dtype baseline for the tolerance rule is the real-arithmetic formula in the input dtype.
+"""
+import pytest
+import torch
+from conftest import (DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, poisoned_allocations, randn)
+
+import flashtx
+from flashtx import BackendNotSupported
+from flashtx.rotary import rotary_inplace_op, rotary_op, rotary_qk_op
+from flashtx.triton_kernels import launch as launch_mod
+
+
+# ------------------------------------------------------------------------------- eager formulas
+def tables(seqlen_ro, r2, dtype=torch.float32, batch=None):
+    """Random angles -> (cos, sin), (seqlen_ro, r2) or (batch, seqlen_ro, r2)."""
+    shape = (seqlen_ro, r2) if batch is None else (batch, seqlen_ro, r2)
+    ang = torch.rand(*shape, dtype=torch.float64, device=DEVICE) * 6.3
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def gather(table, pos):
+    """table (seqlen_ro, r2) or (B, seqlen_ro, r2), pos (B, S) -> (B, S, 1, r2)."""
+    if table.dim() == 2:
+        return table[pos][:, :, None, :]
+    return torch.stack([table[b, pos[b]] for b in range(pos.shape[0])])[:, :, None, :]
+
+
+def eager_half(x, cos, sin, pos):
+    """NeoX/LLaMA rotary on x (B, S, H, D) in x's dtype: x * cos + rotate_half(x) * sin."""
+    r = 2 * cos.shape[-1]
+    c, s = gather(cos, pos).to(x.dtype), gather(sin, pos).to(x.dtype)
+    c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
+    xr = x[..., :r]
+    return torch.cat((xr * c + rotate_half(xr) * s, x[..., r:]), dim=-1)
+
+
+def eager_interleaved_real(x, cos, sin, pos):
+    """GPT-J rotary in x's dtype with real arithmetic (the same-dtype baseline)."""
+    r = 2 * cos.shape[-1]
+    c, s = gather(cos, pos).to(x.dtype), gather(sin, pos).to(x.dtype)
+    x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+    rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    return torch.cat((rot, x[..., r:]), dim=-1)
+
+
+def complex_interleaved(x, cos, sin, pos):
+    """GPT-J rotary as complex multiplication (x[2j] + i x[2j+1]) * e^{i theta}; float64 only."""
+    r = 2 * cos.shape[-1]
+    xc = torch.view_as_complex(x[..., :r].reshape(*x.shape[:-1], r // 2, 2).contiguous())
+    rot = torch.view_as_real(xc * torch.complex(gather(cos, pos).double(), gather(sin, pos).double()))
+    return torch.cat((rot.flatten(-2), x[..., r:]), dim=-1)
+
+
+def reference64(x, cos, sin, pos, interleaved):
+    x = x.double()
+    return complex_interleaved(x, cos, sin, pos) if interleaved else eager_half(x, cos.double(), sin.double(), pos)
+
+
+def eager_same_dtype(x, cos, sin, pos, interleaved):
+    return (eager_interleaved_real if interleaved else eager_half)(x, cos, sin, pos)
+
+
+def default_pos(B, S, offset=0):
+    off = offset[:, None] if isinstance(offset, torch.Tensor) else offset
+    return (torch.arange(S, device=DEVICE)[None, :] + off).expand(B, S).long()
+
+
+def to_layout(x_bshd, layout):
+    """A leaf in the requested layout and a (B, S, H, D) view of it."""
+    if layout == "bshd":
+        leaf = x_bshd.clone().requires_grad_(True)
+        return leaf, leaf, "bshd"
+    if layout == "bhsd":
+        leaf = x_bshd.transpose(1, 2).contiguous().requires_grad_(True)
+        return leaf, leaf.transpose(1, 2), "bhsd"
+    # strided: every other column of a wider tensor, so no stride is 1 or dense
+    B, S, H, D = x_bshd.shape
+    wide = torch.zeros(B, S, H + 1, 2 * D, dtype=x_bshd.dtype, device=DEVICE)
+    wide[:, :, :H, ::2] = x_bshd
+    wide.requires_grad_(True)
+    return wide, wide[:, :, :H, ::2], "bshd"
+
+
+def check_fwd_bwd(name, out, x_in, x_view_fn, cos, sin, pos, interleaved, dtype):
+    """Compare out and d(out)/d(x) against float64 and same-dtype eager formulas."""
+    x = x_view_fn()
+    x64 = x.detach().double().requires_grad_(True)
+    xe = x.detach().clone().requires_grad_(True)
+    ref = reference64(x64, cos, sin, pos, interleaved)
+    eager = eager_same_dtype(xe, cos, sin, pos, interleaved)
+    assert_close_to_reference(name, out, ref, eager)
+    g = randn(*out.shape, dtype=dtype)
+    gx, = torch.autograd.grad(out, x_in, g)
+    ref.backward(g.double())
+    eager.backward(g)
+    return gx, x64.grad, xe.grad
+
+
+# ------------------------------------------------------------------------------- accuracy
+SHAPES = {  # (B, S, H, D, rotary_dim)
+    "full_d16": (2, 7, 3, 16, 16),
+    "partial_d10_r6": (1, 5, 2, 10, 6),
+    "decode_s1_d64": (3, 1, 4, 64, 64),
+    "partial_d128_r64": (1, 13, 1, 128, 64),
+    "d256": (1, 3, 2, 256, 256),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "strided"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_apply_rotary_matches_eager(dtype, interleaved, layout, shape):
+    B, S, H, D, R = shape
+    cos, sin = tables(S + 3, R // 2)
+    leaf, view, lay = to_layout(randn(B, S, H, D, dtype=dtype), layout)
+    with poisoned_allocations():
+        out = flashtx.apply_rotary(view if lay == "bshd" else leaf, cos, sin, interleaved=interleaved, layout=lay)
+    out_bshd = out if lay == "bshd" else out.transpose(1, 2)
+    assert out.shape == (view if lay == "bshd" else leaf).shape
+    pos = default_pos(B, S)
+    gk, g64, ge = check_fwd_bwd("out", out_bshd, leaf, lambda: view, cos, sin, pos, interleaved, dtype)
+    gk = gk if layout != "strided" else gk[:, :, :H, ::2]
+    gk = gk.transpose(1, 2) if layout == "bhsd" else gk
+    assert_close_to_reference("dx", gk, g64, ge, grad=True)
+
+
+POSITION_KINDS = ["int_offset", "tensor_offsets", "position_ids", "position_ids_broadcast"]
+
+
+@pytest.mark.parametrize("kind", POSITION_KINDS)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_positions(dtype, kind):
+    B, S, H, D = 3, 6, 2, 12
+    cos, sin = tables(20, 4)
+    x = randn(B, S, H, D, dtype=dtype, requires_grad=True)
+    if kind == "int_offset":
+        kw, pos = dict(seqlen_offsets=5), default_pos(B, S, 5)
+    elif kind == "tensor_offsets":
+        offs = torch.tensor([0, 9, 14], dtype=torch.int32, device=DEVICE)
+        kw, pos = dict(seqlen_offsets=offs), default_pos(B, S, offs.long())
+    elif kind == "position_ids":
+        pos = torch.randint(0, 20, (B, S), device=DEVICE)
+        kw = dict(position_ids=pos)
+    else:
+        p1 = torch.randint(0, 20, (1, S), device=DEVICE)
+        kw, pos = dict(position_ids=p1), p1.expand(B, S)
+    with poisoned_allocations():
+        out = flashtx.apply_rotary(x, cos, sin, **kw)
+    gk, g64, ge = check_fwd_bwd("out", out, x, lambda: x, cos, sin, pos, False, dtype)
+    assert_close_to_reference("dx", gk, g64, ge, grad=True)
+
+
+def varlen_case(dtype, H=3, D=8, r2=3):
+    lens = [3, 0, 7, 1, 5]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    x = randn(int(cu[-1]), H, D, dtype=dtype, requires_grad=True)  # (total, H, D)
+    return lens, cu, x, r2
+
+
+@pytest.mark.parametrize("kind", ["plain", "offsets", "position_ids"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_varlen(dtype, interleaved, kind):
+    lens, cu, x, r2 = varlen_case(dtype)
+    cos, sin = tables(16, r2)
+    offs = torch.tensor([2, 0, 5, 8, 1], device=DEVICE)
+    total = x.shape[0]
+    pos_ids = torch.randint(0, 16, (total,), device=DEVICE)
+    kw = {"plain": {}, "offsets": dict(seqlen_offsets=offs), "position_ids": dict(position_ids=pos_ids)}[kind]
+    with poisoned_allocations():
+        out = flashtx.apply_rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=max(lens), interleaved=interleaved, **kw)
+    g = randn(*out.shape, dtype=dtype)
+    gx, = torch.autograd.grad(out, x, g)
+    for b, n in enumerate(lens):  # each sequence against the padded formula
+        if n == 0:
+            continue
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if kind == "position_ids":
+            pos = pos_ids[rows][None]
+        else:
+            pos = default_pos(1, n, int(offs[b]) if kind == "offsets" else 0)
+        xs = x[rows][None]
+        ref = reference64(xs.detach(), cos, sin, pos, interleaved)
+        eager = eager_same_dtype(xs.detach(), cos, sin, pos, interleaved)
+        assert_close_to_reference(f"seq{b}", out[rows][None], ref, eager)
+        # the backward of a rotation is the inverse rotation: check it through the float64 formula
+        x64 = xs.detach().double().requires_grad_(True)
+        reference64(x64, cos, sin, pos, interleaved).backward(g[rows][None].double())
+        xe = xs.detach().clone().requires_grad_(True)
+        eager_same_dtype(xe, cos, sin, pos, interleaved).backward(g[rows][None])
+        assert_close_to_reference(f"dseq{b}", gx[rows][None], x64.grad, xe.grad, grad=True)
+
+
+# ------------------------------------------------------------------------------- q and k, in place
+def count_launches(monkeypatch):
+    calls = []
+    real = launch_mod.Launch.run
+
+    def run(self):
+        calls.append(self.kernel)
+        return real(self)
+
+    monkeypatch.setattr(launch_mod.Launch, "run", run)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_apply_rotary_qk_gqa_one_launch(dtype, layout, monkeypatch):
+    B, S, Hq, Hk, D = 2, 9, 5, 1, 16
+    cos, sin = tables(S, 8)
+    q, k = randn(B, S, Hq, D, dtype=dtype), randn(B, S, Hk, D, dtype=dtype)
+    if layout == "bhsd":
+        q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    q.requires_grad_(True), k.requires_grad_(True)
+    calls = count_launches(monkeypatch)
+    with poisoned_allocations():
+        qo, ko = flashtx.apply_rotary_qk(q, k, cos, sin, layout=layout, seqlen_offsets=0)
+    assert len(calls) == 1, "q and k must be rotated by one launch"
+    qs = flashtx.apply_rotary(q, cos, sin, layout=layout)
+    ks = flashtx.apply_rotary(k, cos, sin, layout=layout)
+    assert torch.equal(qo, qs) and torch.equal(ko, ks)
+    gq, gk = randn(*qo.shape, dtype=dtype), randn(*ko.shape, dtype=dtype)
+    calls.clear()
+    dq, dk = torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+    assert len(calls) == 1, "the backward of q and k must be one launch too"
+    dqs, dks = torch.autograd.grad((qs, ks), (q, k), (gq, gk))
+    assert torch.equal(dq, dqs) and torch.equal(dk, dks)
+
+
+@pytest.mark.parametrize("which", ["apply_rotary", "apply_rotary_qk", "varlen"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_inplace_matches_out_of_place(dtype, which):
+    cos, sin = tables(12, 3)
+    if which == "varlen":
+        lens, cu, x, _ = varlen_case(dtype, D=10)
+        kw = dict(cu_seqlens=cu, max_seqlen=max(lens))
+        leaves = [x]
+    else:
+        kw = dict(seqlen_offsets=2, interleaved=True)
+        leaves = [randn(2, 5, 3, 10, dtype=dtype, requires_grad=True), randn(2, 5, 1, 10, dtype=dtype,
+                                                                               requires_grad=True)]
+        leaves = leaves[:1] if which == "apply_rotary" else leaves
+
+    def run(inplace):
+        ins = [t * 1 for t in leaves]  # non-leaf copies: in-place is allowed on them
+        if len(ins) == 2:
+            outs = flashtx.apply_rotary_qk(*ins, cos, sin, inplace=inplace, **kw)
+        else:
+            outs = (flashtx.apply_rotary(ins[0], cos, sin, inplace=inplace, **kw),)
+        if inplace:
+            assert all(o is i for o, i in zip(outs, ins)), "in-place must return its inputs"
+        gs = [torch.ones_like(o) * torch.arange(o.shape[-1], dtype=o.dtype) for o in outs]
+        return [o.detach() for o in outs], torch.autograd.grad(outs, leaves, gs)
+
+    outs, grads = run(False)
+    outs_i, grads_i = run(True)
+    for a, b in zip(outs + list(grads), outs_i + list(grads_i)):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # the no-autograd path runs the mutating op directly
+        y = leaves[0].detach().clone()
+        if len(leaves) == 2:
+            flashtx.apply_rotary_qk(y, leaves[1].detach().clone(), cos, sin, inplace=True, **kw)
+        else:
+            flashtx.apply_rotary(y, cos, sin, inplace=True, **kw)
+    assert torch.equal(y, outs[0])
+
+
+def test_inplace_on_leaf_requiring_grad_raises():
+    cos, sin = tables(4, 2)
+    x = randn(1, 4, 1, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        flashtx.apply_rotary(x, cos, sin, inplace=True)
+
+
+# ------------------------------------------------------------------------------- gradcheck (float64)
+GRADCHECK_CASES = {
+    "half": dict(),
+    "interleaved_partial": dict(interleaved=True, r2=2),
+    "offsets": dict(seqlen_offsets=torch.tensor([1, 3])),
+    "position_ids": dict(position_ids=torch.tensor([[4, 0, 2], [1, 1, 5]])),
+    "bhsd": dict(layout="bhsd"),
+}
+
+
+@pytest.mark.parametrize("case", GRADCHECK_CASES.values(), ids=GRADCHECK_CASES.keys())
+def test_gradcheck(case):
+    case = dict(case)
+    r2 = case.pop("r2", 3)
+    cos, sin = tables(8, r2, torch.float64)
+    x = randn(2, 3, 2, 7, dtype=torch.float64, requires_grad=True)
+    if case.get("layout") == "bhsd":
+        x = randn(2, 2, 3, 7, dtype=torch.float64, requires_grad=True)
+    case = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    assert torch.autograd.gradcheck(lambda t: flashtx.apply_rotary(t, cos, sin, **case), (x,), fast_mode=True)
+
+
+def test_gradcheck_qk_varlen_and_inplace():
+    cos, sin = tables(8, 2, torch.float64)
+    q = randn(2, 4, 3, 5, dtype=torch.float64, requires_grad=True)
+    k = randn(2, 4, 1, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: flashtx.apply_rotary_qk(a, b, cos, sin, interleaved=True), (q, k),
+                                    fast_mode=True)
+    assert torch.autograd.gradcheck(lambda a, b: flashtx.apply_rotary_qk(a * 1, b * 1, cos, sin, inplace=True),
+                                    (q, k), fast_mode=True)
+    cu = torch.tensor([0, 2, 2, 7], dtype=torch.int64, device=DEVICE)
+    x = randn(7, 2, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: flashtx.apply_rotary(t, cos, sin, cu_seqlens=cu), (x,), fast_mode=True)
+
+
+# ------------------------------------------------------------------------------- transformers' signature
+def hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers.models.llama.modeling_llama.apply_rotary_pos_emb, written out."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def hf_cos_sin(position_ids, dim, dtype, base=10000.0):
+    """LlamaRotaryEmbedding.forward: (B, S, dim) cos/sin with duplicated halves, in the activation dtype."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=DEVICE).float() / dim))
+    freqs = (inv_freq[None, :, None] @ position_ids[:, None, :].float()).transpose(1, 2)  # (B, S, dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("variant", ["bhsd", "bshd_unsqueeze2", "legacy_2d_position_ids", "broadcast_batch"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_apply_rotary_pos_emb_matches_transformers(dtype, variant):
+    B, Hq, Hk, S, D = 2, 4, 2, 7, 16
+    pos = torch.stack([torch.arange(S), torch.arange(3, S + 3)]).to(DEVICE)  # (B, S)
+    q, k = randn(B, Hq, S, D, dtype=dtype, requires_grad=True), randn(B, Hk, S, D, dtype=dtype, requires_grad=True)
+    cos, sin = hf_cos_sin(pos, D, dtype)  # (B, S, D)
+    ud = 1
+    if variant == "bshd_unsqueeze2":
+        q, k, ud = q.detach().transpose(1, 2).requires_grad_(True), k.detach().transpose(1, 2).requires_grad_(True), 2
+    args_k = (cos, sin, None)
+    if variant == "legacy_2d_position_ids":  # older transformers: (max_len, D) tables gathered by position_ids
+        table_c, table_s = hf_cos_sin(torch.arange(16, device=DEVICE)[None], D, dtype)
+        args_k = (table_c[0], table_s[0], pos)
+    if variant == "broadcast_batch":
+        pos = pos[:1].expand(B, S)
+        cos, sin = cos[:1], sin[:1]
+        args_k = (cos, sin, None)
+    with poisoned_allocations():
+        qe, ke = flashtx.apply_rotary_pos_emb(q, k, *args_k, unsqueeze_dim=ud)
+    cos_b, sin_b = (cos, sin) if variant != "broadcast_batch" else (cos.expand(B, S, D), sin.expand(B, S, D))
+    for name, out, t in (("q_embed", qe, q), ("k_embed", ke, k)):
+        t64 = t.detach().double().requires_grad_(True)
+        te = t.detach().clone().requires_grad_(True)
+        ref = hf_apply_rotary_pos_emb(t64, t64, cos_b.double(), sin_b.double(), unsqueeze_dim=ud)[0]
+        eager = hf_apply_rotary_pos_emb(te, te, cos_b, sin_b, unsqueeze_dim=ud)[0]
+        assert_close_to_reference(name, out, ref, eager)
+        g = randn(*out.shape, dtype=dtype)
+        gk, = torch.autograd.grad(out, t, g, retain_graph=True)
+        ref.backward(g.double())
+        eager.backward(g)
+        assert_close_to_reference("d" + name, gk, t64.grad, te.grad, grad=True)
+
+
+def test_apply_rotary_pos_emb_partial_like_phi3():
+    """cos narrower than the head: rotate the first rotary_dim columns, pass the rest (Phi-3)."""
+    B, H, S, D, rd = 1, 2, 5, 12, 8
+    q, k = randn(B, H, S, D, dtype=torch.float64), randn(B, H, S, D, dtype=torch.float64)
+    cos, sin = hf_cos_sin(torch.arange(S, device=DEVICE)[None], rd, torch.float64)
+    qe, ke = flashtx.apply_rotary_pos_emb(q, k, cos, sin)
+    rq, rk = hf_apply_rotary_pos_emb(q[..., :rd], k[..., :rd], cos, sin)
+    torch.testing.assert_close(qe, torch.cat((rq, q[..., rd:]), -1), rtol=0, atol=1e-14)
+    torch.testing.assert_close(ke, torch.cat((rk, k[..., rd:]), -1), rtol=0, atol=1e-14)
+
+
+# ------------------------------------------------------------------------------- edge cases, dispatch
+@pytest.mark.parametrize("shape", [(0, 4, 2, 8), (2, 0, 2, 8), (2, 4, 0, 8), (1, 1, 1, 2)],
+                         ids=["B0", "S0", "H0", "one_row"])
+def test_empty_and_single(shape):
+    cos, sin = tables(4, 1)
+    x = randn(*shape, dtype=torch.float32, requires_grad=True)
+    out = flashtx.apply_rotary(x, cos, sin)
+    assert out.shape == x.shape
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+    if x.numel():
+        pos = default_pos(shape[0], shape[1])
+        torch.testing.assert_close(out.double(), reference64(x.detach(), cos, sin, pos, False))
+
+
+def test_varlen_no_sequences():
+    cos, sin = tables(4, 2)
+    x = randn(0, 2, 4)
+    out = flashtx.apply_rotary(x, cos, sin, cu_seqlens=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    assert out.shape == (0, 2, 4)
+
+
+def test_out_of_range_positions_give_nan_on_every_backend():
+    cos, sin = tables(6, 2)
+    x = randn(1, 3, 1, 4)
+    pos = torch.tensor([[0, 6, -1]], device=DEVICE)
+    for backend in ("triton", "reference"):
+        out = flashtx.apply_rotary(x, cos, sin, position_ids=pos, backend=backend)
+        assert torch.isfinite(out[0, 0]).all() and torch.isnan(out[0, 1:]).all(), backend
+
+
+def test_backends_agree_and_bf16_falls_back():
+    cos, sin = tables(8, 4)
+    x = randn(2, 8, 3, 8, dtype=torch.float64)
+    a = flashtx.apply_rotary(x, cos, sin, backend="triton", interleaved=True, seqlen_offsets=0)
+    b = flashtx.apply_rotary(x, cos, sin, backend="reference", interleaved=True)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    xb = x.to(torch.bfloat16)
+    if DEVICE == "cpu":
+        with pytest.raises(BackendNotSupported, match="bfloat16"):
+            flashtx.apply_rotary(xb, cos, sin, backend="triton")
+        with pytest.warns(UserWarning, match="reference"):
+            flashtx.apply_rotary(xb[:1], cos, sin)
+    out = flashtx.apply_rotary(xb, cos, sin)
+    ref = reference64(xb, cos, sin, default_pos(2, 8), False)
+    assert (out.double() - ref).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * ref.abs().max()
+
+
+def test_custom_ops_opcheck():
+    cos, sin = tables(6, 2)
+    x = randn(2, 4, 3, 6, requires_grad=True)
+    k = randn(2, 4, 1, 6, requires_grad=True)
+    common = (cos[None], sin[None], None, 1, None, None, 0, False, False, "triton")
+    torch.library.opcheck(rotary_op, (x, *common))
+    torch.library.opcheck(rotary_qk_op, (x, k, *common))
+    torch.library.opcheck(rotary_inplace_op, (x.detach().clone(), k.detach().clone(), *common))
+
+
+# ------------------------------------------------------------------------------- errors
+def _x():
+    return randn(2, 4, 3, 8)
+
+
+ERRORS = {
+    "x_not_tensor": (lambda c, s: flashtx.apply_rotary([1.0], c, s), TypeError, "x must be a torch.Tensor"),
+    "x_int": (lambda c, s: flashtx.apply_rotary(torch.ones(2, 4, 3, 8, dtype=torch.int32), c, s), TypeError,
+              "x has dtype torch.int32"),
+    "x_3d": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s), ValueError, r"4-D \(B, S, H, D\)"),
+    "bad_layout": (lambda c, s: flashtx.apply_rotary(_x(), c, s, layout="sbhd"), ValueError, "layout must be"),
+    "cos_sin_shapes": (lambda c, s: flashtx.apply_rotary(_x(), c, s[:, :2]), ValueError, "same shape"),
+    "cos_1d": (lambda c, s: flashtx.apply_rotary(_x(), c[0], s[0]), ValueError, r"\(seqlen_ro, rotary_dim / 2\)"),
+    "rotary_dim_too_big": (lambda c, s: flashtx.apply_rotary(randn(2, 4, 3, 6), c, s), ValueError,
+                           r"rotary_dim = 2 \* cos.shape\[-1\] = 8"),
+    "rotary_dim_zero": (lambda c, s: flashtx.apply_rotary(_x(), c[:, :0], s[:, :0]), ValueError, "rotary_dim"),
+    "too_few_positions": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=3), ValueError,
+                          "cos/sin have 6 positions"),
+    "per_batch_cos_batch": (lambda c, s: flashtx.apply_rotary(_x(), c.expand(3, 6, 4), s.expand(3, 6, 4)),
+                            ValueError, "batch size 1 or 2"),
+    "offsets_float": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=1.5), TypeError,
+                      "seqlen_offsets must be an int"),
+    "offsets_negative": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=-1), ValueError, ">= 0"),
+    "offsets_tensor_shape": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=torch.zeros(3).long()),
+                             ValueError, r"seqlen_offsets must have shape \(2,\)"),
+    "offsets_tensor_dtype": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=torch.zeros(2)),
+                             TypeError, "seqlen_offsets has dtype torch.float32"),
+    "position_ids_shape": (lambda c, s: flashtx.apply_rotary(_x(), c, s, position_ids=torch.zeros(2, 5).long()),
+                           ValueError, r"position_ids must have shape \(2, 4\) or \(1, 4\)"),
+    "position_ids_dtype": (lambda c, s: flashtx.apply_rotary(_x(), c, s, position_ids=torch.zeros(2, 4)),
+                           TypeError, "position_ids has dtype"),
+    "offsets_and_position_ids": (lambda c, s: flashtx.apply_rotary(
+        _x(), c, s, seqlen_offsets=1, position_ids=torch.zeros(2, 4).long()), ValueError, "not both"),
+    "varlen_4d": (lambda c, s: flashtx.apply_rotary(_x(), c, s, cu_seqlens=torch.tensor([0, 4])), ValueError,
+                  r"3-D \(total, H, D\)"),
+    "varlen_layout": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4]),
+                                                        layout="bhsd"), ValueError, "layout must be 'bshd'"),
+    "cu_seqlens_dtype": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0., 4.])),
+                         TypeError, "cu_seqlens has dtype"),
+    "varlen_position_ids_shape": (lambda c, s: flashtx.apply_rotary(
+        randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4]), position_ids=torch.zeros(1, 4).long()),
+        ValueError, r"position_ids must have shape \(4,\)"),
+    "max_seqlen_without_cu": (lambda c, s: flashtx.apply_rotary(_x(), c, s, max_seqlen=4), ValueError,
+                              "only meaningful with cu_seqlens"),
+    "max_seqlen_negative": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4]),
+                                                              max_seqlen=-1), ValueError, "max_seqlen must be >= 0"),
+    "varlen_too_few_positions": (lambda c, s: flashtx.apply_rotary(
+        randn(9, 3, 8), c, s, cu_seqlens=torch.tensor([0, 2, 9])), ValueError, "sequence length 7"),
+    "cos_other_device": (lambda c, s: flashtx.apply_rotary(_x(), c.to("meta"), s.to("meta")), ValueError,
+                         "cos is on meta"),
+    "cos_requires_grad": (lambda c, s: flashtx.apply_rotary(_x(), c.requires_grad_(True), s), NotImplementedError,
+                          r"cos.detach\(\)"),
+    "backend_type": (lambda c, s: flashtx.apply_rotary(_x(), c, s, backend=1), TypeError, "backend must be"),
+    "backend_unknown": (lambda c, s: flashtx.apply_rotary(_x(), c, s, backend="cuda"), ValueError,
+                        "backend must be None or one of"),
+    "qk_dtype": (lambda c, s: flashtx.apply_rotary_qk(_x(), _x().double(), c, s), TypeError,
+                 "q and k must share dtype"),
+    "qk_seqlen": (lambda c, s: flashtx.apply_rotary_qk(_x(), randn(2, 3, 3, 8), c, s), ValueError,
+                  "differ only in the number of heads"),
+    "hf_unsqueeze_dim": (lambda c, s: flashtx.apply_rotary_pos_emb(_x(), _x(), c, s, unsqueeze_dim=3), ValueError,
+                         "unsqueeze_dim must be 1"),
+    "hf_odd_rotary_dim": (lambda c, s: flashtx.apply_rotary_pos_emb(_x(), _x(), c[None, :4, :3], s[None, :4, :3],
+                                                                    unsqueeze_dim=2), ValueError, "even rotary_dim"),
+    "hf_seqlen": (lambda c, s: flashtx.apply_rotary_pos_emb(_x(), _x(), c[None], s[None], unsqueeze_dim=2),
+                  ValueError, "cover the sequence length 4"),
+    "hf_cos_sin_shapes": (lambda c, s: flashtx.apply_rotary_pos_emb(_x(), _x(), c[None, :4], s[None, :4, :2],
+                                                                    unsqueeze_dim=2), ValueError, "same shape"),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS.values(), ids=ERRORS.keys())
+def test_errors(case):
+    fn, exc, match = case
+    cos, sin = tables(6, 4)
+    with pytest.raises(exc, match=match):
+        fn(cos, sin)
