@@ -263,8 +263,8 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
         raise ValueError(f"gate and up must have the same shape (..., H) with at least 1 dim; got gate "
                          f"{tuple(gate.shape)} and up {tuple(up.shape)}")
     if inplace_backward and _overlap(gate, up):
-        raise ValueError("inplace_backward=True needs gate and up in non-overlapping memory (the gradients of "
-                         "both are written over them)")
+        raise ValueError("inplace_backward=True needs gate and up in non-overlapping memory spans (the gradients "
+                         "of both are written over them); for a packed [gate | up] tensor use swiglu_packed")
     name = _select("swiglu", gate, backend, f"gate/up {tuple(gate.shape)}, dtype={gate.dtype}, device={gate.device}")
     return swiglu_op(gate, up, bool(inplace_backward), name)
 

@@ -1,0 +1,258 @@
+"""Fused SwiGLU: kernels (in Triton's interpreter on CPU) against eager silu(gate) * up, and the
+LLaMA MLP layer against an eager LLaMA MLP with the same weights."""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, poisoned_allocations, randn
+
+import flashtx
+from flashtx import BackendNotSupported
+from flashtx.swiglu import (swiglu_bwd_inplace_op, swiglu_bwd_op, swiglu_op, swiglu_packed_bwd_inplace_op,
+                            swiglu_packed_bwd_op, swiglu_packed_op)
+
+
+def eager_swiglu(g, u):
+    return F.silu(g) * u
+
+
+SHAPES = {"rows0": (0, 8), "one": (1, 1), "row1_h37": (1, 37), "3d_5x3x40": (5, 3, 40), "odd_17x33": (17, 33)}
+
+
+def make_inputs(shape, dtype, layout):
+    """(gate, up) leaves in the requested layout and the tensors to pass (maybe strided views)."""
+    if layout == "contiguous":
+        g, u = randn(*shape, dtype=dtype, requires_grad=True), randn(*shape, dtype=dtype, requires_grad=True)
+        return (g, u), (g, u)
+    if layout == "transposed":  # last dim not unit-stride
+        g = randn(*reversed(shape), dtype=dtype).transpose(0, -1).requires_grad_(True)
+        u = randn(*reversed(shape), dtype=dtype).transpose(0, -1).requires_grad_(True)
+        return (g, u), (g, u)
+    # "sliced": every other column of a wider leaf
+    wg, wu = (randn(*shape[:-1], 2 * shape[-1], dtype=dtype, requires_grad=True) for _ in range(2))
+    return (wg, wu), (wg[..., ::2], wu[..., ::2])
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_swiglu_matches_eager(dtype, layout, shape):
+    leaves, (g, u) = make_inputs(shape, dtype, layout)
+    with poisoned_allocations():
+        out = flashtx.swiglu(g, u)
+    g64, u64 = (t.detach().double().requires_grad_(True) for t in (g, u))
+    ge, ue = (t.detach().clone().requires_grad_(True) for t in (g, u))
+    ref, eager = eager_swiglu(g64, u64), eager_swiglu(ge, ue)
+    assert_close_to_reference("out", out, ref, eager)
+    dout = randn(*out.shape, dtype=dtype)
+    with poisoned_allocations():
+        dg, du = torch.autograd.grad(out, (g, u), dout)
+    ref.backward(dout.double())
+    eager.backward(dout)
+    assert_close_to_reference("dgate", dg, g64.grad, ge.grad, grad=True)
+    assert_close_to_reference("dup", du, u64.grad, ue.grad, grad=True)
+
+
+PACKED_SHAPES = {"rows0": (0, 8), "one": (1, 2), "3d_4x3x26": (4, 3, 26), "odd_h_9x66": (9, 66)}
+
+
+@pytest.mark.parametrize("shape", PACKED_SHAPES.values(), ids=PACKED_SHAPES.keys())
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "row_strided"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_swiglu_packed_matches_eager(dtype, strided, shape):
+    if strided:  # every other row of a taller leaf
+        leaf = randn(*shape[:-2], 2 * shape[-2], shape[-1], dtype=dtype, requires_grad=True)
+        x = leaf[..., ::2, :]
+    else:
+        leaf = x = randn(*shape, dtype=dtype, requires_grad=True)
+    h = shape[-1] // 2
+    with poisoned_allocations():
+        out = flashtx.swiglu_packed(x)
+    x64 = x.detach().double().requires_grad_(True)
+    xe = x.detach().clone().requires_grad_(True)
+    ref, eager = eager_swiglu(x64[..., :h], x64[..., h:]), eager_swiglu(xe[..., :h], xe[..., h:])
+    assert_close_to_reference("out", out, ref, eager)
+    dout = randn(*out.shape, dtype=dtype)
+    with poisoned_allocations():
+        dx, = torch.autograd.grad(out, x, dout)
+    ref.backward(dout.double())
+    eager.backward(dout)
+    assert_close_to_reference("dx", dx, x64.grad, xe.grad, grad=True)
+
+
+def test_gradcheck_float64():
+    g = randn(3, 2, 19, dtype=torch.float64, requires_grad=True, scale=3.0)
+    u = randn(3, 2, 19, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(flashtx.swiglu, (g, u), fast_mode=True)
+    x = randn(5, 22, dtype=torch.float64, requires_grad=True, scale=3.0)
+    assert torch.autograd.gradcheck(flashtx.swiglu_packed, (x,), fast_mode=True)
+
+
+def test_inplace_backward_twice_fails_loudly():
+    """In-place gradients consume the saved inputs: a second backward must raise, not be wrong."""
+    g = randn(3, 8, requires_grad=True)
+    out = flashtx.swiglu_packed(g * 1, inplace_backward=True)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed_3d"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_inplace_backward_same_numbers_and_reuses_buffers(dtype, layout):
+    shape = (4, 3, 10)
+    g0, u0 = randn(*shape, dtype=dtype, requires_grad=True), randn(*shape, dtype=dtype, requires_grad=True)
+    dout = randn(*shape, dtype=dtype)
+    if layout == "contiguous":
+        def prep(t):
+            return t * 1
+    else:  # a permuted copy: no flat (M, H) view exists, exercising the copy-back path
+        def prep(t):
+            return (t * 1).permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    ref = torch.autograd.grad(flashtx.swiglu(prep(g0), prep(u0)), (g0, u0), dout)
+    g, u = prep(g0), prep(u0)
+    g.retain_grad(), u.retain_grad()
+    out = flashtx.swiglu(g, u, inplace_backward=True)
+    out.backward(dout)
+    assert torch.equal(g0.grad, ref[0]) and torch.equal(u0.grad, ref[1])
+    # documented: after backward the saved inputs hold their gradients
+    assert torch.equal(g.detach(), ref[0]) and torch.equal(u.detach(), ref[1])
+
+    x0 = randn(2, 5, 12, dtype=dtype, requires_grad=True)
+    d = randn(2, 5, 6, dtype=dtype)
+    ref_x, = torch.autograd.grad(flashtx.swiglu_packed(x0 * 1), x0, d)
+    x = x0 * 1
+    flashtx.swiglu_packed(x, inplace_backward=True).backward(d)
+    assert torch.equal(x0.grad, ref_x) and torch.equal(x.detach(), ref_x)
+
+
+def test_inplace_backward_rejects_overlapping_inputs():
+    x = randn(3, 8)
+    with pytest.raises(ValueError, match="non-overlapping"):
+        flashtx.swiglu(x, x, inplace_backward=True)
+    with pytest.raises(ValueError, match="swiglu_packed"):  # interleaved spans: the check is conservative
+        flashtx.swiglu(x[:, :4], x[:, 4:], inplace_backward=True)
+    y = randn(6, 4)
+    flashtx.swiglu(y[:3], y[3:], inplace_backward=True)  # disjoint spans are fine
+
+
+def test_backends_agree_and_bf16_falls_back():
+    g, u = randn(6, 20, dtype=torch.float64, scale=4.0), randn(6, 20, dtype=torch.float64)
+    torch.testing.assert_close(flashtx.swiglu(g, u, backend="triton"), flashtx.swiglu(g, u, backend="reference"),
+                               rtol=0, atol=1e-14)
+    gb, ub = g.to(torch.bfloat16), u.to(torch.bfloat16)
+    if DEVICE == "cpu":
+        with pytest.raises(BackendNotSupported, match="bfloat16"):
+            flashtx.swiglu(gb, ub, backend="triton")
+    if DEVICE == "cpu":
+        with pytest.warns(UserWarning, match="using the reference"):
+            out = flashtx.swiglu(gb, ub)
+    else:
+        out = flashtx.swiglu(gb, ub)
+    ref = eager_swiglu(gb.double(), ub.double())
+    assert (out.double() - ref).abs().max() <= torch.finfo(torch.bfloat16).eps * ref.abs().max()
+
+
+def test_custom_ops_opcheck():
+    g, u = randn(3, 10, requires_grad=True), randn(3, 10, requires_grad=True)
+    x = randn(3, 20, requires_grad=True)
+    d = randn(3, 10)
+    torch.library.opcheck(swiglu_op, (g, u, False, "triton"))
+    torch.library.opcheck(swiglu_bwd_op, (d, g.detach(), u.detach(), "triton"))
+    torch.library.opcheck(swiglu_bwd_inplace_op, (d, g.detach().clone(), u.detach().clone(), "triton"))
+    torch.library.opcheck(swiglu_packed_op, (x, False, "triton"))
+    torch.library.opcheck(swiglu_packed_bwd_op, (d, x.detach(), "triton"))
+    torch.library.opcheck(swiglu_packed_bwd_inplace_op, (d, x.detach().clone(), "triton"))
+
+
+ERRORS = {
+    "gate_not_tensor": (lambda: flashtx.swiglu([1.0], randn(1)), TypeError, "gate must be a torch.Tensor"),
+    "gate_int": (lambda: flashtx.swiglu(torch.ones(2, dtype=torch.int64), randn(2)), TypeError,
+                 "gate has dtype torch.int64"),
+    "dtype_mismatch": (lambda: flashtx.swiglu(randn(2, 4), randn(2, 4, dtype=torch.float16)), TypeError,
+                       "same dtype"),
+    "shape_mismatch": (lambda: flashtx.swiglu(randn(2, 4), randn(2, 5)), ValueError,
+                       r"gate \(2, 4\) and up \(2, 5\)"),
+    "zero_dim": (lambda: flashtx.swiglu(torch.tensor(1.0), torch.tensor(2.0)), ValueError, "at least 1 dim"),
+    "device_mismatch": (lambda: flashtx.swiglu(randn(2, 4), torch.empty(2, 4, device="meta")), ValueError,
+                        "one device"),
+    "packed_odd": (lambda: flashtx.swiglu_packed(randn(3, 7)), ValueError, r"even last dim; got shape \(3, 7\)"),
+    "packed_not_tensor": (lambda: flashtx.swiglu_packed(3.0), TypeError, "x must be a torch.Tensor"),
+    "backend_type": (lambda: flashtx.swiglu(randn(2), randn(2), backend=0), TypeError, "backend must be"),
+    "backend_unknown": (lambda: flashtx.swiglu_packed(randn(2), backend="cuda"), ValueError, "one of"),
+    "module_dim": (lambda: flashtx.nn.SwiGLU(0, 4), ValueError, "dim must be an int >= 1"),
+    "module_hidden": (lambda: flashtx.nn.SwiGLU(4, 2.5), ValueError, "hidden_dim must be an int"),
+    "state_dict_style": (lambda: flashtx.nn.SwiGLU(4, 6).state_dict_as("gguf"), ValueError, "style must be one of"),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS.values(), ids=ERRORS.keys())
+def test_errors(case):
+    fn, exc, match = case
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+# ------------------------------------------------------------------------------- nn.SwiGLU
+class EagerLlamaMLP(torch.nn.Module):
+    """transformers' LlamaMLP, written out: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, dim, hidden, bias=False, dtype=torch.float32):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(dim, hidden, bias=bias, dtype=dtype, device=DEVICE)
+        self.up_proj = torch.nn.Linear(dim, hidden, bias=bias, dtype=dtype, device=DEVICE)
+        self.down_proj = torch.nn.Linear(hidden, dim, bias=bias, dtype=dtype, device=DEVICE)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_module_matches_eager_llama_mlp(dtype, packed, bias):
+    dim, hidden = 24, 40
+    eager = EagerLlamaMLP(dim, hidden, bias, dtype)
+    ref = EagerLlamaMLP(dim, hidden, bias, torch.float64)
+    ref.load_state_dict({k: v.double() for k, v in eager.state_dict().items()})
+    mlp = flashtx.nn.SwiGLU(dim, hidden, bias=bias, packed=packed, inplace_backward=packed, dtype=dtype,
+                            device=DEVICE)
+    mlp.load_state_dict(eager.state_dict())  # transformers' names, converted by the pre-hook
+    x = randn(2, 5, dim, dtype=dtype, requires_grad=True)
+    x64, xe = x.detach().double().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    with poisoned_allocations():
+        out = mlp(x)
+    out_ref, out_e = ref(x64), eager(xe)
+    assert_close_to_reference("out", out, out_ref, out_e)
+    d = randn(*out.shape, dtype=dtype)
+    out.backward(d), out_ref.backward(d.double()), out_e.backward(d)
+    assert_close_to_reference("dx", x.grad, x64.grad, xe.grad, grad=True)
+    grads = mlp.state_dict_as("hf")  # for the names; then fill in the gradients
+    w1g, w3g = (mlp.w13.weight.grad.chunk(2) if packed else (mlp.w1.weight.grad, mlp.w3.weight.grad))
+    for name, gk in (("gate_proj", w1g), ("up_proj", w3g), ("down_proj", mlp.w2.weight.grad)):
+        assert f"{name}.weight" in grads
+        assert_close_to_reference(f"d{name}", gk, getattr(ref, name).weight.grad, getattr(eager, name).weight.grad,
+                                  grad=True)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_state_dict_round_trips(bias):
+    torch.manual_seed(0)
+    packed = flashtx.nn.SwiGLU(6, 10, bias=bias)
+    separate = flashtx.nn.SwiGLU(6, 10, bias=bias, packed=False)
+    separate.load_state_dict(packed.state_dict())  # w13 -> w1/w3
+    x = randn(3, 6)
+    assert torch.equal(torch.cat((separate.w1.weight, separate.w3.weight)), packed.w13.weight)
+    torch.testing.assert_close(separate(x), packed(x))  # (BLAS blocking differs with the output width)
+    for style, names in (("meta", ("w1", "w3", "w2")), ("hf", ("gate_proj", "up_proj", "down_proj"))):
+        sd = packed.state_dict_as(style, prefix="mlp.")
+        assert set(sd) == {f"mlp.{n}.{k}" for n in names for k in (("weight", "bias") if bias else ("weight",))}
+        assert sd[f"mlp.{names[0]}.weight"].shape == (10, 6) and sd[f"mlp.{names[2]}.weight"].shape == (6, 10)
+        for target in (flashtx.nn.SwiGLU(6, 10, bias=bias), flashtx.nn.SwiGLU(6, 10, bias=bias, packed=False)):
+            holder = torch.nn.Module()
+            holder.mlp = target
+            holder.load_state_dict(sd)  # prefixed keys, as inside a model
+            torch.testing.assert_close(target(x), packed(x))
+            assert torch.equal(target.w2.weight, packed.w2.weight)
+    # strict loading still reports genuinely missing weights
+    with pytest.raises(RuntimeError, match="Missing key"):
+        flashtx.nn.SwiGLU(6, 10).load_state_dict({"gate_proj.weight": torch.zeros(10, 6)})
