@@ -194,25 +194,55 @@ rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_setup)
 
 
 class _RotaryInplace(torch.autograd.Function):
-    """In-place forward (mark_dirty); the backward rotates the incoming gradients out of place."""
+    """In-place forward of q (mark_dirty) that also rotates k in the same launch when given.
+
+    Autograd forbids one Function from returning two in-place-modified views (q and k are usually
+    views of projections), so k's in-place update is claimed right after by _ClaimRotated. The
+    backward rotates the incoming gradient by -theta, out of place.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, backend):
+    def forward(ctx, q, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, backend, k):
         rotary_inplace_op(q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
                           False, backend)
-        ctx.mark_dirty(*(t for t in (q, k) if t is not None))
+        ctx.mark_dirty(q)
         ctx.save_for_backward(cos, sin, offsets, position_ids, cu_seqlens)
         ctx.args = (offset, max_seqlen, interleaved, True, backend)
-        ctx.has_k = k is not None
-        return (q, k) if k is not None else q
+        return q
 
     @staticmethod
-    def backward(ctx, dq, dk=None):
-        rest = (None,) * 9
-        if ctx.has_k:
-            dq, dk = rotary_qk_op(dq, dk, *_backward_args(ctx))
-            return (dq, dk) + rest
-        return (rotary_op(dq, *_backward_args(ctx)), None) + rest
+    def backward(ctx, dq):
+        return (rotary_op(dq, *_backward_args(ctx)),) + (None,) * 10
+
+
+class _ClaimRotated(torch.autograd.Function):
+    """Tell autograd that k was rotated in place (by _RotaryInplace); its backward is the inverse rotation."""
+
+    @staticmethod
+    def forward(ctx, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, backend):
+        ctx.mark_dirty(k)
+        ctx.save_for_backward(cos, sin, offsets, position_ids, cu_seqlens)
+        ctx.args = (offset, max_seqlen, interleaved, True, backend)
+        return k
+
+    @staticmethod
+    def backward(ctx, dk):
+        return (rotary_op(dk, *_backward_args(ctx)),) + (None,) * 9
+
+
+def _rotate_inplace(q4, k4, cos3, sin3, pos, interleaved: bool, backend: str, track: bool) -> None:
+    """Rotate q4 (and k4) in place in one launch, recording the autograd history when `track`."""
+    if not track:
+        rotary_inplace_op(q4, k4, cos3, sin3, *pos, interleaved, False, backend)
+        return
+    for t in (q4, k4):  # refuse before mutating anything (autograd would refuse after q is rotated)
+        base = t._base if t is not None and t._base is not None else t
+        if base is not None and base.is_leaf and base.requires_grad:
+            raise RuntimeError("inplace=True on a leaf tensor that requires grad (or a view of one): autograd "
+                               "cannot record it; rotate a non-leaf (e.g. a projection's output) or use inplace=False")
+    _RotaryInplace.apply(q4, cos3, sin3, *pos, interleaved, backend, k4)
+    if k4 is not None:
+        _ClaimRotated.apply(k4, cos3, sin3, *pos, interleaved, backend)
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -387,10 +417,7 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
     x4 = views[0]
     varlen = cu_seqlens is not None
     if inplace:
-        if torch.is_grad_enabled() and x.requires_grad:
-            _RotaryInplace.apply(x4, None, cos3, sin3, *pos, bool(interleaved), name)
-        else:
-            rotary_inplace_op(x4, None, cos3, sin3, *pos, bool(interleaved), False, name)
+        _rotate_inplace(x4, None, cos3, sin3, pos, bool(interleaved), name, torch.is_grad_enabled() and x.requires_grad)
         return x
     out = rotary_op(x4, cos3, sin3, *pos, bool(interleaved), False, name)
     return _restore(out, layout, varlen)
@@ -412,10 +439,8 @@ def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, posi
     q4, k4 = views
     varlen = cu_seqlens is not None
     if inplace:
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            _RotaryInplace.apply(q4, k4, cos3, sin3, *pos, bool(interleaved), name)
-        else:
-            rotary_inplace_op(q4, k4, cos3, sin3, *pos, bool(interleaved), False, name)
+        track = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        _rotate_inplace(q4, k4, cos3, sin3, pos, bool(interleaved), name, track)
         return q, k
     qo, ko = rotary_qk_op(q4, k4, cos3, sin3, *pos, bool(interleaved), False, name)
     return _restore(qo, layout, varlen), _restore(ko, layout, varlen)
