@@ -254,12 +254,13 @@ def _check_int(name: str, v, minimum: int = 0) -> int:
     return int(v)
 
 
-def _check_index_tensor(name: str, t, shape_ok: bool, expected: str, device) -> None:
+def _check_index_tensor(name: str, t, shape_ok, expected: str, device) -> None:
+    """shape_ok: a predicate on t's shape, checked once t is known to be a tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if t.dtype not in _INT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; allowed: torch.int32, torch.int64")
-    if not shape_ok:
+    if not shape_ok(tuple(t.shape)):
         raise ValueError(f"{name} must have shape {expected}; got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but the activations are on {device}")
@@ -312,8 +313,7 @@ def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
     """Validated position arguments: (offsets tensor | None, offset int, position_ids | None, cu, max_seqlen)."""
     varlen = cu_seqlens is not None
     if varlen:
-        _check_index_tensor("cu_seqlens", cu_seqlens, cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 1,
-                            "(nseq + 1,)", x4.device)
+        _check_index_tensor("cu_seqlens", cu_seqlens, lambda s: len(s) == 1 and s[0] >= 1, "(nseq + 1,)", x4.device)
         nb = cu_seqlens.numel() - 1
         if max_seqlen is None:  # one device sync; pass max_seqlen to avoid it
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if nb > 0 else 0
@@ -325,7 +325,7 @@ def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
         nb, seq = x4.shape[0], x4.shape[1]
     offsets, offset = None, 0
     if isinstance(seqlen_offsets, torch.Tensor):
-        _check_index_tensor("seqlen_offsets", seqlen_offsets, tuple(seqlen_offsets.shape) == (nb,),
+        _check_index_tensor("seqlen_offsets", seqlen_offsets, lambda s: s == (nb,),
                             f"({nb},) (one offset per sequence)", x4.device)
         offsets = seqlen_offsets
     else:
@@ -335,13 +335,13 @@ def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
             raise ValueError("pass either seqlen_offsets or position_ids, not both (position_ids are absolute)")
         if varlen:
             total = x4.shape[1]
-            ok = position_ids.dim() == 1 and position_ids.shape[0] == total
-            _check_index_tensor("position_ids", position_ids, ok, f"({total},) for packed input", x4.device)
+            _check_index_tensor("position_ids", position_ids, lambda s: s == (total,), f"({total},) for packed input",
+                                x4.device)
             position_ids = position_ids.unsqueeze(0)  # (1, total)
         else:
             B, S = x4.shape[:2]
-            ok = position_ids.dim() == 2 and position_ids.shape[0] in (1, B) and position_ids.shape[1] == S
-            _check_index_tensor("position_ids", position_ids, ok, f"({B}, {S}) or (1, {S})", x4.device)
+            _check_index_tensor("position_ids", position_ids, lambda s: len(s) == 2 and s[0] in (1, B) and s[1] == S,
+                                f"({B}, {S}) or (1, {S})", x4.device)
             position_ids = position_ids.expand(B, S)
     elif offsets is None and seq + offset > cos.shape[1]:
         raise ValueError(f"cos/sin have {cos.shape[1]} positions (shape {tuple(cos.shape)}) but positions up to "

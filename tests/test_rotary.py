@@ -506,6 +506,14 @@ ERRORS = {
     "varlen_position_ids_shape": (lambda c, s: flashtx.apply_rotary(
         randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4]), position_ids=torch.zeros(1, 4).long()),
         ValueError, r"position_ids must have shape \(4,\)"),
+    "cu_seqlens_list": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=[0, 4]), TypeError,
+                        "cu_seqlens must be a torch.Tensor"),
+    "cu_seqlens_empty": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=torch.zeros(0).int()),
+                         ValueError, r"cu_seqlens must have shape \(nseq \+ 1,\)"),
+    "position_ids_list": (lambda c, s: flashtx.apply_rotary(_x(), c, s, position_ids=[[0, 1, 2, 3]]), TypeError,
+                          "position_ids must be a torch.Tensor"),
+    "offsets_other_device": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=torch.zeros(
+        2, dtype=torch.int64, device="meta")), ValueError, "seqlen_offsets is on meta"),
     "max_seqlen_without_cu": (lambda c, s: flashtx.apply_rotary(_x(), c, s, max_seqlen=4), ValueError,
                               "only meaningful with cu_seqlens"),
     "max_seqlen_negative": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4]),
@@ -541,115 +549,3 @@ def test_errors(case):
     with pytest.raises(exc, match=match):
         fn(cos, sin)
 
-
-# ------------------------------------------------------------------------------- nn.RotaryEmbedding
-def plain_tables(inv_freq, positions):
-    ang = torch.outer(positions.double(), inv_freq.double())
-    return ang.cos().float(), ang.sin().float()
-
-
-def test_rotary_embedding_tables_and_growth():
-    rope = flashtx.nn.RotaryEmbedding(12, base=500.0, max_seq_len=8)
-    inv = 500.0 ** (-torch.arange(0, 12, 2, dtype=torch.float64) / 12)
-    assert rope.inv_freq.dtype == torch.float32 and torch.equal(rope.inv_freq, inv.float())
-    cos, sin = rope.cos_sin(5)
-    assert cos.shape == (5, 6) and cos.dtype == torch.float32
-    ref_c, ref_s = plain_tables(rope.inv_freq, torch.arange(50))
-    assert torch.equal(cos, ref_c[:5]) and torch.equal(sin, ref_s[:5])
-    first = cos.data_ptr()
-    assert rope.cos_sin(8)[0].data_ptr() == first, "within max_seq_len the cache is reused"
-    cos50, sin50 = rope.cos_sin(50)  # grows on demand
-    assert torch.equal(cos50, ref_c) and torch.equal(sin50, ref_s)
-    assert rope.cos_sin(0)[0].shape == (0, 6)
-
-
-def test_rotary_embedding_linear_scaling():
-    rope = flashtx.nn.RotaryEmbedding(8, scaling={"type": "linear", "factor": 4.0})
-    ref_c, ref_s = plain_tables(rope.inv_freq, torch.arange(20) / 4.0)
-    cos, sin = rope.cos_sin(20)
-    assert torch.equal(cos, ref_c) and torch.equal(sin, ref_s)
-
-
-def test_rotary_embedding_dynamic_ntk_like_transformers():
-    dim, base, orig, factor = 8, 10000.0, 16, 2.0
-    rope = flashtx.nn.RotaryEmbedding(dim, base, max_seq_len=orig, scaling={"rope_type": "dynamic", "factor": factor})
-    short = rope.cos_sin(10)[0].clone()
-    ref_c, _ = plain_tables(rope.inv_freq, torch.arange(10))
-    assert torch.equal(short, ref_c), "no scaling up to the original length"
-    L = 40  # transformers' _compute_dynamic_ntk_parameters at seq_len = L
-    ntk_base = base * ((factor * L / orig) - (factor - 1)) ** (dim / (dim - 2))
-    inv = 1.0 / (ntk_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    ref_c, ref_s = plain_tables(inv.float(), torch.arange(L))
-    cos, sin = rope.cos_sin(L)
-    torch.testing.assert_close(cos, ref_c, rtol=0, atol=1e-6)
-    torch.testing.assert_close(sin, ref_s, rtol=0, atol=1e-6)
-    assert torch.equal(rope.cos_sin(30)[0], cos[:30]), "a shorter (still long) sequence keeps the grown frequencies"
-    assert torch.equal(rope.cos_sin(10)[0], short), "back within the original length: reset, as transformers"
-
-
-def test_rotary_embedding_llama3_like_transformers():
-    sc = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
-    dim, base = 32, 500000.0
-    rope = flashtx.nn.RotaryEmbedding(dim, base, scaling=sc)
-    # transformers' _compute_llama3_parameters, written out (in float64 here)
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    low_wl, high_wl = 64 / 1.0, 64 / 4.0
-    wavelen = 2 * torch.pi / inv_freq
-    inv_l = torch.where(wavelen > low_wl, inv_freq / 8.0, inv_freq)
-    smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
-    smoothed = (1 - smooth) * inv_l / 8.0 + smooth * inv_l
-    medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-    expected = torch.where(medium, smoothed, inv_l)
-    assert medium.any() and (wavelen > low_wl).any() and (wavelen < high_wl).any(), "all three bands covered"
-    torch.testing.assert_close(rope.inv_freq, expected.float(), rtol=0, atol=0)
-
-
-def test_rotary_embedding_forward():
-    rope = flashtx.nn.RotaryEmbedding(8, max_seq_len=4)
-    q, k = randn(2, 6, 3, 10, dtype=torch.float64), randn(2, 6, 1, 10, dtype=torch.float64)
-    cos, sin = rope.cos_sin(16)
-    qo, ko = rope(q, k, seqlen_offsets=10)  # needs 16 positions: grows past max_seq_len
-    eq, ek = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=10)
-    assert torch.equal(qo, eq) and torch.equal(ko, ek)
-    pos = torch.tensor([[0, 3, 9, 1, 1, 2], [5, 5, 5, 5, 5, 20]], device=DEVICE)
-    assert torch.equal(rope(q, position_ids=pos), flashtx.apply_rotary(q, *rope.cos_sin(21), position_ids=pos))
-    qb = q.transpose(1, 2)
-    assert torch.equal(rope(qb, layout="bhsd", seqlen_offsets=torch.tensor([2, 7])).transpose(1, 2),
-                       flashtx.apply_rotary(q, *rope.cos_sin(13), seqlen_offsets=torch.tensor([2, 7])))
-    gptj = flashtx.nn.RotaryEmbedding(8, interleaved=True)
-    assert torch.equal(gptj(q), flashtx.apply_rotary(q, *gptj.cos_sin(6), interleaved=True))
-    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
-    xv = randn(12, 2, 8, dtype=torch.float64)
-    assert torch.equal(rope(xv, cu_seqlens=cu), flashtx.apply_rotary(xv, *rope.cos_sin(8), cu_seqlens=cu))
-
-
-RE_ERRORS = {
-    "odd_dim": (dict(dim=7), ValueError, "even int"),
-    "bad_base": (dict(dim=8, base=1.0), ValueError, "base must be a number > 1"),
-    "bad_max_seq_len": (dict(dim=8, max_seq_len=0), ValueError, "max_seq_len must be an int >= 1"),
-    "scaling_not_dict": (dict(dim=8, scaling="linear"), TypeError, "scaling must be None or a dict"),
-    "scaling_unknown": (dict(dim=8, scaling={"type": "yarn", "factor": 2.0}), ValueError, "scaling type must be"),
-    "scaling_factor": (dict(dim=8, scaling={"type": "linear", "factor": 0}), ValueError, "positive number"),
-    "llama3_missing": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0}), ValueError, "missing"),
-    "llama3_bands": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
-                                          "high_freq_factor": 1.0, "original_max_position_embeddings": 8}),
-                     ValueError, "high_freq_factor > low_freq_factor"),
-}
-
-
-@pytest.mark.parametrize("case", RE_ERRORS.values(), ids=RE_ERRORS.keys())
-def test_rotary_embedding_errors(case):
-    kw, exc, match = case
-    with pytest.raises(exc, match=match):
-        flashtx.nn.RotaryEmbedding(**kw)
-
-
-def test_rotary_embedding_call_errors():
-    rope = flashtx.nn.RotaryEmbedding(8)
-    with pytest.raises(ValueError, match="seq_len must be an int >= 0"):
-        rope.cos_sin(-1)
-    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
-        rope("q")
-    with pytest.raises(ValueError, match=r"rotary_dim = 2 \* cos.shape\[-1\] = 8"):
-        rope(randn(1, 3, 2, 6))  # head dim smaller than the rotary dim
