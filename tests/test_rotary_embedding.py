@@ -25,6 +25,9 @@ def test_rotary_embedding_tables_and_growth():
     cos50, sin50 = rope.cos_sin(50)  # grows on demand
     assert torch.equal(cos50, ref_c) and torch.equal(sin50, ref_s)
     assert rope.cos_sin(0)[0].shape == (0, 6)
+    rope.half()  # casting the module (e.g. model.half()) leaves the fp32 tables exact
+    c200 = rope.cos_sin(200)[0]  # grows: rebuilt after the cast
+    assert c200.dtype == torch.float32 and torch.equal(c200, plain_tables(inv.float(), torch.arange(200))[0])
 
 
 def test_rotary_embedding_linear_scaling():

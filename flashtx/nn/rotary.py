@@ -98,7 +98,9 @@ class RotaryEmbedding(nn.Module):
         self.dim, self.base, self.max_seq_len = int(dim), float(base), int(max_seq_len)
         self.scaling = _parse_scaling(scaling, self.max_seq_len)
         self.interleaved = bool(interleaved)
-        self.register_buffer("inv_freq", self._inv_freq(self.base, device), persistent=False)  # (dim/2,) fp32
+        inv_freq = self._inv_freq(self.base, device)  # (dim/2,) fp32
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._inv_freq32 = inv_freq.cpu()  # what the tables use: immune to model.half() casting the buffer
         self._cache: tuple | None = None  # (key, length, cos, sin)
 
     def _inv_freq(self, base: float, device=None) -> Tensor:
@@ -115,7 +117,7 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin), each (seq_len, dim/2) float32, for positions 0 .. seq_len - 1 (cached views)."""
         if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 0:
             raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
-        device = torch.device(device) if device is not None else self.inv_freq.device
+        device = torch.device(device) if device is not None else self.inv_freq.device  # follows module.to()
         sc = self.scaling
         if sc is not None and sc["type"] == "dynamic" and seq_len > sc["original_max_position_embeddings"]:
             key = ("ntk",)  # frequencies depend on the longest length seen: rebuild when it grows
@@ -127,7 +129,7 @@ class RotaryEmbedding(nn.Module):
             cached = self._cache
             if cached is None or cached[0] != key or cached[1] < seq_len or cached[2].device != device:
                 length = max(seq_len, self.max_seq_len, 2 * cached[1] if cached and cached[0] == key else 0)
-                self._cache = (key, length, *self._tables(length, self.inv_freq.to(device), device))
+                self._cache = (key, length, *self._tables(length, self._inv_freq32, device))
         _, _, cos, sin = self._cache
         return cos[:seq_len], sin[:seq_len]
 
