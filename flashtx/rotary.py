@@ -168,10 +168,15 @@ def _(q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, int
     return None
 
 
-def _setup(ctx, inputs, output):
-    *_, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend = inputs
+def _save_rotation(ctx, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate,
+                   backend):
+    """Keep what the backward needs: the same rotation with the opposite `conjugate` (by -theta)."""
     ctx.save_for_backward(cos, sin, offsets, position_ids, cu_seqlens)
-    ctx.args = (offset, max_seqlen, interleaved, not conjugate, backend)  # backward: rotation by -theta
+    ctx.args = (offset, max_seqlen, interleaved, not conjugate, backend)
+
+
+def _setup(ctx, inputs, output):
+    _save_rotation(ctx, *inputs[-10:])  # inputs: the rotated tensor(s), then the 10 rotation arguments
 
 
 def _backward_args(ctx):
@@ -206,8 +211,8 @@ class _RotaryInplace(torch.autograd.Function):
         rotary_inplace_op(q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
                           False, backend)
         ctx.mark_dirty(q)
-        ctx.save_for_backward(cos, sin, offsets, position_ids, cu_seqlens)
-        ctx.args = (offset, max_seqlen, interleaved, True, backend)
+        _save_rotation(ctx, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, False,
+                       backend)
         return q
 
     @staticmethod
@@ -221,8 +226,8 @@ class _ClaimRotated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, backend):
         ctx.mark_dirty(k)
-        ctx.save_for_backward(cos, sin, offsets, position_ids, cu_seqlens)
-        ctx.args = (offset, max_seqlen, interleaved, True, backend)
+        _save_rotation(ctx, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, False,
+                       backend)
         return k
 
     @staticmethod
