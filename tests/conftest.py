@@ -16,17 +16,15 @@ import contextlib  # noqa: E402
 
 import pytest  # noqa: E402
 
+from flashtx import testing  # noqa: E402
+
 DEVICE = "cuda" if ON_GPU else "cpu"
 # The interpreter computes bf16 wrongly (triton-lang/triton#11584) and float64 is for gradchecks
 # there; a GPU runs the dtypes users train in.
 KERNEL_DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float16, torch.float32,
                                                                                torch.float64]
-# The floor of the tolerance rule, in ulps of the tested dtype at the result's magnitude: about the
-# rounding of the output itself for fp16/bf16/fp32. For fp64 the same-dtype eager computation *is*
-# the reference (error 0), so the floor is the whole bound there: 32 ulps, ~7e-15 relative.
-FLOOR_ULPS = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 32}
-OUTPUT_FACTOR = 2.0  # kernel error may be at most 2x the same-dtype eager error (outputs)...
-GRAD_FACTOR = 3.0  # ...and 3x for gradients
+OUTPUT_FACTOR, GRAD_FACTOR = testing.OUTPUT_FACTOR, testing.GRAD_FACTOR  # noqa: E402
+max_err = testing.max_err
 
 
 def dtype_id(dt: torch.dtype) -> str:
@@ -49,15 +47,6 @@ def to_dtype(dtype, *ts):
     return tuple(t.detach().to(dtype).requires_grad_(True) for t in ts)
 
 
-def max_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
-    a, r = actual.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
-    both_inf = torch.isinf(a) & torch.isinf(r) & (torch.sign(a) == torch.sign(r))
-    d = torch.where(both_inf, torch.zeros_like(a), (a - r).abs())
-    if d.numel() == 0:
-        return 0.0
-    return float(torch.nan_to_num(d, nan=float("inf")).max())
-
-
 def assert_close_to_reference(name: str, actual: torch.Tensor, ref64: torch.Tensor, eager: torch.Tensor, *,
                               grad: bool = False, scale: float = 0.0) -> None:
     """The tolerance rule: err(kernel) <= factor * err(same-dtype eager) + a few ulps.
@@ -67,17 +56,11 @@ def assert_close_to_reference(name: str, actual: torch.Tensor, ref64: torch.Tens
     cancel when the exact result is ~0 (e.g. dq with one key). NaN or a missing value fails.
     """
     assert actual.shape == ref64.shape, f"{name}: shape {tuple(actual.shape)} != reference {tuple(ref64.shape)}"
-    dt = actual.dtype
-    err_k = max_err(actual, ref64)
+    err_k, bound = testing.tolerance_check(actual, ref64, eager, grad=grad, scale=scale)
     err_e = max_err(eager, ref64)
-    ref64 = ref64.detach()
-    finite = ref64[torch.isfinite(ref64)]
-    magnitude = max(float(finite.abs().max()) if finite.numel() else 0.0, scale, 1e-3)
-    floor = FLOOR_ULPS[dt] * torch.finfo(dt).eps * magnitude
     factor = GRAD_FACTOR if grad else OUTPUT_FACTOR
-    bound = factor * err_e + floor
-    assert err_k <= bound, (f"{name} ({dtype_id(dt)}): kernel error {err_k:.3e} > {factor:g} x eager error "
-                            f"{err_e:.3e} + floor {floor:.3e}")
+    assert err_k <= bound, (f"{name} ({dtype_id(actual.dtype)}): kernel error {err_k:.3e} > bound {bound:.3e} "
+                            f"({factor:g} x eager error {err_e:.3e} + ulp floor)")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,65 @@
+"""python -m flashtx: the environment, the backends available, and a self-check of every op.
+
+Without a GPU, the Triton kernels are checked in Triton's interpreter on CPU tensors (the
+process re-executes itself with FLASHTX_INTERPRET=1, which must be set before triton loads).
+Exits 1 if any check fails.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import torch
+
+
+def main() -> int:
+    if not torch.cuda.is_available() and os.environ.get("FLASHTX_INTERPRET") != "1" \
+            and os.environ.get("_FLASHTX_REEXEC") != "1":
+        env = dict(os.environ, FLASHTX_INTERPRET="1", _FLASHTX_REEXEC="1")
+        os.execve(sys.executable, [sys.executable, "-m", "flashtx", *sys.argv[1:]], env)
+
+    import flashtx
+    from flashtx import _env, selfcheck
+    from flashtx.backends import BACKENDS, AttentionInputs
+
+    print(f"flashtx {flashtx.__version__}")
+    triton_v = "not installed"
+    if _env.HAS_TRITON:
+        import triton
+
+        triton_v = triton.__version__
+    print(f"python {platform.python_version()}, torch {torch.__version__}, triton {triton_v}")
+    if torch.cuda.is_available():
+        device = "cuda"
+        p = torch.cuda.get_device_properties(0)
+        print(f"GPU: {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}")
+        dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    else:
+        device = "cpu"
+        mode = "in Triton's interpreter (FLASHTX_INTERPRET=1)" if _env.INTERPRET else "nowhere: triton is unavailable"
+        print(f"GPU: none. Triton kernels run {mode}; CPU tensors otherwise use the reference backend.")
+        dtypes = [torch.float16, torch.float32]
+
+    print("\nBackends (for fp16 attention on this device):")
+    probe = torch.empty(1, 2, 16, 64, device=device, dtype=torch.float16)
+    for name, backend in BACKENDS.items():
+        reasons = backend.not_supported_reasons(AttentionInputs(probe, probe, probe))
+        print(f"  {name:<10} {'available' if not reasons else 'unavailable: ' + '; '.join(reasons)}")
+
+    print("\nSelf-check against the float64 reference (error/bound: kernel error vs 2x (outputs) or 3x (grads)"
+          " the same-dtype eager error + ulps):")
+    torch.manual_seed(0)
+    results = selfcheck.run_all(device, dtypes)
+    ran = [r for r in results if not r.skipped]
+    failed = [r for r in ran if not r.passed]
+    print(f"\n{len(ran) - len(failed)} passed, {len(failed)} failed, {len(results) - len(ran)} skipped "
+          f"(backend unavailable)")
+    if not ran:
+        print("no check ran")
+        return 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

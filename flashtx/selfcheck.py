@@ -1,0 +1,118 @@
+"""Self-check of every op through every available backend, against the float64 reference.
+
+Used by ``python -m flashtx``. Each check draws fresh random inputs, runs forward and backward
+through one backend, and applies the tolerance rule of flashtx.testing to every output and
+gradient. A backend that cannot run the inputs is reported as skipped, with its reasons.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from . import reference, testing
+from .backends import BACKENDS, AttentionInputs
+
+
+@dataclasses.dataclass
+class CheckResult:
+    op: str
+    dtype: torch.dtype
+    backend: str
+    errors: dict  # name -> (error, bound)
+    skipped: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.skipped and all(e <= b for e, b in self.errors.values())
+
+
+def _grads(fn, inputs, dout):
+    out = fn(*inputs)
+    return out, torch.autograd.grad(out, inputs, dout)
+
+
+def _compare(op, dtype, backend, fn_kernel, fn_ref, make_inputs) -> CheckResult:
+    """Run fn_kernel in dtype and fn_ref in dtype and float64; apply the tolerance rule."""
+    base = make_inputs()
+    ins = [t.detach().to(dtype).requires_grad_(True) for t in base]
+    out = fn_kernel(*ins)
+    dout = torch.randn_like(out, dtype=torch.float64).to(dtype)
+    grads = torch.autograd.grad(out, ins, dout)
+    ins64 = [t.detach().to(torch.float64).requires_grad_(True) for t in base]
+    ref, ref_grads = _grads(fn_ref, ins64, dout.to(torch.float64))
+    ins_e = [t.detach().to(dtype).requires_grad_(True) for t in base]
+    eager, eager_grads = _grads(fn_ref, ins_e, dout)
+    errors = {"out": testing.tolerance_check(out, ref, eager)}
+    scale = max(float(g.abs().max()) for g in ref_grads)
+    for i, (g, r, e) in enumerate(zip(grads, ref_grads, eager_grads)):
+        errors[f"grad{i}"] = testing.tolerance_check(g, r, e, grad=True, scale=scale)
+    return CheckResult(op, dtype, backend, errors)
+
+
+def attention_checks(device, dtype) -> list[tuple[str, Callable]]:
+    """(op name, runner(backend) -> CheckResult) for both attention shells."""
+    def make():
+        return (torch.randn(2, 4, 77, 64, device=device, dtype=torch.float64),
+                torch.randn(2, 2, 93, 64, device=device, dtype=torch.float64),
+                torch.randn(2, 2, 93, 64, device=device, dtype=torch.float64))
+
+    def sdpa(backend):
+        from .functional import attention
+
+        return _compare(SDPA_NAME, dtype, backend,
+                        lambda q, k, v: attention(q, k, v, is_causal=True, enable_gqa=True, backend=backend),
+                        lambda q, k, v: reference.attention(q, k, v, causal=True), make)
+
+    def flash(backend):
+        from .functional import flash_attn_func
+
+        def run(q, k, v):
+            return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                   backend=backend).transpose(1, 2)
+
+        return _compare(FLASH_NAME, dtype, backend, run,
+                        lambda q, k, v: reference.attention(q, k, v, causal=True, bottom_right=True), make)
+
+    def reasons(backend):
+        q = torch.empty(2, 4, 77, 64, device=device, dtype=dtype)
+        kv = torch.empty(2, 2, 93, 64, device=device, dtype=dtype)
+        return BACKENDS[backend].not_supported_reasons(AttentionInputs(q, kv, kv, True))
+
+    return [(SDPA_NAME, sdpa, reasons, tuple(BACKENDS)), (FLASH_NAME, flash, reasons, tuple(BACKENDS))]
+
+
+SDPA_NAME = "attention (SDPA shell, GQA, causal top-left)"
+FLASH_NAME = "flash_attn_func (GQA, causal bottom-right)"
+
+# Each entry: a function (device, dtype) -> [(name, runner(backend), reasons_fn(backend), backend names)].
+CHECKS: list[Callable] = [attention_checks]
+
+
+def run_all(device, dtypes, report=print) -> list[CheckResult]:
+    results = []
+    for dtype in dtypes:
+        for make_checks in CHECKS:
+            for name, runner, reasons_fn, backend_names in make_checks(device, dtype):
+                for backend in backend_names:
+                    why = reasons_fn(backend)
+                    if why:
+                        res = CheckResult(name, dtype, backend, {}, "; ".join(why))
+                    else:
+                        try:
+                            res = runner(backend)
+                        except Exception as exc:  # a crash is a failure, reported like one
+                            res = CheckResult(f"{name} CRASHED: {type(exc).__name__}: {exc}", dtype, backend,
+                                              {"crash": (float("inf"), 0.0)})
+                    results.append(res)
+                    report(format_result(res))
+    return results
+
+
+def format_result(r: CheckResult) -> str:
+    dt = str(r.dtype).replace("torch.", "")
+    if r.skipped:
+        return f"  SKIP  {dt:<8} {r.backend:<9} {r.op}: {r.skipped}"
+    errs = "  ".join(f"{k} {e:.1e}/{b:.1e}" for k, (e, b) in r.errors.items())
+    return f"  {'PASS' if r.passed else 'FAIL'}  {dt:<8} {r.backend:<9} {r.op}\n        error/bound: {errs}"

@@ -1,0 +1,44 @@
+"""The tolerance rule flashtx holds its kernels to, shared by the tests and `python -m flashtx`.
+
+A kernel's error against a float64 reference may be at most `factor` times the error of the same
+computation done eagerly in the kernel's dtype (2 for outputs, 3 for gradients), plus a floor of
+a few ulps for results both compute almost exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+OUTPUT_FACTOR = 2.0
+GRAD_FACTOR = 3.0
+# The floor, in ulps of the tested dtype at the result's magnitude: about the rounding of the
+# output itself for fp16/bf16/fp32. For fp64 the same-dtype eager computation *is* the reference
+# (error 0), so the floor is the whole bound there: 32 ulps, ~7e-15 relative.
+FLOOR_ULPS = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 32}
+
+
+def max_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs difference; matching infinities count as 0, NaN as +inf."""
+    a, r = actual.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    both_inf = torch.isinf(a) & torch.isinf(r) & (torch.sign(a) == torch.sign(r))
+    d = torch.where(both_inf, torch.zeros_like(a), (a - r).abs())
+    if d.numel() == 0:
+        return 0.0
+    return float(torch.nan_to_num(d, nan=float("inf")).max())
+
+
+def tolerance_check(actual: torch.Tensor, ref64: torch.Tensor, eager: torch.Tensor, *, grad: bool = False,
+                    scale: float = 0.0) -> tuple[float, float]:
+    """(kernel error, allowed bound) under the rule; the check passes when error <= bound.
+
+    scale: a magnitude for the ulp floor when the exact result is ~0 through cancellation (e.g.
+    dq with a single key); the floor uses max(|ref64|, scale).
+    """
+    ref64 = ref64.detach()
+    dt = actual.dtype
+    err_k = max_err(actual, ref64)
+    err_e = max_err(eager, ref64)
+    finite = ref64[torch.isfinite(ref64)]
+    magnitude = max(float(finite.abs().max()) if finite.numel() else 0.0, scale, 1e-3)
+    floor = FLOOR_ULPS.get(dt, 4) * torch.finfo(dt).eps * magnitude
+    bound = (GRAD_FACTOR if grad else OUTPUT_FACTOR) * err_e + floor
+    return err_k, bound
