@@ -86,8 +86,57 @@ def attention_checks(device, dtype) -> list[tuple[str, Callable]]:
 SDPA_NAME = "attention (SDPA shell, GQA, causal top-left)"
 FLASH_NAME = "flash_attn_func (GQA, causal bottom-right)"
 
+def rotary_checks(device, dtype):
+    """apply_rotary (half rotation, partial: rotary_dim 48 of 64) against x*cos + rotate_half(x)*sin."""
+    from .rotary import ROTARY_BACKENDS, RotaryInputs, apply_rotary
+
+    name = "apply_rotary (NeoX half rotation, partial rotary_dim 48/64)"
+    S, R2 = 77, 24
+    theta = torch.arange(S, device=device, dtype=torch.float64)[:, None] * 10000.0 ** (
+        -torch.arange(R2, device=device, dtype=torch.float64) / R2)
+    cos, sin = theta.cos().float(), theta.sin().float()  # (S, R2) tables, as a model keeps them
+
+    def eager(x):  # the formula users write: (B, S, H, D), computed in x's dtype
+        c = torch.cat((cos, cos), -1).to(x.dtype)[None, :, None, :]
+        s_ = torch.cat((sin, sin), -1).to(x.dtype)[None, :, None, :]
+        xr, rest = x[..., : 2 * R2], x[..., 2 * R2:]
+        return torch.cat((xr * c + reference.rotate_half(xr) * s_, rest), -1)
+
+    def make():
+        return (torch.randn(2, S, 4, 64, device=device, dtype=torch.float64),)
+
+    def run(backend):
+        return _compare(name, dtype, backend, lambda x: apply_rotary(x, cos, sin, backend=backend), eager, make)
+
+    def reasons(backend):
+        x = torch.empty(2, S, 4, 64, device=device, dtype=dtype)
+        return ROTARY_BACKENDS[backend].not_supported_reasons(RotaryInputs(x, cos[None]))
+
+    return [(name, run, reasons, tuple(ROTARY_BACKENDS))]
+
+
+def swiglu_checks(device, dtype):
+    """swiglu(gate, up) against silu(gate) * up."""
+    from .swiglu import SWIGLU_BACKENDS, SwigluInputs, swiglu
+
+    name = "swiglu (silu(gate) * up)"
+
+    def make():
+        return tuple(torch.randn(2, 77, 344, device=device, dtype=torch.float64) for _ in range(2))
+
+    def run(backend):
+        return _compare(name, dtype, backend, lambda g, u: swiglu(g, u, backend=backend),
+                        lambda g, u: torch.nn.functional.silu(g) * u, make)
+
+    def reasons(backend):
+        g = torch.empty(2, 77, 344, device=device, dtype=dtype)
+        return SWIGLU_BACKENDS[backend].not_supported_reasons(SwigluInputs(g))
+
+    return [(name, run, reasons, tuple(SWIGLU_BACKENDS))]
+
+
 # Each entry: a function (device, dtype) -> [(name, runner(backend), reasons_fn(backend), backend names)].
-CHECKS: list[Callable] = [attention_checks]
+CHECKS: list[Callable] = [attention_checks, rotary_checks, swiglu_checks]
 
 
 def run_all(device, dtypes, report=print) -> list[CheckResult]:

@@ -1,0 +1,35 @@
+"""python -m flashtx, the main job: environment, backends, self-check; non-zero exit on failure."""
+import os
+import subprocess
+import sys
+
+import torch
+
+from flashtx import selfcheck
+from flashtx.backends import TritonBackend
+
+
+def test_main_job_runs_every_check_and_exits_zero():
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHTX_INTERPRET", "TRITON_INTERPRET")}
+    proc = subprocess.run([sys.executable, "-m", "flashtx"], capture_output=True, text=True, env=env, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "torch " in out and "triton " in out and "Backends" in out
+    for op in ("attention (SDPA shell", "flash_attn_func", "apply_rotary", "swiglu"):
+        assert f"PASS  float16  triton    {op}" in out, op
+    assert " 0 failed" in out
+
+
+def test_self_check_fails_on_a_wrong_kernel(monkeypatch):
+    real = TritonBackend.forward
+
+    def planted(self, q, k, v, out, **kw):
+        lse2 = real(self, q, k, v, out, **kw)
+        out.mul_(1.01)
+        return lse2
+
+    monkeypatch.setattr(TritonBackend, "forward", planted)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = selfcheck.run_all(device, [torch.float32], report=lambda line: None)
+    bad = [r for r in results if not r.skipped and not r.passed]
+    assert {r.backend for r in bad} == {"triton"} and len(bad) == 2  # both attention shells
