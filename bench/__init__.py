@@ -1,0 +1,10 @@
+"""flashtx's benchmark suite (pytest-benchmark) and its tools.
+
+    pytest bench --benchmark-only                        # everything (GPU); skips with reasons without one
+    pytest bench --benchmark-only --quick                # the quick subset (under 3 minutes on a GPU)
+    python -m bench.report results.json --out DIR        # ratio table + plots from --benchmark-json
+    python -m bench.gpu_checks                           # large-shape correctness, O(N) memory, speed table
+    bash bench/device_check.sh                           # all of the above on a lent GPU machine
+
+See bench/README.md.
+"""

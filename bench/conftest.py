@@ -1,0 +1,61 @@
+"""pytest options for the benchmark suite.
+
+- `--quick` (or `-m quick`): only the quick subset (under 3 minutes on a GPU).
+- Without a CUDA GPU every benchmark is skipped with the reason, and the run exits 0.
+- pytest-benchmark's machine_info gets the GPU, its datasheet peaks and the torch/triton/flashtx
+  versions, so every JSON says where it came from.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+NO_GPU_REASON = ("no CUDA GPU here (torch.cuda.is_available() is False): the GPU benchmarks are skipped; "
+                 "run `pytest bench --benchmark-only` on a machine with one")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true", default=False,
+                     help="flashtx bench: run only the quick subset (tests marked quick)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the benchmark subset that runs in under 3 minutes on a GPU")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    bench_items = [it for it in items if it.nodeid.startswith("bench/")]
+    if config.getoption("--quick"):
+        keep = [it for it in items if it not in bench_items or it.get_closest_marker("quick")]
+        dropped = [it for it in items if it not in keep]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason=NO_GPU_REASON)
+        for it in items:
+            if it.get_closest_marker("gpu"):
+                it.add_marker(skip)
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    import flashtx
+
+    from . import gpus
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    info = {"torch": torch.__version__, "triton": triton_version, "flashtx": flashtx.__version__,
+            "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        props = torch.cuda.get_device_properties(0)
+        peak = gpus.lookup(name)
+        info.update(gpu=name, capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
+                    memory_gb=round(props.total_memory / 1e9, 1))
+        if peak:
+            info.update(peak_tflops_16=peak.tflops_16, peak_gbs=peak.gbs, peak_source=peak.source)
+    machine_info["flashtx_bench"] = info

@@ -1,0 +1,182 @@
+"""How every benchmark is timed and recorded (one place, so every provider is measured alike).
+
+Method (see /work/.library/device/METHOD.md, and bench/README.md):
+  1. `prepare()` builds the state once (e.g. the forward graph a backward-only case needs), outside
+     any timing.
+  2. Warm-up: the step runs `WARMUP` times untimed (compilation, autotuning, cuBLAS handles). The
+     second warm-up call also measures peak memory: torch.cuda.max_memory_allocated() during the
+     call minus memory_allocated() just before it (the call's outputs and workspace included).
+  3. Rounds run through `benchmark.pedantic`: its untimed `setup` flushes the L2 (writes a 256 MB
+     buffer, as triton.testing.do_bench does; H100/H200 L2 is 50/60 MB) and synchronizes; the
+     timed target records a CUDA event, runs the step, records an event and synchronizes. The
+     events' elapsed times give `median_ms`, the number every TFLOP/s, GB/s and ratio uses.
+     pytest-benchmark's own stats (host clock around the same target) also include launch
+     overhead and one synchronize (~10-30 us); they are kept but not used by the report.
+  4. Rounds: enough to fill BENCH_BUDGET_S seconds (default 0.2), at least 10 and at most 200.
+An out-of-memory during prepare or warm-up is recorded (extra_info status "OOM") instead of failing.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import os
+import statistics
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from . import gpus
+
+WARMUP = 3
+MIN_ROUNDS, MAX_ROUNDS = 10, 200
+BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "0.2"))
+_FLUSH_BYTES = 256 * 1024 * 1024
+_flush_buf: torch.Tensor | None = None
+
+OOM_ERRORS = (torch.OutOfMemoryError,)
+
+
+class Unavailable(Exception):
+    """A provider cannot run this case (not installed, backend refuses the inputs): skip, with the reason."""
+
+
+def flush_l2() -> None:
+    global _flush_buf
+    if _flush_buf is None:
+        _flush_buf = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    _flush_buf.zero_()
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+
+
+def peak_memory_of(step: Callable[[Any], Any], state: Any) -> float:
+    """Peak extra device memory of one call, in MB (outputs included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = step(state)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def measure(step: Callable[[Any], Any], state: Any, benchmark=None) -> list[float]:
+    """Per-round CUDA-event times in ms (L2 flushed before each round); through benchmark.pedantic
+    when a pytest-benchmark fixture is given."""
+    times: list[float] = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def setup():
+        flush_l2()
+        torch.cuda.synchronize()
+        return (state,), {}
+
+    def target(s):
+        start.record()
+        step(s)  # outputs are dropped after the events; freeing them costs no device time
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+
+    # Estimate the time of one call (already warm) to size the rounds.
+    setup()
+    target(state)
+    est_s = max(times.pop() / 1e3, 1e-6)
+    rounds = int(min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(BUDGET_S / est_s))))
+    if benchmark is None:
+        for _ in range(rounds):
+            setup()
+            target(state)
+    else:
+        benchmark.pedantic(target, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
+    return times
+
+
+def summarize(times: list[float]) -> dict:
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "iqr_ms": q[2] - q[0],
+            "rounds": len(times), "timing": "CUDA events, L2 flushed before each round"}
+
+
+def throughput(median_ms: float, *, flops: float | None = None, nbytes: float | None = None,
+               dtype: torch.dtype | None = None) -> dict:
+    """TFLOP/s and/or GB/s, and their percentage of the datasheet peak when the GPU is known."""
+    out: dict = {}
+    peak = gpus.lookup(gpu_name())
+    s = median_ms / 1e3
+    if flops is not None:
+        out["tflops"] = flops / s / 1e12
+        if peak and dtype in (torch.float16, torch.bfloat16):
+            out["pct_peak_tflops"] = 100.0 * out["tflops"] / peak.tflops_16
+    if nbytes is not None:
+        out["gbs"] = nbytes / s / 1e9
+        if peak:
+            out["pct_peak_gbs"] = 100.0 * out["gbs"] / peak.gbs
+    return out
+
+
+def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = False):
+    """build() (the provider's setup: imports, masks, compiled functions), or skip with the reason."""
+    try:
+        return build()
+    except Unavailable as exc:
+        pytest.skip(f"{provider}: {exc}")
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError) as exc:
+        if fail_fast:
+            raise
+        pytest.skip(f"{provider} cannot be set up: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+
+
+def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any], info: dict,
+             flops: float | None = None, nbytes: float | None = None, dtype: torch.dtype | None = None,
+             fail_fast: bool = False) -> dict:
+    """Prepare, warm up, measure memory, time; fill benchmark.extra_info. Skips (pytest.skip) with
+    the reason when the provider refuses the case, unless fail_fast (flashtx itself must not fail)."""
+    benchmark.extra_info.update(info)
+    benchmark.extra_info["gpu"] = gpu_name()
+    state = None
+    try:
+        state = prepare()
+        for i in range(WARMUP):
+            if i == 1:
+                benchmark.extra_info["peak_mem_mb"] = peak_memory_of(step, state)
+            else:
+                step(state)
+        torch.cuda.synchronize()
+    except OOM_ERRORS as exc:
+        del state
+        free_memory()
+        benchmark.extra_info.update(status="OOM", error=str(exc).splitlines()[0][:200])
+        # Record the case so the JSON and the report show the OOM (one empty, meaningless round).
+        benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+        return benchmark.extra_info
+    except Unavailable as exc:
+        pytest.skip(f"{info.get('provider')}: {exc}")
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+        if fail_fast:
+            raise
+        del state
+        free_memory()
+        pytest.skip(f"{info.get('provider')} cannot run this case: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    times = measure(step, state, benchmark)
+    summary = summarize(times)
+    benchmark.extra_info.update(summary, status="ok")
+    benchmark.extra_info.update(throughput(summary["median_ms"], flops=flops, nbytes=nbytes, dtype=dtype))
+    if flops is not None:
+        benchmark.extra_info["flops"] = flops
+    if nbytes is not None:
+        benchmark.extra_info["bytes"] = nbytes
+    del state
+    free_memory()
+    return benchmark.extra_info

@@ -1,0 +1,80 @@
+"""Attention benchmarks, shaped as FlashAttention's own benchmark (benchmarks/benchmark_flash_attention.py):
+B*N = 16k tokens and H*D = 2048, so every sequence length does the same work per token; D in {64, 128};
+N from 512 to 16k; causal and not; forward, backward, forward+backward. Plus GQA as LLaMA-3-8B:
+32 query heads, 8 K/V heads, D = 128.
+
+Every provider gets the same shapes and dtype (BENCH_DTYPE: bf16, the default, or fp16) in its
+native layout, contiguous. The quick subset (`--quick` or `-m quick`) is D = 128 at N = 2k and 8k.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from . import gpus, harness
+from .providers import ATTENTION_PROVIDERS, DESCRIPTION, AttnCase, attention_case
+
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("BENCH_DTYPE", "bf16")]
+TOKENS = 16 * 1024   # B * N, as FlashAttention's benchmark
+HIDDEN = 2048        # H * D, as FlashAttention's benchmark
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEADDIMS = (64, 128)
+PASSES = ("fwd", "bwd", "fwd+bwd")
+QUICK_SEQLENS = (2048, 8192)
+GQA_HEADS = (32, 8)  # LLaMA-3-8B: 32 query heads share 8 K/V heads, D = 128
+GQA_SEQLENS = (2048, 4096, 8192, 16384)
+
+
+def _quick(provider: str, d: int, seqlen: int, causal: bool) -> bool:
+    if d != 128 or seqlen not in QUICK_SEQLENS:
+        return False
+    # FlexAttention compiles per shape and pass (~10-30 s each): one causal shape in the quick set
+    return provider != "flex" or (seqlen == 2048 and causal)
+
+
+def _params():
+    for pass_ in PASSES:
+        for d in HEADDIMS:
+            for causal in (False, True):
+                for seqlen in SEQLENS:
+                    for provider in ATTENTION_PROVIDERS:
+                        marks = [pytest.mark.quick] if _quick(provider, d, seqlen, causal) else []
+                        yield pytest.param(pass_, d, seqlen, causal, provider, marks=marks,
+                                           id=f"{pass_}-d{d}-n{seqlen}-{'causal' if causal else 'full'}-{provider}")
+
+
+def _gqa_params():
+    for pass_ in PASSES:
+        for seqlen in GQA_SEQLENS:
+            for provider in ATTENTION_PROVIDERS:
+                marks = [pytest.mark.quick] if seqlen == 2048 and provider != "flex" else []
+                yield pytest.param(pass_, seqlen, provider, marks=marks, id=f"{pass_}-n{seqlen}-causal-{provider}")
+
+
+def run_attention(benchmark, provider: str, case: AttnCase, pass_: str) -> None:
+    benchmark.group = (f"attention {pass_} D={case.d} {'causal' if case.causal else 'full'} "
+                       f"Hq/Hkv={case.hq}/{case.hkv} N={case.seqlen}")
+    is_ours = provider == "flashtx"
+    prepare, step = harness.build_or_skip(provider, lambda: attention_case(provider, case, pass_), fail_fast=is_ours)
+    info = {**case.info(), "provider": provider, "provider_desc": DESCRIPTION[provider], "pass": pass_}
+    flops = gpus.attention_flops(case.batch, case.hq, case.seqlen, case.seqlen, case.d, case.causal, pass_)
+    harness.run_case(benchmark, prepare=prepare, step=step, info=info, flops=flops, dtype=case.dtype,
+                     fail_fast=is_ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pass_, d, seqlen, causal, provider", list(_params()))
+def test_attention(benchmark, pass_, d, seqlen, causal, provider):
+    h = HIDDEN // d
+    case = AttnCase(batch=TOKENS // seqlen, hq=h, hkv=h, seqlen=seqlen, d=d, causal=causal, dtype=DTYPE)
+    run_attention(benchmark, provider, case, pass_)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pass_, seqlen, provider", list(_gqa_params()))
+def test_attention_gqa(benchmark, pass_, seqlen, provider):
+    hq, hkv = GQA_HEADS
+    case = AttnCase(batch=TOKENS // seqlen, hq=hq, hkv=hkv, seqlen=seqlen, d=128, causal=True, dtype=DTYPE)
+    run_attention(benchmark, provider, case, pass_)

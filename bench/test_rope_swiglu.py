@@ -1,0 +1,191 @@
+"""Fused RoPE and SwiGLU against eager PyTorch, torch.compile'd eager, Liger-Kernel and a plain copy.
+
+Both ops are memory-bound, so they are reported in GB/s of the fewest bytes they must move
+(bench/gpus.py) and compared with `copy`: a device-to-device copy moving the same number of bytes,
+the bandwidth a memory-bound kernel can hope for (issue 3's target: >= 80% of it).
+
+Shapes as LLaMA-2-7B (32 q and 32 kv heads, D = 128; MLP 4096 -> 11008) and LLaMA-3-8B (32 q and
+8 kv heads, D = 128; MLP 4096 -> 14336) at 2k, 4k and 8k tokens (batch 1). Layout (B, H, S, D) as
+Hugging Face models call RoPE. The quick subset is LLaMA-3-8B at 4k tokens.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashtx
+
+from . import gpus, harness
+from .providers import optional_import
+
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("BENCH_DTYPE", "bf16")]
+MODELS = {  # name: (q heads, kv heads, head dim, MLP intermediate size)
+    "llama2-7b": (32, 32, 128, 11008),
+    "llama3-8b": (32, 8, 128, 14336),
+}
+TOKENS = (2048, 4096, 8192)
+PASSES = ("fwd", "bwd")
+PROVIDERS = ("flashtx", "eager", "compiled", "liger", "copy")
+DESCRIPTION = {
+    "flashtx": "flashtx (Triton)",
+    "eager": "eager PyTorch, as Hugging Face writes it",
+    "compiled": "torch.compile'd eager",
+    "liger": "Liger-Kernel",
+    "copy": "device-to-device copy of the same number of bytes (bandwidth reference)",
+}
+QUICK = ("llama3-8b", 4096)
+
+
+def _params():
+    for pass_ in PASSES:
+        for model in MODELS:
+            for tokens in TOKENS:
+                for provider in PROVIDERS:
+                    marks = [pytest.mark.quick] if (model, tokens) == QUICK else []
+                    yield pytest.param(pass_, model, tokens, provider, marks=marks,
+                                       id=f"{pass_}-{model}-t{tokens}-{provider}")
+
+
+# ------------------------------------------------------------------------------------- eager forms
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_eager(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb; cos/sin (S, D) with duplicated halves, in q's dtype."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def swiglu_eager(gate, up):
+    return F.silu(gate) * up
+
+
+_compiled: dict = {}
+
+
+def compiled(fn):
+    if fn not in _compiled:
+        import torch._dynamo
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        _compiled[fn] = torch.compile(fn, dynamic=False)
+    return _compiled[fn]
+
+
+# ---------------------------------------------------------------------------------------- builders
+def _rope_fn(provider: str, d: int, seqlen: int):
+    half_cos, half_sin = flashtx.nn.RotaryEmbedding(d).cos_sin(seqlen, device="cuda")  # (S, D/2) fp32
+    full_cos = torch.cat((half_cos, half_cos), -1).to(DTYPE)
+    full_sin = torch.cat((half_sin, half_sin), -1).to(DTYPE)
+    if provider == "flashtx":
+        return lambda q, k: flashtx.apply_rotary_qk(q, k, half_cos, half_sin, layout="bhsd")
+    if provider == "eager":
+        return lambda q, k: rope_eager(q, k, full_cos, full_sin)
+    if provider == "compiled":
+        f = compiled(rope_eager)
+        return lambda q, k: f(q, k, full_cos, full_sin)
+    if provider == "liger":
+        rope = optional_import("liger_kernel.transformers.rope")
+        c, s = full_cos[None], full_sin[None]  # (1, S, D)
+        return lambda q, k: rope.liger_rotary_pos_emb(q, k, c, s)
+    raise ValueError(provider)
+
+
+def _swiglu_fn(provider: str):
+    if provider == "flashtx":
+        return flashtx.swiglu
+    if provider == "eager":
+        return swiglu_eager
+    if provider == "compiled":
+        return compiled(swiglu_eager)
+    if provider == "liger":
+        ops = optional_import("liger_kernel.ops.swiglu")
+        return ops.LigerSiLUMulFunction.apply
+    raise ValueError(provider)
+
+
+def _fwd_bwd(fn, make_inputs, pass_):
+    """(prepare, step): fwd without autograd; bwd as autograd.grad over a forward built once."""
+    if pass_ == "fwd":
+        def prepare():
+            return make_inputs(False)
+
+        def step(xs):
+            with torch.no_grad():
+                return fn(*xs)
+    else:
+        def prepare():
+            xs = make_inputs(True)
+            outs = fn(*xs)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            return outs, xs, tuple(torch.randn_like(o) for o in outs)
+
+        def step(s):
+            outs, xs, douts = s
+            return torch.autograd.grad(outs, xs, douts, retain_graph=True)
+    return prepare, step
+
+
+def _copy_case(nbytes: float):
+    """A copy that moves `nbytes` (read + write), in the benchmark's dtype."""
+    n = int(nbytes // (2 * torch.empty((), dtype=DTYPE).element_size()))
+
+    def prepare():
+        return torch.randn(n, device="cuda", dtype=DTYPE), torch.empty(n, device="cuda", dtype=DTYPE)
+
+    def step(s):
+        s[1].copy_(s[0])
+    return prepare, step
+
+
+def _record(benchmark, op, provider, pass_, model, tokens, shape, nbytes, build):
+    benchmark.group = f"{op} {pass_} {model} tokens={tokens}"
+    info = {"op": op, "provider": provider, "provider_desc": DESCRIPTION[provider], "pass": pass_,
+            "model": model, "tokens": tokens, "seqlen": tokens, "dtype": str(DTYPE).replace("torch.", ""),
+            "shape": shape}
+    is_ours = provider == "flashtx"
+    prepare, step = harness.build_or_skip(provider, build, fail_fast=is_ours)
+    harness.run_case(benchmark, prepare=prepare, step=step, info=info, nbytes=nbytes, dtype=DTYPE,
+                     fail_fast=is_ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pass_, model, tokens, provider", list(_params()))
+def test_rope(benchmark, pass_, model, tokens, provider):
+    hq, hkv, d, _ = MODELS[model]
+    elem = torch.empty((), dtype=DTYPE).element_size()
+    nbytes = gpus.rope_bytes(tokens * hq * d, tokens * hkv * d, elem, pass_)
+
+    def make_inputs(grad):
+        q = torch.randn(1, hq, tokens, d, device="cuda", dtype=DTYPE).requires_grad_(grad)
+        k = torch.randn(1, hkv, tokens, d, device="cuda", dtype=DTYPE).requires_grad_(grad)
+        return q, k
+
+    def build():
+        if provider == "copy":
+            return _copy_case(nbytes)
+        return _fwd_bwd(_rope_fn(provider, d, tokens), make_inputs, pass_)
+
+    _record(benchmark, "rope", provider, pass_, model, tokens,
+            f"q (1, {hq}, {tokens}, {d}), k (1, {hkv}, {tokens}, {d})", nbytes, build)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pass_, model, tokens, provider", list(_params()))
+def test_swiglu(benchmark, pass_, model, tokens, provider):
+    inter = MODELS[model][3]
+    elem = torch.empty((), dtype=DTYPE).element_size()
+    nbytes = gpus.swiglu_bytes(tokens * inter, elem, pass_)
+
+    def make_inputs(grad):
+        return tuple(torch.randn(tokens, inter, device="cuda", dtype=DTYPE).requires_grad_(grad) for _ in range(2))
+
+    def build():
+        if provider == "copy":
+            return _copy_case(nbytes)
+        return _fwd_bwd(_swiglu_fn(provider), make_inputs, pass_)
+
+    _record(benchmark, "swiglu", provider, pass_, model, tokens, f"gate, up ({tokens}, {inter})", nbytes, build)
