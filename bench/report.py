@@ -1,0 +1,337 @@
+"""Turn pytest-benchmark's JSON into a markdown report and PNG plots.
+
+    python -m bench.report results.json [--out DIR]
+
+Writes DIR/report.md (also printed) with: where the numbers come from (GPU, versions, date), ratio
+tables (ratio = provider's median time / flashtx's, so > 1 means flashtx is faster; for attention
+this equals the TFLOP/s ratio), a peak-memory table, and issue 3's targets as measured in this run.
+With matplotlib, also DIR/attention.png (TFLOP/s against sequence length, one panel per
+(pass, D, causal), grouped bars as in FlashAttention's README), DIR/attention_gqa.png and
+DIR/rope_swiglu.png (GB/s). Times are extra_info["median_ms"] (CUDA events, see bench/harness.py).
+Pure Python apart from matplotlib: it needs no GPU, torch or triton.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ATTN_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flash_attn", "xformers", "flex",
+              "sdpa-math", "eager"]
+MEM_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "eager", "sdpa-math", "copy", "compiled", "liger"]
+PASSES = ["fwd", "bwd", "fwd+bwd"]
+# Issue 3's targets: (pass, provider, minimum ratio provider_time / flashtx_time, what it says)
+TARGETS = [("fwd", "sdpa-flash", 1.0, "attention forward >= 1.0x SDPA-FLASH (FlashAttention-2 inside PyTorch)"),
+           ("bwd", "sdpa-flash", 0.8, "attention backward >= 0.8x SDPA-FLASH"),
+           ("fwd+bwd", "sdpa-efficient", 1.5, "attention fwd+bwd >= 1.5x SDPA-EFFICIENT (xformers' kernel inside PyTorch)")]
+
+
+def load(path: str | Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def records(data: dict) -> list[dict]:
+    """The extra_info of every flashtx-bench result (others are ignored)."""
+    out = []
+    for b in data.get("benchmarks", []):
+        ei = dict(b.get("extra_info") or {})
+        if "op" in ei and "provider" in ei:
+            ei.setdefault("status", "ok")
+            out.append(ei)
+    return out
+
+
+def _key(r: dict) -> tuple:
+    if r["op"] == "attention":
+        return ("attention", r["pass"], r["headdim"], bool(r["causal"]), r["heads"], r["kv_heads"], r["dtype"],
+                r["seqlen"])
+    return (r["op"], r["pass"], r.get("model", ""), r.get("dtype", ""), r.get("tokens", r.get("seqlen")))
+
+
+def grouped(recs: list[dict]) -> dict:
+    """{case key: {provider: record}} in a stable order."""
+    g: dict = defaultdict(dict)
+    for r in recs:
+        g[_key(r)][r["provider"]] = r
+    def order(k):
+        pass_rank = PASSES.index(k[1]) if k[1] in PASSES else len(PASSES)
+        return (k[0], pass_rank, *[str(x).zfill(12) for x in k[2:]])
+    return dict(sorted(g.items(), key=lambda kv: order(kv[0])))
+
+
+def ratio(case: dict, provider: str):
+    """provider time / flashtx time; 'OOM' or None (not run) when there is no ratio."""
+    ours, other = case.get("flashtx"), case.get(provider)
+    if other is None or ours is None:
+        return None
+    if other["status"] != "ok":
+        return other["status"]
+    if ours["status"] != "ok":
+        return f"flashtx {ours['status']}"
+    return other["median_ms"] / ours["median_ms"]
+
+
+def _cell(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return f"{x:.2f}x"
+
+
+def _num(r: dict | None, field: str, fmt: str = "{:.1f}") -> str:
+    if r is None:
+        return "-"
+    if r["status"] != "ok":
+        return r["status"]
+    v = r.get(field)
+    return "-" if v is None else fmt.format(v)
+
+
+def header(data: dict, source: str) -> list[str]:
+    mi = (data.get("machine_info") or {}).get("flashtx_bench", {})
+    lines = [f"- results: `{source}`, written {data.get('datetime', '?')} (pytest-benchmark {data.get('version', '?')})",
+             f"- GPU: {mi.get('gpu', 'unknown')} (sm_{str(mi.get('capability', '?')).replace('.', '')}, "
+             f"{mi.get('sm_count', '?')} SMs, {mi.get('memory_gb', '?')} GB)",
+             f"- torch {mi.get('torch', '?')} (CUDA {mi.get('cuda', '?')}), triton {mi.get('triton', '?')}, "
+             f"flashtx {mi.get('flashtx', '?')}"]
+    if mi.get("peak_tflops_16"):
+        lines.append(f"- datasheet peaks: {mi['peak_tflops_16']} TFLOP/s dense fp16/bf16, {mi['peak_gbs']} GB/s "
+                     f"({mi.get('peak_source', '')})")
+    else:
+        lines.append("- GPU not in bench/gpus.py's peak table: absolute numbers only, no % of peak")
+    commit = data.get("commit_info") or {}
+    if commit.get("id"):
+        lines.append(f"- commit {str(commit['id'])[:12]}{' (dirty tree)' if commit.get('dirty') else ''}")
+    return lines
+
+
+def attention_table(groups: dict, gqa: bool) -> list[str]:
+    cases = {k: v for k, v in groups.items() if k[0] == "attention" and (k[4] != k[5]) == gqa}
+    if not cases:
+        return []
+    providers = [p for p in ATTN_ORDER[1:] if any(p in c for c in cases.values())]
+    lines = ["| pass | D | causal | Hq/Hkv | N | dtype | flashtx ms | TFLOP/s | % peak | MB | "
+             + " | ".join(f"vs {p}" for p in providers) + " |",
+             "|" + "---|" * (10 + len(providers))]
+    for (_, pass_, d, causal, hq, hkv, dtype, n), c in cases.items():
+        ours = c.get("flashtx")
+        lines.append(f"| {pass_} | {d} | {'yes' if causal else 'no'} | {hq}/{hkv} | {n} | {dtype} | "
+                     f"{_num(ours, 'median_ms', '{:.3f}')} | {_num(ours, 'tflops')} | {_num(ours, 'pct_peak_tflops')} | "
+                     f"{_num(ours, 'peak_mem_mb', '{:.0f}')} | " + " | ".join(_cell(ratio(c, p)) for p in providers) + " |")
+    return lines
+
+
+def memory_table(groups: dict) -> list[str]:
+    """Peak extra memory (MB) of fwd+bwd per provider: B*N is fixed, so O(N) memory is flat in N."""
+    cases = {k: v for k, v in groups.items() if k[0] == "attention" and k[1] == "fwd+bwd" and k[4] == k[5]}
+    if not cases:
+        return []
+    providers = [p for p in MEM_ORDER if any(p in c for c in cases.values())]
+    lines = ["| D | causal | N | " + " | ".join(providers) + " |", "|" + "---|" * (3 + len(providers))]
+    for (_, _, d, causal, _, _, _, n), c in cases.items():
+        lines.append(f"| {d} | {'yes' if causal else 'no'} | {n} | "
+                     + " | ".join(_num(c.get(p), "peak_mem_mb", "{:.0f}") for p in providers) + " |")
+    return lines
+
+
+def memory_bound_table(groups: dict) -> list[str]:
+    cases = {k: v for k, v in groups.items() if k[0] in ("rope", "swiglu")}
+    if not cases:
+        return []
+    others = [p for p in ("eager", "compiled", "liger") if any(p in c for c in cases.values())]
+    lines = ["| op | pass | model | tokens | flashtx ms | GB/s | % of copy | % peak BW | "
+             + " | ".join(f"vs {p}" for p in others) + " |", "|" + "---|" * (8 + len(others))]
+    for (op, pass_, model, _, tokens), c in cases.items():
+        ours, copy = c.get("flashtx"), c.get("copy")
+        pct_copy = "-"
+        if ours and copy and ours["status"] == copy["status"] == "ok":
+            pct_copy = f"{100 * ours['gbs'] / copy['gbs']:.0f}%"
+        lines.append(f"| {op} | {pass_} | {model} | {tokens} | {_num(ours, 'median_ms', '{:.3f}')} | "
+                     f"{_num(ours, 'gbs', '{:.0f}')} | {pct_copy} | {_num(ours, 'pct_peak_gbs')} | "
+                     + " | ".join(_cell(ratio(c, p)) for p in others) + " |")
+    return lines
+
+
+def _verdict(values: list[float], minimum: float, what: str) -> str:
+    if not values:
+        return f"- {what}: not measured in this run"
+    met = sum(v >= minimum for v in values)
+    state = "MET" if met == len(values) else "MISSED"
+    return (f"- {what}: **{state}** in {met} of {len(values)} cases (min {min(values):.2f}x, "
+            f"median {statistics.median(values):.2f}x, max {max(values):.2f}x)")
+
+
+def targets(groups: dict) -> list[str]:
+    lines = []
+    attn = {k: v for k, v in groups.items() if k[0] == "attention"}
+    for pass_, provider, minimum, what in TARGETS:
+        vals = [r for k, c in attn.items() if k[1] == pass_ for r in [ratio(c, provider)] if isinstance(r, float)]
+        lines.append(_verdict(vals, minimum, what))
+    vals = [r for k, c in attn.items() if k[7] == 2048 for r in [ratio(c, "eager")] if isinstance(r, float)]
+    lines.append(_verdict(vals, 3.0, "attention >= 3x eager at N = 2k (every pass, D, causal)"))
+    mem = {k: v for k, v in attn.items() if k[1] == "fwd+bwd" and k[4] == k[5]}
+    for p in ("flashtx", "eager"):
+        by_cfg = defaultdict(list)
+        for k, c in mem.items():
+            if p in c and c[p]["status"] == "ok" and c[p].get("peak_mem_mb"):
+                by_cfg[(k[2], k[3])].append((k[7], c[p]["peak_mem_mb"]))
+        for (d, causal), pts in sorted(by_cfg.items()):
+            if len(pts) >= 2:
+                (n0, m0), (n1, m1) = min(pts), max(pts)
+                lines.append(f"- memory, {p}, fwd+bwd D={d} {'causal' if causal else 'full'} (B*N fixed): "
+                             f"{m0:.0f} MB at N={n0} -> {m1:.0f} MB at N={n1} ({m1 / m0:.1f}x; flat means O(N))")
+    for op in ("rope", "swiglu"):
+        vals = [100 * c["flashtx"]["gbs"] / c["copy"]["gbs"] for k, c in groups.items()
+                if k[0] == op and "flashtx" in c and "copy" in c and c["flashtx"]["status"] == c["copy"]["status"] == "ok"]
+        if vals:
+            met = sum(v >= 80 for v in vals)
+            lines.append(f"- {op} >= 80% of the measured copy bandwidth: **{'MET' if met == len(vals) else 'MISSED'}** "
+                         f"in {met} of {len(vals)} cases (min {min(vals):.0f}%, max {max(vals):.0f}%)")
+        else:
+            lines.append(f"- {op} >= 80% of the measured copy bandwidth: not measured in this run")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- plots
+def _bars(ax, cases: dict, field: str, providers: list[str], xlabels: list, title: str, ylabel: str):
+    import numpy as np
+    width = 0.8 / max(1, len(providers))
+    x = np.arange(len(xlabels))
+    for i, p in enumerate(providers):
+        vals = []
+        for lab in xlabels:
+            r = cases.get(lab, {}).get(p)
+            vals.append(r[field] if r and r["status"] == "ok" and r.get(field) is not None else 0.0)
+        bars = ax.bar(x + (i - (len(providers) - 1) / 2) * width, vals, width, label=p)
+        for b, v, lab in zip(bars, vals, xlabels):
+            r = cases.get(lab, {}).get(p)
+            text = f"{v:.0f}" if v else ("OOM" if r and r["status"] == "OOM" else "")
+            if text:
+                ax.annotate(text, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                            fontsize=6, rotation=90)
+    ax.set_xticks(x, [str(v) for v in xlabels])
+    ax.set_title(title, fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=8)
+
+
+def plot_attention(groups: dict, path: Path, gqa: bool, gpu: str) -> bool:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels: dict = defaultdict(dict)
+    for k, c in groups.items():
+        if k[0] == "attention" and (k[4] != k[5]) == gqa:
+            panels[(k[1], k[2], k[3], k[4], k[5], k[6])][k[7]] = c
+    if not panels:
+        return False
+    passes = [p for p in PASSES if any(k[0] == p for k in panels)]
+    cols = sorted({k[1:] for k in panels})
+    fig, axes = plt.subplots(len(passes), len(cols), figsize=(4.2 * len(cols), 3.2 * len(passes)), squeeze=False)
+    for i, pass_ in enumerate(passes):
+        for j, col in enumerate(cols):
+            ax = axes[i][j]
+            cases = panels.get((pass_, *col))
+            if not cases:
+                ax.axis("off")
+                continue
+            providers = [p for p in ATTN_ORDER if any(p in c for c in cases.values())]
+            d, causal, hq, hkv, dtype = col
+            _bars(ax, cases, "tflops", providers, sorted(cases),
+                  f"{pass_}, D={d}, {'causal' if causal else 'non-causal'}, Hq/Hkv={hq}/{hkv}, {dtype}",
+                  "TFLOP/s")
+            ax.set_xlabel("sequence length", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for row in axes:
+        for ax in row:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+    top = 1 - 0.6 / fig.get_figheight()  # room for the title and the legend, in figure fractions
+    fig.suptitle(f"Attention speed on {gpu} ({'GQA, ' if gqa else ''}B*N = 16k tokens)", y=0.995)
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.25 / fig.get_figheight()),
+               ncol=min(len(labels), 9), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, top))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def plot_memory_bound(groups: dict, path: Path, gpu: str) -> bool:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels: dict = defaultdict(dict)
+    for k, c in groups.items():
+        if k[0] in ("rope", "swiglu"):
+            panels[(k[0], k[1], k[2])][k[4]] = c
+    if not panels:
+        return False
+    keys = sorted(panels)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        cases = panels[key]
+        providers = [p for p in ("flashtx", "liger", "compiled", "eager", "copy") if any(p in c for c in cases.values())]
+        _bars(ax, cases, "gbs", providers, sorted(cases), f"{key[0]} {key[1]}, {key[2]}", "GB/s")
+        ax.set_xlabel("tokens", fontsize=8)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"RoPE and SwiGLU bandwidth on {gpu}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def build_report(data: dict, source: str, out: Path | None) -> str:
+    recs = records(data)
+    groups = grouped(recs)
+    gpu = (data.get("machine_info") or {}).get("flashtx_bench", {}).get("gpu", "unknown GPU")
+    md = ["# flashtx benchmark report", ""] + header(data, source) + [""]
+    if not recs:
+        md += ["No flashtx benchmark results in this file (every benchmark skipped, or another suite's JSON).", ""]
+    md += ["Ratios are the provider's median time over flashtx's (CUDA events, L2 flushed before each round): "
+           "> 1 means flashtx is faster. OOM: the provider ran out of memory. -: not run (skipped).", ""]
+    for title, lines in (("Attention", attention_table(groups, gqa=False)),
+                         ("Attention, GQA", attention_table(groups, gqa=True)),
+                         ("Peak extra memory, attention fwd+bwd (MB)", memory_table(groups)),
+                         ("RoPE and SwiGLU (memory-bound: GB/s of the fewest bytes)", memory_bound_table(groups))):
+        if lines:
+            md += [f"## {title}", ""] + lines + [""]
+    md += ["## Targets (issue 3), measured in this run", ""] + targets(groups) + [""]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            md += ["Plots: matplotlib is not importable here (pip install matplotlib), so no PNG was written.", ""]
+        else:
+            written = [name for name, ok in (
+                ("attention.png", plot_attention(groups, out / "attention.png", False, gpu)),
+                ("attention_gqa.png", plot_attention(groups, out / "attention_gqa.png", True, gpu)),
+                ("rope_swiglu.png", plot_memory_bound(groups, out / "rope_swiglu.png", gpu))) if ok]
+            md += [f"Plots: {', '.join(f'![{w}]({w})' for w in written) if written else 'no data to plot'}", ""]
+        (out / "report.md").write_text("\n".join(md))
+    return "\n".join(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
+    ap.add_argument("json", help="pytest-benchmark JSON (pytest bench --benchmark-only --benchmark-json FILE)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for report.md and the PNG plots")
+    args = ap.parse_args(argv)
+    try:
+        data = load(args.json)
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"cannot read {args.json}: {exc}", file=sys.stderr)
+        return 2
+    print(build_report(data, args.json, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""bench/report.py on a small SYNTHETIC pytest-benchmark JSON fabricated here.
+
+Every number below is invented to exercise the report's arithmetic and formatting; none was
+measured, and none may be copied into bench/RESULTS.md or the README.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `import bench`
+
+from bench import report  # noqa: E402
+
+SYNTHETIC_GPU = "SYNTHETIC-GPU (fabricated in tests/test_bench_report.py, not a measurement)"
+
+
+def _attn(provider, pass_, n, ms, *, status="ok", mem=100.0, causal=True):
+    flops = 4.0 * (16384 // n) * 16 * n * n * 128 / 2 * {"fwd": 1, "bwd": 2.5, "fwd+bwd": 3.5}[pass_]
+    ei = {"op": "attention", "provider": provider, "pass": pass_, "batch": 16384 // n, "heads": 16, "kv_heads": 16,
+          "seqlen": n, "headdim": 128, "causal": causal, "dtype": "bfloat16", "status": status, "gpu": SYNTHETIC_GPU}
+    if status == "ok":
+        ei.update(median_ms=ms, tflops=flops / (ms / 1e3) / 1e12, peak_mem_mb=mem)
+    return ei
+
+
+def _mem(op, provider, ms, gbs):
+    return {"op": op, "provider": provider, "pass": "fwd", "model": "llama3-8b", "tokens": 4096, "seqlen": 4096,
+            "dtype": "bfloat16", "status": "ok", "median_ms": ms, "gbs": gbs, "peak_mem_mb": 10.0}
+
+
+def synthetic_json() -> dict:
+    infos = [
+        _attn("flashtx", "fwd", 2048, 1.0), _attn("sdpa-flash", "fwd", 2048, 1.25),
+        _attn("eager", "fwd", 2048, 4.0, mem=900.0),
+        _attn("flashtx", "fwd+bwd", 2048, 2.0, mem=300.0), _attn("sdpa-efficient", "fwd+bwd", 2048, 2.5),
+        _attn("eager", "fwd+bwd", 2048, 10.0, mem=3000.0),
+        _attn("flashtx", "fwd+bwd", 8192, 8.0, mem=300.0), _attn("eager", "fwd+bwd", 8192, 0, status="OOM"),
+        _mem("rope", "flashtx", 0.1, 900.0), _mem("rope", "copy", 0.09, 1000.0), _mem("rope", "eager", 0.4, 225.0),
+    ]
+    benchmarks = [{"name": f"synthetic[{i}]", "group": "synthetic", "extra_info": ei, "stats": {"median": 0.001}}
+                  for i, ei in enumerate(infos)]
+    benchmarks.append({"name": "unrelated", "extra_info": {}, "stats": {}})  # ignored: not a flashtx-bench result
+    return {"machine_info": {"flashtx_bench": {"gpu": SYNTHETIC_GPU, "torch": "0.0-synthetic", "triton": "0.0",
+                                               "flashtx": "0.0", "cuda": "none"}},
+            "commit_info": {"id": "0" * 40, "dirty": True}, "datetime": "1970-01-01T00:00:00 (SYNTHETIC)",
+            "version": "synthetic", "benchmarks": benchmarks}
+
+
+@pytest.fixture
+def synthetic_file(tmp_path):
+    p = tmp_path / "synthetic_results.json"
+    p.write_text(json.dumps(synthetic_json()))
+    return p
+
+
+def test_report_ratios_oom_and_targets(synthetic_file, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert report.main([str(synthetic_file), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert md.strip() == capsys.readouterr().out.strip()
+    assert SYNTHETIC_GPU in md
+    # fwd N=2048: sdpa-flash 1.25 ms / flashtx 1.0 ms, eager 4.0 / 1.0; fwd+bwd: efficient 2.5 / 2.0, eager 10 / 2
+    rows = [line for line in md.splitlines() if line.startswith("| fwd")]
+    assert any("| 2048 |" in r and "1.25x" in r and "4.00x" in r for r in rows), rows
+    assert any("| 2048 |" in r and "1.25x" in r and "5.00x" in r for r in rows if r.startswith("| fwd+bwd")), rows
+    assert any("| 8192 |" in r and "OOM" in r for r in rows), rows  # eager OOM is shown, not a crash
+    assert "attention forward >= 1.0x SDPA-FLASH (FlashAttention-2 inside PyTorch): **MET** in 1 of 1" in md
+    assert "attention fwd+bwd >= 1.5x SDPA-EFFICIENT" in md and "**MISSED** in 0 of 1 cases (min 1.25x" in md
+    assert "attention >= 3x eager at N = 2k (every pass, D, causal): **MET** in 2 of 2" in md
+    assert "attention backward >= 0.8x SDPA-FLASH: not measured in this run" in md
+    assert "memory, flashtx, fwd+bwd D=128 causal (B*N fixed): 300 MB at N=2048 -> 300 MB at N=8192 (1.0x" in md
+    assert "rope >= 80% of the measured copy bandwidth: **MET** in 1 of 1 cases (min 90%" in md
+    assert "| rope | fwd | llama3-8b | 4096 | 0.100 | 900 | 90% |" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not importable" in md
+        assert not list(out.glob("*.png"))
+    else:
+        for name in ("attention.png", "rope_swiglu.png"):
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert not (out / "attention_gqa.png").exists()  # no GQA data in this file
+
+
+def test_report_without_results(tmp_path, capsys):
+    p = tmp_path / "empty.json"
+    p.write_text(json.dumps({"benchmarks": [], "machine_info": {}}))
+    assert report.main([str(p)]) == 0
+    assert "No flashtx benchmark results" in capsys.readouterr().out
+
+
+def test_report_unreadable_file(tmp_path):
+    assert report.main([str(tmp_path / "missing.json")]) == 2
