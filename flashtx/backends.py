@@ -21,6 +21,7 @@ from . import _env, reference
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256  # the largest head dim the Triton configs cover (configs.head_dim_bucket)
 INT32_MAX = 2**31 - 1  # kernels index within a (batch, head) slice with int32 offsets
+MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put heads and batch
 
 
 class BackendNotSupported(NotImplementedError):
@@ -163,6 +164,9 @@ class TritonBackend(Backend):
         for what, d in (("query/key", d_qk), ("value", d_v)):
             if d > MAX_HEAD_DIM:
                 reasons.append(f"{what} head dim {d} is above {MAX_HEAD_DIM}")
+        if inp.q.shape[0] > MAX_GRID_YZ or inp.q.shape[1] > MAX_GRID_YZ:
+            reasons.append(f"batch {inp.q.shape[0]} x heads {inp.q.shape[1]}: each must be <= {MAX_GRID_YZ} "
+                           "(CUDA grid y/z limit)")
         for name, t in (("query", inp.q), ("key", inp.k), ("value", inp.v)):
             if t.shape[2] * max(t.stride(2), 1) > INT32_MAX:
                 reasons.append(f"{name}'s sequence span ({t.shape[2]} x stride {t.stride(2)}) overflows int32 offsets")

@@ -114,7 +114,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         backend: as in flashtx.attention.
 
     Returns:
-        out (B, Sq, Hq, Dv), contiguous, in q's dtype.
+        out (B, Sq, Hq, Dv) in q's dtype, laid out in memory like q (contiguous for contiguous q).
 
     Example:
         >>> out = flashtx.flash_attn_func(q, k, v, causal=True)  # q, k, v: (B, S, H, D)

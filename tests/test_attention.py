@@ -48,6 +48,8 @@ CASES = [
     Case(113, 113, 192, dv=128, causal=True),  # value head dim != query head dim (MLA-style)
     Case(1, 300, 64, hq=8, hkv=2, causal=True, shell="flash", b=1),  # decode step, GQA 4
     Case(300, 300, 256, causal=True, b=1, hq=1, hkv=1),
+    Case(113, 17, 112, hq=2, hkv=1, causal=True, shell="flash", b=1),  # D=112; rows 0..95 see no key
+    Case(17, 256, 160, hq=4, hkv=4, layout="strided", b=1),  # D=160
 ]
 
 

@@ -27,9 +27,9 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
                          BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
                          ACC: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    h = tl.program_id(1)
+    b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
+    pid_bh = b * H + h
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DV)
     mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D_V)
@@ -83,14 +83,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_dob, stride_doh, stride_dom, stride_dod,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                   H, HKV, GROUP, Sq, Sk, D_QK, D_V, causal_shift,
+                   H, GROUP, Sq, Sk, D_QK, D_V, causal_shift,
                    qk_scale_hi, qk_scale_lo, sm_scale_hi, sm_scale_lo,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                    CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)  # over B * HKV
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -170,9 +169,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    h = tl.program_id(1)
+    b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
+    pid_bh = b * H + h
     kvh = h // GROUP
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -227,7 +226,7 @@ def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, ca
     # dlse2 is the cotangent of lse2 (log2 units); dS needs that of the natural lse: dlse2 * log2(e)
     dl_hi, dl_lo = split_f32(LOG2E)
 
-    pre = Launch(_attn_bwd_preprocess, (triton.cdiv(Sq, PREPROCESS_BLOCK_M), B * H), dict(
+    pre = Launch(_attn_bwd_preprocess, (triton.cdiv(Sq, PREPROCESS_BLOCK_M), H, B), dict(
         O=out, DO=do, DLSE=dlse2 if dlse2 is not None else delta, DELTA=delta,
         **_s("o", out), **_s("do", do), H=H, Sq=Sq, D_V=D_V, dlse_scale_hi=dl_hi, dlse_scale_lo=dl_lo,
         BLOCK_M=PREPROCESS_BLOCK_M, BLOCK_DV=block_dv, HAS_DLSE=dlse2 is not None, ACC=acc))
@@ -237,12 +236,12 @@ def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, ca
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
                   BLOCK_DQK=block_dqk, BLOCK_DV=block_dv, CAUSAL=causal, ACC=acc, DOT_PREC=prec)
     c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target)
-    dkdv = Launch(_attn_bwd_dkdv, (triton.cdiv(Sk, c1.block_n), B * Hkv), dict(
-        common, DK=dk, DV=dv, **_s("dk", dk), **_s("dv", dv), H=H, HKV=Hkv, GROUP=H // Hkv,
+    dkdv = Launch(_attn_bwd_dkdv, (triton.cdiv(Sk, c1.block_n), Hkv, B), dict(
+        common, DK=dk, DV=dv, **_s("dk", dk), **_s("dv", dv), H=H, GROUP=H // Hkv,
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1,
         estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size()))
     c2 = select_config("attn_bwd_dq", block_dqk, block_dv, q.element_size(), target)
-    dqk = Launch(_attn_bwd_dq, (triton.cdiv(Sq, c2.block_m), B * H), dict(
+    dqk = Launch(_attn_bwd_dq, (triton.cdiv(Sq, c2.block_m), H, B), dict(
         common, DQ=dq, **_s("dq", dq), H=H, GROUP=H // Hkv, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
         estimate_shared_memory("attn_bwd_dq", c2, block_dqk, block_dv, q.element_size()))
     return [pre, dkdv, dqk]

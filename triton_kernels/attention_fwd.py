@@ -58,9 +58,9 @@ def _attn_fwd(Q, K, V, O, LSE,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    h = tl.program_id(1)
+    b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
+    pid_bh = b * H + h
     kvh = h // GROUP  # GQA/MQA: q heads [kvh*GROUP, (kvh+1)*GROUP) share K/V head kvh
     m0 = pid_m * BLOCK_M
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -116,7 +116,7 @@ def plan_forward(q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
         CAUSAL=causal, ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype),
     )
-    grid = (triton.cdiv(Sq, cfg.block_m), B * H)
+    grid = (triton.cdiv(Sq, cfg.block_m), H, B)
     est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size())
     return Launch(_attn_fwd, grid, args, cfg, est)
 
