@@ -32,3 +32,27 @@ else:
 
 HAS_TRITON = TRITON_IMPORT_ERROR is None
 INTERPRET = INTERPRET_REQUESTED and not INTERPRET_TOO_LATE and HAS_TRITON
+
+
+def interpreter_numpy_problem() -> str | None:
+    """Triton 3.6's interpreter turns 1-element arrays into loop bounds with int(), which numpy
+    >= 2.4 refuses ("only 0-dimensional arrays can be converted"); later Triton squeezes first."""
+    if not INTERPRET:
+        return None
+    try:
+        import inspect
+
+        import numpy
+        from triton.runtime import interpreter
+
+        src = inspect.getsource(interpreter._patch_lang_tensor)
+        np_version = tuple(int(x) for x in numpy.__version__.split(".")[:2])
+    except Exception:  # a layout we don't know: let the kernels speak for themselves
+        return None
+    if "int(self.handle.data)" in src and np_version >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter needs numpy < 2.4 (found {numpy.__version__}); "
+                "pip install 'numpy<2.4', or a newer triton")
+    return None
+
+
+INTERPRETER_NUMPY_PROBLEM = interpreter_numpy_problem()

@@ -69,6 +69,8 @@ def triton_device_reasons(device: torch.device, dtype: torch.dtype) -> list[str]
     reasons = []
     dev = device.type
     if dev == "cpu":
+        if _env.INTERPRETER_NUMPY_PROBLEM:
+            reasons.append(_env.INTERPRETER_NUMPY_PROBLEM)
         if not _env.INTERPRET:
             why = ("FLASHTX_INTERPRET was set after triton had been imported; set it before"
                    if _env.INTERPRET_TOO_LATE else "set FLASHTX_INTERPRET=1 to run them in Triton's interpreter")
