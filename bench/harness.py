@@ -21,6 +21,7 @@ import gc
 import math
 import os
 import statistics
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -134,7 +135,7 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
     except (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError) as exc:
         if fail_fast:
             raise
-        pytest.skip(f"{provider} cannot be set up: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        pytest.skip(f"{provider} cannot be set up: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
 
 
 def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any], info: dict,
@@ -145,14 +146,17 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
     benchmark.extra_info.update(info)
     benchmark.extra_info["gpu"] = gpu_name()
     state = None
+    caught: list = []
     try:
-        state = prepare()
-        for i in range(WARMUP):
-            if i == 1:
-                benchmark.extra_info["peak_mem_mb"] = peak_memory_of(step, state)
-            else:
-                step(state)
-        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:  # SDPA says in warnings why a backend refuses
+            warnings.simplefilter("always")
+            state = prepare()
+            for i in range(WARMUP):
+                if i == 1:
+                    benchmark.extra_info["peak_mem_mb"] = peak_memory_of(step, state)
+                else:
+                    step(state)
+            torch.cuda.synchronize()
     except OOM_ERRORS as exc:
         del state
         free_memory()
@@ -167,8 +171,12 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
             raise
         del state
         free_memory()
-        pytest.skip(f"{info.get('provider')} cannot run this case: {type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        why = " ".join(str(exc).split())[:400]
+        hints = "; ".join(dict.fromkeys(" ".join(str(w.message).split())[:200] for w in caught))[:600]
+        pytest.skip(f"{info.get('provider')} cannot run this case: {type(exc).__name__}: {why}"
+                    + (f" (warnings: {hints})" if hints else ""))
+    for w in caught:  # a successful warm-up's warnings are not swallowed
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     times = measure(step, state, benchmark)
     summary = summarize(times)
     benchmark.extra_info.update(summary, status="ok")

@@ -18,6 +18,8 @@ import flashtx
 
 from .harness import Unavailable
 
+DEVICE = "cuda"  # the benchmarks' device (a CPU smoke run of the builders may set "cpu")
+
 
 @dataclass(frozen=True)
 class AttnCase:
@@ -59,7 +61,7 @@ def make_qkv(case: AttnCase, layout: str, requires_grad: bool):
     """Fresh random q, k, v (never zeros), contiguous in the provider's layout."""
     def t(h):
         shape = (case.batch, h, case.seqlen, case.d) if layout == "bhsd" else (case.batch, case.seqlen, h, case.d)
-        return torch.randn(shape, device="cuda", dtype=case.dtype).requires_grad_(requires_grad)
+        return torch.randn(shape, device=DEVICE, dtype=case.dtype).requires_grad_(requires_grad)
     return t(case.hq), t(case.hkv), t(case.hkv)
 
 
@@ -95,7 +97,7 @@ def eager_attention(q, k, v, causal_mask, scale):
 def _eager(case: AttnCase):
     mask = None
     if case.causal:  # built once, as a model caches it
-        mask = torch.ones(case.seqlen, case.seqlen, dtype=torch.bool, device="cuda").triu(1)
+        mask = torch.ones(case.seqlen, case.seqlen, dtype=torch.bool, device=DEVICE).triu(1)
     scale = case.d ** -0.5
     return lambda q, k, v: eager_attention(q, k, v, mask, scale)
 
@@ -131,7 +133,7 @@ def _flex(case: AttnCase):
     block_mask = None
     if case.causal:
         block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, case.seqlen, case.seqlen,
-                                       device="cuda")
+                                       device=DEVICE)
     compiled = _flex_compiled
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=case.gqa)
 
@@ -192,7 +194,7 @@ def attention_case(provider: str, case: AttnCase, pass_: str):
         def prepare():
             qkv = make_qkv(case, layout, requires_grad=True)
             o = torch.empty((case.batch, case.hq, case.seqlen, case.d) if layout == "bhsd"
-                            else (case.batch, case.seqlen, case.hq, case.d), device="cuda", dtype=case.dtype)
+                            else (case.batch, case.seqlen, case.hq, case.d), device=DEVICE, dtype=case.dtype)
             return qkv, torch.randn_like(o)
 
         def step(s):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import flashtx
 
 from . import gpus, harness
+from . import providers
 from .providers import optional_import
 
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("BENCH_DTYPE", "bf16")]
@@ -77,7 +78,7 @@ def compiled(fn):
 
 # ---------------------------------------------------------------------------------------- builders
 def _rope_fn(provider: str, d: int, seqlen: int):
-    half_cos, half_sin = flashtx.nn.RotaryEmbedding(d).cos_sin(seqlen, device="cuda")  # (S, D/2) fp32
+    half_cos, half_sin = flashtx.nn.RotaryEmbedding(d).cos_sin(seqlen, device=providers.DEVICE)  # (S, D/2) fp32
     full_cos = torch.cat((half_cos, half_cos), -1).to(DTYPE)
     full_sin = torch.cat((half_sin, half_sin), -1).to(DTYPE)
     if provider == "flashtx":
@@ -134,7 +135,7 @@ def _copy_case(nbytes: float):
     n = int(nbytes // (2 * torch.empty((), dtype=DTYPE).element_size()))
 
     def prepare():
-        return torch.randn(n, device="cuda", dtype=DTYPE), torch.empty(n, device="cuda", dtype=DTYPE)
+        return torch.randn(n, device=providers.DEVICE, dtype=DTYPE), torch.empty(n, device=providers.DEVICE, dtype=DTYPE)
 
     def step(s):
         s[1].copy_(s[0])
@@ -160,8 +161,8 @@ def test_rope(benchmark, pass_, model, tokens, provider):
     nbytes = gpus.rope_bytes(tokens * hq * d, tokens * hkv * d, elem, pass_)
 
     def make_inputs(grad):
-        q = torch.randn(1, hq, tokens, d, device="cuda", dtype=DTYPE).requires_grad_(grad)
-        k = torch.randn(1, hkv, tokens, d, device="cuda", dtype=DTYPE).requires_grad_(grad)
+        q = torch.randn(1, hq, tokens, d, device=providers.DEVICE, dtype=DTYPE).requires_grad_(grad)
+        k = torch.randn(1, hkv, tokens, d, device=providers.DEVICE, dtype=DTYPE).requires_grad_(grad)
         return q, k
 
     def build():
@@ -181,7 +182,7 @@ def test_swiglu(benchmark, pass_, model, tokens, provider):
     nbytes = gpus.swiglu_bytes(tokens * inter, elem, pass_)
 
     def make_inputs(grad):
-        return tuple(torch.randn(tokens, inter, device="cuda", dtype=DTYPE).requires_grad_(grad) for _ in range(2))
+        return tuple(torch.randn(tokens, inter, device=providers.DEVICE, dtype=DTYPE).requires_grad_(grad) for _ in range(2))
 
     def build():
         if provider == "copy":
