@@ -1,7 +1,8 @@
-"""bench/report.py on a small SYNTHETIC pytest-benchmark JSON fabricated here.
+"""bench/report.py on a small SYNTHETIC pytest-benchmark JSON fabricated here, and the parts of
+bench/ that a CPU can check (the float64 reference of bench.gpu_checks, FLOP/byte counts, peaks).
 
-Every number below is invented to exercise the report's arithmetic and formatting; none was
-measured, and none may be copied into bench/RESULTS.md or the README.
+Every benchmark number below is invented to exercise the report's arithmetic and formatting; none
+was measured, and none may be copied into bench/RESULTS.md or the README.
 """
 from __future__ import annotations
 
@@ -95,3 +96,43 @@ def test_report_without_results(tmp_path, capsys):
 
 def test_report_unreadable_file(tmp_path):
     assert report.main([str(tmp_path / "missing.json")]) == 2
+
+
+# ------------------------------------------------------------------ bench's CPU-checkable helpers
+@pytest.mark.parametrize("sq, sk, hkv, causal, bottom_right", [(70, 70, 4, False, False), (70, 70, 2, True, False),
+                                                               (20, 50, 1, True, True), (50, 20, 2, False, False)])
+def test_gpu_checks_reference_matches_autograd(sq, sk, hkv, causal, bottom_right):
+    """bench.gpu_checks' chunked float64 reference (forward and manual backward) against autograd
+    through SDPA's math in float64, with chunks that do not divide Sq."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench.gpu_checks import reference
+    b, hq, d = 2, 4, 16
+    q = torch.randn(b, hq, sq, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, hkv, sk, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, hkv, sk, d, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(b, hq, sq, d, dtype=torch.float64)
+    mask = None
+    if causal:
+        mask = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq if bottom_right else 0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    want = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    got = reference(q, k, v, dout, causal=causal, bottom_right=bottom_right, scale=d ** -0.5, chunk=16)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert (g - w).abs().max().item() < 1e-10, name
+
+
+def test_flop_and_byte_conventions():
+    from bench import gpus
+    assert gpus.attention_flops(2, 16, 1024, 1024, 64, False, "fwd") == 4 * 2 * 16 * 1024 * 1024 * 64
+    assert gpus.attention_flops(2, 16, 1024, 1024, 64, True, "fwd") == 2 * 2 * 16 * 1024 * 1024 * 64
+    assert gpus.attention_flops(1, 1, 8, 8, 8, False, "bwd") == 2.5 * gpus.attention_flops(1, 1, 8, 8, 8, False, "fwd")
+    assert gpus.swiglu_bytes(10, 2, "fwd") == 60 and gpus.swiglu_bytes(10, 2, "bwd") == 100
+    assert gpus.rope_bytes(10, 5, 2, "fwd") == 60
+    assert gpus.lookup("NVIDIA GeForce RTX 3090").tflops_16 == 71.0
+    assert gpus.lookup("NVIDIA GeForce RTX 3090 Ti") is None  # not in the table: absolute numbers only
+    assert gpus.lookup("NVIDIA H200").name == "H200 SXM" and gpus.lookup("NVIDIA H200 NVL").name == "H200 NVL"
+    assert gpus.lookup("NVIDIA H100 80GB HBM3").gbs == 3350.0
+    assert gpus.lookup("NVIDIA A100-SXM4-80GB").gbs == 2039.0 and gpus.lookup("NVIDIA A100-PCIE-40GB").gbs == 1555.0
+    assert gpus.lookup("Some Future GPU") is None
