@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The one script for a lent GPU machine (issue 2 item 11, issue 3 item 6). Run from the repo root:
+#     OUT=/some/dir bash bench/device_check.sh          # on the device tool, $OUT is set for you
+# Steps, each under `timeout` and a shared budget (DEVICE_CHECK_BUDGET_S, default 465 s, so the
+# whole run fits in 8 minutes with the machine's start-up outside it):
+#   install (pip -e, no deps) -> [xformers wheel from .whl/, if carried] -> python -m flashtx
+#   -> pytest tests -x -q (GPU: fp16/bf16/fp32 CUDA tensors) -> python -m bench.gpu_checks
+#   -> pytest bench --benchmark-only --quick (JSON) -> python -m bench.report (markdown + PNGs)
+# Everything lands under $OUT (at most 8 files, 2 folders deep): log.txt, gpu_checks.json,
+# bench.json, xformers_info.txt (if a wheel was carried), report/{report.md, attention.png,
+# attention_gqa.png, rope_swiglu.png}. A failing step is recorded and the next one still runs;
+# the exit status is the first failing step's (0 when all passed).
+set -uo pipefail  # not -e: every step's status is recorded, and later steps still run
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT/report"
+exec 3>&1 4>&2
+exec > >(tee -a "$OUT/log.txt") 2>&1
+TEE_PID=$!
+
+BUDGET=${DEVICE_CHECK_BUDGET_S:-465}
+START=$(date +%s)
+PY=${PYTHON:-python3}
+SUMMARY=()
+FIRST_RC=0
+
+# step NAME LIMIT_S RESERVE_S CMD...: run CMD under `timeout`, at most LIMIT_S and never into the
+# last RESERVE_S seconds of the budget (kept for the steps after it).
+step() {
+  local name=$1 limit=$2 reserve=$3; shift 3
+  local left=$((BUDGET - ($(date +%s) - START) - reserve))
+  ((limit > left)) && limit=$left
+  if ((limit < 10)); then
+    echo "=== SKIP $name: out of time (budget ${BUDGET}s)"
+    SUMMARY+=("$name: skipped, out of time")
+    ((FIRST_RC == 0)) && FIRST_RC=124
+    return
+  fi
+  echo
+  echo "=== $name (limit ${limit}s, $(( $(date +%s) - START ))s elapsed) ==="
+  local t0=$(date +%s)
+  timeout -s INT --kill-after=15 "$limit" "$@"  # SIGINT: pytest still writes its JSON
+  local rc=$?
+  local verdict="ok"
+  ((rc == 124 || rc == 137)) && verdict="TIMED OUT after ${limit}s"
+  ((rc != 0 && rc != 124 && rc != 137)) && verdict="FAILED rc=$rc"
+  SUMMARY+=("$name: $verdict ($(( $(date +%s) - t0 ))s)")
+  ((rc != 0 && FIRST_RC == 0)) && FIRST_RC=$rc
+  return 0
+}
+
+echo "=== device_check $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv 2>&1 || true
+$PY -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, 'CUDA', torch.version.cuda, '| triton', triton.__version__, '| GPU', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NONE')"
+
+step "install" 60 400 $PY -m pip install -q --no-deps --no-build-isolation -e .
+
+# xformers (issue 3): carried as a wheel, see bench/README.md "xformers on the GPU machine".
+if ls .whl/xformers-*.whl >/dev/null 2>&1; then
+  step "xformers install" 30 380 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  step "xformers info" 30 370 bash -c "$PY -m xformers.info > '$OUT/xformers_info.txt' 2>&1; rc=\$?; head -60 '$OUT/xformers_info.txt'; exit \$rc"
+else
+  echo "(no .whl/xformers-*.whl carried: the xformers provider will be skipped)"
+fi
+
+step "python -m flashtx" 60 360 $PY -m flashtx
+
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && XDIST="-n 8"  # compile-bound: 8 workers share Triton's cache
+step "pytest tests (GPU)" 120 230 $PY -m pytest tests -x -q $XDIST -p no:cacheprovider
+
+step "bench.gpu_checks" 90 160 $PY -m bench.gpu_checks --json "$OUT/gpu_checks.json"
+
+export BENCH_BUDGET_S=${BENCH_BUDGET_S:-0.15}  # seconds of timed rounds per case (10..200 rounds)
+step "pytest bench --quick" 180 20 $PY -m pytest bench --benchmark-only --quick -q -rs -p no:cacheprovider \
+  --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds --benchmark-sort=name
+
+if [ -s "$OUT/bench.json" ]; then  # pytest-benchmark leaves an empty file when nothing ran
+  step "bench.report" 20 0 bash -c "$PY -m bench.report '$OUT/bench.json' --out '$OUT/report' > /dev/null && cat '$OUT/report/report.md'"
+else
+  rm -f "$OUT/bench.json"
+  SUMMARY+=("bench.report: not run, the benchmark step wrote no results")
+fi
+
+echo
+echo "=== summary ($(( $(date +%s) - START ))s of ${BUDGET}s) ==="
+printf '  %s\n' "${SUMMARY[@]}"
+[ -f "$OUT/gpu_checks.json" ] && $PY -c "import json; r = json.load(open('$OUT/gpu_checks.json')); print('  gpu_checks pass:', r.get('pass'), '| memory linear:', r.get('memory_linear'), '| ceilings:', r.get('ceilings'))"
+[ -f "$OUT/report/report.md" ] && sed -n '/^## Targets/,/^Plots/p' "$OUT/report/report.md"
+ls -la "$OUT" "$OUT/report"
+exec 1>&3 2>&4 3>&- 4>&-  # close tee's input, and let it finish writing log.txt
+wait "$TEE_PID" 2>/dev/null || sleep 1
+exit $FIRST_RC
