@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import flashtx
 
 from . import gpus, harness
+from . import providers
 from .providers import DESCRIPTION, AttnCase, attention_case
 
 EPS = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -87,10 +88,10 @@ def check_correctness(results: dict) -> bool:
     ok_all = True
     for name, b, hq, hkv, sq, sk, d, causal, api in CORRECTNESS_CASES:
         for dtype in (torch.float16, torch.bfloat16):
-            q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
-            k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
-            v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
-            dout = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
+            q = torch.randn(b, hq, sq, d, device=providers.DEVICE, dtype=dtype)
+            k = torch.randn(b, hkv, sk, d, device=providers.DEVICE, dtype=dtype)
+            v = torch.randn(b, hkv, sk, d, device=providers.DEVICE, dtype=dtype)
+            dout = torch.randn(b, hq, sq, d, device=providers.DEVICE, dtype=dtype)
             scale = d ** -0.5
             bottom_right = api == "fa"
             ref = reference(q, k, v, dout, causal=causal, bottom_right=bottom_right, scale=scale)
@@ -98,7 +99,7 @@ def check_correctness(results: dict) -> bool:
                 def ours(q_, k_, v_):
                     return flashtx.flash_attn_func(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2),
                                                    causal=causal).transpose(1, 2)
-                mask = torch.ones(sq, sk, dtype=torch.bool, device="cuda").tril(sk - sq)
+                mask = torch.ones(sq, sk, dtype=torch.bool, device=providers.DEVICE).tril(sk - sq)
 
                 def base(q_, k_, v_):
                     return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, enable_gqa=True)
@@ -217,13 +218,13 @@ def ceilings(results: dict) -> None:
     """Copy bandwidth (bytes read + written) and a large bf16 matmul, on random data."""
     print("\n== measured ceilings (median of CUDA-event timings) ==")
     n = 2**30 // 2  # 1 GiB of bf16
-    src, dst = torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    src, dst = torch.randn(n, device=providers.DEVICE, dtype=torch.bfloat16), torch.empty(n, device=providers.DEVICE, dtype=torch.bfloat16)
     for _ in range(3):
         dst.copy_(src)
     ms = statistics.median(harness.measure(lambda s: s[1].copy_(s[0]), (src, dst)))
     copy_gbs = 2 * n * 2 / (ms / 1e3) / 1e9
     del src, dst
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    a, b = (torch.randn(8192, 8192, device=providers.DEVICE, dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b
     ms_mm = statistics.median(harness.measure(lambda s: s[0] @ s[1], (a, b)))
