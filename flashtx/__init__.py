@@ -8,11 +8,12 @@ Run ``python -m flashtx`` for the environment, the backends and a self-check of 
 """
 from . import _env  # noqa: F401  (must run before anything imports triton)
 from .backends import BACKENDS, BackendNotSupported
-from .functional import attention, flash_attn_func
+from .functional import attention, flash_attn_func, flash_attn_varlen_func, pad_input, unpad_input
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "flash_attn_func", "BACKENDS", "BackendNotSupported", "__version__"]
+__all__ = ["attention", "flash_attn_func", "flash_attn_varlen_func", "unpad_input", "pad_input", "BACKENDS",
+           "BackendNotSupported", "__version__"]
 
 # Fused RoPE and SwiGLU, and the layers built on them (flashtx.nn)
 from . import nn  # noqa: E402

@@ -66,3 +66,76 @@ def resolve_scale(name: str, scale, head_dim: int) -> float:
 
 def not_implemented(arg: str, value, issue: str) -> NotImplementedError:
     return NotImplementedError(f"{arg}={value!r} is not supported yet ({issue}); flashtx never ignores it silently")
+
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_window(name: str, window) -> tuple[int, int]:
+    """(left, right) ints >= -1, as flash-attn's window_size."""
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a pair (left, right) of ints >= -1; got {window!r}") from None
+    for x in (left, right):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < -1:
+            raise ValueError(f"{name} must be a pair (left, right) of ints >= -1 (-1 = unbounded); got {window!r}")
+    return int(left), int(right)
+
+
+def check_seq_mask(name: str, m, batch: int, seqlen: int, q) -> torch.Tensor | None:
+    """A (batch, seqlen) bool mask (True = real token) on q's device, or None."""
+    if m is None:
+        return None
+    if not isinstance(m, torch.Tensor):
+        raise TypeError(f"{name} must be None or a bool tensor of shape ({batch}, {seqlen}); got {type(m).__name__}")
+    if m.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (True = real token) of shape ({batch}, {seqlen}); "
+                        f"got dtype {m.dtype}")
+    if tuple(m.shape) != (batch, seqlen):
+        raise ValueError(f"{name} must have shape (B, S) = ({batch}, {seqlen}) (True = real token); "
+                         f"got shape {tuple(m.shape)}")
+    if m.device != q.device:
+        raise ValueError(f"{name} must be on the inputs' device {q.device}; got {m.device}")
+    return m
+
+
+def check_lens(name: str, t, batch: int, q) -> torch.Tensor | None:
+    """A (batch,) int32/int64 tensor of lengths on q's device, or None (values are clamped to [0, S])."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be None or an int32/int64 tensor of shape ({batch},); got {type(t).__name__}")
+    if t.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must be an int32 or int64 tensor of shape ({batch},); got dtype {t.dtype}")
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"{name} must have shape (B,) = ({batch},); got shape {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on the inputs' device {q.device}; got {t.device}")
+    return t.contiguous()
+
+
+def check_cu_seqlens(name: str, cu, q) -> torch.Tensor:
+    """(nseq + 1,) int32 cumulative lengths starting at 0, on q's device (not synced to check values)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor of shape (nseq + 1,); got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor (as flash-attn); got dtype {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (nseq + 1,), cumulative lengths starting at 0; "
+                         f"got shape {tuple(cu.shape)}")
+    if cu.device != q.device:
+        raise ValueError(f"{name} must be on the inputs' device {q.device}; got {cu.device}")
+    return cu.contiguous()
+
+
+def check_max_seqlen(name: str, m):
+    """An int >= 0 or a 0-dim integer tensor (read at run time, so torch.compile can trace it)."""
+    if isinstance(m, torch.Tensor):
+        if m.dim() != 0 or m.is_floating_point() or m.is_complex() or m.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int or a 0-dim integer tensor; got a {m.dtype} tensor of shape "
+                            f"{tuple(m.shape)}")
+        return m
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+        raise ValueError(f"{name} must be an int >= 0 or a 0-dim integer tensor; got {m!r}")
+    return int(m)

@@ -29,6 +29,47 @@ class BackendNotSupported(NotImplementedError):
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionMasks:
+    """Which keys each query sees, beyond causal. Every field is optional.
+
+    window: (left, right) as flash-attn, -1 = unbounded (causal sets right to 0).
+    key_mask (B, Sk) / query_mask (B, Sq): bool, True = real token.
+    q_lens / kv_lens (B,): int, right padding (clamped to [0, S]).
+    cu_seqlens_q / cu_seqlens_k (nseq + 1,) int32, max_seqlen_q / max_seqlen_k: varlen (the
+    (B, H, S, D) views are then (1, H, total, D) views of the packed tensors).
+    """
+
+    window: tuple = (-1, -1)
+    key_mask: torch.Tensor | None = None
+    query_mask: torch.Tensor | None = None
+    q_lens: torch.Tensor | None = None
+    kv_lens: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def is_empty(self) -> bool:
+        return (tuple(self.window) == (-1, -1) and self.key_mask is None and self.query_mask is None
+                and self.q_lens is None and self.kv_lens is None and not self.varlen)
+
+    def describe(self) -> str:
+        parts = [f"window_size={tuple(self.window)}"] if tuple(self.window) != (-1, -1) else []
+        parts += [n for n in ("key_mask", "query_mask", "q_lens", "kv_lens") if getattr(self, n) is not None]
+        if self.varlen:
+            parts.append(f"varlen ({self.cu_seqlens_q.shape[0] - 1} sequences)")
+        return ", ".join(parts)
+
+
+NO_MASKS = AttentionMasks()
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionInputs:
     """Attention inputs as the kernels see them: (B, H, S, D) views, any strides."""
 
@@ -37,6 +78,7 @@ class AttentionInputs:
     v: torch.Tensor
     causal: bool = False
     bottom_right: bool = False
+    masks: AttentionMasks = NO_MASKS
 
     @property
     def device(self) -> torch.device:
@@ -53,11 +95,11 @@ class Backend:
     def not_supported_reasons(self, inp: AttentionInputs) -> list[str]:
         raise NotImplementedError
 
-    def forward(self, q, k, v, out, *, scale, causal, bottom_right):
+    def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
         """Write attention of (q, k, v) into `out`; return lse2 (B, H, Sq) in log2 units."""
         raise NotImplementedError
 
-    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right):
+    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS):
         """Write the gradients of (q, k, v) into (dq, dk, dv)."""
         raise NotImplementedError
 
@@ -141,14 +183,15 @@ class ReferenceBackend(Backend):
             return [f"dtype {inp.dtype} is not a floating type flashtx supports"]
         return []
 
-    def forward(self, q, k, v, out, *, scale, causal, bottom_right):
-        o, lse2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right)
+    def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
+        o, lse2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
+                                              spec=masks)
         out.copy_(o)
         return lse2
 
-    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right):
+    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS):
         grads = reference.attention_backward(do, q, k, v, out, lse2, scale=scale, causal=causal,
-                                             bottom_right=bottom_right, dlse2=dlse2)
+                                             bottom_right=bottom_right, dlse2=dlse2, spec=masks)
         for buf, g in zip((dq, dk, dv), grads):
             buf.copy_(g)
 
@@ -166,6 +209,9 @@ class TritonBackend(Backend):
         for what, d in (("query/key", d_qk), ("value", d_v)):
             if d > MAX_HEAD_DIM:
                 reasons.append(f"{what} head dim {d} is above {MAX_HEAD_DIM}")
+        if inp.masks.varlen and inp.masks.cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ:
+            reasons.append(f"{inp.masks.cu_seqlens_q.shape[0] - 1} sequences: at most {MAX_GRID_YZ} "
+                           "(CUDA grid z limit)")
         if inp.q.shape[0] > MAX_GRID_YZ or inp.q.shape[1] > MAX_GRID_YZ:
             reasons.append(f"batch {inp.q.shape[0]} x heads {inp.q.shape[1]}: each must be <= {MAX_GRID_YZ} "
                            "(CUDA grid y/z limit)")
@@ -191,21 +237,22 @@ class TritonBackend(Backend):
                 reasons.append(str(exc))
         return reasons
 
-    def forward(self, q, k, v, out, *, scale, causal, bottom_right):
+    def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
         from .triton_kernels.attention_fwd import attention_forward
 
         q, k, v = (_unit_last(t) for t in (q, k, v))
-        _, lse2 = attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right, out=out)
+        _, lse2 = attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
+                                    spec=_kernel_spec(masks), out=out)
         return lse2
 
-    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right):
+    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS):
         from .triton_kernels.attention_bwd import attention_backward
 
         do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
         if dlse2 is not None:
             dlse2 = dlse2.contiguous()
         attention_backward(do, q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right,
-                           dlse2=dlse2, grads=(dq, dk, dv))
+                           dlse2=dlse2, spec=_kernel_spec(masks), grads=(dq, dk, dv))
 
 
 class CudaBackend(Backend):
@@ -215,6 +262,15 @@ class CudaBackend(Backend):
 
     def not_supported_reasons(self, inp):
         return ["flashtx's CUDA extension (csrc/) has no attention kernel in this release"]
+
+
+def _kernel_spec(masks: AttentionMasks):
+    """The kernels' own MaskSpec (triton_kernels cannot import flashtx)."""
+    from .triton_kernels.attention_common import NO_MASKS as KERNEL_NO_MASKS, MaskSpec
+
+    if masks.is_empty:
+        return KERNEL_NO_MASKS
+    return MaskSpec(**{f.name: getattr(masks, f.name) for f in dataclasses.fields(AttentionMasks)})
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -228,7 +284,8 @@ _warned: set = set()
 
 def _inputs_summary(inp: AttentionInputs) -> str:
     return (f"query {tuple(inp.q.shape)}, key {tuple(inp.k.shape)}, value {tuple(inp.v.shape)} "
-            f"(B, H, S, D), dtype={inp.dtype}, device={inp.device}, causal={inp.causal}")
+            f"(B, H, S, D), dtype={inp.dtype}, device={inp.device}, causal={inp.causal}"
+            + (f", {inp.masks.describe()}" if not inp.masks.is_empty else ""))
 
 
 def select_backend(inp: AttentionInputs, requested: str | None = None) -> str:

@@ -3,12 +3,18 @@
 Both are thin layers over one op (flashtx::attention_fwd / attention_bwd) and differ only in
 layout and causal alignment:
 
-=====================  ======================  =====================================
-function               layout                  causal alignment when Sq != Sk
-=====================  ======================  =====================================
-attention              (..., H, S, D) (SDPA)   top-left: query i sees keys j <= i
-flash_attn_func        (B, S, H, D)            bottom-right: i sees j <= i + Sk - Sq
-=====================  ======================  =====================================
+======================  ======================  =====================================
+function                layout                  causal/window alignment when Sq != Sk
+======================  ======================  =====================================
+attention               (..., H, S, D) (SDPA)   top-left: query i sees keys j <= i
+flash_attn_func         (B, S, H, D)            bottom-right: i sees j <= i + Sk - Sq
+flash_attn_varlen_func  packed (total, H, D)    bottom-right per sequence
+======================  ======================  =====================================
+
+Masks and lengths (keyword-only in both padded shells): `key_mask` (B, Sk) / `query_mask`
+(B, Sq) bool with True = real token, `kv_lens` / `q_lens` (B,) int for right padding. With
+bottom-right alignment the diagonal follows each sequence's lengths (Sk_b - Sq_b, from lens or
+cu_seqlens), as flash-attn's varlen does; masks only hide tokens and never move the diagonal.
 """
 from __future__ import annotations
 
@@ -18,23 +24,40 @@ import torch
 
 from . import _attention_op  # noqa: F401  (registers the custom ops)
 from ._attention_op import attention_fwd
-from ._validate import check_qkv, check_tensor, not_implemented, resolve_scale
-from .backends import AttentionInputs, select_backend
+from ._validate import (check_cu_seqlens, check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_tensor,
+                        check_window, not_implemented, resolve_scale)
+from .backends import NO_MASKS, AttentionInputs, AttentionMasks, select_backend
 
 LN2 = math.log(2.0)
 
 
-def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse):
-    """q, k, v: validated (B, H, S, D) views. Returns out (B, Hq, Sq, Dv) [, lse (B, Hq, Sq)]."""
-    name = select_backend(AttentionInputs(q, k, v, causal, bottom_right), backend)
-    out, lse2 = attention_fwd(q, k, v, scale, causal, bottom_right, name)
+def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, masks=NO_MASKS, max_seqlen_t=(None, None)):
+    """q, k, v: validated (B, H, S, D) views (varlen: (1, H, total, D)).
+
+    Returns out (B, Hq, Sq, Dv) [, lse (B, Hq, Sq)].
+    """
+    name = select_backend(AttentionInputs(q, k, v, causal, bottom_right, masks), backend)
+    m = masks
+    out, lse2 = attention_fwd(q, k, v, scale, causal, bottom_right, name, int(m.window[0]), int(m.window[1]),
+                              m.key_mask, m.query_mask, m.q_lens, m.kv_lens, m.cu_seqlens_q, m.cu_seqlens_k,
+                              m.max_seqlen_q, m.max_seqlen_k, *max_seqlen_t)
     if return_lse:
         return out, lse2 * LN2  # natural log
     return out
 
 
+def _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens) -> AttentionMasks:
+    """Validated AttentionMasks for (B, H, S, D) views q, k."""
+    B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
+    return AttentionMasks(window=check_window("window_size", window_size),
+                          key_mask=check_seq_mask("key_mask", key_mask, B, Sk, q),
+                          query_mask=check_seq_mask("query_mask", query_mask, B, Sq, q),
+                          q_lens=check_lens("q_lens", q_lens, B, q), kv_lens=check_lens("kv_lens", kv_lens, B, q))
+
+
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-              *, backend=None, return_lse=False):
+              *, backend=None, return_lse=False, window_size=(-1, -1), key_mask=None, query_mask=None,
+              kv_lens=None, q_lens=None):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``, with O(N) memory.
 
     Args:
@@ -49,11 +72,19 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             h // (Hq // Hkv); K/V are never expanded. Without it Hq must equal Hkv, as in SDPA.
         backend: None (automatic), "triton", "reference" or "cuda" (see flashtx.backends).
         return_lse: also return the log-sum-exp of each row's scaled scores.
+        window_size: (left, right) sliding window, -1 = unbounded: query i sees keys
+            i - left <= j <= i + right (top-left aligned, like is_causal; is_causal sets right = 0).
+        key_mask: (B, Sk) bool, True = real key (the polarity of SDPA's bool attn_mask and Hugging
+            Face's attention_mask; nn.MultiheadAttention's key_padding_mask is the opposite).
+            B is the product of the leading dims (1 for 3-D/2-D inputs).
+        query_mask: (B, Sq) bool, True = real query; padding rows give 0 output and 0 gradient.
+        kv_lens, q_lens: (B,) int32/int64 valid lengths (right padding; clamped to [0, S]).
+            Rows/keys past them are padding: 0 output, 0 gradient. Causal stays top-left.
 
     Returns:
-        out (..., Hq, Sq, Dv) in query's dtype; with return_lse, (out, lse) with lse (..., Hq, Sq)
-        in float32 (float64 for float64 inputs), natural log. Differentiable in query, key, value
-        (and through lse).
+        out (..., Hq, Sq, Dv) in query's dtype; rows that see no key are 0 (lse -inf); with
+        return_lse, (out, lse) with lse (..., Hq, Sq) in float32 (float64 for float64 inputs),
+        natural log. Differentiable in query, key, value (and through lse).
 
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)
@@ -77,8 +108,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=bool(enable_gqa),
               gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
     scale = resolve_scale("scale", scale, q.shape[-1])
+    masks = _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens)
     res = _run(q, k, v, scale=scale, causal=bool(is_causal), bottom_right=False, backend=backend,
-               return_lse=return_lse)
+               return_lse=return_lse, masks=masks)
     lead_shape = query.shape[:-2]  # (..., Hq)
     if return_lse:
         out, lse = res
@@ -97,8 +129,20 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-3:])
 
 
+def _check_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs):
+    if dropout_p != 0.0:
+        raise not_implemented("dropout_p", dropout_p, "dropout is the score-modifiers issue")
+    if softcap != 0.0:
+        raise not_implemented("softcap", softcap, "softcap is the score-modifiers issue")
+    if alibi_slopes is not None:
+        raise not_implemented("alibi_slopes", "<tensor>", "ALiBi is the score-modifiers issue")
+    if return_attn_probs:
+        raise not_implemented("return_attn_probs", True, "it comes with dropout")
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend=None,
+                    key_mask=None, query_mask=None, kv_lens=None, q_lens=None):
     """Drop-in for flash-attn 2's ``flash_attn_func``.
 
     Args:
@@ -108,10 +152,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         causal: causal mask aligned bottom-right, as flash-attn >= 2.1: query i sees keys
             j <= i + Sk - Sq. When Sq > Sk, the first Sq - Sk rows see no key: their output is 0
             (and their lse -inf), as in flash-attn.
+        window_size: (left, right) sliding window as flash-attn, -1 = unbounded: query i sees
+            keys i + Sk - Sq - left <= j <= i + Sk - Sq + right; causal sets right = 0. Key tiles
+            outside the window are skipped, so the cost scales with the window.
         deterministic: accepted; flashtx's backward is always deterministic (no atomics).
-        dropout_p, window_size, softcap, alibi_slopes, return_attn_probs: not supported yet;
-            anything but their defaults raises NotImplementedError.
+        dropout_p, softcap, alibi_slopes, return_attn_probs: not supported yet; anything but
+            their defaults raises NotImplementedError.
         backend: as in flashtx.attention.
+        key_mask, query_mask: (B, Sk) / (B, Sq) bool, True = real token (keyword-only).
+        kv_lens, q_lens: (B,) int valid lengths, right padding (keyword-only). The causal/window
+            diagonal is aligned per sequence: i + kv_lens[b] - q_lens[b], as flash-attn's varlen.
 
     Returns:
         out (B, Sq, Hq, Dv) in q's dtype, laid out in memory like q (contiguous for contiguous q).
@@ -123,18 +173,82 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         check_tensor(n, t)
         if t.dim() != 4:
             raise ValueError(f"{n} must be 4-D (B, S, H, D); got shape {tuple(t.shape)}")
-    if dropout_p != 0.0:
-        raise not_implemented("dropout_p", dropout_p, "dropout is the score-modifiers issue")
-    if tuple(window_size) != (-1, -1):
-        raise not_implemented("window_size", tuple(window_size), "sliding windows are the masks issue")
-    if softcap != 0.0:
-        raise not_implemented("softcap", softcap, "softcap is the score-modifiers issue")
-    if alibi_slopes is not None:
-        raise not_implemented("alibi_slopes", "<tensor>", "ALiBi is the score-modifiers issue")
-    if return_attn_probs:
-        raise not_implemented("return_attn_probs", True, "it comes with dropout")
+    _check_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views, no copies
     check_qkv(("q", "k", "v"), qh, kh, vh, "(B, S, H, D)", allow_gqa=True)
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
-    out = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend, return_lse=False)
+    masks = _padding_masks(qh, kh, window_size, key_mask, query_mask, q_lens, kv_lens)
+    out = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend, return_lse=False,
+               masks=masks)
     return out.transpose(1, 2)  # (B, Sq, Hq, Dv)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, *, backend=None):
+    """Drop-in for flash-attn 2's ``flash_attn_varlen_func``: packed variable-length sequences.
+
+    Args:
+        q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv): the sequences of the
+            batch concatenated, no padding. Hq a multiple of Hkv.
+        cu_seqlens_q, cu_seqlens_k: (nseq + 1,) int32 cumulative lengths, starting at 0 and ending
+            at total (sequence b is rows [cu[b], cu[b+1])). Not checked on the device (no sync).
+        max_seqlen_q, max_seqlen_k: the longest sequence, an int or a 0-dim integer tensor (read
+            at run time inside the op, so torch.compile traces through). It sizes the grid: too
+            small leaves rows unwritten.
+        causal, window_size: as flash_attn_func, aligned bottom-right per sequence.
+        softmax_scale, deterministic, backend: as flash_attn_func. dropout_p, softcap,
+            alibi_slopes, return_attn_probs: not supported yet (NotImplementedError).
+
+    Returns:
+        out (total_q, Hq, Dv) in q's dtype. cu_seqlens must end at total: rows past
+        cu_seqlens_q[-1] are not written (nor are their gradients), as in flash-attn.
+
+    Example:
+        >>> out = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
+    """
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(n, t)
+        if t.dim() != 3:
+            raise ValueError(f"{n} must be 3-D (total, H, D) for varlen; got shape {tuple(t.shape)}")
+    _check_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs)
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, total, D) views, no copies
+    check_qkv(("q", "k", "v"), qh, kh, vh, "(total, H, D)", allow_gqa=True)
+    cuq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
+    cuk = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
+    if cuq.shape != cuk.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences; got shapes "
+                         f"{tuple(cuq.shape)} and {tuple(cuk.shape)}")
+    msq, msk = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    tensors = tuple(m if isinstance(m, torch.Tensor) else None for m in (msq, msk))
+    masks = AttentionMasks(window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
+                           max_seqlen_q=0 if tensors[0] is not None else msq,
+                           max_seqlen_k=0 if tensors[1] is not None else msk)
+    scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
+    out = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend, return_lse=False,
+               masks=masks, max_seqlen_t=tensors)
+    return out[0].transpose(0, 1)  # (total_q, Hq, Dv)
+
+
+def unpad_input(hidden_states, attention_mask):
+    """flash-attn's ``bert_padding.unpad_input``: padded (B, S, ...) -> packed (total, ...).
+
+    attention_mask: (B, S) bool or int, nonzero = real token (any position: left padding too).
+    Returns (packed (total, ...), indices (total,) int64 into the flattened (B * S) positions,
+    cu_seqlens (B + 1,) int32, max_seqlen int (one device sync), seqlens (B,) int32).
+    Differentiable in hidden_states.
+    """
+    seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)  # (B,)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])  # (B * S, ...)
+    return flat[indices], indices, cu_seqlens, max_seqlen, seqlens
+
+
+def pad_input(hidden_states, indices, batch, seqlen):
+    """flash-attn's ``bert_padding.pad_input``: packed (total, ...) -> padded (batch, seqlen, ...),
+    zeros at padding positions. Inverse of unpad_input; differentiable in hidden_states."""
+    out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    out = out.index_put((indices,), hidden_states)
+    return out.reshape(batch, seqlen, *hidden_states.shape[1:])

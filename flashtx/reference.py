@@ -25,13 +25,63 @@ def causal_visibility(Sq: int, Sk: int, bottom_right: bool, device=None) -> torc
     return j <= i + shift
 
 
+def visibility(Sq: int, Sk: int, *, batch: int = 1, causal: bool = False, bottom_right: bool = False,
+               window=(-1, -1), key_mask=None, query_mask=None, q_lens=None, kv_lens=None,
+               device=None) -> torch.Tensor:
+    """(B, Sq, Sk) bool: may query i of batch b attend to key j. The explicit N x N ground truth.
+
+    Lengths (B,) int are clamped to [0, S]; rows/keys past them are padding. With
+    bottom_right, the diagonal is aligned per sequence: align = kv_len - q_len (else 0). Then
+    j <= i + align + right (causal: right = 0; window right -1 = no bound) and
+    j >= i + align - left (window left -1 = no bound). key_mask (B, Sk) / query_mask (B, Sq):
+    True = real token.
+    """
+    i = torch.arange(Sq, device=device)[None, :, None]
+    j = torch.arange(Sk, device=device)[None, None, :]
+    def lens(t, s):  # (B|1, 1, 1) valid lengths
+        if t is None:
+            return torch.full((1, 1, 1), s, device=device)
+        return t.to(device).long().clamp(0, s)[:, None, None]
+
+    ql, kl = lens(q_lens, Sq), lens(kv_lens, Sk)
+    vis = (i < ql) & (j < kl)
+    align = (kl - ql) if bottom_right else 0
+    left, right = (int(x) for x in window)
+    if causal:
+        right = 0
+    if right >= 0:
+        vis = vis & (j <= i + align + right)
+    if left >= 0:
+        vis = vis & (j >= i + align - left)
+    if key_mask is not None:
+        vis = vis & key_mask.to(device, torch.bool)[:, None, :]
+    if query_mask is not None:
+        vis = vis & query_mask.to(device, torch.bool)[:, :, None]
+    return vis.expand(max(batch, vis.shape[0]), Sq, Sk)
+
+
+def varlen_visibility(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, causal: bool = False,
+                      window=(-1, -1), device=None) -> torch.Tensor:
+    """(1, total_q, total_k) bool for packed sequences: block-diagonal, each block as `visibility`
+    with bottom-right alignment per sequence (flash-attn's varlen semantics)."""
+    vis = torch.zeros(1, total_q, total_k, dtype=torch.bool, device=device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        vis[0, cq[b]:cq[b + 1], ck[b]:ck[b + 1]] = visibility(lq, lk, causal=causal, bottom_right=True,
+                                                              window=window, device=device)[0]
+    return vis
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-              causal: bool = False, bottom_right: bool = False, return_lse: bool = False):
+              causal: bool = False, bottom_right: bool = False, return_lse: bool = False,
+              vis: torch.Tensor | None = None):
     """Softmax attention on (B, H, S, D) tensors, computed in the inputs' dtype.
 
     q: (B, Hq, Sq, Dqk), k: (B, Hkv, Sk, Dqk), v: (B, Hkv, Sk, Dv) with Hq % Hkv == 0 (GQA/MQA:
-    q head h uses kv head h // (Hq // Hkv)). Rows that see no key give output 0 and lse -inf.
-    Returns out (B, Hq, Sq, Dv), and with return_lse the natural-log lse (B, Hq, Sq).
+    q head h uses kv head h // (Hq // Hkv)). vis: an optional (B or 1, Sq, Sk) bool visibility
+    (see `visibility`); it replaces causal/bottom_right. Rows that see no key give output 0 and
+    lse -inf. Returns out (B, Hq, Sq, Dv), and with return_lse the natural-log lse (B, Hq, Sq).
     Differentiable by autograd.
     """
     Hq, Hkv = q.shape[1], k.shape[1]
@@ -40,16 +90,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         v = v.repeat_interleave(Hq // Hkv, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    if vis is None and causal:
+        vis = causal_visibility(q.shape[2], k.shape[2], bottom_right, q.device)[None]  # (1, Sq, Sk)
     empty = None
-    if causal:
-        vis = causal_visibility(q.shape[2], k.shape[2], bottom_right, q.device)  # (Sq, Sk)
-        empty = ~vis.any(-1)  # (Sq,) rows with no visible key
+    if vis is not None:
+        vis = vis[:, None]  # (B|1, 1, Sq, Sk)
+        empty = ~vis.any(-1)  # (B|1, 1, Sq) rows with no visible key
         # masked entries get -inf; empty rows get finite dummies (zeroed below) so autograd sees no NaN
-        s = s.masked_fill(~vis & ~empty[:, None], float("-inf"))
+        s = s.masked_fill(~vis & ~empty[..., None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
     p = torch.exp(s - lse[..., None])  # (B, H, Sq, Sk), exactly 0 on masked entries
     if empty is not None and bool(empty.any()):
-        p = p.masked_fill(empty[:, None], 0.0)
+        p = p.masked_fill(empty[..., None], 0.0)
         lse = lse.masked_fill(empty, float("-inf"))
     out = torch.matmul(p, v)  # (B, H, Sq, Dv)
     return (out, lse) if return_lse else out
@@ -59,17 +111,32 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def attention_forward(q, k, v, *, scale: float, causal: bool, bottom_right: bool):
+def spec_visibility(spec, causal: bool, bottom_right: bool, q, k):
+    """The visibility `spec` (a flashtx.backends.AttentionMasks) gives (B, H, S, D) views q, k
+    (varlen: (1, H, total, D)); None when nothing is masked beyond plain causal."""
+    if spec is None or spec.is_empty:
+        return None
+    if spec.varlen:
+        return varlen_visibility(spec.cu_seqlens_q, spec.cu_seqlens_k, q.shape[2], k.shape[2], causal=causal,
+                                 window=spec.window, device=q.device)
+    return visibility(q.shape[2], k.shape[2], batch=q.shape[0], causal=causal, bottom_right=bottom_right,
+                      window=spec.window, key_mask=spec.key_mask, query_mask=spec.query_mask, q_lens=spec.q_lens,
+                      kv_lens=spec.kv_lens, device=q.device)
+
+
+def attention_forward(q, k, v, *, scale: float, causal: bool, bottom_right: bool, spec=None):
     """Reference backend forward with the kernels' contract: returns (out, lse2), lse2 in log2 units.
 
     Computes in fp32 for half inputs (fp64 for fp64), output cast back to the input dtype.
     """
     out, lse = attention(_upcast(q), _upcast(k), _upcast(v), scale=scale, causal=causal,
-                         bottom_right=bottom_right, return_lse=True)
+                         bottom_right=bottom_right, return_lse=True,
+                         vis=spec_visibility(spec, causal, bottom_right, q, k))
     return out.to(q.dtype), lse / LN2
 
 
-def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right: bool, dlse2=None):
+def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right: bool, dlse2=None,
+                       spec=None):
     """Reference backend backward from the saved lse (the same recomputation the kernels do)."""
     dt = q.dtype
     do, q, k, v, out = (_upcast(t) for t in (do, q, k, v, out))
@@ -79,10 +146,13 @@ def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bo
     ve = v.repeat_interleave(group, dim=1) if group > 1 else v
     s = torch.matmul(q, ke.transpose(-2, -1)) * scale  # (B, Hq, Sq, Sk)
     lse = (lse2 * LN2).to(s.dtype)
-    if causal:
-        vis = causal_visibility(q.shape[2], k.shape[2], bottom_right, q.device)
-        s = s.masked_fill(~vis, float("-inf"))
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    vis = spec_visibility(spec, causal, bottom_right, q, k)
+    if vis is None and causal:
+        vis = causal_visibility(q.shape[2], k.shape[2], bottom_right, q.device)[None]
+    if vis is not None:
+        s = s.masked_fill(~vis[:, None], float("-inf"))
+    # rows that see no key (lse = -inf) get P = 0
+    p = torch.exp(s - torch.where(torch.isinf(lse), float("inf"), lse)[..., None])
     delta = (do * out).sum(-1)  # (B, Hq, Sq)
     if dlse2 is not None:
         delta = delta - dlse2.to(delta.dtype) / LN2

@@ -75,16 +75,33 @@ def attention_checks(device, dtype) -> list[tuple[str, Callable]]:
         return _compare(FLASH_NAME, dtype, backend, run,
                         lambda q, k, v: reference.attention(q, k, v, causal=True, bottom_right=True), make)
 
+    def padded(backend):
+        from .functional import flash_attn_func
+
+        kv_lens = torch.tensor([93, 50], device=device)
+        key_mask = torch.arange(93, device=device)[None] >= torch.tensor([0, 7], device=device)[:, None]  # left pad
+        vis = reference.visibility(77, 93, batch=2, causal=True, bottom_right=True, window=(40, -1),
+                                   key_mask=key_mask, kv_lens=kv_lens, device=device)
+
+        def run(q, k, v):
+            return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                   window_size=(40, -1), key_mask=key_mask, kv_lens=kv_lens,
+                                   backend=backend).transpose(1, 2)
+
+        return _compare(PADDED_NAME, dtype, backend, run, lambda q, k, v: reference.attention(q, k, v, vis=vis), make)
+
     def reasons(backend):
         q = torch.empty(2, 4, 77, 64, device=device, dtype=dtype)
         kv = torch.empty(2, 2, 93, 64, device=device, dtype=dtype)
         return BACKENDS[backend].not_supported_reasons(AttentionInputs(q, kv, kv, True))
 
-    return [(SDPA_NAME, sdpa, reasons, tuple(BACKENDS)), (FLASH_NAME, flash, reasons, tuple(BACKENDS))]
+    return [(SDPA_NAME, sdpa, reasons, tuple(BACKENDS)), (FLASH_NAME, flash, reasons, tuple(BACKENDS)),
+            (PADDED_NAME, padded, reasons, tuple(BACKENDS))]
 
 
 SDPA_NAME = "attention (SDPA shell, GQA, causal top-left)"
 FLASH_NAME = "flash_attn_func (GQA, causal bottom-right)"
+PADDED_NAME = "flash_attn_func (GQA, causal window, key_mask + kv_lens)"
 
 def rotary_checks(device, dtype):
     """apply_rotary (half rotation, partial: rotary_dim 48 of 64) against x*cos + rotate_half(x)*sin."""

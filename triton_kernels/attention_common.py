@@ -1,10 +1,20 @@
-"""Pieces shared by the attention kernels: visibility masks, loop bounds and scalars.
+"""Pieces shared by the attention kernels: per-sequence bounds, visibility masks, loop bounds, scalars.
 
 Conventions used by every attention kernel:
 - Tensors are addressed through (batch, head, seq, dim) strides, so (B, H, S, D) and (B, S, H, D)
-  layouts both run without copies.
-- Query row i sees key column j iff j < Sk and, when CAUSAL, j <= i + causal_shift, where
-  causal_shift is 0 for top-left alignment (SDPA) and Sk - Sq for bottom-right (flash-attn).
+  layouts both run without copies. Varlen (packed (total, H, D)) inputs arrive as batch-stride-0
+  views; each sequence's first row comes from its cumulative lengths (`seq_bounds`).
+- Per sequence b: `Sq_b`/`Sk_b` are the valid lengths (Sq/Sk, or q_lens[b]/kv_lens[b] clamped
+  to [0, S], or cu_seqlens[b+1] - cu_seqlens[b]); `Sq_mem`/`Sk_mem` are the rows that may be
+  loaded and stored (the padded length, or the sequence's own length when packed).
+- Query row i sees key column j iff i < Sq_b, j < Sk_b and
+    j <= i + causal_shift   when CAUSAL (any right bound: causal, or a window's right size),
+    j >= i + window_shift   when WINDOW (a window's left size),
+    key_mask[b, j]          when KEY_MASK,
+  where causal_shift = align + right, window_shift = align - left, align = Sk_b - Sq_b for
+  bottom-right alignment (flash-attn) and 0 for top-left (SDPA); right is 0 for causal.
+  A query_mask only zeroes rows at the end of the forward (QUERY_MASK): a row that sees no key
+  has lse = -inf, and the backward turns that into P = 0 for the whole row.
 - Scores live in the log2 domain: s2 = (q . k) * scale * log2(e), so the softmax uses exp2, and
   the stored log-sum-exp `lse2` is in log2 units (natural lse = lse2 * ln 2).
 - Float scalars arrive as float32 hi/lo pairs (hi + lo = value to ~48 bits) and are summed in the
@@ -21,54 +31,190 @@ def scalar_in(hi, lo, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def visible(q_idx, k_idx, Sq, Sk, causal_shift, CAUSAL: tl.constexpr):
-    """Boolean tile: may query row q_idx attend to key k_idx (broadcast 2-D indices)."""
-    vis = (q_idx < Sq) & (k_idx < Sk)
+def seq_bounds(b, Sq, Sk, Q_LENS, KV_LENS, CU_Q, CU_K, bottom_right, right, left,
+               LENS: tl.constexpr, VARLEN: tl.constexpr):
+    """Sequence b's (q_start, k_start, Sq_b, Sk_b, Sq_mem, Sk_mem, causal_shift, window_shift).
+
+    q_start/k_start: row offsets of the sequence (0 unless VARLEN); see the module docstring.
+    """
+    q_start = b * 0  # int32 scalars, as the loads below give
+    k_start = b * 0
+    Sq_b = Sq
+    Sk_b = Sk
+    Sq_mem = Sq
+    Sk_mem = Sk
+    if LENS:  # right padding: per-batch lengths, clamped to the padded length
+        Sq_b = tl.minimum(tl.maximum(tl.load(Q_LENS + b).to(tl.int32), 0), Sq)
+        Sk_b = tl.minimum(tl.maximum(tl.load(KV_LENS + b).to(tl.int32), 0), Sk)
+    if VARLEN:  # packed: sequence b is rows [cu[b], cu[b+1]) of the (total, H, D) tensors
+        q_start = tl.load(CU_Q + b).to(tl.int32)
+        k_start = tl.load(CU_K + b).to(tl.int32)
+        Sq_b = tl.load(CU_Q + b + 1).to(tl.int32) - q_start
+        Sk_b = tl.load(CU_K + b + 1).to(tl.int32) - k_start
+        Sq_mem = Sq_b
+        Sk_mem = Sk_b
+    align = (Sk_b - Sq_b) * bottom_right
+    return q_start, k_start, Sq_b, Sk_b, Sq_mem, Sk_mem, align + right, align - left
+
+
+@triton.jit
+def visible(q_idx, k_idx, Sq_b, Sk_b, causal_shift, window_shift, key_ok,
+            CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr):
+    """Boolean tile: may query row q_idx attend to key k_idx (broadcast 2-D indices).
+
+    key_ok: the key mask broadcast like k_idx (read only when KEY_MASK).
+    """
+    vis = (q_idx < Sq_b) & (k_idx < Sk_b)
     if CAUSAL:
         vis = vis & (k_idx <= q_idx + causal_shift)
+    if WINDOW:
+        vis = vis & (k_idx >= q_idx + window_shift)
+    if KEY_MASK:
+        vis = vis & key_ok
     return vis
 
 
 @triton.jit
-def kv_loop_bounds(m0, Sk, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def kv_loop_bounds(m0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr):
     """Key range for the q tile starting at row m0, split for masking.
 
-    Returns (full_end, end): key tiles in [0, full_end) are visible to every row of the q tile and
-    lie inside Sk, so they need no mask; tiles in [full_end, end) need masking; keys from `end` on
-    are invisible to the whole tile and are skipped.
+    Returns (lo, full_lo, full_hi, hi), multiples of BLOCK_N except hi: key tiles in
+    [full_lo, full_hi) are visible to every valid row of the q tile and lie inside Sk_b, so they
+    need no mask; the rest of [lo, hi) needs masking; keys outside [lo, hi) are invisible to the
+    whole tile and are skipped (a window's tiles left of `lo`, causal ones right of `hi`).
+    full_hi <= full_lo means the unmasked range is empty.
     """
+    last = tl.minimum(m0 + BLOCK_M, Sq_b) - 1  # last valid row of the tile
+    lo = 0
+    full_lo = 0
+    hi = Sk_b
+    full = Sk_b
     if CAUSAL:
-        end = tl.minimum(Sk, m0 + BLOCK_M + causal_shift)  # last row sees j <= m0 + BLOCK_M - 1 + shift
-        full = tl.minimum(Sk, m0 + 1 + causal_shift)  # first row sees j <= m0 + shift
-        end = tl.maximum(end, 0)
-        full = tl.maximum(full, 0)
-    else:
-        end = Sk
-        full = Sk
-    full_end = (full // BLOCK_N) * BLOCK_N
-    return full_end, end
+        hi = tl.minimum(Sk_b, tl.maximum(last + 1 + causal_shift, 0))  # the last row sees j <= last + shift
+        full = tl.minimum(Sk_b, tl.maximum(m0 + 1 + causal_shift, 0))  # the first row sees j <= m0 + shift
+    if WINDOW:
+        lo = (tl.maximum(m0 + window_shift, 0) // BLOCK_N) * BLOCK_N  # the first row sees j >= m0 + shift
+        full_lo = tl.cdiv(tl.maximum(last + window_shift, 0), BLOCK_N) * BLOCK_N  # the last row: j >= last + shift
+    hi = tl.where(last < m0, lo, tl.maximum(hi, lo))  # a tile of padding rows visits nothing
+    full_hi = tl.minimum((full // BLOCK_N) * BLOCK_N, hi)
+    if KEY_MASK:
+        full_hi = full_lo  # every tile needs the key mask
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def q_loop_bounds(n0, Sq, Sk, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def q_loop_bounds(n0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr):
     """Query range for the K/V tile starting at key n0, split for masking.
 
     Returns (lo, free_lo, free_hi, hi): q tiles in [lo, hi) see at least one key of the tile; of
-    those, [free_lo, free_hi) see all of its keys and lie inside Sq (no mask), the rest need
+    those, [free_lo, free_hi) see all of its keys and lie inside Sq_b (no mask), the rest need
     masking. All bounds are multiples of BLOCK_M; free_hi <= free_lo means the unmasked range is
     empty.
     """
-    hi = tl.cdiv(Sq, BLOCK_M) * BLOCK_M
+    hi = tl.cdiv(Sq_b, BLOCK_M) * BLOCK_M
+    free_hi = (Sq_b // BLOCK_M) * BLOCK_M
+    lo = 0
+    free_lo = 0
     if CAUSAL:
         first = tl.maximum(n0 - causal_shift, 0)  # first row that sees key n0
         lo = (first // BLOCK_M) * BLOCK_M
         all_vis = tl.maximum(n0 + BLOCK_N - 1 - causal_shift, lo)  # first row that sees the tile's last key
         free_lo = tl.cdiv(all_vis, BLOCK_M) * BLOCK_M
-    else:
-        lo = 0
-        free_lo = 0
-    free_hi = (Sq // BLOCK_M) * BLOCK_M
-    # A partial K/V tile needs the column mask in every q tile: empty the unmasked range.
-    free_hi = tl.where(n0 + BLOCK_N > Sk, free_lo, free_hi)
+    if WINDOW:
+        # row i sees key j >= i + window_shift: the tile's last key is seen by rows <= n0 + BLOCK_N - 1 - shift,
+        # its first key by rows <= n0 - shift
+        last_any = tl.minimum(Sq_b, tl.maximum(n0 + BLOCK_N - window_shift, 0))
+        hi = tl.minimum(hi, tl.cdiv(last_any, BLOCK_M) * BLOCK_M)
+        free_hi = tl.minimum(free_hi, (tl.maximum(n0 - window_shift + 1, 0) // BLOCK_M) * BLOCK_M)
+    # A partial K/V tile (or a key mask) needs the column mask in every q tile: empty the unmasked range.
+    free_hi = tl.where(n0 + BLOCK_N > Sk_b, free_lo, free_hi)
+    if KEY_MASK:
+        free_hi = free_lo
+    hi = tl.where(n0 >= Sk_b, 0, hi)  # a tile of padding keys is seen by nobody
     lo = tl.minimum(lo, hi)
     return lo, free_lo, free_hi, hi
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side: the mask/length arguments every attention kernel takes.
+# ------------------------------------------------------------------------------------------------
+import dataclasses  # noqa: E402
+
+import torch  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """Which keys each query sees, beyond the (B, H, S, D) shapes. All fields optional.
+
+    window: (left, right) as flash-attn, -1 = unbounded; causal sets right to 0.
+    key_mask (B, Sk) / query_mask (B, Sq): bool, True = real token (any strides).
+    q_lens / kv_lens (B,): int, right padding; clamped to [0, S] in the kernels.
+    cu_seqlens_q / cu_seqlens_k (nseq + 1,) int32 with max_seqlen_q / max_seqlen_k: varlen; then
+    the kernels get (1, H, total, D) views of the packed (total, H, D) tensors.
+    """
+
+    window: tuple = (-1, -1)
+    key_mask: torch.Tensor | None = None
+    query_mask: torch.Tensor | None = None
+    q_lens: torch.Tensor | None = None
+    kv_lens: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+
+NO_MASKS = MaskSpec()
+
+
+def _as_u8(m: torch.Tensor) -> torch.Tensor:
+    """A bool mask as uint8 without a copy (Triton loads it as bytes; nonzero = True)."""
+    return m.view(torch.uint8) if m.dtype == torch.bool else m
+
+
+def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tuple[dict, int, int, int]:
+    """Kernel arguments for `spec`, and the (batch, Sq, Sk) the grids span.
+
+    q, k: the (B, H, S, D) views the kernels read (varlen: (1, H, total, D)); lse: the (B, H, Sq)
+    log-sum-exp buffer (varlen: (1, H, total)). Absent tensors are replaced by `lse` (never read).
+    """
+    left, right = (int(x) for x in spec.window)
+    has_right = bool(causal) or right >= 0
+    dummy = lse
+    B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
+    args = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+                bottom_right=int(bool(bottom_right)), right=(0 if causal else right) if has_right else 0,
+                left=max(left, 0), CAUSAL=has_right, WINDOW=left >= 0,
+                LENS=spec.q_lens is not None or spec.kv_lens is not None, VARLEN=spec.varlen,
+                KEY_MASK=spec.key_mask is not None, QUERY_MASK=spec.query_mask is not None)
+    if args["LENS"]:
+        ql = spec.q_lens if spec.q_lens is not None else torch.full((B,), Sq, dtype=torch.int32, device=q.device)
+        kl = spec.kv_lens if spec.kv_lens is not None else torch.full((B,), Sk, dtype=torch.int32, device=q.device)
+        args.update(Q_LENS=ql, KV_LENS=kl)
+    else:
+        args.update(Q_LENS=dummy, KV_LENS=dummy)
+    if spec.varlen:
+        B = spec.cu_seqlens_q.shape[0] - 1
+        args.update(CU_Q=spec.cu_seqlens_q, CU_K=spec.cu_seqlens_k, stride_lb=0)
+        Sq, Sk = int(spec.max_seqlen_q), int(spec.max_seqlen_k)
+    else:
+        args.update(CU_Q=dummy, CU_K=dummy)
+    for name, m in (("KM", spec.key_mask), ("QM", spec.query_mask)):
+        if m is not None:
+            m = _as_u8(m)
+            args.update({name: m, f"stride_{name.lower()}b": m.stride(0), f"stride_{name.lower()}n": m.stride(1)})
+        else:
+            args.update({name: dummy, f"stride_{name.lower()}b": 0, f"stride_{name.lower()}n": 0})
+    return args, B, Sq, Sk
+
+
+def batch_stride(t: torch.Tensor, spec: MaskSpec) -> int:
+    """Varlen views share every sequence's storage: batch stride 0 (else the view's own)."""
+    return 0 if spec.varlen else t.stride(0)

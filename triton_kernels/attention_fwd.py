@@ -10,29 +10,35 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import kv_loop_bounds, scalar_in, visible
+from .attention_common import (NO_MASKS, MaskSpec, batch_stride, kv_loop_bounds, mask_args, scalar_in, seq_bounds,
+                               visible)
 from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, offs_m, start, end, Sq, Sk, causal_shift, qk_scale,
-               stride_kn, stride_kd, stride_vn, stride_vd, D_QK, D_V,
-               BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, start, end, Sq_b, Sk_b, causal_shift, window_shift,
+               qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, D_QK, D_V,
+               BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, ACC: tl.constexpr,
+               DOT_PREC: tl.constexpr):
     """Fold key tiles [start, end) into the online-softmax state (acc, m_i, l_i)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # K^T tile (BLOCK_DQK, BLOCK_N) and V tile (BLOCK_N, BLOCK_DV); rows past Sk read as 0
+        # K^T tile (BLOCK_DQK, BLOCK_N) and V tile (BLOCK_N, BLOCK_DV); keys past Sk_b (padding) read as 0
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
-                     mask=(offs_n[None, :] < Sk) & (offs_dqk[:, None] < D_QK), other=0.0)
+                     mask=(offs_n[None, :] < Sk_b) & (offs_dqk[:, None] < D_QK), other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                    mask=(offs_n[:, None] < Sk) & (offs_dv[None, :] < D_V), other=0.0)
+                    mask=(offs_n[:, None] < Sk_b) & (offs_dv[None, :] < D_V), other=0.0)
         s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
-            vis = visible(offs_m[:, None], offs_n[None, :], Sq, Sk, causal_shift, CAUSAL)
+            key_ok = offs_n[None, :] < Sk_b
+            if KEY_MASK:
+                key_ok = tl.load(km_base + offs_n[None, :] * stride_kmn, mask=key_ok, other=0) != 0
+            vis = visible(offs_m[:, None], offs_n[None, :], Sq_b, Sk_b, causal_shift, window_shift, key_ok,
+                          CAUSAL, WINDOW, KEY_MASK)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row with nothing visible so far keeps m = -inf; subtract 0 instead of -inf
@@ -49,72 +55,91 @@ def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, offs_m, start, end, Sq, Sk, cau
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE,
+def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
-              H, GROUP, Sq, Sk, D_QK, D_V, causal_shift, qk_scale_hi, qk_scale_lo,
+              stride_lb, stride_lh, stride_kmb, stride_kmn, stride_qmb, stride_qmn,
+              H, GROUP, Sq, Sk, D_QK, D_V, bottom_right, right, left, qk_scale_hi, qk_scale_lo,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-              CAUSAL: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
+              LENS: tl.constexpr, VARLEN: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
-    pid_bh = b * H + h
     kvh = h // GROUP  # GQA/MQA: q heads [kvh*GROUP, (kvh+1)*GROUP) share K/V head kvh
     m0 = pid_m * BLOCK_M
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    q_start, k_start, Sq_b, Sk_b, Sq_mem, Sk_mem, causal_shift, window_shift = seq_bounds(
+        b, Sq, Sk, Q_LENS, KV_LENS, CU_Q, CU_K, bottom_right, right, left, LENS, VARLEN)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
+    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + q_start.to(tl.int64) * stride_om
+    km_base = KM + b.to(tl.int64) * stride_kmb
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
-                mask=(offs_m[:, None] < Sq) & (offs_dqk[None, :] < D_QK), other=0.0)  # (BLOCK_M, BLOCK_DQK)
+                mask=(offs_m[:, None] < Sq_b) & (offs_dqk[None, :] < D_QK), other=0.0)  # (BLOCK_M, BLOCK_DQK)
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)  # running row max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=ACC)  # running row sum of exp2(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)  # running P @ V
 
-    full_end, end = kv_loop_bounds(m0, Sk, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, offs_m, 0, full_end, Sq, Sk, causal_shift,
-                               qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, D_QK, D_V,
-                               BLOCK_N, BLOCK_DQK, BLOCK_DV, False, CAUSAL, ACC, DOT_PREC)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, offs_m, full_end, end, Sq, Sk, causal_shift,
-                               qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, D_QK, D_V,
-                               BLOCK_N, BLOCK_DQK, BLOCK_DV, True, CAUSAL, ACC, DOT_PREC)
+    # masked tiles left of the unmasked range (window edge), unmasked, masked tail (causal diagonal, Sk_b)
+    lo, full_lo, full_hi, hi = kv_loop_bounds(m0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,
+                                              CAUSAL, WINDOW, KEY_MASK)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, lo, tl.minimum(full_lo, hi),
+                               Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd,
+                               stride_vn, stride_vd, stride_kmn, D_QK, D_V,
+                               BLOCK_N, BLOCK_DQK, BLOCK_DV, True, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, full_lo, full_hi,
+                               Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd,
+                               stride_vn, stride_vd, stride_kmn, D_QK, D_V,
+                               BLOCK_N, BLOCK_DQK, BLOCK_DV, False, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, tl.maximum(full_lo, full_hi), hi,
+                               Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd,
+                               stride_vn, stride_vd, stride_kmn, D_QK, D_V,
+                               BLOCK_N, BLOCK_DQK, BLOCK_DV, True, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
 
-    # Rows that saw no key (bottom-right causal with Sq > Sk) have l = 0: output 0, lse = -inf.
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # Rows that saw no key (masked out, padding, or before the causal diagonal) have l = 0 or are
+    # past Sq_b / masked by query_mask: output 0, lse = -inf (the backward gives them P = 0).
+    empty = (l_i == 0.0) | (offs_m >= Sq_b)
+    if QUERY_MASK:
+        qm = tl.load(QM + b.to(tl.int64) * stride_qmb + offs_m * stride_qmn, mask=offs_m < Sq_b, other=0)
+        empty = empty | (qm == 0)
+    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, o.to(O.dtype.element_ty),
-             mask=(offs_m[:, None] < Sq) & (offs_dv[None, :] < D_V))
-    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=offs_m < Sq)
+             mask=(offs_m[:, None] < Sq_mem) & (offs_dv[None, :] < D_V))
+    tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m, lse,
+             mask=offs_m < Sq_mem)
 
 
-def plan_forward(q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right: bool, target=None) -> Launch:
-    """The launch that computes out and lse2 from q, k, v (all (B, H, S, D) views)."""
-    B, H, Sq, D_QK = q.shape
-    Hkv, Sk, D_V = k.shape[1], k.shape[2], v.shape[3]
+def plan_forward(q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right: bool, spec: MaskSpec = NO_MASKS,
+                 target=None) -> Launch:
+    """The launch that computes out and lse2 from q, k, v ((B, H, S, D) views; varlen (1, H, total, D))."""
+    H, D_QK = q.shape[1], q.shape[3]
+    Hkv, D_V = k.shape[1], v.shape[3]
     target = target if target is not None else target_for(q)
     block_dqk, block_dv = head_block(D_QK), head_block(D_V)
     cfg = select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target)
     hi, lo = split_f32(scale * LOG2E)
+    margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, lse2)
+    bs = lambda t: batch_stride(t, spec)  # noqa: E731
     args = dict(
         Q=q, K=k, V=v, O=out, LSE=lse2,
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qm=q.stride(2), stride_qd=q.stride(3),
-        stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kn=k.stride(2), stride_kd=k.stride(3),
-        stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2), stride_vd=v.stride(3),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_om=out.stride(2), stride_od=out.stride(3),
+        stride_qb=bs(q), stride_qh=q.stride(1), stride_qm=q.stride(2), stride_qd=q.stride(3),
+        stride_kb=bs(k), stride_kh=k.stride(1), stride_kn=k.stride(2), stride_kd=k.stride(3),
+        stride_vb=bs(v), stride_vh=v.stride(1), stride_vn=v.stride(2), stride_vd=v.stride(3),
+        stride_ob=bs(out), stride_oh=out.stride(1), stride_om=out.stride(2), stride_od=out.stride(3),
         H=H, GROUP=H // Hkv, Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
-        causal_shift=(Sk - Sq) if (causal and bottom_right) else 0,
         qk_scale_hi=hi, qk_scale_lo=lo,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
-        CAUSAL=causal, ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype),
+        ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **margs,
     )
     grid = (triton.cdiv(Sq, cfg.block_m), H, B)
     est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size())
@@ -122,10 +147,11 @@ def plan_forward(q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_right: bool = False,
-                      out: torch.Tensor | None = None):
+                      spec: MaskSpec = NO_MASKS, out: torch.Tensor | None = None):
     """Flash attention forward on (B, H, S, D) views (any strides with a unit last stride).
 
     q: (B, Hq, Sq, Dqk); k: (B, Hkv, Sk, Dqk); v: (B, Hkv, Sk, Dv), Hq a multiple of Hkv.
+    spec: window / masks / lengths / varlen (see MaskSpec; varlen: (1, H, total, D) views).
     Returns (out, lse2): out (B, Hq, Sq, Dv) in q's dtype (written into `out` if given);
     lse2 (B, Hq, Sq) contiguous, fp32 (fp64 for fp64 inputs), the row log-sum-exp of the scaled
     scores in log2 units, -inf for rows that see no key (their output is 0).
@@ -136,25 +162,43 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
     lse2 = torch.empty(B, H, Sq, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
     if out.numel() == 0:
         return out, lse2
-    plan_forward(q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right).run()
+    plan_forward(q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec).run()
     return out, lse2
 
 
+# Mask variants the compile check covers besides plain and causal, each constexpr on at least once:
+# name -> (causal, MaskSpec).
+def _variants(B, S):
+    lens = torch.full((B,), S, dtype=torch.int32)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    cu = torch.arange(B + 1, dtype=torch.int32) * S
+    return {
+        "window+lens": (True, MaskSpec(window=(64, 0), q_lens=lens, kv_lens=lens)),
+        "window2+masks": (False, MaskSpec(window=(64, 64), key_mask=mask, query_mask=mask)),
+        "varlen": (True, MaskSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)),
+    }
+
+
 def compile_plans(target) -> list:
-    """Every forward config `target` can launch (head dims 64/128/256; fp16, bf16, fp32; causal or not).
+    """Every forward config `target` can launch (head dims 64/128/256; fp16, bf16, fp32; causal or not;
+    fp16/bf16 also with a window, key/query masks, lengths and varlen).
 
     For the compile check: small CPU tensors whose strides match a real (B, H, S, D) launch.
     """
     plans = []
     for d in (64, 128, 256):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for causal in ((False, True) if dtype == torch.float16 else (True,)):
+            variants = [("causal=False", False, NO_MASKS)] if dtype == torch.float16 else []
+            variants.append(("causal=True", True, NO_MASKS))
+            if dtype != torch.float32:
+                variants += [(name, c, spec) for name, (c, spec) in _variants(1, 128).items()]
+            for name, causal, spec in variants:
                 q, k, v, o = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(4))
                 lse2 = torch.empty(1, 2, 128, dtype=torch.float32)
                 try:
-                    launch = plan_forward(q, k, v, o, lse2, scale=d ** -0.5, causal=causal, bottom_right=False,
-                                          target=target)
+                    launch = plan_forward(q, k, v, o, lse2, scale=d ** -0.5, causal=causal, bottom_right=spec.varlen,
+                                          spec=spec, target=target)
                 except RuntimeError:  # no config fits: the backend reports it and never launches
                     continue
-                plans.append((f"attn_fwd D={d} {str(dtype)[6:]} causal={causal}", launch))
+                plans.append((f"attn_fwd D={d} {str(dtype)[6:]} {name}", launch))
     return plans

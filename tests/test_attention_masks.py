@@ -1,0 +1,471 @@
+"""Sliding windows, padding masks, lengths and varlen through the attention kernels.
+
+Every case runs the real Triton kernels (interpreter on CPU, CUDA on a GPU), forward and
+backward, against the float64 reference with an explicit (B, Sq, Sk) visibility mask
+(flashtx.reference.visibility), under the tolerance rule of conftest.assert_close_to_reference,
+with NaN-poisoned allocations so unwritten rows fail.
+"""
+import dataclasses
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import (DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, poisoned_allocations, randn, to64,
+                      to_dtype)
+
+import flashtx
+from flashtx import reference
+from flashtx.triton_kernels.attention_common import kv_loop_bounds, q_loop_bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class MCase:
+    name: str
+    sq: int
+    sk: int
+    hq: int = 2
+    hkv: int = 2
+    causal: bool = False
+    window: tuple = (-1, -1)
+    shell: str = "flash"  # "flash": (B, S, H, D), bottom-right; "sdpa": (B, H, S, D), top-left
+    key_mask: str = ""  # "", "random", "left" (left padding), "empty-row" (batch 1 all padding)
+    query_mask: str = ""
+    kv_lens: tuple | None = None
+    q_lens: tuple | None = None
+    b: int = 2
+    d: int = 32
+
+
+CASES = [
+    MCase("window-self", 150, 150, window=(37, 11)),
+    MCase("window-causal", 150, 150, causal=True, window=(40, -1)),
+    MCase("window-left-only-cross-gqa", 70, 190, hq=4, hkv=2, window=(50, -1)),
+    MCase("window-right-only-sq-gt-sk", 190, 70, window=(-1, 9)),
+    MCase("window-zero-diagonal", 64, 64, window=(0, 0), b=1),
+    MCase("sdpa-window-causal-top-left", 90, 150, causal=True, window=(30, -1), shell="sdpa"),
+    MCase("sdpa-window-both", 150, 90, window=(12, 20), shell="sdpa", hq=4, hkv=1),
+    MCase("key-mask-random-gqa", 77, 130, hq=4, hkv=2, key_mask="random"),
+    MCase("key-mask-left-padding-causal", 100, 100, causal=True, key_mask="left", query_mask="left"),
+    MCase("query-mask-cross", 130, 60, query_mask="random", shell="sdpa"),
+    MCase("all-padding-batch-row", 70, 90, key_mask="empty-row", query_mask="random", causal=True),
+    MCase("kv-lens-gqa", 40, 150, hq=4, hkv=1, kv_lens=(150, 33)),
+    MCase("lens-causal-bottom-right-per-sequence", 120, 150, causal=True, q_lens=(120, 45), kv_lens=(97, 150)),
+    MCase("lens-zero-length", 60, 60, q_lens=(60, 0, 41), kv_lens=(0, 60, 55), causal=True, b=3),
+    MCase("sdpa-encoder-decoder-both-padded", 70, 130, hq=4, hkv=2, shell="sdpa", q_lens=(50, 70),
+          kv_lens=(130, 61)),
+    MCase("sdpa-lens-causal-top-left", 90, 90, causal=True, shell="sdpa", q_lens=(90, 31), kv_lens=(64, 90)),
+    MCase("everything", 130, 110, hq=4, hkv=2, causal=True, window=(45, -1), key_mask="random",
+          query_mask="random", q_lens=(130, 100), kv_lens=(90, 110)),
+]
+# fp64 and fp32 for every case would double the interpreter time: fp16 (where the tolerance rule
+# has teeth) for all, the other kernel dtypes for a representative few.
+FULL_DTYPE_CASES = {"window-causal", "key-mask-left-padding-causal", "lens-causal-bottom-right-per-sequence",
+                    "everything"}
+
+
+def seq_mask(kind: str, b: int, s: int) -> torch.Tensor | None:
+    if not kind:
+        return None
+    if kind == "random":
+        m = torch.rand(b, s, device=DEVICE) > 0.3
+    elif kind == "left":  # batch row r starts with 7 * r padding tokens (batched generation)
+        m = torch.arange(s, device=DEVICE)[None, :] >= 7 * torch.arange(b, device=DEVICE)[:, None] + 3
+    elif kind == "empty-row":
+        m = torch.rand(b, s, device=DEVICE) > 0.3
+        m[1] = False
+    else:
+        raise KeyError(kind)
+    return m
+
+
+def case_inputs(case: MCase, dtype):
+    if case.shell == "flash":
+        shapes = [(case.b, case.sq, case.hq, case.d), (case.b, case.sk, case.hkv, case.d),
+                  (case.b, case.sk, case.hkv, case.d)]
+    else:
+        shapes = [(case.b, case.hq, case.sq, case.d), (case.b, case.hkv, case.sk, case.d),
+                  (case.b, case.hkv, case.sk, case.d)]
+    q, k, v = (randn(*s, dtype=dtype, requires_grad=True) for s in shapes)
+    lens = lambda t: torch.tensor(t, device=DEVICE) if t is not None else None  # noqa: E731
+    kw = dict(key_mask=seq_mask(case.key_mask, case.b, case.sk), query_mask=seq_mask(case.query_mask, case.b, case.sq),
+              kv_lens=lens(case.kv_lens), q_lens=lens(case.q_lens))
+    return q, k, v, kw
+
+
+def run_case(case: MCase, q, k, v, kw, backend="triton"):
+    if case.shell == "flash":
+        return flashtx.flash_attn_func(q, k, v, causal=case.causal, window_size=case.window, backend=backend, **kw)
+    return flashtx.attention(q, k, v, is_causal=case.causal, window_size=case.window, enable_gqa=True,
+                             backend=backend, **kw)
+
+
+def case_visibility(case: MCase, kw) -> torch.Tensor:
+    return reference.visibility(case.sq, case.sk, batch=case.b, causal=case.causal, bottom_right=case.shell == "flash",
+                                window=case.window, device=DEVICE, **kw)
+
+
+def reference_case(case: MCase, q, k, v, vis):
+    if case.shell == "flash":
+        return reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), vis=vis).transpose(1, 2)
+    return reference.attention(q, k, v, vis=vis)
+
+
+PARAMS = [pytest.param(c, dt, id=f"{c.name}-{dtype_id(dt)}") for c in CASES for dt in KERNEL_DTYPES
+          if c.name in FULL_DTYPE_CASES or dt == KERNEL_DTYPES[0]]
+
+
+@pytest.mark.parametrize("case,dtype", PARAMS)
+def test_masked_forward_backward_match_reference(case, dtype):
+    torch.manual_seed(sum(map(ord, case.name)))
+    q, k, v, kw = case_inputs(case, dtype)
+    with poisoned_allocations():
+        out = run_case(case, q, k, v, kw)
+        do = randn(*out.shape, dtype=dtype)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    vis = case_visibility(case, kw)
+    assert vis.any(), "a case where nothing is visible tests nothing"
+    q64, k64, v64 = to64(q, k, v)
+    ref = reference_case(case, q64, k64, v64, vis)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.to(torch.float64))
+    qe, ke, ve = to_dtype(dtype, q, k, v)
+    eager = reference_case(case, qe, ke, ve, vis)
+    eager_grads = torch.autograd.grad(eager, (qe, ke, ve), do)
+    assert_close_to_reference("out", out, ref, eager)
+    scale = max(float(r.abs().max()) for r in ref_grads)
+    for name, g, r, e in zip(("dq", "dk", "dv"), grads, ref_grads, eager_grads):
+        assert_close_to_reference(name, g, r, e, grad=True, scale=scale)
+
+    # rows that see no key, and keys no row sees, are exactly 0 (not NaN, not tiny)
+    seq = 1 if case.shell == "flash" else 2  # the sequence dim of the shell's layout
+    empty_rows = ~vis.any(-1)  # (B, Sq)
+    unseen_keys = ~vis.any(-2)  # (B, Sk)
+    for t, mask in ((out, empty_rows), (grads[0], empty_rows), (grads[1], unseen_keys), (grads[2], unseen_keys)):
+        sel = t.movedim(seq, 1)[mask]  # (n, H, D) or (n, D)... rows of masked positions
+        assert torch.isfinite(t).all() and (sel == 0).all()
+
+
+def test_all_padding_batch_row_gives_zero_output_and_gradients_not_nan():
+    torch.manual_seed(11)
+    dtype = KERNEL_DTYPES[0]
+    q = randn(3, 40, 2, 16, dtype=dtype, requires_grad=True)
+    k = randn(3, 56, 2, 16, dtype=dtype, requires_grad=True)
+    v = randn(3, 56, 2, 16, dtype=dtype, requires_grad=True)
+    key_mask = torch.ones(3, 56, dtype=torch.bool, device=DEVICE)
+    key_mask[1] = False
+    for kw in (dict(key_mask=key_mask), dict(kv_lens=torch.tensor([56, 0, 20], device=DEVICE)),
+               dict(q_lens=torch.tensor([40, 0, 40], device=DEVICE))):
+        with poisoned_allocations():
+            out = flashtx.flash_attn_func(q, k, v, causal=True, backend="triton", **kw)
+            gq, gk, gv = torch.autograd.grad(out.float().sum(), (q, k, v))
+        for t in (out, gq, gk, gv):
+            assert torch.isfinite(t).all()
+        assert (out[1] == 0).all() and (gq[1] == 0).all() and (gk[1] == 0).all() and (gv[1] == 0).all()
+        assert (out[0].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa_shell_window_and_key_mask_match_torch_sdpa(causal):
+    """Same numbers as torch's SDPA given the equivalent explicit boolean attn_mask (top-left
+    window i - 8 <= j <= i + 6, or <= i when causal), rows with no visible key excluded (SDPA
+    gives NaN there, flashtx 0)."""
+    torch.manual_seed(12)
+    q = randn(2, 4, 45, 16, dtype=torch.float64)
+    k = randn(2, 2, 60, 16, dtype=torch.float64)
+    v = randn(2, 2, 60, 16, dtype=torch.float64)
+    key_mask = torch.rand(2, 60, device=DEVICE) > 0.3
+    i, j = torch.arange(45, device=DEVICE)[:, None], torch.arange(60, device=DEVICE)[None, :]
+    mask = ((j >= i - 8) & (j <= i + (0 if causal else 6)))[None, None] & key_mask[:, None, None, :]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    ref = torch.where(mask.any(-1, keepdim=True), ref, 0.0)
+    if DEVICE == "cuda":
+        q, k, v = q.float(), k.float(), v.float()
+    out = flashtx.attention(q, k, v, is_causal=causal, window_size=(8, 6), key_mask=key_mask, enable_gqa=True,
+                            backend="triton")
+    assert torch.allclose(out.double(), ref, atol=1e-5 if DEVICE == "cuda" else 1e-12)
+
+
+def test_kv_lens_equal_key_mask_equal_truncation():
+    """Right padding three ways: kv_lens, the matching key_mask, and slicing the padding off."""
+    torch.manual_seed(13)
+    dtype = KERNEL_DTYPES[0]
+    q, k, v = (randn(2, s, 2, 32, dtype=dtype) for s in (33, 70, 70))
+    lens = torch.tensor([70, 29], device=DEVICE)
+    a = flashtx.flash_attn_func(q, k, v, kv_lens=lens, backend="triton")
+    b = flashtx.flash_attn_func(q, k, v, key_mask=torch.arange(70, device=DEVICE)[None] < lens[:, None],
+                                backend="triton")
+    c = flashtx.flash_attn_func(q[1:], k[1:, :29], v[1:, :29], backend="triton")
+    assert torch.allclose(a.float(), b.float(), atol=1e-3)
+    assert torch.allclose(a[1:].float(), c.float(), atol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Varlen
+# ----------------------------------------------------------------------------------------------
+def packed(lens_q, lens_k, hq=4, hkv=2, d=32, dtype=torch.float32):
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = randn(int(cu_q[-1]), hq, d, dtype=dtype, requires_grad=True)
+    k = randn(int(cu_k[-1]), hkv, d, dtype=dtype, requires_grad=True)
+    v = randn(int(cu_k[-1]), hkv, d, dtype=dtype, requires_grad=True)
+    return q, k, v, cu_q, cu_k
+
+
+VARLEN_CASES = [
+    ("self-causal", [50, 1, 97, 20], [50, 1, 97, 20], True, (-1, -1)),
+    ("cross-gqa", [13, 70, 0, 33], [90, 7, 12, 40], False, (-1, -1)),
+    ("cross-causal-window", [70, 30, 5], [40, 100, 5], True, (25, -1)),
+    ("window-both", [64, 100], [80, 100], False, (10, 10)),
+]
+
+
+@pytest.mark.parametrize("name,lq,lk,causal,window", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
+def test_varlen_equals_each_sequence_alone(name, lq, lk, causal, window):
+    torch.manual_seed(sum(map(ord, name)))
+    dtype = KERNEL_DTYPES[0]
+    q, k, v, cu_q, cu_k = packed(lq, lk, dtype=dtype)
+    with poisoned_allocations():
+        out = flashtx.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                                             window_size=window, backend="triton")
+        do = randn(*out.shape, dtype=dtype)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    assert out.shape == (sum(lq), 4, 32)
+    for b in range(len(lq)):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lq[b] == 0:
+            continue
+        qb, kb, vb = (t[s].detach().clone().requires_grad_(True) for t, s in ((q, qs), (k, ks), (v, ks)))
+        ob = flashtx.flash_attn_func(qb[None], kb[None], vb[None], causal=causal, window_size=window,
+                                     backend="triton")[0]
+        gb = torch.autograd.grad(ob, (qb, kb, vb), do[qs])
+        # the same kernel on the same rows: equal up to the order of fp32 accumulation
+        tol = dict(atol=1e-6, rtol=0) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+        assert torch.allclose(out[qs].float(), ob.float(), **tol)
+        for g, gs, s in zip(grads, gb, (qs, ks, ks)):
+            assert torch.allclose(g[s].float(), gs.float(), **tol), name
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_varlen_matches_reference(dtype):
+    torch.manual_seed(14)
+    lq, lk = [30, 0, 77, 9], [45, 12, 60, 9]
+    q, k, v, cu_q, cu_k = packed(lq, lk, dtype=dtype)
+    with poisoned_allocations():
+        out = flashtx.flash_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(77), torch.tensor(60), causal=True,
+                                             window_size=(20, -1), backend="triton")
+        do = randn(*out.shape, dtype=dtype)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    vis = reference.varlen_visibility(cu_q, cu_k, sum(lq), sum(lk), causal=True, window=(20, -1), device=DEVICE)
+
+    def ref(q, k, v):
+        return reference.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                   vis=vis)[0].transpose(0, 1)
+
+    q64, k64, v64 = to64(q, k, v)
+    r = ref(q64, k64, v64)
+    rg = torch.autograd.grad(r, (q64, k64, v64), do.to(torch.float64))
+    qe, ke, ve = to_dtype(dtype, q, k, v)
+    e = ref(qe, ke, ve)
+    eg = torch.autograd.grad(e, (qe, ke, ve), do)
+    assert_close_to_reference("out", out, r, e)
+    scale = max(float(g.abs().max()) for g in rg)
+    for name, g, r_, e_ in zip(("dq", "dk", "dv"), grads, rg, eg):
+        assert_close_to_reference(name, g, r_, e_, grad=True, scale=scale)
+
+
+def test_unpad_pad_round_trip_and_padded_equals_varlen():
+    """unpad_input -> flash_attn_varlen_func -> pad_input equals the padded call with masks
+    (left padding here, which lengths cannot express)."""
+    torch.manual_seed(15)
+    dtype = KERNEL_DTYPES[0]
+    B, S, H, D = 3, 37, 2, 16
+    x = randn(B, S, H, D, dtype=dtype, requires_grad=True)
+    mask = torch.arange(S, device=DEVICE)[None, :] >= torch.tensor([0, 10, 30], device=DEVICE)[:, None]
+    xu, idx, cu, max_len, seqlens = flashtx.unpad_input(x, mask)
+    assert xu.shape == (int(mask.sum()), H, D) and cu.dtype == torch.int32 and max_len == 37
+    assert seqlens.tolist() == [37, 27, 7] and cu.tolist() == [0, 37, 64, 71]
+    back = flashtx.pad_input(xu, idx, B, S)
+    assert torch.equal(back, torch.where(mask[..., None, None], x, 0))
+    (g,) = torch.autograd.grad(back.float().sum(), (x,))
+    assert torch.equal(g, mask[..., None, None].expand_as(g).to(g.dtype))
+
+    q, k, v = (randn(B, S, H, D, dtype=dtype) for _ in range(3))
+    qu, ku, vu = (flashtx.unpad_input(t, mask)[0] for t in (q, k, v))
+    packed_out = flashtx.flash_attn_varlen_func(qu, ku, vu, cu, cu, max_len, max_len, causal=True, backend="triton")
+    padded = flashtx.flash_attn_func(q, k, v, causal=True, key_mask=mask, query_mask=mask, backend="triton")
+    # left padding: bottom-right alignment of the padded call is the packed call's alignment
+    assert torch.allclose(flashtx.pad_input(packed_out, idx, B, S).float(), padded.float(), atol=2e-3)
+
+
+def test_varlen_traces_under_torch_compile_with_tensor_max_seqlen():
+    import torch._dynamo
+
+    torch.manual_seed(16)
+    q, k, v, cu_q, cu_k = packed([9, 20], [9, 20], dtype=torch.float32)
+
+    def fn(q, k, v, cu_q, cu_k, max_len):
+        return flashtx.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_len, max_len, causal=True).sum()
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(q, k, v, cu_q, cu_k, torch.tensor(20))
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v, cu_q, cu_k, torch.tensor(20))
+    (gq,) = torch.autograd.grad(loss, (q,))
+    eager = fn(q, k, v, cu_q, cu_k, 20)
+    (gq2,) = torch.autograd.grad(eager, (q,))
+    assert torch.allclose(loss, eager) and torch.allclose(gq, gq2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiles outside the window are skipped: the loop bounds the kernels use, evaluated by the kernel code
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _bounds_probe(OUT_KV, OUT_Q, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr,
+                  N_M: tl.constexpr, N_N: tl.constexpr):
+    for t in range(N_M):
+        lo, full_lo, full_hi, hi = kv_loop_bounds(t * BLOCK_M, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M,
+                                                  BLOCK_N, CAUSAL, WINDOW, KEY_MASK)
+        tl.store(OUT_KV + t * 4 + 0, lo)
+        tl.store(OUT_KV + t * 4 + 1, full_lo)
+        tl.store(OUT_KV + t * 4 + 2, full_hi)
+        tl.store(OUT_KV + t * 4 + 3, hi)
+    for t in range(N_N):
+        lo, free_lo, free_hi, hi = q_loop_bounds(t * BLOCK_N, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M,
+                                                 BLOCK_N, CAUSAL, WINDOW, KEY_MASK)
+        tl.store(OUT_Q + t * 4 + 0, lo)
+        tl.store(OUT_Q + t * 4 + 1, free_lo)
+        tl.store(OUT_Q + t * 4 + 2, free_hi)
+        tl.store(OUT_Q + t * 4 + 3, hi)
+
+
+def loop_bounds(Sq, Sk, causal_shift, window_shift, bm, bn, causal, window, key_mask=False):
+    n_m, n_n = triton.cdiv(max(Sq, 1), bm) + 1, triton.cdiv(max(Sk, 1), bn) + 1  # one tile past the end too
+    kv = torch.full((n_m, 4), -7, dtype=torch.int32, device=DEVICE)
+    qb = torch.full((n_n, 4), -7, dtype=torch.int32, device=DEVICE)
+    _bounds_probe[(1,)](kv, qb, Sq, Sk, causal_shift, window_shift, bm, bn, causal, window, key_mask, n_m, n_n)
+    return kv.tolist(), qb.tolist()
+
+
+def tiles(lo, hi, step):
+    return set(range(lo, hi, step)) if hi > lo else set()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the probe kernel runs in the interpreter")
+@pytest.mark.parametrize("sk", [256, 1024, 4096])
+def test_window_tiles_are_skipped_and_cost_scales_with_the_window(sk):
+    """The kernels' own loop bounds: every visible (row, key) lies in a visited tile, unmasked tiles
+    are fully visible, and each q tile visits about (window + BLOCK_M) / BLOCK_N key tiles (each
+    K/V tile about (window + BLOCK_N) / BLOCK_M q tiles), whatever Sk is."""
+    bm, bn, left, right = 32, 16, 48, 8
+    Sq = sk
+    kv, qb = loop_bounds(Sq, sk, right, -left, bm, bn, True, True)
+    i = torch.arange(Sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    vis = (j <= i + right) & (j >= i - left)
+    max_kv_tiles = (left + right + bm) // bn + 2
+    for t, (lo, full_lo, full_hi, hi) in enumerate(kv[:-1]):
+        rows = vis[t * bm:(t + 1) * bm]
+        need = torch.nonzero(rows.any(0)).flatten()
+        visited = tiles(lo, min(full_lo, hi), bn) | tiles(full_lo, full_hi, bn) | tiles(max(full_lo, full_hi), hi, bn)
+        assert {int(n) // bn * bn for n in need} <= visited, f"q tile {t} misses visible keys"
+        for n in tiles(full_lo, full_hi, bn):
+            assert rows[:, n:n + bn].all(), f"q tile {t}: key tile {n} runs unmasked but is not fully visible"
+        assert len(visited) <= max_kv_tiles, f"q tile {t} visits {len(visited)} key tiles, window {left + right}"
+    max_q_tiles = (left + right + bn) // bm + 2
+    for t, (lo, free_lo, free_hi, hi) in enumerate(qb[:-1]):
+        cols = vis[:, t * bn:(t + 1) * bn]
+        need = torch.nonzero(cols.any(1)).flatten()
+        visited = tiles(lo, min(free_lo, hi), bm) | tiles(free_lo, free_hi, bm) | tiles(max(free_lo, free_hi), hi, bm)
+        assert {int(m) // bm * bm for m in need} <= visited, f"key tile {t} misses rows that see it"
+        for m in tiles(free_lo, free_hi, bm):
+            assert cols[m:m + bm].all(), f"key tile {t}: q tile {m} runs unmasked but is not fully visible"
+        assert len(visited) <= max_q_tiles
+    total = sum(len(tiles(lo, hi, bn)) for lo, _, _, hi in kv)
+    assert total <= (Sq // bm + 1) * max_kv_tiles  # linear in S, not quadratic
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the probe kernel runs in the interpreter")
+def test_lengths_and_key_masks_bound_the_loops():
+    """Padding q tiles visit no key tile; padding key tiles are seen by no q tile; a key mask
+    leaves no tile unmasked."""
+    kv, qb = loop_bounds(70, 100, 0, 0, 32, 16, False, False)
+    assert all(hi <= 100 for *_, hi in kv)
+    kv, qb = loop_bounds(40, 50, 0, 0, 32, 16, False, False, key_mask=True)
+    assert all(full_hi <= full_lo for _, full_lo, full_hi, _ in kv)
+    assert all(free_hi <= free_lo for _, free_lo, free_hi, _ in qb)
+    # Sq_b = 40 of a 100-row buffer: the q tile at row 64 is all padding
+    kv, qb = loop_bounds(40, 50, 0, 0, 32, 16, False, False)
+    assert kv[2][3] <= kv[2][0]  # tile 2 (rows 64..95): empty range
+    assert qb[4][3] <= qb[4][0]  # key tile 4 (keys 64..79 >= Sk_b = 50): seen by nobody
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+def _bshd(b=2, sq=8, sk=8, h=2, d=16):
+    return randn(b, sq, h, d), randn(b, sk, h, d), randn(b, sk, h, d)
+
+
+def _varlen(**kw):
+    q, k, v = (randn(10, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
+    args.update(kw)
+    return flashtx.flash_attn_varlen_func(q, k, v, **args)
+
+
+ERRORS = [
+    ("key-mask-shape", lambda: flashtx.flash_attn_func(*_bshd(), key_mask=torch.ones(2, 9, dtype=torch.bool)),
+     ValueError, r"key_mask must have shape \(B, S\) = \(2, 8\).*got shape \(2, 9\)"),
+    ("key-mask-dtype", lambda: flashtx.flash_attn_func(*_bshd(), key_mask=torch.ones(2, 8)),
+     TypeError, r"key_mask must be a bool tensor \(True = real token\) of shape \(2, 8\); got dtype torch.float32"),
+    ("query-mask-shape", lambda: flashtx.attention(*(t.transpose(1, 2) for t in _bshd(sq=5)),
+                                                   query_mask=torch.ones(5, dtype=torch.bool)),
+     ValueError, r"query_mask must have shape \(B, S\) = \(2, 5\).*got shape \(5,\)"),
+    ("kv-lens-dtype", lambda: flashtx.flash_attn_func(*_bshd(), kv_lens=torch.tensor([3.0, 4.0])),
+     TypeError, r"kv_lens must be an int32 or int64 tensor of shape \(2,\); got dtype torch.float32"),
+    ("q-lens-shape", lambda: flashtx.attention(*(t.transpose(1, 2) for t in _bshd()), q_lens=torch.tensor([3])),
+     ValueError, r"q_lens must have shape \(B,\) = \(2,\); got shape \(1,\)"),
+    ("lens-not-tensor", lambda: flashtx.flash_attn_func(*_bshd(), kv_lens=[3, 4]), TypeError,
+     r"kv_lens must be None or an int32/int64 tensor of shape \(2,\); got list"),
+    ("window-type", lambda: flashtx.attention(*(t.transpose(1, 2) for t in _bshd()), window_size=4), TypeError,
+     r"window_size must be a pair \(left, right\)"),
+    ("cu-dtype", lambda: _varlen(cu_seqlens_q=torch.tensor([0, 4, 10])), TypeError,
+     r"cu_seqlens_q must be an int32 tensor \(as flash-attn\); got dtype torch.int64"),
+    ("cu-shape", lambda: _varlen(cu_seqlens_k=torch.zeros(2, 3, dtype=torch.int32)), ValueError,
+     r"cu_seqlens_k must have shape \(nseq \+ 1,\).*got shape \(2, 3\)"),
+    ("cu-nseq-differ", lambda: _varlen(cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32)), ValueError,
+     r"same number of sequences; got shapes \(3,\) and \(2,\)"),
+    ("max-seqlen", lambda: _varlen(max_seqlen_q=-1), ValueError, r"max_seqlen_q must be an int >= 0"),
+    ("max-seqlen-tensor", lambda: _varlen(max_seqlen_k=torch.tensor([6, 6])), TypeError,
+     r"max_seqlen_k must be an int or a 0-dim integer tensor"),
+    ("varlen-rank", lambda: flashtx.flash_attn_varlen_func(*_bshd(), torch.zeros(3, dtype=torch.int32),
+                                                           torch.zeros(3, dtype=torch.int32), 4, 4),
+     ValueError, r"q must be 3-D \(total, H, D\) for varlen; got shape \(2, 8, 2, 16\)"),
+    ("varlen-dropout", lambda: _varlen(dropout_p=0.1), NotImplementedError, r"dropout_p=0\.1"),
+    ("varlen-softcap", lambda: _varlen(softcap=5.0), NotImplementedError, r"softcap=5\.0"),
+    ("varlen-alibi", lambda: _varlen(alibi_slopes=torch.ones(2)), NotImplementedError, r"alibi_slopes"),
+    ("varlen-attn-probs", lambda: _varlen(return_attn_probs=True), NotImplementedError, r"return_attn_probs"),
+    ("attn-mask-still-unsupported", lambda: flashtx.attention(*(t.transpose(1, 2) for t in _bshd()),
+                                                              attn_mask=torch.ones(8, 8, dtype=torch.bool),
+                                                              key_mask=torch.ones(2, 8, dtype=torch.bool)),
+     NotImplementedError, r"attn_mask"),
+]
+
+
+@pytest.mark.parametrize("make_call,exc,pattern", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+def test_bad_mask_arguments_get_a_clear_error(make_call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        make_call()
+
+
+def test_reference_backend_takes_every_mask():
+    """The reference backend (CPU default, fallback) computes the same masked attention."""
+    torch.manual_seed(17)
+    case = CASES[-1]
+    q, k, v, kw = case_inputs(case, torch.float64)
+    a = run_case(case, q, k, v, kw, backend="reference")
+    b = run_case(case, q, k, v, kw, backend="triton")
+    assert torch.allclose(a, b, atol=1e-12 if DEVICE == "cpu" else 1e-5)
