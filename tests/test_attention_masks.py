@@ -469,3 +469,51 @@ def test_reference_backend_takes_every_mask():
     a = run_case(case, q, k, v, kw, backend="reference")
     b = run_case(case, q, k, v, kw, backend="triton")
     assert torch.allclose(a, b, atol=1e-12 if DEVICE == "cpu" else 1e-5)
+
+
+def test_masked_paths_allocate_no_n_by_n_tensor():
+    """Window, masks, lengths and varlen keep the Triton path O(N) (see tests/test_memory.py)."""
+    from test_memory import S, largest_op_allocation, qkv
+
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_(True) for t in qkv())  # (1, S, H, 16)
+    o_n = q.numel() * q.element_size()
+    key_mask = torch.rand(1, S, device=DEVICE) > 0.2
+    lens = torch.tensor([S - 50], device=DEVICE)
+    cu = torch.tensor([0, 100, S], dtype=torch.int32, device=DEVICE)
+
+    def padded():
+        out = flashtx.flash_attn_func(q, k, v, causal=True, window_size=(64, -1), key_mask=key_mask,
+                                      query_mask=key_mask, kv_lens=lens, backend="triton")
+        out.backward(torch.ones_like(out))
+
+    def varlen():
+        out = flashtx.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, S - 100, S - 100, causal=True,
+                                             backend="triton")
+        out.backward(torch.ones_like(out))
+
+    for fn in (padded, varlen):
+        peak = largest_op_allocation(fn)
+        assert 0 < peak <= 4 * o_n, f"{fn.__name__}: an op allocated {peak} bytes; O(N) tensors are {o_n} bytes"
+
+
+def test_padded_shells_trace_under_torch_compile():
+    import torch._dynamo
+
+    torch.manual_seed(18)
+    q, k, v = (randn(2, 9, 2, 16, requires_grad=True) for _ in range(3))
+    key_mask = torch.rand(2, 9, device=DEVICE) > 0.3
+    lens = torch.tensor([9, 4], device=DEVICE)
+
+    def fn(q, k, v, key_mask, lens):
+        a = flashtx.flash_attn_func(q, k, v, causal=True, window_size=(3, -1), key_mask=key_mask, q_lens=lens)
+        b = flashtx.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kv_lens=lens,
+                              query_mask=key_mask)
+        return a.sum() + b.sum()
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(fn)(q, k, v, key_mask, lens).graph_break_count == 0
+    loss = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, key_mask, lens)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    eager = fn(q, k, v, key_mask, lens)
+    eager_grads = torch.autograd.grad(eager, (q, k, v))
+    assert torch.allclose(loss, eager) and all(torch.allclose(a, b) for a, b in zip(grads, eager_grads))
