@@ -172,10 +172,11 @@ def _variants(B, S):
     lens = torch.full((B,), S, dtype=torch.int32)
     mask = torch.ones(B, S, dtype=torch.bool)
     cu = torch.arange(B + 1, dtype=torch.int32) * S
-    return {
-        "window+lens": (True, MaskSpec(window=(64, 0), q_lens=lens, kv_lens=lens)),
-        "window2+masks": (False, MaskSpec(window=(64, 64), key_mask=mask, query_mask=mask)),
-        "varlen": (True, MaskSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)),
+    return {  # every option at once is the most registers; a separate varlen variant covers its addressing
+        "window+masks+lens": (True, MaskSpec(window=(64, 0), key_mask=mask, query_mask=mask, q_lens=lens,
+                                             kv_lens=lens)),
+        "varlen+window": (True, MaskSpec(window=(64, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
+                                         max_seqlen_k=S)),
     }
 
 
