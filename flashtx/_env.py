@@ -21,14 +21,17 @@ INTERPRET_TOO_LATE = INTERPRET_REQUESTED and _TRITON_PREIMPORTED and not _truthy
 if INTERPRET_REQUESTED and not _TRITON_PREIMPORTED:
     os.environ["TRITON_INTERPRET"] = "1"
 
-TRITON_IMPORT_ERROR: str | None = None
-if importlib.util.find_spec("triton") is None:
-    TRITON_IMPORT_ERROR = "triton is not installed (pip install triton; Linux only)"
-else:
+def _triton_import_error() -> str | None:
     try:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install triton; Linux only)"
         import triton  # noqa: F401
     except Exception as exc:  # a broken triton install must not break the reference backend
-        TRITON_IMPORT_ERROR = f"importing triton failed: {type(exc).__name__}: {exc}"
+        return f"importing triton failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+TRITON_IMPORT_ERROR = _triton_import_error()
 
 HAS_TRITON = TRITON_IMPORT_ERROR is None
 INTERPRET = INTERPRET_REQUESTED and not INTERPRET_TOO_LATE and HAS_TRITON
@@ -43,6 +46,7 @@ def interpreter_numpy_problem() -> str | None:
         import inspect
 
         import numpy
+        import triton
         from triton.runtime import interpreter
 
         src = inspect.getsource(interpreter._patch_lang_tensor)

@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from . import _env, reference
+from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256  # the largest head dim the Triton configs cover (configs.head_dim_bucket)
@@ -28,45 +29,9 @@ class BackendNotSupported(NotImplementedError):
     """Raised when the requested backend cannot run the given inputs; the message says why."""
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionMasks:
-    """Which keys each query sees, beyond causal. Every field is optional.
-
-    window: (left, right) as flash-attn, -1 = unbounded (causal sets right to 0).
-    key_mask (B, Sk) / query_mask (B, Sq): bool, True = real token.
-    q_lens / kv_lens (B,): int, right padding (clamped to [0, S]).
-    cu_seqlens_q / cu_seqlens_k (nseq + 1,) int32, max_seqlen_q / max_seqlen_k: varlen (the
-    (B, H, S, D) views are then (1, H, total, D) views of the packed tensors).
-    """
-
-    window: tuple = (-1, -1)
-    key_mask: torch.Tensor | None = None
-    query_mask: torch.Tensor | None = None
-    q_lens: torch.Tensor | None = None
-    kv_lens: torch.Tensor | None = None
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-
-    @property
-    def varlen(self) -> bool:
-        return self.cu_seqlens_q is not None
-
-    @property
-    def is_empty(self) -> bool:
-        return (tuple(self.window) == (-1, -1) and self.key_mask is None and self.query_mask is None
-                and self.q_lens is None and self.kv_lens is None and not self.varlen)
-
-    def describe(self) -> str:
-        parts = [f"window_size={tuple(self.window)}"] if tuple(self.window) != (-1, -1) else []
-        parts += [n for n in ("key_mask", "query_mask", "q_lens", "kv_lens") if getattr(self, n) is not None]
-        if self.varlen:
-            parts.append(f"varlen ({self.cu_seqlens_q.shape[0] - 1} sequences)")
-        return ", ".join(parts)
-
-
-NO_MASKS = AttentionMasks()
+# The kernels' mask description, from a module that does not import triton (so the reference
+# backend works without it); flashtx calls it AttentionMasks.
+AttentionMasks = MaskSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +207,7 @@ class TritonBackend(Backend):
 
         q, k, v = (_unit_last(t) for t in (q, k, v))
         _, lse2 = attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
-                                    spec=_kernel_spec(masks), out=out)
+                                    spec=masks, out=out)
         return lse2
 
     def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS):
@@ -252,7 +217,7 @@ class TritonBackend(Backend):
         if dlse2 is not None:
             dlse2 = dlse2.contiguous()
         attention_backward(do, q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right,
-                           dlse2=dlse2, spec=_kernel_spec(masks), grads=(dq, dk, dv))
+                           dlse2=dlse2, spec=masks, grads=(dq, dk, dv))
 
 
 class CudaBackend(Backend):
@@ -262,15 +227,6 @@ class CudaBackend(Backend):
 
     def not_supported_reasons(self, inp):
         return ["flashtx's CUDA extension (csrc/) has no attention kernel in this release"]
-
-
-def _kernel_spec(masks: AttentionMasks):
-    """The kernels' own MaskSpec (triton_kernels cannot import flashtx)."""
-    from .triton_kernels.attention_common import NO_MASKS as KERNEL_NO_MASKS, MaskSpec
-
-    if masks.is_empty:
-        return KERNEL_NO_MASKS
-    return MaskSpec(**{f.name: getattr(masks, f.name) for f in dataclasses.fields(AttentionMasks)})
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

@@ -140,38 +140,9 @@ def q_loop_bounds(n0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M: tl.conste
 # ------------------------------------------------------------------------------------------------
 # Host side: the mask/length arguments every attention kernel takes.
 # ------------------------------------------------------------------------------------------------
-import dataclasses  # noqa: E402
-
 import torch  # noqa: E402
 
-
-@dataclasses.dataclass(frozen=True)
-class MaskSpec:
-    """Which keys each query sees, beyond the (B, H, S, D) shapes. All fields optional.
-
-    window: (left, right) as flash-attn, -1 = unbounded; causal sets right to 0.
-    key_mask (B, Sk) / query_mask (B, Sq): bool, True = real token (any strides).
-    q_lens / kv_lens (B,): int, right padding; clamped to [0, S] in the kernels.
-    cu_seqlens_q / cu_seqlens_k (nseq + 1,) int32 with max_seqlen_q / max_seqlen_k: varlen; then
-    the kernels get (1, H, total, D) views of the packed (total, H, D) tensors.
-    """
-
-    window: tuple = (-1, -1)
-    key_mask: torch.Tensor | None = None
-    query_mask: torch.Tensor | None = None
-    q_lens: torch.Tensor | None = None
-    kv_lens: torch.Tensor | None = None
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-
-    @property
-    def varlen(self) -> bool:
-        return self.cu_seqlens_q is not None
-
-
-NO_MASKS = MaskSpec()
+from .mask_spec import NO_MASKS, MaskSpec  # noqa: E402,F401  (re-exported for the launchers)
 
 
 def _as_u8(m: torch.Tensor) -> torch.Tensor:
