@@ -51,8 +51,8 @@ def _compare(op, dtype, backend, fn_kernel, fn_ref, make_inputs) -> CheckResult:
     return CheckResult(op, dtype, backend, errors)
 
 
-def attention_checks(device, dtype) -> list[tuple[str, Callable]]:
-    """(op name, runner(backend) -> CheckResult) for both attention shells."""
+def attention_checks(device, dtype) -> list[tuple]:
+    """(name, runner(backend) -> CheckResult, reasons(backend), backend names) for each attention check."""
     def make():
         return (torch.randn(2, 4, 77, 64, device=device, dtype=torch.float64),
                 torch.randn(2, 2, 93, 64, device=device, dtype=torch.float64),

@@ -298,25 +298,19 @@ def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool = F
 def compile_plans(target) -> list:
     """Every backward config `target` can launch (head dims 64/128/256; fp16, bf16, fp32; causal or not;
     fp16/bf16 also with a window, key/query masks, lengths and varlen)."""
-    from .attention_fwd import _variants
+    from .attention_fwd import compile_cases
 
     plans = []
-    for d in (64, 128, 256):
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            variants = [("causal=False", False, NO_MASKS)] if dtype == torch.float16 else []
-            variants.append(("causal=True", True, NO_MASKS))
-            if dtype != torch.float32:
-                variants += [(name, c, spec) for name, (c, spec) in _variants(1, 128).items()]
-            for name, causal, spec in variants:
-                q, k, v, o, do, dq, dk, dv = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(8))
-                lse2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(2))
-                try:
-                    pre, dkdv, dqk = plan_backward(do, q, k, v, o, lse2, delta, dq, dk, dv, scale=d ** -0.5,
-                                                   causal=causal, bottom_right=spec.varlen, spec=spec, target=target)
-                except RuntimeError:  # no config fits: the backend reports it and never launches
-                    continue
-                tag = f"D={d} {str(dtype)[6:]} {name}"
-                if name == "causal=True":
-                    plans.append((f"attn_bwd_preprocess {tag}", pre))
-                plans += [(f"attn_bwd_dkdv {tag}", dkdv), (f"attn_bwd_dq {tag}", dqk)]
+    for d, dtype, name, causal, spec in compile_cases():
+        q, k, v, o, do, dq, dk, dv = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(8))
+        lse2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(2))
+        try:
+            pre, dkdv, dqk = plan_backward(do, q, k, v, o, lse2, delta, dq, dk, dv, scale=d ** -0.5,
+                                           causal=causal, bottom_right=spec.varlen, spec=spec, target=target)
+        except RuntimeError:  # no config fits: the backend reports it and never launches
+            continue
+        tag = f"D={d} {str(dtype)[6:]} {name}"
+        if name == "causal=True":
+            plans.append((f"attn_bwd_preprocess {tag}", pre))
+        plans += [(f"attn_bwd_dkdv {tag}", dkdv), (f"attn_bwd_dq {tag}", dqk)]
     return plans

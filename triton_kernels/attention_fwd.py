@@ -166,18 +166,27 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
     return out, lse2
 
 
-# Mask variants the compile check covers besides plain and causal, each constexpr on at least once:
-# name -> (causal, MaskSpec).
-def _variants(B, S):
+def compile_cases():
+    """(head dim, dtype, name, causal, MaskSpec) of every case the compile check covers, forward and
+    backward alike: head dims 64/128/256; fp16, bf16, fp32; causal or not; fp16/bf16 also with the
+    mask options (every option at once is the most registers; a separate varlen case covers its
+    addressing)."""
+    B, S = 1, 128
     lens = torch.full((B,), S, dtype=torch.int32)
     mask = torch.ones(B, S, dtype=torch.bool)
     cu = torch.arange(B + 1, dtype=torch.int32) * S
-    return {  # every option at once is the most registers; a separate varlen variant covers its addressing
-        "window+masks+lens": (True, MaskSpec(window=(64, 0), key_mask=mask, query_mask=mask, q_lens=lens,
-                                             kv_lens=lens)),
-        "varlen+window": (True, MaskSpec(window=(64, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
-                                         max_seqlen_k=S)),
-    }
+    masked = [("window+masks+lens", True, MaskSpec(window=(64, 0), key_mask=mask, query_mask=mask, q_lens=lens,
+                                                   kv_lens=lens)),
+              ("varlen+window", True, MaskSpec(window=(64, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
+                                               max_seqlen_k=S))]
+    for d in (64, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            if dtype == torch.float16:
+                yield d, dtype, "causal=False", False, NO_MASKS
+            yield d, dtype, "causal=True", True, NO_MASKS
+            if dtype != torch.float32:
+                for name, causal, spec in masked:
+                    yield d, dtype, name, causal, spec
 
 
 def compile_plans(target) -> list:
@@ -187,19 +196,13 @@ def compile_plans(target) -> list:
     For the compile check: small CPU tensors whose strides match a real (B, H, S, D) launch.
     """
     plans = []
-    for d in (64, 128, 256):
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            variants = [("causal=False", False, NO_MASKS)] if dtype == torch.float16 else []
-            variants.append(("causal=True", True, NO_MASKS))
-            if dtype != torch.float32:
-                variants += [(name, c, spec) for name, (c, spec) in _variants(1, 128).items()]
-            for name, causal, spec in variants:
-                q, k, v, o = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(4))
-                lse2 = torch.empty(1, 2, 128, dtype=torch.float32)
-                try:
-                    launch = plan_forward(q, k, v, o, lse2, scale=d ** -0.5, causal=causal, bottom_right=spec.varlen,
-                                          spec=spec, target=target)
-                except RuntimeError:  # no config fits: the backend reports it and never launches
-                    continue
-                plans.append((f"attn_fwd D={d} {str(dtype)[6:]} {name}", launch))
+    for d, dtype, name, causal, spec in compile_cases():
+        q, k, v, o = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(4))
+        lse2 = torch.empty(1, 2, 128, dtype=torch.float32)
+        try:
+            launch = plan_forward(q, k, v, o, lse2, scale=d ** -0.5, causal=causal, bottom_right=spec.varlen,
+                                  spec=spec, target=target)
+        except RuntimeError:  # no config fits: the backend reports it and never launches
+            continue
+        plans.append((f"attn_fwd D={d} {str(dtype)[6:]} {name}", launch))
     return plans
