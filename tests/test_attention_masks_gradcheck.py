@@ -1,12 +1,11 @@
 """float64 gradcheck through the Triton kernels for the window, padding and varlen paths.
 
 Interpreter-only (the Triton backend refuses float64 on a GPU), one input at a time (see
-test_attention_gradcheck.gradcheck_each_input).
+conftest.gradcheck_each_input).
 """
 import pytest
 import torch
-from conftest import ON_GPU
-from test_attention_gradcheck import gradcheck_each_input
+from conftest import ON_GPU, gradcheck_each_input
 
 import flashtx
 

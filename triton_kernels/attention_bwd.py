@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (NO_MASKS, MaskSpec, batch_stride, kv_loop_bounds, mask_args, q_loop_bounds,
+from .attention_common import (NO_MASKS, MaskSpec, kv_loop_bounds, mask_args, q_loop_bounds, stride_args,
                                scalar_in, seq_bounds, visible)
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
@@ -232,11 +232,6 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, Q
              mask=(offs_m[:, None] < Sq_mem) & (offs_dqk[None, :] < D_QK))
 
 
-def _s(prefix: str, t: torch.Tensor, spec: MaskSpec = NO_MASKS) -> dict:
-    st = (batch_stride(t, spec), *t.stride()[1:])
-    return {f"stride_{prefix}{ax}": s for ax, s in zip("bhmd" if prefix in ("q", "o", "do", "dq") else "bhnd", st)}
-
-
 def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, causal: bool,
                   bottom_right: bool, dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS,
                   target=None) -> list[Launch]:
@@ -258,22 +253,26 @@ def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, ca
     # delta is per row: the preprocess runs over every stored row (varlen: the packed rows, B = 1)
     pre = Launch(_attn_bwd_preprocess, (triton.cdiv(Sq_rows, PREPROCESS_BLOCK_M), H, out.shape[0]), dict(
         O=out, DO=do, DLSE=dlse2 if dlse2 is not None else delta, DELTA=delta,
-        **_s("o", out), **_s("do", do), H=H, Sq=Sq_rows, D_V=D_V, dlse_scale_hi=dl_hi, dlse_scale_lo=dl_lo,
+        **stride_args("o", out), **stride_args("do", do), H=H, Sq=Sq_rows, D_V=D_V,
+        dlse_scale_hi=dl_hi, dlse_scale_lo=dl_lo,
         BLOCK_M=PREPROCESS_BLOCK_M, BLOCK_DV=block_dv, HAS_DLSE=dlse2 is not None, ACC=acc))
 
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, lse2)
-    common = dict(Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta, **_s("q", q, spec), **_s("k", k, spec),
-                  **_s("v", v, spec), **_s("do", do, spec), Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
+    common = dict(Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta,
+                  **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
+                  **stride_args("do", do, spec), Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
                   BLOCK_DQK=block_dqk, BLOCK_DV=block_dv, ACC=acc, DOT_PREC=prec, **margs)
     c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target)
     dkdv = Launch(_attn_bwd_dkdv, (triton.cdiv(Sk, c1.block_n), Hkv, B), dict(
-        common, DK=dk, DV=dv, **_s("dk", dk, spec), **_s("dv", dv, spec), H=H, GROUP=H // Hkv,
+        common, DK=dk, DV=dv, **stride_args("dk", dk, spec), **stride_args("dv", dv, spec), H=H,
+        GROUP=H // Hkv,
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1,
         estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size()))
     c2 = select_config("attn_bwd_dq", block_dqk, block_dv, q.element_size(), target)
     dqk = Launch(_attn_bwd_dq, (triton.cdiv(Sq, c2.block_m), H, B), dict(
-        common, DQ=dq, **_s("dq", dq, spec), H=H, GROUP=H // Hkv, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
+        common, DQ=dq, **stride_args("dq", dq, spec), H=H, GROUP=H // Hkv,
+        BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
         estimate_shared_memory("attn_bwd_dq", c2, block_dqk, block_dv, q.element_size()))
     return [pre, dkdv, dqk]
 

@@ -145,6 +145,14 @@ import torch  # noqa: E402
 from .mask_spec import NO_MASKS, MaskSpec  # noqa: E402,F401  (re-exported for the launchers)
 
 
+def stride_args(prefix: str, t: torch.Tensor, spec: MaskSpec = NO_MASKS) -> dict:
+    """Kernel stride arguments stride_{prefix}{b,h,m|n,d} of a (B, H, S, D) view (batch stride 0 for
+    varlen's packed views). Query-side tensors (q, o, do, dq) name their sequence axis m, key-side n."""
+    seq = "m" if prefix in ("q", "o", "do", "dq") else "n"
+    return {f"stride_{prefix}{ax}": st
+            for ax, st in zip(("b", "h", seq, "d"), (batch_stride(t, spec), *t.stride()[1:]))}
+
+
 def _as_u8(m: torch.Tensor) -> torch.Tensor:
     """A bool mask as uint8 without a copy (Triton loads it as bytes; nonzero = True)."""
     return m.view(torch.uint8) if m.dtype == torch.bool else m

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (NO_MASKS, MaskSpec, batch_stride, kv_loop_bounds, mask_args, scalar_in, seq_bounds,
+from .attention_common import (NO_MASKS, MaskSpec, kv_loop_bounds, mask_args, scalar_in, seq_bounds, stride_args,
                                visible)
 from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
@@ -129,13 +129,10 @@ def plan_forward(q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right
     cfg = select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target)
     hi, lo = split_f32(scale * LOG2E)
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, lse2)
-    bs = lambda t: batch_stride(t, spec)  # noqa: E731
     args = dict(
         Q=q, K=k, V=v, O=out, LSE=lse2,
-        stride_qb=bs(q), stride_qh=q.stride(1), stride_qm=q.stride(2), stride_qd=q.stride(3),
-        stride_kb=bs(k), stride_kh=k.stride(1), stride_kn=k.stride(2), stride_kd=k.stride(3),
-        stride_vb=bs(v), stride_vh=v.stride(1), stride_vn=v.stride(2), stride_vd=v.stride(3),
-        stride_ob=bs(out), stride_oh=out.stride(1), stride_om=out.stride(2), stride_od=out.stride(3),
+        **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
+        **stride_args("o", out, spec),
         H=H, GROUP=H // Hkv, Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
         qk_scale_hi=hi, qk_scale_lo=lo,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
