@@ -112,3 +112,60 @@ def gradcheck_each_input(fn, inputs, raise_exception=True) -> bool:
         ok &= torch.autograd.gradcheck(fn_i, (inputs[i],), fast_mode=True, raise_exception=raise_exception,
                                        **GRADCHECK_TOL)
     return ok
+
+
+# ----------------------------------------------------------------------------------- flashtx.nn helpers
+def rotate_half(x):
+    """NeoX/LLaMA rotation: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def eager_rope(t, cos, sin, offset=0):
+    """t (B, S, H, D) rotated eagerly at positions offset..offset+S-1 by (L, r/2) tables; columns
+    past r = 2 * cos.shape[-1] pass through (partial rotary)."""
+    S, r = t.shape[1], 2 * cos.shape[-1]
+    c = torch.cat((cos, cos), -1)[offset:offset + S].to(t.dtype)[None, :, None]  # (1, S, 1, r)
+    s = torch.cat((sin, sin), -1)[offset:offset + S].to(t.dtype)[None, :, None]
+    rot = t[..., :r] * c + rotate_half(t[..., :r]) * s
+    return torch.cat((rot, t[..., r:]), dim=-1)
+
+
+def eager_mha(layer, x, memory=None, key_mask=None, attn_mask=None):
+    """flashtx.nn.MultiheadAttention's math written out with its own parameters, in x's dtype:
+    projections, eager RoPE, K/V heads repeated, an explicit (B, H, S, Sk) softmax (rows that see
+    no key give 0, as in flashtx), output projection."""
+    import math
+
+    import torch.nn.functional as F
+
+    B, S, _ = x.shape
+    Hq, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    if layer.cross:
+        q = F.linear(x, layer.q_proj.weight, layer.q_proj.bias).view(B, S, Hq, D)
+        kv = F.linear(memory, layer.kv_proj.weight, layer.kv_proj.bias).view(B, memory.shape[1], 2 * Hkv, D)
+        k, v = kv[:, :, :Hkv], kv[:, :, Hkv:]
+    else:
+        qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias).view(B, S, Hq + 2 * Hkv, D)
+        q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
+    if layer.rotary is not None:
+        cos, sin = layer.rotary.cos_sin(S)
+        q, k = eager_rope(q, cos, sin), eager_rope(k, cos, sin)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+    k, v = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(D)  # (B, Hq, S, Sk)
+    Sk = k.shape[2]
+    vis = torch.ones(S, Sk, dtype=torch.bool, device=x.device)
+    if layer.causal:
+        vis = vis.tril()
+    vis = vis[None, None]
+    if key_mask is not None:
+        vis = vis & key_mask[:, None, None, :]
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            vis = vis & attn_mask
+        else:
+            scores = scores + attn_mask
+    p = torch.softmax(scores.masked_fill(~vis, float("-inf")), dim=-1).nan_to_num(0.0)
+    out = (p @ v).transpose(1, 2).reshape(B, S, Hq * D)
+    return F.linear(out, layer.out_proj.weight, layer.out_proj.bias)

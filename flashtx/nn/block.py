@@ -1,0 +1,122 @@
+"""TransformerBlock: pre-norm attention (+ optional cross-attention) and a SwiGLU MLP, each residual."""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from torch import Tensor, nn
+
+from .attention import KVCache, MultiheadAttention
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+from .swiglu import SwiGLU
+
+NORMS = ("rms", "layer")
+
+
+def llama_hidden_dim(dim: int, multiple_of: int = 32) -> int:
+    """LLaMA's MLP width for model width `dim`: 2/3 of 4 * dim, rounded up to `multiple_of`."""
+    h = int(2 * (4 * dim) / 3)
+    return multiple_of * ((h + multiple_of - 1) // multiple_of)
+
+
+@dataclasses.dataclass
+class BlockCache:
+    """A TransformerBlock's caches: self-attention's KVCache and, for cross blocks, the memory's."""
+
+    self_attn: KVCache
+    cross_attn: KVCache | None = None
+
+    def reset(self) -> "BlockCache":
+        """Empty both caches for a new batch (a new memory for the cross-attention)."""
+        self.self_attn.reset()
+        if self.cross_attn is not None:
+            self.cross_attn.reset()
+        return self
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` [``+ cross(norm(.), memory)``] ``+ mlp(norm(.))``.
+
+    Args:
+        dim: model width E.
+        num_heads, num_kv_heads, head_dim: as flashtx.nn.MultiheadAttention (GQA/MQA).
+        hidden_dim: the SwiGLU MLP's width; default LLaMA's (``llama_hidden_dim(dim)``).
+        norm: "rms" (flashtx.nn.RMSNorm, LLaMA) or "layer" (nn.LayerNorm).
+        norm_eps: the norms' eps.
+        bias: biases in the attention and MLP projections (False, as LLaMA).
+        dropout: attention-probability dropout (training only).
+        resid_dropout: dropout on each sublayer's output before it is added back (training only).
+        rotary: a flashtx.nn.RotaryEmbedding for the self-attention (may be shared by blocks).
+        causal: causal self-attention (decoder) or not (encoder).
+        cross: add a cross-attention sublayer (q from the block, k/v from ``memory``), as the
+            decoder of an encoder-decoder model.
+        kdim: the memory's width (default dim).
+        backend, device, dtype: passed on to the layers.
+
+    Shapes: x (B, S, dim) -> (B, S, dim); memory (B, Sm, kdim).
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, *, head_dim: int | None = None,
+                 hidden_dim: int | None = None, norm: str = "rms", norm_eps: float = 1e-6, bias: bool = False,
+                 dropout: float = 0.0, resid_dropout: float = 0.0, rotary: RotaryEmbedding | None = None,
+                 causal: bool = True, cross: bool = False, kdim: int | None = None, backend: str | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
+        if isinstance(resid_dropout, bool) or not isinstance(resid_dropout, numbers.Real) \
+                or not 0.0 <= resid_dropout < 1.0:
+            raise ValueError(f"resid_dropout must be a number in [0, 1); got {resid_dropout!r}")
+        hidden_dim = llama_hidden_dim(dim) if hidden_dim is None else hidden_dim
+        kw = dict(device=device, dtype=dtype)
+
+        def make_norm():
+            if norm == "rms":
+                return RMSNorm(dim, eps=norm_eps, **kw)
+            return nn.LayerNorm(dim, eps=norm_eps, bias=bias, **kw)
+
+        self.attn_norm = make_norm()
+        self.attn = MultiheadAttention(dim, num_heads, num_kv_heads, head_dim=head_dim, bias=bias, dropout=dropout,
+                                       rotary=rotary, causal=causal, backend=backend, **kw)
+        if cross:
+            self.cross_norm = make_norm()
+            self.cross_attn = MultiheadAttention(dim, num_heads, num_kv_heads, head_dim=head_dim, bias=bias,
+                                                 dropout=dropout, cross=True, kdim=kdim, backend=backend, **kw)
+        else:
+            self.cross_norm = self.cross_attn = None
+        self.mlp_norm = make_norm()
+        self.mlp = SwiGLU(dim, hidden_dim, bias=bias, **kw)
+        self.resid_dropout = nn.Dropout(resid_dropout)
+
+    def new_cache(self, batch_size: int, max_len: int, memory_len: int | None = None, **kw) -> BlockCache:
+        """Empty caches for incremental decoding: max_len positions for the self-attention and, for a
+        cross block, memory_len (the memory's length) for the cross-attention. kw: device, dtype."""
+        cross = None
+        if self.cross_attn is not None:
+            if memory_len is None:
+                raise ValueError("a cross block's cache needs memory_len (the memory's sequence length)")
+            cross = self.cross_attn.new_cache(batch_size, memory_len, **kw)
+        return BlockCache(self.attn.new_cache(batch_size, max_len, **kw), cross)
+
+    def forward(self, x: Tensor, memory: Tensor | None = None, *, key_mask: Tensor | None = None,
+                memory_mask: Tensor | None = None, attn_mask: Tensor | None = None,
+                cache: BlockCache | None = None) -> Tensor:
+        """x: (B, S, dim) -> (B, S, dim).
+
+        key_mask: (B, S) bool, True = real token of x (with a cache: of this call's tokens).
+        memory, memory_mask: (B, Sm, kdim) and (B, Sm) bool, cross blocks only; with a cache they
+            are read on the first call and reused after (memory may then be None).
+        attn_mask: the self-attention's SDPA-style mask (see MultiheadAttention); not with a cache.
+        cache: from ``new_cache``.
+        """
+        if self.cross_attn is None and (memory is not None or memory_mask is not None):
+            raise ValueError("memory/memory_mask given to a TransformerBlock built with cross=False")
+        h = self.attn(self.attn_norm(x), key_mask=key_mask, attn_mask=attn_mask,
+                      cache=cache.self_attn if cache is not None else None)
+        x = x + self.resid_dropout(h)
+        if self.cross_attn is not None:
+            h = self.cross_attn(self.cross_norm(x), memory, key_mask=memory_mask,
+                                cache=cache.cross_attn if cache is not None else None)
+            x = x + self.resid_dropout(h)
+        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))

@@ -1,0 +1,44 @@
+"""RMSNorm as LLaMA and Hugging Face's LlamaRMSNorm compute it."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm: ``weight * (x / sqrt(mean(x**2, -1) + eps))``.
+
+    Normalises in float32 (float64 stays float64), casts back to x's dtype, then scales by
+    ``weight``, exactly as transformers' ``LlamaRMSNorm``.
+
+    Args:
+        dim: the size of the last dim of x.
+        eps: added to the mean square.
+        elementwise_affine: learn ``weight`` (dim,), initialised to ones; otherwise no weight.
+        device, dtype: for the weight.
+
+    Shapes: x (..., dim) -> (..., dim), in x's dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True, *, device=None, dtype=None):
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
+            raise ValueError(f"dim must be an int >= 1; got {dim!r}")
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+            raise ValueError(f"eps must be a number >= 0; got {eps!r}")
+        self.dim, self.eps = int(dim), float(eps)
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, elementwise_affine={self.weight is not None}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (..., dim) -> (..., dim)."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm({self.dim}) got x of shape {tuple(x.shape)}: the last dim must be {self.dim}")
+        h = x if x.dtype == torch.float64 else x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h.to(x.dtype)
+        return h if self.weight is None else self.weight * h

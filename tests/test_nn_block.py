@@ -1,0 +1,129 @@
+"""flashtx.nn.TransformerBlock and RMSNorm against their math written out, under the tolerance rule;
+BlockCache decoding against the full forward."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, assert_close_to_reference, dtype_id, eager_mha, randn
+
+from flashtx.nn import RMSNorm, RotaryEmbedding, TransformerBlock, llama_hidden_dim
+
+E, H = 32, 4
+
+
+def eager_norm(m, x):
+    if isinstance(m, RMSNorm):  # LlamaRMSNorm: fp32 statistics, cast back, then scale
+        h = x if x.dtype == torch.float64 else x.float()
+        return m.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.eps)).to(x.dtype)
+    return F.layer_norm(x, (x.shape[-1],), m.weight, m.bias, m.eps)
+
+
+def eager_block(b, x, memory=None, key_mask=None, memory_mask=None):
+    """TransformerBlock's math: pre-norm residual sublayers, eager attention, written-out SwiGLU."""
+    x = x + eager_mha(b.attn, eager_norm(b.attn_norm, x), key_mask=key_mask)
+    if b.cross_attn is not None:
+        x = x + eager_mha(b.cross_attn, eager_norm(b.cross_norm, x), memory, key_mask=memory_mask)
+    gate, up = F.linear(eager_norm(b.mlp_norm, x), b.mlp.w13.weight, b.mlp.w13.bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, b.mlp.w2.weight, b.mlp.w2.bias)
+
+
+CASES = {  # id: constructor kwargs, whether batch row 0 is padded
+    "decoder-rms-rope-gqa": (dict(num_kv_heads=2, rotary=True), False),
+    "encoder-layernorm-bias-pad": (dict(causal=False, norm="layer", bias=True), True),
+    "cross-decoder-mqa-pad": (dict(num_kv_heads=1, cross=True, rotary=True), True),
+}
+
+
+def make_block(kw, dtype=torch.float32):
+    torch.manual_seed(0)
+    kw = dict(kw)
+    if kw.pop("rotary", False):
+        kw["rotary"] = RotaryEmbedding(8, base=100.0)
+    b = TransformerBlock(E, H, hidden_dim=48, **kw)
+    for p in b.parameters():  # norms start at ones/zeros: perturb so their gradients mean something
+        p.data.add_(0.05 * torch.randn_like(p))
+    return b.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
+def test_block_matches_written_out_math(case, dtype):
+    kw, padded = CASES[case]
+    block = make_block(kw, dtype)
+    ref, eager = copy.deepcopy(block).double(), copy.deepcopy(block)
+    B, S, Sm = 2, 6, 5
+    x = randn(B, S, E, dtype=dtype, requires_grad=True)
+    memory = randn(B, Sm, E, dtype=dtype) if kw.get("cross") else None
+    key_mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
+    memory_mask = torch.ones(B, Sm, dtype=torch.bool, device=DEVICE) if memory is not None else None
+    if padded:
+        key_mask[0, -2:] = False
+        if memory_mask is not None:
+            memory_mask[0, -2:] = False
+    x64, xe = x.detach().double().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    mem64 = memory.double() if memory is not None else None
+
+    out = block(x, memory, key_mask=key_mask, memory_mask=memory_mask)
+    out_ref = eager_block(ref, x64, mem64, key_mask, memory_mask)
+    out_e = eager_block(eager, xe, memory, key_mask, memory_mask)
+    assert_close_to_reference("block output", out, out_ref, out_e)
+    d = randn(B, S, E, dtype=dtype)
+    out.backward(d)
+    out_ref.backward(d.double())
+    out_e.backward(d)
+    assert_close_to_reference("dx", x.grad, x64.grad, xe.grad, grad=True)
+    pr, pe = dict(ref.named_parameters()), dict(eager.named_parameters())
+    for name, p in block.named_parameters():
+        assert_close_to_reference(f"d {name}", p.grad, pr[name].grad, pe[name].grad, grad=True)
+
+
+def test_block_cache_decoding_matches_full_forward():
+    block = make_block(dict(num_kv_heads=2, cross=True, rotary=True)).eval()
+    B, S, Sm = 2, 7, 5
+    x, memory = randn(B, S, E), randn(B, Sm, E)
+    key_mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
+    key_mask[1, :2] = False  # left padding
+    memory_mask = torch.ones(B, Sm, dtype=torch.bool, device=DEVICE)
+    memory_mask[0, -1] = False
+    with torch.no_grad():
+        out_ref = eager_block(copy.deepcopy(block).double(), x.double(), memory.double(), key_mask, memory_mask)
+        out_e = eager_block(block, x, memory, key_mask, memory_mask)
+        cache = block.new_cache(B, max_len=S, memory_len=Sm)
+        outs = [block(x[:, :3], memory, key_mask=key_mask[:, :3], memory_mask=memory_mask, cache=cache)]
+        outs += [block(x[:, i:i + 1], key_mask=key_mask[:, i:i + 1], cache=cache) for i in range(3, S)]
+    assert_close_to_reference("cached block decoding", torch.cat(outs, 1), out_ref, out_e)
+    assert cache.reset() is cache and int(cache.self_attn.length) == 0 and not cache.cross_attn.filled
+
+
+def test_block_errors():
+    with pytest.raises(ValueError, match="norm must be one of"):
+        TransformerBlock(E, H, norm="batch")
+    with pytest.raises(ValueError, match=r"resid_dropout must be a number in \[0, 1\)"):
+        TransformerBlock(E, H, resid_dropout=-0.1)
+    with pytest.raises(ValueError, match="needs memory_len"):
+        TransformerBlock(E, H, cross=True).new_cache(1, 4)
+    with pytest.raises(ValueError, match="built with cross=False"):
+        TransformerBlock(E, H).to(DEVICE)(randn(1, 3, E), randn(1, 3, E))
+
+
+def test_llama_hidden_dim():
+    assert llama_hidden_dim(4096, 256) == 11008  # LLaMA-7B's MLP width
+    assert TransformerBlock(E, H).mlp.hidden_dim == llama_hidden_dim(E)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=dtype_id)
+def test_rms_norm(dtype):
+    norm = RMSNorm(E, eps=1e-5).to(DEVICE)
+    norm.weight.data.normal_()
+    x = randn(3, 4, E, dtype=dtype, scale=3.0)
+    xf = x.double()
+    want = norm.weight.double() * (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))
+    got = norm(x)
+    assert got.dtype == torch.promote_types(dtype, torch.float32)  # weight * h, as LlamaRMSNorm
+    assert_close_to_reference("rmsnorm", got, want, eager_norm(norm, x))
+    assert RMSNorm(E, elementwise_affine=False).weight is None
+    with pytest.raises(ValueError, match=r"RMSNorm\(32\) got x of shape \(2, 16\)"):
+        norm(randn(2, 16))
+    with pytest.raises(ValueError, match="dim must be an int >= 1"):
+        RMSNorm(0)
