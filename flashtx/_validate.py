@@ -139,3 +139,70 @@ def check_max_seqlen(name: str, m):
     if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
         raise ValueError(f"{name} must be an int >= 0 or a 0-dim integer tensor; got {m!r}")
     return int(m)
+
+
+_FLOAT_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_attn_mask(name: str, m, lead: tuple, H: int, Sq: int, Sk: int, q, shapes: str) -> torch.Tensor | None:
+    """attn_mask broadcastable to (*lead, H, Sq, Sk), as a 4-D view (B, H, Sq, Sk) whose dims are
+    each 1 (broadcast, read with stride 0) or full. Bool (True = attend) or floating (additive).
+
+    shapes: the user's argument shapes, for messages. A view whenever possible: only several
+    leading (batch) dims that mix broadcast and full sizes are expanded, over those dims only.
+    """
+    if m is None:
+        return None
+    target = (*lead, H, Sq, Sk)
+    if not isinstance(m, torch.Tensor):
+        raise TypeError(f"{name} must be None or a bool/float tensor broadcastable to {target}; "
+                        f"got {type(m).__name__}")
+    if m.dtype != torch.bool and m.dtype not in _FLOAT_MASK_DTYPES:
+        raise TypeError(f"{name} must be a bool tensor (True = attend) or a float tensor (added to the scores); "
+                        f"got dtype {m.dtype}")
+    if m.device != q.device:
+        raise ValueError(f"{name} must be on the inputs' device {q.device}; got {m.device}")
+    ok = m.dim() <= len(target) and all(a in (1, b) for a, b in zip(reversed(m.shape), reversed(target)))
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(m.shape)} cannot broadcast to the attention scores' shape "
+                         f"{target} (..., heads, query length, key length) of {shapes}; each of its dims must "
+                         f"be 1 or match")
+    m = m[(None,) * (len(target) - m.dim())]  # (*lead, H|1, Sq|1, Sk|1)
+    if len(lead) == 1:
+        return m
+    if len(lead) == 0:
+        return m[None]
+    B = math.prod(lead)
+    mlead = m.shape[:len(lead)]
+    if all(n == 1 for n in mlead):
+        return m.reshape(1, *m.shape[len(lead):])
+    return m.expand(*lead, *m.shape[len(lead):]).reshape(B, *m.shape[len(lead):])
+
+
+def check_softcap(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)) or x < 0:
+        raise ValueError(f"{name} must be a finite float >= 0 (0 = off); got {x!r}")
+    return float(x)
+
+
+def check_dropout(name: str, p) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not (0.0 <= float(p) < 1.0):
+        raise ValueError(f"{name} must be a float in [0, 1); got {p!r}")
+    return float(p)
+
+
+def check_alibi(name: str, slopes, B: int, H: int, q) -> torch.Tensor | None:
+    """ALiBi slopes (H,) or (B, H) float32 (as flash-attn) -> a contiguous (1 or B, H) tensor."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"{name} must be None or a float32 tensor of shape ({H},) or ({B}, {H}); "
+                        f"got {type(slopes).__name__}")
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32 (as flash-attn's), shape ({H},) or ({B}, {H}); got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(f"{name} must have shape (nheads,) = ({H},) or (batch, nheads) = ({B}, {H}); "
+                         f"got {tuple(slopes.shape)}")
+    if slopes.device != q.device:
+        raise ValueError(f"{name} must be on the inputs' device {q.device}; got {slopes.device}")
+    return slopes.reshape(-1, H).contiguous()

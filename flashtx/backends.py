@@ -64,8 +64,13 @@ class Backend:
         """Write attention of (q, k, v) into `out`; return lse2 (B, H, Sq) in log2 units."""
         raise NotImplementedError
 
-    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS):
-        """Write the gradients of (q, k, v) into (dq, dk, dv)."""
+    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
+                 dbias=None):
+        """Write the gradients of (q, k, v) into (dq, dk, dv), and of masks.attn_mask into dbias if given."""
+        raise NotImplementedError
+
+    def probs(self, q, k, v, lse2, *, scale, causal, bottom_right, masks=NO_MASKS):
+        """The probabilities of the forward that returned lse2 (dropped entries negated)."""
         raise NotImplementedError
 
 
@@ -154,11 +159,16 @@ class ReferenceBackend(Backend):
         out.copy_(o)
         return lse2
 
-    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS):
+    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
+                 dbias=None):
         grads = reference.attention_backward(do, q, k, v, out, lse2, scale=scale, causal=causal,
-                                             bottom_right=bottom_right, dlse2=dlse2, spec=masks)
+                                             bottom_right=bottom_right, dlse2=dlse2, spec=masks, dbias=dbias)
         for buf, g in zip((dq, dk, dv), grads):
             buf.copy_(g)
+
+    def probs(self, q, k, v, lse2, *, scale, causal, bottom_right, masks=NO_MASKS):
+        return reference.attention_probs(q, k, v, lse2, scale=scale, causal=causal, bottom_right=bottom_right,
+                                         spec=masks)
 
 
 class TritonBackend(Backend):
@@ -183,6 +193,9 @@ class TritonBackend(Backend):
         for name, t in (("query", inp.q), ("key", inp.k), ("value", inp.v)):
             if t.shape[2] * max(t.stride(2), 1) > INT32_MAX:
                 reasons.append(f"{name}'s sequence span ({t.shape[2]} x stride {t.stride(2)}) overflows int32 offsets")
+        m = inp.masks.attn_mask
+        if m is not None and sum((n - 1) * abs(st) for n, st in zip(m.shape[2:], m.stride()[2:])) > INT32_MAX:
+            reasons.append(f"attn_mask {tuple(m.shape)}: one (batch, head) slice spans more than int32 offsets")
         if not reasons and inp.device.type == "cuda":
             reasons += self._config_reasons(inp)
         return reasons
@@ -210,14 +223,21 @@ class TritonBackend(Backend):
                                     spec=masks, out=out)
         return lse2
 
-    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS):
+    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
+                 dbias=None):
         from .triton_kernels.attention_bwd import attention_backward
 
         do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
         if dlse2 is not None:
             dlse2 = dlse2.contiguous()
         attention_backward(do, q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right,
-                           dlse2=dlse2, spec=masks, grads=(dq, dk, dv))
+                           dlse2=dlse2, spec=masks, grads=(dq, dk, dv), dbias=dbias)
+
+    def probs(self, q, k, v, lse2, *, scale, causal, bottom_right, masks=NO_MASKS):
+        from .triton_kernels.attention_scores import attention_probs
+
+        q, k, v = (_unit_last(t) for t in (q, k, v))
+        return attention_probs(q, k, v, lse2, scale=scale, causal=causal, bottom_right=bottom_right, spec=masks)
 
 
 class CudaBackend(Backend):

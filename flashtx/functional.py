@@ -18,32 +18,46 @@ cu_seqlens), as flash-attn's varlen does; masks only hide tokens and never move 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from . import _attention_op  # noqa: F401  (registers the custom ops)
-from ._attention_op import attention_fwd
-from ._validate import (check_cu_seqlens, check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_tensor,
-                        check_window, not_implemented, resolve_scale)
+from ._attention_op import attention_fwd, attention_probs
+from ._validate import (check_alibi, check_attn_mask, check_cu_seqlens, check_dropout, check_lens, check_max_seqlen,
+                        check_qkv, check_seq_mask, check_softcap, check_tensor, check_window, resolve_scale)
 from .backends import NO_MASKS, AttentionInputs, AttentionMasks, select_backend
 
 LN2 = math.log(2.0)
 
 
-def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, masks=NO_MASKS, max_seqlen_t=(None, None)):
+def _new_rng(device) -> torch.Tensor:
+    """A (1,) int64 dropout seed drawn from torch's generator for `device` (torch.manual_seed repeats it)."""
+    return torch.empty(1, dtype=torch.int64, device=device).random_()
+
+
+def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, masks=NO_MASKS, max_seqlen_t=(None, None),
+         return_probs=False):
     """q, k, v: validated (B, H, S, D) views (varlen: (1, H, total, D)).
 
-    Returns out (B, Hq, Sq, Dv) [, lse (B, Hq, Sq)].
+    Returns out (B, Hq, Sq, Dv) [, lse (B, Hq, Sq)] [, probs (B, Hq, Sq, Sk)].
     """
+    if masks.dropout and masks.rng is None:
+        masks = dataclasses.replace(masks, rng=_new_rng(q.device))
     name = select_backend(AttentionInputs(q, k, v, causal, bottom_right, masks), backend)
     m = masks
-    out, lse2 = attention_fwd(q, k, v, scale, causal, bottom_right, name, int(m.window[0]), int(m.window[1]),
-                              m.key_mask, m.query_mask, m.q_lens, m.kv_lens, m.cu_seqlens_q, m.cu_seqlens_k,
-                              m.max_seqlen_q, m.max_seqlen_k, *max_seqlen_t)
+    margs = (int(m.window[0]), int(m.window[1]), m.key_mask, m.query_mask, m.q_lens, m.kv_lens, m.cu_seqlens_q,
+             m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k, *max_seqlen_t, m.attn_mask, float(m.softcap),
+             m.alibi_slopes, float(m.dropout_p), m.rng)
+    out, lse2 = attention_fwd(q, k, v, scale, causal, bottom_right, name, *margs)
+    res = [out]
     if return_lse:
-        return out, lse2 * LN2  # natural log
-    return out
+        res.append(lse2 * LN2)  # natural log
+    if return_probs:
+        res.append(attention_probs(q.detach(), k.detach(), v.detach(), lse2.detach(), scale, causal, bottom_right,
+                                   name, *margs))
+    return res[0] if len(res) == 1 else tuple(res)
 
 
 def _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens) -> AttentionMasks:
@@ -57,14 +71,20 @@ def _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens) -> 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
               *, backend=None, return_lse=False, window_size=(-1, -1), key_mask=None, query_mask=None,
-              kv_lens=None, q_lens=None):
+              kv_lens=None, q_lens=None, softcap=0.0, alibi_slopes=None):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``, with O(N) memory.
 
     Args:
         query: (..., Hq, Sq, D); key: (..., Hkv, Sk, D); value: (..., Hkv, Sk, Dv). The leading
             dims (usually one batch dim) must match. float16, bfloat16 or float32 (float64 for
             tests); any strides. Dv may differ from D.
-        attn_mask, dropout_p: not supported yet; anything but None / 0.0 raises NotImplementedError.
+        attn_mask: as SDPA: bool (True = attend) or float (added to the scaled scores; -inf
+            allowed), any shape broadcastable to (..., Hq, Sq, Sk). Read in tiles through its
+            strides (stride 0 on broadcast dims), never expanded. A float mask that requires grad
+            (a learned bias) gets its gradient, summed over its broadcast dims, deterministically.
+            May be combined with is_causal and every keyword below.
+        dropout_p: dropout on the attention probabilities, applied whenever > 0 (as SDPA: pass 0
+            in eval). The mask comes from Philox in the kernel, seeded from torch's generator.
         is_causal: causal mask aligned top-left, as in SDPA: query i sees keys j <= i. With
             Sq > Sk every row still sees key 0; with Sq < Sk the last keys are never seen.
         scale: softmax scale; default 1/sqrt(D).
@@ -80,21 +100,22 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         query_mask: (B, Sq) bool, True = real query; padding rows give 0 output and 0 gradient.
         kv_lens, q_lens: (B,) int32/int64 valid lengths (right padding; clamped to [0, S]).
             Rows/keys past them are padding: 0 output, 0 gradient. Causal stays top-left.
+        softcap: > 0 caps the scaled scores: s -> softcap * tanh(s / softcap) (Gemma 2), before
+            attn_mask and ALiBi are added.
+        alibi_slopes: (Hq,) or (B, Hq) float32: adds -slope * |i + Sk - Sq - j| to the scores,
+            aligned bottom-right as flash-attn's (per sequence with lengths).
 
     Returns:
-        out (..., Hq, Sq, Dv) in query's dtype; rows that see no key are 0 (lse -inf); with
-        return_lse, (out, lse) with lse (..., Hq, Sq) in float32 (float64 for float64 inputs),
-        natural log. Differentiable in query, key, value (and through lse).
+        out (..., Hq, Sq, Dv) in query's dtype; rows that see no key (all masked, or all -inf
+        bias) are 0 with lse -inf (SDPA gives NaN there); with return_lse, (out, lse) with lse
+        (..., Hq, Sq) in float32 (float64 for float64 inputs), natural log. Differentiable in
+        query, key, value, a float attn_mask (and through lse).
 
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)
     """
     for n, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(n, t)
-    if attn_mask is not None:
-        raise not_implemented("attn_mask", "<tensor>", "arbitrary masks and bias are the masks issue")
-    if dropout_p != 0.0:
-        raise not_implemented("dropout_p", dropout_p, "dropout is the score-modifiers issue")
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
     if not (query.dim() == key.dim() == value.dim()) or query.dim() < 2:
@@ -108,7 +129,11 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=bool(enable_gqa),
               gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
     scale = resolve_scale("scale", scale, q.shape[-1])
+    shapes = f"query {tuple(query.shape)} and key {tuple(key.shape)}"
     masks = _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens)
+    masks = _score_mods(masks, q, k, attn_mask=check_attn_mask("attn_mask", attn_mask, tuple(query.shape[:-3]),
+                                                               q.shape[1], q.shape[2], k.shape[2], q, shapes),
+                        dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
     res = _run(q, k, v, scale=scale, causal=bool(is_causal), bottom_right=False, backend=backend,
                return_lse=return_lse, masks=masks)
     lead_shape = query.shape[:-2]  # (..., Hq)
@@ -116,6 +141,15 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         out, lse = res
         return out.reshape(*lead_shape, *out.shape[2:]), lse.reshape(*lead_shape, lse.shape[2])
     return res.reshape(*lead_shape, *res.shape[2:])
+
+
+def _score_mods(masks, q, k, *, attn_mask=None, dropout_p=0.0, softcap=0.0, alibi_slopes=None,
+                name_dropout="dropout_p"):
+    """masks with the validated score modifiers (attn_mask already a validated 4-D view)."""
+    B = masks.cu_seqlens_q.shape[0] - 1 if masks.varlen else q.shape[0]
+    return dataclasses.replace(masks, attn_mask=attn_mask, dropout_p=check_dropout(name_dropout, dropout_p),
+                               softcap=check_softcap("softcap", softcap),
+                               alibi_slopes=check_alibi("alibi_slopes", alibi_slopes, B, q.shape[1], q))
 
 
 def _as4d(t: torch.Tensor) -> torch.Tensor:
@@ -129,25 +163,16 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-3:])
 
 
-def _check_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs):
-    if dropout_p != 0.0:
-        raise not_implemented("dropout_p", dropout_p, "dropout is the score-modifiers issue")
-    if softcap != 0.0:
-        raise not_implemented("softcap", softcap, "softcap is the score-modifiers issue")
-    if alibi_slopes is not None:
-        raise not_implemented("alibi_slopes", "<tensor>", "ALiBi is the score-modifiers issue")
-    if return_attn_probs:
-        raise not_implemented("return_attn_probs", True, "it comes with dropout")
-
-
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend=None,
-                    key_mask=None, query_mask=None, kv_lens=None, q_lens=None):
+                    key_mask=None, query_mask=None, kv_lens=None, q_lens=None, attn_bias=None):
     """Drop-in for flash-attn 2's ``flash_attn_func``.
 
     Args:
         q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv), Hq a multiple of Hkv
             (GQA/MQA without expanding K/V). float16, bfloat16 or float32; any strides.
+        dropout_p: dropout on the probabilities, applied whenever > 0 (flash-attn's rule: pass 0
+            in eval). Philox in the kernel, seeded from torch's generator; regenerated in backward.
         softmax_scale: default 1/sqrt(D).
         causal: causal mask aligned bottom-right, as flash-attn >= 2.1: query i sees keys
             j <= i + Sk - Sq. When Sq > Sk, the first Sq - Sk rows see no key: their output is 0
@@ -155,16 +180,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         window_size: (left, right) sliding window as flash-attn, -1 = unbounded: query i sees
             keys i + Sk - Sq - left <= j <= i + Sk - Sq + right; causal sets right = 0. Key tiles
             outside the window are skipped, so the cost scales with the window.
+        softcap: > 0: scores s -> softcap * tanh(s / softcap), as flash-attn's.
+        alibi_slopes: (Hq,) or (B, Hq) float32: adds -slope * |i + Sk - Sq - j| (bottom-right).
         deterministic: accepted; flashtx's backward is always deterministic (no atomics).
-        dropout_p, softcap, alibi_slopes, return_attn_probs: not supported yet; anything but
-            their defaults raises NotImplementedError.
+        return_attn_probs: also return (softmax_lse (B, Hq, Sq) natural log, probs (B, Hq, Sq, Sk)
+            float32) as flash-attn does for tests: probs are P with entries dropped by dropout
+            negated. O(Sq * Sk) memory: for tests and small sizes; probs are not differentiable.
         backend: as in flashtx.attention.
         key_mask, query_mask: (B, Sk) / (B, Sq) bool, True = real token (keyword-only).
         kv_lens, q_lens: (B,) int valid lengths, right padding (keyword-only). The causal/window
             diagonal is aligned per sequence: i + kv_lens[b] - q_lens[b], as flash-attn's varlen.
+        attn_bias: (keyword-only) bool (True = attend) or float additive mask broadcastable to
+            (B, Hq, Sq, Sk) (note: heads before the sequence dims), as flashtx.attention's
+            attn_mask, including the gradient of a float bias that requires grad.
 
     Returns:
-        out (B, Sq, Hq, Dv) in q's dtype, laid out in memory like q (contiguous for contiguous q).
+        out (B, Sq, Hq, Dv) in q's dtype, laid out in memory like q (contiguous for contiguous q);
+        with return_attn_probs, (out, softmax_lse, probs).
 
     Example:
         >>> out = flashtx.flash_attn_func(q, k, v, causal=True)  # q, k, v: (B, S, H, D)
@@ -173,14 +205,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         check_tensor(n, t)
         if t.dim() != 4:
             raise ValueError(f"{n} must be 4-D (B, S, H, D); got shape {tuple(t.shape)}")
-    _check_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views, no copies
     check_qkv(("q", "k", "v"), qh, kh, vh, "(B, S, H, D)", allow_gqa=True)
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
     masks = _padding_masks(qh, kh, window_size, key_mask, query_mask, q_lens, kv_lens)
-    out = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend, return_lse=False,
-               masks=masks)
-    return out.transpose(1, 2)  # (B, Sq, Hq, Dv)
+    bias = check_attn_mask("attn_bias", attn_bias, (q.shape[0],), qh.shape[1], qh.shape[2], kh.shape[2], q,
+                           f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    masks = _score_mods(masks, qh, kh, attn_mask=bias, dropout_p=dropout_p, softcap=softcap,
+                        alibi_slopes=alibi_slopes)
+    res = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
+               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), masks=masks)
+    if return_attn_probs:
+        out, lse, probs = res
+        return out.transpose(1, 2), lse, probs  # (B, Sq, Hq, Dv), (B, Hq, Sq), (B, Hq, Sq, Sk)
+    return res.transpose(1, 2)  # (B, Sq, Hq, Dv)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -197,8 +235,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             at run time inside the op, so torch.compile traces through). It sizes the grid: too
             small leaves rows unwritten.
         causal, window_size: as flash_attn_func, aligned bottom-right per sequence.
-        softmax_scale, deterministic, backend: as flash_attn_func. dropout_p, softcap,
-            alibi_slopes, return_attn_probs: not supported yet (NotImplementedError).
+        dropout_p, softcap, alibi_slopes ((Hq,) or (nseq, Hq)), softmax_scale, deterministic,
+            backend: as flash_attn_func, per sequence.
+        return_attn_probs: also return (softmax_lse (Hq, total_q), probs (nseq, Hq, max_seqlen_q,
+            max_seqlen_k)), as flash-attn, for tests.
 
     Returns:
         out (total_q, Hq, Dv) in q's dtype. cu_seqlens must end at total: rows past
@@ -211,7 +251,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         check_tensor(n, t)
         if t.dim() != 3:
             raise ValueError(f"{n} must be 3-D (total, H, D) for varlen; got shape {tuple(t.shape)}")
-    _check_unsupported(dropout_p, softcap, alibi_slopes, return_attn_probs)
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, total, D) views, no copies
     check_qkv(("q", "k", "v"), qh, kh, vh, "(total, H, D)", allow_gqa=True)
     cuq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
@@ -224,10 +263,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     masks = AttentionMasks(window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
                            max_seqlen_q=0 if tensors[0] is not None else msq,
                            max_seqlen_k=0 if tensors[1] is not None else msk)
+    masks = _score_mods(masks, qh, kh, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
-    out = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend, return_lse=False,
-               masks=masks, max_seqlen_t=tensors)
-    return out[0].transpose(0, 1)  # (total_q, Hq, Dv)
+    res = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
+               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), masks=masks,
+               max_seqlen_t=tensors)
+    if return_attn_probs:
+        out, lse, probs = res
+        return out[0].transpose(0, 1), lse[0], probs  # (total_q, Hq, Dv), (Hq, total_q), (nseq, Hq, Mq, Mk)
+    return res[0].transpose(0, 1)  # (total_q, Hq, Dv)
 
 
 def unpad_input(hidden_states, attention_mask):

@@ -75,36 +75,81 @@ def varlen_visibility(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
               causal: bool = False, bottom_right: bool = False, return_lse: bool = False,
-              vis: torch.Tensor | None = None):
+              vis: torch.Tensor | None = None, bias: torch.Tensor | None = None, softcap: float = 0.0,
+              alibi: torch.Tensor | None = None, keep: torch.Tensor | None = None, dropout_p: float = 0.0):
     """Softmax attention on (B, H, S, D) tensors, computed in the inputs' dtype.
 
     q: (B, Hq, Sq, Dqk), k: (B, Hkv, Sk, Dqk), v: (B, Hkv, Sk, Dv) with Hq % Hkv == 0 (GQA/MQA:
     q head h uses kv head h // (Hq // Hkv)). vis: an optional (B or 1, Sq, Sk) bool visibility
-    (see `visibility`); it replaces causal/bottom_right. Rows that see no key give output 0 and
-    lse -inf. Returns out (B, Hq, Sq, Dv), and with return_lse the natural-log lse (B, Hq, Sq).
-    Differentiable by autograd.
+    (see `visibility`); it replaces causal/bottom_right. The scores s = scale * q.k^T become, in
+    order: softcap * tanh(s / softcap) (softcap > 0); s + alibi (an additive tensor broadcastable
+    to (B, Hq, Sq, Sk), see `alibi_bias`); s + bias (float) or -inf where bias is False (bool), bias
+    broadcastable to (B, Hq, Sq, Sk); -inf where not vis. Rows left with no finite score give
+    output 0 and lse -inf. keep: a dropout mask broadcastable to (B, Hq, Sq, Sk): P * keep /
+    (1 - dropout_p) multiplies V. Returns out (B, Hq, Sq, Dv), and with return_lse the natural-log
+    lse (B, Hq, Sq). Differentiable by autograd (in q, k, v and a float bias).
     """
     Hq, Hkv = q.shape[1], k.shape[1]
     if Hq != Hkv:
         k = k.repeat_interleave(Hq // Hkv, dim=1)
         v = v.repeat_interleave(Hq // Hkv, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
-    if vis is None and causal:
-        vis = causal_visibility(q.shape[2], k.shape[2], bottom_right, q.device)[None]  # (1, Sq, Sk)
-    empty = None
-    if vis is not None:
-        vis = vis[:, None]  # (B|1, 1, Sq, Sk)
-        empty = ~vis.any(-1)  # (B|1, 1, Sq) rows with no visible key
-        # masked entries get -inf; empty rows get finite dummies (zeroed below) so autograd sees no NaN
-        s = s.masked_fill(~vis & ~empty[..., None], float("-inf"))
+    s, _ = _scores(q, k, scale=scale, causal=causal, bottom_right=bottom_right, vis=vis, bias=bias,
+                   softcap=softcap, alibi=alibi)
+    empty = torch.isneginf(s).all(-1)  # (B, H, Sq) rows with no visible key
+    # empty rows get finite dummies (zeroed below) so that autograd sees no NaN
+    s = s.masked_fill(empty[..., None], 0.0)
     lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
     p = torch.exp(s - lse[..., None])  # (B, H, Sq, Sk), exactly 0 on masked entries
-    if empty is not None and bool(empty.any()):
-        p = p.masked_fill(empty[..., None], 0.0)
-        lse = lse.masked_fill(empty, float("-inf"))
+    p = p.masked_fill(empty[..., None], 0.0)
+    lse = lse.masked_fill(empty, float("-inf"))
+    if keep is not None:
+        p = p * keep / (1.0 - dropout_p)
     out = torch.matmul(p, v)  # (B, H, Sq, Dv)
     return (out, lse) if return_lse else out
+
+
+def _scores(q, k, *, scale, causal=False, bottom_right=False, vis=None, bias=None, softcap=0.0, alibi=None):
+    """Scores (B, H, Sq, Sk) after softcap, ALiBi, bias and masks (-inf where invisible), for k already
+    expanded to q's heads; and tanh(s / softcap) (None without softcap) for the backward."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    if alibi is not None:
+        s = s + alibi.to(s.dtype)
+    if bias is not None:
+        s = s.masked_fill(~bias, float("-inf")) if bias.dtype == torch.bool else s + bias.to(s.dtype)
+    if vis is None and causal:
+        vis = causal_visibility(q.shape[2], k.shape[2], bottom_right, q.device)[None]  # (1, Sq, Sk)
+    if vis is not None:
+        s = s.masked_fill(~vis[:, None], float("-inf"))  # vis (B|1, 1, Sq, Sk)
+    return s, t
+
+
+def alibi_bias(slopes: torch.Tensor, Sq: int, Sk: int, *, q_lens=None, kv_lens=None, device=None) -> torch.Tensor:
+    """(B|1, H, Sq, Sk) additive ALiBi bias -slope[b, h] * |i + Sk_b - Sq_b - j|, aligned bottom-right
+    per sequence as flash-attn's (Sk_b, Sq_b from the lengths when given). slopes: (H,) or (B, H)."""
+    slopes = slopes.reshape(-1, slopes.shape[-1]).to(device)  # (B|1, H)
+    i = torch.arange(Sq, device=device)[None, :, None]
+    j = torch.arange(Sk, device=device)[None, None, :]
+    ql = torch.full((1,), Sq, device=device) if q_lens is None else q_lens.to(device).long().clamp(0, Sq)
+    kl = torch.full((1,), Sk, device=device) if kv_lens is None else kv_lens.to(device).long().clamp(0, Sk)
+    dist = (i + (kl - ql)[:, None, None] - j).abs()  # (B|1, Sq, Sk)
+    return -slopes.double()[:, :, None, None] * dist[:, None].double()
+
+
+def varlen_alibi_bias(slopes, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, device=None):
+    """(1, H, total_q, total_k) ALiBi bias for packed sequences (bottom-right within each sequence)."""
+    slopes = slopes.reshape(-1, slopes.shape[-1]).to(device)
+    out = torch.zeros(1, slopes.shape[1], total_q, total_k, dtype=torch.float64, device=device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        sl = slopes[b if slopes.shape[0] > 1 else 0]
+        out[0, :, cq[b]:cq[b + 1], ck[b]:ck[b + 1]] = alibi_bias(sl[None], cq[b + 1] - cq[b], ck[b + 1] - ck[b],
+                                                                 device=device)[0]
+    return out
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +159,7 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
 def spec_visibility(spec, causal: bool, bottom_right: bool, q, k):
     """The visibility `spec` (a flashtx.backends.AttentionMasks) gives (B, H, S, D) views q, k
     (varlen: (1, H, total, D)); None when nothing is masked beyond plain causal."""
-    if spec is None or spec.is_empty:
+    if spec is None or not spec.masks_visibility:
         return None
     if spec.varlen:
         return varlen_visibility(spec.cu_seqlens_q, spec.cu_seqlens_k, q.shape[2], k.shape[2], causal=causal,
@@ -124,41 +169,77 @@ def spec_visibility(spec, causal: bool, bottom_right: bool, q, k):
                       kv_lens=spec.kv_lens, device=q.device)
 
 
+def dropout_keep(spec, shape, device) -> torch.Tensor:
+    """The reference backend's dropout mask for `spec` (its seed), shape (B, H, Sq, Sk): torch's own
+    generator, so it differs from the kernels' Philox draws but is the same in forward and backward."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(spec.rng.reshape(-1)[0].item()) & (2**63 - 1))
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float64) >= spec.dropout_p
+
+
+def _spec_kwargs(spec, causal, bottom_right, q, k) -> dict:
+    """reference.attention's vis/bias/softcap/alibi/keep arguments for a backend call."""
+    kw = dict(causal=causal, bottom_right=bottom_right, vis=spec_visibility(spec, causal, bottom_right, q, k))
+    if spec is None:
+        return kw
+    if spec.attn_mask is not None:
+        kw["bias"] = spec.attn_mask
+    kw["softcap"] = float(spec.softcap)
+    if spec.alibi_slopes is not None:
+        if spec.varlen:
+            kw["alibi"] = varlen_alibi_bias(spec.alibi_slopes, spec.cu_seqlens_q, spec.cu_seqlens_k, q.shape[2],
+                                            k.shape[2], device=q.device)
+        else:
+            kw["alibi"] = alibi_bias(spec.alibi_slopes, q.shape[2], k.shape[2], q_lens=spec.q_lens,
+                                     kv_lens=spec.kv_lens, device=q.device)
+    if spec.dropout:
+        kw["keep"] = dropout_keep(spec, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
+        kw["dropout_p"] = float(spec.dropout_p)
+    return kw
+
+
 def attention_forward(q, k, v, *, scale: float, causal: bool, bottom_right: bool, spec=None):
     """Reference backend forward with the kernels' contract: returns (out, lse2), lse2 in log2 units.
 
     Computes in fp32 for half inputs (fp64 for fp64), output cast back to the input dtype.
     """
-    out, lse = attention(_upcast(q), _upcast(k), _upcast(v), scale=scale, causal=causal,
-                         bottom_right=bottom_right, return_lse=True,
-                         vis=spec_visibility(spec, causal, bottom_right, q, k))
+    out, lse = attention(_upcast(q), _upcast(k), _upcast(v), scale=scale, return_lse=True,
+                         **_spec_kwargs(spec, causal, bottom_right, q, k))
     return out.to(q.dtype), lse / LN2
 
 
 def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right: bool, dlse2=None,
-                       spec=None):
-    """Reference backend backward from the saved lse (the same recomputation the kernels do)."""
+                       spec=None, dbias=None):
+    """Reference backend backward from the saved lse (the same recomputation the kernels do).
+
+    Returns (dq, dk, dv) in the inputs' dtype; with dbias (shaped like spec.attn_mask), also
+    writes the float attn_mask's gradient into it, summed over its broadcast dims.
+    """
     dt = q.dtype
     do, q, k, v, out = (_upcast(t) for t in (do, q, k, v, out))
     Hq, Hkv = q.shape[1], k.shape[1]
     group = Hq // Hkv
     ke = k.repeat_interleave(group, dim=1) if group > 1 else k  # (B, Hq, Sk, D)
     ve = v.repeat_interleave(group, dim=1) if group > 1 else v
-    s = torch.matmul(q, ke.transpose(-2, -1)) * scale  # (B, Hq, Sq, Sk)
+    kw = _spec_kwargs(spec, causal, bottom_right, q, k)
+    keep, p_drop = kw.pop("keep", None), kw.pop("dropout_p", 0.0)
+    s, t = _scores(q, ke, scale=scale, **kw)  # (B, Hq, Sq, Sk)
     lse = (lse2 * LN2).to(s.dtype)
-    vis = spec_visibility(spec, causal, bottom_right, q, k)
-    if vis is None and causal:
-        vis = causal_visibility(q.shape[2], k.shape[2], bottom_right, q.device)[None]
-    if vis is not None:
-        s = s.masked_fill(~vis[:, None], float("-inf"))
     # rows that see no key (lse = -inf) get P = 0
     p = torch.exp(s - torch.where(torch.isinf(lse), float("inf"), lse)[..., None])
     delta = (do * out).sum(-1)  # (B, Hq, Sq)
     if dlse2 is not None:
         delta = delta - dlse2.to(delta.dtype) / LN2
-    dv = torch.matmul(p.transpose(-2, -1), do)  # (B, Hq, Sk, Dv)
+    pd = p if keep is None else p * keep / (1.0 - p_drop)  # what multiplied V
+    dv = torch.matmul(pd.transpose(-2, -1), do)  # (B, Hq, Sk, Dv)
     dp = torch.matmul(do, ve.transpose(-2, -1))
-    ds = p * (dp - delta[..., None])
+    if keep is not None:
+        dp = dp * keep / (1.0 - p_drop)
+    ds = p * (dp - delta[..., None])  # dL/d(scores)
+    if dbias is not None:
+        dbias.copy_(ds.sum_to_size(dbias.shape))
+    if t is not None:
+        ds = ds * (1.0 - t * t)
     dq = torch.matmul(ds, ke) * scale
     dk = torch.matmul(ds.transpose(-2, -1), q) * scale
     if group > 1:
@@ -166,6 +247,28 @@ def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bo
         dk = dk.view(B, Hkv, group, Sk, -1).sum(2)
         dv = dv.view(B, Hkv, group, Sk, -1).sum(2)
     return dq.to(dt), dk.to(dt), dv.to(dt)
+
+
+def attention_probs(q, k, v, lse2, *, scale: float, causal: bool, bottom_right: bool, spec=None):
+    """Reference backend probabilities (B, H, Sq, Sk) (varlen (nseq, H, max_q, max_k)) in lse2's dtype,
+    dropped entries negated: the same contract as the kernels' attention_probs."""
+    kw = _spec_kwargs(spec, causal, bottom_right, q, k)
+    keep = kw.pop("keep", None)
+    kw.pop("dropout_p", None)
+    B, H, Sq, Sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    eye = torch.eye(Sk, dtype=torch.float64, device=q.device).expand(B, k.shape[1], Sk, Sk)
+    # P itself: attention with V = identity gives P @ I = P
+    p = attention(q.double(), k.double(), eye, scale=scale, **kw).to(lse2.dtype)  # (B, H, Sq, Sk)
+    if keep is not None:
+        p = torch.where(keep, p, -p)
+    if spec is not None and spec.varlen:
+        cq, ck = spec.cu_seqlens_q.tolist(), spec.cu_seqlens_k.tolist()
+        res = p.new_zeros(len(cq) - 1, H, int(spec.max_seqlen_q), int(spec.max_seqlen_k))
+        for b in range(len(cq) - 1):
+            blk = p[0, :, cq[b]:cq[b + 1], ck[b]:ck[b + 1]]
+            res[b, :, :blk.shape[1], :blk.shape[2]] = blk
+        return res
+    return p
 
 
 # ==================================================================================================

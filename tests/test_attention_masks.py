@@ -444,14 +444,9 @@ ERRORS = [
     ("varlen-rank", lambda: flashtx.flash_attn_varlen_func(*_bshd(), torch.zeros(3, dtype=torch.int32),
                                                            torch.zeros(3, dtype=torch.int32), 4, 4),
      ValueError, r"q must be 3-D \(total, H, D\) for varlen; got shape \(2, 8, 2, 16\)"),
-    ("varlen-dropout", lambda: _varlen(dropout_p=0.1), NotImplementedError, r"dropout_p=0\.1"),
-    ("varlen-softcap", lambda: _varlen(softcap=5.0), NotImplementedError, r"softcap=5\.0"),
-    ("varlen-alibi", lambda: _varlen(alibi_slopes=torch.ones(2)), NotImplementedError, r"alibi_slopes"),
-    ("varlen-attn-probs", lambda: _varlen(return_attn_probs=True), NotImplementedError, r"return_attn_probs"),
-    ("attn-mask-still-unsupported", lambda: flashtx.attention(*(t.transpose(1, 2) for t in _bshd()),
-                                                              attn_mask=torch.ones(8, 8, dtype=torch.bool),
-                                                              key_mask=torch.ones(2, 8, dtype=torch.bool)),
-     NotImplementedError, r"attn_mask"),
+    ("varlen-dropout", lambda: _varlen(dropout_p=1.5), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+    ("varlen-alibi", lambda: _varlen(alibi_slopes=torch.ones(4)), ValueError,
+     r"alibi_slopes must have shape \(nheads,\) = \(2,\) or \(batch, nheads\) = \(2, 2\); got \(4,\)"),
 ]
 
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (NO_MASKS, MaskSpec, kv_loop_bounds, mask_args, q_loop_bounds, stride_args,
-                               scalar_in, seq_bounds, visible)
+from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, mask_args, modifier_scalars,
+                               q_loop_bounds, scalar_in, score_mods, seq_bounds, stride_args, visible)
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
 
@@ -48,14 +48,17 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, lse_base, delta_base, offs_n, start, end, Sq_b, Sk_b,
-                causal_shift, window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, D_QK, D_V,
+def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, lse_base, delta_base, mb_base, offs_n, start, end, Sq_b, Sk_b,
+                causal_shift, window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
+                stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
-                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, ACC: tl.constexpr,
+                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
                 DOT_PREC: tl.constexpr):
     """Add the contributions of q rows [start, end) of one head to this K/V tile's dK, dV."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
+    alibi_shift = Sk_b - Sq_b
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         # rows past Sq_b read as zeros (q, dO, delta) and lse -inf, so they add nothing
@@ -68,19 +71,30 @@ def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, lse_base, delta_base, off
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that see no key: P = exp2(s - inf) = 0
         st = tl.dot(k, qt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T
+        st, tt = score_mods(st, offs_m[None, :], offs_n[:, None], row_ok[None, :] & (offs_n[:, None] < Sk_b),
+                            mb_base, stride_mm, stride_mn, softcap2, slope2, alibi_shift, log2e,
+                            MASK_KIND, SOFTCAP, ALIBI)
         pt = tl.exp2(st - lse[None, :])
         if MASKED:
             pt = tl.where(visible(offs_m[None, :], offs_n[:, None], Sq_b, Sk_b, causal_shift, window_shift, key_ok,
                                   CAUSAL, WINDOW, KEY_MASK), pt, 0.0)
-        dv += tl.dot(pt.to(do.dtype), do, out_dtype=ACC, input_precision=DOT_PREC)
         dpt = tl.dot(v, tl.trans(do), out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) = dP^T
-        dst = pt * (dpt - delta[None, :])
+        if DROPOUT:  # out = (P * keep / (1 - p)) V: the same factor scales dV's P and dP
+            keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], Sk, dropout_p)
+            dv += tl.dot(tl.where(keep, pt * drop_scale, 0.0).to(do.dtype), do, out_dtype=ACC,
+                         input_precision=DOT_PREC)
+            dpt = tl.where(keep, dpt * drop_scale, 0.0)
+        else:
+            dv += tl.dot(pt.to(do.dtype), do, out_dtype=ACC, input_precision=DOT_PREC)
+        dst = pt * (dpt - delta[None, :])  # dL/d(scores), natural units
+        if SOFTCAP:
+            dst = dst * (1.0 - tt * tt)  # d/dx softcap * tanh(x / softcap)
         dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), out_dtype=ACC, input_precision=DOT_PREC)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -88,11 +102,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K,
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    stride_lb, stride_lh, stride_kmb, stride_kmn, stride_qmb, stride_qmn,
+                   stride_mb, stride_mh, stride_mm, stride_mn, stride_alb,
                    H, GROUP, Sq, Sk, D_QK, D_V, bottom_right, right, left,
                    qk_scale_hi, qk_scale_lo, sm_scale_hi, sm_scale_lo,
+                   softcap_hi, softcap_lo, log2e_hi, log2e_lo, dropout_p, drop_scale_hi, drop_scale_lo,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
-                   LENS: tl.constexpr, VARLEN: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+                   LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
+                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+                   ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_n = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -113,29 +131,34 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K,
     if KEY_MASK:  # this program's keys never change: read their mask once
         key_ok = tl.load(KM + b.to(tl.int64) * stride_kmb + offs_n[:, None] * stride_kmn, mask=key_ok, other=0) != 0
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
+    drop_scale = scalar_in(drop_scale_hi, drop_scale_lo, ACC)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
 
     lo, free_lo, free_hi, hi = q_loop_bounds(n0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,
-                                             CAUSAL, WINDOW, KEY_MASK)
+                                             CAUSAL, WINDOW, EVERY_TILE)
     for g in range(0, GROUP):  # the q heads that share this K/V head, reduced here: no atomics
         h = kvh * GROUP + g
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + q_start.to(tl.int64) * stride_dom
         row_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
+        mb_base = MB + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+        softcap2, log2e, slope2, seed = modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo,
+                                                         log2e_hi, log2e_lo, ALIBI, DROPOUT, ACC)
         # masked tiles before the unmasked range (causal diagonal), unmasked, masked tail (window edge, Sq_b)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, LSE + row_base, DELTA + row_base, offs_n,
-                             lo, tl.minimum(free_lo, hi), Sq_b, Sk_b, causal_shift, window_shift, qk_scale,
-                             stride_qm, stride_qd, stride_dom, stride_dod, D_QK, D_V,
-                             BLOCK_M, BLOCK_DQK, BLOCK_DV, True, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, LSE + row_base, DELTA + row_base, offs_n,
-                             free_lo, free_hi, Sq_b, Sk_b, causal_shift, window_shift, qk_scale,
-                             stride_qm, stride_qd, stride_dom, stride_dod, D_QK, D_V,
-                             BLOCK_M, BLOCK_DQK, BLOCK_DV, False, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, LSE + row_base, DELTA + row_base, offs_n,
-                             tl.maximum(free_lo, free_hi), hi, Sq_b, Sk_b, causal_shift, window_shift, qk_scale,
-                             stride_qm, stride_qd, stride_dom, stride_dod, D_QK, D_V,
-                             BLOCK_M, BLOCK_DQK, BLOCK_DV, True, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
+        for part in tl.static_range(3):
+            if part == 0:
+                start, end, masked = lo, tl.minimum(free_lo, hi), True
+            elif part == 1:
+                start, end, masked = free_lo, free_hi, False
+            else:
+                start, end, masked = tl.maximum(free_lo, free_hi), hi, True
+            dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, LSE + row_base, DELTA + row_base, mb_base,
+                                 offs_n, start, end, Sq_b, Sk_b, causal_shift, window_shift, qk_scale,
+                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, D_QK, D_V,
+                                 softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p, drop_scale,
+                                 BLOCK_M, BLOCK_DQK, BLOCK_DV, masked, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
+                                 SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
 
     dk = dk * scalar_in(sm_scale_hi, sm_scale_lo, ACC)
     tl.store(DK + b.to(tl.int64) * stride_dkb + kvh.to(tl.int64) * stride_dkh + k_start.to(tl.int64) * stride_dkn
@@ -147,14 +170,17 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K,
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, offs_m, start, end, Sq_b, Sk_b, causal_shift,
-              window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, D_QK, D_V,
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b, causal_shift,
+              window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn,
+              D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p, drop_scale,
               BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, ACC: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
               DOT_PREC: tl.constexpr):
     """Add the contributions of key tiles [start, end) to this q tile's dQ (unscaled)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
+    alibi_shift = Sk_b - Sq_b
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
@@ -162,6 +188,9 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, offs_m, start, end
         vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
                      mask=(offs_n[None, :] < Sk_b) & (offs_dv[:, None] < D_V), other=0.0)  # (BLOCK_DV, BLOCK_N)
         s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        s, t = score_mods(s, offs_m[:, None], offs_n[None, :], (offs_m[:, None] < Sq_b) & (offs_n[None, :] < Sk_b),
+                          mb_base, stride_mm, stride_mn, softcap2, slope2, alibi_shift, log2e,
+                          MASK_KIND, SOFTCAP, ALIBI)
         p = tl.exp2(s - lse[:, None])
         if MASKED:
             key_ok = offs_n[None, :] < Sk_b
@@ -170,24 +199,33 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, offs_m, start, end
             p = tl.where(visible(offs_m[:, None], offs_n[None, :], Sq_b, Sk_b, causal_shift, window_shift, key_ok,
                                  CAUSAL, WINDOW, KEY_MASK), p, 0.0)
         dp = tl.dot(do, vt, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
+        if DROPOUT:
+            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Sk, dropout_p)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), out_dtype=ACC, input_precision=DOT_PREC)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM,
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
                  stride_dob, stride_doh, stride_dom, stride_dod,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  stride_lb, stride_lh, stride_kmb, stride_kmn, stride_qmb, stride_qmn,
+                 stride_mb, stride_mh, stride_mm, stride_mn, stride_alb,
                  H, GROUP, Sq, Sk, D_QK, D_V, bottom_right, right, left,
                  qk_scale_hi, qk_scale_lo, sm_scale_hi, sm_scale_lo,
+                 softcap_hi, softcap_lo, log2e_hi, log2e_lo, dropout_p, drop_scale_hi, drop_scale_lo,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
-                 LENS: tl.constexpr, VARLEN: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+                 LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+                 ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
@@ -210,22 +248,29 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, Q
     lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that see no key: P = exp2(s - inf) = 0
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
+    drop_scale = scalar_in(drop_scale_hi, drop_scale_lo, ACC)
+    softcap2, log2e, slope2, seed = modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo,
+                                                     log2e_hi, log2e_lo, ALIBI, DROPOUT, ACC)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=ACC)
 
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
     v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
     km_base = KM + b.to(tl.int64) * stride_kmb
+    mb_base = MB + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
     lo, full_lo, full_hi, hi = kv_loop_bounds(m0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,
-                                              CAUSAL, WINDOW, KEY_MASK)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, offs_m, lo, tl.minimum(full_lo, hi), Sq_b, Sk_b,
-                   causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
-                   D_QK, D_V, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, offs_m, full_lo, full_hi, Sq_b, Sk_b,
-                   causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
-                   D_QK, D_V, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, offs_m, tl.maximum(full_lo, full_hi), hi,
-                   Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
-                   stride_kmn, D_QK, D_V, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
+                                              CAUSAL, WINDOW, EVERY_TILE)
+    for part in tl.static_range(3):  # masked head (window edge), unmasked, masked tail (causal diagonal, Sk_b)
+        if part == 0:
+            start, end, masked = lo, tl.minimum(full_lo, hi), True
+        elif part == 1:
+            start, end, masked = full_lo, full_hi, False
+        else:
+            start, end, masked = tl.maximum(full_lo, full_hi), hi, True
+        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b,
+                       causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
+                       stride_mm, stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p,
+                       drop_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, masked, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
+                       SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
     dq = dq * scalar_in(sm_scale_hi, sm_scale_lo, ACC)
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + q_start.to(tl.int64) * stride_dqm
              + offs_m[:, None] * stride_dqm + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
@@ -234,8 +279,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, Q
 
 def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, causal: bool,
                   bottom_right: bool, dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS,
-                  target=None) -> list[Launch]:
-    """The three launches of the backward (preprocess, dK/dV, dQ), in order.
+                  dbias: torch.Tensor | None = None, target=None) -> list[Launch]:
+    """The launches of the backward (preprocess, dK/dV, dQ, and the attn_mask gradient into `dbias`
+    when given, shaped like spec.attn_mask), in order.
 
     (B, H, S, D) views; varlen: (1, H, total, D) views of the packed tensors, lse2/delta (1, H, total).
     """
@@ -274,22 +320,32 @@ def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, ca
         common, DQ=dq, **stride_args("dq", dq, spec), H=H, GROUP=H // Hkv,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
         estimate_shared_memory("attn_bwd_dq", c2, block_dqk, block_dv, q.element_size()))
-    return [pre, dkdv, dqk]
+    launches = [pre, dkdv, dqk]
+    if dbias is not None:
+        from .attention_scores import plan_scores
+
+        launches.append(plan_scores(q, k, v, lse2, dbias, scale=scale, causal=causal, bottom_right=bottom_right,
+                                    spec=spec, do=do, delta=delta, target=target))
+    return launches
 
 
 def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool = False, bottom_right: bool = False,
-                       dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS, grads=None):
+                       dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS, grads=None, dbias=None):
     """Gradients of attention_forward. Shapes as there; do is dL/dout, dlse2 an optional dL/dlse2.
 
     Returns (dq, dk, dv) shaped like (q, k, v), written into `grads` when given (any strides with
     a unit last stride). Padding rows/keys and rows that see no key get exactly zero gradient.
+    dbias: a tensor shaped like spec.attn_mask (additive) that receives the mask's gradient, summed
+    over its broadcast (size-1) dims.
     """
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if q.numel() == 0 or k.numel() == 0:
+        if dbias is not None:
+            dbias.zero_()
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty(lse2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
     for launch in plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, scale=scale, causal=causal,
-                                bottom_right=bottom_right, dlse2=dlse2, spec=spec):
+                                bottom_right=bottom_right, dlse2=dlse2, spec=spec, dbias=dbias):
         launch.run()
     return dq, dk, dv
 

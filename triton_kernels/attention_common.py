@@ -17,6 +17,14 @@ Conventions used by every attention kernel:
   has lse = -inf, and the backward turns that into P = 0 for the whole row.
 - Scores live in the log2 domain: s2 = (q . k) * scale * log2(e), so the softmax uses exp2, and
   the stored log-sum-exp `lse2` is in log2 units (natural lse = lse2 * ln 2).
+- Score modifiers (`score_mods`), in flash-attn's order on the scaled scores s (natural units):
+  s = softcap * tanh(s / softcap) (SOFTCAP), s -= slope * |i + Sk_b - Sq_b - j| (ALIBI),
+  s += attn_mask (MASK_KIND 2, additive) or s = -inf where attn_mask is False (MASK_KIND 1); then
+  the visibility masks. EVERY_TILE (a key mask or an attn_mask) sends every tile down the masked
+  path, which also copes with rows whose scores are all -inf.
+- Dropout (DROPOUT) keeps P[b, h, i, j] iff a Philox draw keyed by (seed, b * Hq + h) at counter
+  i * Sk + j (sequence-local i, j) is >= dropout_p; forward and backward draw the same numbers,
+  so the mask is never stored. Kept entries are scaled by 1 / (1 - dropout_p).
 - Float scalars arrive as float32 hi/lo pairs (hi + lo = value to ~48 bits) and are summed in the
   accumulator dtype, so float64 runs keep float64 accuracy.
 """
@@ -137,6 +145,62 @@ def q_loop_bounds(n0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M: tl.conste
     return lo, free_lo, free_hi, hi
 
 
+@triton.jit
+def tanh(x):
+    """tanh from exp2 (tl has no tanh that the interpreter also runs); exact limits at +-inf."""
+    e = tl.exp2(x * 2.8853900817779268)  # exp(2x) = 2 ** (2x log2(e))
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def score_mods(s, q_idx, k_idx, in_bounds, mb_base, stride_mm, stride_mn, softcap2, slope2, alibi_shift, log2e,
+               MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Apply softcap, ALiBi and attn_mask to a tile of scores s (log2 units, broadcast 2-D indices).
+
+    softcap2 = softcap * log2(e) and slope2 = slope * log2(e) are in log2 units too; mb_base points
+    at this (batch, head)'s attn_mask, read where in_bounds. Returns (s, t): t = tanh(s / softcap),
+    whose 1 - t**2 the backward needs (t = s when not SOFTCAP; unused then).
+    """
+    t = s
+    if SOFTCAP:
+        t = tanh(s / softcap2)
+        s = softcap2 * t
+    if ALIBI:
+        s = s - slope2 * tl.abs(q_idx + alibi_shift - k_idx).to(s.dtype)
+    if MASK_KIND == 1:
+        keep = tl.load(mb_base + q_idx * stride_mm + k_idx * stride_mn, mask=in_bounds, other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    elif MASK_KIND == 2:
+        bias = tl.load(mb_base + q_idx * stride_mm + k_idx * stride_mn, mask=in_bounds, other=0.0)
+        s = s + bias.to(s.dtype) * log2e
+    return s, t
+
+
+@triton.jit
+def dropout_keep(seed, bh, q_idx, k_idx, Sk, p_drop):
+    """Boolean tile: is P[b, h, q_idx, k_idx] kept. bh = b * Hq + h; Philox keyed by seed."""
+    c0 = (q_idx * Sk + k_idx).to(tl.uint32)  # (broadcast 2-D) counter within the (b, h) slice
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, zero + bh.to(tl.uint32), zero, zero)
+    u = (r0 >> 8).to(tl.float32) * 5.960464477539063e-08  # top 24 bits / 2**24: uniform in [0, 1)
+    return u >= p_drop
+
+
+@triton.jit
+def modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo, log2e_hi, log2e_lo,
+                     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr):
+    """(softcap2, log2e, slope2, seed) of a (batch, q head) program; unused ones are 0."""
+    log2e = scalar_in(log2e_hi, log2e_lo, ACC)
+    softcap2 = scalar_in(softcap_hi, softcap_lo, ACC)
+    slope2 = log2e * 0.0
+    if ALIBI:
+        slope2 = tl.load(AL + b.to(tl.int64) * stride_alb + h).to(ACC) * log2e
+    seed = b.to(tl.int64) * 0
+    if DROPOUT:
+        seed = tl.load(RNG)
+    return softcap2, log2e, slope2, seed
+
+
 # ------------------------------------------------------------------------------------------------
 # Host side: the mask/length arguments every attention kernel takes.
 # ------------------------------------------------------------------------------------------------
@@ -191,7 +255,38 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
             args.update({name: m, f"stride_{name.lower()}b": m.stride(0), f"stride_{name.lower()}n": m.stride(1)})
         else:
             args.update({name: dummy, f"stride_{name.lower()}b": 0, f"stride_{name.lower()}n": 0})
+    args.update(modifier_args(spec, dummy))
     return args, B, Sq, Sk
+
+
+MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2  # MASK_KIND: how the kernels read attn_mask
+
+
+def broadcast_strides(t: torch.Tensor) -> tuple:
+    """t's strides with 0 on its size-1 dims, so a (1, H, Sq, Sk) mask reads like (B, H, Sq, Sk)."""
+    return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
+
+
+def modifier_args(spec: MaskSpec, dummy: torch.Tensor) -> dict:
+    """Kernel arguments for attn_mask, softcap, ALiBi and dropout (see score_mods, dropout_keep)."""
+    from .launch import LOG2E, split_f32
+
+    m = spec.attn_mask
+    kind = MASK_NONE if m is None else MASK_BOOL if m.dtype == torch.bool else MASK_ADDITIVE
+    smb, smh, smm, smn = broadcast_strides(m) if m is not None else (0, 0, 0, 0)
+    cap_hi, cap_lo = split_f32(float(spec.softcap) * LOG2E)
+    l2_hi, l2_lo = split_f32(LOG2E)
+    p = float(spec.dropout_p)
+    ds_hi, ds_lo = split_f32(1.0 / (1.0 - p))
+    al = spec.alibi_slopes
+    return dict(
+        MB=_as_u8(m) if m is not None else dummy, stride_mb=smb, stride_mh=smh, stride_mm=smm, stride_mn=smn,
+        MASK_KIND=kind, EVERY_TILE=spec.key_mask is not None or m is not None,
+        softcap_hi=cap_hi, softcap_lo=cap_lo, SOFTCAP=bool(spec.softcap), log2e_hi=l2_hi, log2e_lo=l2_lo,
+        AL=al if al is not None else dummy, stride_alb=0 if al is None or al.shape[0] == 1 else al.stride(0),
+        ALIBI=al is not None,
+        RNG=spec.rng if spec.dropout else dummy, dropout_p=p, drop_scale_hi=ds_hi, drop_scale_lo=ds_lo,
+        DROPOUT=spec.dropout)
 
 
 def batch_stride(t: torch.Tensor, spec: MaskSpec) -> int:

@@ -10,21 +10,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (NO_MASKS, MaskSpec, kv_loop_bounds, mask_args, scalar_in, seq_bounds, stride_args,
-                               visible)
+from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, mask_args, modifier_scalars,
+                               scalar_in, score_mods, seq_bounds, stride_args, visible)
 from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, start, end, Sq_b, Sk_b, causal_shift, window_shift,
-               qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, D_QK, D_V,
+def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b, causal_shift,
+               window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn,
+               D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
                BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, ACC: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
                DOT_PREC: tl.constexpr):
     """Fold key tiles [start, end) into the online-softmax state (acc, m_i, l_i)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
+    alibi_shift = Sk_b - Sq_b  # ALiBi is aligned bottom-right, as flash-attn's
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # K^T tile (BLOCK_DQK, BLOCK_N) and V tile (BLOCK_N, BLOCK_DV); keys past Sk_b (padding) read as 0
@@ -33,6 +36,9 @@ def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, start, end, Sq
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                     mask=(offs_n[:, None] < Sk_b) & (offs_dv[None, :] < D_V), other=0.0)
         s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        in_bounds = (offs_m[:, None] < Sq_b) & (offs_n[None, :] < Sk_b)
+        s, _ = score_mods(s, offs_m[:, None], offs_n[None, :], in_bounds, mb_base, stride_mm, stride_mn,
+                          softcap2, slope2, alibi_shift, log2e, MASK_KIND, SOFTCAP, ALIBI)
         if MASKED:
             key_ok = offs_n[None, :] < Sk_b
             if KEY_MASK:
@@ -48,23 +54,29 @@ def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, start, end, Sq
             m_ref = m_new
         p = tl.exp2(s - m_ref[:, None])  # (BLOCK_M, BLOCK_N)
         alpha = tl.exp2(m_i - m_ref)  # rescales what was accumulated under the old max
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the softmax normaliser counts dropped entries too
+        if DROPOUT:
+            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Sk, dropout_p), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT_PREC)
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM,
+def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
               stride_lb, stride_lh, stride_kmb, stride_kmn, stride_qmb, stride_qmn,
+              stride_mb, stride_mh, stride_mm, stride_mn, stride_alb,
               H, GROUP, Sq, Sk, D_QK, D_V, bottom_right, right, left, qk_scale_hi, qk_scale_lo,
+              softcap_hi, softcap_lo, log2e_hi, log2e_lo, dropout_p, drop_scale_hi, drop_scale_lo,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
-              LENS: tl.constexpr, VARLEN: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+              LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+              ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
@@ -77,6 +89,10 @@ def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM,
     v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + q_start.to(tl.int64) * stride_om
     km_base = KM + b.to(tl.int64) * stride_kmb
+    mb_base = MB + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+    softcap2, log2e, slope2, seed = modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo,
+                                                     log2e_hi, log2e_lo, ALIBI, DROPOUT, ACC)
+    bh = b * H + h
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -91,19 +107,20 @@ def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM,
 
     # masked tiles left of the unmasked range (window edge), unmasked, masked tail (causal diagonal, Sk_b)
     lo, full_lo, full_hi, hi = kv_loop_bounds(m0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,
-                                              CAUSAL, WINDOW, KEY_MASK)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, lo, tl.minimum(full_lo, hi),
-                               Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd,
-                               stride_vn, stride_vd, stride_kmn, D_QK, D_V,
-                               BLOCK_N, BLOCK_DQK, BLOCK_DV, True, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, full_lo, full_hi,
-                               Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd,
-                               stride_vn, stride_vd, stride_kmn, D_QK, D_V,
-                               BLOCK_N, BLOCK_DQK, BLOCK_DV, False, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, offs_m, tl.maximum(full_lo, full_hi), hi,
-                               Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd,
-                               stride_vn, stride_vd, stride_kmn, D_QK, D_V,
-                               BLOCK_N, BLOCK_DQK, BLOCK_DV, True, CAUSAL, WINDOW, KEY_MASK, ACC, DOT_PREC)
+                                              CAUSAL, WINDOW, EVERY_TILE)
+    for part in tl.static_range(3):
+        if part == 0:
+            start, end, masked = lo, tl.minimum(full_lo, hi), True
+        elif part == 1:
+            start, end, masked = full_lo, full_hi, False
+        else:
+            start, end, masked = tl.maximum(full_lo, full_hi), hi, True
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, mb_base, offs_m, start, end,
+                                   Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd,
+                                   stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn, D_QK, D_V,
+                                   softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
+                                   BLOCK_N, BLOCK_DQK, BLOCK_DV, masked, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
+                                   SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
 
     # Rows that saw no key (masked out, padding, or before the causal diagonal) have l = 0 or are
     # past Sq_b / masked by query_mask: output 0, lse = -inf (the backward gives them P = 0).
@@ -111,7 +128,10 @@ def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM,
     if QUERY_MASK:
         qm = tl.load(QM + b.to(tl.int64) * stride_qmb + offs_m * stride_qmn, mask=offs_m < Sq_b, other=0)
         empty = empty | (qm == 0)
-    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if DROPOUT:
+        inv_l = inv_l * scalar_in(drop_scale_hi, drop_scale_lo, ACC)  # kept entries scaled by 1 / (1 - p)
+    o = tl.where(empty[:, None], 0.0, acc * inv_l[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, o.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < Sq_mem) & (offs_dv[None, :] < D_V))

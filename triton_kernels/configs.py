@@ -110,9 +110,13 @@ _INTERPRETER = {
     "attn_fwd": TileConfig(64, 32, 1, 1, "interpreter"),
     "attn_bwd_dkdv": TileConfig(32, 64, 1, 1, "interpreter"),
     "attn_bwd_dq": TileConfig(64, 32, 1, 1, "interpreter"),
+    "attn_scores": TileConfig(32, 16, 1, 1, "interpreter"),
 }
 
-CANDIDATES = {"attn_fwd": _FWD, "attn_bwd_dkdv": _BWD_DKDV, "attn_bwd_dq": _BWD_DQ}
+# The attn_mask-gradient / probabilities kernel (attention_scores.py) loads what the dQ kernel
+# loads (Q and dO tiles held, K and V tiles streamed) and holds one (block_m, block_n) fp32
+# accumulator instead of dQ's (block_m, D): dQ's tiles fit it.
+CANDIDATES = {"attn_fwd": _FWD, "attn_bwd_dkdv": _BWD_DKDV, "attn_bwd_dq": _BWD_DQ, "attn_scores": _BWD_DQ}
 
 # Rows per program of the delta = rowsum(dO * O) preprocess: pure bandwidth, no tiling concerns.
 PREPROCESS_BLOCK_M = 64
@@ -140,7 +144,7 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
     elif kernel == "attn_bwd_dkdv":
         streamed = m * (block_dqk + block_dv)  # Q and dO tiles
         resident = n * (block_dqk + block_dv) + m * max(block_dqk, block_dv)  # K, V, a transposed q/dO tile
-    elif kernel == "attn_bwd_dq":
+    elif kernel in ("attn_bwd_dq", "attn_scores"):
         streamed = n * (block_dqk + block_dv)  # K and V tiles
         resident = m * (block_dqk + block_dv)  # Q and dO tiles
     else:

@@ -1,4 +1,8 @@
-"""MaskSpec: which keys each query sees beyond the (B, H, S, D) shapes.
+"""MaskSpec: everything beyond the (B, H, S, D) shapes that shapes the attention scores.
+
+Which keys each query sees (window, padding masks, lengths, varlen, a boolean attn_mask), what
+is added to the scores (an additive attn_mask / bias, ALiBi), how they are transformed (softcap)
+and dropout on the probabilities.
 
 Shared by the attention launchers and by flashtx's op layer (as flashtx.backends.AttentionMasks).
 It imports no triton, so flashtx's reference backend can use it where triton is absent.
@@ -19,6 +23,11 @@ class MaskSpec:
     q_lens / kv_lens (B,): int, right padding; clamped to [0, S] in the kernels.
     cu_seqlens_q / cu_seqlens_k (nseq + 1,) int32 with max_seqlen_q / max_seqlen_k: varlen; then
     the kernels get (1, H, total, D) views of the packed (total, H, D) tensors.
+    attn_mask: 4-D (Bm, Hm, Sqm, Skm), each dim 1 (broadcast) or the full B, Hq, Sq, Sk; bool
+    (True = attend) or floating (added to the scaled scores, -inf allowed). Not with varlen.
+    softcap: > 0 turns the scaled scores s into softcap * tanh(s / softcap) (before bias/masks).
+    alibi_slopes: (1 or B, Hq) float32; adds -slope * |i + Sk_b - Sq_b - j| (bottom-right).
+    dropout_p in [0, 1) with rng: a (1,) int64 seed tensor on the inputs' device.
     """
 
     window: tuple = (-1, -1)
@@ -30,21 +39,45 @@ class MaskSpec:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    attn_mask: torch.Tensor | None = None
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    rng: torch.Tensor | None = None
 
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
 
     @property
+    def masks_visibility(self) -> bool:
+        """Whether anything beyond plain causal decides which keys a query sees (not a bool attn_mask)."""
+        return not (tuple(self.window) == (-1, -1) and self.key_mask is None and self.query_mask is None
+                    and self.q_lens is None and self.kv_lens is None and not self.varlen)
+
+    @property
     def is_empty(self) -> bool:
-        return (tuple(self.window) == (-1, -1) and self.key_mask is None and self.query_mask is None
-                and self.q_lens is None and self.kv_lens is None and not self.varlen)
+        return (not self.masks_visibility and self.attn_mask is None and not self.softcap
+                and self.alibi_slopes is None and not self.dropout_p)
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_p > 0.0
 
     def describe(self) -> str:
         parts = [f"window_size={tuple(self.window)}"] if tuple(self.window) != (-1, -1) else []
         parts += [n for n in ("key_mask", "query_mask", "q_lens", "kv_lens") if getattr(self, n) is not None]
         if self.varlen:
             parts.append(f"varlen ({self.cu_seqlens_q.shape[0] - 1} sequences)")
+        if self.attn_mask is not None:
+            kind = "bool" if self.attn_mask.dtype == torch.bool else str(self.attn_mask.dtype)
+            parts.append(f"attn_mask {tuple(self.attn_mask.shape)} {kind}")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap}")
+        if self.alibi_slopes is not None:
+            parts.append(f"alibi_slopes {tuple(self.alibi_slopes.shape)}")
+        if self.dropout_p:
+            parts.append(f"dropout_p={self.dropout_p}")
         return ", ".join(parts)
 
 
