@@ -21,3 +21,9 @@ from .rotary import apply_rotary, apply_rotary_pos_emb, apply_rotary_qk  # noqa:
 from .swiglu import swiglu, swiglu_packed  # noqa: E402
 
 __all__ += ["apply_rotary", "apply_rotary_qk", "apply_rotary_pos_emb", "swiglu", "swiglu_packed", "nn"]
+
+# Drop-in paths for existing models: F.scaled_dot_product_attention -> flashtx (flashtx.sdpa_patch)
+from . import sdpa_patch  # noqa: E402
+from .sdpa_patch import patch_sdpa  # noqa: E402
+
+__all__ += ["sdpa_patch", "patch_sdpa"]

@@ -1,0 +1,183 @@
+"""Route ``torch.nn.functional.scaled_dot_product_attention`` through flashtx.attention.
+
+    >>> with flashtx.patch_sdpa():          # or flashtx.sdpa_patch.enable() / disable()
+    ...     y = model(x)                    # every F.scaled_dot_product_attention call inside
+
+The patch replaces the attribute ``scaled_dot_product_attention`` of the module
+``torch.nn.functional`` (so ``F.scaled_dot_product_attention`` and
+``torch.nn.functional.scaled_dot_product_attention`` both resolve to flashtx's, and so does the
+call inside ``nn.MultiheadAttention``). Code that bound the function to another name *before* the
+patch (``from torch.nn.functional import scaled_dot_product_attention``) keeps torch's. Disabling
+puts back the very object that was replaced.
+
+Each call is checked explicitly (types, shapes, masks, devices; see ``unsupported_reason``);
+anything flashtx does not support goes to the original SDPA, with a one-time warning per reason
+that names it. Nothing is decided by catching exceptions on the call path.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import functional
+from .backends import BACKENDS, AttentionInputs
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ORIGINAL = F.scaled_dot_product_attention  # torch's, as found when flashtx was imported
+_saved = None  # what enable() replaced (restored exactly by disable())
+_warned: set[str] = set()
+_TORCH_ERROR = " (torch reports the error)"  # reasons for calls torch itself rejects: no warning
+
+
+@functools.lru_cache(maxsize=None)
+def features() -> frozenset:
+    """Which optional SDPA arguments this flashtx supports: a subset of {"attn_mask", "dropout_p"}.
+
+    Found once by running flashtx.attention on a tiny CPU input through the reference backend
+    (cached; enable() calls it so that nothing is probed while a model runs or is traced).
+    """
+    q = torch.ones(1, 1, 2, 2)
+    found = set()
+    probes = {"attn_mask": dict(attn_mask=torch.ones(2, 2, dtype=torch.bool)), "dropout_p": dict(dropout_p=0.5)}
+    for name, kw in probes.items():
+        try:
+            functional.attention(q, q, q, backend="reference", **kw)
+        except NotImplementedError:
+            continue
+        found.add(name)
+    return frozenset(found)
+
+
+def _heads(t: torch.Tensor) -> int:
+    return t.shape[-3] if t.dim() >= 3 else 1
+
+
+def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False) -> str | None:
+    """Why flashtx should not run this SDPA call (None = it runs it). Reasons name no shapes, so
+    each is warned about once."""
+    ts = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) for t in ts):
+        return "query, key and value must all be tensors"
+    if any(t.is_nested for t in ts):
+        return "nested (jagged) tensors are not supported"
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _DTYPES:
+        return "query, key, value must share one of float16, bfloat16, float32, float64"
+    if not (query.device == key.device == value.device) or query.device.type not in ("cuda", "cpu"):
+        return "query, key, value must be on one CUDA or CPU device"
+    if not (query.dim() == key.dim() == value.dim()) or query.dim() < 2:
+        return "query, key, value must have the same rank (>= 2)"
+    if key.shape[:-3] != query.shape[:-3] or value.shape[:-3] != query.shape[:-3]:
+        return "broadcasting batch dims between query and key/value is not supported"
+    if key.shape[:-1] != value.shape[:-1] or key.shape[-1] != query.shape[-1]:
+        return "key/value shapes do not fit query" + _TORCH_ERROR
+    if min(query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]) == 0:
+        return "empty sequence or head dim"
+    hq, hkv = _heads(query), _heads(key)
+    if hq != hkv and not (enable_gqa and hq % hkv == 0):
+        return "query and key/value head counts differ without enable_gqa" + _TORCH_ERROR
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        return "dropout_p must be a number in [0, 1)"
+    if dropout_p > 0 and "dropout_p" not in features():
+        return "dropout_p > 0 needs a flashtx with attention dropout"
+    if attn_mask is not None:
+        if "attn_mask" not in features():
+            return "attn_mask needs a flashtx with attention masks"
+        if is_causal:
+            return "attn_mask with is_causal=True" + _TORCH_ERROR
+        if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested:
+            return "attn_mask must be a tensor"
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+            return "attn_mask must be bool or have the query's dtype"
+        if attn_mask.requires_grad:
+            return "gradients with respect to attn_mask are not computed by flashtx"
+        if attn_mask.device != query.device:
+            return "attn_mask must be on the query's device"
+        if query.dim() > 4 or attn_mask.dim() > 4:
+            return "attn_mask with more than one batch dim is not supported"
+        try:
+            full = torch.broadcast_shapes(attn_mask.shape, (*query.shape[:-2], query.shape[-2], key.shape[-2]))
+        except RuntimeError:
+            return "attn_mask does not broadcast to (..., Hq, Sq, Sk)" + _TORCH_ERROR
+        if tuple(full) != (*query.shape[:-2], query.shape[-2], key.shape[-2]):
+            return "attn_mask would broadcast the output's shape" + _TORCH_ERROR
+    if query.device.type == "cuda":
+        q, k, v = (functional._as4d(t) for t in ts)
+        reasons = BACKENDS["triton"].not_supported_reasons(AttentionInputs(q, k, v, bool(is_causal)))
+        if reasons:
+            return "no fast flashtx backend for these inputs: " + "; ".join(reasons)
+    return None
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """torch's ``scaled_dot_product_attention`` signature and semantics, computed by
+    ``flashtx.attention`` when it supports the call, by the original SDPA otherwise."""
+    reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if reason is not None:
+        if reason not in _warned and not reason.endswith(_TORCH_ERROR):  # torch's own error says it all
+            _warned.add(reason)
+            warnings.warn(f"flashtx.patch_sdpa: this call goes to torch's scaled_dot_product_attention: {reason}",
+                          stacklevel=2)
+        return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+    kw = {}
+    if attn_mask is not None:
+        kw["attn_mask"] = attn_mask
+    if dropout_p > 0:
+        kw["dropout_p"] = dropout_p
+    return functional.attention(query, key, value, is_causal=bool(is_causal), scale=scale,
+                                enable_gqa=bool(enable_gqa), **kw)
+
+
+scaled_dot_product_attention.__wrapped__ = _ORIGINAL
+
+
+def is_enabled() -> bool:
+    """Whether torch.nn.functional.scaled_dot_product_attention is flashtx's now."""
+    return F.scaled_dot_product_attention is scaled_dot_product_attention
+
+
+def enable() -> None:
+    """Route torch.nn.functional.scaled_dot_product_attention through flashtx (idempotent)."""
+    global _saved
+    features()  # probe now, not while a model runs or is traced
+    if is_enabled():
+        return
+    _saved = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def disable() -> None:
+    """Put back exactly the function enable() replaced (idempotent)."""
+    global _saved
+    if not is_enabled():
+        if _saved is not None and F.scaled_dot_product_attention is not _saved:
+            raise RuntimeError("torch.nn.functional.scaled_dot_product_attention was replaced by something else "
+                               "after flashtx.sdpa_patch.enable(); undo that first")
+        _saved = None
+        return
+    F.scaled_dot_product_attention = _saved
+    _saved = None
+
+
+@contextlib.contextmanager
+def patch_sdpa():
+    """Context manager: flashtx serves F.scaled_dot_product_attention inside the block; on exit the
+    previous state (patched or not) comes back. Nests, and composes with enable()/disable().
+
+    Example:
+        >>> with flashtx.patch_sdpa():
+        ...     logits = gpt(idx)       # a nanoGPT-style model, unchanged
+    """
+    was = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was:
+            disable()

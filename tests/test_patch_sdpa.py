@@ -1,0 +1,195 @@
+"""flashtx.patch_sdpa: F.scaled_dot_product_attention routed through flashtx.attention, exact restore,
+explicit fallbacks with one warning per reason, and a nanoGPT-style model that needs no change."""
+import math
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from conftest import DEVICE, assert_close_to_reference, randn
+from torch import nn
+
+import flashtx
+from flashtx import sdpa_patch
+
+
+@pytest.fixture(autouse=True)
+def unpatched():
+    """Every test starts and ends with torch's own SDPA and no remembered warnings."""
+    original = torch.nn.functional.scaled_dot_product_attention
+    sdpa_patch._warned.clear()
+    yield original
+    sdpa_patch.disable()
+    assert torch.nn.functional.scaled_dot_product_attention is original
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Records each call that reaches flashtx.attention through the patch."""
+    seen = []
+    real = flashtx.functional.attention
+
+    def spy(*a, **kw):
+        seen.append(tuple(a[0].shape))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(flashtx.functional, "attention", spy)
+    return seen
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention, verbatim in substance: it calls F.scaled_dot_product_attention."""
+
+    def __init__(self, n_embd=32, n_head=4, dropout=0.0):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+def test_enable_disable_and_context_manager_restore_exactly(unpatched):
+    original = unpatched
+    mine = sdpa_patch.scaled_dot_product_attention
+    assert not sdpa_patch.is_enabled()
+    with flashtx.patch_sdpa():
+        assert F.scaled_dot_product_attention is mine
+        assert torch.nn.functional.scaled_dot_product_attention is mine
+        with flashtx.patch_sdpa():  # nested
+            assert sdpa_patch.is_enabled()
+        assert sdpa_patch.is_enabled()  # the outer block still holds it
+    assert F.scaled_dot_product_attention is original
+
+    sdpa_patch.enable()
+    sdpa_patch.enable()  # idempotent
+    with flashtx.patch_sdpa():
+        pass
+    assert sdpa_patch.is_enabled()  # a block inside enable() leaves it enabled
+    sdpa_patch.disable()
+    sdpa_patch.disable()
+    assert F.scaled_dot_product_attention is original
+
+    with pytest.raises(KeyError):
+        with flashtx.patch_sdpa():
+            raise KeyError("boom")
+    assert F.scaled_dot_product_attention is original  # restored on error too
+
+
+def test_disable_refuses_to_clobber_a_later_patch(unpatched):
+    sdpa_patch.enable()
+    other = lambda *a, **kw: None  # noqa: E731
+    F.scaled_dot_product_attention = other
+    try:
+        with pytest.raises(RuntimeError, match="replaced by something else"):
+            sdpa_patch.disable()
+    finally:
+        F.scaled_dot_product_attention = sdpa_patch.scaled_dot_product_attention
+    sdpa_patch.disable()
+    assert F.scaled_dot_product_attention is unpatched
+
+
+def test_nanogpt_attention_runs_on_flashtx_unchanged(calls):
+    torch.manual_seed(0)
+    layer = CausalSelfAttention().to(DEVICE)
+    ref = CausalSelfAttention().to(DEVICE).double()
+    ref.load_state_dict(layer.state_dict())
+    x = randn(2, 11, 32, requires_grad=True)
+    x64, xe = x.detach().double().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    with flashtx.patch_sdpa():
+        out = layer(x)
+        out.backward(torch.ones_like(out))
+    assert calls == [(2, 4, 11, 8)]
+    grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    out_e, out_ref = layer(xe), ref(x64)  # torch's SDPA (math) in fp32 and fp64
+    assert_close_to_reference("nanoGPT attention", out, out_ref, out_e)
+    out_e.backward(torch.ones_like(out_e))
+    out_ref.backward(torch.ones_like(out_ref))
+    assert_close_to_reference("dx", x.grad, x64.grad, xe.grad, grad=True)
+    for name, g, pr, pe in zip(dict(layer.named_parameters()), grads, ref.parameters(), layer.parameters()):
+        assert_close_to_reference(f"d {name}", g, pr.grad, pe.grad, grad=True)
+
+
+def test_gqa_and_scale_are_passed(calls):
+    q, k = randn(1, 4, 6, 8), randn(1, 2, 6, 8)
+    want = F.scaled_dot_product_attention(q, k, k, scale=0.3, enable_gqa=True)
+    with flashtx.patch_sdpa():
+        got = F.scaled_dot_product_attention(q, k, k, scale=0.3, enable_gqa=True)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _mask_reason(otherwise):
+    return otherwise if "attn_mask" in sdpa_patch.features() else "attn_mask needs a flashtx with attention masks"
+
+
+FALLBACKS = {  # id: (make inputs -> (args, kwargs), reason the warning names)
+    "broadcast-batch": (lambda: ((randn(2, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)), {}),
+                        "broadcasting batch dims"),
+    "rank-mismatch": (lambda: ((randn(2, 2, 5, 8), randn(5, 8), randn(5, 8)), {}), "query, key, value must have the same rank"),
+    "mask-requires-grad": (lambda: ((randn(1, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)),
+                                    dict(attn_mask=randn(5, 5, requires_grad=True))),
+                           lambda: _mask_reason("gradients with respect to attn_mask")),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_unsupported_calls_fall_back_with_one_warning(case, calls):
+    make, reason = FALLBACKS[case]
+    reason = reason() if callable(reason) else reason
+    args, kw = make()
+    want = F.scaled_dot_product_attention(*args, **kw)
+    with flashtx.patch_sdpa():
+        with pytest.warns(UserWarning, match=f"goes to torch's scaled_dot_product_attention: {reason}"):
+            got = F.scaled_dot_product_attention(*args, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same reason warns only once
+            F.scaled_dot_product_attention(*args, **kw)
+    assert calls == []
+    torch.testing.assert_close(got, want)
+
+
+def test_calls_torch_rejects_get_torchs_error_without_a_warning(calls):
+    q, k = randn(1, 4, 5, 8), randn(1, 2, 5, 8)
+    with flashtx.patch_sdpa(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError):
+            F.scaled_dot_product_attention(q, k, k)  # GQA heads without enable_gqa
+    assert calls == []
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masks_go_to_flashtx_when_it_supports_them(kind, calls):
+    """attn_mask goes to flashtx.attention exactly when this flashtx supports it; same result either way."""
+    q, k, v = randn(2, 2, 6, 8), randn(2, 2, 7, 8), randn(2, 2, 7, 8)
+    vis = torch.rand(2, 1, 6, 7, device=DEVICE) > 0.3
+    vis[..., 0] = True
+    mask = vis if kind == "bool" else torch.zeros(vis.shape, device=DEVICE).masked_fill(~vis, -math.inf)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with flashtx.patch_sdpa(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(calls) == ("attn_mask" in sdpa_patch.features())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_patched_model_compiles_without_graph_breaks():
+    torch.manual_seed(0)
+    layer = CausalSelfAttention().to(DEVICE)
+    x = randn(2, 7, 32)
+    with flashtx.patch_sdpa():
+        ex = torch._dynamo.explain(layer)(x)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    ops = {str(n.target) for g in ex.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert "flashtx.attention_fwd.default" in ops
