@@ -91,14 +91,10 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
             return "attn_mask with is_causal=True" + _TORCH_ERROR
         if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested:
             return "attn_mask must be a tensor"
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-            return "attn_mask must be bool or have the query's dtype"
-        if attn_mask.requires_grad:
-            return "gradients with respect to attn_mask are not computed by flashtx"
+        if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+            return "attn_mask must be bool, float32 or the query's dtype" + _TORCH_ERROR
         if attn_mask.device != query.device:
             return "attn_mask must be on the query's device"
-        if query.dim() > 4 or attn_mask.dim() > 4:
-            return "attn_mask with more than one batch dim is not supported"
         try:
             full = torch.broadcast_shapes(attn_mask.shape, (*query.shape[:-2], query.shape[-2], key.shape[-2]))
         except RuntimeError:

@@ -187,3 +187,21 @@ def test_forward_errors_name_the_argument(cross):
             layer(x, x)
         with pytest.raises(TypeError, match="key_mask must be a bool tensor"):
             layer(x, key_mask=torch.ones(2, 5, device=DEVICE))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_attn_mask_is_passed_through(kind):
+    layer = make_layer(2, False, False, 8, torch.float32)
+    B, S = 2, 6
+    vis = torch.rand(B, 1, S, S, device=DEVICE) > 0.4
+    vis |= torch.eye(S, dtype=torch.bool, device=DEVICE)
+    mask = vis if kind == "bool" else torch.zeros(vis.shape, device=DEVICE).masked_fill(~vis, float("-inf"))
+    x = randn(B, S, E, requires_grad=True)
+    x64, xe = x.detach().double().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    out = layer(x, attn_mask=mask)
+    out_ref = eager_mha(copy.deepcopy(layer).double(), x64, attn_mask=mask if kind == "bool" else mask.double())
+    out_e = eager_mha(layer, xe, attn_mask=mask)
+    assert_close_to_reference("output with attn_mask", out, out_ref, out_e)
+    for o in (out, out_ref, out_e):
+        o.sum().backward()
+    assert_close_to_reference("dx with attn_mask", x.grad, x64.grad, xe.grad, grad=True)

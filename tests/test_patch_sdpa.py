@@ -130,24 +130,18 @@ def test_gqa_and_scale_are_passed(calls):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _mask_reason(otherwise):
-    return otherwise if "attn_mask" in sdpa_patch.features() else "attn_mask needs a flashtx with attention masks"
-
-
 FALLBACKS = {  # id: (make inputs -> (args, kwargs), reason the warning names)
     "broadcast-batch": (lambda: ((randn(2, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)), {}),
                         "broadcasting batch dims"),
     "rank-mismatch": (lambda: ((randn(2, 2, 5, 8), randn(5, 8), randn(5, 8)), {}), "query, key, value must have the same rank"),
-    "mask-requires-grad": (lambda: ((randn(1, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)),
-                                    dict(attn_mask=randn(5, 5, requires_grad=True))),
-                           lambda: _mask_reason("gradients with respect to attn_mask")),
+    "unbatched-key": (lambda: ((randn(2, 2, 5, 8), randn(2, 5, 8), randn(2, 5, 8)), {}),
+                      "query, key, value must have the same rank"),
 }
 
 
 @pytest.mark.parametrize("case", list(FALLBACKS))
 def test_unsupported_calls_fall_back_with_one_warning(case, calls):
     make, reason = FALLBACKS[case]
-    reason = reason() if callable(reason) else reason
     args, kw = make()
     want = F.scaled_dot_product_attention(*args, **kw)
     with flashtx.patch_sdpa():
@@ -169,19 +163,41 @@ def test_calls_torch_rejects_get_torchs_error_without_a_warning(calls):
     assert calls == []
 
 
-@pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_masks_go_to_flashtx_when_it_supports_them(kind, calls):
-    """attn_mask goes to flashtx.attention exactly when this flashtx supports it; same result either way."""
+def test_this_flashtx_supports_masks_and_dropout():
+    assert sdpa_patch.features() == {"attn_mask", "dropout_p"}
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "learned-bias"])
+def test_masks_go_to_flashtx(kind, calls):
+    """attn_mask (bool, additive, or a bias that requires grad) runs on flashtx.attention, as SDPA computes it."""
     q, k, v = randn(2, 2, 6, 8), randn(2, 2, 7, 8), randn(2, 2, 7, 8)
     vis = torch.rand(2, 1, 6, 7, device=DEVICE) > 0.3
     vis[..., 0] = True
-    mask = vis if kind == "bool" else torch.zeros(vis.shape, device=DEVICE).masked_fill(~vis, -math.inf)
+    if kind == "bool":
+        mask = vis
+    elif kind == "additive":
+        mask = torch.zeros(vis.shape, device=DEVICE).masked_fill(~vis, -math.inf)
+    else:
+        mask = randn(1, 2, 6, 7, requires_grad=True)  # a learned bias, broadcast over the batch
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     with flashtx.patch_sdpa(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")
         got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    assert len(calls) == ("attn_mask" in sdpa_patch.features())
+    assert len(calls) == 1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if mask.requires_grad:
+        (g_want,) = torch.autograd.grad(want.sum(), mask)
+        (g_got,) = torch.autograd.grad(got.sum(), mask)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_goes_to_flashtx(calls):
+    q = randn(1, 2, 16, 8)
+    with flashtx.patch_sdpa(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    assert len(calls) == 1
+    assert not torch.allclose(out, F.scaled_dot_product_attention(q, q, q))  # dropout was applied
 
 
 def test_patched_model_compiles_without_graph_breaks():
