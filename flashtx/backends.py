@@ -208,9 +208,12 @@ class TritonBackend(Backend):
         target = target_for(inp.q)
         bq, bv = head_block(inp.q.shape[-1]), head_block(inp.v.shape[-1])
         reasons = []
-        for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
+        kernels = ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"]
+        if inp.masks.attn_mask is not None and inp.masks.attn_mask.is_floating_point():
+            kernels.append("attn_scores")  # the bias gradient
+        for kernel in kernels:
             try:
-                select_config(kernel, bq, bv, inp.q.element_size(), target)
+                select_config(kernel, bq, bv, inp.q.element_size(), target, inp.masks.modifies_scores)
             except RuntimeError as exc:
                 reasons.append(str(exc))
         return reasons

@@ -309,17 +309,17 @@ def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, ca
                   **stride_args("do", do, spec), Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
                   BLOCK_DQK=block_dqk, BLOCK_DV=block_dv, ACC=acc, DOT_PREC=prec, **margs)
-    c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target)
+    c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     dkdv = Launch(_attn_bwd_dkdv, (triton.cdiv(Sk, c1.block_n), Hkv, B), dict(
         common, DK=dk, DV=dv, **stride_args("dk", dk, spec), **stride_args("dv", dv, spec), H=H,
         GROUP=H // Hkv,
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1,
-        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size()))
-    c2 = select_config("attn_bwd_dq", block_dqk, block_dv, q.element_size(), target)
+        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target))
+    c2 = select_config("attn_bwd_dq", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     dqk = Launch(_attn_bwd_dq, (triton.cdiv(Sq, c2.block_m), H, B), dict(
         common, DQ=dq, **stride_args("dq", dq, spec), H=H, GROUP=H // Hkv,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
-        estimate_shared_memory("attn_bwd_dq", c2, block_dqk, block_dv, q.element_size()))
+        estimate_shared_memory("attn_bwd_dq", c2, block_dqk, block_dv, q.element_size(), target))
     launches = [pre, dkdv, dqk]
     if dbias is not None:
         from .attention_scores import plan_scores

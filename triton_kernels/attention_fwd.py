@@ -146,7 +146,7 @@ def plan_forward(q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right
     Hkv, D_V = k.shape[1], v.shape[3]
     target = target if target is not None else target_for(q)
     block_dqk, block_dv = head_block(D_QK), head_block(D_V)
-    cfg = select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target)
+    cfg = select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     hi, lo = split_f32(scale * LOG2E)
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, lse2)
     args = dict(
@@ -159,7 +159,7 @@ def plan_forward(q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right
         ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **margs,
     )
     grid = (triton.cdiv(Sq, cfg.block_m), H, B)
-    est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size())
+    est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size(), target)
     return Launch(_attn_fwd, grid, args, cfg, est)
 
 
@@ -183,11 +183,21 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
     return out, lse2
 
 
+def all_options_spec(B: int, S: int, H: int = 2, bias_shape=None, dtype=torch.float16) -> MaskSpec:
+    """Every option at once (the most registers): window, key/query masks, lengths, an additive
+    attn_mask, softcap, ALiBi and dropout."""
+    lens = torch.full((B,), S, dtype=torch.int32)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    bias = torch.empty(bias_shape or (1, H, S, S), dtype=dtype)
+    return MaskSpec(window=(64, 0), key_mask=mask, query_mask=mask, q_lens=lens, kv_lens=lens, attn_mask=bias,
+                    softcap=30.0, alibi_slopes=torch.ones(1, H), dropout_p=0.1, rng=torch.zeros(1, dtype=torch.int64))
+
+
 def compile_cases():
     """(head dim, dtype, name, causal, MaskSpec) of every case the compile check covers, forward and
     backward alike: head dims 64/128/256; fp16, bf16, fp32; causal or not; fp16/bf16 also with the
     mask options (every option at once is the most registers; a separate varlen case covers its
-    addressing)."""
+    addressing), and with every option including attn_mask, softcap, ALiBi and dropout."""
     B, S = 1, 128
     lens = torch.full((B,), S, dtype=torch.int32)
     mask = torch.ones(B, S, dtype=torch.bool)
@@ -195,7 +205,8 @@ def compile_cases():
     masked = [("window+masks+lens", True, MaskSpec(window=(64, 0), key_mask=mask, query_mask=mask, q_lens=lens,
                                                    kv_lens=lens)),
               ("varlen+window", True, MaskSpec(window=(64, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
-                                               max_seqlen_k=S))]
+                                               max_seqlen_k=S)),
+              ("all-options", True, all_options_spec(B, S))]
     for d in (64, 128, 256):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             if dtype == torch.float16:

@@ -138,7 +138,7 @@ def plan_scores(q, k, v, lse2, out, *, scale: float, causal: bool, bottom_right:
     Hkv, D_V = k.shape[1], v.shape[3]
     target = target if target is not None else target_for(q)
     block_dqk, block_dv = head_block(D_QK), head_block(D_V)
-    cfg = select_config("attn_scores", block_dqk, block_dv, q.element_size(), target)
+    cfg = select_config("attn_scores", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     hi, lo = split_f32(scale * LOG2E)
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, lse2)
     grad = do is not None
@@ -159,7 +159,7 @@ def plan_scores(q, k, v, lse2, out, *, scale: float, causal: bool, bottom_right:
         ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **margs,
     )
     grid = (tiles_m * tiles_n, 1 if sum_h else H, 1 if sum_b else B)
-    est = estimate_shared_memory("attn_scores", cfg, block_dqk, block_dv, q.element_size())
+    est = estimate_shared_memory("attn_scores", cfg, block_dqk, block_dv, q.element_size(), target)
     return Launch(_attn_scores, grid, args, cfg, est)
 
 
@@ -178,23 +178,29 @@ def attention_probs(q, k, v, lse2, *, scale: float, causal: bool = False, bottom
 
 
 def compile_plans(target) -> list:
-    """The bias-gradient kernel for every head dim/dtype the compile check covers, with each kind
-    of broadcast (none; summed over batch; over Sq), plus the probabilities kernel."""
-    from .attention_fwd import compile_cases
+    """The bias-gradient kernel for head dims 64/128/256: fp16/bf16 with every option at once and
+    the two kinds of broadcast (summed over batch; over heads and Sq), fp32 causal with a full
+    bias; and the probabilities kernel (fp16, every option)."""
+    from .attention_fwd import all_options_spec
 
+    B, H, S = 2, 2, 128
     plans = []
-    for d, dtype, name, causal, spec in compile_cases():
-        if spec.varlen or name == "causal=False":
-            continue
-        q, k, v, do = (torch.empty(2, 2, 128, d, dtype=dtype) for _ in range(4))
-        lse2, delta = (torch.empty(2, 2, 128, dtype=torch.float32) for _ in range(2))
-        for bias_shape in ((2, 2, 128, 128), (1, 2, 128, 128), (2, 1, 1, 128)):
-            bias = torch.empty(bias_shape, dtype=dtype)
-            sp = MaskSpec(**{**spec.__dict__, "attn_mask": bias})
+    for d in (64, 128, 256):
+        cases = [(dt, shape, True) for dt in (torch.float16, torch.bfloat16) for shape in ((1, H, S, S), (B, 1, 1, S))]
+        cases += [(torch.float32, (B, H, S, S), True), (torch.float16, (B, H, S, S), False)]
+        for dtype, shape, grad in cases:
+            q, k, v, do = (torch.empty(B, H, S, d, dtype=dtype) for _ in range(4))
+            lse2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(2))
+            if dtype == torch.float32:
+                spec = MaskSpec(attn_mask=torch.empty(shape, dtype=dtype))
+            else:
+                spec = all_options_spec(B, S, H, shape, dtype)
+            out = torch.empty(shape if grad else (B, H, S, S), dtype=dtype if grad else torch.float32)
             try:
-                launch = plan_scores(q, k, v, lse2, torch.empty(bias_shape, dtype=dtype), scale=d ** -0.5,
-                                     causal=causal, bottom_right=False, spec=sp, do=do, delta=delta, target=target)
-            except RuntimeError:
+                launch = plan_scores(q, k, v, lse2, out, scale=d ** -0.5, causal=True, bottom_right=False, spec=spec,
+                                     do=do if grad else None, delta=delta if grad else None, target=target)
+            except RuntimeError:  # no config fits: the backend reports it and never launches
                 continue
-            plans.append((f"attn_dbias {tuple(bias_shape)} D={d} {str(dtype)[6:]} {name}", launch))
+            what = f"attn_dbias {shape}" if grad else "attn_probs"
+            plans.append((f"{what} D={d} {str(dtype)[6:]}", launch))
     return plans

@@ -135,8 +135,8 @@ def _all_plans(target: Target):
     return _PLAN_CACHE[target.arch]
 
 
-def run(archs, jobs: int) -> list[Result]:
-    work = [(a, i) for a in archs for i in range(len(_all_plans(KNOWN_TARGETS[a])))]
+def run(archs, jobs: int, only: str = "") -> list[Result]:
+    work = [(a, i) for a in archs for i, (label, _) in enumerate(_all_plans(KNOWN_TARGETS[a])) if only in label]
     if jobs <= 1:
         return [_check_one(a, i) for a, i in work]
     with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
@@ -159,11 +159,12 @@ def main(argv=None) -> int:
                     help="compute capability, e.g. 86 (repeatable; default 80, 86, 90)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--only", default="", help="check only kernels whose label contains this text")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check compiles kernels: run it with TRITON_INTERPRET unset", file=sys.stderr)
         return 2
-    results = run(args.arch or [80, 86, 90], args.jobs)
+    results = run(args.arch or [80, 86, 90], args.jobs, args.only)
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -83,7 +83,7 @@ _BWD_DKDV = {
         256: [TileConfig(32, 32, 8, 1, "dK and dV accumulators of 32x256 fp32; 80 KB")],
     },
     4: {
-        64: [TileConfig(16, 64, 8, 2, "fp32: 16 q rows per step keeps dK/dV accumulators in registers")],
+        64: [TileConfig(32, 32, 8, 1, "fp32: 16x64 and 16x32 tiles spilled 16-40 bytes on sm_86 or sm_90")],
         128: [TileConfig(16, 16, 4, 1, "fp32 at D=128: 16x32 spills on sm_80")],
         # fp32 at D=256: every tile tried spilled on sm_86, so none is offered (reference fallback).
         256: [],
@@ -115,8 +115,31 @@ _INTERPRETER = {
 
 # The attn_mask-gradient / probabilities kernel (attention_scores.py) loads what the dQ kernel
 # loads (Q and dO tiles held, K and V tiles streamed) and holds one (block_m, block_n) fp32
-# accumulator instead of dQ's (block_m, D): dQ's tiles fit it.
-CANDIDATES = {"attn_fwd": _FWD, "attn_bwd_dkdv": _BWD_DKDV, "attn_bwd_dq": _BWD_DQ, "attn_scores": _BWD_DQ}
+# accumulator instead of dQ's (block_m, D); its four nested loops need smaller tiles at D >= 128.
+_SCORES = {
+    2: {
+        64: [TileConfig(128, 32, 8, 3, "dQ's tile: no spills with every option")],
+        128: [TileConfig(32, 32, 8, 2, "dQ's 64x32 (and 32x32 over 4 warps) spilled 8-24 bytes with every option")],
+        256: [TileConfig(16, 32, 4, 1, "32x32 spilled 8-16 bytes on sm_80/86")],
+    },
+    4: {
+        64: [TileConfig(64, 32, 8, 2, "fp32: as dQ's")],
+        128: [TileConfig(16, 16, 8, 1, "fp32 at D=128: 16x32, 32x32 and 16x16 over 4 warps spilled")],
+        # fp32 at D=256: 16x16 over 8 warps still spilled ~100 bytes, so none (as dK/dV's): reference fallback
+        256: [],
+    },
+}
+
+CANDIDATES = {"attn_fwd": _FWD, "attn_bwd_dkdv": _BWD_DKDV, "attn_bwd_dq": _BWD_DQ, "attn_scores": _SCORES}
+
+# Score modifiers (attn_mask, softcap, ALiBi, dropout) add live registers per score tile (the
+# mask tile, tanh, the Philox state). Where the plain tile spilled with every option at once
+# (compile check, sm_86 ptxas of Triton 3.9), these smaller tiles are tried first instead.
+_MODIFIED = {
+    "attn_fwd": {2: {64: [TileConfig(64, 32, 4, 3, "every option: 128x64 (and 64x64) spilled ~50 bytes on sm_86")]}},
+    "attn_bwd_dkdv": {2: {128: [TileConfig(16, 32, 4, 2, "every option: 32x64 and 16x64 spilled 8 bytes")]}},
+    "attn_bwd_dq": {2: {128: [TileConfig(32, 32, 4, 2, "every option: 64 q rows spilled 8 bytes")]}},
+}
 
 # Rows per program of the delta = rowsum(dO * O) preprocess: pure bandwidth, no tiling concerns.
 PREPROCESS_BLOCK_M = 64
@@ -130,13 +153,17 @@ def head_dim_bucket(d: int) -> int:
     raise ValueError(f"head dim {d} is above the largest supported (256)")
 
 
-def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_dv: int, elt: int) -> int:
+def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_dv: int, elt: int,
+                           target: Target | None = None) -> int:
     """Upper estimate of the shared memory a config needs, in bytes.
 
     Triton keeps `num_stages` buffers of each streamed tile in shared memory and stages the
-    resident tiles and the dot operands that need a layout change there too. The compile check
-    asserts that this estimate is never below what the compiler reports.
+    resident tiles and the dot operands that need a layout change there too. On Hopper (sm_90)
+    the (block_m, block_n) P / dS operand of the second dot is staged too (measured: the compile
+    check's sm_90 builds with score modifiers). The compile check asserts that this estimate is
+    never below what the compiler reports.
     """
+    hopper = cfg.block_m * cfg.block_n * elt if target is not None and target.arch >= 90 else 0
     m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
     if kernel == "attn_fwd":
         streamed = n * (block_dqk + block_dv)  # K and V tiles
@@ -149,25 +176,32 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
         resident = m * (block_dqk + block_dv)  # Q and dO tiles
     else:
         raise KeyError(kernel)
-    return (s * streamed + resident) * elt
+    return (s * streamed + resident) * elt + hopper
 
 
 def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target) -> TileConfig:
-    """First candidate that fits `target`'s shared memory (the interpreter has its own)."""
+def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target,
+                  modified: bool = False) -> TileConfig:
+    """First candidate that fits `target`'s shared memory (the interpreter has its own).
+
+    modified: the launch uses score modifiers (attn_mask, softcap, ALiBi or dropout).
+    """
     if target is INTERPRETER_TARGET:
         return _INTERPRETER[kernel]
-    return _select(kernel, block_dqk, block_dv, elt, target)
+    return _select(kernel, block_dqk, block_dv, elt, target, modified)
 
 
 @functools.lru_cache(maxsize=None)
-def _select(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target) -> TileConfig:
-    candidates = CANDIDATES[kernel][2 if elt <= 2 else 4][head_dim_bucket(max(block_dqk, block_dv))]
+def _select(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool) -> TileConfig:
+    size, bucket = 2 if elt <= 2 else 4, head_dim_bucket(max(block_dqk, block_dv))
+    candidates = CANDIDATES[kernel][size][bucket]
+    if modified:
+        candidates = _MODIFIED.get(kernel, {}).get(size, {}).get(bucket, []) + candidates
     for cfg in candidates:
-        if estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt) <= target.max_shared:
+        if estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt, target) <= target.max_shared:
             return cfg
     raise RuntimeError(
         f"no {kernel} config fits sm_{target.arch} ({target.max_shared} bytes of shared memory) "

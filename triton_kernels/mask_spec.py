@@ -61,6 +61,11 @@ class MaskSpec:
                 and self.alibi_slopes is None and not self.dropout_p)
 
     @property
+    def modifies_scores(self) -> bool:
+        """attn_mask, softcap, ALiBi or dropout: the kernels pick leaner tiles for them (configs)."""
+        return self.attn_mask is not None or bool(self.softcap) or self.alibi_slopes is not None or self.dropout
+
+    @property
     def dropout(self) -> bool:
         return self.dropout_p > 0.0
 
