@@ -1,0 +1,235 @@
+"""Hugging Face transformers: ``attn_implementation="ftx"``, and fused RoPE/SwiGLU for LLaMA-family models.
+
+    >>> from flashtx.integrations.transformers import register, apply_flashtx
+    >>> register()                                    # once; then any model that takes attn_implementation:
+    >>> model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ftx")   # "ftx", see NAME
+    >>> apply_flashtx(model)                          # Llama/Mistral/Qwen2: also fused RoPE and SwiGLU MLP
+
+How masks reach flashtx (``flashtx_mask``, registered with transformers' AttentionMaskInterface):
+
+- causal attention whose queries are the last positions of the keys (training, prefill, and
+  decoding with a DynamicCache): no (Sq, Sk) mask is built. The attention function gets None
+  (no padding, Sq == Sk or Sq == 1) or the (B, Sk) bool padding mask, and runs flashtx.attention
+  with ``key_mask`` and bottom-right causal alignment (``window_size=(-1, Sk - Sq)``).
+- anything else (sliding windows, packed sequences, static caches, custom mask functions,
+  bidirectional masks): transformers' own ``sdpa_mask`` builds it, and the 4-D boolean mask (or
+  None) is passed to flashtx.attention as ``attn_mask`` with SDPA's semantics. So is a 4-D mask
+  a caller passes to the model.
+
+Not supported (clear errors): ``softcap``, attention sinks (``s_aux``/``sinks``),
+``output_attentions`` (flashtx never forms the attention weights; a warning, weights None).
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+from ..functional import attention
+from ..rotary import apply_rotary_pos_emb
+from ..swiglu import swiglu
+
+# The name models use: attn_implementation="ftx". Not "flashtx": transformers treats every name that
+# contains "flash" as a flash-attn kernel (it tries to import or download it, and takes
+# flash-attn-only code paths), so the registered name must not contain "flash".
+NAME = "ftx"
+ROPE_FAMILIES = ("llama", "mistral", "qwen2")  # model_type values apply_flashtx knows
+_patched_rope: dict = {}  # modeling module -> its original apply_rotary_pos_emb
+
+
+def flashtx_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                              sliding_window=None, softcap=None, is_causal=None, **kwargs):
+    """transformers' attention-function signature, computed by flashtx.attention.
+
+    Args:
+        module: the calling attention module (read: ``is_causal``).
+        query: (B, Hq, Sq, D); key, value: (B, Hkv, Sk, D), Hq a multiple of Hkv (never expanded).
+        attention_mask: None, a (B, Sk) bool padding mask from ``flashtx_mask`` (True = real
+            token; causal then aligned bottom-right), or a 4-D (B or 1, H or 1, Sq, Sk) bool or
+            additive float mask (SDPA semantics).
+        dropout: attention-probability dropout (transformers passes 0 in eval mode).
+        scaling: softmax scale (default 1/sqrt(D)).
+        sliding_window: ignored, as by transformers' sdpa: windowed layers' masks carry the window.
+        is_causal: overrides ``module.is_causal``.
+
+    Returns:
+        (out (B, Sq, Hq, D) contiguous, None).
+    """
+    if softcap is not None:
+        raise ValueError(f"attn_implementation='ftx' does not support softcap (got {softcap}); use 'eager'")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError("attn_implementation='ftx' does not support attention sinks; use 'eager'")
+    if kwargs.get("output_attentions", False):
+        warnings.warn("attn_implementation='ftx' never forms the attention weights: they are returned as None",
+                      stacklevel=2)
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    Sq, Sk = query.shape[2], key.shape[2]
+    common = dict(dropout_p=float(dropout), scale=scaling, enable_gqa=True)
+    if not common["dropout_p"]:
+        del common["dropout_p"]
+    if attention_mask is None:
+        # SDPA's reading of a missing mask: causal for Sq > 1, top-left; an empty static cache's
+        # unused tail (Sk > Sq) is cut off, as transformers' sdpa_attention_forward does.
+        causal = causal and Sq > 1
+        if causal and Sk > Sq:
+            key, value = key[:, :, :Sq], value[:, :, :Sq]
+        out = attention(query, key, value, is_causal=causal, **common)  # (B, Hq, Sq, D)
+    elif attention_mask.dim() == 2:
+        if tuple(attention_mask.shape) != (query.shape[0], Sk):
+            raise ValueError(f"a 2-D attention_mask must be (B, Sk) = ({query.shape[0]}, {Sk}); "
+                             f"got {tuple(attention_mask.shape)}")
+        if causal and Sq > Sk:
+            raise ValueError(f"causal attention with more queries ({Sq}) than keys ({Sk}) and a 2-D mask")
+        window = (-1, Sk - Sq) if causal else (-1, -1)  # bottom-right causal: query i sees keys j <= i + Sk - Sq
+        out = attention(query, key, value, key_mask=attention_mask.to(torch.bool), window_size=window, **common)
+    elif attention_mask.dim() == 4:
+        out = attention(query, key, value, attn_mask=attention_mask[..., :Sk], **common)
+    else:
+        raise ValueError(f"attention_mask must be None, (B, Sk) or 4-D; got shape {tuple(attention_mask.shape)}")
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _mask_geometry(kwargs) -> tuple | None:
+    """(batch, q_length, kv_length, q_offset, kv_offset) as ints from either mask signature
+    (transformers >= 5: q_length/q_offset; 4.5x: cache_position), or None when they are traced."""
+    batch, kv_length, kv_offset = kwargs.get("batch_size"), kwargs.get("kv_length"), kwargs.get("kv_offset", 0)
+    if "cache_position" in kwargs:
+        pos = kwargs["cache_position"]
+        q_length = pos.shape[0]
+        q_offset = int(pos[0]) if q_length else 0  # one sync, once per forward
+    else:
+        q_length, q_offset = kwargs.get("q_length"), kwargs.get("q_offset", 0)
+    vals = (batch, q_length, kv_length, q_offset, kv_offset)
+    if any(isinstance(v, torch.Tensor) for v in vals) or any(v is None for v in vals):
+        return None  # e.g. a static cache's tensor offset: leave it to sdpa_mask
+    return tuple(int(v) for v in vals)
+
+
+def flashtx_mask(**kwargs):
+    """transformers' mask-interface signature: a compact mask when flashtx can take one, else sdpa_mask's.
+
+    Returns None or a (B, kv_length) bool padding mask for plain causal masks whose queries are
+    the last positions of the keys (q_offset - kv_offset == kv_length - q_length); otherwise
+    whatever ``transformers.masking_utils.sdpa_mask`` returns for the same arguments (a 4-D bool
+    (B, 1, Sq, Sk) mask, or None where SDPA's is_causal suffices).
+    """
+    from transformers import masking_utils as mu
+
+    geometry = _mask_geometry(kwargs)
+    padding = kwargs.get("attention_mask")
+    simple = (kwargs.get("mask_function", mu.causal_mask_function) is mu.causal_mask_function and geometry is not None
+              and (padding is None or (isinstance(padding, torch.Tensor) and padding.dim() == 2))
+              and not (torch.compiler.is_compiling() and padding is not None))
+    if simple:
+        batch, q_length, kv_length, q_offset, kv_offset = geometry
+        if q_offset - kv_offset == kv_length - q_length and kv_length >= q_length:
+            if padding is not None:
+                padding = padding.to(torch.bool)
+                if padding.shape[-1] < kv_offset + kv_length:  # as transformers' prepare_padding_mask
+                    padding = torch.nn.functional.pad(padding, (0, kv_offset + kv_length - padding.shape[-1]))
+                padding = padding[:, kv_offset:kv_offset + kv_length]  # (B, kv_length)
+                if bool(padding.all()):
+                    padding = None
+            if padding is None and (q_length == 1 or q_length == kv_length):
+                return None  # plain causal, SDPA's reading of None agrees with bottom-right here
+            if padding is None:
+                padding = torch.ones(batch, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+            return padding.expand(batch, kv_length)
+    return mu.sdpa_mask(**kwargs)
+
+
+def register(name: str = NAME) -> None:
+    """Register flashtx with transformers' AttentionInterface and AttentionMaskInterface under
+    `name` ("ftx"), so ``attn_implementation="ftx"`` works in from_pretrained/from_config and
+    ``model.set_attn_implementation("ftx")``. Idempotent. A name containing "flash" is refused:
+    transformers would take it for a flash-attn kernel."""
+    if not isinstance(name, str) or not name or "flash" in name or name in ("eager", "sdpa"):
+        raise ValueError(f"name must be a non-empty string without 'flash' (transformers treats such names as "
+                         f"flash-attn kernels) and not 'eager'/'sdpa'; got {name!r}")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, flashtx_attention_forward)
+    AttentionMaskInterface.register(name, flashtx_mask)
+
+
+class _FusedMLPMixin:
+    """forward of a LLaMA-style gated MLP with flashtx's fused SwiGLU; same parameters and names."""
+
+    def forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+_fused_classes: dict = {}
+
+
+def _fused_mlp_class(cls):
+    if cls not in _fused_classes:
+        _fused_classes[cls] = type(f"Flashtx{cls.__name__}", (_FusedMLPMixin, cls), {"_flashtx_original_class": cls})
+    return _fused_classes[cls]
+
+
+def _is_silu_mlp(m) -> bool:
+    return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) \
+        and (isinstance(getattr(m, "act_fn", None), torch.nn.SiLU)
+             or type(getattr(m, "act_fn", None)).__name__ == "SiLUActivation")  # transformers' ACT2FN["silu"]
+
+
+def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool = True):
+    """Make a transformers LLaMA-family model (Llama, Mistral, Qwen2) use flashtx's kernels.
+
+    Args:
+        model: a transformers PreTrainedModel (e.g. LlamaForCausalLM) whose config.model_type is
+            one of ROPE_FAMILIES.
+        attention: register flashtx and switch the model to ``attn_implementation="ftx"``.
+        rope: replace the family's ``apply_rotary_pos_emb`` with flashtx.apply_rotary_pos_emb (fused,
+            fp32 inside). Like Liger-Kernel, this patches the modeling module, so it applies to
+            every model of that family in the process; ``restore_rope()`` undoes it.
+        mlp: give each gated MLP (gate_proj/up_proj/down_proj with SiLU) a forward that uses
+            flashtx.swiglu. Parameters, their names and checkpoints are unchanged.
+
+    Returns:
+        the model (modified in place).
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in ROPE_FAMILIES:
+        raise ValueError(f"apply_flashtx supports config.model_type in {ROPE_FAMILIES}; got {model_type!r}. "
+                         "For other models use attn_implementation='ftx' alone (after register()).")
+    if attention:
+        register()
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(NAME)
+        else:  # older transformers
+            model.config._attn_implementation = NAME
+    n_mlp, modules = 0, set()
+    for m in model.modules():
+        if mlp and _is_silu_mlp(m) and not isinstance(m, _FusedMLPMixin):
+            m.__class__ = _fused_mlp_class(type(m))
+            n_mlp += 1
+        if rope and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
+            modules.add(sys.modules[type(m).__module__])
+    if mlp and n_mlp == 0 and not any(isinstance(m, _FusedMLPMixin) for m in model.modules()):
+        raise ValueError("apply_flashtx(mlp=True) found no gated SiLU MLP (gate_proj/up_proj/down_proj) to fuse")
+    for mod in modules:
+        if not hasattr(mod, "apply_rotary_pos_emb"):
+            raise ValueError(f"{mod.__name__} has no apply_rotary_pos_emb to replace")
+        if mod not in _patched_rope:
+            _patched_rope[mod] = mod.apply_rotary_pos_emb
+            mod.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return model
+
+
+def restore_rope() -> None:
+    """Undo apply_flashtx's RoPE patch in every modeling module it touched."""
+    for mod, fn in list(_patched_rope.items()):
+        mod.apply_rotary_pos_emb = fn
+        del _patched_rope[mod]
+
+
+def remove_fused_mlp(model):
+    """Give apply_flashtx's fused MLPs their original class (and forward) back. Returns the model."""
+    for m in model.modules():
+        if isinstance(m, _FusedMLPMixin):
+            m.__class__ = m._flashtx_original_class
+    return model

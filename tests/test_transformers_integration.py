@@ -1,0 +1,177 @@
+"""Hugging Face transformers with flashtx: attn_implementation="ftx" (register()) and apply_flashtx
+(fused RoPE and SwiGLU) on tiny random Llama/Mistral/Qwen2 models built from local configs (no
+downloads). Logits and gradients at real tokens of padded batches follow the tolerance rule against
+the float64 eager model; greedy generation with the cache gives the eager model's tokens."""
+import copy
+import os
+
+import pytest
+import torch
+from conftest import DEVICE, assert_close_to_reference
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")  # CI installs it through the test extra
+
+import flashtx.integrations.transformers as ftx  # noqa: E402
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(autouse=True)
+def restore():
+    yield
+    ftx.restore_rope()
+
+
+def config(family="llama", **kw):
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[family]
+    return cls(**{**SMALL, **kw})
+
+
+def models(cfg):
+    """(eager fp32, fp64 reference, flashtx fp32) with the same random weights. The fp64 reference
+    runs transformers' "sdpa" (math on CPU): its "eager" gives NaN in fp64 with left padding."""
+    torch.manual_seed(0)  # each model gets its own config: from_config shares the object it is given
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").to(DEVICE)
+    ref = copy.deepcopy(eager).double()
+    ref.set_attn_implementation("sdpa")
+    ftx.register()
+    fused = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=ftx.NAME).to(DEVICE)
+    fused.load_state_dict(eager.state_dict())
+    assert (eager.config._attn_implementation, ref.config._attn_implementation) == ("eager", "sdpa")
+    assert fused.config._attn_implementation == ftx.NAME
+    return eager, ref, fused
+
+
+def padded_batch(side, B=2, S=9):
+    torch.manual_seed(1)
+    ids = torch.randint(3, SMALL["vocab_size"], (B, S), device=DEVICE)
+    mask = torch.ones(B, S, dtype=torch.long, device=DEVICE)
+    pads = slice(0, 3) if side == "left" else slice(S - 3, S)
+    mask[0, pads] = 0
+    ids[0, pads] = SMALL["pad_token_id"]
+    return ids, mask
+
+
+def four_d(mask2d, dtype):
+    """The (B, 1, S, S) additive causal + padding mask a caller may pass instead of a 2-D one."""
+    S = mask2d.shape[1]
+    vis = torch.ones(S, S, dtype=torch.bool, device=DEVICE).tril()[None] & mask2d.bool()[:, None, :]
+    vis |= torch.eye(S, dtype=torch.bool, device=DEVICE)  # a padding row sees itself: no empty rows
+    return torch.zeros(vis.shape, dtype=dtype, device=DEVICE).masked_fill(~vis, torch.finfo(dtype).min)[:, None]
+
+
+def run(model, ids, mask2d, mask_kind, dtype):
+    labels = ids.masked_fill(mask2d == 0, -100)
+    am = mask2d if mask_kind == "2d" else four_d(mask2d, dtype)
+    out = model(input_ids=ids, attention_mask=am, labels=labels)
+    out.loss.backward()
+    return out.logits, {n: p.grad for n, p in model.named_parameters()}
+
+
+PADDED_CASES = [("llama", "left", "2d"), ("llama", "right", "2d"), ("llama", "left", "4d"), ("llama", "right", "4d"),
+                ("mistral-window", "left", "2d"), ("qwen2", "right", "2d")]
+
+
+@pytest.mark.parametrize("family, side, mask_kind", PADDED_CASES, ids=["-".join(c) for c in PADDED_CASES])
+def test_logits_and_gradients_match_eager(family, side, mask_kind):
+    if family == "mistral-window":  # a window shorter than the batch: transformers' 4-D sliding mask path
+        cfg = config("mistral", sliding_window=4)
+    else:
+        cfg = config(family)
+    eager, ref, fused = models(cfg)
+    ids, mask = padded_batch(side)
+    real = mask.bool()
+    logits_e, grads_e = run(eager, ids, mask, mask_kind, torch.float32)
+    logits_r, grads_r = run(ref, ids, mask, mask_kind, torch.float64)
+    ftx.apply_flashtx(fused)  # after the eager runs: the RoPE swap is module-wide
+    assert type(fused.model.layers[0].mlp).__name__.startswith("Flashtx")
+    calls = []
+    real_fwd = ftx.flashtx_attention_forward
+    ftx.flashtx_attention_forward = lambda *a, **k: calls.append(1) or real_fwd(*a, **k)
+    ftx.register()
+    try:
+        logits_f, grads_f = run(fused, ids, mask, mask_kind, torch.float32)
+    finally:
+        ftx.flashtx_attention_forward = real_fwd
+        ftx.register()
+    assert len(calls) == cfg.num_hidden_layers
+    for logits in (logits_f, logits_r, logits_e):
+        assert torch.isfinite(logits[real]).all()  # (NaN would pass the rule as inf <= inf)
+    assert_close_to_reference("logits at real tokens", logits_f[real], logits_r[real], logits_e[real])
+    assert set(grads_f) == set(grads_r)
+    for name in grads_r:
+        assert all(torch.isfinite(g[name]).all() for g in (grads_f, grads_r, grads_e)), name
+        assert_close_to_reference(f"d {name}", grads_f[name], grads_r[name], grads_e[name], grad=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_generation_gives_the_eager_tokens(family):
+    eager, _, fused = models(config(family))
+    ids, mask = padded_batch("left")
+    with torch.no_grad():
+        want = eager.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        ftx.apply_flashtx(fused)
+        seen = []
+        real_fwd = ftx.flashtx_attention_forward
+        ftx.flashtx_attention_forward = lambda m, q, *a, **k: seen.append(q.shape[2]) or real_fwd(m, q, *a, **k)
+        ftx.register()
+        try:
+            got = fused.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        finally:
+            ftx.flashtx_attention_forward = real_fwd
+            ftx.register()
+    assert seen == [9, 9] + [1, 1] * 4  # prefill, then one new token a step: the cache is used
+    assert torch.equal(got, want), f"flashtx {got[:, 9:].tolist()} vs eager {want[:, 9:].tolist()}"
+
+
+def test_mask_function_keeps_padding_compact():
+    """Plain causal masks reach the attention as None or (B, Sk) padding, never (Sq, Sk)."""
+    from transformers import masking_utils as mu
+
+    import inspect
+
+    def mask(q_length, kv_length, q_offset, attention_mask, mask_function=mu.causal_mask_function):
+        if "cache_position" in inspect.signature(mu.sdpa_mask).parameters:  # transformers 4.5x
+            where = dict(cache_position=torch.arange(q_offset, q_offset + q_length))
+        else:
+            where = dict(q_length=q_length, q_offset=q_offset)
+        return ftx.flashtx_mask(batch_size=2, kv_length=kv_length, kv_offset=0, mask_function=mask_function,
+                                attention_mask=attention_mask, device="cpu", **where)
+
+    pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask(4, 4, 0, pad), pad)  # prefill
+    assert mask(4, 4, 0, torch.ones_like(pad)) is None
+    decode = mask(1, 5, 4, torch.cat([pad, torch.ones(2, 1, dtype=torch.bool)], 1))
+    assert decode.shape == (2, 5) and not decode[0, 0] and decode[0, 1:].all()
+    window = mask(4, 4, 0, pad, mu.sliding_window_causal_mask_function(2))
+    assert window.shape == (2, 1, 4, 4) and not window[1, 0, 3, 0]  # not expressible compactly: sdpa_mask's
+
+
+def test_apply_flashtx_keeps_parameters_and_undoes():
+    _, _, fused = models(config("llama"))
+    keys = list(fused.state_dict())
+    ftx.apply_flashtx(fused)
+    import transformers.models.llama.modeling_llama as ml
+    assert ml.apply_rotary_pos_emb is ftx.apply_rotary_pos_emb
+    assert list(fused.state_dict()) == keys and fused.config._attn_implementation == ftx.NAME
+    ftx.restore_rope()
+    ftx.remove_fused_mlp(fused)
+    assert ml.apply_rotary_pos_emb is not ftx.apply_rotary_pos_emb
+    assert type(fused.model.layers[0].mlp) is ml.LlamaMLP
+
+
+def test_errors_name_what_is_wrong():
+    with pytest.raises(ValueError, match="without 'flash'"):
+        ftx.register("flashtx")  # transformers would take it for a flash-attn kernel
+    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(ValueError, match=r"config.model_type in \('llama', 'mistral', 'qwen2'\); got 'gpt2'"):
+        ftx.apply_flashtx(gpt2)
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="does not support softcap"):
+        ftx.flashtx_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match=r"a 2-D attention_mask must be \(B, Sk\) = \(1, 3\); got \(1, 4\)"):
+        ftx.flashtx_attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 4, dtype=torch.bool))
