@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from . import reference, testing
-from .backends import BACKENDS, AttentionInputs
+from .backends import BACKENDS, AttentionInputs, AttentionMasks
 
 
 @dataclasses.dataclass
@@ -90,18 +90,43 @@ def attention_checks(device, dtype) -> list[tuple]:
 
         return _compare(PADDED_NAME, dtype, backend, run, lambda q, k, v: reference.attention(q, k, v, vis=vis), make)
 
+    slopes = torch.linspace(0.05, 0.4, 4, device=device)  # (H,) float32
+
+    def make_biased():
+        return make() + (torch.randn(1, 4, 77, 93, device=device, dtype=torch.float64),)
+
+    def biased(backend):
+        from .functional import attention
+
+        def ref(q, k, v, bias):
+            alibi = reference.alibi_bias(slopes, 77, 93, device=device)
+            return reference.attention(q, k, v, causal=True, bias=bias, softcap=20.0, alibi=alibi)
+
+        return _compare(BIAS_NAME, dtype, backend,
+                        lambda q, k, v, bias: attention(q, k, v, attn_mask=bias, is_causal=True, enable_gqa=True,
+                                                        softcap=20.0, alibi_slopes=slopes, backend=backend),
+                        ref, make_biased)
+
     def reasons(backend):
         q = torch.empty(2, 4, 77, 64, device=device, dtype=dtype)
         kv = torch.empty(2, 2, 93, 64, device=device, dtype=dtype)
         return BACKENDS[backend].not_supported_reasons(AttentionInputs(q, kv, kv, True))
 
+    def bias_reasons(backend):
+        q = torch.empty(2, 4, 77, 64, device=device, dtype=dtype)
+        kv = torch.empty(2, 2, 93, 64, device=device, dtype=dtype)
+        masks = AttentionMasks(attn_mask=torch.empty(1, 4, 77, 93, device=device, dtype=dtype), softcap=20.0,
+                               alibi_slopes=slopes[None])
+        return BACKENDS[backend].not_supported_reasons(AttentionInputs(q, kv, kv, True, masks=masks))
+
     return [(SDPA_NAME, sdpa, reasons, tuple(BACKENDS)), (FLASH_NAME, flash, reasons, tuple(BACKENDS)),
-            (PADDED_NAME, padded, reasons, tuple(BACKENDS))]
+            (PADDED_NAME, padded, reasons, tuple(BACKENDS)), (BIAS_NAME, biased, bias_reasons, tuple(BACKENDS))]
 
 
 SDPA_NAME = "attention (SDPA shell, GQA, causal top-left)"
 FLASH_NAME = "flash_attn_func (GQA, causal bottom-right)"
 PADDED_NAME = "flash_attn_func (GQA, causal window, key_mask + kv_lens)"
+BIAS_NAME = "attention (learned bias (1, H, Sq, Sk) with its gradient, softcap, ALiBi, causal)"
 
 def rotary_checks(device, dtype):
     """apply_rotary (half rotation, partial: rotary_dim 48 of 64) against x*cos + rotate_half(x)*sin."""

@@ -6,6 +6,8 @@ a few ulps for results both compute almost exactly.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 OUTPUT_FACTOR = 2.0
@@ -31,12 +33,18 @@ def tolerance_check(actual: torch.Tensor, ref64: torch.Tensor, eager: torch.Tens
     """(kernel error, allowed bound) under the rule; the check passes when error <= bound.
 
     scale: a magnitude for the ulp floor when the exact result is ~0 through cancellation (e.g.
-    dq with a single key); the floor uses max(|ref64|, scale).
+    dq with a single key); the floor uses max(|ref64|, scale). A non-finite kernel result where the
+    reference is finite has error +inf and always fails; a non-finite eager baseline raises.
     """
     ref64 = ref64.detach()
     dt = actual.dtype
     err_k = max_err(actual, ref64)
     err_e = max_err(eager, ref64)
+    if not math.isfinite(err_e):
+        # a NaN or a wrong infinity in the baseline would make the bound infinite and let anything
+        # (NaN included) pass: the rule needs a sound baseline
+        raise ValueError("the same-dtype eager baseline is not finite where the float64 reference is; "
+                         "the tolerance rule cannot be applied")
     finite = ref64[torch.isfinite(ref64)]
     magnitude = max(float(finite.abs().max()) if finite.numel() else 0.0, scale, 1e-3)
     floor = FLOOR_ULPS.get(dt, 4) * torch.finfo(dt).eps * magnitude
