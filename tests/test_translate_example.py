@@ -1,0 +1,72 @@
+"""examples/translate.py runs end to end in a shortened form: the encoder-decoder learns its training
+pairs, KV-cache decoding matches recomputation and padding changes nothing; and each check can fail.
+
+As in tests/test_examples.py the example runs in a subprocess without Triton's interpreter, so every
+op takes flashtx's reference backend on CPU (the kernels are tested elsewhere); with a GPU it runs there."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "translate.py"
+
+
+def run(*args):
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHTX_INTERPRET", "TRITON_INTERPRET")}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def check_lines(out):
+    """{check name: passed} from the example's '  pass  ...' / '  FAIL  ...' lines."""
+    lines = [line for line in out.splitlines() if line.startswith(("  pass  ", "  FAIL  "))]
+    return {line[8:].split(":")[0].split(" on the")[0]: line.startswith("  pass  ") for line in lines}
+
+
+def test_translate_example_learns_its_pairs_with_cache_and_padding_consistent():
+    res = run(str(EXAMPLE), "--steps", "200", "--min-accuracy", "0.8")
+    out = res.stdout
+    assert res.returncode == 0, out + res.stderr
+    assert "check passed" in out
+    assert check_lines(out) == {"exact-match accuracy": True, "KV-cache decoding vs recomputation": True,
+                                "padded batch vs each pair alone": True}, out
+    acc = float(re.search(r"exact-match accuracy on the training pairs ([0-9.]+)", out).group(1))
+    assert acc >= 0.8
+    steps = [(int(m.group(1)), float(m.group(2)), float(m.group(3)))
+             for m in re.finditer(r"^step +(\d+)  loss ([0-9.]+)  accuracy ([0-9.]+)", out, re.M)]
+    assert steps[0][0] == 0 and steps[-1][0] == 199
+    assert steps[0][2] == 0.0 and steps[-1][1] < steps[0][1] - 3.0  # from ~ln(vocab) to memorised
+    assert "->" in out  # sample translations are printed
+
+
+def test_translate_example_fails_below_the_required_accuracy():
+    """One step cannot translate anything: --min-accuracy 0.99 is not met and the run exits 1 (while the
+    cache and padding checks, which hold for any weights, pass)."""
+    res = run(str(EXAMPLE), "--steps", "1", "--min-accuracy", "0.99")
+    out = res.stdout
+    assert res.returncode == 1, out + res.stderr
+    assert "check FAILED" in out
+    assert check_lines(out) == {"exact-match accuracy": False, "KV-cache decoding vs recomputation": True,
+                                "padded batch vs each pair alone": True}, out
+
+
+def test_translate_example_padding_check_catches_an_unmasked_memory():
+    """The padding check can fail: with the decoder's cross-attention ignoring the source padding
+    (memory_mask dropped), padded and unpadded logits differ and the run reports it."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(EXAMPLE.parent)!r})
+import translate
+from flashtx.nn import TransformerBlock
+forward = TransformerBlock.forward
+def no_memory_mask(self, x, memory=None, *, memory_mask=None, **kw):
+    return forward(self, x, memory, memory_mask=None, **kw)
+TransformerBlock.forward = no_memory_mask
+sys.exit(0 if translate.main(["--steps", "5", "--min-accuracy", "0"])["ok"] else 1)
+"""
+    res = run("-c", script)
+    out = res.stdout
+    assert res.returncode == 1, out + res.stderr
+    assert check_lines(out) == {"exact-match accuracy": True, "KV-cache decoding vs recomputation": True,
+                                "padded batch vs each pair alone": False}, out
