@@ -171,7 +171,18 @@ def test_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match=r"config.model_type in \('llama', 'mistral', 'qwen2'\); got 'gpt2'"):
         ftx.apply_flashtx(gpt2)
     q = torch.randn(1, 2, 3, 8)
-    with pytest.raises(ValueError, match="does not support softcap"):
-        ftx.flashtx_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
     with pytest.raises(ValueError, match=r"a 2-D attention_mask must be \(B, Sk\) = \(1, 3\); got \(1, 4\)"):
         ftx.flashtx_attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 4, dtype=torch.bool))
+
+
+def test_softcap_is_applied_as_transformers_eager_does():
+    """Gemma 2's softcap: q.k^T * scaling -> softcap * tanh(. / softcap) -> + mask -> softmax."""
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64) * 3 for _ in range(3))
+    mask = torch.rand(2, 1, 6, 6) > 0.3
+    mask[..., 0] = True
+    out, _ = ftx.flashtx_attention_forward(torch.nn.Module(), q, k, v, mask, scaling=0.5, softcap=2.0)
+    w = q @ k.transpose(-1, -2) * 0.5
+    w = torch.tanh(w / 2.0) * 2.0
+    w = w.masked_fill(~mask, float("-inf")).softmax(-1)
+    assert torch.allclose(out, (w @ v).transpose(1, 2), atol=1e-12)

@@ -16,7 +16,8 @@ How masks reach flashtx (``flashtx_mask``, registered with transformers' Attenti
   None) is passed to flashtx.attention as ``attn_mask`` with SDPA's semantics. So is a 4-D mask
   a caller passes to the model.
 
-Not supported (clear errors): ``softcap``, attention sinks (``s_aux``/``sinks``),
+``softcap`` (Gemma 2) is applied in the kernel, as in transformers' eager attention.
+Not supported (clear errors): attention sinks (``s_aux``/``sinks``),
 ``output_attentions`` (flashtx never forms the attention weights; a warning, weights None).
 """
 from __future__ import annotations
@@ -51,13 +52,12 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
         dropout: attention-probability dropout (transformers passes 0 in eval mode).
         scaling: softmax scale (default 1/sqrt(D)).
         sliding_window: ignored, as by transformers' sdpa: windowed layers' masks carry the window.
+        softcap: Gemma 2's logit softcap (None or 0: off).
         is_causal: overrides ``module.is_causal``.
 
     Returns:
         (out (B, Sq, Hq, D) contiguous, None).
     """
-    if softcap is not None:
-        raise ValueError(f"attn_implementation='ftx' does not support softcap (got {softcap}); use 'eager'")
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ValueError("attn_implementation='ftx' does not support attention sinks; use 'eager'")
     if kwargs.get("output_attentions", False):
@@ -68,6 +68,8 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
     common = dict(dropout_p=float(dropout), scale=scaling, enable_gqa=True)
     if not common["dropout_p"]:
         del common["dropout_p"]
+    if softcap:  # scores -> softcap * tanh(scores / softcap) before the mask, as transformers' eager
+        common["softcap"] = float(softcap)
     if attention_mask is None:
         # SDPA's reading of a missing mask: causal for Sq > 1, top-left; an empty static cache's
         # unused tail (Sk > Sq) is cut off, as transformers' sdpa_attention_forward does.
