@@ -46,6 +46,8 @@ def records(data: dict) -> list[dict]:
 
 
 def _key(r: dict) -> tuple:
+    if r["op"] == "attention-variant":
+        return ("attention-variant", r["pass"], r["dtype"], r["seqlen"], r["variant"])
     if r["op"] == "attention":
         return ("attention", r["pass"], r["headdim"], bool(r["causal"]), r["heads"], r["kv_heads"], r["dtype"],
                 r["seqlen"])
@@ -123,6 +125,23 @@ def attention_table(groups: dict, gqa: bool) -> list[str]:
         lines.append(f"| {pass_} | {d} | {'yes' if causal else 'no'} | {hq}/{hkv} | {n} | {dtype} | "
                      f"{_num(ours, 'median_ms', '{:.3f}')} | {_num(ours, 'tflops')} | {_num(ours, 'pct_peak_tflops')} | "
                      f"{_num(ours, 'peak_mem_mb', '{:.0f}')} | " + " | ".join(_cell(ratio(c, p)) for p in providers) + " |")
+    return lines
+
+
+def variants_table(groups: dict) -> list[str]:
+    """flashtx's variants against its own full causal run on the same tokens (bench/test_attention_variants.py):
+    a window or varlen that skips tiles takes a fraction of the time."""
+    cases = {k: v.get("flashtx") for k, v in groups.items() if k[0] == "attention-variant"}
+    if not cases:
+        return []
+    lines = ["| pass | variant | dtype | flashtx ms | time / full causal | effective TFLOP/s | MB |", "|---" * 7 + "|"]
+    for (_, pass_, dtype, n, variant), r in cases.items():
+        full = cases.get(("attention-variant", pass_, dtype, n, "full"))
+        rel = "-"
+        if r and full and r.get("status") == full.get("status") == "ok":
+            rel = f"{r['median_ms'] / full['median_ms']:.2f}"
+        lines.append(f"| {pass_} | {variant} | {dtype} | {_num(r, 'median_ms', '{:.3f}')} | {rel} | "
+                     f"{_num(r, 'tflops')} | {_num(r, 'peak_mem_mb', '{:.0f}')} |")
     return lines
 
 
@@ -298,6 +317,8 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
            "> 1 means flashtx is faster. OOM: the provider ran out of memory. -: not run (skipped).", ""]
     for title, lines in (("Attention", attention_table(groups, gqa=False)),
                          ("Attention, GQA", attention_table(groups, gqa=True)),
+                         ("Attention variants (window and varlen skip tiles; masks, bias, softcap, ALiBi, dropout)",
+                          variants_table(groups)),
                          ("Peak extra memory, attention fwd+bwd (MB)", memory_table(groups)),
                          ("RoPE and SwiGLU (memory-bound: GB/s of the fewest bytes)", memory_bound_table(groups))):
         if lines:

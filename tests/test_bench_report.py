@@ -136,3 +136,17 @@ def test_flop_and_byte_conventions():
     assert gpus.lookup("NVIDIA H100 80GB HBM3").gbs == 3350.0
     assert gpus.lookup("NVIDIA A100-SXM4-80GB").gbs == 2039.0 and gpus.lookup("NVIDIA A100-PCIE-40GB").gbs == 1555.0
     assert gpus.lookup("Some Future GPU") is None
+
+
+def test_report_variants_table_relative_to_full_causal(tmp_path):
+    """Synthetic variant timings: each row's time is divided by the full causal run's."""
+    def var(variant, ms):
+        return {"op": "attention-variant", "variant": variant, "provider": "flashtx", "pass": "fwd+bwd",
+                "seqlen": 4096, "dtype": "bfloat16", "status": "ok", "median_ms": ms, "tflops": 100.0 / ms,
+                "peak_mem_mb": 50.0, "gpu": SYNTHETIC_GPU}
+    data = {"benchmarks": [{"extra_info": var("full", 8.0)}, {"extra_info": var("window1024", 2.0)},
+                           {"extra_info": var("varlen16x1k", 2.4)}]}
+    md = report.build_report(data, "synthetic.json", None)
+    assert "| fwd+bwd | window1024 | bfloat16 | 2.000 | 0.25 |" in md
+    assert "| fwd+bwd | varlen16x1k | bfloat16 | 2.400 | 0.30 |" in md
+    assert "| fwd+bwd | full | bfloat16 | 8.000 | 1.00 |" in md

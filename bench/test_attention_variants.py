@@ -1,0 +1,82 @@
+"""flashtx's attention variants timed against plain causal attention on the same tokens (issue 5's
+GPU part): a sliding window and varlen must cost in proportion to the keys each query sees,
+because the kernels skip the tiles nobody sees; a learned bias, a boolean mask, softcap + ALiBi
+and dropout show what each option costs on top of the same causal attention.
+
+All at 16k tokens, H = 16, D = 128 (BENCH_DTYPE, bf16 by default), causal:
+- `full`: B = 4 sequences of N = 4096 (the baseline);
+- `window1024`: the same with window_size = (1024, 0): about a quarter of the causal work;
+- `varlen16x1k`: 16 documents of 1024 tokens packed into one (16k, H, D) batch: a quarter;
+- `bias`: a learned (1, H, N, N) bias, with its gradient in fwd+bwd;
+- `boolmask`: a (B, 1, 1, N) key-padding style bool attn_mask;
+- `softcap+alibi`, `dropout0.1`.
+The FLOP count is the causal one of the dense case for every variant (so TFLOP/s compare times
+directly: a variant that skips work shows a higher "effective" rate).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import flashtx
+
+from . import gpus, harness
+
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("BENCH_DTYPE", "bf16")]
+B, N, H, D = 4, 4096, 16, 128
+DOC = 1024  # varlen document length
+VARIANTS = ("full", "window1024", "varlen16x1k", "bias", "boolmask", "softcap+alibi", "dropout0.1")
+QUICK = ("full", "window1024", "varlen16x1k", "bias")
+
+
+def _build(variant: str, requires_grad: bool):
+    """(fn, leaves): fn() runs the variant's forward on (B, N, H, D) tensors built here."""
+    dev = "cuda"
+    q, k, v = (torch.randn(B, N, H, D, device=dev, dtype=DTYPE, requires_grad=requires_grad) for _ in range(3))
+    leaves = [q, k, v]
+    if variant == "varlen16x1k":
+        cu = torch.arange(0, B * N + 1, DOC, device=dev, dtype=torch.int32)
+        qp, kp, vp = (t.detach().reshape(B * N, H, D).requires_grad_(requires_grad) for t in (q, k, v))
+        return (lambda: flashtx.flash_attn_varlen_func(qp, kp, vp, cu, cu, DOC, DOC, causal=True)), [qp, kp, vp]
+    kw = {}
+    if variant == "window1024":
+        kw = dict(window_size=(1024, 0))
+    elif variant == "bias":
+        bias = (0.1 * torch.randn(1, H, N, N, device=dev, dtype=DTYPE)).requires_grad_(requires_grad)
+        kw, leaves = dict(attn_bias=bias), leaves + [bias]
+    elif variant == "boolmask":
+        kw = dict(attn_bias=torch.rand(B, 1, 1, N, device=dev) > 0.1)
+    elif variant == "softcap+alibi":
+        kw = dict(softcap=30.0, alibi_slopes=torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=dev))
+    elif variant == "dropout0.1":
+        kw = dict(dropout_p=0.1)
+    return (lambda: flashtx.flash_attn_func(q, k, v, causal=True, **kw)), leaves
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=[pytest.mark.quick] if v in QUICK else [])
+                                     for v in VARIANTS])
+def test_attention_variant(benchmark, variant, pass_):
+    benchmark.group = f"attention variants {pass_} causal B={B} N={N} H={H} D={D}"
+
+    def build():
+        fn, leaves = _build(variant, requires_grad=pass_ != "fwd")
+        if pass_ == "fwd":
+            def step(_):
+                with torch.no_grad():
+                    return fn()
+        else:
+            def step(_):
+                out = fn()
+                return torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return (lambda: None), step
+
+    prepare, step = harness.build_or_skip("flashtx", build, fail_fast=True)
+    info = {"op": "attention-variant", "variant": variant, "provider": "flashtx", "pass": pass_,
+            "batch": B, "heads": H, "kv_heads": H, "seqlen": N, "headdim": D, "causal": True,
+            "dtype": str(DTYPE).replace("torch.", ""), "shape": f"B={B} H={H} S={N} D={D} {variant}"}
+    flops = gpus.attention_flops(B, H, N, N, D, True, pass_)
+    harness.run_case(benchmark, prepare=prepare, step=step, info=info, flops=flops, dtype=DTYPE, fail_fast=True)
