@@ -15,6 +15,11 @@ Masks and lengths (keyword-only in both padded shells): `key_mask` (B, Sk) / `qu
 (B, Sq) bool with True = real token, `kv_lens` / `q_lens` (B,) int for right padding. With
 bottom-right alignment the diagonal follows each sequence's lengths (Sk_b - Sq_b, from lens or
 cu_seqlens), as flash-attn's varlen does; masks only hide tokens and never move the diagonal.
+
+Scores and probabilities (both shells, as constexpr options of the same kernels): an arbitrary
+bool/additive mask broadcast through strides (`attn_mask` / `attn_bias=`, with the learned
+bias's gradient), `softcap`, `alibi_slopes` (bottom-right, as flash-attn), `dropout_p` (Philox,
+regenerated in backward) and, in the flash shells, `return_attn_probs`.
 """
 from __future__ import annotations
 
