@@ -246,3 +246,25 @@ def test_varlen_with_softcap_alibi_matches_the_reference_backend():
         alone = flashtx.flash_attn_func(qs, ks, vs, causal=True, softcap=2.0, alibi_slopes=slopes[s],
                                         window_size=(10, -1), backend="triton")
         assert torch.allclose(alone[0], o[cu_q[s]:cu_q[s + 1]], atol=1e-12)
+
+
+def test_every_option_traces_without_graph_breaks():
+    """torch.compile(fullgraph=True) through attn_mask, softcap, ALiBi, dropout (its seed is drawn
+    out of place, so traceable) and return_attn_probs; the compiled function runs forward and backward."""
+    torch.manual_seed(50)
+    q, k, v = (randn(1, 2, 24, 16, requires_grad=True) for _ in range(3))
+    bias = randn(1, 2, 24, 24, requires_grad=True)
+    slopes = torch.ones(2, device=DEVICE)
+
+    def f(q, k, v, bias):
+        return flashtx.attention(q, k, v, attn_mask=bias, dropout_p=0.1, is_causal=True, softcap=5.0,
+                                 alibi_slopes=slopes)
+
+    explained = torch._dynamo.explain(f)(q, k, v, bias)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    out = torch.compile(f, fullgraph=True)(q, k, v, bias)
+    assert torch.autograd.grad(out.sum(), bias)[0].shape == bias.shape
+    g = torch.compile(lambda a, b, c: flashtx.flash_attn_func(a, b, c, dropout_p=0.2, return_attn_probs=True),
+                      fullgraph=True)
+    out, lse, probs = g(*(t.detach().transpose(1, 2) for t in (q, k, v)))
+    assert probs.shape == (1, 2, 24, 24) and lse.shape == (1, 2, 24)
