@@ -64,10 +64,6 @@ def resolve_scale(name: str, scale, head_dim: int) -> float:
     return scale
 
 
-def not_implemented(arg: str, value, issue: str) -> NotImplementedError:
-    return NotImplementedError(f"{arg}={value!r} is not supported yet ({issue}); flashtx never ignores it silently")
-
-
 _INT_DTYPES = (torch.int32, torch.int64)
 
 

@@ -17,7 +17,6 @@ that names it. Nothing is decided by catching exceptions on the call path.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 
 import torch
@@ -31,25 +30,6 @@ _ORIGINAL = F.scaled_dot_product_attention  # torch's, as found when flashtx was
 _saved = None  # what enable() replaced (restored exactly by disable())
 _warned: set[str] = set()
 _TORCH_ERROR = " (torch reports the error)"  # reasons for calls torch itself rejects: no warning
-
-
-@functools.lru_cache(maxsize=None)
-def features() -> frozenset:
-    """Which optional SDPA arguments this flashtx supports: a subset of {"attn_mask", "dropout_p"}.
-
-    Found once by running flashtx.attention on a tiny CPU input through the reference backend
-    (cached; enable() calls it so that nothing is probed while a model runs or is traced).
-    """
-    q = torch.ones(1, 1, 2, 2)
-    found = set()
-    probes = {"attn_mask": dict(attn_mask=torch.ones(2, 2, dtype=torch.bool)), "dropout_p": dict(dropout_p=0.5)}
-    for name, kw in probes.items():
-        try:
-            functional.attention(q, q, q, backend="reference", **kw)
-        except NotImplementedError:
-            continue
-        found.add(name)
-    return frozenset(found)
 
 
 def _heads(t: torch.Tensor) -> int:
@@ -82,11 +62,7 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         return "query and key/value head counts differ without enable_gqa" + _TORCH_ERROR
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         return "dropout_p must be a number in [0, 1)"
-    if dropout_p > 0 and "dropout_p" not in features():
-        return "dropout_p > 0 needs a flashtx with attention dropout"
     if attn_mask is not None:
-        if "attn_mask" not in features():
-            return "attn_mask needs a flashtx with attention masks"
         if is_causal:
             return "attn_mask with is_causal=True" + _TORCH_ERROR
         if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested:
@@ -141,7 +117,6 @@ def is_enabled() -> bool:
 def enable() -> None:
     """Route torch.nn.functional.scaled_dot_product_attention through flashtx (idempotent)."""
     global _saved
-    features()  # probe now, not while a model runs or is traced
     if is_enabled():
         return
     _saved = F.scaled_dot_product_attention
