@@ -4,7 +4,8 @@
 
 Writes DIR/report.md (also printed) with: where the numbers come from (GPU, versions, date), ratio
 tables (ratio = provider's median time / flashtx's, so > 1 means flashtx is faster; for attention
-this equals the TFLOP/s ratio), a peak-memory table, and issue 3's targets as measured in this run.
+this equals the TFLOP/s ratio), a peak-memory table, a model training-step table (tokens/s per
+provider and flashtx's tokens/s over each), and issue 3's targets as measured in this run.
 With matplotlib, also DIR/attention.png (TFLOP/s against sequence length, one panel per
 (pass, D, causal), grouped bars as in FlashAttention's README), DIR/attention_gqa.png and
 DIR/rope_swiglu.png (GB/s). Times are extra_info["median_ms"] (CUDA events, see bench/harness.py).
@@ -23,6 +24,7 @@ ATTN_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flash_at
               "sdpa-math", "eager"]
 MEM_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "eager", "sdpa-math", "copy", "compiled", "liger"]
 PASSES = ["fwd", "bwd", "fwd+bwd"]
+MODEL_ORDER = ["flashtx", "sdpa", "eager"]  # bench/test_models.py's providers
 # Issue 3's targets: (pass, provider, minimum ratio provider_time / flashtx_time, what it says)
 TARGETS = [("fwd", "sdpa-flash", 1.0, "attention forward >= 1.0x SDPA-FLASH (FlashAttention-2 inside PyTorch)"),
            ("bwd", "sdpa-flash", 0.8, "attention backward >= 0.8x SDPA-FLASH"),
@@ -46,6 +48,8 @@ def records(data: dict) -> list[dict]:
 
 
 def _key(r: dict) -> tuple:
+    if r["op"] == "model-train":
+        return ("model-train", r.get("pass", "train"), r["model"], r["dtype"], r["batch"], r["seqlen"])
     if r["op"] == "attention-variant":
         return ("attention-variant", r["pass"], r["dtype"], r["seqlen"], r["variant"])
     if r["op"] == "attention":
@@ -142,6 +146,41 @@ def variants_table(groups: dict) -> list[str]:
             rel = f"{r['median_ms'] / full['median_ms']:.2f}"
         lines.append(f"| {pass_} | {variant} | {dtype} | {_num(r, 'median_ms', '{:.3f}')} | {rel} | "
                      f"{_num(r, 'tflops')} | {_num(r, 'peak_mem_mb', '{:.0f}')} |")
+    return lines
+
+
+def models_table(groups: dict) -> list[str]:
+    """Training-step throughput of one model per provider (bench/test_models.py), and flashtx's
+    tokens/s over each other provider's (> 1 means flashtx is faster)."""
+    cases = {k: v for k, v in groups.items() if k[0] == "model-train"}
+    if not cases:
+        return []
+    providers = [p for p in MODEL_ORDER if any(p in c for c in cases.values())]
+    providers += sorted({p for c in cases.values() for p in c} - set(providers))
+    others = [p for p in providers if p != "flashtx"]
+    lines = ["| model | dtype | B | S | tokens/step | " + " | ".join(f"{p} tokens/s" for p in providers) + " | "
+             + " | ".join(f"flashtx / {p}" for p in others) + " | peak MB (" + " / ".join(providers) + ") |",
+             "|" + "---|" * (6 + len(providers) + len(others))]
+    for (_, _, model, dtype, batch, seqlen), c in cases.items():
+        ours = c.get("flashtx")
+        tokens = next((r["tokens"] for r in c.values() if r.get("tokens")), batch * seqlen)
+        cells = []
+        for p in others:
+            other = c.get(p)
+            if other is None or ours is None:
+                cells.append("-")
+            elif other["status"] != "ok":
+                cells.append(other["status"])
+            elif ours["status"] != "ok":
+                cells.append(f"flashtx {ours['status']}")
+            elif ours.get("tokens_per_s") and other.get("tokens_per_s"):
+                cells.append(f"{ours['tokens_per_s'] / other['tokens_per_s']:.2f}x")
+            else:
+                cells.append("-")
+        lines.append(f"| {model} | {dtype} | {batch} | {seqlen} | {tokens} | "
+                     + " | ".join(_num(c.get(p), "tokens_per_s", "{:,.0f}") for p in providers) + " | "
+                     + " | ".join(cells) + " | "
+                     + " / ".join(_num(c.get(p), "peak_mem_mb", "{:.0f}") for p in providers) + " |")
     return lines
 
 
@@ -320,7 +359,8 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
                          ("Attention variants (window and varlen skip tiles; masks, bias, softcap, ALiBi, dropout)",
                           variants_table(groups)),
                          ("Peak extra memory, attention fwd+bwd (MB)", memory_table(groups)),
-                         ("RoPE and SwiGLU (memory-bound: GB/s of the fewest bytes)", memory_bound_table(groups))):
+                         ("RoPE and SwiGLU (memory-bound: GB/s of the fewest bytes)", memory_bound_table(groups)),
+                         ("Model training step (tokens/s)", models_table(groups))):
         if lines:
             md += [f"## {title}", ""] + lines + [""]
     md += ["## Targets (issue 3), measured in this run", ""] + targets(groups) + [""]

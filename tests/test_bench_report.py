@@ -150,3 +150,33 @@ def test_report_variants_table_relative_to_full_causal(tmp_path):
     assert "| fwd+bwd | window1024 | bfloat16 | 2.000 | 0.25 |" in md
     assert "| fwd+bwd | varlen16x1k | bfloat16 | 2.400 | 0.30 |" in md
     assert "| fwd+bwd | full | bfloat16 | 8.000 | 1.00 |" in md
+
+
+def test_report_models_table_tokens_per_s_and_ratios():
+    """Synthetic model-train records (fabricated, not measured): tokens/s per provider, and
+    flashtx's tokens/s over each other provider's; an OOM is shown, not divided."""
+    def train(provider, ms, *, status="ok", mem=1000.0):
+        ei = {"op": "model-train", "provider": provider, "pass": "train", "model": "synthetic-gpt", "dtype": "bfloat16",
+              "batch": 4, "seqlen": 2048, "tokens": 8192, "status": status, "gpu": SYNTHETIC_GPU}
+        if status == "ok":
+            ei.update(median_ms=ms, tokens_per_s=8192 / (ms / 1e3), peak_mem_mb=mem)
+        return ei
+
+    data = {"benchmarks": [{"extra_info": train("flashtx", 100.0, mem=9000.0)},
+                           {"extra_info": train("sdpa", 125.0, mem=9500.0)},
+                           {"extra_info": train("eager", 200.0, mem=30000.0)},
+                           {"extra_info": dict(train("sdpa", 0, status="OOM"), seqlen=8192, tokens=32768)},
+                           {"extra_info": dict(train("flashtx", 500.0), seqlen=8192, tokens=32768,
+                                               tokens_per_s=32768 / 0.5)}]}
+    md = report.build_report(data, "synthetic.json", None)
+    assert "## Model training step (tokens/s)" in md
+    header = next(line for line in md.splitlines() if line.startswith("| model |"))
+    assert header == ("| model | dtype | B | S | tokens/step | flashtx tokens/s | sdpa tokens/s | eager tokens/s | "
+                      "flashtx / sdpa | flashtx / eager | peak MB (flashtx / sdpa / eager) |")
+    # 8192 tokens in 100 / 125 / 200 ms: 81,920 / 65,536 / 40,960 tokens/s; ratios 1.25x and 2.00x
+    assert ("| synthetic-gpt | bfloat16 | 4 | 2048 | 8192 | 81,920 | 65,536 | 40,960 | 1.25x | 2.00x | "
+            "9000 / 9500 / 30000 |") in md
+    # 32768 tokens in 500 ms on flashtx; sdpa out of memory; eager not run
+    assert "| synthetic-gpt | bfloat16 | 4 | 8192 | 32768 | 65,536 | OOM | - | OOM | - | 1000 / OOM / - |" in md
+    # the other tables are untouched by model records
+    assert "## Attention\n" not in md and "## Attention variants" not in md
