@@ -5,7 +5,8 @@
 # whole run fits in 8 minutes with the machine's start-up outside it):
 #   install (pip -e, no deps) -> [xformers wheel from .whl/, if carried] -> python -m flashtx
 #   -> pytest tests -x -q (GPU: fp16/bf16/fp32 CUDA tensors) -> python -m bench.gpu_checks
-#   -> pytest bench --benchmark-only --quick (JSON) -> python -m bench.report (markdown + PNGs)
+#   -> pytest bench --benchmark-only --quick (JSON) -> pytest bench/test_models.py (compiled GPT
+#   training step, tokens/s; merged into the JSON) -> python -m bench.report (markdown + PNGs)
 # Everything lands under $OUT (at most 8 files, 2 folders deep): log.txt, gpu_checks.json,
 # bench.json, xformers_info.txt (if a wheel was carried), report/{report.md, attention.png,
 # attention_gqa.png, rope_swiglu.png}. A failing step is recorded and the next one still runs;
@@ -76,14 +77,32 @@ step "pytest tests (GPU)" 120 230 $PY -m pytest tests -x -q $XDIST -p no:cachepr
 step "bench.gpu_checks" 90 160 $PY -m bench.gpu_checks --json "$OUT/gpu_checks.json"
 
 export BENCH_BUDGET_S=${BENCH_BUDGET_S:-0.15}  # seconds of timed rounds per case (10..200 rounds)
-step "pytest bench --quick" 180 20 $PY -m pytest bench --benchmark-only --quick -q -rs -p no:cacheprovider \
+step "pytest bench --quick" 180 120 $PY -m pytest bench --benchmark-only --quick -q -rs -p no:cacheprovider \
   --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds --benchmark-sort=name
+
+# issue 7's GPU section: a compiled training step of a GPT model (bench/test_models.py) on flashtx
+# (patch_sdpa), SDPA and eager: tokens/s. Last, with what is left of the budget (3 compiles).
+# Its results are merged into bench.json ($OUT may hold 8 files), then one report covers both.
+step "pytest bench/test_models.py" 150 20 $PY -m pytest bench/test_models.py --benchmark-only -q -rs -p no:cacheprovider \
+  --benchmark-json /tmp/models.json --benchmark-columns=median,rounds
+if [ -s /tmp/models.json ]; then
+  $PY - "$OUT/bench.json" /tmp/models.json <<'MERGE'
+import json, os, sys
+out, extra = sys.argv[1], json.load(open(sys.argv[2]))
+data = json.load(open(out)) if os.path.exists(out) and os.path.getsize(out) else extra | {"benchmarks": []}
+data["benchmarks"] += extra["benchmarks"]
+json.dump(data, open(out, "w"))
+for b in extra["benchmarks"]:
+    ei = b.get("extra_info", {})
+    print("  model", ei.get("provider"), ei.get("status"), ei.get("tokens_per_s"))
+MERGE
+fi
 
 if [ -s "$OUT/bench.json" ]; then  # pytest-benchmark leaves an empty file when nothing ran
   step "bench.report" 20 0 bash -c "$PY -m bench.report '$OUT/bench.json' --out '$OUT/report' > /dev/null && cat '$OUT/report/report.md'"
 else
   rm -f "$OUT/bench.json"
-  SUMMARY+=("bench.report: not run, the benchmark step wrote no results")
+  SUMMARY+=("bench.report: not run, the benchmark steps wrote no results")
 fi
 
 echo
