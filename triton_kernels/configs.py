@@ -119,11 +119,13 @@ _INTERPRETER = {
 _SCORES = {
     2: {
         64: [TileConfig(128, 32, 8, 3, "dQ's tile: no spills with every option")],
-        128: [TileConfig(32, 32, 8, 2, "dQ's 64x32 (and 32x32 over 4 warps) spilled 8-24 bytes with every option")],
+        # 64x32, 32x32 over 4 warps, 32x32 in 2 stages, 32x16 and 16x32 each spilled 8-88 bytes
+        # somewhere (sm_80/86/90, Triton 3.6 or 3.9); one stage does not
+        128: [TileConfig(32, 32, 8, 1, "no spills on sm_80/86/90 with Triton 3.6 and 3.9")],
         256: [TileConfig(16, 32, 4, 1, "32x32 spilled 8-16 bytes on sm_80/86")],
     },
     4: {
-        64: [TileConfig(64, 32, 8, 2, "fp32: as dQ's")],
+        64: [TileConfig(32, 32, 8, 1, "fp32: dQ's 64x32 spilled 16 bytes on sm_86 with Triton 3.6")],
         128: [TileConfig(16, 16, 8, 1, "fp32 at D=128: 16x32, 32x32 and 16x16 over 4 warps spilled")],
         # fp32 at D=256: 16x16 over 8 warps still spilled ~100 bytes, so none (as dK/dV's): reference fallback
         256: [],
