@@ -163,3 +163,19 @@ def test_bool_mask_equals_additive_minus_inf():
     a = flashtx.attention(q, k, v, attn_mask=keep, backend="triton")
     b = flashtx.attention(q, k, v, attn_mask=add, backend="triton")
     assert torch.allclose(a, b, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [(B, 1, 1, SK), (HQ, SQ, SK)], ids=["batch-keys", "heads-x-seq"])
+def test_reference_backend_gives_the_same_bias_gradient(shape):
+    """The reference backend (CPU default, fallback) sums the bias gradient over broadcast dims too."""
+    torch.manual_seed(38)
+    base = (randn(B, HQ, SQ, D, dtype=torch.float64), randn(B, HKV, SK, D, dtype=torch.float64),
+            randn(B, HKV, SK, D, dtype=torch.float64), randn(*shape, dtype=torch.float64))
+    grads = []
+    for backend in ("triton", "reference"):
+        ins = to64(*base)
+        out = flashtx.attention(*ins[:3], attn_mask=ins[3], is_causal=True, enable_gqa=True, softcap=4.0,
+                                backend=backend)
+        grads.append((out,) + torch.autograd.grad(out.square().sum(), ins))
+    for a, b in zip(*grads):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12)
