@@ -145,6 +145,12 @@ def q_loop_bounds(n0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M: tl.conste
     return lo, free_lo, free_hi, hi
 
 
+# MASK_KIND: how the kernels read attn_mask (constexprs, so jit code may name them)
+MASK_NONE = tl.constexpr(0)
+MASK_BOOL = tl.constexpr(1)  # bool / uint8: -inf where 0
+MASK_ADDITIVE = tl.constexpr(2)  # floating: added to the scores
+
+
 @triton.jit
 def tanh(x):
     """tanh to a few ulps from exp2/log2 (tl has no tanh that the interpreter also runs).
@@ -176,10 +182,10 @@ def score_mods(s, q_idx, k_idx, in_bounds, mb_base, stride_mm, stride_mn, softca
         s = softcap2 * t
     if ALIBI:
         s = s - slope2 * tl.abs(q_idx + alibi_shift - k_idx).to(s.dtype)
-    if MASK_KIND == 1:
+    if MASK_KIND == MASK_BOOL:
         keep = tl.load(mb_base + q_idx * stride_mm + k_idx * stride_mn, mask=in_bounds, other=0)
         s = tl.where(keep != 0, s, float("-inf"))
-    elif MASK_KIND == 2:
+    elif MASK_KIND == MASK_ADDITIVE:
         bias = tl.load(mb_base + q_idx * stride_mm + k_idx * stride_mn, mask=in_bounds, other=0.0)
         s = s + bias.to(s.dtype) * log2e
     return s, t
@@ -268,9 +274,6 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
     return args, B, Sq, Sk
 
 
-MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2  # MASK_KIND: how the kernels read attn_mask
-
-
 def broadcast_strides(t: torch.Tensor) -> tuple:
     """t's strides with 0 on its size-1 dims, so a (1, H, Sq, Sk) mask reads like (B, H, Sq, Sk)."""
     return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
@@ -281,7 +284,7 @@ def modifier_args(spec: MaskSpec, dummy: torch.Tensor) -> dict:
     from .launch import LOG2E, split_f32
 
     m = spec.attn_mask
-    kind = MASK_NONE if m is None else MASK_BOOL if m.dtype == torch.bool else MASK_ADDITIVE
+    kind = (MASK_NONE if m is None else MASK_BOOL if m.dtype == torch.bool else MASK_ADDITIVE).value
     smb, smh, smm, smn = broadcast_strides(m) if m is not None else (0, 0, 0, 0)
     cap_hi, cap_lo = split_f32(float(spec.softcap) * LOG2E)
     l2_hi, l2_lo = split_f32(LOG2E)
