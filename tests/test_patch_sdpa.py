@@ -148,7 +148,7 @@ def test_unsupported_calls_fall_back_with_one_warning(case, calls):
         with pytest.warns(UserWarning, match=f"goes to torch's scaled_dot_product_attention: {reason}"):
             got = F.scaled_dot_product_attention(*args, **kw)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the same reason warns only once
+            warnings.simplefilter("error", UserWarning)  # the same reason warns only once
             F.scaled_dot_product_attention(*args, **kw)
     assert calls == []
     torch.testing.assert_close(got, want)
@@ -157,7 +157,7 @@ def test_unsupported_calls_fall_back_with_one_warning(case, calls):
 def test_calls_torch_rejects_get_torchs_error_without_a_warning(calls):
     q, k = randn(1, 4, 5, 8), randn(1, 2, 5, 8)
     with flashtx.patch_sdpa(), warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", UserWarning)  # fallback warnings (not third-party deprecations)
         with pytest.raises(RuntimeError):
             F.scaled_dot_product_attention(q, k, k)  # GQA heads without enable_gqa
     assert calls == []
@@ -177,7 +177,7 @@ def test_masks_go_to_flashtx(kind, calls):
         mask = randn(1, 2, 6, 7, requires_grad=True)  # a learned bias, broadcast over the batch
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     with flashtx.patch_sdpa(), warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", UserWarning)  # fallback warnings (not third-party deprecations)
         got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert len(calls) == 1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -190,7 +190,7 @@ def test_masks_go_to_flashtx(kind, calls):
 def test_dropout_goes_to_flashtx(calls):
     q = randn(1, 2, 16, 8)
     with flashtx.patch_sdpa(), warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", UserWarning)  # fallback warnings (not third-party deprecations)
         out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
     assert len(calls) == 1
     assert not torch.allclose(out, F.scaled_dot_product_attention(q, q, q))  # dropout was applied
