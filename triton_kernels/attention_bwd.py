@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, mask_args, modifier_scalars,
-                               q_loop_bounds, scalar_in, score_mods, seq_bounds, stride_args, visible)
+from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part, mask_args,
+                               modifier_scalars, q_loop_bounds, scalar_in, score_mods, seq_bounds, stride_args,
+                               visible)
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
 
@@ -147,17 +148,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K,
                                                          log2e_hi, log2e_lo, ALIBI, DROPOUT, ACC)
         # masked tiles before the unmasked range (causal diagonal), unmasked, masked tail (window edge, Sq_b)
         for part in tl.static_range(3):
-            if part == 0:
-                start, end, masked = lo, tl.minimum(free_lo, hi), True
-            elif part == 1:
-                start, end, masked = free_lo, free_hi, False
-            else:
-                start, end, masked = tl.maximum(free_lo, free_hi), hi, True
+            start, end = loop_part(part, lo, free_lo, free_hi, hi)
             dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, LSE + row_base, DELTA + row_base, mb_base,
                                  offs_n, start, end, Sq_b, Sk_b, causal_shift, window_shift, qk_scale,
                                  stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, D_QK, D_V,
                                  softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p, drop_scale,
-                                 BLOCK_M, BLOCK_DQK, BLOCK_DV, masked, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
+                                 BLOCK_M, BLOCK_DQK, BLOCK_DV, part != 1, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
                                  SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
 
     dk = dk * scalar_in(sm_scale_hi, sm_scale_lo, ACC)
@@ -260,16 +256,11 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, Q
     lo, full_lo, full_hi, hi = kv_loop_bounds(m0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,
                                               CAUSAL, WINDOW, EVERY_TILE)
     for part in tl.static_range(3):  # masked head (window edge), unmasked, masked tail (causal diagonal, Sk_b)
-        if part == 0:
-            start, end, masked = lo, tl.minimum(full_lo, hi), True
-        elif part == 1:
-            start, end, masked = full_lo, full_hi, False
-        else:
-            start, end, masked = tl.maximum(full_lo, full_hi), hi, True
+        start, end = loop_part(part, lo, full_lo, full_hi, hi)
         dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b,
                        causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
                        stride_mm, stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p,
-                       drop_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, masked, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
+                       drop_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, part != 1, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
                        SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
     dq = dq * scalar_in(sm_scale_hi, sm_scale_lo, ACC)
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + q_start.to(tl.int64) * stride_dqm

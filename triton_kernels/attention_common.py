@@ -145,6 +145,19 @@ def q_loop_bounds(n0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M: tl.conste
     return lo, free_lo, free_hi, hi
 
 
+@triton.jit
+def loop_part(part: tl.constexpr, lo, mid_lo, mid_hi, hi):
+    """Tile range [start, end) of part 0, 1 or 2 of a loop split by kv_loop_bounds/q_loop_bounds:
+    masked head [lo, min(mid_lo, hi)), unmasked middle [mid_lo, mid_hi), masked tail
+    [max(mid_lo, mid_hi), hi). The caller masks parts 0 and 2 (`part != 1`)."""
+    if part == 0:
+        return lo, tl.minimum(mid_lo, hi)
+    elif part == 1:
+        return mid_lo, mid_hi
+    else:
+        return tl.maximum(mid_lo, mid_hi), hi
+
+
 # MASK_KIND: how the kernels read attn_mask (constexprs, so jit code may name them)
 MASK_NONE = tl.constexpr(0)
 MASK_BOOL = tl.constexpr(1)  # bool / uint8: -inf where 0

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, mask_args, modifier_scalars,
-                               scalar_in, score_mods, seq_bounds, stride_args, visible)
+from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part, mask_args,
+                               modifier_scalars, scalar_in, score_mods, seq_bounds, stride_args, visible)
 from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
 
@@ -109,17 +109,12 @@ def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
     lo, full_lo, full_hi, hi = kv_loop_bounds(m0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,
                                               CAUSAL, WINDOW, EVERY_TILE)
     for part in tl.static_range(3):
-        if part == 0:
-            start, end, masked = lo, tl.minimum(full_lo, hi), True
-        elif part == 1:
-            start, end, masked = full_lo, full_hi, False
-        else:
-            start, end, masked = tl.maximum(full_lo, full_hi), hi, True
+        start, end = loop_part(part, lo, full_lo, full_hi, hi)
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, mb_base, offs_m, start, end,
                                    Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd,
                                    stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn, D_QK, D_V,
                                    softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
-                                   BLOCK_N, BLOCK_DQK, BLOCK_DV, masked, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
+                                   BLOCK_N, BLOCK_DQK, BLOCK_DV, part != 1, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
                                    SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
 
     # Rows that saw no key (masked out, padding, or before the causal diagonal) have l = 0 or are
