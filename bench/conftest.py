@@ -2,13 +2,20 @@
 
 - `--quick` (or `-m quick`): only the quick subset (under 3 minutes on a GPU).
 - Without a CUDA GPU every benchmark is skipped with the reason, and the run exits 0.
+- BENCH_SMOKE=1: the smoke run of bench/harness.py (CPU, tiny shapes, Triton's interpreter), which
+  runs the GPU benchmarks anyway to check the pipeline; the JSON's machine_info says `smoke`.
 - pytest-benchmark's machine_info gets the GPU, its datasheet peaks and the torch/triton/flashtx
   versions, so every JSON says where it came from.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("BENCH_SMOKE", "") == "1":  # before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 NO_GPU_REASON = ("no CUDA GPU here (torch.cuda.is_available() is False): the GPU benchmarks are skipped; "
                  "run `pytest bench --benchmark-only` on a machine with one")
@@ -32,7 +39,8 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = keep
-    if not torch.cuda.is_available():
+    from . import harness
+    if not torch.cuda.is_available() and not harness.SMOKE:
         skip = pytest.mark.skip(reason=NO_GPU_REASON)
         for it in items:
             if it.get_closest_marker("gpu"):
@@ -42,15 +50,17 @@ def pytest_collection_modifyitems(config, items):
 def pytest_benchmark_update_machine_info(config, machine_info):
     import flashtx
 
-    from . import gpus
+    from . import gpus, harness
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
     info = {"torch": torch.__version__, "triton": triton_version, "flashtx": flashtx.__version__,
-            "cuda": torch.version.cuda}
-    if torch.cuda.is_available():
+            "cuda": torch.version.cuda, "smoke": harness.SMOKE}
+    if harness.SMOKE:
+        info.update(gpu=harness.SMOKE_NAME)
+    elif torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         props = torch.cuda.get_device_properties(0)
         peak = gpus.lookup(name)

@@ -11,6 +11,12 @@
 # bench.json, xformers_info.txt (if a wheel was carried), report/{report.md, attention.png,
 # attention_gqa.png, rope_swiglu.png}. A failing step is recorded and the next one still runs;
 # the exit status is the first failing step's (0 when all passed).
+#
+# Knobs (the defaults are the GPU run): DEVICE_CHECK_STEPS, a comma list of the steps to run, of
+# install,xformers,flashtx,tests,gpu_checks,bench,models,report (default: all);
+# DEVICE_CHECK_TIME_SCALE multiplies every step's limit and reserve and the budget (default 1).
+# tests/test_bench_smoke.py runs the bench,models,report steps of this script with BENCH_SMOKE=1
+# (bench/harness.py: CPU, tiny shapes, Triton's interpreter), so the script cannot rot unseen.
 set -uo pipefail  # not -e: every step's status is recorded, and later steps still run
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$(dirname "$0")/.."
@@ -21,7 +27,10 @@ exec 3>&1 4>&2
 exec > >(tee -a "$OUT/log.txt") 2>&1
 TEE_PID=$!
 
-BUDGET=${DEVICE_CHECK_BUDGET_S:-465}
+SCALE=${DEVICE_CHECK_TIME_SCALE:-1}
+BUDGET=$(( ${DEVICE_CHECK_BUDGET_S:-465} * SCALE ))
+STEPS=${DEVICE_CHECK_STEPS:-install,xformers,flashtx,tests,gpu_checks,bench,models,report}
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
 START=$(date +%s)
 PY=${PYTHON:-python3}
 SUMMARY=()
@@ -30,7 +39,7 @@ FIRST_RC=0
 # step NAME LIMIT_S RESERVE_S CMD...: run CMD under `timeout`, at most LIMIT_S and never into the
 # last RESERVE_S seconds of the budget (kept for the steps after it).
 step() {
-  local name=$1 limit=$2 reserve=$3; shift 3
+  local name=$1 limit=$(($2 * SCALE)) reserve=$(($3 * SCALE)); shift 3
   local left=$((BUDGET - ($(date +%s) - START) - reserve))
   ((limit > left)) && limit=$left
   if ((limit < 10)); then
@@ -56,10 +65,12 @@ echo "=== device_check $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-par
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv 2>&1 || true
 $PY -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, 'CUDA', torch.version.cuda, '| triton', triton.__version__, '| GPU', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NONE')"
 
-step "install" 60 400 $PY -m pip install -q --no-deps --no-build-isolation -e .
+want install && step "install" 60 400 $PY -m pip install -q --no-deps --no-build-isolation -e .
 
 # xformers (issue 3): carried as a wheel, see bench/README.md "xformers on the GPU machine".
-if ls .whl/xformers-*.whl >/dev/null 2>&1; then
+if ! want xformers; then
+  :
+elif ls .whl/xformers-*.whl >/dev/null 2>&1; then
   step "xformers install" 30 380 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -68,25 +79,26 @@ else
   echo "(no .whl/xformers-*.whl carried: the xformers provider will be skipped)"
 fi
 
-step "python -m flashtx" 60 360 $PY -m flashtx
+want flashtx && step "python -m flashtx" 60 360 $PY -m flashtx
 
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"  # compile-bound: 8 workers share Triton's cache
-step "pytest tests (GPU)" 120 230 $PY -m pytest tests -x -q $XDIST -p no:cacheprovider
+want tests && step "pytest tests (GPU)" 120 230 $PY -m pytest tests -x -q $XDIST -p no:cacheprovider
 
-step "bench.gpu_checks" 90 160 $PY -m bench.gpu_checks --json "$OUT/gpu_checks.json"
+want gpu_checks && step "bench.gpu_checks" 90 160 $PY -m bench.gpu_checks --json "$OUT/gpu_checks.json"
 
 export BENCH_BUDGET_S=${BENCH_BUDGET_S:-0.15}  # seconds of timed rounds per case (10..200 rounds)
-step "pytest bench --quick" 180 120 $PY -m pytest bench --benchmark-only --quick -q -rs -p no:cacheprovider \
+want bench && step "pytest bench --quick" 180 120 $PY -m pytest bench --benchmark-only --quick -q -rs -p no:cacheprovider \
   --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds --benchmark-sort=name
 
 # issue 7's GPU section: a compiled training step of a GPT model (bench/test_models.py) on flashtx
 # (patch_sdpa), SDPA and eager: tokens/s. Last, with what is left of the budget (3 compiles).
 # Its results are merged into bench.json ($OUT may hold 8 files), then one report covers both.
-step "pytest bench/test_models.py" 150 20 $PY -m pytest bench/test_models.py --benchmark-only -q -rs -p no:cacheprovider \
-  --benchmark-json /tmp/models.json --benchmark-columns=median,rounds
-if [ -s /tmp/models.json ]; then
-  $PY - "$OUT/bench.json" /tmp/models.json <<'MERGE'
+MODELS_JSON=$(mktemp "${TMPDIR:-/tmp}/flashtx_models.XXXXXX.json")
+want models && step "pytest bench/test_models.py" 150 20 $PY -m pytest bench/test_models.py --benchmark-only -q -rs -p no:cacheprovider \
+  --benchmark-json "$MODELS_JSON" --benchmark-columns=median,rounds
+if [ -s "$MODELS_JSON" ]; then
+  $PY - "$OUT/bench.json" "$MODELS_JSON" <<'MERGE'
 import json, os, sys
 out, extra = sys.argv[1], json.load(open(sys.argv[2]))
 data = json.load(open(out)) if os.path.exists(out) and os.path.getsize(out) else extra | {"benchmarks": []}
@@ -97,8 +109,11 @@ for b in extra["benchmarks"]:
     print("  model", ei.get("provider"), ei.get("status"), ei.get("tokens_per_s"))
 MERGE
 fi
+rm -f "$MODELS_JSON"
 
-if [ -s "$OUT/bench.json" ]; then  # pytest-benchmark leaves an empty file when nothing ran
+if ! want report; then
+  :
+elif [ -s "$OUT/bench.json" ]; then  # pytest-benchmark leaves an empty file when nothing ran
   step "bench.report" 20 0 bash -c "$PY -m bench.report '$OUT/bench.json' --out '$OUT/report' > /dev/null && cat '$OUT/report/report.md'"
 else
   rm -f "$OUT/bench.json"

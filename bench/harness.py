@@ -14,6 +14,12 @@ Method (see /work/.library/device/METHOD.md, and bench/README.md):
      overhead and one synchronize (~10-30 us); they are kept but not used by the report.
   4. Rounds: enough to fill BENCH_BUDGET_S seconds (default 0.2), at least 10 and at most 200.
 An out-of-memory during prepare or warm-up is recorded (extra_info status "OOM") instead of failing.
+
+Smoke run (BENCH_SMOKE=1, for machines without a GPU): every benchmark runs on CPU tensors at tiny
+shapes (each test file shrinks its own, see `smoke_dims`), flashtx through Triton's interpreter, in
+fp16 unless BENCH_DTYPE says otherwise, with 2 warm-up calls and 2-3 host-clocked rounds and no peak
+memory. It checks the pipeline a GPU run depends on (builders, passes, skips, extra_info, the JSON,
+bench.report and its plots); its times mean nothing, and the JSON and the report say so.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import gc
 import math
 import os
 import statistics
+import time
 import warnings
 from typing import Any, Callable
 
@@ -29,8 +36,14 @@ import torch
 
 from . import gpus
 
-WARMUP = 3
-MIN_ROUNDS, MAX_ROUNDS = 10, 200
+SMOKE = os.environ.get("BENCH_SMOKE", "") == "1"
+SMOKE_NAME = "CPU smoke run (BENCH_SMOKE=1): tiny shapes, Triton interpreter; the times mean nothing"
+DEVICE = "cpu" if SMOKE else "cuda"
+# bf16 is the default on a GPU; Triton's interpreter cannot do bf16 arithmetic, so a smoke run uses fp16
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("BENCH_DTYPE", "fp16" if SMOKE else "bf16")]
+
+WARMUP = 2 if SMOKE else 3  # the second warm-up call measures peak memory
+MIN_ROUNDS, MAX_ROUNDS = (2, 3) if SMOKE else (10, 200)
 BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "0.2"))
 _FLUSH_BYTES = 256 * 1024 * 1024
 _flush_buf: torch.Tensor | None = None
@@ -42,8 +55,21 @@ class Unavailable(Exception):
     """A provider cannot run this case (not installed, backend refuses the inputs): skip, with the reason."""
 
 
+def smoke_dims(**dims: int) -> dict:
+    """The benchmark's dimensions, or in a smoke run each divided by the divisor given with it:
+    smoke_dims(seqlen=(4096, 32), heads=(16, 8)) -> {"seqlen": 4096, "heads": 16}, or {128, 2}."""
+    return {k: (max(1, n // div) if SMOKE else n) for k, (n, div) in dims.items()}
+
+
+def synchronize() -> None:
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
 def flush_l2() -> None:
     global _flush_buf
+    if SMOKE:  # the CPU's caches are not what a smoke run measures
+        return
     if _flush_buf is None:
         _flush_buf = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     _flush_buf.zero_()
@@ -51,16 +77,22 @@ def flush_l2() -> None:
 
 def free_memory() -> None:
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if not SMOKE:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def gpu_name() -> str:
+    if SMOKE:
+        return SMOKE_NAME
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 
 
-def peak_memory_of(step: Callable[[Any], Any], state: Any) -> float:
-    """Peak extra device memory of one call, in MB (outputs included)."""
+def peak_memory_of(step: Callable[[Any], Any], state: Any) -> float | None:
+    """Peak extra device memory of one call, in MB (outputs included); None in a smoke run."""
+    if SMOKE:
+        step(state)
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -71,15 +103,31 @@ def peak_memory_of(step: Callable[[Any], Any], state: Any) -> float:
     return peak / 2**20
 
 
+class _HostEvent:
+    """torch.cuda.Event's record/synchronize/elapsed_time on the host clock (smoke runs)."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
 def measure(step: Callable[[Any], Any], state: Any, benchmark=None) -> list[float]:
     """Per-round CUDA-event times in ms (L2 flushed before each round); through benchmark.pedantic
     when a pytest-benchmark fixture is given."""
     times: list[float] = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if SMOKE:
+        start, end = _HostEvent(), _HostEvent()
+    else:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def setup():
         flush_l2()
-        torch.cuda.synchronize()
+        synchronize()
         return (state,), {}
 
     def target(s):
@@ -105,8 +153,9 @@ def measure(step: Callable[[Any], Any], state: Any, benchmark=None) -> list[floa
 
 def summarize(times: list[float]) -> dict:
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    how = "host clock, smoke run (not a measurement)" if SMOKE else "CUDA events, L2 flushed before each round"
     return {"median_ms": statistics.median(times), "min_ms": min(times), "iqr_ms": q[2] - q[0],
-            "rounds": len(times), "timing": "CUDA events, L2 flushed before each round"}
+            "rounds": len(times), "timing": how}
 
 
 def throughput(median_ms: float, *, flops: float | None = None, nbytes: float | None = None,
@@ -156,7 +205,7 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
                     benchmark.extra_info["peak_mem_mb"] = peak_memory_of(step, state)
                 else:
                     step(state)
-            torch.cuda.synchronize()
+            synchronize()
     except OOM_ERRORS as exc:
         del state
         free_memory()

@@ -16,9 +16,7 @@ import torch.nn.functional as F
 
 import flashtx
 
-from .harness import Unavailable
-
-DEVICE = "cuda"  # the benchmarks' device (a CPU smoke run of the builders may set "cpu")
+from .harness import DEVICE, Unavailable
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,16 @@ ATTN_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flash_at
 MEM_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "eager", "sdpa-math", "copy", "compiled", "liger"]
 PASSES = ["fwd", "bwd", "fwd+bwd"]
 MODEL_ORDER = ["flashtx", "sdpa", "eager"]  # bench/test_models.py's providers
+VARIANT_ORDER = ["full", "window1024", "varlen16x1k", "bias", "boolmask", "softcap+alibi", "dropout0.1"]
 # Issue 3's targets: (pass, provider, minimum ratio provider_time / flashtx_time, what it says)
 TARGETS = [("fwd", "sdpa-flash", 1.0, "attention forward >= 1.0x SDPA-FLASH (FlashAttention-2 inside PyTorch)"),
            ("bwd", "sdpa-flash", 0.8, "attention backward >= 0.8x SDPA-FLASH"),
            ("fwd+bwd", "sdpa-efficient", 1.5, "attention fwd+bwd >= 1.5x SDPA-EFFICIENT (xformers' kernel inside PyTorch)")]
+
+
+SMOKE_BANNER = ("**Smoke run (BENCH_SMOKE=1): tiny shapes on a CPU, flashtx through Triton's interpreter. "
+                "It checks that the benchmarks, the JSON and this report work; its times mean nothing and "
+                "must not be quoted or recorded in bench/RESULTS.md.**")
 
 
 def load(path: str | Path) -> dict:
@@ -100,9 +106,12 @@ def _num(r: dict | None, field: str, fmt: str = "{:.1f}") -> str:
 
 def header(data: dict, source: str) -> list[str]:
     mi = (data.get("machine_info") or {}).get("flashtx_bench", {})
+    gpu = f"- GPU: {mi.get('gpu', 'unknown')}"
+    if "capability" in mi:
+        gpu += (f" (sm_{str(mi['capability']).replace('.', '')}, {mi.get('sm_count', '?')} SMs, "
+                f"{mi.get('memory_gb', '?')} GB)")
     lines = [f"- results: `{source}`, written {data.get('datetime', '?')} (pytest-benchmark {data.get('version', '?')})",
-             f"- GPU: {mi.get('gpu', 'unknown')} (sm_{str(mi.get('capability', '?')).replace('.', '')}, "
-             f"{mi.get('sm_count', '?')} SMs, {mi.get('memory_gb', '?')} GB)",
+             gpu,
              f"- torch {mi.get('torch', '?')} (CUDA {mi.get('cuda', '?')}), triton {mi.get('triton', '?')}, "
              f"flashtx {mi.get('flashtx', '?')}"]
     if mi.get("peak_tflops_16"):
@@ -138,6 +147,9 @@ def variants_table(groups: dict) -> list[str]:
     cases = {k: v.get("flashtx") for k, v in groups.items() if k[0] == "attention-variant"}
     if not cases:
         return []
+    rank = {v: i for i, v in enumerate(VARIANT_ORDER)}
+    cases = dict(sorted(cases.items(), key=lambda kv: (PASSES.index(kv[0][1]) if kv[0][1] in PASSES else 9,
+                                                       *kv[0][2:4], rank.get(kv[0][4], len(rank)), kv[0][4])))
     lines = ["| pass | variant | dtype | flashtx ms | time / full causal | effective TFLOP/s | MB |", "|---" * 7 + "|"]
     for (_, pass_, dtype, n, variant), r in cases.items():
         full = cases.get(("attention-variant", pass_, dtype, n, "full"))
@@ -348,11 +360,17 @@ def plot_memory_bound(groups: dict, path: Path, gpu: str) -> bool:
 def build_report(data: dict, source: str, out: Path | None) -> str:
     recs = records(data)
     groups = grouped(recs)
-    gpu = (data.get("machine_info") or {}).get("flashtx_bench", {}).get("gpu", "unknown GPU")
-    md = ["# flashtx benchmark report", ""] + header(data, source) + [""]
+    mi = (data.get("machine_info") or {}).get("flashtx_bench", {})
+    gpu = mi.get("gpu", "unknown GPU")
+    smoke = bool(mi.get("smoke"))
+    md = ["# flashtx benchmark report", ""]
+    if smoke:
+        md += [SMOKE_BANNER, ""]
+    md += header(data, source) + [""]
     if not recs:
         md += ["No flashtx benchmark results in this file (every benchmark skipped, or another suite's JSON).", ""]
-    md += ["Ratios are the provider's median time over flashtx's (CUDA events, L2 flushed before each round): "
+    timing = "host clock" if smoke else "CUDA events, L2 flushed before each round"
+    md += [f"Ratios are the provider's median time over flashtx's ({timing}): "
            "> 1 means flashtx is faster. OOM: the provider ran out of memory. -: not run (skipped).", ""]
     for title, lines in (("Attention", attention_table(groups, gqa=False)),
                          ("Attention, GQA", attention_table(groups, gqa=True)),
@@ -363,7 +381,9 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
                          ("Model training step (tokens/s)", models_table(groups))):
         if lines:
             md += [f"## {title}", ""] + lines + [""]
-    md += ["## Targets (issue 3), measured in this run", ""] + targets(groups) + [""]
+    md += ["## Targets (issue 3), measured in this run", ""]
+    md += ["- not evaluated: this is a smoke run"] if smoke else targets(groups)
+    md += [""]
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         try:

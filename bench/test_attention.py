@@ -5,18 +5,16 @@ N from 512 to 16k; causal and not; forward, backward, forward+backward. Plus GQA
 
 Every provider gets the same shapes and dtype (BENCH_DTYPE: bf16, the default, or fp16) in its
 native layout, contiguous. The quick subset (`--quick` or `-m quick`) is D = 128 at N = 2k and 8k.
+A smoke run (BENCH_SMOKE=1) runs each case with 1/64 of the sequence length, batch 1 and 1/8 of the
+heads (bench/harness.py).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from . import gpus, harness
 from .providers import ATTENTION_PROVIDERS, DESCRIPTION, AttnCase, attention_case
 
-DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("BENCH_DTYPE", "bf16")]
 TOKENS = 16 * 1024   # B * N, as FlashAttention's benchmark
 HIDDEN = 2048        # H * D, as FlashAttention's benchmark
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -53,6 +51,11 @@ def _gqa_params():
                 yield pytest.param(pass_, seqlen, provider, marks=marks, id=f"{pass_}-n{seqlen}-causal-{provider}")
 
 
+def make_case(batch: int, hq: int, hkv: int, seqlen: int, d: int, causal: bool) -> AttnCase:
+    dims = harness.smoke_dims(batch=(batch, batch), hq=(hq, 8), hkv=(hkv, 8), seqlen=(seqlen, 64))
+    return AttnCase(**dims, d=d, causal=causal, dtype=harness.DTYPE)
+
+
 def run_attention(benchmark, provider: str, case: AttnCase, pass_: str) -> None:
     benchmark.group = (f"attention {pass_} D={case.d} {'causal' if case.causal else 'full'} "
                        f"Hq/Hkv={case.hq}/{case.hkv} N={case.seqlen}")
@@ -68,7 +71,7 @@ def run_attention(benchmark, provider: str, case: AttnCase, pass_: str) -> None:
 @pytest.mark.parametrize("pass_, d, seqlen, causal, provider", list(_params()))
 def test_attention(benchmark, pass_, d, seqlen, causal, provider):
     h = HIDDEN // d
-    case = AttnCase(batch=TOKENS // seqlen, hq=h, hkv=h, seqlen=seqlen, d=d, causal=causal, dtype=DTYPE)
+    case = make_case(TOKENS // seqlen, h, h, seqlen, d, causal)
     run_attention(benchmark, provider, case, pass_)
 
 
@@ -76,5 +79,5 @@ def test_attention(benchmark, pass_, d, seqlen, causal, provider):
 @pytest.mark.parametrize("pass_, seqlen, provider", list(_gqa_params()))
 def test_attention_gqa(benchmark, pass_, seqlen, provider):
     hq, hkv = GQA_HEADS
-    case = AttnCase(batch=TOKENS // seqlen, hq=hq, hkv=hkv, seqlen=seqlen, d=128, causal=True, dtype=DTYPE)
+    case = make_case(TOKENS // seqlen, hq, hkv, seqlen, 128, True)
     run_attention(benchmark, provider, case, pass_)

@@ -12,10 +12,9 @@ All at 16k tokens, H = 16, D = 128 (BENCH_DTYPE, bf16 by default), causal:
 - `softcap+alibi`, `dropout0.1`.
 The FLOP count is the causal one of the dense case for every variant (so TFLOP/s compare times
 directly: a variant that skips work shows a higher "effective" rate).
+A smoke run (BENCH_SMOKE=1) shrinks B, N and H, and with N the window and the document length.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -24,16 +23,17 @@ import flashtx
 
 from . import gpus, harness
 
-DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("BENCH_DTYPE", "bf16")]
-B, N, H, D = 4, 4096, 16, 128
-DOC = 1024  # varlen document length
+DTYPE = harness.DTYPE
+D = 128
+B, N, H = harness.smoke_dims(b=(4, 2), n=(4096, 32), h=(16, 8)).values()
+WINDOW = DOC = N // 4  # window1024 and varlen16x1k's document length at N = 4096: a quarter of the work
 VARIANTS = ("full", "window1024", "varlen16x1k", "bias", "boolmask", "softcap+alibi", "dropout0.1")
 QUICK = ("full", "window1024", "varlen16x1k", "bias")
 
 
 def _build(variant: str, requires_grad: bool):
     """(fn, leaves): fn() runs the variant's forward on (B, N, H, D) tensors built here."""
-    dev = "cuda"
+    dev = harness.DEVICE
     q, k, v = (torch.randn(B, N, H, D, device=dev, dtype=DTYPE, requires_grad=requires_grad) for _ in range(3))
     leaves = [q, k, v]
     if variant == "varlen16x1k":
@@ -42,7 +42,7 @@ def _build(variant: str, requires_grad: bool):
         return (lambda: flashtx.flash_attn_varlen_func(qp, kp, vp, cu, cu, DOC, DOC, causal=True)), [qp, kp, vp]
     kw = {}
     if variant == "window1024":
-        kw = dict(window_size=(1024, 0))
+        kw = dict(window_size=(WINDOW, 0))
     elif variant == "bias":
         bias = (0.1 * torch.randn(1, H, N, N, device=dev, dtype=DTYPE)).requires_grad_(requires_grad)
         kw, leaves = dict(attn_bias=bias), leaves + [bias]

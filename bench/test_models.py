@@ -60,6 +60,7 @@ DESCRIPTION = {
 }
 DTYPE = torch.bfloat16
 B, S = 4, 2048
+COMPILE_BACKEND = "inductor"
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class GPTConfig:
 
 MODEL_NAME = "gpt-6L-768d-12h-v32k"
 CONFIG = GPTConfig()
+if harness.SMOKE:  # tests/test_bench_models.py's tiny model, fp32 (the interpreter has no bf16), AOTAutograd
+    # without Inductor (whose CPU build takes minutes): the harness, the step and the JSON, not the speed
+    CONFIG = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    MODEL_NAME, DTYPE, B, S, COMPILE_BACKEND = "gpt-smoke-2L-32d-2h-v64", torch.float32, 2, 32, "aot_eager"
+PRECISION = "fp32" if DTYPE == torch.float32 else f"autocast {str(DTYPE).replace('torch.', '')}, fp32 weights"
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -211,31 +217,32 @@ def check_flashtx_takes(cfg: GPTConfig, batch: int, seqlen: int, dtype: torch.dt
 @pytest.mark.gpu
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_model_train(benchmark, provider):
-    benchmark.group = f"model-train {MODEL_NAME} B={B} S={S} bf16"
+    benchmark.group = f"model-train {MODEL_NAME} B={B} S={S} {PRECISION}"
     tokens = B * S
     extra = {}
+    amp = DTYPE if DTYPE != torch.float32 else None  # autocast to DTYPE, fp32 weights
 
     def build():
         if provider == "flashtx":
-            check_flashtx_takes(CONFIG, B, S, DTYPE, "cuda")
+            check_flashtx_takes(CONFIG, B, S, DTYPE, harness.DEVICE)
 
         def prepare():
             torch._dynamo.reset()  # each provider compiles from scratch, within the recompile limit
-            model = build_model(CONFIG, provider, "cuda")
+            model = build_model(CONFIG, provider, harness.DEVICE)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-            batch = random_batch(CONFIG, B, S, "cuda")
+            batch = random_batch(CONFIG, B, S, harness.DEVICE)
             extra["params"] = sum(p.numel() for p in model.parameters())
             t0 = time.perf_counter()
             try:
-                step = make_train_step(torch.compile(model, fullgraph=True), opt, provider, DTYPE)
+                step = make_train_step(torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND), opt, provider, amp)
                 step(batch)  # compiles
                 extra["fullgraph"] = True
             except torch._dynamo.exc.Unsupported as exc:  # a graph break: compile with breaks instead
                 torch._dynamo.reset()
                 extra.update(fullgraph=False, graph_break=" ".join(str(exc).split())[:300])
-                step = make_train_step(torch.compile(model), opt, provider, DTYPE)
+                step = make_train_step(torch.compile(model, backend=COMPILE_BACKEND), opt, provider, amp)
                 step(batch)
-            torch.cuda.synchronize()
+            harness.synchronize()
             extra["compile_s"] = time.perf_counter() - t0
             return step, batch
 
@@ -243,7 +250,7 @@ def test_model_train(benchmark, provider):
 
     prepare = harness.build_or_skip(provider, build, fail_fast=provider == "flashtx")
     info = {"op": "model-train", "provider": provider, "provider_desc": DESCRIPTION[provider], "pass": "train",
-            "model": MODEL_NAME, "dtype": str(DTYPE).replace("torch.", ""), "precision": "autocast bf16, fp32 weights",
+            "model": MODEL_NAME, "dtype": str(DTYPE).replace("torch.", ""), "precision": PRECISION,
             "batch": B, "seqlen": S, "tokens": tokens, "heads": CONFIG.n_head, "kv_heads": CONFIG.n_head,
             "headdim": CONFIG.n_embd // CONFIG.n_head, "layers": CONFIG.n_layer, "width": CONFIG.n_embd,
             "vocab": CONFIG.vocab_size, "shape": f"{MODEL_NAME} B={B} S={S}"}

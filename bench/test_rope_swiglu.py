@@ -6,11 +6,10 @@ the bandwidth a memory-bound kernel can hope for (issue 3's target: >= 80% of it
 
 Shapes as LLaMA-2-7B (32 q and 32 kv heads, D = 128; MLP 4096 -> 11008) and LLaMA-3-8B (32 q and
 8 kv heads, D = 128; MLP 4096 -> 14336) at 2k, 4k and 8k tokens (batch 1). Layout (B, H, S, D) as
-Hugging Face models call RoPE. The quick subset is LLaMA-3-8B at 4k tokens.
+Hugging Face models call RoPE. The quick subset is LLaMA-3-8B at 4k tokens. A smoke run
+(BENCH_SMOKE=1) divides tokens and the MLP width by 64 and the heads by 8.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from . import gpus, harness
 from . import providers
 from .providers import optional_import
 
-DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("BENCH_DTYPE", "bf16")]
+DTYPE = harness.DTYPE
 MODELS = {  # name: (q heads, kv heads, head dim, MLP intermediate size)
     "llama2-7b": (32, 32, 128, 11008),
     "llama3-8b": (32, 8, 128, 14336),
@@ -157,6 +156,7 @@ def _record(benchmark, op, provider, pass_, model, tokens, shape, nbytes, build)
 @pytest.mark.parametrize("pass_, model, tokens, provider", list(_params()))
 def test_rope(benchmark, pass_, model, tokens, provider):
     hq, hkv, d, _ = MODELS[model]
+    hq, hkv, tokens = harness.smoke_dims(hq=(hq, 8), hkv=(hkv, 8), tokens=(tokens, 64)).values()
     elem = torch.empty((), dtype=DTYPE).element_size()
     nbytes = gpus.rope_bytes(tokens * hq * d, tokens * hkv * d, elem, pass_)
 
@@ -177,7 +177,7 @@ def test_rope(benchmark, pass_, model, tokens, provider):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pass_, model, tokens, provider", list(_params()))
 def test_swiglu(benchmark, pass_, model, tokens, provider):
-    inter = MODELS[model][3]
+    inter, tokens = harness.smoke_dims(inter=(MODELS[model][3], 64), tokens=(tokens, 64)).values()
     elem = torch.empty((), dtype=DTYPE).element_size()
     nbytes = gpus.swiglu_bytes(tokens * inter, elem, pass_)
 

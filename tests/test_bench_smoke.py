@@ -1,0 +1,125 @@
+"""The benchmark pipeline end to end without a GPU: the bench, models and report steps of
+bench/device_check.sh (the script a lent GPU runs) under BENCH_SMOKE=1, which runs every quick
+benchmark on CPU tensors at tiny shapes, flashtx through Triton's interpreter (bench/harness.py).
+
+It checks what a GPU run depends on and a CPU can run: each quick case's builder and pass, the
+providers that cannot run here skipped with a reason (never dropped silently), extra_info and its
+FLOP/byte arithmetic, pytest-benchmark's JSON, the merge of the model benchmark into it,
+bench.report's tables and PNG plots, and the script's steps, budget and summary. The times are
+not looked at: a smoke run's times mean nothing (the JSON and the report say so).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repo root, for `import bench`
+
+from bench import report  # noqa: E402
+
+# flashtx's quick cases: attention 3 passes x causal/full x N in {2k, 8k}; GQA 3 passes at 2k;
+# 4 variants x (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd); the model training step.
+FLASHTX_CASES = {("attention", "mha"): 12, ("attention", "gqa"): 3, ("attention-variant", ""): 8,
+                 ("rope", ""): 2, ("swiglu", ""): 2, ("model-train", ""): 1}
+ATTENTION_PROVIDERS = ["flashtx", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex",
+                       "xformers", "flash_attn"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """Run the script once: (returncode, log text, $OUT folder)."""
+    out = tmp_path_factory.mktemp("device_out")
+    env = {**os.environ, "BENCH_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable,
+           "DEVICE_CHECK_STEPS": "bench,models,report",
+           "DEVICE_CHECK_TIME_SCALE": "4"}  # CI's 2 cores: the interpreter is slow, and limits must not bite
+    env.pop("BENCH_DTYPE", None)
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    return proc.returncode, proc.stdout + proc.stderr, out
+
+
+def _records(out: Path) -> list[dict]:
+    return [b["extra_info"] for b in json.loads((out / "bench.json").read_text())["benchmarks"]]
+
+
+def test_script_runs_the_bench_steps_and_exits_0(smoke):
+    rc, log, out = smoke
+    assert rc == 0, log[-6000:]
+    summary = log[log.index("=== summary"):]
+    for step in ("pytest bench --quick: ok", "pytest bench/test_models.py: ok", "bench.report: ok"):
+        assert step in summary, summary
+    for skipped in ("install", "python -m flashtx", "pytest tests (GPU)", "bench.gpu_checks"):
+        assert f"=== {skipped} (" not in log  # not asked for
+    assert (out / "log.txt").read_text().count("=== summary") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "log.txt", "report"]
+
+
+def test_every_flashtx_quick_case_ran(smoke):
+    _, log, out = smoke
+    data = json.loads((out / "bench.json").read_text())
+    assert data["machine_info"]["flashtx_bench"]["smoke"] is True
+    names = [b["name"] for b in data["benchmarks"]]
+    assert len(names) == len(set(names)), "the models JSON was merged twice"
+    ours = [r for r in _records(out) if r["provider"] == "flashtx"]
+    assert all(r["status"] == "ok" for r in ours), [r for r in ours if r["status"] != "ok"]
+    counts: dict = {}
+    for r in ours:
+        kind = ("gqa" if r["heads"] != r["kv_heads"] else "mha") if r["op"] == "attention" else ""
+        counts[(r["op"], kind)] = counts.get((r["op"], kind), 0) + 1
+    assert counts == FLASHTX_CASES
+
+
+def test_no_provider_is_dropped_silently(smoke):
+    """Each attention provider either has results or is skipped with its reason in the log."""
+    _, log, out = smoke
+    ran = {r["provider"] for r in _records(out) if r["op"] == "attention"}
+    assert {"flashtx", "eager", "sdpa-math"} <= ran  # these run on any CPU
+    for p in set(ATTENTION_PROVIDERS) - ran:
+        assert re.search(rf"SKIPPED \[\d+\] \S+: {re.escape(p)}(:| cannot)", log), f"{p}: neither ran nor skipped"
+    for op in ("rope", "swiglu"):
+        assert {"flashtx", "eager", "copy"} <= {r["provider"] for r in _records(out) if r["op"] == op}
+
+
+def test_extra_info_fields_and_arithmetic(smoke):
+    from bench import gpus, harness
+
+    _, _, out = smoke
+    for r in _records(out):
+        if r["status"] != "ok":
+            continue
+        assert r["gpu"] == harness.SMOKE_NAME and r["timing"].startswith("host clock")
+        assert 0 < r["min_ms"] <= r["median_ms"] and 2 <= r["rounds"] <= 3, r
+        s = r["median_ms"] / 1e3
+        if r["op"] == "attention":
+            assert r["seqlen"] in (2048 // 64, 8192 // 64) and r["batch"] == 1, r  # the smoke shapes
+            flops = gpus.attention_flops(r["batch"], r["heads"], r["seqlen"], r["seqlen"], r["headdim"],
+                                         r["causal"], r["pass"])
+            assert r["flops"] == flops and r["tflops"] == pytest.approx(flops / s / 1e12, rel=1e-12), r
+        if r["op"] in ("rope", "swiglu"):
+            assert r["gbs"] == pytest.approx(r["bytes"] / s / 1e9, rel=1e-12), r
+        if r["op"] == "model-train":
+            assert r["tokens_per_s"] == pytest.approx(r["tokens"] / s, rel=1e-12) and r["fullgraph"] is True, r
+
+
+def test_report_tables_and_plots(smoke):
+    _, log, out = smoke
+    md = (out / "report" / "report.md").read_text()
+    assert md.startswith("# flashtx benchmark report\n\n" + report.SMOKE_BANNER)
+    for section in ("## Attention\n", "## Attention, GQA", "## Attention variants", "## RoPE and SwiGLU",
+                    "## Model training step", "## Targets"):
+        assert section in md, section
+    assert "- not evaluated: this is a smoke run" in md and "MET" not in md
+    models = md[md.index("## Model training step"):].splitlines()[2:5]
+    assert models[-1].startswith("| gpt-smoke-2L-32d-2h-v64 | float32 | 2 | 32 | 64 |"), models
+    assert "flashtx / sdpa" in models[0] and "flashtx / eager" in models[0]
+    for png in ("attention.png", "attention_gqa.png", "rope_swiglu.png"):
+        data = (out / "report" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
+    assert md in log  # the script prints the report
