@@ -112,7 +112,7 @@ def check_lens(name: str, t, batch: int, q) -> torch.Tensor | None:
 
 
 def check_cu_seqlens(name: str, cu, q) -> torch.Tensor:
-    """(nseq + 1,) int32 cumulative lengths starting at 0, on q's device (not synced to check values)."""
+    """(nseq + 1,) int32 cumulative lengths on q's device (check_cu_seqlens_values checks the values)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 tensor of shape (nseq + 1,); got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -123,6 +123,96 @@ def check_cu_seqlens(name: str, cu, q) -> torch.Tensor:
     if cu.device != q.device:
         raise ValueError(f"{name} must be on the inputs' device {q.device}; got {cu.device}")
     return cu.contiguous()
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Do two elements of t share memory? (A stride-0 dim of size > 1, e.g. from expand(): the case
+    PyTorch's in-place ops refuse as definite overlap.)"""
+    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride()))
+
+
+_OVERLAP_SEARCH_LIMIT = 10_000  # nodes of the exact search below before answering "may overlap"
+
+
+def views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do a and b share an element? Exact for views with the same strides (slices of one tensor, as
+    q and k of a fused qkv projection); conservative (memory spans intersect) otherwise."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    if a.dtype != b.dtype or a.dim() != b.dim() or a.stride() != b.stride():
+        def span(t):
+            lo = t.storage_offset() * t.element_size()
+            return lo, lo + (sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        (a0, a1), (b0, b1) = span(a), span(b)
+        return a0 < b1 and b0 < a1
+    # a's element (i) and b's element (j) coincide iff sum_k (i_k - j_k) * stride_k = offset(b) - offset(a),
+    # with i_k - j_k in [-(b.shape[k] - 1), a.shape[k] - 1]. Search the digits, largest stride first.
+    dims = sorted(((abs(st), -(nb - 1), na - 1) for st, na, nb in zip(a.stride(), a.shape, b.shape) if st != 0),
+                  reverse=True)
+    reach = [0] * (len(dims) + 1)  # reach[k]: the most that dims k.. can add or subtract
+    for k in range(len(dims) - 1, -1, -1):
+        st, lo, hi = dims[k]
+        reach[k] = reach[k + 1] + st * max(-lo, hi)
+    budget = [_OVERLAP_SEARCH_LIMIT]
+
+    def solvable(k: int, rest: int) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True  # too many candidates to decide: say "may overlap"
+        if k == len(dims):
+            return rest == 0
+        st, lo, hi = dims[k]
+        first, last = max(lo, -((reach[k + 1] - rest) // st)), min(hi, (rest + reach[k + 1]) // st)
+        return any(solvable(k + 1, rest - t * st) for t in range(first, last + 1))
+
+    return solvable(0, b.storage_offset() - a.storage_offset())
+
+
+def _values_readable(t: torch.Tensor) -> bool:
+    """True when t's values can be read on the host for free: an eager CPU tensor (not fake, not traced)."""
+    from torch._subclasses.fake_tensor import is_fake
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
+
+
+def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name: str, max_seqlen,
+                            max_name: str | None) -> None:
+    """cu (nseq + 1,) starts at 0, never decreases, ends at `total`, and no sequence is longer than
+    max_seqlen (when max_name is given). A wrong value would make the kernels read or write out of
+    bounds, or leave rows unwritten.
+
+    CPU tensors are checked here, with an error naming the first bad entry. On a GPU the check
+    runs on the device without a host sync, through torch._assert_async: a bad value stops the
+    program with a device-side assert (as PyTorch's own indexing does), before any kernel of this
+    call can run on it.
+    """
+    lens = cu[1:] - cu[:-1]  # (nseq,)
+    if cu.device.type == "meta":
+        return
+    if not _values_readable(cu):
+        ok = (cu[0] == 0) & (cu[-1] == total) & (lens >= 0).all()
+        if max_name is not None and lens.numel():
+            ok = ok & (lens.max() <= max_seqlen)
+        torch._assert_async(ok, f"flashtx: {name} must start at 0, never decrease and end at {total_name} = "
+                                f"{total}" + (f", with no sequence longer than {max_name}" if max_name else ""))
+        return
+    allowed = f"cumulative sequence lengths starting at 0, non-decreasing, ending at {total_name} = {total}"
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0 ({allowed}); got {int(cu[0])}")
+    if lens.numel() and int(lens.min()) < 0:
+        i = int((lens < 0).nonzero()[0])
+        raise ValueError(f"{name} must be non-decreasing ({allowed}); got {name}[{i}] = {int(cu[i])} > "
+                         f"{name}[{i + 1}] = {int(cu[i + 1])}")
+    if int(cu[-1]) != total:
+        raise ValueError(f"{name}[-1] must equal {total_name} = {total} ({allowed}); got {int(cu[-1])}")
+    if max_name is not None and lens.numel():
+        longest = int(lens.max())
+        m = int(max_seqlen) if not isinstance(max_seqlen, torch.Tensor) or _values_readable(max_seqlen) else None
+        if m is None:
+            torch._assert_async(lens.max() <= max_seqlen, f"flashtx: {max_name} is less than the longest sequence")
+        elif longest > m:
+            i = int(lens.argmax())
+            raise ValueError(f"{max_name} = {m} is less than the longest sequence in {name} (sequence {i}: "
+                             f"{longest} rows); it must be at least {longest}")
 
 
 def check_max_seqlen(name: str, m):

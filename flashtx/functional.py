@@ -30,8 +30,9 @@ import torch
 
 from . import _attention_op  # noqa: F401  (registers the custom ops)
 from ._attention_op import attention_fwd, attention_probs
-from ._validate import (check_alibi, check_attn_mask, check_cu_seqlens, check_dropout, check_lens, check_max_seqlen,
-                        check_qkv, check_seq_mask, check_softcap, check_tensor, check_window, resolve_scale)
+from ._validate import (check_alibi, check_attn_mask, check_cu_seqlens, check_cu_seqlens_values, check_dropout,
+                        check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_softcap, check_tensor,
+                        check_window, resolve_scale)
 from .backends import NO_MASKS, AttentionInputs, AttentionMasks, select_backend
 
 LN2 = math.log(2.0)
@@ -165,7 +166,7 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
         return t[None, None]
     if t.dim() == 3:
         return t[None]
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])  # not -1: a size-0 dim makes -1 ambiguous
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -235,10 +236,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv): the sequences of the
             batch concatenated, no padding. Hq a multiple of Hkv.
         cu_seqlens_q, cu_seqlens_k: (nseq + 1,) int32 cumulative lengths, starting at 0 and ending
-            at total (sequence b is rows [cu[b], cu[b+1])). Not checked on the device (no sync).
-        max_seqlen_q, max_seqlen_k: the longest sequence, an int or a 0-dim integer tensor (read
-            at run time inside the op, so torch.compile traces through). It sizes the grid: too
-            small leaves rows unwritten.
+            at total (sequence b is rows [cu[b], cu[b+1])).
+        max_seqlen_q, max_seqlen_k: the longest sequence (or more), an int or a 0-dim integer
+            tensor (read at run time inside the op, so torch.compile traces through).
+        cu_seqlens and max_seqlen are checked: on CPU with a ValueError naming the bad entry; on
+            a GPU without a host sync, by a device-side assert (torch._assert_async) that stops
+            the program, as PyTorch's indexing does, rather than read out of bounds.
         causal, window_size: as flash_attn_func, aligned bottom-right per sequence.
         dropout_p, softcap, alibi_slopes ((Hq,) or (nseq, Hq)), softmax_scale, deterministic,
             backend: as flash_attn_func, per sequence.
@@ -246,8 +249,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             max_seqlen_k)), as flash-attn, for tests.
 
     Returns:
-        out (total_q, Hq, Dv) in q's dtype. cu_seqlens must end at total: rows past
-        cu_seqlens_q[-1] are not written (nor are their gradients), as in flash-attn.
+        out (total_q, Hq, Dv) in q's dtype.
 
     Example:
         >>> out = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
@@ -264,6 +266,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences; got shapes "
                          f"{tuple(cuq.shape)} and {tuple(cuk.shape)}")
     msq, msk = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    check_cu_seqlens_values("cu_seqlens_q", cuq, q.shape[0], "total_q (q.shape[0])", msq, "max_seqlen_q")
+    check_cu_seqlens_values("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])", msk, "max_seqlen_k")
     tensors = tuple(m if isinstance(m, torch.Tensor) else None for m in (msq, msk))
     masks = AttentionMasks(window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
                            max_seqlen_q=0 if tensors[0] is not None else msq,

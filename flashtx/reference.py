@@ -218,7 +218,7 @@ def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bo
     dt = q.dtype
     do, q, k, v, out = (_upcast(t) for t in (do, q, k, v, out))
     Hq, Hkv = q.shape[1], k.shape[1]
-    group = Hq // Hkv
+    group = Hq // Hkv if Hkv else 1  # 0 heads: nothing to repeat
     ke = k.repeat_interleave(group, dim=1) if group > 1 else k  # (B, Hq, Sk, D)
     ve = v.repeat_interleave(group, dim=1) if group > 1 else v
     kw = _spec_kwargs(spec, causal, bottom_right, q, k)

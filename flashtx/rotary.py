@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from ._validate import check_tensor
+from ._validate import check_cu_seqlens_values, check_tensor, has_internal_overlap, views_overlap
 from .backends import select_backend_for, triton_device_reasons
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -237,6 +237,14 @@ class _ClaimRotated(torch.autograd.Function):
 
 def _rotate_inplace(q4, k4, cos3, sin3, pos, interleaved: bool, backend: str, track: bool) -> None:
     """Rotate q4 (and k4) in place in one launch, recording the autograd history when `track`."""
+    for n, t in (("x" if k4 is None else "q", q4), ("k", k4)):
+        if t is not None and has_internal_overlap(t):
+            raise ValueError(f"inplace=True cannot rotate {n} in place: some of its elements share memory (a stride-0 "
+                             f"dim, e.g. from expand(); strides {t.stride()} for shape {tuple(t.shape)}); pass "
+                             f"inplace=False or {n}.contiguous()")
+    if k4 is not None and views_overlap(q4, k4):
+        raise ValueError("inplace=True needs q and k in separate memory, but they share elements (the same tensor, or "
+                         "overlapping slices of one); pass inplace=False")
     if not track:
         rotary_inplace_op(q4, k4, cos3, sin3, *pos, interleaved, False, backend)
         return
@@ -303,6 +311,8 @@ def _check_tables(cos, sin, x4: Tensor, nb: int, name: str) -> tuple[Tensor, Ten
     if cos.dim() not in (2, 3):
         raise ValueError(f"cos/sin must be (seqlen_ro, rotary_dim / 2) or (B, seqlen_ro, rotary_dim / 2); "
                          f"got shape {tuple(cos.shape)}")
+    if cos.shape[-2] == 0:
+        raise ValueError(f"cos/sin must hold at least one position (seqlen_ro >= 1); got shape {tuple(cos.shape)}")
     if cos.dim() == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
     if cos.shape[0] not in (1, nb):
@@ -323,6 +333,7 @@ def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
         if max_seqlen is None:  # one device sync; pass max_seqlen to avoid it
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if nb > 0 else 0
         max_seqlen = _check_int("max_seqlen", max_seqlen)
+        check_cu_seqlens_values("cu_seqlens", cu_seqlens, x4.shape[1], "total (x.shape[0])", max_seqlen, "max_seqlen")
         seq = max_seqlen
     else:
         if max_seqlen is not None:

@@ -10,6 +10,8 @@ memory in backward, but after backward those inputs hold gradients, not their va
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 import torch
@@ -75,15 +77,15 @@ SWIGLU_BACKENDS = {"triton": SwigluTriton(), "reference": SwigluReference()}
 
 def _rows(t: Tensor) -> Tensor:
     """(..., H) -> (M, H): a view whenever strides allow (always for the packed halves of a 2-D x)."""
-    return t.reshape(-1, t.shape[-1])
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: a size-0 dim makes -1 ambiguous
 
 
 def _rows_inplace(t: Tensor, write) -> None:
     """Run write(rows) on an (M, H) view of t, or on a copy that is copied back into t."""
     try:
-        rows = t.view(-1, t.shape[-1])
+        rows = t.view(math.prod(t.shape[:-1]), t.shape[-1])
     except RuntimeError:  # strides do not allow a flat view: work on a copy
-        rows = t.reshape(-1, t.shape[-1]).clone()
+        rows = _rows(t).clone()
         write(rows)
         t.copy_(rows.view(t.shape))
         return

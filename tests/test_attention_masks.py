@@ -436,7 +436,7 @@ ERRORS = [
      r"cu_seqlens_q must be an int32 tensor \(as flash-attn\); got dtype torch.int64"),
     ("cu-shape", lambda: _varlen(cu_seqlens_k=torch.zeros(2, 3, dtype=torch.int32)), ValueError,
      r"cu_seqlens_k must have shape \(nseq \+ 1,\).*got shape \(2, 3\)"),
-    ("cu-nseq-differ", lambda: _varlen(cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32)), ValueError,
+    ("cu-nseq-differ", lambda: _varlen(cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)), ValueError,
      r"same number of sequences; got shapes \(3,\) and \(2,\)"),
     ("max-seqlen", lambda: _varlen(max_seqlen_q=-1), ValueError, r"max_seqlen_q must be an int >= 0"),
     ("max-seqlen-tensor", lambda: _varlen(max_seqlen_k=torch.tensor([6, 6])), TypeError,
@@ -454,6 +454,49 @@ ERRORS = [
 def test_bad_mask_arguments_get_a_clear_error(make_call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         make_call()
+
+
+# Bad cu_seqlens / max_seqlen values (10 packed rows: sequences [0, 4) and [4, 10), longest 6). On
+# CPU tensors (in both test modes: on a GPU these are checked by a device-side assert, which would
+# end the test process) they get a ValueError naming the entry; before this check they read and
+# wrote out of bounds or left rows unwritten.
+CU_VALUE_ERRORS = [
+    ("cu-past-end", dict(cu_seqlens_q=[0, 4, 20]), r"cu_seqlens_q\[-1\] must equal total_q \(q.shape\[0\]\) = 10.*got 20"),
+    ("cu-short-of-end", dict(cu_seqlens_k=[0, 4, 9]), r"cu_seqlens_k\[-1\] must equal total_k \(k.shape\[0\]\) = 10.*got 9"),
+    ("cu-negative-start", dict(cu_seqlens_q=[-4, 4, 10]), r"cu_seqlens_q\[0\] must be 0 .*got -4"),
+    ("cu-decreasing", dict(cu_seqlens_k=[0, 7, 3, 10]), r"cu_seqlens_k must be non-decreasing.*"
+     r"got cu_seqlens_k\[1\] = 7 > cu_seqlens_k\[2\] = 3"),
+    ("max-seqlen-q-small", dict(max_seqlen_q=5), r"max_seqlen_q = 5 is less than the longest sequence in "
+     r"cu_seqlens_q \(sequence 1: 6 rows\); it must be at least 6"),
+    ("max-seqlen-k-small-tensor", dict(max_seqlen_k=torch.tensor(2)), r"max_seqlen_k = 2 is less than the longest"),
+]
+
+
+@pytest.mark.parametrize("bad,pattern", [e[1:] for e in CU_VALUE_ERRORS], ids=[e[0] for e in CU_VALUE_ERRORS])
+def test_bad_cu_seqlens_values_get_a_clear_error(bad, pattern):
+    q, k, v = (torch.randn(10, 2, 16, dtype=torch.float64) for _ in range(3))
+    args = dict(cu_seqlens_q=[0, 4, 10], cu_seqlens_k=[0, 4, 10], max_seqlen_q=6, max_seqlen_k=6) | bad
+    if "cu_seqlens_k" in bad and len(bad["cu_seqlens_k"]) == 4:
+        args["cu_seqlens_q"] = [0, 4, 6, 10]
+    for n in ("cu_seqlens_q", "cu_seqlens_k"):
+        args[n] = torch.tensor(args[n], dtype=torch.int32)
+    with pytest.raises(ValueError, match=pattern):
+        flashtx.flash_attn_varlen_func(q, k, v, **args)
+
+
+def test_cu_seqlens_values_are_checked_on_device_without_a_sync(monkeypatch):
+    """Where values cannot be read for free (CUDA tensors, torch.compile), the same checks run
+    through torch._assert_async: on CPU it raises at once, which is what this shows."""
+    import flashtx._validate as validate
+
+    monkeypatch.setattr(validate, "_values_readable", lambda t: False)
+    q, k, v = (torch.randn(10, 2, 16, dtype=torch.float64) for _ in range(3))
+    good = torch.tensor([0, 4, 10], dtype=torch.int32)
+    flashtx.flash_attn_varlen_func(q, k, v, good, good, 6, 6)  # passes
+    for cu, m in (([0, 4, 20], 6), ([0, 7, 3], 7), ([0, 4, 10], 5)):
+        with pytest.raises(RuntimeError, match="flashtx: cu_seqlens_q must start at 0, never decrease and end at "
+                                               "total_q"):
+            flashtx.flash_attn_varlen_func(q, k, v, torch.tensor(cu, dtype=torch.int32), good, m, 6)
 
 
 def test_reference_backend_takes_every_mask():

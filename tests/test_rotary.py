@@ -437,6 +437,13 @@ def test_out_of_range_positions_give_nan_on_every_backend():
         assert torch.isfinite(out[0, 0]).all() and torch.isnan(out[0, 1:]).all(), backend
 
 
+def test_rotary_embedding_with_only_negative_position_ids_gives_nan():
+    """RotaryEmbedding sized its table max(position_ids) + 1 = 0 rows here, and the kernel read row 0."""
+    x = randn(1, 3, 1, 8)
+    out = flashtx.nn.RotaryEmbedding(8)(x, position_ids=torch.tensor([[-5, -2, -1]], device=DEVICE))
+    assert torch.isnan(out).all()
+
+
 def test_backends_agree_and_bf16_falls_back():
     cos, sin = tables(8, 4)
     x = randn(2, 8, 3, 8, dtype=torch.float64)
@@ -539,6 +546,23 @@ ERRORS = {
                   ValueError, "cover the sequence length 4"),
     "hf_cos_sin_shapes": (lambda c, s: flashtx.apply_rotary_pos_emb(_x(), _x(), c[None, :4], s[None, :4, :2],
                                                                     unsqueeze_dim=2), ValueError, "same shape"),
+    # an empty table was read at row 0 (a crash); bad cu_seqlens read and wrote out of bounds
+    "cos_no_positions": (lambda c, s: flashtx.apply_rotary(_x(), c[:0], s[:0], position_ids=torch.zeros(
+        2, 4, dtype=torch.int64, device=DEVICE)), ValueError, r"at least one position \(seqlen_ro >= 1\); got shape \(0, 4\)"),
+    # cu_seqlens values are checked on CPU tensors (on a GPU by a device-side assert): CPU inputs in both modes
+    "cu_seqlens_past_end": (lambda c, s: flashtx.apply_rotary(torch.randn(10, 3, 8), c.cpu(), s.cpu(),
+                                                              cu_seqlens=torch.tensor([0, 3, 8, 40])),
+                            ValueError, r"cu_seqlens\[-1\] must equal total \(x.shape\[0\]\) = 10.*got 40"),
+    "cu_seqlens_max_seqlen_small": (lambda c, s: flashtx.apply_rotary(
+        torch.randn(6, 3, 8), c.cpu(), s.cpu(), cu_seqlens=torch.tensor([0, 1, 6]), max_seqlen=4), ValueError,
+        r"max_seqlen = 4 is less than the longest sequence in cu_seqlens \(sequence 1: 5 rows\)"),
+    # in place over shared memory rotated some elements twice
+    "inplace_q_is_k": (lambda c, s: (lambda x: flashtx.apply_rotary_qk(x, x, c, s, inplace=True))(_x()), ValueError,
+                       "inplace=True needs q and k in separate memory"),
+    "inplace_overlapping_heads": (lambda c, s: (lambda x: flashtx.apply_rotary_qk(
+        x[:, :, :2], x[:, :, 1:], c, s, inplace=True))(_x()), ValueError, "needs q and k in separate memory"),
+    "inplace_expanded": (lambda c, s: flashtx.apply_rotary(randn(2, 4, 1, 8).expand(2, 4, 3, 8), c, s, inplace=True),
+                         ValueError, r"cannot rotate x in place: .*stride-0 dim.*strides \(32, 8, 0, 1\)"),
 }
 
 

@@ -15,7 +15,7 @@ def eager_swiglu(g, u):
     return F.silu(g) * u
 
 
-SHAPES = {"rows0": (0, 8), "one": (1, 1), "row1_h37": (1, 37), "3d_5x3x40": (5, 3, 40), "odd_17x33": (17, 33)}
+SHAPES = {"rows0": (0, 8), "cols0": (4, 0), "one": (1, 1), "row1_h37": (1, 37), "3d_5x3x40": (5, 3, 40), "odd_17x33": (17, 33)}
 
 
 def make_inputs(shape, dtype, layout):
@@ -52,7 +52,7 @@ def test_swiglu_matches_eager(dtype, layout, shape):
     assert_close_to_reference("dup", du, u64.grad, ue.grad, grad=True)
 
 
-PACKED_SHAPES = {"rows0": (0, 8), "one": (1, 2), "3d_4x3x26": (4, 3, 26), "odd_h_9x66": (9, 66)}
+PACKED_SHAPES = {"rows0": (0, 8), "cols0": (4, 0), "one": (1, 2), "3d_4x3x26": (4, 3, 26), "odd_h_9x66": (9, 66)}
 
 
 @pytest.mark.parametrize("shape", PACKED_SHAPES.values(), ids=PACKED_SHAPES.keys())

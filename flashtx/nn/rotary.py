@@ -166,7 +166,8 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def _needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout) -> int:
         if position_ids is not None:
-            return int(position_ids.max()) + 1 if position_ids.numel() else 1
+            # at least 1 row: negative ids are out of range (NaN rows), not a reason for an empty table
+            return max(int(position_ids.max()) + 1, 1) if position_ids.numel() else 1
         if cu_seqlens is not None:
             seq = max_seqlen if max_seqlen is not None else (
                 int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0)
