@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -259,28 +260,49 @@ def main(argv=None) -> int:
     print(f"GPU {name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
           f"{props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, triton {triton.__version__}, "
           f"flashtx {flashtx.__version__}, {results['date']}")
+    runners = {"ceilings": lambda: ceilings(results) or True, "correctness": lambda: check_correctness(results),
+               "memory": lambda: check_memory(results), "speed": lambda: speed_table(results) or True}
+    unknown = [sec for sec in sections if sec not in runners]
+    if unknown:
+        print(f"unknown sections {unknown}; allowed: {list(runners)}")
+        return 2
     ok = True
     t0 = time.time()
-    for section in sections:
-        t = time.time()
-        if section == "ceilings":
-            ceilings(results)
-        elif section == "correctness":
-            ok &= check_correctness(results)
-        elif section == "memory":
-            ok &= check_memory(results)
-        elif section == "speed":
-            speed_table(results)
-        else:
-            print(f"unknown section {section!r}")
-            return 2
-        print(f"({section}: {time.time() - t:.0f} s)")
-    results["pass"] = ok
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    try:
+        for section in sections:
+            t = time.time()
+            results["pass"] = None  # until every section has run
+            try:
+                ok &= bool(runners[section]())
+            except Exception as exc:  # record it and go on: one section's failure must not hide the others
+                ok = False
+                results.setdefault("errors", {})[section] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
+                print(f"{section}: FAILED with {results['errors'][section]}")
+                harness.free_memory()
+            print(f"({section}: {time.time() - t:.0f} s)")
+            _write(args.json, results)  # after every section: a timeout (SIGINT) keeps what was measured
+        results["pass"] = ok
+    finally:  # also on KeyboardInterrupt (the device script's timeout sends SIGINT)
+        _write(args.json, results)
     print(f"\ngpu_checks: {'PASS' if ok else 'FAIL'} in {time.time() - t0:.0f} s")
     return 0 if ok else 1
+
+
+def _json_safe(x):
+    """NaN/inf as strings (strict JSON has neither); recursively through dicts and lists."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _write(path, results: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(_json_safe(results), f, indent=1, allow_nan=False)
 
 
 if __name__ == "__main__":

@@ -180,3 +180,43 @@ def test_report_models_table_tokens_per_s_and_ratios():
     assert "| synthetic-gpt | bfloat16 | 4 | 8192 | 32768 | 65,536 | OOM | - | OOM | - | 1000 / OOM / - |" in md
     # the other tables are untouched by model records
     assert "## Attention\n" not in md and "## Attention variants" not in md
+
+
+def test_gpu_checks_keeps_its_json_when_a_section_fails_or_is_interrupted(tmp_path, monkeypatch):
+    """bench.gpu_checks writes its JSON after every section and when interrupted (the device
+    script's timeout sends SIGINT); a failing section is recorded and the next one still runs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench import gpu_checks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(major=9, minor=0, multi_processor_count=132, total_memory=2**37))
+    monkeypatch.setattr(gpu_checks.harness, "gpu_name", lambda: "FAKE-GPU (tests/test_bench_report.py)")
+    monkeypatch.setattr(gpu_checks.harness, "free_memory", lambda: None)
+    monkeypatch.setattr(gpu_checks, "ceilings", lambda r: r.update(ceilings={"copy_gbs": float("nan")}))
+
+    def planted(results):
+        raise RuntimeError("planted failure")
+    monkeypatch.setattr(gpu_checks, "check_correctness", planted)
+    monkeypatch.setattr(gpu_checks, "check_memory", lambda r: r.update(memory_linear=True) or True)
+
+    def strict(path):  # strict JSON: no bare NaN
+        return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+
+    out = tmp_path / "gpu_checks.json"
+    assert gpu_checks.main(["--json", str(out), "--sections", "ceilings,correctness,memory"]) == 1
+    data = strict(out)
+    assert data["pass"] is False and data["errors"] == {"correctness": "RuntimeError: planted failure"}
+    assert data["ceilings"] == {"copy_gbs": "nan"} and data["memory_linear"] is True  # the section after ran
+
+    def interrupted(results):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gpu_checks, "check_memory", interrupted)
+    out.unlink()
+    with pytest.raises(KeyboardInterrupt):
+        gpu_checks.main(["--json", str(out), "--sections", "ceilings,memory"])
+    data = strict(out)
+    assert data["pass"] is None and data["ceilings"] == {"copy_gbs": "nan"}
