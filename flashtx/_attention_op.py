@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._validate import refuse_double_backward
 from .backends import BACKENDS, AttentionMasks
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
@@ -157,6 +158,8 @@ def _backward(ctx, dout, dlse2):
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+refuse_double_backward(attention_bwd, "attention",
+                       "torch.nn.functional.scaled_dot_product_attention or flashtx.reference.attention")
 
 
 @attention_probs.register_fake

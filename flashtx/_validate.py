@@ -292,3 +292,18 @@ def check_alibi(name: str, slopes, B: int, H: int, q) -> torch.Tensor | None:
     if slopes.device != q.device:
         raise ValueError(f"{name} must be on the inputs' device {q.device}; got {slopes.device}")
     return slopes.reshape(-1, H).contiguous()
+
+
+def refuse_double_backward(op, what: str, instead: str) -> None:
+    """Give a backward custom op an autograd formula that refuses clearly: differentiating it
+    (double backward, e.g. create_graph=True for a gradient penalty) is not implemented, and
+    torch's own message would tell the user to register a formula."""
+    def setup_context(ctx, inputs, output):
+        pass
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"flashtx: {what} has no double backward (a gradient of its gradients, e.g. "
+                                  f"autograd.grad(..., create_graph=True) then backward); for that part use {instead}")
+
+    op.register_autograd(backward, setup_context=setup_context)
+

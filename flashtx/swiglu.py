@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from ._validate import check_tensor
+from ._validate import check_tensor, refuse_double_backward
 from .backends import select_backend_for, triton_device_reasons
 
 
@@ -154,6 +154,7 @@ def _backward(ctx, dout):
 
 
 swiglu_op.register_autograd(_backward, setup_context=_setup)
+refuse_double_backward(swiglu_bwd_op, "swiglu", "torch.nn.functional.silu(gate) * up")
 
 
 @torch.library.custom_op("flashtx::swiglu_packed", mutates_args=())
@@ -215,6 +216,7 @@ def _backward_packed(ctx, dout):
 
 
 swiglu_packed_op.register_autograd(_backward_packed, setup_context=_setup_packed)
+refuse_double_backward(swiglu_packed_bwd_op, "swiglu_packed", "silu(x[..., :H]) * x[..., H:] in eager PyTorch")
 
 
 # ----------------------------------------------------------------------------------- public API
