@@ -3,7 +3,7 @@ import re
 
 import pytest
 import torch
-from conftest import DEVICE, ON_GPU, randn
+from conftest import DEVICE, ON_GPU, PRECISE_DTYPE, precise_atol, randn, to_dtype
 
 import flashtx
 from flashtx import backends
@@ -17,7 +17,8 @@ def qkv(b=2, hq=4, hkv=4, sq=8, sk=8, d=16, dv=None, dtype=torch.float32, device
 # (id, callable producing the call, expected exception, regex the message must match)
 ERROR_CASES = [
     ("not-a-tensor", lambda: flashtx.attention([1.0], *qkv()[1:]), TypeError, r"query must be a torch\.Tensor"),
-    ("integer-dtype", lambda: flashtx.attention(torch.ones(1, 1, 4, 8, dtype=torch.int64), *qkv(1, 1, 1, 4, 4, 8)[1:]),
+    ("integer-dtype", lambda: flashtx.attention(torch.ones(1, 1, 4, 8, dtype=torch.int64, device=DEVICE),
+                                                *qkv(1, 1, 1, 4, 4, 8)[1:]),
      TypeError, r"query has dtype torch\.int64; allowed: float16, bfloat16, float32"),
     ("mixed-dtypes", lambda: flashtx.attention(qkv()[0].half(), *qkv()[1:]), TypeError,
      r"query, key, value must have one dtype; got torch\.float16, torch\.float32"),
@@ -45,17 +46,19 @@ ERROR_CASES = [
     ("scale-nan", lambda: flashtx.attention(*qkv(), scale=float("nan")), ValueError, r"scale must be finite"),
     ("bad-backend", lambda: flashtx.attention(*qkv(), backend="cudnn"), ValueError,
      r"backend must be None or one of \['cuda', 'reference', 'triton'\]; got 'cudnn'"),
-    ("attn-mask-shape", lambda: flashtx.attention(*qkv(), attn_mask=torch.ones(3, 8, 8, dtype=torch.bool)),
+    ("attn-mask-shape", lambda: flashtx.attention(*qkv(), attn_mask=torch.ones(3, 8, 8, dtype=torch.bool,
+                                                                               device=DEVICE)),
      ValueError, r"attn_mask of shape \(3, 8, 8\) cannot broadcast to the attention scores' shape \(2, 4, 8, 8\).*"
                  r"query \(2, 4, 8, 16\) and key \(2, 4, 8, 16\)"),
-    ("attn-mask-too-many-dims", lambda: flashtx.attention(*qkv(), attn_mask=torch.ones(1, 2, 4, 8, 8)), ValueError,
-     r"attn_mask of shape \(1, 2, 4, 8, 8\) cannot broadcast"),
-    ("attn-mask-dtype", lambda: flashtx.attention(*qkv(), attn_mask=torch.ones(8, 8, dtype=torch.int32)), TypeError,
+    ("attn-mask-too-many-dims", lambda: flashtx.attention(*qkv(), attn_mask=torch.ones(1, 2, 4, 8, 8, device=DEVICE)),
+     ValueError, r"attn_mask of shape \(1, 2, 4, 8, 8\) cannot broadcast"),
+    ("attn-mask-dtype", lambda: flashtx.attention(*qkv(), attn_mask=torch.ones(8, 8, dtype=torch.int32,
+                                                                               device=DEVICE)), TypeError,
      r"attn_mask must be a bool tensor \(True = attend\) or a float tensor.*got dtype torch.int32"),
     ("attn-mask-type", lambda: flashtx.attention(*qkv(), attn_mask=[[True]]), TypeError,
      r"attn_mask must be None or a bool/float tensor broadcastable to \(2, 4, 8, 8\); got list"),
     ("attn-bias-shape", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()),
-                                                        attn_bias=torch.zeros(2, 8, 4, 8)),
+                                                        attn_bias=torch.zeros(2, 8, 4, 8, device=DEVICE)),
      ValueError, r"attn_bias of shape \(2, 8, 4, 8\) cannot broadcast to the attention scores' shape "
                  r"\(2, 4, 8, 8\)"),
     ("dropout-range", lambda: flashtx.attention(*qkv(), dropout_p=1.0), ValueError,
@@ -67,9 +70,9 @@ ERROR_CASES = [
     ("softcap", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()), softcap=-1.0),
      ValueError, r"softcap must be a finite float >= 0 \(0 = off\); got -1.0"),
     ("alibi-dtype", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()),
-                                                    alibi_slopes=torch.ones(4, dtype=torch.float64)),
+                                                    alibi_slopes=torch.ones(4, dtype=torch.float64, device=DEVICE)),
      TypeError, r"alibi_slopes must be float32 .*got torch.float64"),
-    ("alibi-shape", lambda: flashtx.attention(*qkv(), alibi_slopes=torch.ones(3)),
+    ("alibi-shape", lambda: flashtx.attention(*qkv(), alibi_slopes=torch.ones(3, device=DEVICE)),
      ValueError, r"alibi_slopes must have shape \(nheads,\) = \(4,\) or \(batch, nheads\) = \(2, 4\); got \(3,\)"),
 ]
 
@@ -147,14 +150,16 @@ def test_reference_and_triton_backends_agree(backend):
     q, k, v = qkv(b=1, hq=4, hkv=2, sq=37, sk=53, d=24, dtype=torch.float64)
     for t in (q, k, v):
         t.requires_grad_(True)
-    out = flashtx.attention(q, k, v, is_causal=True, enable_gqa=True, backend=backend)
-    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    # the Triton kernels take float64 in the interpreter only: on a GPU they get float32 copies
+    ins = to_dtype(PRECISE_DTYPE, q, k, v) if backend == "triton" and PRECISE_DTYPE != q.dtype else (q, k, v)
+    out = flashtx.attention(*ins, is_causal=True, enable_gqa=True, backend=backend)
+    grads = torch.autograd.grad(out.sum(), ins)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
-    atol = 1e-12 if DEVICE == "cpu" else 1e-5
-    assert torch.allclose(out, ref, atol=atol)
+    atol = precise_atol(1e-12)
+    assert torch.allclose(out.double(), ref, atol=atol)
     for g, r in zip(grads, ref_grads):
-        assert torch.allclose(g, r, atol=atol)
+        assert torch.allclose(g.double(), r, atol=atol)
 
 
 def test_torch_compile_fullgraph_has_no_graph_breaks():
@@ -184,8 +189,8 @@ def test_flash_attn_shell_defaults_match_flash_attn_semantics():
     torch.manual_seed(6)
     q, k, v = (randn(1, s, 2, 16, dtype=torch.float64) for s in (5, 9, 9))
     out = flashtx.flash_attn_func(q, k, v, causal=True, deterministic=True)
-    i = torch.arange(5)[:, None]
-    j = torch.arange(9)[None, :]
+    i = torch.arange(5, device=DEVICE)[:, None]
+    j = torch.arange(9, device=DEVICE)[None, :]
     mask = j <= i + 4  # bottom-right: last query sees every key
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                            attn_mask=mask)

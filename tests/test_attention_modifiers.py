@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import (DEVICE, KERNEL_DTYPES, ON_GPU, assert_close_to_reference, dtype_id, gradcheck_each_input,
-                      poisoned_allocations, randn, to64, to_dtype)
+from conftest import (DEVICE, KERNEL_DTYPES, ON_GPU, PRECISE_DTYPE, assert_close_to_reference, dtype_id,
+                      gradcheck_each_input, poisoned_allocations, precise_atol, randn, to64, to_dtype)
 
 import flashtx
 from flashtx import reference
@@ -150,7 +150,7 @@ def test_dropout_kept_fraction_is_within_statistical_bounds(p):
 def test_dropout_equals_reference_with_the_kernels_own_mask(causal, extra):
     """out and dq/dk/dv equal reference attention computed with the dropout mask that
     return_attn_probs reports (the same draw in forward, backward and the probabilities)."""
-    q, k, v = _flash_qkv()
+    q, k, v = _flash_qkv(dtype=PRECISE_DTYPE)  # float64 through the kernels in the interpreter, float32 on a GPU
     p = 0.25
     kw, ref_kw = {}, {}
     vis_kw = {}
@@ -161,7 +161,7 @@ def test_dropout_equals_reference_with_the_kernels_own_mask(causal, extra):
         vis_kw = dict(window=(15, -1), key_mask=km)
         ref_kw = dict(softcap=3.0, alibi=reference.alibi_bias(slopes, q.shape[1], k.shape[1], device=DEVICE))
     elif extra == "attn_bias":
-        bias = randn(1, HQ, q.shape[1], k.shape[1], dtype=torch.float64, requires_grad=True)
+        bias = randn(1, HQ, q.shape[1], k.shape[1], dtype=PRECISE_DTYPE, requires_grad=True)
         kw, ref_kw = dict(attn_bias=bias), dict(bias=bias)
     torch.manual_seed(46)
     out, lse, probs = flashtx.flash_attn_func(q, k, v, dropout_p=p, causal=causal, return_attn_probs=True,
@@ -174,25 +174,30 @@ def test_dropout_equals_reference_with_the_kernels_own_mask(causal, extra):
     keep = probs >= 0  # (B, H, Sq, Sk); invisible entries are 0 (kept or not: P = 0 there)
     vis = reference.visibility(q.shape[1], k.shape[1], batch=B, causal=causal, bottom_right=True, device=DEVICE,
                                **vis_kw)
-    ref = reference.attention(*(t.transpose(1, 2) for t in (q, k, v)), vis=vis, keep=keep, dropout_p=p,
+    ref_leaves = leaves if PRECISE_DTYPE == torch.float64 else list(to64(*leaves))  # the reference in float64
+    if "attn_bias" in kw:
+        ref_kw = dict(bias=ref_leaves[3])
+    ref = reference.attention(*(t.transpose(1, 2) for t in ref_leaves[:3]), vis=vis, keep=keep, dropout_p=p,
                               **ref_kw).transpose(1, 2)
-    ref_grads = torch.autograd.grad(ref, leaves, torch.ones_like(ref))
-    assert torch.allclose(out, ref, atol=1e-12)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
+    assert torch.allclose(out.double(), ref, atol=precise_atol(1e-12))
     for a, b in zip(grads, ref_grads):
-        assert torch.allclose(a, b, atol=1e-11)
+        assert torch.allclose(a.double(), b, atol=precise_atol(1e-11))
     dropped = (probs < 0) & vis[:, None]
     assert 0.15 < dropped.sum() / vis[:, None].expand_as(probs).sum() < 0.35  # about p of the visible entries
 
 
 def test_return_attn_probs_without_dropout_are_the_softmax():
-    q, k, v = _flash_qkv(sq=30, sk=41, requires_grad=False)
+    q, k, v = _flash_qkv(sq=30, sk=41, dtype=PRECISE_DTYPE, requires_grad=False)  # float32 on a GPU
     out, lse, probs = flashtx.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, backend="triton")
+    q, k, v = (t.double() for t in (q, k, v))  # the reference in float64
     ref_out, ref_lse = reference.attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, bottom_right=True,
                                            return_lse=True)
-    eye = torch.eye(41, dtype=torch.float64).expand(B, HKV, 41, 41)
+    eye = torch.eye(41, dtype=torch.float64, device=DEVICE).expand(B, HKV, 41, 41)
     ref_p = reference.attention(q.transpose(1, 2), k.transpose(1, 2), eye, causal=True, bottom_right=True)
-    assert probs.shape == (B, HQ, 30, 41) and torch.allclose(probs, ref_p, atol=1e-13)
-    assert torch.allclose(lse, ref_lse, atol=1e-12) and torch.allclose(out, ref_out.transpose(1, 2), atol=1e-12)
+    assert probs.shape == (B, HQ, 30, 41) and torch.allclose(probs.double(), ref_p, atol=precise_atol(1e-13))
+    assert torch.allclose(lse.double(), ref_lse, atol=precise_atol(1e-12))
+    assert torch.allclose(out.double(), ref_out.transpose(1, 2), atol=precise_atol(1e-12))
 
 
 @pytest.mark.skipif(ON_GPU, reason="float64 Triton kernels run only in the interpreter")
@@ -210,7 +215,8 @@ def test_dropout_in_the_sdpa_shell_and_the_reference_backend():
     """dropout_p in flashtx.attention: applied (differs from p=0), scaled by 1/(1-p) (the mean output
     matches), reproducible; the reference backend honours it too (with its own generator)."""
     torch.manual_seed(48)
-    q, k, v = (randn(1, 2, 64, 16, dtype=torch.float64) for _ in range(3))
+    # float64 through the kernels in the interpreter, float32 on a GPU: every check below holds in either
+    q, k, v = (randn(1, 2, 64, 16, dtype=PRECISE_DTYPE) for _ in range(3))
     v = v + 3.0  # a mean far from 0, so the 1/(1-p) rescaling shows
     base = flashtx.attention(q, k, v, backend="triton")
     for backend in ("triton", "reference"):

@@ -6,7 +6,8 @@ same-dtype baseline for the tolerance rule is the real-arithmetic formula in the
 """
 import pytest
 import torch
-from conftest import (DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, poisoned_allocations, randn)
+from conftest import (DEVICE, KERNEL_DTYPES, PRECISE_DTYPE, assert_close_to_reference, dtype_id, poisoned_allocations,
+                      precise_atol, randn)
 
 import flashtx
 from flashtx import BackendNotSupported
@@ -260,7 +261,7 @@ def test_inplace_matches_out_of_place(dtype, which):
             outs = (flashtx.apply_rotary(ins[0], cos, sin, inplace=inplace, **kw),)
         if inplace:
             assert all(o is i for o, i in zip(outs, ins)), "in-place must return its inputs"
-        gs = [torch.ones_like(o) * torch.arange(o.shape[-1], dtype=o.dtype) for o in outs]
+        gs = [torch.ones_like(o) * torch.arange(o.shape[-1], dtype=o.dtype, device=DEVICE) for o in outs]
         return [o.detach() for o in outs], torch.autograd.grad(outs, leaves, gs)
 
     outs, grads = run(False)
@@ -446,10 +447,10 @@ def test_rotary_embedding_with_only_negative_position_ids_gives_nan():
 
 def test_backends_agree_and_bf16_falls_back():
     cos, sin = tables(8, 4)
-    x = randn(2, 8, 3, 8, dtype=torch.float64)
+    x = randn(2, 8, 3, 8, dtype=PRECISE_DTYPE)  # float64 through the kernel in the interpreter, float32 on a GPU
     a = flashtx.apply_rotary(x, cos, sin, backend="triton", interleaved=True, seqlen_offsets=0)
     b = flashtx.apply_rotary(x, cos, sin, backend="reference", interleaved=True)
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    torch.testing.assert_close(a, b, rtol=0, atol=precise_atol(1e-14))
     xb = x.to(torch.bfloat16)
     if DEVICE == "cpu":
         with pytest.raises(BackendNotSupported, match="bfloat16"):
@@ -478,8 +479,8 @@ def _x():
 
 ERRORS = {
     "x_not_tensor": (lambda c, s: flashtx.apply_rotary([1.0], c, s), TypeError, "x must be a torch.Tensor"),
-    "x_int": (lambda c, s: flashtx.apply_rotary(torch.ones(2, 4, 3, 8, dtype=torch.int32), c, s), TypeError,
-              "x has dtype torch.int32"),
+    "x_int": (lambda c, s: flashtx.apply_rotary(torch.ones(2, 4, 3, 8, dtype=torch.int32, device=DEVICE), c, s),
+              TypeError, "x has dtype torch.int32"),
     "x_3d": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s), ValueError, r"4-D \(B, S, H, D\)"),
     "bad_layout": (lambda c, s: flashtx.apply_rotary(_x(), c, s, layout="sbhd"), ValueError, "layout must be"),
     "cos_sin_shapes": (lambda c, s: flashtx.apply_rotary(_x(), c, s[:, :2]), ValueError, "same shape"),
@@ -494,39 +495,45 @@ ERRORS = {
     "offsets_float": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=1.5), TypeError,
                       "seqlen_offsets must be an int"),
     "offsets_negative": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=-1), ValueError, ">= 0"),
-    "offsets_tensor_shape": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=torch.zeros(3).long()),
-                             ValueError, r"seqlen_offsets must have shape \(2,\)"),
-    "offsets_tensor_dtype": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=torch.zeros(2)),
-                             TypeError, "seqlen_offsets has dtype torch.float32"),
-    "position_ids_shape": (lambda c, s: flashtx.apply_rotary(_x(), c, s, position_ids=torch.zeros(2, 5).long()),
-                           ValueError, r"position_ids must have shape \(2, 4\) or \(1, 4\)"),
-    "position_ids_dtype": (lambda c, s: flashtx.apply_rotary(_x(), c, s, position_ids=torch.zeros(2, 4)),
-                           TypeError, "position_ids has dtype"),
+    "offsets_tensor_shape": (lambda c, s: flashtx.apply_rotary(
+        _x(), c, s, seqlen_offsets=torch.zeros(3, device=DEVICE).long()), ValueError,
+        r"seqlen_offsets must have shape \(2,\)"),
+    "offsets_tensor_dtype": (lambda c, s: flashtx.apply_rotary(
+        _x(), c, s, seqlen_offsets=torch.zeros(2, device=DEVICE)), TypeError, "seqlen_offsets has dtype torch.float32"),
+    "position_ids_shape": (lambda c, s: flashtx.apply_rotary(
+        _x(), c, s, position_ids=torch.zeros(2, 5, device=DEVICE).long()), ValueError,
+        r"position_ids must have shape \(2, 4\) or \(1, 4\)"),
+    "position_ids_dtype": (lambda c, s: flashtx.apply_rotary(
+        _x(), c, s, position_ids=torch.zeros(2, 4, device=DEVICE)), TypeError, "position_ids has dtype"),
     "offsets_and_position_ids": (lambda c, s: flashtx.apply_rotary(
-        _x(), c, s, seqlen_offsets=1, position_ids=torch.zeros(2, 4).long()), ValueError, "not both"),
-    "varlen_4d": (lambda c, s: flashtx.apply_rotary(_x(), c, s, cu_seqlens=torch.tensor([0, 4])), ValueError,
-                  r"3-D \(total, H, D\)"),
-    "varlen_layout": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4]),
-                                                        layout="bhsd"), ValueError, "layout must be 'bshd'"),
-    "cu_seqlens_dtype": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0., 4.])),
-                         TypeError, "cu_seqlens has dtype"),
+        _x(), c, s, seqlen_offsets=1, position_ids=torch.zeros(2, 4, device=DEVICE).long()), ValueError, "not both"),
+    "varlen_4d": (lambda c, s: flashtx.apply_rotary(_x(), c, s, cu_seqlens=torch.tensor([0, 4], device=DEVICE)),
+                  ValueError, r"3-D \(total, H, D\)"),
+    "varlen_layout": (lambda c, s: flashtx.apply_rotary(
+        randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4], device=DEVICE), layout="bhsd"), ValueError,
+        "layout must be 'bshd'"),
+    "cu_seqlens_dtype": (lambda c, s: flashtx.apply_rotary(
+        randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0., 4.], device=DEVICE)), TypeError, "cu_seqlens has dtype"),
     "varlen_position_ids_shape": (lambda c, s: flashtx.apply_rotary(
-        randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4]), position_ids=torch.zeros(1, 4).long()),
+        randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4], device=DEVICE),
+        position_ids=torch.zeros(1, 4, device=DEVICE).long()),
         ValueError, r"position_ids must have shape \(4,\)"),
     "cu_seqlens_list": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=[0, 4]), TypeError,
                         "cu_seqlens must be a torch.Tensor"),
-    "cu_seqlens_empty": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=torch.zeros(0).int()),
-                         ValueError, r"cu_seqlens must have shape \(nseq \+ 1,\)"),
+    "cu_seqlens_empty": (lambda c, s: flashtx.apply_rotary(
+        randn(4, 3, 8), c, s, cu_seqlens=torch.zeros(0, device=DEVICE).int()), ValueError,
+        r"cu_seqlens must have shape \(nseq \+ 1,\)"),
     "position_ids_list": (lambda c, s: flashtx.apply_rotary(_x(), c, s, position_ids=[[0, 1, 2, 3]]), TypeError,
                           "position_ids must be a torch.Tensor"),
     "offsets_other_device": (lambda c, s: flashtx.apply_rotary(_x(), c, s, seqlen_offsets=torch.zeros(
         2, dtype=torch.int64, device="meta")), ValueError, "seqlen_offsets is on meta"),
     "max_seqlen_without_cu": (lambda c, s: flashtx.apply_rotary(_x(), c, s, max_seqlen=4), ValueError,
                               "only meaningful with cu_seqlens"),
-    "max_seqlen_negative": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4]),
-                                                              max_seqlen=-1), ValueError, "max_seqlen must be >= 0"),
+    "max_seqlen_negative": (lambda c, s: flashtx.apply_rotary(
+        randn(4, 3, 8), c, s, cu_seqlens=torch.tensor([0, 4], device=DEVICE), max_seqlen=-1), ValueError,
+        "max_seqlen must be >= 0"),
     "varlen_too_few_positions": (lambda c, s: flashtx.apply_rotary(
-        randn(9, 3, 8), c, s, cu_seqlens=torch.tensor([0, 2, 9])), ValueError, "sequence length 7"),
+        randn(9, 3, 8), c, s, cu_seqlens=torch.tensor([0, 2, 9], device=DEVICE)), ValueError, "sequence length 7"),
     "cos_other_device": (lambda c, s: flashtx.apply_rotary(_x(), c.to("meta"), s.to("meta")), ValueError,
                          "cos is on meta"),
     "cos_requires_grad": (lambda c, s: flashtx.apply_rotary(_x(), c.requires_grad_(True), s), NotImplementedError,

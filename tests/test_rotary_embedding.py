@@ -73,7 +73,7 @@ def test_rotary_embedding_llama3_like_transformers():
 
 
 def test_rotary_embedding_forward():
-    rope = flashtx.nn.RotaryEmbedding(8, max_seq_len=4)
+    rope = flashtx.nn.RotaryEmbedding(8, max_seq_len=4, device=DEVICE)  # cos_sin() tables on DEVICE
     q, k = randn(2, 6, 3, 10, dtype=torch.float64), randn(2, 6, 1, 10, dtype=torch.float64)
     cos, sin = rope.cos_sin(16)
     qo, ko = rope(q, k, seqlen_offsets=10)  # needs 16 positions: grows past max_seq_len
@@ -82,11 +82,12 @@ def test_rotary_embedding_forward():
     pos = torch.tensor([[0, 3, 9, 1, 1, 2], [5, 5, 5, 5, 5, 20]], device=DEVICE)
     assert torch.equal(rope(q, position_ids=pos), flashtx.apply_rotary(q, *rope.cos_sin(21), position_ids=pos))
     qb = q.transpose(1, 2)
-    assert torch.equal(rope(qb, layout="bhsd", seqlen_offsets=torch.tensor([2, 7])).transpose(1, 2),
-                       flashtx.apply_rotary(q, *rope.cos_sin(13), seqlen_offsets=torch.tensor([2, 7])))
-    gptj = flashtx.nn.RotaryEmbedding(8, interleaved=True)
+    offs = torch.tensor([2, 7], device=DEVICE)
+    assert torch.equal(rope(qb, layout="bhsd", seqlen_offsets=offs).transpose(1, 2),
+                       flashtx.apply_rotary(q, *rope.cos_sin(13), seqlen_offsets=offs))
+    gptj = flashtx.nn.RotaryEmbedding(8, interleaved=True, device=DEVICE)
     assert torch.equal(gptj(q), flashtx.apply_rotary(q, *gptj.cos_sin(6), interleaved=True))
-    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE)
     xv = randn(12, 2, 8, dtype=torch.float64)
     assert torch.equal(rope(xv, cu_seqlens=cu), flashtx.apply_rotary(xv, *rope.cos_sin(8), cu_seqlens=cu))
 

@@ -3,7 +3,7 @@ LLaMA MLP layer against an eager LLaMA MLP with the same weights."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, poisoned_allocations, randn
+from conftest import DEVICE, KERNEL_DTYPES, ON_GPU, assert_close_to_reference, dtype_id, poisoned_allocations, randn
 
 import flashtx
 from flashtx import BackendNotSupported
@@ -135,10 +135,22 @@ def test_inplace_backward_rejects_overlapping_inputs():
     flashtx.swiglu(y[:3], y[3:], inplace_backward=True)  # disjoint spans are fine
 
 
-def test_backends_agree_and_bf16_falls_back():
-    g, u = randn(6, 20, dtype=torch.float64, scale=4.0), randn(6, 20, dtype=torch.float64)
+def _swiglu_inputs():
+    return randn(6, 20, dtype=torch.float64, scale=4.0), randn(6, 20, dtype=torch.float64)
+
+
+@pytest.mark.skipif(ON_GPU, reason="float64 runs through the Triton kernel only in the interpreter, and in float32 a "
+                    "GPU's exp differs from torch's by a few ulps; on a GPU test_swiglu_matches_eager checks the "
+                    "kernel in fp16/bf16/fp32 against float64 under the tolerance rule")
+def test_backends_agree():
+    g, u = _swiglu_inputs()
     torch.testing.assert_close(flashtx.swiglu(g, u, backend="triton"), flashtx.swiglu(g, u, backend="reference"),
                                rtol=0, atol=1e-14)
+
+
+def test_bf16_falls_back():
+    """In the interpreter bf16 is refused by the kernel and runs the reference; on a GPU it runs the kernel."""
+    g, u = _swiglu_inputs()
     gb, ub = g.to(torch.bfloat16), u.to(torch.bfloat16)
     if DEVICE == "cpu":
         with pytest.raises(BackendNotSupported, match="bfloat16"):
@@ -166,7 +178,7 @@ def test_custom_ops_opcheck():
 
 ERRORS = {
     "gate_not_tensor": (lambda: flashtx.swiglu([1.0], randn(1)), TypeError, "gate must be a torch.Tensor"),
-    "gate_int": (lambda: flashtx.swiglu(torch.ones(2, dtype=torch.int64), randn(2)), TypeError,
+    "gate_int": (lambda: flashtx.swiglu(torch.ones(2, dtype=torch.int64, device=DEVICE), randn(2)), TypeError,
                  "gate has dtype torch.int64"),
     "dtype_mismatch": (lambda: flashtx.swiglu(randn(2, 4), randn(2, 4, dtype=torch.float16)), TypeError,
                        "same dtype"),
@@ -237,8 +249,8 @@ def test_module_matches_eager_llama_mlp(dtype, packed, bias):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_state_dict_round_trips(bias):
     torch.manual_seed(0)
-    packed = flashtx.nn.SwiGLU(6, 10, bias=bias)
-    separate = flashtx.nn.SwiGLU(6, 10, bias=bias, packed=False)
+    packed = flashtx.nn.SwiGLU(6, 10, bias=bias, device=DEVICE)  # on x's device
+    separate = flashtx.nn.SwiGLU(6, 10, bias=bias, packed=False, device=DEVICE)
     separate.load_state_dict(packed.state_dict())  # w13 -> w1/w3
     x = randn(3, 6)
     assert torch.equal(torch.cat((separate.w1.weight, separate.w3.weight)), packed.w13.weight)
@@ -247,7 +259,8 @@ def test_state_dict_round_trips(bias):
         sd = packed.state_dict_as(style, prefix="mlp.")
         assert set(sd) == {f"mlp.{n}.{k}" for n in names for k in (("weight", "bias") if bias else ("weight",))}
         assert sd[f"mlp.{names[0]}.weight"].shape == (10, 6) and sd[f"mlp.{names[2]}.weight"].shape == (6, 10)
-        for target in (flashtx.nn.SwiGLU(6, 10, bias=bias), flashtx.nn.SwiGLU(6, 10, bias=bias, packed=False)):
+        for target in (flashtx.nn.SwiGLU(6, 10, bias=bias, device=DEVICE),
+                       flashtx.nn.SwiGLU(6, 10, bias=bias, packed=False, device=DEVICE)):
             holder = torch.nn.Module()
             holder.mlp = target
             holder.load_state_dict(sd)  # prefixed keys, as inside a model
