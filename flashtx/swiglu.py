@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from ._validate import check_tensor, refuse_double_backward
+from ._validate import check_tensor, has_internal_overlap, refuse_double_backward, views_overlap
 from .backends import select_backend_for, triton_device_reasons
 
 
@@ -220,19 +220,6 @@ refuse_double_backward(swiglu_packed_bwd_op, "swiglu_packed", "silu(x[..., :H]) 
 
 
 # ----------------------------------------------------------------------------------- public API
-def _overlap(a: Tensor, b: Tensor) -> bool:
-    """Conservative: do the memory spans of a and b intersect?"""
-    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def span(t):
-        lo = t.storage_offset()
-        return lo, lo + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) + 1
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
 def _select(op: str, t: Tensor, backend, summary: str) -> str:
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
@@ -248,6 +235,7 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
         inplace_backward: write dgate/dup over gate/up in backward and return those buffers as
             the gradients (saves two activations). Opt-in: after backward, gate and up hold their
             gradients; use it only when nothing else reads them (e.g. fresh projection outputs).
+            gate and up must share no element (the halves of one [gate | up] tensor are fine).
         backend: None (automatic), "triton" or "reference".
 
     Returns:
@@ -266,9 +254,9 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
     if gate.shape != up.shape or gate.dim() == 0:
         raise ValueError(f"gate and up must have the same shape (..., H) with at least 1 dim; got gate "
                          f"{tuple(gate.shape)} and up {tuple(up.shape)}")
-    if inplace_backward and _overlap(gate, up):
-        raise ValueError("inplace_backward=True needs gate and up in non-overlapping memory spans (the gradients "
-                         "of both are written over them); for a packed [gate | up] tensor use swiglu_packed")
+    if inplace_backward and (views_overlap(gate, up) or has_internal_overlap(gate) or has_internal_overlap(up)):
+        raise ValueError("inplace_backward=True needs gate and up with no shared elements (the gradients of both are "
+                         "written over them); they overlap (the same tensor, overlapping slices, or a stride-0 dim)")
     name = _select("swiglu", gate, backend, f"gate/up {tuple(gate.shape)}, dtype={gate.dtype}, device={gate.device}")
     return swiglu_op(gate, up, bool(inplace_backward), name)
 
