@@ -91,7 +91,8 @@ def test_mixed_devices_error():
 
 
 @pytest.mark.parametrize("shape_q,shape_kv", [((0, 2, 8, 16), (0, 2, 8, 16)), ((2, 2, 0, 16), (2, 2, 8, 16)),
-                                              ((2, 3, 2, 0, 16), (2, 3, 2, 8, 16)), ((2, 3, 0, 8, 16), (2, 3, 0, 8, 16))],
+                                              ((2, 3, 2, 0, 16), (2, 3, 2, 8, 16)),
+                                              ((2, 3, 0, 8, 16), (2, 3, 0, 8, 16))],
                          ids=["batch-0", "seqlen-q-0", "5d-seqlen-q-0", "5d-heads-0"])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_empty_inputs_return_empty_results(shape_q, shape_kv, backend):

@@ -439,7 +439,8 @@ ERRORS = [
     # zeros are bad cu_seqlens values too: kept on CPU (never bad values on a GPU); the shape check comes first
     ("cu-shape", lambda: _varlen(cu_seqlens_k=torch.zeros(2, 3, dtype=torch.int32)), ValueError,
      r"cu_seqlens_k must have shape \(nseq \+ 1,\).*got shape \(2, 3\)"),
-    ("cu-nseq-differ", lambda: _varlen(cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)), ValueError,
+    ("cu-nseq-differ",
+     lambda: _varlen(cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)), ValueError,
      r"same number of sequences; got shapes \(3,\) and \(2,\)"),
     ("max-seqlen", lambda: _varlen(max_seqlen_q=-1), ValueError, r"max_seqlen_q must be an int >= 0"),
     ("max-seqlen-tensor", lambda: _varlen(max_seqlen_k=torch.tensor([6, 6])), TypeError,
@@ -464,8 +465,10 @@ def test_bad_mask_arguments_get_a_clear_error(make_call, exc, pattern):
 # end the test process) they get a ValueError naming the entry; before this check they read and
 # wrote out of bounds or left rows unwritten.
 CU_VALUE_ERRORS = [
-    ("cu-past-end", dict(cu_seqlens_q=[0, 4, 20]), r"cu_seqlens_q\[-1\] must equal total_q \(q.shape\[0\]\) = 10.*got 20"),
-    ("cu-short-of-end", dict(cu_seqlens_k=[0, 4, 9]), r"cu_seqlens_k\[-1\] must equal total_k \(k.shape\[0\]\) = 10.*got 9"),
+    ("cu-past-end", dict(cu_seqlens_q=[0, 4, 20]),
+     r"cu_seqlens_q\[-1\] must equal total_q \(q.shape\[0\]\) = 10.*got 20"),
+    ("cu-short-of-end", dict(cu_seqlens_k=[0, 4, 9]),
+     r"cu_seqlens_k\[-1\] must equal total_k \(k.shape\[0\]\) = 10.*got 9"),
     ("cu-negative-start", dict(cu_seqlens_q=[-4, 4, 10]), r"cu_seqlens_q\[0\] must be 0 .*got -4"),
     ("cu-decreasing", dict(cu_seqlens_k=[0, 7, 3, 10]), r"cu_seqlens_k must be non-decreasing.*"
      r"got cu_seqlens_k\[1\] = 7 > cu_seqlens_k\[2\] = 3"),

@@ -555,7 +555,8 @@ ERRORS = {
                                                                     unsqueeze_dim=2), ValueError, "same shape"),
     # an empty table was read at row 0 (a crash); bad cu_seqlens read and wrote out of bounds
     "cos_no_positions": (lambda c, s: flashtx.apply_rotary(_x(), c[:0], s[:0], position_ids=torch.zeros(
-        2, 4, dtype=torch.int64, device=DEVICE)), ValueError, r"at least one position \(seqlen_ro >= 1\); got shape \(0, 4\)"),
+        2, 4, dtype=torch.int64, device=DEVICE)), ValueError,
+        r"at least one position \(seqlen_ro >= 1\); got shape \(0, 4\)"),
     # cu_seqlens values are checked on CPU tensors (on a GPU by a device-side assert): CPU inputs in both modes
     "cu_seqlens_past_end": (lambda c, s: flashtx.apply_rotary(torch.randn(10, 3, 8), c.cpu(), s.cpu(),
                                                               cu_seqlens=torch.tensor([0, 3, 8, 40])),

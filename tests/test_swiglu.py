@@ -15,7 +15,8 @@ def eager_swiglu(g, u):
     return F.silu(g) * u
 
 
-SHAPES = {"rows0": (0, 8), "cols0": (4, 0), "one": (1, 1), "row1_h37": (1, 37), "3d_5x3x40": (5, 3, 40), "odd_17x33": (17, 33)}
+SHAPES = {"rows0": (0, 8), "cols0": (4, 0), "one": (1, 1), "row1_h37": (1, 37), "3d_5x3x40": (5, 3, 40),
+          "odd_17x33": (17, 33)}
 
 
 def make_inputs(shape, dtype, layout):
