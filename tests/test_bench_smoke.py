@@ -125,6 +125,7 @@ def test_report_tables_and_plots(smoke):
     models = md[md.index("## Model training step"):].splitlines()[2:5]
     assert models[-1].startswith("| gpt-smoke-2L-32d-2h-v64 | float32 | 2 | 32 | 64 |"), models
     assert "flashtx / sdpa" in models[0] and "flashtx / eager" in models[0]
+    assert "matplotlib is not importable" not in md, "install the test extra: it brings matplotlib for the plots"
     for png in ("attention.png", "attention_gqa.png", "rope_swiglu.png"):
         data = (out / "report" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
