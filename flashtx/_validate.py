@@ -47,8 +47,6 @@ def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: b
         if not allow_gqa:
             raise ValueError(f"{nq} has {Hq} heads but {nk}/{nv} have {Hkv}: {shapes}, layout {layout}. "
                              f"{gqa_hint}")
-    if k.shape[2] == 0:
-        raise ValueError(f"{nk} and {nv} have sequence length 0: attention over no keys is undefined; {shapes}")
     if D == 0 or v.shape[3] == 0:
         raise ValueError(f"head dims must be >= 1: {shapes}")
 

@@ -113,7 +113,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
     Returns:
         out (..., Hq, Sq, Dv) in query's dtype; rows that see no key (all masked, or all -inf
-        bias) are 0 with lse -inf (SDPA gives NaN there); with return_lse, (out, lse) with lse
+        bias; SDPA gives NaN there; or Sk = 0, where SDPA gives 0 too) are 0 with lse -inf; with return_lse, (out, lse) with lse
         (..., Hq, Sq) in float32 (float64 for float64 inputs), natural log. Differentiable in
         query, key, value, a float attn_mask (and through lse).
 

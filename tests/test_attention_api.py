@@ -41,7 +41,6 @@ ERROR_CASES = [
      r"enable_gqa=True"),
     ("flash-gqa-not-divisible", lambda: flashtx.flash_attn_func(randn(1, 8, 6, 16), randn(1, 8, 4, 16),
                                                                 randn(1, 8, 4, 16)), ValueError, r"multiple"),
-    ("empty-keys", lambda: flashtx.attention(qkv()[0], *qkv(sk=0)[1:]), ValueError, r"sequence length 0"),
     ("scale-type", lambda: flashtx.attention(*qkv(), scale="0.1"), TypeError, r"scale must be None or a real"),
     ("scale-nan", lambda: flashtx.attention(*qkv(), scale=float("nan")), ValueError, r"scale must be finite"),
     ("bad-backend", lambda: flashtx.attention(*qkv(), backend="cudnn"), ValueError,
@@ -102,6 +101,19 @@ def test_empty_inputs_return_empty_results(shape_q, shape_kv, backend):
     assert out.shape == shape_q
     out.sum().backward()
     assert q.grad.shape == shape_q and (k.grad == 0).all() and (v.grad == 0).all()
+
+
+@pytest.mark.parametrize("sq", [0, 5], ids=["seqlen-q-0", "seqlen-q-5"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_no_keys_give_zero_output_as_sdpa(sq, backend):
+    """Sk = 0: every row sees no key, so its output is 0 (as a fully masked row, and as SDPA returns)."""
+    q = randn(2, 2, sq, 16, requires_grad=True)
+    k, v = randn(2, 2, 0, 16, requires_grad=True), randn(2, 2, 0, 16, requires_grad=True)
+    out = flashtx.attention(q, k, v, backend=backend)
+    assert out.shape == (2, 2, sq, 16) and torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q)) and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
 def test_unsupported_head_dim_falls_back_with_one_warning_listing_every_backend():

@@ -174,6 +174,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
     lse2 = torch.empty(B, H, Sq, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
     if out.numel() == 0:
         return out, lse2
+    if k.shape[2] == 0:  # no keys: every row sees none, so 0 output and lse -inf (as fully masked rows; SDPA too)
+        return out.zero_(), lse2.fill_(float("-inf"))
     plan_forward(q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec).run()
     return out, lse2
 
