@@ -6,8 +6,10 @@ Triton's own argument specialisation, without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import struct
 
 import torch
 import triton.language as tl
@@ -36,22 +38,67 @@ class Launch:
     shared_estimate: int | None = None  # what config selection assumed (configs.estimate_shared_memory)
 
     def run(self):
-        kw = self.config.launch_kwargs if self.config is not None else {}
-        self.kernel[self.grid](**self.args, **kw)
+        run_kernel(self.kernel, self.grid, self.args, self.config.launch_kwargs if self.config is not None else {})
+
+
+_INTERPRET = interpreter_active()  # read once: Triton itself reads the switch only at import
+_STUB = None  # see stub_launches
+
+
+def run_kernel(kernel, grid, args: dict, launch_kwargs: dict) -> None:
+    """Every flashtx kernel launch goes through here.
+
+    On a GPU it launches through torch.library.wrap_triton: inside a flashtx op (a
+    torch.library.triton_op) traced by torch.compile, Inductor records the kernel itself, so a
+    compiled model calls it from generated code with no flashtx Python in between; in eager mode
+    wrap_triton hands back the plain kernel. Triton's interpreter cannot run on the fake tensors
+    of a trace, so there (CPU tests) the ops stay opaque under torch.compile (flashtx._library)
+    and a traced launch is skipped; real CPU tensors launch as usual.
+    """
+    if _STUB is not None:
+        _STUB(kernel, grid, args)
+    elif _INTERPRET:
+        if not any(isinstance(a, torch.Tensor) and _is_traced(a) for a in args.values()):
+            kernel[grid](**args, **launch_kwargs)
+    else:
+        from torch.library import wrap_triton
+
+        wrap_triton(kernel)[grid](**args, **launch_kwargs)
+
+
+def _is_traced(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
+@contextlib.contextmanager
+def stub_launches(fn=None):
+    """Replace every kernel launch by `fn(kernel, grid, args)` (default: do nothing), e.g. to time
+    the Python work from a public call down to the launch (bench/overhead.py)."""
+    global _STUB
+    prev, _STUB = _STUB, fn if fn is not None else (lambda kernel, grid, args: None)
+    try:
+        yield
+    finally:
+        _STUB = prev
 
 
 def target_for(t: torch.Tensor) -> Target:
     """The Target whose configs a launch on `t` uses."""
-    if t.device.type == "cuda" and not interpreter_active():
+    if t.device.type == "cuda" and not _INTERPRET:
         return cuda_target(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return INTERPRETER_TARGET
 
 
+_F32 = struct.Struct("f")
+
+
 def split_f32(x: float) -> tuple[float, float]:
-    """x as float32 hi + lo, so kernels can rebuild it to ~48 bits (see scalar_in)."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    lo = float(torch.tensor(x - hi, dtype=torch.float32))
-    return hi, lo
+    """x as float32 hi + lo, so kernels can rebuild it to ~48 bits (see scalar_in); float64 runs
+    need lo, the rest use hi alone. x must be within float32's range (validation refuses others)."""
+    hi = _F32.unpack(_F32.pack(x))[0]
+    return hi, _F32.unpack(_F32.pack(x - hi))[0]
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -1,0 +1,76 @@
+"""One backend registry for every op, and the plan cache in front of it.
+
+Each op registers its implementations in preference order (`register`); each implementation
+answers `not_supported_reasons(inputs) -> list[str]` (empty: it can run them). `plan` resolves
+the backend for a key (everything the choice depends on: device, dtype, head dims, features) once
+and keeps it in a plain dict, so a call costs one dict lookup. The inputs object and the
+xformers-style reason lists are built only on a cache miss, and formatted only when raising or
+warning.
+
+`backend=None` takes the first fast backend that can run the inputs; CPU tensors use `reference`
+unless Triton's interpreter is on (FLASHTX_INTERPRET=1 / TRITON_INTERPRET=1). When no fast
+backend fits, `reference` runs with a one-time warning that lists every backend and why. A backend
+asked for by name raises BackendNotSupported with the reasons instead.
+"""
+from __future__ import annotations
+
+import warnings
+
+from . import _env
+
+
+class BackendNotSupported(NotImplementedError):
+    """Raised when the requested backend cannot run the given inputs; the message says why."""
+
+
+IMPLS: dict[str, dict[str, object]] = {}  # op -> {backend name -> implementation}, in preference order
+_PLANS: dict[tuple, str] = {}
+
+
+def register(op: str, name: str, impl) -> None:
+    IMPLS.setdefault(op, {})[name] = impl
+
+
+def describe_reasons(op: str, inputs) -> str:
+    lines = []
+    for name, impl in IMPLS[op].items():
+        reasons = impl.not_supported_reasons(inputs)
+        lines.append(f"  `{name}`: " + ("supported" if not reasons else "; ".join(reasons)))
+    return "\n".join(lines)
+
+
+def resolve(op: str, requested: str | None, inputs, summary) -> str:
+    """The backend for `inputs` (no cache). summary() describes the inputs for messages."""
+    impls = IMPLS[op]
+    if requested:
+        if requested not in impls:
+            raise ValueError(f"backend must be None or one of {sorted(impls)}; got {requested!r}")
+        reasons = impls[requested].not_supported_reasons(inputs)
+        if reasons:
+            raise BackendNotSupported(
+                f"{op}: backend={requested!r} cannot run {summary()}:\n  " + "\n  ".join(reasons)
+                + "\nAll backends:\n" + describe_reasons(op, inputs))
+        return requested
+    if inputs.device.type == "cpu" and not _env.INTERPRET:
+        return "reference"  # documented: CPU tensors use the reference unless the interpreter is on
+    for name, impl in impls.items():
+        if name != "reference" and not impl.not_supported_reasons(inputs):
+            return name
+    warnings.warn(f"flashtx.{op}: no fast backend can run {summary()}; using the reference implementation. "
+                  f"Backends:\n{describe_reasons(op, inputs)}", stacklevel=5)
+    return "reference"
+
+
+def plan(op: str, key: tuple, requested: str | None, make_inputs, summary) -> str:
+    """resolve() once per (op, key, requested): `key` must hold everything the choice depends on;
+    make_inputs() builds the inputs object only on a miss."""
+    k = (op, requested, key)
+    name = _PLANS.get(k)
+    if name is None:
+        name = _PLANS[k] = resolve(op, requested, make_inputs(), summary)
+    return name
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (after changing TF32 or environment switches in tests)."""
+    _PLANS.clear()
