@@ -1,21 +1,73 @@
-"""The attention op: torch.library custom ops with fake impls and registered autograd.
+"""The attention ops: `flashtx::attn_fwd`, `flashtx::attn_bwd` (triton_ops) and `flashtx::attn_probs`.
 
-`flashtx::attention_fwd` returns (out, lse2) and saves (q, k, v, out, lse2) for backward;
-`flashtx::attention_bwd` recomputes P from lse2 through the same backend. Both take (B, H, S, D)
-views with any strides. Being custom ops, they trace under torch.compile(fullgraph=True).
+Each op takes (B, H, S, D) views with any strides and small grouped arguments:
+
+    bias    Optional[Tensor]: attn_mask as a 4-D view (the only differentiable optional input)
+    aux     Tensor?[]: the other optional tensors, in `Aux`'s field order
+    ints    int[]: `Ints`' fields; floats float[]: `Floats`' fields
+    backend str: "" (automatic) or a backend name
+
+The op body resolves its backend through flashtx._dispatch's plan cache (one dict lookup) and
+calls it. The forward returns (out, m2, l2): the row max of the scores and the log2 of the row sum
+of exp2(s2 - m2), both (B, H, Sq) in the accumulator dtype (log2 units; rows that see no key have
+m2 = -inf, l2 = 0). The backward recomputes P = exp2((s2 - m2) - l2): split in two, so rows whose
+scores all sit at a huge finite value (a -1e9 mask) keep log2(l) exactly. The natural lse is
+(m2 + l2) * ln 2.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from . import _dispatch
+from ._library import triton_op
 from ._validate import refuse_double_backward
-from .backends import BACKENDS, AttentionMasks
+from .triton_kernels.mask_spec import MaskSpec
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
         torch.float64: torch.float64}
+
+
+class Aux(NamedTuple):
+    """The optional tensors of an attention op (its `aux` list), in order."""
+    key_mask: Optional[Tensor] = None  # (B, Sk) bool, True = real key
+    query_mask: Optional[Tensor] = None  # (B, Sq) bool
+    q_lens: Optional[Tensor] = None  # (B,) int
+    kv_lens: Optional[Tensor] = None  # (B,) int
+    cu_seqlens_q: Optional[Tensor] = None  # (nseq + 1,) int32 (varlen)
+    cu_seqlens_k: Optional[Tensor] = None
+    alibi_slopes: Optional[Tensor] = None  # (1 | B, Hq) float32
+    rng: Optional[Tensor] = None  # (1,) int64 dropout seed
+
+
+class Ints(NamedTuple):
+    """The int arguments of an attention op (its `ints` list), in order."""
+    causal: int
+    bottom_right: int
+    window_left: int = -1
+    window_right: int = -1
+    max_seqlen_q: int = 0  # varlen: grid bound (at most total_q)
+    max_seqlen_k: int = 0
+    needs_grad: int = 0  # NO_GRAD, GRAD (the plan must fit the backward too) or BIAS_GRAD (and the bias's)
+
+
+NO_GRAD, GRAD, BIAS_GRAD = 0, 1, 2
+
+
+class Floats(NamedTuple):
+    """The float arguments of an attention op (its `floats` list), in order."""
+    scale: float
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+
+
+def spec_of(bias, aux: list, ints: Ints, floats: Floats) -> MaskSpec:
+    a = Aux(*aux)
+    return MaskSpec((ints.window_left, ints.window_right), a.key_mask, a.query_mask, a.q_lens, a.kv_lens,
+                    a.cu_seqlens_q, a.cu_seqlens_k, ints.max_seqlen_q, ints.max_seqlen_k, bias, floats.softcap,
+                    a.alibi_slopes, floats.dropout_p, a.rng)
 
 
 def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
@@ -30,145 +82,134 @@ def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
     return buf.permute(inverse)
 
 
-def _masks(window_left, window_right, key_mask, query_mask, q_lens, kv_lens, cu_seqlens_q, cu_seqlens_k,
-           max_seqlen_q, max_seqlen_k, max_seqlen_q_t, max_seqlen_k_t, attn_mask, softcap, alibi_slopes,
-           dropout_p, rng) -> AttentionMasks:
-    """The op's flat mask arguments as AttentionMasks; 0-dim max_seqlen tensors are read here, at
-    run time (outside any traced graph)."""
-    if max_seqlen_q_t is not None:
-        max_seqlen_q = int(max_seqlen_q_t.item())
-    if max_seqlen_k_t is not None:
-        max_seqlen_k = int(max_seqlen_k_t.item())
-    return AttentionMasks((window_left, window_right), key_mask, query_mask, q_lens, kv_lens, cu_seqlens_q,
-                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask, softcap, alibi_slopes, dropout_p, rng)
+def _plan(q, k, v, bias, aux, ints: Ints, floats: Floats, backend: str) -> str:
+    """The backend for these inputs: cached per key; shape limits are checked on every call. The
+    backward plans with the forward's arguments, so both take the same backend."""
+    from .backends import AttentionInputs, inputs_summary, within_limits
+
+    a = Aux(*aux)
+    key = (q.device.type, q.device.index, q.dtype, q.shape[-1], v.shape[-1], ints.causal, ints.window_left >= 0,
+           a.key_mask is not None, a.query_mask is not None, a.q_lens is not None or a.kv_lens is not None,
+           a.cu_seqlens_q is not None, None if bias is None else bias.dtype, floats.softcap > 0,
+           a.alibi_slopes is not None, floats.dropout_p > 0, ints.needs_grad)
+
+    def inputs():
+        return AttentionInputs(q, k, v, bool(ints.causal), bool(ints.bottom_right), spec_of(bias, aux, ints, floats),
+                               needs_grad=ints.needs_grad)
+
+    def summary():
+        return inputs_summary(inputs())
+
+    if not within_limits(q, k, v, bias, a.cu_seqlens_q):  # rare: let the reasons say which limit
+        return _dispatch.resolve("attention", backend or None, inputs(), summary)
+    return _dispatch.plan("attention", key, backend or None, inputs, summary)
 
 
-# The mask arguments every attention op takes after (scale, causal, bottom_right, backend), in order:
-# window_left, window_right (int, -1 = unbounded), key_mask, query_mask, q_lens, kv_lens,
-# cu_seqlens_q, cu_seqlens_k (Optional[Tensor]), max_seqlen_q, max_seqlen_k (int),
-# max_seqlen_q_t, max_seqlen_k_t (Optional 0-dim tensors that override the ints),
-# attn_mask (Optional 4-D Tensor), softcap (float), alibi_slopes (Optional (1|B, H) Tensor),
-# dropout_p (float), rng (Optional (1,) int64 seed Tensor).
-N_MASK_ARGS = 17
-
-
-def _mask_arg(mask_args: tuple, i: int, default=None):
-    """The i-th mask argument as a fake impl sees it (trailing defaults may be left out)."""
-    return mask_args[i] if len(mask_args) > i else default
-
-ATTN_MASK_INDEX = 7 + 12  # position of attn_mask among attention_fwd's inputs
-
-
-@torch.library.custom_op("flashtx::attention_fwd", mutates_args=())
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, bottom_right: bool,
-                  backend: str, window_left: int = -1, window_right: int = -1, key_mask: Optional[Tensor] = None,
-                  query_mask: Optional[Tensor] = None, q_lens: Optional[Tensor] = None,
-                  kv_lens: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
-                  cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                  max_seqlen_q_t: Optional[Tensor] = None,
-                  max_seqlen_k_t: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-                  softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
-                  rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    masks = _masks(window_left, window_right, key_mask, query_mask, q_lens, kv_lens, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, max_seqlen_q_t, max_seqlen_k_t, attn_mask, softcap, alibi_slopes,
-                   dropout_p, rng)
+def attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: list[Optional[Tensor]], ints: list[int],
+             floats: list[float], backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(out (B, Hq, Sq, Dv), m2 (B, Hq, Sq), l2 (B, Hq, Sq)) of q (B, Hq, Sq, D), k (B, Hkv, Sk, D),
+    v (B, Hkv, Sk, Dv); see the module docstring."""
+    it, fl = Ints(*ints), Floats(*floats)
+    name = _plan(q, k, v, bias, aux, it, fl, backend)
     out = empty_like_layout(q, v.shape[-1])  # (B, Hq, Sq, Dv)
-    lse2 = BACKENDS[backend].forward(q, k, v, out, scale=scale, causal=causal, bottom_right=bottom_right,
-                                     masks=masks)
-    return out, lse2
+    m2, l2 = _dispatch.IMPLS["attention"][name].forward(
+        q, k, v, out, scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
+        masks=spec_of(bias, aux, it, fl))
+    return out, m2, l2
 
 
-@attention_fwd.register_fake
-def _(q, k, v, scale, causal, bottom_right, backend, *mask_args):
-    B, H, Sq = q.shape[:3]
-    return empty_like_layout(q, v.shape[-1]), q.new_empty((B, H, Sq), dtype=_ACC[q.dtype])
-
-
-@torch.library.custom_op("flashtx::attention_bwd", mutates_args=())
-def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor,
-                  dlse2: Optional[Tensor], scale: float, causal: bool, bottom_right: bool,
-                  backend: str, bias_grad: bool, window_left: int = -1, window_right: int = -1,
-                  key_mask: Optional[Tensor] = None,
-                  query_mask: Optional[Tensor] = None, q_lens: Optional[Tensor] = None,
-                  kv_lens: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
-                  cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                  max_seqlen_q_t: Optional[Tensor] = None,
-                  max_seqlen_k_t: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-                  softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
-                  rng: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias); dbias is attn_mask's gradient (its shape) when bias_grad, else empty."""
-    masks = _masks(window_left, window_right, key_mask, query_mask, q_lens, kv_lens, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, max_seqlen_q_t, max_seqlen_k_t, attn_mask, softcap, alibi_slopes,
-                   dropout_p, rng)
+def attn_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, m2: Tensor, l2: Tensor, dl2: Optional[Tensor],
+             bias: Optional[Tensor], aux: list[Optional[Tensor]], ints: list[int], floats: list[float], backend: str,
+             bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbias); dbias is the bias's gradient (its shape) when bias_grad, else empty.
+    dl2 is the cotangent of the lse (log2 units), or None. Arguments as the forward's."""
+    it, fl = Ints(*ints), Floats(*floats)
+    name = _plan(q, k, v, bias, aux, it, fl, backend)
     dq, dk, dv = (empty_like_layout(t, t.shape[-1]) for t in (q, k, v))
-    dbias = torch.empty_like(attn_mask, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
-    BACKENDS[backend].backward(do, q, k, v, out, lse2, dlse2, dq, dk, dv, scale=scale, causal=causal,
-                               bottom_right=bottom_right, masks=masks, dbias=dbias if bias_grad else None)
+    dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
+    _dispatch.IMPLS["attention"][name].backward(
+        do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
+        bottom_right=bool(it.bottom_right), masks=spec_of(bias, aux, it, fl), dbias=dbias if bias_grad else None)
     return dq, dk, dv, dbias
 
 
-@attention_bwd.register_fake
-def _(do, q, k, v, out, lse2, dlse2, scale, causal, bottom_right, backend, bias_grad, *mask_args):
-    attn_mask = _mask_arg(mask_args, 12)
-    dbias = torch.empty_like(attn_mask, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
-    return (empty_like_layout(q, q.shape[-1]), empty_like_layout(k, k.shape[-1]), empty_like_layout(v, v.shape[-1]),
-            dbias)
+# The registered ops, for torch.compile (see flashtx._library); eager calls take AttentionFunction,
+# which calls the same bodies without the dispatcher's layers.
+attn_fwd = triton_op("flashtx::attn_fwd", mutates_args=())(attn_fwd_impl)
+attn_bwd = triton_op("flashtx::attn_bwd", mutates_args=())(attn_bwd_impl)
 
 
-@torch.library.custom_op("flashtx::attention_probs", mutates_args=())
-def attention_probs(q: Tensor, k: Tensor, v: Tensor, lse2: Tensor, scale: float, causal: bool, bottom_right: bool,
-                    backend: str, window_left: int = -1, window_right: int = -1, key_mask: Optional[Tensor] = None,
-                    query_mask: Optional[Tensor] = None, q_lens: Optional[Tensor] = None,
-                    kv_lens: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
-                    cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                    max_seqlen_q_t: Optional[Tensor] = None,
-                    max_seqlen_k_t: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-                    softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
-                    rng: Optional[Tensor] = None) -> Tensor:
-    """The probabilities of the forward that returned lse2: (B, H, Sq, Sk) (varlen (nseq, H, max_q,
-    max_k)) in lse2's dtype, entries dropped by dropout negated. Not differentiable."""
-    masks = _masks(window_left, window_right, key_mask, query_mask, q_lens, kv_lens, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k, max_seqlen_q_t, max_seqlen_k_t, attn_mask, softcap, alibi_slopes,
-                   dropout_p, rng)
-    return BACKENDS[backend].probs(q, k, v, lse2, scale=scale, causal=causal, bottom_right=bottom_right, masks=masks)
+# A custom_op, not a triton_op: its output shape for varlen is (nseq, H, max_seqlen_q, max_seqlen_k),
+# and it is a testing aid (O(Sq * Sk) memory) that no model step traces.
+@torch.library.custom_op("flashtx::attn_probs", mutates_args=())
+def attn_probs(q: Tensor, k: Tensor, v: Tensor, m2: Tensor, l2: Tensor, bias: Optional[Tensor],
+               aux: list[Optional[Tensor]], ints: list[int], floats: list[float], backend: str) -> Tensor:
+    """The probabilities of the forward that returned (m2, l2): (B, H, Sq, Sk) (varlen (nseq, H,
+    max_seqlen_q, max_seqlen_k)) in m2's dtype, entries dropped by dropout negated."""
+    it, fl = Ints(*ints), Floats(*floats)
+    return _dispatch.IMPLS["attention"][_plan(q, k, v, bias, aux, it, fl, backend)].probs(
+        q, k, v, m2, l2, scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
+        masks=spec_of(bias, aux, it, fl))
+
+
+@attn_probs.register_fake
+def _(q, k, v, m2, l2, bias, aux, ints, floats, backend):
+    it, a = Ints(*ints), Aux(*aux)
+    B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
+    if a.cu_seqlens_q is not None:
+        B, Sq, Sk = a.cu_seqlens_q.shape[0] - 1, it.max_seqlen_q, it.max_seqlen_k
+    return q.new_empty((B, q.shape[1], Sq, Sk), dtype=m2.dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, bottom_right, backend = inputs[:7]
-    (wl, wr, km, qm, ql, kl, cuq, cuk, msq, msk, msq_t, msk_t, am, softcap, alibi, dropout_p, rng) = inputs[7:]
-    out, lse2 = output
-    ctx.save_for_backward(q, k, v, out, lse2, km, qm, ql, kl, cuq, cuk, msq_t, msk_t, am, alibi, rng)
-    ctx.args = (scale, causal, bottom_right, backend, wl, wr, msq, msk, softcap, dropout_p)
+    q, k, v, bias, aux, ints, floats, backend = inputs
+    out, m2, l2 = output
+    ctx.mark_non_differentiable(m2)  # lse = m2 + l2: its cotangent reaches l2 alone
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, out, m2, l2, bias, *aux)
+    ctx.args = (ints, floats, backend)
 
 
-def _backward(ctx, dout, dlse2):
-    q, k, v, out, lse2, km, qm, ql, kl, cuq, cuk, msq_t, msk_t, am, alibi, rng = ctx.saved_tensors
-    scale, causal, bottom_right, backend, wl, wr, msq, msk, softcap, dropout_p = ctx.args
-    if dout is None:
+def _grads(ctx, dout, dl2, bwd):
+    q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
+    ints, floats, backend = ctx.args
+    if dout is None and dl2 is None:
+        return None, None, None, None, None, None, None, None
+    if dout is None:  # only the lse was used
         dout = torch.zeros_like(out)
-    nig = ctx.needs_input_grad  # trailing arguments left at their defaults are not in it
-    bias_grad = len(nig) > ATTN_MASK_INDEX and bool(nig[ATTN_MASK_INDEX])
-    dq, dk, dv, dbias = attention_bwd(dout, q, k, v, out, lse2, dlse2, scale, causal, bottom_right, backend,
-                                      bias_grad, wl, wr, km, qm, ql, kl, cuq, cuk, msq, msk, msq_t, msk_t, am,
-                                      softcap, alibi, dropout_p, rng)
-    grads = [dq, dk, dv] + [None] * (len(nig) - 3)
-    if bias_grad:
-        grads[ATTN_MASK_INDEX] = dbias
-    return tuple(grads)
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = bwd(dout, q, k, v, out, m2, l2, dl2, bias, aux, ints, floats, backend, bias_grad)
+    return dq, dk, dv, dbias if bias_grad else None, None, None, None, None
 
 
-attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-refuse_double_backward(attention_bwd, "attention",
+def _backward(ctx, dout, dm2, dl2):
+    return _grads(ctx, dout, dl2, attn_bwd)
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Eager autograd for attn_fwd/attn_bwd's bodies: the same code as the registered ops, minus the
+    dispatcher (custom-op autograd, redispatch, Dynamo-disable wrappers: most of an eager call's
+    Python time). Inputs and outputs as attn_fwd's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, aux, ints, floats, backend):
+        output = attn_fwd_impl(q, k, v, bias, aux, ints, floats, backend)
+        _setup_context(ctx, (q, k, v, bias, aux, ints, floats, backend), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dm2, dl2):
+        # create_graph=True: the registered op, whose own backward refuses clearly (no double backward)
+        return _grads(ctx, dout, dl2, attn_bwd if torch.is_grad_enabled() else attn_bwd_impl)
+
+
+def attention_op(q, k, v, bias, aux: list, ints: list, floats: list, backend: str):
+    """(out, m2, l2): the registered op while torch.compile traces, AttentionFunction otherwise."""
+    if torch.compiler.is_compiling():
+        return attn_fwd(q, k, v, bias, aux, ints, floats, backend)
+    return AttentionFunction.apply(q, k, v, bias, aux, ints, floats, backend)
+refuse_double_backward(attn_bwd, "attention",
                        "torch.nn.functional.scaled_dot_product_attention or flashtx.reference.attention")
-
-
-@attention_probs.register_fake
-def _(q, k, v, lse2, scale, causal, bottom_right, backend, *mask_args):
-    B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
-    cu_q = _mask_arg(mask_args, 6)
-    if cu_q is not None:  # varlen: (nseq, H, max_seqlen_q, max_seqlen_k)
-        msq, msk = _mask_arg(mask_args, 8, 0), _mask_arg(mask_args, 9, 0)
-        msq = msq if _mask_arg(mask_args, 10) is None else torch.library.get_ctx().new_dynamic_size()
-        msk = msk if _mask_arg(mask_args, 11) is None else torch.library.get_ctx().new_dynamic_size()
-        B, Sq, Sk = cu_q.shape[0] - 1, msq, msk
-    return q.new_empty((B, q.shape[1], Sq, Sk), dtype=lse2.dtype)

@@ -25,6 +25,7 @@ class BackendNotSupported(NotImplementedError):
 
 IMPLS: dict[str, dict[str, object]] = {}  # op -> {backend name -> implementation}, in preference order
 _PLANS: dict[tuple, str] = {}
+_WARNED: set = set()
 
 
 def register(op: str, name: str, impl) -> None:
@@ -56,8 +57,11 @@ def resolve(op: str, requested: str | None, inputs, summary) -> str:
     for name, impl in impls.items():
         if name != "reference" and not impl.not_supported_reasons(inputs):
             return name
-    warnings.warn(f"flashtx.{op}: no fast backend can run {summary()}; using the reference implementation. "
-                  f"Backends:\n{describe_reasons(op, inputs)}", stacklevel=5)
+    table = describe_reasons(op, inputs)
+    if (op, table) not in _WARNED:  # once per distinct set of reasons
+        _WARNED.add((op, table))
+        warnings.warn(f"flashtx.{op}: no fast backend can run {summary()}; using the reference implementation. "
+                      f"Backends:\n{table}", stacklevel=5)
     return "reference"
 
 
@@ -72,5 +76,6 @@ def plan(op: str, key: tuple, requested: str | None, make_inputs, summary) -> st
 
 
 def clear_plans() -> None:
-    """Forget every cached plan (after changing TF32 or environment switches in tests)."""
+    """Forget every cached plan and fallback warning (tests; after changing environment switches)."""
     _PLANS.clear()
+    _WARNED.clear()

@@ -29,26 +29,29 @@ def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: b
         raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{nq}, {nk}, {nv} must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
+
+    def shapes():  # for messages only
+        return f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
+
     B, Hq, Sq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: {shapes}, layout {layout}")
+        raise ValueError(f"batch sizes differ: {shapes()}, layout {layout}")
     if k.shape[1] != v.shape[1]:
-        raise ValueError(f"{nk} and {nv} must have the same number of heads: {shapes}, layout {layout}")
+        raise ValueError(f"{nk} and {nv} must have the same number of heads: {shapes()}, layout {layout}")
     if k.shape[2] != v.shape[2]:
-        raise ValueError(f"{nk} and {nv} must have the same sequence length: {shapes}, layout {layout}")
+        raise ValueError(f"{nk} and {nv} must have the same sequence length: {shapes()}, layout {layout}")
     if k.shape[3] != D:
-        raise ValueError(f"{nq} and {nk} must have the same head dim: {shapes}, layout {layout}")
+        raise ValueError(f"{nq} and {nk} must have the same head dim: {shapes()}, layout {layout}")
     Hkv = k.shape[1]
     if Hq != Hkv:
         if Hkv == 0 or Hq % Hkv != 0:
             raise ValueError(f"the number of {nq} heads ({Hq}) must be a multiple of the number of {nk}/{nv} "
-                             f"heads ({Hkv}): {shapes}, layout {layout}")
+                             f"heads ({Hkv}): {shapes()}, layout {layout}")
         if not allow_gqa:
-            raise ValueError(f"{nq} has {Hq} heads but {nk}/{nv} have {Hkv}: {shapes}, layout {layout}. "
+            raise ValueError(f"{nq} has {Hq} heads but {nk}/{nv} have {Hkv}: {shapes()}, layout {layout}. "
                              f"{gqa_hint}")
     if D == 0 or v.shape[3] == 0:
-        raise ValueError(f"head dims must be >= 1: {shapes}")
+        raise ValueError(f"head dims must be >= 1: {shapes()}")
 
 
 def resolve_scale(name: str, scale, head_dim: int) -> float:
@@ -57,9 +60,15 @@ def resolve_scale(name: str, scale, head_dim: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name} must be None or a real number; got {type(scale).__name__}")
     scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"{name} must be finite; got {scale}")
+    if not (scale == 0.0 or SCALAR_MIN <= abs(scale) <= SCALAR_MAX):
+        raise ValueError(f"{name} must be 0 or have a magnitude in [2**-100, 2**100] (the kernels compute in "
+                         f"float32, with headroom for the scores); got {scale!r}")
     return scale
+
+
+# Float arguments reach the kernels as float32 (hi + lo halves for float64 runs): within these
+# magnitudes both halves stay normal float32 numbers and scaled scores stay far from overflow.
+SCALAR_MIN, SCALAR_MAX = 2.0 ** -100, 2.0 ** 100
 
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -228,11 +237,11 @@ def check_max_seqlen(name: str, m):
 _FLOAT_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_attn_mask(name: str, m, lead: tuple, H: int, Sq: int, Sk: int, q, shapes: str) -> torch.Tensor | None:
+def check_attn_mask(name: str, m, lead: tuple, H: int, Sq: int, Sk: int, q, shapes) -> torch.Tensor | None:
     """attn_mask broadcastable to (*lead, H, Sq, Sk), as a 4-D view (B, H, Sq, Sk) whose dims are
     each 1 (broadcast, read with stride 0) or full. Bool (True = attend) or floating (additive).
 
-    shapes: the user's argument shapes, for messages. A view whenever possible: only several
+    shapes(): the user's argument shapes, for messages. A view whenever possible: only several
     leading (batch) dims that mix broadcast and full sizes are expanded, over those dims only.
     """
     if m is None:
@@ -249,7 +258,7 @@ def check_attn_mask(name: str, m, lead: tuple, H: int, Sq: int, Sk: int, q, shap
     ok = m.dim() <= len(target) and all(a in (1, b) for a, b in zip(reversed(m.shape), reversed(target)))
     if not ok:
         raise ValueError(f"{name} of shape {tuple(m.shape)} cannot broadcast to the attention scores' shape "
-                         f"{target} (..., heads, query length, key length) of {shapes}; each of its dims must "
+                         f"{target} (..., heads, query length, key length) of {shapes()}; each of its dims must "
                          f"be 1 or match")
     m = m[(None,) * (len(target) - m.dim())]  # (*lead, H|1, Sq|1, Sk|1)
     if len(lead) == 1:
@@ -264,8 +273,9 @@ def check_attn_mask(name: str, m, lead: tuple, H: int, Sq: int, Sk: int, q, shap
 
 
 def check_softcap(name: str, x) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)) or x < 0:
-        raise ValueError(f"{name} must be a finite float >= 0 (0 = off); got {x!r}")
+    if (isinstance(x, bool) or not isinstance(x, numbers.Real)
+            or not (x == 0 or SCALAR_MIN <= float(x) <= SCALAR_MAX)):
+        raise ValueError(f"{name} must be 0 (off) or a float in [2**-100, 2**100]; got {x!r}")
     return float(x)
 
 

@@ -1,9 +1,8 @@
-"""Backends and dispatch, in the style of xformers' operator selection.
+"""The attention backends, registered in flashtx._dispatch's one registry (in preference order).
 
-Each backend answers `not_supported_reasons(inputs)`: an empty list means it can run them. With
-`backend=None`, flashtx takes the first fast backend that fits (cuda, then triton); when none
-does, it falls back to `reference` with a one-time warning that lists every backend and why. A
-backend asked for by name raises `BackendNotSupported` with its reasons instead.
+Each answers `not_supported_reasons(inputs)` for an `AttentionInputs` (built only when a plan is
+resolved, never per call): an empty list means it can run them. See flashtx._dispatch for how a
+backend is chosen and cached.
 
 CPU tensors go to `reference` unless Triton's interpreter is on (FLASHTX_INTERPRET=1 or
 TRITON_INTERPRET=1), in which case they run through the real Triton kernels: that is how the
@@ -12,22 +11,17 @@ tests check the kernels on machines without a GPU.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 
-from . import _env, reference
+from . import _dispatch, _env, reference
+from ._dispatch import BackendNotSupported  # noqa: F401  (public: flashtx.BackendNotSupported)
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256  # the largest head dim the Triton configs cover (configs.head_dim_bucket)
 INT32_MAX = 2**31 - 1  # kernels index within a (batch, head) slice with int32 offsets
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put heads and batch
-
-
-class BackendNotSupported(NotImplementedError):
-    """Raised when the requested backend cannot run the given inputs; the message says why."""
-
 
 # The kernels' mask description, from a module that does not import triton (so the reference
 # backend works without it); flashtx calls it AttentionMasks.
@@ -36,7 +30,10 @@ AttentionMasks = MaskSpec
 
 @dataclasses.dataclass(frozen=True)
 class AttentionInputs:
-    """Attention inputs as the kernels see them: (B, H, S, D) views, any strides."""
+    """Attention inputs as the kernels see them: (B, H, S, D) views, any strides.
+
+    needs_grad: 0 (inference), 1 (the backward must run too) or 2 (and the bias's gradient).
+    """
 
     q: torch.Tensor
     k: torch.Tensor
@@ -44,6 +41,7 @@ class AttentionInputs:
     causal: bool = False
     bottom_right: bool = False
     masks: AttentionMasks = NO_MASKS
+    needs_grad: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -61,15 +59,17 @@ class Backend:
         raise NotImplementedError
 
     def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
-        """Write attention of (q, k, v) into `out`; return lse2 (B, H, Sq) in log2 units."""
+        """Write attention of (q, k, v) into `out`; return (m2, l2) (B, H, Sq): the row max of the
+        scores and log2 of the row sum of exp2(s2 - m2), log2 units (flashtx._attention_op)."""
         raise NotImplementedError
 
-    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
+    def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
                  dbias=None):
-        """Write the gradients of (q, k, v) into (dq, dk, dv), and of masks.attn_mask into dbias if given."""
+        """Write the gradients of (q, k, v) into (dq, dk, dv), and of masks.attn_mask into dbias if given.
+        dl2: the cotangent of the lse (log2 units) or None."""
         raise NotImplementedError
 
-    def probs(self, q, k, v, lse2, *, scale, causal, bottom_right, masks=NO_MASKS):
+    def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
         """The probabilities of the forward that returned lse2 (dropped entries negated)."""
         raise NotImplementedError
 
@@ -107,40 +107,15 @@ def triton_device_reasons(device: torch.device, dtype: torch.dtype) -> list[str]
 
 
 def select_backend_for(op: str, backends: dict, inp, requested: str | None, summary: str) -> str:
-    """Generic dispatch: `backends` maps names to objects with not_supported_reasons(inp).
-
-    Order of `backends` is preference order; "reference" must be present and accept everything.
-    """
-    if requested is not None:
-        if requested not in backends:
-            raise ValueError(f"backend must be None or one of {sorted(backends)}; got {requested!r}")
-        reasons = backends[requested].not_supported_reasons(inp)
-        if reasons:
-            raise BackendNotSupported(
-                f"{op}: backend={requested!r} cannot run {summary}:\n  " + "\n  ".join(reasons)
-                + "\nAll backends:\n" + describe_reasons(backends, inp))
-        return requested
-    device = getattr(inp, "device")
-    if device.type == "cpu" and not _env.INTERPRET:
-        return "reference"  # documented: CPU tensors use the reference unless the interpreter is on
-    for name, b in backends.items():
-        if name != "reference" and not b.not_supported_reasons(inp):
-            return name
-    table = describe_reasons(backends, inp)
-    key = (op, table)
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(f"flashtx.{op}: no fast backend can run {summary}; using the reference "
-                      f"implementation. Backends:\n{table}", stacklevel=4)
-    return "reference"
+    """Uncached dispatch over `backends` (RoPE and SwiGLU until they move to flashtx._dispatch)."""
+    for name, impl in backends.items():
+        if (op, name) not in _SHIM:
+            _dispatch.register(op, name, impl)
+            _SHIM.add((op, name))
+    return _dispatch.resolve(op, requested, inp, lambda: summary)
 
 
-def describe_reasons(backends: dict, inp) -> str:
-    lines = []
-    for name, b in backends.items():
-        reasons = b.not_supported_reasons(inp)
-        lines.append(f"  `{name}`: " + ("supported" if not reasons else "; ".join(reasons)))
-    return "\n".join(lines)
+_SHIM: set = set()
 
 
 class ReferenceBackend(Backend):
@@ -157,17 +132,17 @@ class ReferenceBackend(Backend):
         o, lse2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
                                               spec=masks)
         out.copy_(o)
-        return lse2
+        return lse2, torch.zeros_like(lse2)
 
-    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
+    def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
                  dbias=None):
-        grads = reference.attention_backward(do, q, k, v, out, lse2, scale=scale, causal=causal,
-                                             bottom_right=bottom_right, dlse2=dlse2, spec=masks, dbias=dbias)
+        grads = reference.attention_backward(do, q, k, v, out, m2 + l2, scale=scale, causal=causal,
+                                             bottom_right=bottom_right, dlse2=dl2, spec=masks, dbias=dbias)
         for buf, g in zip((dq, dk, dv), grads):
             buf.copy_(g)
 
-    def probs(self, q, k, v, lse2, *, scale, causal, bottom_right, masks=NO_MASKS):
-        return reference.attention_probs(q, k, v, lse2, scale=scale, causal=causal, bottom_right=bottom_right,
+    def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
+        return reference.attention_probs(q, k, v, m2 + l2, scale=scale, causal=causal, bottom_right=bottom_right,
                                          spec=masks)
 
 
@@ -194,7 +169,7 @@ class TritonBackend(Backend):
             if t.shape[2] * max(t.stride(2), 1) > INT32_MAX:
                 reasons.append(f"{name}'s sequence span ({t.shape[2]} x stride {t.stride(2)}) overflows int32 offsets")
         m = inp.masks.attn_mask
-        if m is not None and sum((n - 1) * abs(st) for n, st in zip(m.shape[2:], m.stride()[2:])) > INT32_MAX:
+        if m is not None and _mask_span(m) > INT32_MAX:
             reasons.append(f"attn_mask {tuple(m.shape)}: one (batch, head) slice spans more than int32 offsets")
         if not reasons and inp.device.type == "cuda":
             reasons += self._config_reasons(inp)
@@ -208,8 +183,8 @@ class TritonBackend(Backend):
         target = target_for(inp.q)
         bq, bv = head_block(inp.q.shape[-1]), head_block(inp.v.shape[-1])
         reasons = []
-        kernels = ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"]
-        if inp.masks.attn_mask is not None and inp.masks.attn_mask.is_floating_point():
+        kernels = ["attn_fwd"] + (["attn_bwd_dkdv", "attn_bwd_dq"] if inp.needs_grad else [])
+        if inp.needs_grad == 2:
             kernels.append("attn_scores")  # the bias gradient
         for kernel in kernels:
             try:
@@ -224,32 +199,23 @@ class TritonBackend(Backend):
         q, k, v = (_unit_last(t) for t in (q, k, v))
         _, lse2 = attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
                                     spec=masks, out=out)
-        return lse2
+        return lse2, torch.zeros_like(lse2)
 
-    def backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
+    def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
                  dbias=None):
         from .triton_kernels.attention_bwd import attention_backward
 
         do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
-        if dlse2 is not None:
-            dlse2 = dlse2.contiguous()
-        attention_backward(do, q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right,
-                           dlse2=dlse2, spec=masks, grads=(dq, dk, dv), dbias=dbias)
+        if dl2 is not None:
+            dl2 = dl2.contiguous()
+        attention_backward(do, q, k, v, out, m2 + l2, scale=scale, causal=causal, bottom_right=bottom_right,
+                           dlse2=dl2, spec=masks, grads=(dq, dk, dv), dbias=dbias)
 
-    def probs(self, q, k, v, lse2, *, scale, causal, bottom_right, masks=NO_MASKS):
+    def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
         from .triton_kernels.attention_scores import attention_probs
 
         q, k, v = (_unit_last(t) for t in (q, k, v))
-        return attention_probs(q, k, v, lse2, scale=scale, causal=causal, bottom_right=bottom_right, spec=masks)
-
-
-class CudaBackend(Backend):
-    """The optional CUDA C++ extension (csrc/). It holds no attention kernel yet."""
-
-    name = "cuda"
-
-    def not_supported_reasons(self, inp):
-        return ["flashtx's CUDA extension (csrc/) has no attention kernel in this release"]
+        return attention_probs(q, k, v, m2 + l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=masks)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -257,16 +223,34 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (CudaBackend(), TritonBackend(), ReferenceBackend())}
-_warned: set = set()
+for _b in (TritonBackend(), ReferenceBackend()):
+    _dispatch.register("attention", _b.name, _b)
+BACKENDS: dict[str, Backend] = _dispatch.IMPLS["attention"]  # name -> backend, in preference order
 
 
-def _inputs_summary(inp: AttentionInputs) -> str:
+def within_limits(q, k, v, bias, cu_seqlens_q) -> bool:
+    """The per-call shape limits of the Triton kernels (CUDA grid dims, int32 offsets), in ints.
+    False sends the call to an uncached resolve, whose reasons say which limit."""
+    if q.shape[0] > MAX_GRID_YZ or q.shape[1] > MAX_GRID_YZ:
+        return False
+    if cu_seqlens_q is not None and cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ:
+        return False
+    for t in (q, k, v):
+        if t.shape[2] * max(t.stride(2), 1) > INT32_MAX:
+            return False
+    return bias is None or _mask_span(bias) <= INT32_MAX
+
+
+def _mask_span(m: torch.Tensor) -> int:
+    return sum((n - 1) * abs(st) for n, st in zip(m.shape[2:], m.stride()[2:]))
+
+
+def inputs_summary(inp: AttentionInputs) -> str:
     return (f"query {tuple(inp.q.shape)}, key {tuple(inp.k.shape)}, value {tuple(inp.v.shape)} "
             f"(B, H, S, D), dtype={inp.dtype}, device={inp.device}, causal={inp.causal}"
             + (f", {inp.masks.describe()}" if not inp.masks.is_empty else ""))
 
 
 def select_backend(inp: AttentionInputs, requested: str | None = None) -> str:
-    """Name of the attention backend that will run `inp` (see the module docstring)."""
-    return select_backend_for("attention", BACKENDS, inp, requested, _inputs_summary(inp))
+    """Name of the attention backend that would run `inp` (uncached; see flashtx._dispatch)."""
+    return _dispatch.resolve("attention", requested, inp, lambda: inputs_summary(inp))

@@ -23,17 +23,14 @@ regenerated in backward) and, in the flash shells, `return_attn_probs`.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
-from . import _attention_op  # noqa: F401  (registers the custom ops)
-from ._attention_op import attention_fwd, attention_probs
+from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attention_op, attn_probs
 from ._validate import (check_alibi, check_attn_mask, check_cu_seqlens, check_cu_seqlens_values, check_dropout,
                         check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_softcap, check_tensor,
                         check_window, resolve_scale)
-from .backends import NO_MASKS, AttentionInputs, AttentionMasks, select_backend
 
 LN2 = math.log(2.0)
 
@@ -43,36 +40,49 @@ def _new_rng(device) -> torch.Tensor:
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)  # out of place: traceable
 
 
-def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, masks=NO_MASKS, max_seqlen_t=(None, None),
-         return_probs=False):
-    """q, k, v: validated (B, H, S, D) views (varlen: (1, H, total, D)).
+def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-1, -1), key_mask=None,
+         query_mask=None, q_lens=None, kv_lens=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+         max_seqlen_k=0, bias=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, return_probs=False):
+    """q, k, v: validated (B, H, S, D) views (varlen: (1, H, total, D)); the rest validated too.
 
-    Returns out (B, Hq, Sq, Dv) [, lse (B, Hq, Sq)] [, probs (B, Hq, Sq, Sk)].
+    Returns out (B, Hq, Sq, Dv) [, lse (B, Hq, Sq)] [, probs (B, Hq, Sq, Sk)]. Plain ints, bools and
+    lists only: this is what torch.compile traces around the op.
     """
-    if masks.dropout and masks.rng is None:
-        masks = dataclasses.replace(masks, rng=_new_rng(q.device))
-    name = select_backend(AttentionInputs(q, k, v, causal, bottom_right, masks), backend)
-    m = masks
-    margs = (int(m.window[0]), int(m.window[1]), m.key_mask, m.query_mask, m.q_lens, m.kv_lens, m.cu_seqlens_q,
-             m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k, *max_seqlen_t, m.attn_mask, float(m.softcap),
-             m.alibi_slopes, float(m.dropout_p), m.rng)
-    out, lse2 = attention_fwd(q, k, v, scale, causal, bottom_right, name, *margs)
+    rng = _new_rng(q.device) if dropout_p > 0 else None
+    needs_grad = NO_GRAD
+    if torch.is_grad_enabled():
+        if bias is not None and bias.requires_grad:
+            needs_grad = BIAS_GRAD
+        elif q.requires_grad or k.requires_grad or v.requires_grad:
+            needs_grad = GRAD
+    aux = [key_mask, query_mask, q_lens, kv_lens, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng]  # _attention_op.Aux
+    ints = [int(causal), int(bottom_right), window[0], window[1], max_seqlen_q, max_seqlen_k, needs_grad]  # Ints
+    floats = [scale, softcap, dropout_p]  # _attention_op.Floats
+    out, m2, l2 = attention_op(q, k, v, bias, aux, ints, floats, backend or "")
+    if not (return_lse or return_probs):
+        return out
     res = [out]
     if return_lse:
-        res.append(lse2 * LN2)  # natural log
+        res.append((m2 + l2) * LN2)  # natural log
     if return_probs:
-        res.append(attention_probs(q.detach(), k.detach(), v.detach(), lse2.detach(), scale, causal, bottom_right,
-                                   name, *margs))
-    return res[0] if len(res) == 1 else tuple(res)
+        res.append(attn_probs(q.detach(), k.detach(), v.detach(), m2, l2.detach(),
+                              None if bias is None else bias.detach(), aux, ints, floats, backend or ""))
+    return tuple(res)
 
 
-def _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens) -> AttentionMasks:
-    """Validated AttentionMasks for (B, H, S, D) views q, k."""
+def _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens) -> dict:
+    """Validated padding/window keywords of _run for (B, H, S, D) views q, k."""
     B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
-    return AttentionMasks(window=check_window("window_size", window_size),
-                          key_mask=check_seq_mask("key_mask", key_mask, B, Sk, q),
-                          query_mask=check_seq_mask("query_mask", query_mask, B, Sq, q),
-                          q_lens=check_lens("q_lens", q_lens, B, q), kv_lens=check_lens("kv_lens", kv_lens, B, q))
+    return dict(window=check_window("window_size", window_size),
+                key_mask=check_seq_mask("key_mask", key_mask, B, Sk, q),
+                query_mask=check_seq_mask("query_mask", query_mask, B, Sq, q),
+                q_lens=check_lens("q_lens", q_lens, B, q), kv_lens=check_lens("kv_lens", kv_lens, B, q))
+
+
+def _score_mods(batch, q, *, dropout_p=0.0, softcap=0.0, alibi_slopes=None) -> dict:
+    """Validated score-modifier keywords of _run."""
+    return dict(dropout_p=check_dropout("dropout_p", dropout_p), softcap=check_softcap("softcap", softcap),
+                alibi_slopes=check_alibi("alibi_slopes", alibi_slopes, batch, q.shape[1], q))
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
@@ -135,27 +145,17 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=bool(enable_gqa),
               gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
     scale = resolve_scale("scale", scale, q.shape[-1])
-    shapes = f"query {tuple(query.shape)} and key {tuple(key.shape)}"
-    masks = _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens)
-    masks = _score_mods(masks, q, k, attn_mask=check_attn_mask("attn_mask", attn_mask, tuple(query.shape[:-3]),
-                                                               q.shape[1], q.shape[2], k.shape[2], q, shapes),
-                        dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
+    bias = check_attn_mask("attn_mask", attn_mask, tuple(query.shape[:-3]), q.shape[1], q.shape[2], k.shape[2], q,
+                           lambda: f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     res = _run(q, k, v, scale=scale, causal=bool(is_causal), bottom_right=False, backend=backend,
-               return_lse=return_lse, masks=masks)
+               return_lse=return_lse, bias=bias,
+               **_padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens),
+               **_score_mods(q.shape[0], q, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
     lead_shape = query.shape[:-2]  # (..., Hq)
     if return_lse:
         out, lse = res
         return out.reshape(*lead_shape, *out.shape[2:]), lse.reshape(*lead_shape, lse.shape[2])
     return res.reshape(*lead_shape, *res.shape[2:])
-
-
-def _score_mods(masks, q, k, *, attn_mask=None, dropout_p=0.0, softcap=0.0, alibi_slopes=None,
-                name_dropout="dropout_p"):
-    """masks with the validated score modifiers (attn_mask already a validated 4-D view)."""
-    B = masks.cu_seqlens_q.shape[0] - 1 if masks.varlen else q.shape[0]
-    return dataclasses.replace(masks, attn_mask=attn_mask, dropout_p=check_dropout(name_dropout, dropout_p),
-                               softcap=check_softcap("softcap", softcap),
-                               alibi_slopes=check_alibi("alibi_slopes", alibi_slopes, B, q.shape[1], q))
 
 
 def _as4d(t: torch.Tensor) -> torch.Tensor:
@@ -214,13 +214,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views, no copies
     check_qkv(("q", "k", "v"), qh, kh, vh, "(B, S, H, D)", allow_gqa=True)
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
-    masks = _padding_masks(qh, kh, window_size, key_mask, query_mask, q_lens, kv_lens)
     bias = check_attn_mask("attn_bias", attn_bias, (q.shape[0],), qh.shape[1], qh.shape[2], kh.shape[2], q,
-                           f"q {tuple(q.shape)} and k {tuple(k.shape)}")
-    masks = _score_mods(masks, qh, kh, attn_mask=bias, dropout_p=dropout_p, softcap=softcap,
-                        alibi_slopes=alibi_slopes)
+                           lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
     res = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
-               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), masks=masks)
+               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), bias=bias,
+               **_padding_masks(qh, kh, window_size, key_mask, query_mask, q_lens, kv_lens),
+               **_score_mods(q.shape[0], qh, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
     if return_attn_probs:
         out, lse, probs = res
         return out.transpose(1, 2), lse, probs  # (B, Sq, Hq, Dv), (B, Hq, Sq), (B, Hq, Sq, Sk)
@@ -268,15 +267,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     msq, msk = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k", max_seqlen_k)
     check_cu_seqlens_values("cu_seqlens_q", cuq, q.shape[0], "total_q (q.shape[0])", msq, "max_seqlen_q")
     check_cu_seqlens_values("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])", msk, "max_seqlen_k")
-    tensors = tuple(m if isinstance(m, torch.Tensor) else None for m in (msq, msk))
-    masks = AttentionMasks(window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
-                           max_seqlen_q=0 if tensors[0] is not None else msq,
-                           max_seqlen_k=0 if tensors[1] is not None else msk)
-    masks = _score_mods(masks, qh, kh, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
+    # The kernels' grids span max_seqlen rows per sequence: bounded by the total (a larger bound only adds
+    # empty programs); a 0-dim tensor max_seqlen (checked above, on the device) uses the total, so no
+    # host sync and nothing data-dependent for torch.compile.
+    msq = q.shape[0] if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
+    msk = k.shape[0] if isinstance(msk, torch.Tensor) else min(msk, k.shape[0])
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
     res = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
-               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), masks=masks,
-               max_seqlen_t=tensors)
+               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs),
+               window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
+               max_seqlen_q=msq, max_seqlen_k=msk,
+               **_score_mods(cuq.shape[0] - 1, qh, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
     if return_attn_probs:
         out, lse, probs = res
         return out[0].transpose(0, 1), lse[0], probs  # (total_q, Hq, Dv), (Hq, total_q), (nseq, Hq, Mq, Mk)

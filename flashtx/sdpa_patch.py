@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from . import functional
 from .backends import BACKENDS, AttentionInputs
+from .triton_kernels.mask_spec import MaskSpec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ORIGINAL = F.scaled_dot_product_attention  # torch's, as found when flashtx was imported
@@ -78,11 +79,30 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         if tuple(full) != (*query.shape[:-2], query.shape[-2], key.shape[-2]):
             return "attn_mask would broadcast the output's shape" + _TORCH_ERROR
     if query.device.type == "cuda":
-        q, k, v = (functional._as4d(t) for t in ts)
-        reasons = BACKENDS["triton"].not_supported_reasons(AttentionInputs(q, k, v, bool(is_causal)))
-        if reasons:
-            return "no fast flashtx backend for these inputs: " + "; ".join(reasons)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+        bias_grad = needs_grad and attn_mask is not None and attn_mask.requires_grad
+        return _cuda_reason(query.device.index, query.dtype, query.shape[-1], value.shape[-1],
+                            attn_mask is not None and attn_mask.dtype != torch.bool, 2 if bias_grad else int(needs_grad))
     return None
+
+
+_CUDA_REASONS: dict = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it while tracing and keeps the answer
+def _cuda_reason(index, dtype, d_qk: int, d_v: int, float_mask: bool, needs_grad: int) -> str | None:
+    """Why the Triton backend cannot run attention of these kinds on this GPU (None: it can),
+    decided once per key from tiny stand-in inputs of the same kinds."""
+    key = (index, dtype, d_qk, d_v, float_mask, needs_grad)
+    if key not in _CUDA_REASONS:
+        dev = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+        q, k = (torch.empty(1, 1, 1, d, dtype=dtype, device=dev) for d in (d_qk, d_qk))
+        v = torch.empty(1, 1, 1, d_v, dtype=dtype, device=dev)
+        masks = MaskSpec(attn_mask=torch.empty(1, 1, 1, 1, dtype=dtype, device=dev)) if float_mask else MaskSpec()
+        reasons = BACKENDS["triton"].not_supported_reasons(AttentionInputs(q, k, v, masks=masks,
+                                                                           needs_grad=needs_grad))
+        _CUDA_REASONS[key] = "no fast flashtx backend for these inputs: " + "; ".join(reasons) if reasons else None
+    return _CUDA_REASONS[key]
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -15,6 +15,7 @@ from conftest import (DEVICE, KERNEL_DTYPES, PRECISE_DTYPE, assert_close_to_refe
                       precise_atol, randn, to64, to_dtype)
 
 import flashtx
+from flashtx.triton_kernels.launch import stub_launches
 from flashtx import reference
 from flashtx.triton_kernels.attention_common import kv_loop_bounds, q_loop_bounds
 
@@ -243,6 +244,20 @@ def test_varlen_equals_each_sequence_alone(name, lq, lk, causal, window):
         assert torch.allclose(out[qs].float(), ob.float(), **tol)
         for g, gs, s in zip(grads, gb, (qs, ks, ks)):
             assert torch.allclose(g[s].float(), gs.float(), **tol), name
+
+
+def test_varlen_max_seqlen_beyond_the_total_is_clamped():
+    """max_seqlen is an upper bound (flash-attn): 2**40 runs the same grid as the total length (issue
+    17.7: the interpreter tried 2**34 programs; CUDA would fail the launch), with the same result."""
+    torch.manual_seed(3)
+    q, k, v, cu_q, cu_k = packed([5, 9, 2], [7, 3, 8], dtype=KERNEL_DTYPES[0])
+    grids = []
+    with stub_launches(lambda kernel, grid, args: grids.append(grid)):
+        flashtx.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2**40, 2**40, causal=True, backend="triton")
+    assert grids and max(g[0] for g in grids) <= 16  # q tiles over at most total_q = 16 rows
+    want = flashtx.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 8, causal=True, backend="triton")
+    got = flashtx.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2**40, 2**40, causal=True, backend="triton")
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)

@@ -1,0 +1,150 @@
+"""Trace flashtx under torch.compile as a GPU run would, on a machine without one (for the tests).
+
+On a GPU, torch.compile(fullgraph=True) traces the functional layer with Dynamo, then AOTAutograd
+and Inductor trace the body of each flashtx op (a torch.library.triton_op) and record its
+`wrap_triton` launches as kernel nodes. Triton's interpreter cannot take part in that trace, so
+the CPU test suite keeps the ops opaque; this module instead runs the GPU path itself with three
+stand-ins, in a process where TRITON_INTERPRET is off:
+
+- the dispatch takes the Triton backend for CPU tensors (as it does for CUDA tensors),
+- config selection sees an RTX 3090 (sm_86) instead of the interpreter's tiles,
+- Triton's driver reports an sm_86 target, so torch can lower the kernels to TTIR (no GPU needed).
+
+Nothing is executed: the compiled graphs are captured, and stand-in outputs of the right
+metadata let the backward be traced too. Prints JSON: for each case, the Triton kernels in each
+captured graph (forward, then backward), or the error (a graph break raises under fullgraph=True).
+
+    python -m flashtx.testing_gpu_trace [CASE ...]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("run without TRITON_INTERPRET: this traces the GPU path, not the interpreter's")
+
+
+def _install_standins() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from flashtx import _env
+    from flashtx.triton_kernels import configs, launch
+
+    class Sm86Driver:  # torch's TTIR analysis asks the active driver for its target, nothing more
+        def get_current_target(self):
+            return GPUTarget("cuda", 86, 32)
+
+    triton.runtime.driver.set_active(Sm86Driver())
+    _env.INTERPRET = True  # dispatch: CPU tensors take the Triton backend, as CUDA tensors do
+    sm86 = configs.KNOWN_TARGETS[86]
+    for mod in list(sys.modules.values()):  # every launcher's imported target_for
+        if getattr(mod, "__name__", "").startswith("flashtx.triton_kernels") and hasattr(mod, "target_for"):
+            mod.target_for = lambda t: sm86
+    launch.target_for = lambda t: sm86
+
+
+def _capture(fn, args, backward: bool) -> dict:
+    import torch
+    import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    graphs = []
+
+    def compiler(gm, example_inputs):
+        graphs.append(gm)
+        outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+        def standin(*a):  # outputs of the right metadata: nothing can run here
+            res = []
+            for o in outs:
+                val = getattr(o, "meta", {}).get("val") if o is not None else None
+                res.append(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype)
+                           if isinstance(val, torch.Tensor) else None)
+            return res
+        return make_boxed_func(standin)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler))
+    out = compiled(*args)
+    if backward:
+        out.backward()
+    kernels = []
+    for gm in graphs:
+        names = []
+        for n in gm.graph.nodes:
+            if "triton_kernel_wrapper" in str(n.target) or "TritonKernelWrapper" in type(n.target).__name__:
+                k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+                names.append(getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", "?"))
+        kernels.append(names)
+    return {"kernels": kernels}  # fullgraph=True: a graph break would have raised
+
+
+def cases() -> dict:
+    """name -> (function, inputs, backward?)."""
+    import torch
+
+    import flashtx
+    from flashtx.nn import TransformerBlock
+
+    torch.manual_seed(0)
+
+    def qkv(*shape, dtype=torch.float16):
+        return [torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3)]
+
+    def sdpa_causal(q, k, v):
+        return flashtx.attention(q, k, v, is_causal=True).float().sum()
+
+    def flash_gqa(q, k, v):
+        return flashtx.flash_attn_func(q, k[:, :, :2], v[:, :, :2], causal=True).float().sum()
+
+    def masks(q, k, v, key_mask, bias):
+        return flashtx.attention(q, k, v, attn_mask=bias, key_mask=key_mask, window_size=(16, 0),
+                                 softcap=30.0, is_causal=True).float().sum()
+
+    def patched(q, k, v):
+        with flashtx.patch_sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
+
+    block = TransformerBlock(64, 4, 2, hidden_dim=96).to(torch.float16)
+
+    def block_step(x):
+        return block(x).float().sum()
+
+    key_mask = torch.ones(2, 64, dtype=torch.bool)
+    key_mask[1, 50:] = False
+    bias = torch.randn(1, 4, 64, 64, dtype=torch.float16, requires_grad=True)
+    return {
+        "attention-causal": (sdpa_causal, qkv(2, 4, 64, 64), True),
+        "flash-gqa": (flash_gqa, qkv(2, 64, 4, 64), True),
+        "masks-bias-softcap": (masks, [*qkv(2, 4, 64, 64), key_mask, bias], True),
+        "patch-sdpa": (patched, qkv(2, 4, 64, 64), True),
+        "transformer-block": (block_step, [torch.randn(2, 64, 64, dtype=torch.float16, requires_grad=True)], True),
+    }
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import flashtx  # noqa: F401  (imports the kernels before the stand-ins patch their modules)
+    import flashtx.triton_kernels.attention_bwd  # noqa: F401
+    import flashtx.triton_kernels.attention_fwd  # noqa: F401
+
+    _install_standins()
+    results = {}
+    for name, (fn, args, backward) in cases().items():
+        if argv and name not in argv:
+            continue
+        try:
+            results[name] = _capture(fn, args, backward)
+        except Exception as exc:  # reported, and the test fails on it
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,42 @@
+"""torch.compile as on a GPU: the Dynamo graph has no break, and AOTAutograd/Inductor see the Triton
+kernels inside every flashtx op (triton_op + wrap_triton), forward and backward.
+
+The CPU suite keeps the ops opaque (Triton's interpreter cannot run in a trace), so this runs the
+GPU path in a subprocess with stand-ins for the device (flashtx.testing_gpu_trace): the Triton
+dispatch, sm_86 tile configs and an sm_86 TTIR target. On 29be9ff (custom ops, dispatch traced by
+Dynamo) no kernel was visible and the CUDA dispatch graph-broke.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+FWD = ["_attn_fwd"]
+BWD = ["_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
+
+
+@pytest.fixture(scope="module")
+def traced():
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "flashtx.testing_gpu_trace"], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("case,fwd,bwd", [
+    ("attention-causal", FWD, BWD),
+    ("flash-gqa", FWD, BWD),
+    ("masks-bias-softcap", FWD, BWD + ["_attn_scores"]),  # the learned bias's gradient
+    ("patch-sdpa", FWD, BWD),
+    ("transformer-block", FWD, BWD),
+])
+def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):
+    res = traced[case]
+    assert "error" not in res, res.get("error")
+    fwd_graph, bwd_graph = res["kernels"]
+    assert sorted(fwd_graph) == sorted(fwd)
+    assert set(bwd) <= set(bwd_graph)
