@@ -18,7 +18,8 @@ from setuptools import setup
 if os.environ.get("FLASHTX_BUILD_CUDA", "0") == "1":
     # flashtx/_cuda_build.py by path: the source list and flags shared with the JIT build and the
     # compile check, without importing flashtx (which imports torch and triton)
-    spec = importlib.util.spec_from_file_location("_flashtx_cuda_build", Path(__file__).parent / "flashtx" / "_cuda_build.py")
+    here = Path(__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("_flashtx_cuda_build", here / "flashtx" / "_cuda_build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     nvcc = build.find_nvcc()

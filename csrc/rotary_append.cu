@@ -115,7 +115,8 @@ extern "C" cudaError_t ftx_rotary_append(const ftx_rotary_append_params* p, cuda
   if ((long long)p->B * p->Sq > 2147483647LL) return cudaErrorInvalidConfiguration;
   switch (p->dtype) {
     case FTX_FLOAT16:
-      return p->cos_f32 ? ftx::launch_rotary<__half, float>(*p, stream) : ftx::launch_rotary<__half, __half>(*p, stream);
+      return p->cos_f32 ? ftx::launch_rotary<__half, float>(*p, stream)
+                        : ftx::launch_rotary<__half, __half>(*p, stream);
     case FTX_BFLOAT16:
       return p->cos_f32 ? ftx::launch_rotary<__nv_bfloat16, float>(*p, stream)
                         : ftx::launch_rotary<__nv_bfloat16, __nv_bfloat16>(*p, stream);

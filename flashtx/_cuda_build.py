@@ -209,7 +209,8 @@ def resources_markdown(results: list[dict], nvcc_ver: str) -> str:
         cells = []
         for a in archs:
             r = by.get((k, a))
-            cells.append("-" if r is None else f"{r['registers']} / {r['smem']:,} / {r['spill_stores'] + r['spill_loads']}")
+            spill = None if r is None else r["spill_stores"] + r["spill_loads"]
+            cells.append("-" if r is None else f"{r['registers']} / {r['smem']:,} / {spill}")
         lines.append(f"| `{names[k]}` | {Path(src).name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

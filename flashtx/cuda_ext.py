@@ -227,6 +227,12 @@ def build(*, verbose: bool = False, archs: list[int] | None = None, lock_wait_s:
     reasons = build_env_reasons()
     if reasons:
         raise RuntimeError("cannot build flashtx's CUDA extension: " + "; ".join(reasons))
+    if _ops_registered():  # a second library cannot register the flashtx_cuda namespace again
+        print(f"flashtx.cuda_ext: already loaded ({_state['loaded'] or 'registered'}); restart Python to load a "
+              "rebuilt library", file=sys.stderr, flush=True)
+        _state["loaded"] = _state["loaded"] or "already registered"
+        _register_fakes()
+        return str(_state["loaded"])
     from torch.utils import cpp_extension
 
     home = os.environ.get("CUDA_HOME") or _b.cuda_home()
