@@ -1,8 +1,46 @@
 """Build script. All metadata lives in pyproject.toml.
 
-The optional CUDA extension in csrc/ is not built yet (see csrc/README.md); flashtx works
-fully without it, through its Triton kernels and its reference backend.
+Plain `pip install -e .` is pure Python (flashtx's Triton kernels and reference backend). The
+optional CUDA extension in csrc/ is built only when asked:
+
+    FLASHTX_BUILD_CUDA=1 pip install --no-build-isolation -e .
+
+(--no-build-isolation so the build uses the installed CUDA build of torch; needs nvcc and ninja.)
+It becomes flashtx/_flashtx_cuda*.so, which flashtx.cuda_ext loads with torch.ops.load_library.
+FLASHTX_CUDA_ARCHS="80;90" picks the archs (default sm_80, sm_86, sm_90 + PTX of sm_90).
 """
+import importlib.util
+import os
+from pathlib import Path
+
 from setuptools import setup
 
-setup()
+if os.environ.get("FLASHTX_BUILD_CUDA", "0") == "1":
+    # flashtx/_cuda_build.py by path: the source list and flags shared with the JIT build and the
+    # compile check, without importing flashtx (which imports torch and triton)
+    here = Path(__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("_flashtx_cuda_build", here / "flashtx" / "_cuda_build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    nvcc = build.find_nvcc()
+    if nvcc is None:
+        raise SystemExit("FLASHTX_BUILD_CUDA=1: nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    home = os.environ.get("CUDA_HOME") or build.cuda_home(nvcc)
+    if home is None:
+        raise SystemExit(f"FLASHTX_BUILD_CUDA=1: cannot find the CUDA install of {nvcc}; set CUDA_HOME")
+    os.environ["CUDA_HOME"] = home  # before torch.utils.cpp_extension guesses it from a wrapper's path
+    import torch
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is None:
+        raise SystemExit(f"FLASHTX_BUILD_CUDA=1: torch {torch.__version__} is a CPU-only build; install a CUDA build "
+                         "of torch, and build with --no-build-isolation so it is used")
+    cpp_extension.CUDA_HOME = home
+    archs = [int(a) for a in os.environ.get("FLASHTX_CUDA_ARCHS", "").replace(",", ";").split(";") if a.strip()]
+    ext = cpp_extension.CUDAExtension(
+        build.AOT_MODULE, sources=list(build.SOURCES), include_dirs=[str(build.CSRC)],
+        extra_compile_args={"cxx": list(build.CXX_FLAGS),
+                            "nvcc": [*build.NVCC_FLAGS, *build.gencode_flags(archs or build.ARCHS, ptx=True)]})
+    setup(ext_modules=[ext], cmdclass={"build_ext": cpp_extension.BuildExtension})
+else:
+    setup()

@@ -1,0 +1,283 @@
+// torch.library binding of the flashtx CUDA kernels: ops flashtx_cuda::decode_attention and
+// flashtx_cuda::rotary_append, loaded with torch.ops.load_library (no pybind11). Their fake
+// (meta) implementations are registered from Python (flashtx/cuda_ext.py), so torch.compile
+// traces them. The schemas must match flashtx.cuda_ext.SCHEMAS (tests/test_cuda_ext.py checks).
+//
+// What is checked where:
+//   here, always (shapes and metadata, no device sync): device, dtype, rank, sizes, last-dim
+//     contiguity, 16-byte alignment of pointers and strides, head dim, GQA divisibility,
+//     block_table / cache_batch_idx shapes, rotary table length >= cache capacity.
+//   here, only with check_values=true (one device->host sync): cache_seqlens in
+//     [0, capacity] (decode) or [0, capacity - Sq] (append), the block_table entries a row uses
+//     in [0, num_blocks), cache_batch_idx in [0, B_cache).
+//   in the kernels, always: every index derived from those values is guarded (flashtx_cuda.h),
+//     so bad values give masked keys / dropped writes, never an out-of-bounds access.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "flashtx_cuda.h"
+
+namespace {
+
+constexpr int64_t MAX_SPLITS = 128;
+
+std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+ftx_dtype to_ftx(const char* op, const at::Tensor& q) {
+  switch (q.scalar_type()) {
+    case at::kHalf: return FTX_FLOAT16;
+    case at::kBFloat16: return FTX_BFLOAT16;
+    case at::kFloat: return FTX_FLOAT32;
+    default: break;
+  }
+  TORCH_CHECK(false, op, ": q must be float16, bfloat16 or float32; got ", q.scalar_type());
+  return FTX_FLOAT32;  // unreachable
+}
+
+void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor; got device ", t.device());
+  TORCH_CHECK(t.device() == q.device(), op, ": ", name, " must be on ", q.device(), " like q; got ", t.device());
+}
+
+// A (.., D) tensor the kernels read or write with 16-byte vectors.
+void check_vec_tensor(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q, int64_t dim) {
+  check_device(op, name, t, q);
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dims; got shape ", shape_str(t));
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", name, " must have q's dtype ", q.scalar_type(),
+              "; got ", t.scalar_type());
+  TORCH_CHECK(t.stride(-1) == 1, op, ": ", name, " must be contiguous in its last dim (stride 1); got strides ",
+              c10::str(t.strides()));
+  const int64_t vec = 16 / (int64_t)t.element_size();
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    TORCH_CHECK(t.stride(d) % vec == 0 || t.size(d) == 1, op, ": ", name, "'s strides must be multiples of ", vec,
+                " elements (16 bytes) for vector loads; got strides ", c10::str(t.strides()), " (call .contiguous())");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name,
+              "'s data must be 16-byte aligned (a view at an odd offset?); call .contiguous()");
+}
+
+void check_int_vec(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q, int64_t B) {
+  check_device(op, name, t, q);
+  TORCH_CHECK(t.scalar_type() == at::kInt, op, ": ", name, " must be int32; got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == B && t.stride(0) == 1, op, ": ", name,
+              " must be a contiguous (B,) = (", B, ",) tensor; got shape ", shape_str(t));
+}
+
+struct CacheInfo {
+  int cache_rows, cache_len, max_blocks;
+  int64_t capacity;
+};
+
+// k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged (num_blocks, page_size, Hkv, D) + block_table.
+CacheInfo check_cache(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
+                      const c10::optional<at::Tensor>& cache_batch_idx, int64_t B) {
+  check_vec_tensor(op, "k_cache", k_cache, q, 4);
+  check_vec_tensor(op, "v_cache", v_cache, q, 4);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), op, ": k_cache and v_cache must have the same shape; got ",
+              shape_str(k_cache), " and ", shape_str(v_cache));
+  TORCH_CHECK(k_cache.size(3) == q.size(-1), op, ": the caches' head dim must be q's (", q.size(-1), "); got ",
+              shape_str(k_cache));
+  TORCH_CHECK(k_cache.size(0) > 0 && k_cache.size(1) > 0, op, ": the caches must not be empty; got ",
+              shape_str(k_cache));
+  TORCH_CHECK(k_cache.size(0) <= INT32_MAX && k_cache.size(1) <= INT32_MAX, op, ": cache too large");
+  check_int_vec(op, "cache_seqlens", cache_seqlens, q, B);
+  CacheInfo c{(int)k_cache.size(0), (int)k_cache.size(1), 0, k_cache.size(1)};
+  if (block_table.has_value()) {
+    const at::Tensor& bt = *block_table;
+    check_device(op, "block_table", bt, q);
+    TORCH_CHECK(bt.scalar_type() == at::kInt, op, ": block_table must be int32; got ", bt.scalar_type());
+    TORCH_CHECK(bt.dim() == 2 && bt.size(0) == B && bt.size(1) > 0 && bt.stride(1) == 1, op,
+                ": block_table must be (B, max_blocks) = (", B, ", >0) with a contiguous last dim; got shape ",
+                shape_str(bt), " strides ", c10::str(bt.strides()));
+    TORCH_CHECK(!cache_batch_idx.has_value(), op, ": cache_batch_idx cannot be used with a paged cache "
+                "(block_table); index the block_table rows instead");
+    TORCH_CHECK(bt.size(1) * k_cache.size(1) <= INT32_MAX, op, ": max_blocks * page_size must fit int32");
+    c.max_blocks = (int)bt.size(1);
+    c.capacity = bt.size(1) * k_cache.size(1);
+  } else if (cache_batch_idx.has_value()) {
+    check_int_vec(op, "cache_batch_idx", *cache_batch_idx, q, B);
+  } else {
+    TORCH_CHECK(k_cache.size(0) >= B, op, ": k_cache has ", k_cache.size(0), " batch rows but q has B = ", B,
+                "; pass cache_batch_idx to map batch rows to cache rows");
+  }
+  return c;
+}
+
+// check_values: the values behind the in-kernel guards, at the cost of one device sync.
+void check_cache_values(const char* op, const CacheInfo& c, const at::Tensor& cache_seqlens,
+                        const c10::optional<at::Tensor>& block_table,
+                        const c10::optional<at::Tensor>& cache_batch_idx, int64_t extra) {
+  const int64_t max_len = c.capacity - extra;
+  const auto lens = cache_seqlens.to(at::kLong);
+  const int64_t lo = lens.min().item<int64_t>(), hi = lens.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi <= max_len, op, ": cache_seqlens must lie in [0, ", max_len, "] (cache capacity ",
+              c.capacity, extra ? " minus the Sq new tokens" : "", "); got values in [", lo, ", ", hi, "]");
+  if (block_table.has_value()) {
+    const auto used_blocks = (lens + extra + c.cache_len - 1).div(c.cache_len, "floor");  // (B,)
+    const auto cols = at::arange(c.max_blocks, lens.options()).unsqueeze(0);              // (1, max_blocks)
+    const auto used = cols < used_blocks.unsqueeze(1);                                    // (B, max_blocks)
+    const auto bad = used & ((*block_table < 0) | (*block_table >= c.cache_rows));
+    TORCH_CHECK(!bad.any().item<bool>(), op, ": block_table has entries outside [0, num_blocks = ", c.cache_rows,
+                ") in the blocks that cache_seqlens uses");
+  }
+  if (cache_batch_idx.has_value()) {
+    const int64_t a = cache_batch_idx->min().item<int64_t>(), b = cache_batch_idx->max().item<int64_t>();
+    TORCH_CHECK(a >= 0 && b < c.cache_rows, op, ": cache_batch_idx must lie in [0, ", c.cache_rows, "); got [", a,
+                ", ", b, "]");
+  }
+}
+
+const int* opt_int_ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<int>() : nullptr; }
+
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                    const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                                    const c10::optional<at::Tensor>& block_table,
+                                                    const c10::optional<at::Tensor>& cache_batch_idx,
+                                                    double softmax_scale, bool causal, int64_t num_splits,
+                                                    bool check_values) {
+  const char* op = "flashtx_cuda::decode_attention";
+  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor; got device ", q.device());
+  const ftx_dtype dt = to_ftx(op, q);
+  check_vec_tensor(op, "q", q, q, 4);
+  const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3);
+  TORCH_CHECK(D == 64 || D == 128, op, ": head dim must be 64 or 128; got q of shape ", shape_str(q));
+  const CacheInfo c = check_cache(op, q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, B);
+  const int64_t Hkv = k_cache.size(2);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, op, ": q's heads (", Hq, ") must be a multiple of the caches' heads (",
+              Hkv, ")");
+  TORCH_CHECK(num_splits >= 1 && num_splits <= MAX_SPLITS, op, ": num_splits must be in [1, ", MAX_SPLITS,
+              "]; got ", num_splits);
+  TORCH_CHECK(B <= 65535 && Hq <= 65535 && Sq <= 65535, op, ": B, Sq and Hq must be <= 65535 (grid); got q ",
+              shape_str(q));
+  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  if (check_values) check_cache_values(op, c, cache_seqlens, block_table, cache_batch_idx, 0);
+
+  auto out = at::empty({B, Sq, Hq, D}, q.options());                    // (B, Sq, Hq, D)
+  auto lse = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));     // (B, Hq, Sq)
+  if (B == 0 || Sq == 0 || Hq == 0) return {out, lse};
+  at::Tensor out_partial, lse_partial;
+  if (num_splits > 1) {
+    out_partial = at::empty({num_splits, B, Hq, Sq, D}, lse.options());  // (splits, B, Hq, Sq, D)
+    lse_partial = at::empty({num_splits, B, Hq, Sq}, lse.options());     // (splits, B, Hq, Sq)
+  }
+  ftx_decode_params p{};
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.out_partial = num_splits > 1 ? out_partial.data_ptr<float>() : nullptr;
+  p.lse_partial = num_splits > 1 ? lse_partial.data_ptr<float>() : nullptr;
+  p.cache_seqlens = cache_seqlens.data_ptr<int>();
+  p.block_table = opt_int_ptr(block_table);
+  p.cache_batch_idx = opt_int_ptr(cache_batch_idx);
+  p.q_sb = q.stride(0), p.q_ss = q.stride(1), p.q_sh = q.stride(2);
+  p.k_sb = k_cache.stride(0), p.k_ss = k_cache.stride(1), p.k_sh = k_cache.stride(2);
+  p.v_sb = v_cache.stride(0), p.v_ss = v_cache.stride(1), p.v_sh = v_cache.stride(2);
+  p.bt_sb = block_table.has_value() ? block_table->stride(0) : 0;
+  p.B = (int)B, p.Sq = (int)Sq, p.Hq = (int)Hq, p.Hkv = (int)Hkv, p.D = (int)D;
+  p.cache_rows = c.cache_rows, p.cache_len = c.cache_len, p.max_blocks = c.max_blocks;
+  p.num_splits = (int)num_splits;
+  p.softmax_scale = (float)softmax_scale;
+  p.causal = causal ? 1 : 0;
+  p.dtype = dt;
+  const cudaError_t err = ftx_decode_attention(&p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
+at::Tensor rotary_append(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                         at::Tensor& v_cache, const c10::optional<at::Tensor>& cos,
+                         const c10::optional<at::Tensor>& sin, const at::Tensor& cache_seqlens,
+                         const c10::optional<at::Tensor>& block_table,
+                         const c10::optional<at::Tensor>& cache_batch_idx, bool interleaved, bool q_causal,
+                         bool check_values) {
+  const char* op = "flashtx_cuda::rotary_append";
+  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor; got device ", q.device());
+  const ftx_dtype dt = to_ftx(op, q);
+  check_vec_tensor(op, "q", q, q, 4);
+  const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3);
+  TORCH_CHECK(D == 64 || D == 128, op, ": head dim must be 64 or 128; got q of shape ", shape_str(q));
+  check_vec_tensor(op, "k", k, q, 4);
+  check_vec_tensor(op, "v", v, q, 4);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == Sq && k.size(3) == D, op,
+              ": k and v must be (B, Sq, Hkv, D) with q's B, Sq, D = ", B, ", ", Sq, ", ", D, "; got ", shape_str(k),
+              " and ", shape_str(v));
+  const CacheInfo c = check_cache(op, q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, B);
+  TORCH_CHECK(k_cache.size(2) == k.size(2), op, ": the caches' heads (", k_cache.size(2), ") must be k's (",
+              k.size(2), ")");
+  int64_t rotary_dim = 0, s_rot = 0;
+  bool cos_f32 = false;
+  TORCH_CHECK(cos.has_value() == sin.has_value(), op, ": pass both cos and sin, or neither");
+  if (cos.has_value()) {
+    for (const auto* pair : {&*cos, &*sin}) {
+      const char* name = pair == &*cos ? "cos" : "sin";
+      check_device(op, name, *pair, q);
+      TORCH_CHECK(pair->scalar_type() == at::kFloat || pair->scalar_type() == q.scalar_type(), op, ": ", name,
+                  " must be float32 or q's dtype ", q.scalar_type(), "; got ", pair->scalar_type());
+      TORCH_CHECK(pair->dim() == 2 && pair->is_contiguous(), op, ": ", name,
+                  " must be a contiguous (S_rot, rotary_dim / 2) tensor; got shape ", shape_str(*pair));
+      TORCH_CHECK(reinterpret_cast<uintptr_t>(pair->data_ptr()) % 16 == 0, op, ": ", name,
+                  "'s data must be 16-byte aligned");
+    }
+    TORCH_CHECK(cos->sizes() == sin->sizes() && cos->scalar_type() == sin->scalar_type(), op,
+                ": cos and sin must have the same shape and dtype; got ", shape_str(*cos), " ", cos->scalar_type(),
+                " and ", shape_str(*sin), " ", sin->scalar_type());
+    rotary_dim = 2 * cos->size(1);
+    s_rot = cos->size(0);
+    const int64_t vec = 16 / (int64_t)q.element_size();
+    TORCH_CHECK(rotary_dim > 0 && rotary_dim <= D && rotary_dim % (2 * vec) == 0, op,
+                ": rotary_dim = 2 * cos.shape[1] must be a multiple of ", 2 * vec, " in [", 2 * vec, ", ", D,
+                "] for ", q.scalar_type(), "; got ", rotary_dim);
+    TORCH_CHECK(s_rot >= c.capacity, op, ": cos/sin must cover every cache position: ", s_rot,
+                " rows for a cache capacity of ", c.capacity);
+    cos_f32 = cos->scalar_type() == at::kFloat;
+  }
+  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  if (check_values) check_cache_values(op, c, cache_seqlens, block_table, cache_batch_idx, Sq);
+
+  auto q_out = at::empty({B, Sq, Hq, D}, q.options());  // (B, Sq, Hq, D)
+  if (B == 0 || Sq == 0) return q_out;
+  ftx_rotary_append_params p{};
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.q_out = q_out.data_ptr();
+  p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
+  p.cos = cos.has_value() ? cos->data_ptr() : nullptr;
+  p.sin = sin.has_value() ? sin->data_ptr() : nullptr;
+  p.cache_seqlens = cache_seqlens.data_ptr<int>();
+  p.block_table = opt_int_ptr(block_table);
+  p.cache_batch_idx = opt_int_ptr(cache_batch_idx);
+  p.q_sb = q.stride(0), p.q_ss = q.stride(1), p.q_sh = q.stride(2);
+  p.k_sb = k.stride(0), p.k_ss = k.stride(1), p.k_sh = k.stride(2);
+  p.v_sb = v.stride(0), p.v_ss = v.stride(1), p.v_sh = v.stride(2);
+  p.kc_sb = k_cache.stride(0), p.kc_ss = k_cache.stride(1), p.kc_sh = k_cache.stride(2);
+  p.vc_sb = v_cache.stride(0), p.vc_ss = v_cache.stride(1), p.vc_sh = v_cache.stride(2);
+  p.bt_sb = block_table.has_value() ? block_table->stride(0) : 0;
+  p.B = (int)B, p.Sq = (int)Sq, p.Hq = (int)Hq, p.Hkv = (int)k.size(2), p.D = (int)D;
+  p.rotary_dim = (int)rotary_dim, p.S_rot = (int)s_rot, p.cos_f32 = cos_f32 ? 1 : 0;
+  p.cache_rows = c.cache_rows, p.cache_len = c.cache_len, p.max_blocks = c.max_blocks;
+  p.interleaved = interleaved ? 1 : 0, p.q_causal = q_causal ? 1 : 0;
+  p.dtype = dt;
+  const cudaError_t err = ftx_rotary_append(&p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  return q_out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(flashtx_cuda, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
+        "Tensor? cache_batch_idx, float softmax_scale, bool causal, int num_splits, bool check_values) "
+        "-> (Tensor, Tensor)");
+  m.def("rotary_append(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? cos, "
+        "Tensor? sin, Tensor cache_seqlens, Tensor? block_table, Tensor? cache_batch_idx, bool interleaved, "
+        "bool q_causal, bool check_values) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(flashtx_cuda, CUDA, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rotary_append", &rotary_append);
+}

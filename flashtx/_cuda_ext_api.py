@@ -1,0 +1,146 @@
+"""The public functions of flashtx.cuda_ext (import them from there): thin wrappers over the
+torch.ops.flashtx_cuda ops that check arguments in Python, fill defaults and pick num_splits."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import cuda_ext as _ext
+
+
+def _require(op: str, q: torch.Tensor) -> None:
+    if not _ext.load():
+        raise RuntimeError(f"flashtx.cuda_ext.{op}: the CUDA extension is not available: {_ext.unavailable_reason()}")
+    if q.device.type != "cuda":
+        raise ValueError(f"flashtx.cuda_ext.{op}: q must be a CUDA tensor; got device {q.device}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _lens(op: str, cache_seqlens, batch: int, device) -> torch.Tensor:
+    """cache_seqlens as a (B,) int32 tensor on device (an int is broadcast; int64 is converted)."""
+    if isinstance(cache_seqlens, int):
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"flashtx.cuda_ext.{op}: cache_seqlens must be an int or an int32/int64 tensor; got "
+                        f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
+    return cache_seqlens.to(device=device, dtype=torch.int32).contiguous()
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, cache_batch_idx=None,
+                     softmax_scale=None, causal=False, num_splits=0, return_lse=False, check_values=False):
+    """Attention of a few new queries over a contiguous or paged KV cache (split-KV, GQA-packed).
+
+    flash-attn 2's flash_attn_with_kvcache without the append (see rotary_append and
+    flash_attn_with_kvcache here for that).
+
+    Args:
+        q: (B, Sq, Hq, D) CUDA tensor, float16, bfloat16 or float32, D = 64 or 128, last dim
+            contiguous; Sq small (1..4 is what the kernel is laid out for; any Sq works).
+        k_cache, v_cache: (B_cache, S_cache, Hkv, D) contiguous caches, or with block_table paged
+            (num_blocks, page_size, Hkv, D); q's dtype; Hq a multiple of Hkv (GQA/MQA).
+        cache_seqlens: (B,) int32 (int64 is converted) or an int: batch row b attends to keys
+            [0, cache_seqlens[b]).
+        block_table: (B, max_blocks) int32: key position p of row b is in page
+            block_table[b, p // page_size], slot p % page_size. Capacity max_blocks * page_size.
+        cache_batch_idx: (B,) int32: the cache row of batch row b (contiguous caches only).
+        softmax_scale: default D ** -0.5.
+        causal: bottom-right aligned: query i sees keys j <= cache_seqlens[b] - Sq + i.
+        num_splits: 0 chooses (choose_num_splits, flash-attn's heuristic); 1..128 forces.
+        return_lse: also return the log-sum-exp (B, Hq, Sq) float32 (natural log).
+        check_values: check cache_seqlens, block_table and cache_batch_idx values on the host (one
+            device sync). Without it, out-of-range values are guarded in the kernel: keys of an
+            invalid page or cache row are masked, lengths are clamped to [0, capacity].
+
+    Returns:
+        out (B, Sq, Hq, D) in q's dtype, and lse if return_lse. A row with no key to attend to
+        (cache_seqlens[b] == 0, or causal with Sq > cache_seqlens[b]) gives out 0 and lse -inf.
+    """
+    _require("decode_attention", q)
+    lens = _lens("decode_attention", cache_seqlens, q.shape[0], q.device)
+    cap = _ext.check_decode_args(q, k_cache, v_cache, lens, block_table, cache_batch_idx, num_splits or 1)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    if num_splits == 0:
+        batch, sq, hq, _ = q.shape
+        num_splits = _ext.choose_num_splits(batch, hq, k_cache.shape[2], sq, cap, _num_sms(q.device.index or 0))
+    out, lse = torch.ops.flashtx_cuda.decode_attention(q, k_cache, v_cache, lens, block_table, cache_batch_idx,
+                                                       float(softmax_scale), bool(causal), int(num_splits),
+                                                       bool(check_values))
+    return (out, lse) if return_lse else out
+
+
+def rotary_append(q, k, v, k_cache, v_cache, cache_seqlens, *, cos=None, sin=None, interleaved=False,
+                  q_causal=True, block_table=None, cache_batch_idx=None, check_values=False):
+    """Rotate q and the new k by RoPE and write the new k and v into the KV cache, in one launch.
+
+    vLLM's rotary_embedding + reshape_and_cache_flash; flash-attn's flash_attn_with_kvcache with
+    k, v, rotary_cos, rotary_sin. k_cache and v_cache are written in place.
+
+    Args:
+        q: (B, Sq, Hq, D) CUDA tensor, float16, bfloat16 or float32, D = 64 or 128.
+        k, v: (B, Sq, Hkv, D) new keys and values, q's dtype; token i of row b goes to cache
+            position cache_seqlens[b] + i.
+        k_cache, v_cache: as in decode_attention (contiguous, or paged with block_table).
+        cache_seqlens: (B,) int32 or int: the lengths before the append (not updated here).
+        cos, sin: (S_rot, rotary_dim / 2), float32 or q's dtype, contiguous, S_rot >= cache
+            capacity; rotary_dim a multiple of 16 (fp16/bf16) or 8 (fp32), <= D; columns past it
+            pass through. None: append without rotating (q is returned as a copy).
+        interleaved: False rotates (x[j], x[j + rotary_dim/2]) (NeoX/LLaMA); True rotates
+            (x[2j], x[2j+1]) (GPT-J).
+        q_causal: True rotates query i at cache_seqlens[b] + i; False at cache_seqlens[b] for every
+            i (flash-attn does this when not causal).
+        check_values: check cache_seqlens + Sq <= capacity, block_table and cache_batch_idx values
+            on the host (one sync). Without it, writes to out-of-range positions/pages are dropped.
+
+    Returns:
+        q rotated, (B, Sq, Hq, D) contiguous, q's dtype.
+    """
+    _require("rotary_append", q)
+    lens = _lens("rotary_append", cache_seqlens, q.shape[0], q.device)
+    _ext.check_rotary_append_args(q, k, v, k_cache, v_cache, cos, sin, lens, block_table, cache_batch_idx)
+    return torch.ops.flashtx_cuda.rotary_append(q, k, v, k_cache, v_cache, cos, sin, lens, block_table,
+                                                cache_batch_idx, bool(interleaved), bool(q_causal),
+                                                bool(check_values))
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
+                            causal=False, rotary_interleaved=True, num_splits=0, return_softmax_lse=False, *,
+                            check_values=False):
+    """flash-attn 2's flash_attn_with_kvcache through the extension: optional RoPE + append of k, v
+    at cache_seqlens (rotary_append), then attention over cache_seqlens + Sq keys (decode_attention).
+
+    Same arguments and defaults as flash-attn (rotary_interleaved=True), without window_size,
+    softcap and alibi_slopes; k and v, if given, must have q's Sq. cache_seqlens None means the
+    whole contiguous cache (a paged cache, or an append, needs it). Returns out (B, Sq, Hq, D)
+    [, lse (B, Hq, Sq) float32]. k_cache and v_cache are updated in place; cache_seqlens is not.
+    """
+    op = "flash_attn_with_kvcache"
+    if (k is None) != (v is None):
+        raise ValueError(f"flashtx.cuda_ext.{op}: pass both k and v, or neither")
+    if rotary_cos is not None and k is None:
+        raise ValueError(f"flashtx.cuda_ext.{op}: rotary_cos/rotary_sin need the new k and v to append")
+    if cache_seqlens is None:
+        if block_table is not None or k is not None:
+            raise ValueError(f"flashtx.cuda_ext.{op}: cache_seqlens is needed with a paged cache (block_table) "
+                             "or new k, v to append")
+        cache_seqlens = k_cache.shape[1]
+    _require(op, q)
+    lens = _lens(op, cache_seqlens, q.shape[0], q.device)
+    if k is not None:
+        if k.dim() != 4 or k.shape[1] != q.shape[1]:
+            raise ValueError(f"flashtx.cuda_ext.{op}: k must be (B, Sq, Hkv, D) with q's Sq = {q.shape[1]}; got "
+                             f"{tuple(k.shape)}")
+        q_rot = rotary_append(q, k, v, k_cache, v_cache, lens, cos=rotary_cos, sin=rotary_sin,
+                              interleaved=rotary_interleaved, q_causal=causal, block_table=block_table,
+                              cache_batch_idx=cache_batch_idx, check_values=check_values)
+        q = q_rot if rotary_cos is not None else q
+        lens = lens + k.shape[1]
+    return decode_attention(q, k_cache, v_cache, lens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                            softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
+                            return_lse=return_softmax_lse, check_values=check_values)

@@ -1,0 +1,239 @@
+"""GPU only: build the CUDA extension (csrc/) and compare its ops with float64 eager references
+(flashtx/cuda_ext_reference.py) on the GPU.
+
+decode_attention: contiguous and paged caches (page sizes 16 and 64), ragged cache_seqlens (full,
+1, mid, 0), GQA groups 1/4/8, Sq 1-4, causal and not, forced and chosen num_splits,
+cache_batch_idx, strided q. Cache positions no row may read are poisoned with NaN, so a kernel that
+reads past cache_seqlens or an unused page gives NaN. rotary_append: NeoX and interleaved, full
+and partial rotary, cos/sin in fp32 and in the input dtype; written slots against the reference,
+every other slot (poisoned) unchanged. Plus the guards, check_values and torch.compile.
+
+Skipped without a CUDA GPU, or without nvcc/a CUDA torch to build the extension (the reason says
+which); the CPU half of issue 16 is tests/test_cuda_ext.py.
+"""
+import math
+
+import pytest
+import torch
+
+from flashtx import cuda_ext
+from flashtx.cuda_ext_reference import decode_attention_ref, rotary_append_ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs the CUDA extension")
+
+ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}  # outputs are O(1)
+CAP = 320  # cache capacity (positions): 5 pages of 64, 20 of 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    reasons = cuda_ext.build_env_reasons()
+    if not cuda_ext.load() and reasons:
+        pytest.skip("cannot build the CUDA extension here: " + "; ".join(reasons))
+    if not cuda_ext.load():
+        cuda_ext.build()  # JIT; raises with the reason if it fails
+    assert cuda_ext.available(), cuda_ext.unavailable_reason()
+
+
+def _caches(batch, hkv, d, dtype, lens, page, *, poison_from=None, b_cache=None, gen=None):
+    """Contiguous (b_cache, CAP, hkv, d) caches with NaN at positions >= poison_from[b] (default
+    lens), and their paged copies (pages shuffled, 3 spare NaN pages) with the block table."""
+    b_cache = b_cache or batch
+    poison_from = lens if poison_from is None else poison_from
+    kc, vc = (torch.randn(b_cache, CAP, hkv, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    for b in range(min(batch, b_cache)):
+        kc[b, int(poison_from[b]):] = float("nan")
+        vc[b, int(poison_from[b]):] = float("nan")
+    if page is None:
+        return kc, vc, None
+    nb = CAP // page
+    perm = torch.randperm(batch * nb + 3, device="cuda", generator=gen)[: batch * nb]
+    kp = torch.full((batch * nb + 3, page, hkv, d), float("nan"), device="cuda", dtype=dtype)
+    vp = kp.clone()
+    kp[perm] = kc[:batch].reshape(batch * nb, page, hkv, d)
+    vp[perm] = vc[:batch].reshape(batch * nb, page, hkv, d)
+    return kp, vp, perm.reshape(batch, nb).int()
+
+
+def _err(actual, ref):
+    """max |actual - ref| / max(1, |ref|): absolute below 1, relative above (dtype rounding scales)."""
+    return ((actual.double() - ref).abs() / ref.abs().clamp_min(1)).max().item()
+
+
+def _check_decode(out, lse, ref_out, ref_lse, dtype):
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "NaN/inf in out: a poisoned (unused) cache position was read"
+    err = _err(out, ref_out)
+    assert err <= ATOL[dtype], f"max |out - ref| / max(1, |ref|) = {err:.3g} > {ATOL[dtype]}"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] < 0).all()
+    assert (out.transpose(1, 2)[empty] == 0).all()  # rows with no key: 0
+    lerr = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
+    assert lerr <= 10 * ATOL[dtype], f"max |lse - ref| = {lerr:.3g}"
+
+
+@pytest.mark.parametrize("sq", [1, 2, 3, 4])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("page", [None, 16, 64], ids=["contig", "page16", "page64"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_decode_matches_reference(dtype, d, page, group, sq):
+    gen = torch.Generator(device="cuda").manual_seed(d * 1000 + group * 10 + sq)
+    batch, hkv = 4, 2
+    lens = torch.tensor([CAP, 1, 173, 0], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _caches(batch, hkv, d, dtype, lens, page, gen=gen)
+    q = torch.randn(batch, sq, hkv * group, d, device="cuda", generator=gen).to(dtype)
+    for causal in (True, False):
+        out, lse = cuda_ext.decode_attention(q, kc, vc, lens, block_table=bt, causal=causal, return_lse=True)
+        ro, rl = decode_attention_ref(q, kc, vc, lens, block_table=bt, causal=causal)
+        _check_decode(out, lse, ro, rl, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_decode_splits(dtype, num_splits):
+    gen = torch.Generator(device="cuda").manual_seed(num_splits)
+    batch, hkv, group, d, sq = 3, 1, 8, 128, 2
+    lens = torch.tensor([CAP, 100, 7], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _caches(batch, hkv, d, dtype, lens, 16, gen=gen)
+    q = torch.randn(batch, sq, hkv * group, d, device="cuda", generator=gen).to(dtype)
+    out, lse = cuda_ext.decode_attention(q, kc, vc, lens, block_table=bt, causal=True, num_splits=num_splits,
+                                         return_lse=True, softmax_scale=0.07)
+    ro, rl = decode_attention_ref(q, kc, vc, lens, block_table=bt, causal=True, softmax_scale=0.07)
+    _check_decode(out, lse, ro, rl, dtype)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_cache_batch_idx_fp32_and_strided_q(d):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    batch, hkv, group, sq = 4, 2, 4, 1
+    idx = torch.tensor([5, 0, 3, 1], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([9, CAP, 0, 64], dtype=torch.int32, device="cuda")
+    kc, vc, _ = _caches(6, hkv, d, torch.float32, torch.full((6,), CAP), None, gen=gen)
+    for b in range(batch):  # poison past each row's length in the cache row it maps to
+        kc[int(idx[b]), int(lens[b]):] = float("nan")
+        vc[int(idx[b]), int(lens[b]):] = float("nan")
+    qkv = torch.randn(batch, sq, hkv * group + 2 * hkv, d, device="cuda", generator=gen)
+    q = qkv[:, :, : hkv * group]  # strided over heads, as a view of a packed qkv projection
+    out, lse = cuda_ext.decode_attention(q, kc, vc, lens, cache_batch_idx=idx, return_lse=True)
+    ro, rl = decode_attention_ref(q, kc, vc, lens, cache_batch_idx=idx)
+    _check_decode(out, lse, ro, rl, torch.float32)
+
+
+@pytest.mark.parametrize("cos_dtype", ["fp32", "same"])
+@pytest.mark.parametrize("rot", ["full", "half"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("page", [None, 16], ids=["contig", "page16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_rotary_append_matches_reference(dtype, d, page, sq, interleaved, rot, cos_dtype):
+    gen = torch.Generator(device="cuda").manual_seed(d + sq)
+    batch, hkv, hq = 3, 2, 8
+    lens = torch.tensor([0, 50, CAP - sq], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _caches(batch, hkv, d, dtype, lens, page, gen=gen)  # NaN from lens on: slots to write
+    q = torch.randn(batch, sq, hq, d, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(batch, sq, hkv, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    rd = d if rot == "full" else d // 2
+    theta = torch.arange(CAP, device="cuda", dtype=torch.float64)[:, None] * 10000.0 ** (
+        -torch.arange(rd // 2, device="cuda", dtype=torch.float64) * 2 / rd)
+    cos, sin = (t.to(torch.float32 if cos_dtype == "fp32" else dtype) for t in (theta.cos(), theta.sin()))
+    for q_causal in (True, False):
+        kc2, vc2 = kc.clone(), vc.clone()
+        q_rot = cuda_ext.rotary_append(q, k, v, kc2, vc2, lens, cos=cos, sin=sin, interleaved=interleaved,
+                                       q_causal=q_causal, block_table=bt)
+        rq, rk, rv = rotary_append_ref(q, k, v, kc, vc, lens, cos, sin, interleaved, q_causal, bt)
+        tol = 2 * ATOL[dtype]
+        assert _err(q_rot, rq) <= tol
+        torch.testing.assert_close(kc2.double(), rk, atol=tol, rtol=tol, equal_nan=True)
+        torch.testing.assert_close(vc2.double(), rv, atol=0, rtol=0, equal_nan=True)  # v is copied exactly
+
+
+def test_flash_attn_with_kvcache_decode_loop():
+    """Three decode steps through flash_attn_with_kvcache (RoPE + append + attention, paged) against
+    the references step by step."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    dtype, batch, hkv, hq, d = torch.bfloat16, 2, 2, 8, 128
+    lens = torch.tensor([10, 40], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _caches(batch, hkv, d, dtype, lens, 64, gen=gen)
+    rk, rv = kc.double(), vc.double()
+    theta = torch.arange(CAP, device="cuda", dtype=torch.float64)[:, None] * 0.01 * torch.arange(
+        d // 2, device="cuda", dtype=torch.float64)
+    cos, sin = theta.cos().float(), theta.sin().float()
+    for _ in range(3):
+        q = torch.randn(batch, 1, hq, d, device="cuda", generator=gen).to(dtype)
+        k, v = (torch.randn(batch, 1, hkv, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+        out, lse = cuda_ext.flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, cache_seqlens=lens, block_table=bt,
+                                                    causal=True, return_softmax_lse=True)
+        rq, rk, rv = rotary_append_ref(q, k, v, rk, rv, lens, cos, sin, True, True, bt)
+        ro, rl = decode_attention_ref(rq, rk, rv, lens + 1, block_table=bt, causal=True)
+        _check_decode(out, lse, ro, rl, dtype)
+        lens = lens + 1
+
+
+def test_guards_and_check_values():
+    dtype, batch, hkv, d = torch.float16, 2, 1, 64
+    lens = torch.tensor([100, 30], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _caches(batch, hkv, d, dtype, lens, 16, gen=torch.Generator(device="cuda").manual_seed(0))
+    q = torch.randn(batch, 1, 4, d, device="cuda", dtype=dtype)
+    bad = bt.clone()
+    bad[0, 2], bad[1, 0] = -1, kc.shape[0] + 5  # out-of-range pages inside the used range
+    out = cuda_ext.decode_attention(q, kc, vc, lens, block_table=bad)  # guarded: those keys are masked
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    with pytest.raises(RuntimeError, match="block_table has entries outside"):
+        cuda_ext.decode_attention(q, kc, vc, lens, block_table=bad, check_values=True)
+    with pytest.raises(RuntimeError, match=r"cache_seqlens must lie in \[0, 320\]"):
+        cuda_ext.decode_attention(q, kc, vc, lens + CAP, block_table=bt, check_values=True)
+    out = cuda_ext.decode_attention(q, kc, vc, lens + 10 * CAP, block_table=bt)  # clamped to the capacity
+    torch.cuda.synchronize()
+    k = v = torch.randn(batch, 1, hkv, d, device="cuda", dtype=dtype)
+    kc2 = kc.clone()
+    cuda_ext.rotary_append(q, k, v, kc2, vc.clone(), torch.tensor([CAP, 5], dtype=torch.int32, device="cuda"),
+                           block_table=bt)  # row 0 is full: its write is dropped
+    torch.cuda.synchronize()
+    pos = 5
+    assert torch.equal(kc2[bt[1, pos // 16], pos % 16], k[1, 0])
+    changed = ~((kc2 == kc) | (kc2.isnan() & kc.isnan())).all(dim=(2, 3))  # (pages, slots) written
+    assert changed.sum().item() == 1
+    with pytest.raises(RuntimeError, match=r"cache_seqlens must lie in \[0, 319\]"):
+        cuda_ext.rotary_append(q, k, v, kc2, vc.clone(), torch.tensor([CAP, 5], dtype=torch.int32, device="cuda"),
+                               block_table=bt, check_values=True)
+
+
+def test_binding_checks_name_the_argument():
+    q = torch.randn(1, 1, 4, 96, device="cuda", dtype=torch.float16)
+    kc = torch.randn(1, 16, 1, 96, device="cuda", dtype=torch.float16)
+    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="head dim must be 64 or 128"):
+        torch.ops.flashtx_cuda.decode_attention(q, kc, kc, lens, None, None, 0.1, False, 1, False)
+    q = torch.randn(1, 1, 4, 64, device="cuda", dtype=torch.float16)
+    kc = torch.randn(1, 16, 1, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="cache_seqlens must be int32"):
+        torch.ops.flashtx_cuda.decode_attention(q, kc, kc, lens.long(), None, None, 0.1, False, 1, False)
+    with pytest.raises(RuntimeError, match="k_cache must be contiguous in its last dim"):
+        big = torch.randn(1, 16, 1, 128, device="cuda", dtype=torch.float16)
+        torch.ops.flashtx_cuda.decode_attention(q, big[..., ::2], kc, lens, None, None, 0.1, False, 1, False)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        flat = torch.randn(1 * 16 * 64 + 1, device="cuda", dtype=torch.float16)[1:].view(1, 16, 1, 64)
+        torch.ops.flashtx_cuda.decode_attention(q, flat, kc, lens, None, None, 0.1, False, 1, False)
+
+
+def test_torch_compile_fullgraph():
+    batch, hkv, hq, d = 2, 2, 8, 64
+    lens = torch.tensor([20, 5], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _caches(batch, hkv, d, torch.float16, lens + 1, 16)
+    q = torch.randn(batch, 1, hq, d, device="cuda", dtype=torch.float16)
+    k = v = torch.randn(batch, 1, hkv, d, device="cuda", dtype=torch.float16)
+    cos = sin = torch.randn(CAP, d // 2, device="cuda")
+
+    def step(q, k, v, kc, vc, lens):
+        qr = torch.ops.flashtx_cuda.rotary_append(q, k, v, kc, vc, cos, sin, lens, bt, None, False, True, False)
+        return torch.ops.flashtx_cuda.decode_attention(qr, kc, vc, lens + 1, bt, None, d ** -0.5, True, 2, False)
+
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    eager = step(q, k, v, kc1, vc1, lens)
+    comp = torch.compile(step, fullgraph=True)(q, k, v, kc2, vc2, lens)
+    torch.testing.assert_close(comp[0], eager[0], atol=0, rtol=0)
+    torch.testing.assert_close(kc2, kc1, atol=0, rtol=0, equal_nan=True)
+    assert math.isfinite(comp[1].max().item())
