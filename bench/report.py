@@ -109,6 +109,13 @@ def _num(r: dict | None, field: str, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _steady(r: dict | None) -> str:
+    """Steady-state ms per call (back to back); '*' when the host could not keep ahead (launch-bound)."""
+    if r is None or r.get("status") != "ok" or r.get("steady_ms") is None:
+        return "-" if r is None or r.get("status") == "ok" else r["status"]
+    return f"{r['steady_ms']:.3f}" + ("*" if r.get("steady_host_bound") else "")
+
+
 def header(data: dict, source: str) -> list[str]:
     mi = (data.get("machine_info") or {}).get("flashtx_bench", {})
     gpu = f"- GPU: {mi.get('gpu', 'unknown')}"
@@ -135,13 +142,14 @@ def attention_table(groups: dict, gqa: bool) -> list[str]:
     if not cases:
         return []
     providers = [p for p in ATTN_ORDER[1:] if any(p in c for c in cases.values())]
-    lines = ["| pass | D | causal | Hq/Hkv | N | dtype | flashtx ms | TFLOP/s | % peak | MB | "
+    lines = ["| pass | D | causal | Hq/Hkv | N | dtype | flashtx ms | steady ms | TFLOP/s | steady TFLOP/s | % peak | MB | "
              + " | ".join(f"vs {p}" for p in providers) + " |",
-             "|" + "---|" * (10 + len(providers))]
+             "|" + "---|" * (12 + len(providers))]
     for (_, pass_, d, causal, hq, hkv, dtype, n), c in cases.items():
         ours = c.get("flashtx")
         lines.append(f"| {pass_} | {d} | {'yes' if causal else 'no'} | {hq}/{hkv} | {n} | {dtype} | "
-                     f"{_num(ours, 'median_ms', '{:.3f}')} | {_num(ours, 'tflops')} | {_num(ours, 'pct_peak_tflops')} | "
+                     f"{_num(ours, 'median_ms', '{:.3f}')} | {_steady(ours)} | {_num(ours, 'tflops')} | "
+                     f"{_num(ours, 'tflops_steady')} | {_num(ours, 'pct_peak_tflops')} | "
                      f"{_num(ours, 'peak_mem_mb', '{:.0f}')} | " + " | ".join(_cell(ratio(c, p)) for p in providers) + " |")
     return lines
 
@@ -195,7 +203,9 @@ def models_table(groups: dict) -> list[str]:
             else:
                 cells.append("-")
         lines.append(f"| {model} | {dtype} | {batch} | {seqlen} | {tokens} | "
-                     + " | ".join(_num(c.get(p), "tokens_per_s", "{:,.0f}") for p in providers) + " | "
+                     + " | ".join(_num(c.get(p), "tokens_per_s", "{:,.0f}")
+                                  + (" (graph breaks)" if (c.get(p) or {}).get("fullgraph") is False else "")
+                                  for p in providers) + " | "
                      + " | ".join(cells) + " | "
                      + " / ".join(_num(c.get(p), "peak_mem_mb", "{:.0f}") for p in providers) + " |")
     return lines
@@ -219,15 +229,19 @@ def memory_bound_table(groups: dict) -> list[str]:
     if not cases:
         return []
     others = [p for p in ("eager", "compiled", "liger") if any(p in c for c in cases.values())]
-    lines = ["| op | pass | model | tokens | flashtx ms | GB/s | % of copy | % peak BW | "
-             + " | ".join(f"vs {p}" for p in others) + " |", "|" + "---|" * (8 + len(others))]
+    lines = ["| op | pass | model | tokens | flashtx ms | steady ms | GB/s | steady GB/s | % of copy | "
+             "steady % of copy | % peak BW | " + " | ".join(f"vs {p}" for p in others) + " |",
+             "|" + "---|" * (11 + len(others))]
     for (op, pass_, model, _, tokens), c in cases.items():
         ours, copy = c.get("flashtx"), c.get("copy")
-        pct_copy = "-"
+        pct_copy = pct_steady = "-"
         if ours and copy and ours["status"] == copy["status"] == "ok":
             pct_copy = f"{100 * ours['gbs'] / copy['gbs']:.0f}%"
-        lines.append(f"| {op} | {pass_} | {model} | {tokens} | {_num(ours, 'median_ms', '{:.3f}')} | "
-                     f"{_num(ours, 'gbs', '{:.0f}')} | {pct_copy} | {_num(ours, 'pct_peak_gbs')} | "
+            if ours.get("gbs_steady") and copy.get("gbs_steady"):
+                pct_steady = f"{100 * ours['gbs_steady'] / copy['gbs_steady']:.0f}%"
+        lines.append(f"| {op} | {pass_} | {model} | {tokens} | {_num(ours, 'median_ms', '{:.3f}')} | {_steady(ours)} | "
+                     f"{_num(ours, 'gbs', '{:.0f}')} | {_num(ours, 'gbs_steady', '{:.0f}')} | {pct_copy} | "
+                     f"{pct_steady} | {_num(ours, 'pct_peak_gbs')} | "
                      + " | ".join(_cell(ratio(c, p)) for p in others) + " |")
     return lines
 
@@ -285,6 +299,24 @@ def targets(groups: dict) -> list[str]:
                 (n0, m0), (n1, m1) = min(pts), max(pts)
                 lines.append(f"- memory, {p}, fwd+bwd D={d} {'causal' if causal else 'full'} (B*N fixed): "
                              f"{m0:.0f} MB at N={n0} -> {m1:.0f} MB at N={n1} ({m1 / m0:.1f}x; flat means O(N))")
+    for k, c in groups.items():  # the compiled GPT step (bench/test_models.py): fullgraph, then tokens/s vs SDPA
+        if k[0] != "model-train" or "flashtx" not in c:
+            continue
+        ours, sdpa = c["flashtx"], c.get("sdpa")
+        where = f"{k[2]} B={k[4]} S={k[5]}"
+        if ours.get("fullgraph") is False:
+            lines.append(f"- compiled training step ({where}), flashtx with torch.compile(fullgraph=True): **FAILED** "
+                         f"({ours.get('fullgraph_status') or 'graph break'})")
+        elif ours.get("fullgraph") is True:
+            lines.append(f"- compiled training step ({where}), flashtx with torch.compile(fullgraph=True): **MET** "
+                         "(no graph break)")
+        if ours.get("status") == "ok" and sdpa and sdpa.get("status") == "ok" and ours.get("tokens_per_s") \
+                and sdpa.get("tokens_per_s"):
+            r = ours["tokens_per_s"] / sdpa["tokens_per_s"]
+            state = "**MET**" if r >= 1.0 and ours.get("fullgraph") is not False else "**MISSED**"
+            note = " (not fullgraph: does not count)" if ours.get("fullgraph") is False else ""
+            lines.append(f"- compiled training step ({where}) tokens/s >= 1.0x SDPA (issue 12): {state}, "
+                         f"{r:.2f}x{note}")
     over = [c["flashtx"] for k, c in groups.items() if k[0] == "overhead" and "flashtx" in c]
     if over:
         missed = [r["row"] for r in over if not r.get("met")]
@@ -408,7 +440,10 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
         md += ["No flashtx benchmark results in this file (every benchmark skipped, or another suite's JSON).", ""]
     timing = "host clock" if smoke else "CUDA events, L2 flushed before each round"
     md += [f"Ratios are the provider's median time over flashtx's ({timing}): "
-           "> 1 means flashtx is faster. OOM: the provider ran out of memory. -: not run (skipped).", ""]
+           "> 1 means flashtx is faster. OOM: the provider ran out of memory. -: not run (skipped).",
+           "flashtx ms is the latency of one call from an idle GPU (synchronized, L2 flushed: launch and host "
+           "time included); steady ms is the time per call back to back (the kernel time a training loop sees), "
+           "marked * where the host could not keep ahead of the GPU (launch-bound).", ""]
     for title, lines in (("Attention", attention_table(groups, gqa=False)),
                          ("Attention, GQA", attention_table(groups, gqa=True)),
                          ("Attention variants (window and varlen skip tiles; masks, bias, softcap, ALiBi, dropout)",

@@ -39,5 +39,6 @@ def test_overhead(benchmark, request, row):
     finally:
         torch.set_num_threads(threads)
     env = overhead.environment()
-    benchmark.extra_info.update(op="overhead", provider="flashtx", status="ok", gpu=env["gpu"] or env["cpu"],
+    benchmark.extra_info.update(op="overhead", provider="flashtx", status="ok",
+                                gpu=harness.gpu_name() if harness.SMOKE else env["gpu"] or env["cpu"],
                                 device=dev, dtype=env["dtype"], **res.as_dict())
