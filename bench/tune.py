@@ -74,45 +74,48 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, clock=time.m
     skipped: list[str] = []
     step1: dict[Group, dict] = {}
     todo = groups(quick)
-    for g in todo:
-        if clock() - t0 > budget_s:
-            skipped.append(f"{g.name} N={N_FIRST}")
-            continue
-        cands = autotune.candidates(g.kernel, g.d, g.d, 2, target)
-        timed = {}
-        for cfg in cands:
-            if clock() - t0 > budget_s:
-                skipped.append(f"{g.name} N={N_FIRST} {autotune.describe(cfg)}")
-                continue
-            row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": N_FIRST,
-                   "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": cfg is cands[0]}
-            try:
-                row["ms"] = float(time_fn(g, cfg, N_FIRST))
-                timed[_ident(cfg)] = (cfg, row["ms"])
-            except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile or launch here
-                row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
-            results.append(row)
-        step1[g] = {"default": cands[0] if cands else None, "timed": timed}
-        log(f"  {g.name} N={N_FIRST}: " + (autotune.summarize({autotune.describe(c): ms for c, ms in timed.values()})
-                                          if timed else "no candidate ran") + f" [{clock() - t0:.0f}s]")
-    for n in N_OTHERS:
+    try:
         for g in todo:
-            s = step1.get(g)
-            if not s or not s["timed"]:
+            if clock() - t0 > budget_s:
+                skipped.append(f"{g.name} N={N_FIRST}")
                 continue
-            ranked = sorted(s["timed"].values(), key=lambda cm: cm[1])[:TOP]
-            again = [s["default"]] + [c for c, _ in ranked if _ident(c) != _ident(s["default"])]
-            for cfg in again:
+            cands = autotune.candidates(g.kernel, g.d, g.d, 2, target)
+            timed = {}
+            for cfg in cands:
                 if clock() - t0 > budget_s:
-                    skipped.append(f"{g.name} N={n} {autotune.describe(cfg)}")
+                    skipped.append(f"{g.name} N={N_FIRST} {autotune.describe(cfg)}")
                     continue
-                row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": n,
-                       "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": cfg is s["default"]}
+                row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": N_FIRST,
+                       "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": cfg is cands[0]}
                 try:
-                    row["ms"] = float(time_fn(g, cfg, n))
-                except Exception as exc:  # noqa: BLE001
+                    row["ms"] = float(time_fn(g, cfg, N_FIRST))
+                    timed[_ident(cfg)] = (cfg, row["ms"])
+                except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile or launch here
                     row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
                 results.append(row)
+            step1[g] = {"default": cands[0] if cands else None, "timed": timed}
+            log(f"  {g.name} N={N_FIRST}: " + (autotune.summarize({autotune.describe(c): ms for c, ms in timed.values()})
+                                              if timed else "no candidate ran") + f" [{clock() - t0:.0f}s]")
+        for n in N_OTHERS:
+            for g in todo:
+                s = step1.get(g)
+                if not s or not s["timed"]:
+                    continue
+                ranked = sorted(s["timed"].values(), key=lambda cm: cm[1])[:TOP]
+                again = [s["default"]] + [c for c, _ in ranked if _ident(c) != _ident(s["default"])]
+                for cfg in again:
+                    if clock() - t0 > budget_s:
+                        skipped.append(f"{g.name} N={n} {autotune.describe(cfg)}")
+                        continue
+                    row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": n,
+                           "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": cfg is s["default"]}
+                    try:
+                        row["ms"] = float(time_fn(g, cfg, n))
+                    except Exception as exc:  # noqa: BLE001
+                        row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+                    results.append(row)
+    except KeyboardInterrupt:  # the device script's timeout sends SIGINT: keep what was timed
+        skipped.append("interrupted (SIGINT): the rest was not timed")
     return {"results": results, "skipped": skipped, "elapsed_s": clock() - t0}
 
 
