@@ -158,7 +158,7 @@ def measure(step: Callable[[Any], Any], state: Any, benchmark=None) -> list[floa
 # up each case (compiles Triton kernels and torch.compile graphs into the on-disk caches), time nothing.
 PREWARM = os.environ.get("BENCH_PREWARM", "") == "1"
 STEADY_CALLS = 2 if SMOKE else 20  # calls per back-to-back round
-STEADY_ROUNDS = 2 if SMOKE else 5
+STEADY_ROUNDS = 1 if SMOKE else 5
 STEADY_MODE = os.environ.get("BENCH_STEADY", "events")  # "events" or "graph" (CUDA-graph replay, falls back)
 
 
