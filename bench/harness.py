@@ -169,7 +169,8 @@ def measure_steady(step: Callable[[Any], Any], state: Any) -> dict:
     when it did not (the host took at least 90% of the device time to issue the calls, so the number
     is launch-bound). BENCH_STEADY=graph replays a CUDA graph of the calls instead (no host work
     between kernels); if capture fails it falls back to events and says why in `steady_method`."""
-    method = "host clock back to back, smoke run (not a measurement)" if SMOKE else "CUDA events around back-to-back calls"
+    method = ("host clock back to back, smoke run (not a measurement)" if SMOKE
+              else "CUDA events around back-to-back calls")
     out: dict = {}
     if not SMOKE and STEADY_MODE == "graph":
         try:

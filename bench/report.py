@@ -142,7 +142,8 @@ def attention_table(groups: dict, gqa: bool) -> list[str]:
     if not cases:
         return []
     providers = [p for p in ATTN_ORDER[1:] if any(p in c for c in cases.values())]
-    lines = ["| pass | D | causal | Hq/Hkv | N | dtype | flashtx ms | steady ms | TFLOP/s | steady TFLOP/s | % peak | MB | "
+    lines = ["| pass | D | causal | Hq/Hkv | N | dtype | flashtx ms | steady ms | TFLOP/s | steady TFLOP/s | % peak "
+             "| MB | "
              + " | ".join(f"vs {p}" for p in providers) + " |",
              "|" + "---|" * (12 + len(providers))]
     for (_, pass_, d, causal, hq, hkv, dtype, n), c in cases.items():

@@ -24,8 +24,9 @@ train.py: fp32 weights and optimizer state, the forward under `torch.autocast(dt
 The model is `torch.compile`d with fullgraph=True; if Dynamo refuses that (a graph break), the
 fullgraph compile is recorded as FAILED (extra_info `fullgraph` False, `fullgraph_status`
 "FAILED: graph break: <reason>", and bench.report's Targets list it as a failure) and the step is
-then timed under plain torch.compile, so the JSON still shows what the break costs after `torch._dynamo.reset()`, and the compile and the first
-step happen in harness's prepare, outside any timing; then harness's warm-up and CUDA-event rounds.
+then timed under plain torch.compile, so the JSON still shows what the break costs. Each provider
+compiles after `torch._dynamo.reset()`; the compile and the first step happen in harness's prepare,
+outside any timing; then harness's warm-up and CUDA-event rounds.
 extra_info: op "model-train", provider, model, dtype, batch, seqlen, tokens (per step),
 `tokens_per_s` (tokens / median step time), params, fullgraph, compile_s, peak_mem_mb, and the rest
 of harness's fields.

@@ -94,8 +94,8 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, clock=time.m
                     row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
                 results.append(row)
             step1[g] = {"default": cands[0] if cands else None, "timed": timed}
-            log(f"  {g.name} N={N_FIRST}: " + (autotune.summarize({autotune.describe(c): ms for c, ms in timed.values()})
-                                              if timed else "no candidate ran") + f" [{clock() - t0:.0f}s]")
+            summary = autotune.summarize({autotune.describe(c): ms for c, ms in timed.values()})
+            log(f"  {g.name} N={N_FIRST}: " + (summary if timed else "no candidate ran") + f" [{clock() - t0:.0f}s]")
         for n in N_OTHERS:
             for g in todo:
                 s = step1.get(g)

@@ -42,7 +42,8 @@ def synthetic_json() -> dict:
         _attn("flashtx", "fwd+bwd", 2048, 2.0, mem=300.0), _attn("sdpa-efficient", "fwd+bwd", 2048, 2.5),
         _attn("eager", "fwd+bwd", 2048, 10.0, mem=3000.0),
         _attn("flashtx", "fwd+bwd", 8192, 8.0, mem=300.0), _attn("eager", "fwd+bwd", 8192, 0, status="OOM"),
-        _mem("rope", "flashtx", 0.1, 900.0), _mem("rope", "copy", 0.09, 1000.0, steady_ms=0.08), _mem("rope", "eager", 0.4, 225.0),
+        _mem("rope", "flashtx", 0.1, 900.0), _mem("rope", "copy", 0.09, 1000.0, steady_ms=0.08),
+        _mem("rope", "eager", 0.4, 225.0),
     ]
     benchmarks = [{"name": f"synthetic[{i}]", "group": "synthetic", "extra_info": ei, "stats": {"median": 0.001}}
                   for i, ei in enumerate(infos)]

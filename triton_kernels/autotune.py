@@ -122,7 +122,8 @@ def load_cache(path: Path | None = None) -> dict[str, dict]:
         return {}
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
+        if (not isinstance(data, dict) or data.get("version") != CACHE_VERSION
+                or not isinstance(data.get("entries"), dict)):
             raise ValueError(f"not a flashtx autotune cache of version {CACHE_VERSION}")
     except (OSError, ValueError) as exc:
         warnings.warn(f"flashtx autotune: ignoring the cache {path}: {type(exc).__name__}: {exc}", stacklevel=2)
@@ -170,7 +171,8 @@ def reset_memory() -> None:
 
 
 # ------------------------------------------------------------------------------------- candidates
-def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target, modified: bool = False) -> list[TileConfig]:
+def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
+               modified: bool = False) -> list[TileConfig]:
     """configs.py's choice first, then this module's list; only those whose estimated shared memory
     fits `target`; no duplicates (the reason is not part of the identity)."""
     size, bucket = (2 if elt <= 2 else 4), configs.head_dim_bucket(max(block_dqk, block_dv))
