@@ -16,6 +16,8 @@ import torch
 
 if os.environ.get("BENCH_SMOKE", "") == "1":  # before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
+elif not torch.cuda.is_available():  # bench/test_overhead.py times flashtx's Triton path on CPU (launches stubbed)
+    os.environ.setdefault("FLASHTX_INTERPRET", "1")
 
 NO_GPU_REASON = ("no CUDA GPU here (torch.cuda.is_available() is False): the GPU benchmarks are skipped; "
                  "run `pytest bench --benchmark-only` on a machine with one")

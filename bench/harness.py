@@ -13,6 +13,9 @@ Method (see /work/.library/device/METHOD.md, and bench/README.md):
      pytest-benchmark's own stats (host clock around the same target) also include launch
      overhead and one synchronize (~10-30 us); they are kept but not used by the report.
   4. Rounds: enough to fill BENCH_BUDGET_S seconds (default 0.2), at least 10 and at most 200.
+  5. Steady state (`measure_steady`): the same step back to back, without flush or synchronize,
+     in one pair of events (or a CUDA-graph replay with BENCH_STEADY=graph): `steady_ms`, the
+     kernel time a training loop sees, beside `median_ms` (= `latency_ms`), the latency from idle.
 An out-of-memory during prepare or warm-up is recorded (extra_info status "OOM") instead of failing.
 
 Smoke run (BENCH_SMOKE=1, for machines without a GPU): every benchmark runs on CPU tensors at tiny
@@ -151,11 +154,83 @@ def measure(step: Callable[[Any], Any], state: Any, benchmark=None) -> list[floa
     return times
 
 
+# BENCH_PREWARM=1 (bench/device_check.sh, in parallel workers before the timed run): prepare and warm
+# up each case (compiles Triton kernels and torch.compile graphs into the on-disk caches), time nothing.
+PREWARM = os.environ.get("BENCH_PREWARM", "") == "1"
+STEADY_CALLS = 2 if SMOKE else 20  # calls per back-to-back round
+STEADY_ROUNDS = 1 if SMOKE else 5
+STEADY_MODE = os.environ.get("BENCH_STEADY", "events")  # "events" or "graph" (CUDA-graph replay, falls back)
+
+
+def measure_steady(step: Callable[[Any], Any], state: Any) -> dict:
+    """Steady-state time per call: STEADY_CALLS calls back to back (no L2 flush, no synchronize in
+    between) inside one pair of CUDA events, median over STEADY_ROUNDS rounds. This is the kernel
+    time a training loop sees while the host keeps ahead of the device; `steady_host_bound` says
+    when it did not (the host took at least 90% of the device time to issue the calls, so the number
+    is launch-bound). BENCH_STEADY=graph replays a CUDA graph of the calls instead (no host work
+    between kernels); if capture fails it falls back to events and says why in `steady_method`."""
+    method = ("host clock back to back, smoke run (not a measurement)" if SMOKE
+              else "CUDA events around back-to-back calls")
+    out: dict = {}
+    if not SMOKE and STEADY_MODE == "graph":
+        try:
+            return _steady_graph(step, state)
+        except Exception as exc:  # noqa: BLE001 - capture refused (sync in the op, compiled code, ...)
+            torch.cuda.synchronize()
+            method += f" (graph capture failed: {type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+    per_call, host_frac = [], []
+    for _ in range(STEADY_ROUNDS):
+        synchronize()
+        if SMOKE:
+            start, end = _HostEvent(), _HostEvent()
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        h0 = time.perf_counter()
+        start.record()
+        for _ in range(STEADY_CALLS):
+            step(state)
+        end.record()
+        host_ms = (time.perf_counter() - h0) * 1e3
+        end.synchronize()
+        dev_ms = start.elapsed_time(end)
+        per_call.append(dev_ms / STEADY_CALLS)
+        host_frac.append(host_ms / dev_ms if dev_ms > 0 else float("inf"))
+    out.update(steady_ms=statistics.median(per_call), steady_method=method,
+               steady_host_bound=bool(statistics.median(host_frac) >= 0.9), steady_calls=STEADY_CALLS)
+    return out
+
+
+def _steady_graph(step, state) -> dict:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step(state)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(STEADY_CALLS):
+            step(state)
+    g.replay()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(STEADY_ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / STEADY_CALLS)
+    del g
+    return {"steady_ms": statistics.median(per_call), "steady_method": "CUDA graph replay of back-to-back calls",
+            "steady_host_bound": False, "steady_calls": STEADY_CALLS}
+
+
 def summarize(times: list[float]) -> dict:
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
     how = "host clock, smoke run (not a measurement)" if SMOKE else "CUDA events, L2 flushed before each round"
     return {"median_ms": statistics.median(times), "min_ms": min(times), "iqr_ms": q[2] - q[0],
-            "rounds": len(times), "timing": how}
+            "rounds": len(times), "timing": how, "latency_ms": statistics.median(times)}
 
 
 def throughput(median_ms: float, *, flops: float | None = None, nbytes: float | None = None,
@@ -189,7 +264,7 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
 
 def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any], info: dict,
              flops: float | None = None, nbytes: float | None = None, dtype: torch.dtype | None = None,
-             fail_fast: bool = False) -> dict:
+             fail_fast: bool = False, steady: bool = True) -> dict:
     """Prepare, warm up, measure memory, time; fill benchmark.extra_info. Skips (pytest.skip) with
     the reason when the provider refuses the case, unless fail_fast (flashtx itself must not fail)."""
     benchmark.extra_info.update(info)
@@ -226,10 +301,20 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
                     + (f" (warnings: {hints})" if hints else ""))
     for w in caught:  # a successful warm-up's warnings are not swallowed
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if PREWARM:
+        benchmark.extra_info.update(status="prewarm")
+        del state
+        free_memory()
+        return benchmark.extra_info
     times = measure(step, state, benchmark)
     summary = summarize(times)
     benchmark.extra_info.update(summary, status="ok")
     benchmark.extra_info.update(throughput(summary["median_ms"], flops=flops, nbytes=nbytes, dtype=dtype))
+    if steady:
+        st = measure_steady(step, state)
+        benchmark.extra_info.update(st)
+        benchmark.extra_info.update({f"{k}_steady": v for k, v in
+                                     throughput(st["steady_ms"], flops=flops, nbytes=nbytes, dtype=dtype).items()})
     if flops is not None:
         benchmark.extra_info["flops"] = flops
     if nbytes is not None:

@@ -136,20 +136,50 @@ def _flex(case: AttnCase):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=case.gqa)
 
 
+# xformers' attention operators, tried in this order with an explicit op= (issue 13 item 7): on the
+# 2026-11-30 H200 the wheel's own CUDA ops did not load (built for another torch) and the default
+# dispatch found no operator, while these PyTorch-backed / Triton ones reported available
+# (xformers.info: fa2F@2.5.7-pt, cutlassF-pt, triton_splitKF). Each is probed on a tiny input of the
+# case's dtype, head dim, mask and GQA form before use; if none runs, the provider is skipped with
+# every op's reason.
+XFORMERS_OPS = (("flash", "fa2 (PyTorch-backed, fa2F/fa2B@pt)"), ("cutlass", "cutlass (PyTorch-backed, cutlassF/B-pt)"),
+                ("triton_splitk", "triton_splitKF (forward only)"))
+
+
 def _xformers(case: AttnCase):
     xops = optional_import("xformers.ops")
     bias = xops.LowerTriangularMask() if case.causal else None
 
-    def fn(q, k, v):
-        if case.gqa:  # xformers' documented GQA form: (B, S, G, H, D) with K/V expanded (stride 0)
-            b, s, _, d = q.shape
-            g = case.hkv
-            q5 = q.view(b, s, g, case.hq // g, d)
-            k5 = k.view(b, s, g, 1, d).expand(b, s, g, case.hq // g, d)
-            v5 = v.view(b, s, g, 1, d).expand(b, s, g, case.hq // g, d)
-            return xops.memory_efficient_attention(q5, k5, v5, attn_bias=bias).reshape(b, s, case.hq, d)
-        return xops.memory_efficient_attention(q, k, v, attn_bias=bias)
-    return fn
+    def make(op):
+        def fn(q, k, v):
+            if case.gqa:  # xformers' documented GQA form: (B, S, G, H, D) with K/V expanded (stride 0)
+                b, s, _, d = q.shape
+                g = case.hkv
+                q5 = q.view(b, s, g, case.hq // g, d)
+                k5 = k.view(b, s, g, 1, d).expand(b, s, g, case.hq // g, d)
+                v5 = v.view(b, s, g, 1, d).expand(b, s, g, case.hq // g, d)
+                return xops.memory_efficient_attention(q5, k5, v5, attn_bias=bias, op=op).reshape(b, s, case.hq, d)
+            return xops.memory_efficient_attention(q, k, v, attn_bias=bias, op=op)
+        return fn
+
+    reasons = []
+    tiny = AttnCase(1, case.hq, case.hkv, 64, case.d, case.causal, case.dtype)
+    for module, label in XFORMERS_OPS:
+        try:
+            mod = importlib.import_module(f"xformers.ops.fmha.{module}")
+            fw, bw = getattr(mod, "FwOp"), getattr(mod, "BwOp", None)
+            op = (fw, bw) if bw is not None else fw
+            fn = make(op)
+            with torch.no_grad():
+                fn(*make_qkv(tiny, "bshd", requires_grad=False))  # probe: raises if this op cannot run the case
+        except Exception as exc:  # noqa: BLE001 - ImportError, NotImplementedError ("no operator"), CUDA errors
+            reasons.append(f"{label}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
+            continue
+        fn.desc = f"xformers.ops.memory_efficient_attention(op={label})"
+        fn.forward_only = bw is None
+        fn.forward_only_reason = f"xformers op {label} has no backward"
+        return fn
+    raise Unavailable("no xformers op runs this case: " + " | ".join(reasons))
 
 
 def _flash_attn(case: AttnCase):
@@ -171,6 +201,8 @@ def attention_case(provider: str, case: AttnCase, pass_: str):
     torch.autograd.grad over a forward built once (retain_graph, so no re-forward); fwd+bwd both."""
     fn = BUILDERS[provider](case)
     layout = LAYOUT[provider]
+    if pass_ != "fwd" and getattr(fn, "forward_only", False):
+        raise Unavailable(fn.forward_only_reason)
 
     if pass_ == "fwd":
         def prepare():
@@ -200,4 +232,5 @@ def attention_case(provider: str, case: AttnCase, pass_: str):
             return torch.autograd.grad(fn(*qkv), qkv, dout)
     else:
         raise ValueError(f"pass must be fwd, bwd or fwd+bwd; got {pass_!r}")
+    step.desc = getattr(fn, "desc", None)  # e.g. which xformers op ran
     return prepare, step

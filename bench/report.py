@@ -25,6 +25,9 @@ ATTN_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flash_at
 MEM_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "eager", "sdpa-math", "copy", "compiled", "liger"]
 PASSES = ["fwd", "bwd", "fwd+bwd"]
 MODEL_ORDER = ["flashtx", "sdpa", "eager"]  # bench/test_models.py's providers
+OVERHEAD_ORDER = ["attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
+                  "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
+                  "swiglu fwd", "swiglu bwd"]  # bench/overhead.py's rows
 VARIANT_ORDER = ["full", "window1024", "varlen16x1k", "bias", "boolmask", "softcap+alibi", "dropout0.1"]
 # Issue 3's targets: (pass, provider, minimum ratio provider_time / flashtx_time, what it says)
 TARGETS = [("fwd", "sdpa-flash", 1.0, "attention forward >= 1.0x SDPA-FLASH (FlashAttention-2 inside PyTorch)"),
@@ -54,6 +57,8 @@ def records(data: dict) -> list[dict]:
 
 
 def _key(r: dict) -> tuple:
+    if r["op"] == "overhead":
+        return ("overhead", r.get("row", r.get("pass", "")))
     if r["op"] == "model-train":
         return ("model-train", r.get("pass", "train"), r["model"], r["dtype"], r["batch"], r["seqlen"])
     if r["op"] == "attention-variant":
@@ -104,6 +109,13 @@ def _num(r: dict | None, field: str, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _steady(r: dict | None) -> str:
+    """Steady-state ms per call (back to back); '*' when the host could not keep ahead (launch-bound)."""
+    if r is None or r.get("status") != "ok" or r.get("steady_ms") is None:
+        return "-" if r is None or r.get("status") == "ok" else r["status"]
+    return f"{r['steady_ms']:.3f}" + ("*" if r.get("steady_host_bound") else "")
+
+
 def header(data: dict, source: str) -> list[str]:
     mi = (data.get("machine_info") or {}).get("flashtx_bench", {})
     gpu = f"- GPU: {mi.get('gpu', 'unknown')}"
@@ -130,13 +142,15 @@ def attention_table(groups: dict, gqa: bool) -> list[str]:
     if not cases:
         return []
     providers = [p for p in ATTN_ORDER[1:] if any(p in c for c in cases.values())]
-    lines = ["| pass | D | causal | Hq/Hkv | N | dtype | flashtx ms | TFLOP/s | % peak | MB | "
+    lines = ["| pass | D | causal | Hq/Hkv | N | dtype | flashtx ms | steady ms | TFLOP/s | steady TFLOP/s | % peak "
+             "| MB | "
              + " | ".join(f"vs {p}" for p in providers) + " |",
-             "|" + "---|" * (10 + len(providers))]
+             "|" + "---|" * (12 + len(providers))]
     for (_, pass_, d, causal, hq, hkv, dtype, n), c in cases.items():
         ours = c.get("flashtx")
         lines.append(f"| {pass_} | {d} | {'yes' if causal else 'no'} | {hq}/{hkv} | {n} | {dtype} | "
-                     f"{_num(ours, 'median_ms', '{:.3f}')} | {_num(ours, 'tflops')} | {_num(ours, 'pct_peak_tflops')} | "
+                     f"{_num(ours, 'median_ms', '{:.3f}')} | {_steady(ours)} | {_num(ours, 'tflops')} | "
+                     f"{_num(ours, 'tflops_steady')} | {_num(ours, 'pct_peak_tflops')} | "
                      f"{_num(ours, 'peak_mem_mb', '{:.0f}')} | " + " | ".join(_cell(ratio(c, p)) for p in providers) + " |")
     return lines
 
@@ -190,7 +204,9 @@ def models_table(groups: dict) -> list[str]:
             else:
                 cells.append("-")
         lines.append(f"| {model} | {dtype} | {batch} | {seqlen} | {tokens} | "
-                     + " | ".join(_num(c.get(p), "tokens_per_s", "{:,.0f}") for p in providers) + " | "
+                     + " | ".join(_num(c.get(p), "tokens_per_s", "{:,.0f}")
+                                  + (" (graph breaks)" if (c.get(p) or {}).get("fullgraph") is False else "")
+                                  for p in providers) + " | "
                      + " | ".join(cells) + " | "
                      + " / ".join(_num(c.get(p), "peak_mem_mb", "{:.0f}") for p in providers) + " |")
     return lines
@@ -214,25 +230,54 @@ def memory_bound_table(groups: dict) -> list[str]:
     if not cases:
         return []
     others = [p for p in ("eager", "compiled", "liger") if any(p in c for c in cases.values())]
-    lines = ["| op | pass | model | tokens | flashtx ms | GB/s | % of copy | % peak BW | "
-             + " | ".join(f"vs {p}" for p in others) + " |", "|" + "---|" * (8 + len(others))]
+    lines = ["| op | pass | model | tokens | flashtx ms | steady ms | GB/s | steady GB/s | % of copy | "
+             "steady % of copy | % peak BW | " + " | ".join(f"vs {p}" for p in others) + " |",
+             "|" + "---|" * (11 + len(others))]
     for (op, pass_, model, _, tokens), c in cases.items():
         ours, copy = c.get("flashtx"), c.get("copy")
-        pct_copy = "-"
+        pct_copy = pct_steady = "-"
         if ours and copy and ours["status"] == copy["status"] == "ok":
             pct_copy = f"{100 * ours['gbs'] / copy['gbs']:.0f}%"
-        lines.append(f"| {op} | {pass_} | {model} | {tokens} | {_num(ours, 'median_ms', '{:.3f}')} | "
-                     f"{_num(ours, 'gbs', '{:.0f}')} | {pct_copy} | {_num(ours, 'pct_peak_gbs')} | "
+            if ours.get("gbs_steady") and copy.get("gbs_steady"):
+                pct_steady = f"{100 * ours['gbs_steady'] / copy['gbs_steady']:.0f}%"
+        lines.append(f"| {op} | {pass_} | {model} | {tokens} | {_num(ours, 'median_ms', '{:.3f}')} | {_steady(ours)} | "
+                     f"{_num(ours, 'gbs', '{:.0f}')} | {_num(ours, 'gbs_steady', '{:.0f}')} | {pct_copy} | "
+                     f"{pct_steady} | {_num(ours, 'pct_peak_gbs')} | "
                      + " | ".join(_cell(ratio(c, p)) for p in others) + " |")
+    return lines
+
+
+def overhead_table(groups: dict) -> list[str]:
+    """Host overhead (bench/test_overhead.py): Python microseconds per call, launches stubbed."""
+    rows = [c.get("flashtx") for k, c in groups.items() if k[0] == "overhead"]
+    rows = [r for r in rows if r]
+    if not rows:
+        return []
+    order = {name: i for i, name in enumerate(OVERHEAD_ORDER)}
+    rows.sort(key=lambda r: order.get(r.get("row"), len(order)))
+    with_launch = any(r.get("with_launch_us_per_call") is not None for r in rows)
+    lines = ["| call | flashtx us/call | target us | baseline | baseline us/call | ratio (<= 2x) | "
+             + ("with launch us/call | " if with_launch else "") + "verdict |",
+             "|" + "---|" * (7 + with_launch)]
+    for r in rows:
+        misses = []
+        if r.get("met_target") is False:
+            misses.append("target")
+        if r.get("met_ratio") is False:
+            misses.append(f"{r.get('max_ratio', 2):.0f}x baseline")
+        verdict = "met" if not misses else "MISSED (" + ", ".join(misses) + ")"
+        lines.append(f"| {r.get('row')} | {_num(r, 'us_per_call')} | {_num(r, 'target_us', '{:.0f}')} | "
+                     f"{r.get('baseline', '-')} | {_num(r, 'baseline_us_per_call')} | {_num(r, 'ratio', '{:.2f}x')} | "
+                     + (f"{_num(r, 'with_launch_us_per_call')} | " if with_launch else "") + f"{verdict} |")
     return lines
 
 
 def _verdict(values: list[float], minimum: float, what: str) -> str:
     if not values:
         return f"- {what}: not measured in this run"
-    met = sum(v >= minimum for v in values)
-    state = "MET" if met == len(values) else "MISSED"
-    return (f"- {what}: **{state}** in {met} of {len(values)} cases (min {min(values):.2f}x, "
+    missed = sum(v < minimum for v in values)
+    state = f"**MET** in all {len(values)}" if not missed else f"**MISSED** in {missed} of {len(values)}"
+    return (f"- {what}: {state} cases (min {min(values):.2f}x, "
             f"median {statistics.median(values):.2f}x, max {max(values):.2f}x)")
 
 
@@ -255,13 +300,38 @@ def targets(groups: dict) -> list[str]:
                 (n0, m0), (n1, m1) = min(pts), max(pts)
                 lines.append(f"- memory, {p}, fwd+bwd D={d} {'causal' if causal else 'full'} (B*N fixed): "
                              f"{m0:.0f} MB at N={n0} -> {m1:.0f} MB at N={n1} ({m1 / m0:.1f}x; flat means O(N))")
+    for k, c in groups.items():  # the compiled GPT step (bench/test_models.py): fullgraph, then tokens/s vs SDPA
+        if k[0] != "model-train" or "flashtx" not in c:
+            continue
+        ours, sdpa = c["flashtx"], c.get("sdpa")
+        where = f"{k[2]} B={k[4]} S={k[5]}"
+        if ours.get("fullgraph") is False:
+            lines.append(f"- compiled training step ({where}), flashtx with torch.compile(fullgraph=True): **FAILED** "
+                         f"({ours.get('fullgraph_status') or 'graph break'})")
+        elif ours.get("fullgraph") is True:
+            lines.append(f"- compiled training step ({where}), flashtx with torch.compile(fullgraph=True): **MET** "
+                         "(no graph break)")
+        if ours.get("status") == "ok" and sdpa and sdpa.get("status") == "ok" and ours.get("tokens_per_s") \
+                and sdpa.get("tokens_per_s"):
+            r = ours["tokens_per_s"] / sdpa["tokens_per_s"]
+            state = "**MET**" if r >= 1.0 and ours.get("fullgraph") is not False else "**MISSED**"
+            note = " (not fullgraph: does not count)" if ours.get("fullgraph") is False else ""
+            lines.append(f"- compiled training step ({where}) tokens/s >= 1.0x SDPA (issue 12): {state}, "
+                         f"{r:.2f}x{note}")
+    over = [c["flashtx"] for k, c in groups.items() if k[0] == "overhead" and "flashtx" in c]
+    if over:
+        missed = [r["row"] for r in over if not r.get("met")]
+        state = f"**MET** in all {len(over)}" if not missed else f"**MISSED** in {len(missed)} of {len(over)}"
+        lines.append(f"- host overhead (issue 12: attention fwd <= 25 us, fwd+bwd <= 80 us, RoPE/SwiGLU <= 15 us, "
+                     f"each <= 2x the baseline): {state} calls" + (f" ({', '.join(missed)})" if missed else ""))
     for op in ("rope", "swiglu"):
         vals = [100 * c["flashtx"]["gbs"] / c["copy"]["gbs"] for k, c in groups.items()
                 if k[0] == op and "flashtx" in c and "copy" in c and c["flashtx"]["status"] == c["copy"]["status"] == "ok"]
         if vals:
-            met = sum(v >= 80 for v in vals)
-            lines.append(f"- {op} >= 80% of the measured copy bandwidth: **{'MET' if met == len(vals) else 'MISSED'}** "
-                         f"in {met} of {len(vals)} cases (min {min(vals):.0f}%, max {max(vals):.0f}%)")
+            missed = sum(v < 80 for v in vals)
+            state = f"**MET** in all {len(vals)}" if not missed else f"**MISSED** in {missed} of {len(vals)}"
+            lines.append(f"- {op} >= 80% of the measured copy bandwidth: {state} cases "
+                         f"(min {min(vals):.0f}%, max {max(vals):.0f}%)")
         else:
             lines.append(f"- {op} >= 80% of the measured copy bandwidth: not measured in this run")
     return lines
@@ -371,14 +441,19 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
         md += ["No flashtx benchmark results in this file (every benchmark skipped, or another suite's JSON).", ""]
     timing = "host clock" if smoke else "CUDA events, L2 flushed before each round"
     md += [f"Ratios are the provider's median time over flashtx's ({timing}): "
-           "> 1 means flashtx is faster. OOM: the provider ran out of memory. -: not run (skipped).", ""]
+           "> 1 means flashtx is faster. OOM: the provider ran out of memory. -: not run (skipped).",
+           "flashtx ms is the latency of one call from an idle GPU (synchronized, L2 flushed: launch and host "
+           "time included); steady ms is the time per call back to back (the kernel time a training loop sees), "
+           "marked * where the host could not keep ahead of the GPU (launch-bound).", ""]
     for title, lines in (("Attention", attention_table(groups, gqa=False)),
                          ("Attention, GQA", attention_table(groups, gqa=True)),
                          ("Attention variants (window and varlen skip tiles; masks, bias, softcap, ALiBi, dropout)",
                           variants_table(groups)),
                          ("Peak extra memory, attention fwd+bwd (MB)", memory_table(groups)),
                          ("RoPE and SwiGLU (memory-bound: GB/s of the fewest bytes)", memory_bound_table(groups)),
-                         ("Model training step (tokens/s)", models_table(groups))):
+                         ("Model training step (tokens/s)", models_table(groups)),
+                         ("Host overhead (Python us per call to the kernel launch, launches stubbed)",
+                          overhead_table(groups))):
         if lines:
             md += [f"## {title}", ""] + lines + [""]
     md += ["## Targets (issue 3), measured in this run", ""]

@@ -61,7 +61,8 @@ def run_attention(benchmark, provider: str, case: AttnCase, pass_: str) -> None:
                        f"Hq/Hkv={case.hq}/{case.hkv} N={case.seqlen}")
     is_ours = provider == "flashtx"
     prepare, step = harness.build_or_skip(provider, lambda: attention_case(provider, case, pass_), fail_fast=is_ours)
-    info = {**case.info(), "provider": provider, "provider_desc": DESCRIPTION[provider], "pass": pass_}
+    info = {**case.info(), "provider": provider, "provider_desc": getattr(step, "desc", None) or DESCRIPTION[provider],
+            "pass": pass_}
     flops = gpus.attention_flops(case.batch, case.hq, case.seqlen, case.seqlen, case.d, case.causal, pass_)
     harness.run_case(benchmark, prepare=prepare, step=step, info=info, flops=flops, dtype=case.dtype,
                      fail_fast=is_ours)

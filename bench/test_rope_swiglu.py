@@ -4,10 +4,12 @@ Both ops are memory-bound, so they are reported in GB/s of the fewest bytes they
 (bench/gpus.py) and compared with `copy`: a device-to-device copy moving the same number of bytes,
 the bandwidth a memory-bound kernel can hope for (issue 3's target: >= 80% of it).
 
-Shapes as LLaMA-2-7B (32 q and 32 kv heads, D = 128; MLP 4096 -> 11008) and LLaMA-3-8B (32 q and
-8 kv heads, D = 128; MLP 4096 -> 14336) at 2k, 4k and 8k tokens (batch 1). Layout (B, H, S, D) as
-Hugging Face models call RoPE. The quick subset is LLaMA-3-8B at 4k tokens. A smoke run
-(BENCH_SMOKE=1) divides tokens and the MLP width by 64 and the heads by 8.
+Shapes (issue 14 item 3) as LLaMA-3-8B (32 q and 8 kv heads, D = 128; SwiGLU width 14336) and a
+70B-like model (64 q and 8 kv heads, D = 128; SwiGLU width 28672) at 1k, 4k, 16k and 64k tokens
+(batch 1). Layout (B, H, S, D) as Hugging Face models call RoPE. Each case records the latency from
+idle (`median_ms`) and the steady-state time back to back (`steady_ms`, bench/harness.py) with GB/s
+of both. The quick subset is LLaMA-3-8B at 4k tokens. A smoke run (BENCH_SMOKE=1) divides tokens
+and the MLP width by 64 and the heads by 8.
 """
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ from .providers import optional_import
 
 DTYPE = harness.DTYPE
 MODELS = {  # name: (q heads, kv heads, head dim, MLP intermediate size)
-    "llama2-7b": (32, 32, 128, 11008),
     "llama3-8b": (32, 8, 128, 14336),
+    "llama3-70b": (64, 8, 128, 28672),  # LLaMA-3-70B's heads; SwiGLU width 28672 (its MLP is 28672 wide)
 }
-TOKENS = (2048, 4096, 8192)
+TOKENS = (1024, 4096, 16384, 65536)
 PASSES = ("fwd", "bwd")
 PROVIDERS = ("flashtx", "eager", "compiled", "liger", "copy")
 DESCRIPTION = {

@@ -27,7 +27,7 @@ from bench import report  # noqa: E402
 # flashtx's quick cases: attention 3 passes x causal/full x N in {2k, 8k}; GQA 3 passes at 2k;
 # 4 variants x (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd); the model training step.
 FLASHTX_CASES = {("attention", "mha"): 12, ("attention", "gqa"): 3, ("attention-variant", ""): 8,
-                 ("rope", ""): 2, ("swiglu", ""): 2, ("model-train", ""): 1}
+                 ("rope", ""): 2, ("swiglu", ""): 2, ("model-train", ""): 1, ("overhead", ""): 10}
 ATTENTION_PROVIDERS = ["flashtx", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex",
                        "xformers", "flash_attn"]
 
@@ -65,6 +65,7 @@ def test_script_runs_the_bench_steps_and_exits_0(smoke):
         assert f"=== {skipped} (" not in log  # not asked for
     assert (out / "log.txt").read_text().count("=== summary") == 1
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "log.txt", "report"]
+    assert "fullgraph" in summary  # the models step's fullgraph outcome is in the summary
 
 
 def test_every_flashtx_quick_case_ran(smoke):
@@ -100,7 +101,14 @@ def test_extra_info_fields_and_arithmetic(smoke):
     for r in _records(out):
         if r["status"] != "ok":
             continue
+        if r["op"] == "overhead":  # bench/test_overhead.py: its own fields (host time per call, launches stubbed)
+            assert r["us_per_call"] > 0 and r["baseline_us_per_call"] > 0 and r["launches_per_call"] >= 1, r
+            continue
         assert r["gpu"] == harness.SMOKE_NAME and r["timing"].startswith("host clock")
+        if r["op"] != "model-train":  # steady state beside the latency from idle (issue 13 item 7)
+            assert r["steady_ms"] > 0 and r["steady_method"].startswith("host clock") and r["latency_ms"] == \
+                r["median_ms"], r
+            assert ("tflops_steady" in r) == ("tflops" in r) and ("gbs_steady" in r) == ("gbs" in r), r
         assert 0 < r["min_ms"] <= r["median_ms"] and 2 <= r["rounds"] <= 3, r
         s = r["median_ms"] / 1e3
         if r["op"] == "attention":
@@ -119,7 +127,7 @@ def test_report_tables_and_plots(smoke):
     md = (out / "report" / "report.md").read_text()
     assert md.startswith("# flashtx benchmark report\n\n" + report.SMOKE_BANNER)
     for section in ("## Attention\n", "## Attention, GQA", "## Attention variants", "## RoPE and SwiGLU",
-                    "## Model training step", "## Targets"):
+                    "## Model training step", "## Host overhead", "## Targets"):
         assert section in md, section
     assert "- not evaluated: this is a smoke run" in md and "MET" not in md
     models = md[md.index("## Model training step"):].splitlines()[2:5]

@@ -185,12 +185,21 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_autotune_hook = None  # set by triton_kernels/autotune.py when autotuning is on (FLASHTX_AUTOTUNE=1); None: off
+if os.environ.get("FLASHTX_AUTOTUNE", "0").strip().lower() not in ("", "0", "false", "no", "off"):
+    from . import autotune as _autotune  # noqa: E402,F401  (installs the hook)
+
+
 def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target,
                   modified: bool = False) -> TileConfig:
     """First candidate that fits `target`'s shared memory (the interpreter has its own).
 
     modified: the launch uses score modifiers (attn_mask, softcap, ALiBi or dropout).
     """
+    if _autotune_hook is not None and target is not INTERPRETER_TARGET:  # a tuned (cached) config, or None
+        tuned = _autotune_hook(kernel, block_dqk, block_dv, elt, target, modified)
+        if tuned is not None:
+            return tuned
     if target is INTERPRETER_TARGET:
         return _INTERPRETER[kernel]
     return _select(kernel, block_dqk, block_dv, elt, target, modified)

@@ -1,0 +1,430 @@
+"""Host overhead: the Python time from a public flashtx call to its kernel launch (issue 12, item 3).
+
+    python -m bench.overhead [--repeats 200] [--calls 50] [--json FILE]
+
+For each row it times a tiny call (shapes small enough that the host, not the device, is what
+costs), back to back, and prints microseconds per call beside the target and the same call of
+the PyTorch op a user would otherwise make (SDPA for attention, the eager expression for RoPE and
+SwiGLU):
+
+- CPU (no GPU): every flashtx kernel launch is replaced by a no-op with
+  `flashtx.triton_kernels.launch.stub_launches()`, and flashtx runs its Triton backend with
+  Triton's interpreter switched on (FLASHTX_INTERPRET=1), so the dispatch, validation, planning
+  and autograd path timed is the one a GPU takes, minus the launch itself. The baselines are the
+  real PyTorch calls on CPU tensors of the same tiny shapes (their compute is a few microseconds).
+- GPU: the same stubbed measurement ("python to launch"), and beside it the real call with its
+  launches ("with launch": host time to enqueue, measured over many calls without synchronizing
+  in between, so device time is not counted while the launch queue has room). Baselines are real
+  calls timed the same way.
+
+Method: gc disabled; each row warms up (untimed calls) first; then `repeats` rounds, each timing
+`calls` back-to-back calls with time.perf_counter_ns and dividing; flashtx's and the baseline's
+rounds alternate so drift on a shared machine hits both alike; the median round is reported.
+Targets (issue 12): attention forward <= 25 us and forward+backward <= 80 us of Python; RoPE and
+SwiGLU <= 15 us per direction; each <= 2x the baseline's time at the same call, same machine and
+run. A miss is printed as such; nothing here fails on a miss (timing tests must not fail from
+noise in CI): bench/test_overhead.py records the numbers with pytest-benchmark, and
+tests/test_bench_overhead.py only checks that every row is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+if not torch.cuda.is_available():  # before flashtx imports triton: the Triton backend on CPU tensors
+    os.environ.setdefault("FLASHTX_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+import flashtx  # noqa: E402
+from flashtx.triton_kernels.launch import stub_launches  # noqa: E402
+
+# Issue 12's targets, microseconds of Python per call
+TARGET_FWD_US, TARGET_FWD_BWD_US, TARGET_ELEMENTWISE_US, MAX_RATIO = 25.0, 80.0, 15.0, 2.0
+
+
+@dataclass
+class Row:
+    name: str  # e.g. "attention fwd (no grad)"
+    target_us: float | None
+    baseline: str  # what the flashtx call is compared with
+    build: Callable[[str, torch.dtype], tuple[Callable[[], object], Callable[[], object]]]
+
+
+@dataclass
+class Result:
+    name: str
+    target_us: float | None
+    baseline: str
+    ours_us: float
+    base_us: float
+    launch_us: float | None = None  # GPU only: the real call with its launches
+    ours_spread_us: float = 0.0  # interquartile range of the rounds
+    base_spread_us: float = 0.0
+    launches: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_us / self.base_us if self.base_us > 0 else float("inf")
+
+    @property
+    def met_target(self) -> bool | None:
+        return None if self.target_us is None else self.ours_us <= self.target_us
+
+    @property
+    def met_ratio(self) -> bool:
+        return self.ratio <= MAX_RATIO
+
+    @property
+    def met(self) -> bool:
+        return self.met_ratio and self.met_target is not False
+
+    def as_dict(self) -> dict:
+        return {"row": self.name, "us_per_call": self.ours_us, "target_us": self.target_us,
+                "baseline": self.baseline, "baseline_us_per_call": self.base_us, "ratio": self.ratio,
+                "max_ratio": MAX_RATIO, "with_launch_us_per_call": self.launch_us, "iqr_us": self.ours_spread_us,
+                "baseline_iqr_us": self.base_spread_us, "launches_per_call": self.launches,
+                "met_target": self.met_target, "met_ratio": self.met_ratio, "met": self.met, **self.extra}
+
+
+# ------------------------------------------------------------------------------------------- rows
+def _rand(*shape, dev, dtype, grad=False):
+    return torch.randn(*shape, device=dev, dtype=dtype).requires_grad_(grad)
+
+
+def _fwd(ours, base):
+    def build(dev, dtype):
+        q, k, v = (_rand(1, 2, 16, 64, dev=dev, dtype=dtype) for _ in range(3))
+        return (lambda: ours(q, k, v)), (lambda: base(q, k, v))
+    return build
+
+
+def _attention_fwd(q, k, v):
+    with torch.no_grad():
+        return flashtx.attention(q, k, v, is_causal=True)
+
+
+def _sdpa_fwd(q, k, v):
+    with torch.no_grad():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attention_grad_fwd(dev, dtype):
+    q, k, v = (_rand(1, 2, 16, 64, dev=dev, dtype=dtype, grad=True) for _ in range(3))
+    return (lambda: flashtx.attention(q, k, v, is_causal=True)), \
+        (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def _attention_bwd(dev, dtype):
+    """torch.autograd.grad over a forward built once (retain_graph): the backward alone."""
+    def one(fn):
+        qkv = tuple(_rand(1, 2, 16, 64, dev=dev, dtype=dtype, grad=True) for _ in range(3))
+        out = fn(*qkv, is_causal=True)
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
+    return one(flashtx.attention), one(F.scaled_dot_product_attention)
+
+
+def _attention_fwd_bwd(dev, dtype):
+    def one(fn):
+        qkv = tuple(_rand(1, 2, 16, 64, dev=dev, dtype=dtype, grad=True) for _ in range(3))
+        dout = torch.randn(1, 2, 16, 64, device=dev, dtype=dtype)
+        return lambda: torch.autograd.grad(fn(*qkv, is_causal=True), qkv, dout)
+    return one(flashtx.attention), one(F.scaled_dot_product_attention)
+
+
+def _flash_attn_func(dev, dtype):
+    q, k, v = (_rand(1, 16, 2, 64, dev=dev, dtype=dtype) for _ in range(3))  # (B, S, H, D)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # the same tensors as SDPA's (B, H, S, D)
+
+    def ours():
+        with torch.no_grad():
+            return flashtx.flash_attn_func(q, k, v, causal=True)
+    return ours, (lambda: _sdpa_fwd(qt, kt, vt))
+
+
+def _patched_sdpa(dev, dtype):
+    """F.scaled_dot_product_attention inside flashtx.patch_sdpa() (entered once around the timing, as a
+    model enters it once around its step) against torch's own SDPA (the function the patch replaced)."""
+    from flashtx import sdpa_patch
+    q, k, v = (_rand(1, 2, 16, 64, dev=dev, dtype=dtype) for _ in range(3))
+
+    def ours():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # looked up at call time
+
+    def base():
+        with torch.no_grad():
+            return sdpa_patch._ORIGINAL(q, k, v, is_causal=True)
+    ours.context = flashtx.patch_sdpa
+    return ours, base
+
+
+def _rope_eager(q, k, cos, sin):
+    def rot(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+def _rope_inputs(dev, dtype, grad):
+    q, k = _rand(1, 4, 16, 64, dev=dev, dtype=dtype, grad=grad), _rand(1, 2, 16, 64, dev=dev, dtype=dtype, grad=grad)
+    cos, sin = flashtx.nn.RotaryEmbedding(64).cos_sin(16, device=dev)  # (S, D/2) fp32
+    fcos, fsin = torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
+    return q, k, cos, sin, fcos, fsin
+
+
+def _rope_fwd(dev, dtype):
+    q, k, cos, sin, fcos, fsin = _rope_inputs(dev, dtype, False)
+
+    def ours():
+        with torch.no_grad():
+            return flashtx.apply_rotary_qk(q, k, cos, sin, layout="bhsd")
+
+    def base():
+        with torch.no_grad():
+            return _rope_eager(q, k, fcos, fsin)
+    return ours, base
+
+
+def _rope_bwd(dev, dtype):
+    q, k, cos, sin, fcos, fsin = _rope_inputs(dev, dtype, True)
+
+    def one(outs):
+        douts = tuple(torch.randn_like(o) for o in outs)
+        return lambda: torch.autograd.grad(outs, (q, k), douts, retain_graph=True)
+    return one(flashtx.apply_rotary_qk(q, k, cos, sin, layout="bhsd")), one(_rope_eager(q, k, fcos, fsin))
+
+
+def _swiglu_fwd(dev, dtype):
+    g, u = _rand(16, 256, dev=dev, dtype=dtype), _rand(16, 256, dev=dev, dtype=dtype)
+
+    def ours():
+        with torch.no_grad():
+            return flashtx.swiglu(g, u)
+
+    def base():
+        with torch.no_grad():
+            return F.silu(g) * u
+    return ours, base
+
+
+def _swiglu_bwd(dev, dtype):
+    g, u = _rand(16, 256, dev=dev, dtype=dtype, grad=True), _rand(16, 256, dev=dev, dtype=dtype, grad=True)
+
+    def one(out):
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (g, u), dout, retain_graph=True)
+    return one(flashtx.swiglu(g, u)), one(F.silu(g) * u)
+
+
+SDPA = "F.scaled_dot_product_attention, same call"
+ROWS = [
+    Row("attention fwd (no grad)", TARGET_FWD_US, SDPA, _fwd(_attention_fwd, _sdpa_fwd)),
+    Row("attention fwd (with grad)", TARGET_FWD_US, SDPA, _attention_grad_fwd),
+    Row("attention bwd", None, SDPA, _attention_bwd),
+    Row("attention fwd+bwd", TARGET_FWD_BWD_US, SDPA, _attention_fwd_bwd),
+    Row("flash_attn_func fwd (no grad)", TARGET_FWD_US, SDPA + " (B, H, S, D) views", _flash_attn_func),
+    Row("patched SDPA fwd (no grad)", TARGET_FWD_US, "F.scaled_dot_product_attention unpatched", _patched_sdpa),
+    Row("rope q+k fwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE (transformers)", _rope_fwd),
+    Row("rope q+k bwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE backward", _rope_bwd),
+    Row("swiglu fwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up", _swiglu_fwd),
+    Row("swiglu bwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up backward", _swiglu_bwd),
+]
+ROW_NAMES = [r.name for r in ROWS]
+
+
+# ------------------------------------------------------------------------------------------ timing
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _round_us(fn: Callable[[], object], calls: int) -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter_ns() - t0) / calls / 1e3
+
+
+def _median_iqr(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], 0.0
+    q = statistics.quantiles(xs, n=4)
+    return statistics.median(xs), q[2] - q[0]
+
+
+def time_pair(fns: list[Callable[[], object]], dev: str, repeats: int, calls: int, warmup: int) -> list[list[float]]:
+    """Per-call microseconds of each fn, `repeats` rounds of `calls` calls, rounds interleaved."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    _sync(dev)
+    out: list[list[float]] = [[] for _ in fns]
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for i, fn in enumerate(fns):
+                out[i].append(_round_us(fn, calls))
+                _sync(dev)  # outside the round's clock: device time is not host overhead
+    finally:
+        if was:
+            gc.enable()
+    return out
+
+
+def device_and_dtype() -> tuple[str, torch.dtype]:
+    if torch.cuda.is_available():
+        return "cuda", torch.float16
+    # CPU: float32, so the baselines run PyTorch's CPU fast paths (its fp16 CPU paths are slower and
+    # would flatter the ratio); flashtx's validation and planning are the same for every dtype.
+    return "cpu", torch.float32
+
+
+def check_path(dev: str) -> None:
+    """On CPU, flashtx must take its Triton backend (the interpreter on), or the row times the reference."""
+    if dev == "cpu" and not flashtx._env.INTERPRET:
+        raise RuntimeError("bench.overhead on CPU needs Triton's interpreter (FLASHTX_INTERPRET=1 set before "
+                           "flashtx/triton is imported): otherwise flashtx takes its reference backend")
+
+
+def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=None) -> Result:
+    """Time one row. With a pytest-benchmark fixture, flashtx's stubbed call is also timed through
+    benchmark.pedantic (its own rounds, so the JSON and pytest's table have an entry); the numbers
+    reported are the interleaved rounds' medians either way."""
+    dev, dtype = device_and_dtype()
+    ours, base = row.build(dev, dtype)
+    launches: list = []
+    with getattr(ours, "context", contextlib.nullcontext)():
+        with stub_launches(lambda kernel, grid, args: launches.append(kernel)):
+            ours()  # count the launches of one call (the stub is what is timed below)
+        n_launch = len(launches)
+        if n_launch == 0:
+            raise RuntimeError(f"{row.name}: flashtx launched no kernel: it did not take its Triton backend")
+        with stub_launches():
+            ours_t, base_t = time_pair([ours, base], dev, repeats, calls, warmup)
+            if benchmark is not None:
+                was = gc.isenabled()
+                gc.disable()
+                try:
+                    benchmark.pedantic(ours, rounds=max(5, repeats // 4), iterations=calls, warmup_rounds=1)
+                finally:
+                    if was:
+                        gc.enable()
+        launch_us = None
+        if dev == "cuda":  # the real call, launches included
+            (real_t,) = time_pair([ours], dev, max(3, repeats // 2), calls, warmup)
+            launch_us = statistics.median(real_t)
+    base_us, base_iqr = _median_iqr(base_t)
+    extra = {"min_us_per_call": min(ours_t), "baseline_min_us_per_call": min(base_t), "rounds": len(ours_t),
+             "calls_per_round": calls}
+    ours_us, ours_iqr = _median_iqr(ours_t)
+    return Result(row.name, row.target_us, row.baseline, ours_us, base_us, launch_us, ours_iqr, base_iqr, n_launch,
+                  extra)
+
+
+def environment() -> dict:
+    dev, dtype = device_and_dtype()
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    import platform
+    info = {"device": dev, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "triton": tv,
+            "flashtx": flashtx.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cpu": platform.processor() or platform.machine(), "gpu": None,
+            "cpu_threads": 1 if dev == "cpu" else torch.get_num_threads(),
+            "mode": ("launches stubbed (stub_launches), Triton backend with the interpreter on" if dev == "cpu" else
+                     "launches stubbed for 'us/call'; real launches for 'with launch'")}
+    if dev == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import subprocess
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        info["commit"] = None
+    return info
+
+
+def run(rows: list[Row] | None = None, *, repeats: int = 200, calls: int = 50, warmup: int = 50) -> list[Result]:
+    dev, _ = device_and_dtype()
+    check_path(dev)
+    threads = torch.get_num_threads()
+    if dev == "cpu":  # host overhead, not parallel compute: one intra-op thread (no pool wake-ups on a busy machine)
+        torch.set_num_threads(1)
+    try:
+        return [measure_row(r, repeats=repeats, calls=calls, warmup=warmup) for r in (rows or ROWS)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fmt(x: float | None, spec: str = "{:.1f}") -> str:
+    return "-" if x is None else spec.format(x)
+
+
+def table(results: list[Result], env: dict | None = None) -> str:
+    env = env or environment()
+    gpu = env["device"] == "cuda"
+    head = ["row", "flashtx us/call", "target us", "baseline us/call", "ratio (<= 2x)"]
+    head += ["with launch us/call"] if gpu else []
+    head += ["launches", "verdict"]
+    lines = [f"Host overhead: {env['mode']}; {env['device']} {env.get('gpu') or env.get('cpu')}, {env['dtype']}, "
+             f"torch {env['torch']}, triton {env['triton']}, flashtx {env['flashtx']} ({env.get('commit') or '?'}). "
+             "Median of the rounds; nothing fails on a miss.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        misses = []
+        if r.met_target is False:
+            misses.append(f"{r.ours_us / r.target_us:.1f}x the target")
+        if not r.met_ratio:
+            misses.append(f"{r.ratio:.1f}x the baseline")
+        verdict = "met" if not misses else "MISSED: " + ", ".join(misses)
+        cells = [r.name, _fmt(r.ours_us), _fmt(r.target_us, "{:.0f}"), _fmt(r.base_us), f"{r.ratio:.2f}x"]
+        cells += [_fmt(r.launch_us)] if gpu else []
+        cells += [str(r.launches), verdict]
+        lines.append("| " + " | ".join(cells) + " |")
+    met = sum(r.met for r in results)
+    lines += ["", f"Met {met} of {len(results)} rows (target and <= {MAX_RATIO:.0f}x baseline)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=int(os.environ.get("OVERHEAD_REPEATS", 200)),
+                    help="timed rounds per row (median reported)")
+    ap.add_argument("--calls", type=int, default=50, help="back-to-back calls per round")
+    ap.add_argument("--warmup", type=int, default=50, help="untimed calls first")
+    ap.add_argument("--rows", default="", help="comma list of substrings: only rows whose name contains one")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    rows = ROWS
+    if args.rows:
+        keys = [k.strip() for k in args.rows.split(",") if k.strip()]
+        rows = [r for r in ROWS if any(k in r.name for k in keys)]
+    results = run(rows, repeats=args.repeats, calls=args.calls, warmup=args.warmup)
+    env = environment()
+    print(table(results, env))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "rows": [r.as_dict() for r in results]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

@@ -1,0 +1,235 @@
+"""Sweep the attention tile configs on this GPU and print a table ready to paste into configs.py.
+
+    python -m bench.tune [--budget-s 330] [--json FILE] [--write-cache] [--quick]
+
+Kernels attn_fwd, attn_bwd_dkdv and attn_bwd_dq; head dims 64 and 128; causal and not; bf16 and
+fp16; N = 1k, 4k and 16k tokens per sequence at B*N = 16k tokens and H*D = 2048 (the shapes of
+bench/test_attention.py). The candidates are triton_kernels/autotune.py's (configs.py's own choice
+first); each is checked against the GPU's shared memory (configs.estimate_shared_memory) before it
+is compiled, and one that fails to compile or launch is recorded and skipped.
+
+Plan, within a wall-clock budget (default 330 s: 6 minutes on an H200 with margin; the first
+compile of each config dominates):
+  1. at N = 4k, time every candidate of every (kernel, D, causal, dtype) group, bf16 and D = 128
+     first (the groups most users run), with triton.testing.do_bench (median, CUDA events);
+  2. at N = 1k and 16k, time the group's default and its two best from step 1.
+A group or N the budget does not reach is listed as "not timed (budget)". Forward candidates time
+the forward; dK/dV and dQ candidates time the whole backward with the other kernel at its default,
+so differences between candidates are the tuned kernel's.
+
+Output: a table per group (default ms, best config and ms, speedup) and, per (kernel, head dim),
+the candidates ranked by the geometric mean over dtype, causal and N of their time over the
+default's, as `TileConfig(...)` lines to paste into configs.py's tables. --write-cache stores the
+overall winner per kernel and head dim in the autotune cache (the keys FLASHTX_AUTOTUNE=1 reads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+HEADDIMS = (128, 64)
+DTYPES = ("bfloat16", "float16")
+CAUSAL = (True, False)
+N_FIRST = 4096
+N_OTHERS = (1024, 16384)
+TOP = 2  # candidates from step 1 re-timed at the other N
+
+
+@dataclass(frozen=True)
+class Group:
+    kernel: str
+    d: int
+    causal: bool
+    dtype: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel} D={self.d} {'causal' if self.causal else 'full'} {self.dtype}"
+
+
+def groups(quick: bool = False) -> list[Group]:
+    """Priority order: bf16 before fp16, D = 128 before 64, causal before full, fwd/dkdv/dq."""
+    dtypes = DTYPES[:1] if quick else DTYPES
+    return [Group(k, d, c, dt) for dt in dtypes for d in HEADDIMS for c in CAUSAL for k in KERNELS]
+
+
+def _ident(cfg) -> tuple:
+    return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+
+
+def sweep(target, time_fn, *, budget_s: float, quick: bool = False, clock=time.monotonic,
+          log=lambda *a: print(*a, file=sys.stderr, flush=True)) -> dict:
+    """Run the plan. time_fn(group, cfg, seqlen) -> ms (raises when the candidate cannot run).
+    Returns {"results": [{group fields, seqlen, config, ms | error}], "skipped": [...], "elapsed_s"}."""
+    from flashtx.triton_kernels import autotune
+
+    t0 = clock()
+    results: list[dict] = []
+    skipped: list[str] = []
+    step1: dict[Group, dict] = {}
+    todo = groups(quick)
+    try:
+        for g in todo:
+            if clock() - t0 > budget_s:
+                skipped.append(f"{g.name} N={N_FIRST}")
+                continue
+            cands = autotune.candidates(g.kernel, g.d, g.d, 2, target)
+            timed = {}
+            for cfg in cands:
+                if clock() - t0 > budget_s:
+                    skipped.append(f"{g.name} N={N_FIRST} {autotune.describe(cfg)}")
+                    continue
+                row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": N_FIRST,
+                       "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": cfg is cands[0]}
+                try:
+                    row["ms"] = float(time_fn(g, cfg, N_FIRST))
+                    timed[_ident(cfg)] = (cfg, row["ms"])
+                except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile or launch here
+                    row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+                results.append(row)
+            step1[g] = {"default": cands[0] if cands else None, "timed": timed}
+            summary = autotune.summarize({autotune.describe(c): ms for c, ms in timed.values()})
+            log(f"  {g.name} N={N_FIRST}: " + (summary if timed else "no candidate ran") + f" [{clock() - t0:.0f}s]")
+        for n in N_OTHERS:
+            for g in todo:
+                s = step1.get(g)
+                if not s or not s["timed"]:
+                    continue
+                ranked = sorted(s["timed"].values(), key=lambda cm: cm[1])[:TOP]
+                again = [s["default"]] + [c for c, _ in ranked if _ident(c) != _ident(s["default"])]
+                for cfg in again:
+                    if clock() - t0 > budget_s:
+                        skipped.append(f"{g.name} N={n} {autotune.describe(cfg)}")
+                        continue
+                    row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": n,
+                           "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": cfg is s["default"]}
+                    try:
+                        row["ms"] = float(time_fn(g, cfg, n))
+                    except Exception as exc:  # noqa: BLE001
+                        row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+                    results.append(row)
+    except KeyboardInterrupt:  # the device script's timeout sends SIGINT: keep what was timed
+        skipped.append("interrupted (SIGINT): the rest was not timed")
+    return {"results": results, "skipped": skipped, "elapsed_s": clock() - t0}
+
+
+def rank(results: list[dict]) -> dict[tuple[str, int], list[tuple[tuple, float, int]]]:
+    """Per (kernel, D): candidates ranked by the geometric mean, over every (dtype, causal, N) where
+    both it and the default were timed, of its time over the default's: [(ident, geomean, cases)]."""
+    default_ms = {}
+    for r in results:
+        if r.get("default") and "ms" in r:
+            default_ms[(r["kernel"], r["d"], r["causal"], r["dtype"], r["seqlen"])] = r["ms"]
+    logs: dict = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        base = default_ms.get((r["kernel"], r["d"], r["causal"], r["dtype"], r["seqlen"]))
+        if "ms" in r and base:
+            logs[(r["kernel"], r["d"])][tuple(r["ident"])].append(math.log(r["ms"] / base))
+    out = {}
+    for kd, per in logs.items():
+        out[kd] = sorted(((ident, math.exp(sum(v) / len(v)), len(v)) for ident, v in per.items()),
+                         key=lambda x: (x[1], -x[2]))
+    return out
+
+
+def table(sweep_out: dict, gpu: str, triton_version: str) -> str:
+    res = sweep_out["results"]
+    lines = [f"Tile-config sweep on {gpu} (triton {triton_version}), {sweep_out['elapsed_s']:.0f} s. "
+             "Times: triton.testing.do_bench medians, ms; fwd kernels time the forward, dK/dV and dQ the backward.",
+             "", "| kernel | D | causal | dtype | N | default | default ms | best | best ms | speedup | candidates |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    by_case: dict = defaultdict(list)
+    for r in res:
+        by_case[(r["kernel"], r["d"], r["causal"], r["dtype"], r["seqlen"])].append(r)
+    for (kernel, d, causal, dtype, n), rows in by_case.items():
+        ok = [r for r in rows if "ms" in r]
+        default = next((r for r in rows if r.get("default")), None)
+        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        dms = default.get("ms") if default else None
+        speed = f"{dms / best['ms']:.2f}x" if best and dms else "-"
+        failed = sum("error" in r for r in rows)
+        lines.append(f"| {kernel} | {d} | {'yes' if causal else 'no'} | {dtype} | {n} | "
+                     f"{default['config'] if default else '-'} | {f'{dms:.3f}' if dms else '-'} | "
+                     f"{best['config'] if best else '-'} | {best['ms']:.3f} | {speed} | "
+                     f"{len(ok)} timed{f', {failed} failed' if failed else ''} |" if best else
+                     f"| {kernel} | {d} | {'yes' if causal else 'no'} | {dtype} | {n} | - | - | - | - | - | "
+                     f"{failed} failed |")
+    if sweep_out["skipped"]:
+        lines += ["", f"Not timed (budget): {len(sweep_out['skipped'])} candidate runs, e.g. "
+                  + "; ".join(sweep_out["skipped"][:6])]
+    lines += ["", "Paste into triton_kernels/configs.py (16-bit tables), best first per kernel and head dim; "
+              "the number is the geometric mean of time / default's over the (dtype, causal, N) cases timed:", ""]
+    for (kernel, d), ranked in sorted(rank(res).items()):
+        lines.append(f"# {kernel}, head dim {d}")
+        for ident, gm, cases in ranked[:3]:
+            bm, bn, w, s = ident
+            lines.append(f"TileConfig({bm}, {bn}, {w}, {s}, \"tuned on {gpu}, triton {triton_version}: "
+                         f"{gm:.2f}x the default's time over {cases} cases\"),")
+    return "\n".join(lines)
+
+
+def gpu_time_fn(seed: int = 0):
+    import torch
+
+    from flashtx.triton_kernels import autotune
+    torch.manual_seed(seed)
+
+    def time_fn(g: Group, cfg, seqlen: int) -> float:
+        return autotune.time_candidate(g.kernel, cfg, d=g.d, causal=g.causal, dtype=getattr(torch, g.dtype),
+                                       seqlen=seqlen, warmup_ms=5, rep_ms=25)
+    return time_fn
+
+
+def write_cache(sweep_out: dict, target, gpu: str, triton_version: str) -> list[str]:
+    """The overall winner per (kernel, D) into the autotune cache under the runtime keys."""
+    from flashtx.triton_kernels import autotune
+    from flashtx.triton_kernels.configs import TileConfig
+    keys = []
+    for (kernel, d), ranked in rank(sweep_out["results"]).items():
+        (bm, bn, w, s), gm, cases = ranked[0]
+        key = autotune.make_key(gpu=gpu, arch=target.arch, triton_version=triton_version, kernel=kernel,
+                                dtype=autotune.DTYPE_ANY_16, block_dqk=d, block_dv=d, causal="any", modified=False)
+        autotune.store(key, TileConfig(bm, bn, w, s, f"bench.tune: {gm:.2f}x the default's time over {cases} cases"),
+                       ms=None, timings={"geomean_vs_default": gm, "cases": cases})
+        keys.append(key)
+    return keys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-s", type=float, default=330.0, help="wall-clock budget for the sweep (seconds)")
+    ap.add_argument("--quick", action="store_true", help="bf16 only")
+    ap.add_argument("--json", default=None, help="write every timing here")
+    ap.add_argument("--write-cache", action="store_true", help="store the winners in the autotune cache")
+    args = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("bench.tune: no CUDA GPU here; nothing to tune (the tuner is tested on CPU with a fake timer: "
+              "tests/test_bench_tune.py)")
+        return 0
+    import triton
+
+    from flashtx.triton_kernels.launch import target_for
+    target = target_for(torch.empty(1, device="cuda"))
+    gpu = torch.cuda.get_device_name()
+    out = sweep(target, gpu_time_fn(), budget_s=args.budget_s, quick=args.quick)
+    text = table(out, gpu, triton.__version__)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "arch": target.arch, "triton": triton.__version__, "torch": torch.__version__,
+                       **out}, f, indent=1)
+    if args.write_cache:
+        for key in write_cache(out, target, gpu, triton.__version__):
+            print("cached:", key)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""bench/overhead.py (host overhead, issue 12 item 3) runs on CPU and reports every row.
+
+No timing is checked here: the numbers depend on the machine and its load, and a timed test would
+fail from noise. `python -m bench.overhead` and `pytest bench --benchmark-only -k overhead` record
+them; this only checks that the tool runs (launches stubbed, flashtx's Triton path through the
+interpreter), prints one table row per call and writes them to its JSON.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `import bench`
+
+from bench import overhead  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU check; on a GPU run python -m bench.overhead")
+
+EXPECTED_ROWS = ["attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
+                 "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
+                 "swiglu fwd", "swiglu bwd"]
+
+
+def test_overhead_tool_reports_every_row(tmp_path, capsys):
+    assert overhead.ROW_NAMES == EXPECTED_ROWS
+    out = tmp_path / "overhead.json"
+    assert overhead.main(["--repeats", "3", "--calls", "3", "--warmup", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for name in EXPECTED_ROWS:
+        assert f"| {name} |" in text, name
+    assert "Met " in text and "of 10 rows" in text
+    data = json.loads(out.read_text())
+    assert data["environment"]["device"] == "cpu" and "stub" in data["environment"]["mode"]
+    rows = {r["row"]: r for r in data["rows"]}
+    assert list(rows) == EXPECTED_ROWS
+    for r in rows.values():
+        assert r["us_per_call"] > 0 and r["baseline_us_per_call"] > 0 and r["launches_per_call"] >= 1, r
+        assert r["met"] == (r["met_ratio"] and r["met_target"] is not False)
+    # the launches each call makes (what stub_launches replaced): fwd 1, bwd preprocess + dK/dV + dQ
+    assert rows["attention fwd (no grad)"]["launches_per_call"] == 1
+    assert rows["attention bwd"]["launches_per_call"] == 3 and rows["attention fwd+bwd"]["launches_per_call"] == 4
+    assert {r["target_us"] for r in rows.values()} == {25.0, 80.0, 15.0, None}
+
+
+def test_verdicts():
+    r = overhead.Result("x", 25.0, "b", ours_us=30.0, base_us=20.0)
+    assert r.met_target is False and r.met_ratio and not r.met
+    r = overhead.Result("x", None, "b", ours_us=30.0, base_us=10.0)
+    assert r.met_target is None and not r.met_ratio and not r.met
+    r = overhead.Result("x", 25.0, "b", ours_us=20.0, base_us=10.0)
+    assert r.met
+    assert "MISSED: 1.2x the target" in overhead.table([overhead.Result("x", 25.0, "b", 30.0, 20.0)],
+                                                       {"device": "cpu", "mode": "m", "cpu": "c", "dtype": "f",
+                                                        "torch": "t", "triton": "t", "flashtx": "f"})

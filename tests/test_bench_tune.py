@@ -1,0 +1,83 @@
+"""bench/tune.py's sweep, ranking, table and cache writing on CPU with a fake timer and a fake clock
+(nothing is timed on a GPU here; every number below is invented)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `import bench`
+
+from bench import tune  # noqa: E402
+from flashtx.triton_kernels import autotune  # noqa: E402
+from flashtx.triton_kernels.configs import Target  # noqa: E402
+
+H100 = Target(90, 232_448)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def fake_timer(clock, per_call_s=1.0):
+    """128-row Q tiles with 64-row K/V tiles win everywhere; 2.0 ms otherwise; one candidate fails."""
+    def time_fn(g, cfg, seqlen):
+        clock.t += per_call_s
+        if (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 32, 4, 3):
+            raise RuntimeError("OutOfResources (fake)")
+        fast = cfg.block_n == 64 and cfg.block_m in (128, 32)
+        return (1.0 if fast else 2.0) * seqlen / 4096
+    return time_fn
+
+
+def test_sweep_plan_table_and_ranking():
+    clock = FakeClock()
+    out = tune.sweep(H100, fake_timer(clock), budget_s=1e9, clock=clock, log=lambda *a: None)
+    assert not out["skipped"]
+    res = out["results"]
+    # every group timed at N = 4k (each candidate), then default + top 2 at 1k and 16k
+    assert {(r["kernel"], r["d"], r["causal"], r["dtype"]) for r in res} == \
+        {(g.kernel, g.d, g.causal, g.dtype) for g in tune.groups()}
+    assert {r["seqlen"] for r in res} == {1024, 4096, 16384}
+    assert any("error" in r and "OutOfResources" in r["error"] for r in res)
+    ranked = tune.rank(res)
+    assert set(ranked) == {(k, d) for k in tune.KERNELS for d in tune.HEADDIMS}
+    text = tune.table(out, "FAKE-GPU", "0.0")
+    assert "| attn_fwd | 128 | yes | bfloat16 | 4096 |" in text
+    assert "# attn_bwd_dq, head dim 64" in text and 'TileConfig(' in text and "FAKE-GPU" in text
+    winner = ranked[("attn_fwd", 128)][0]
+    assert winner[0][1] == 64 and winner[1] <= 1.0
+
+
+def test_budget_stops_the_sweep_and_says_what_was_not_timed():
+    clock = FakeClock()
+    out = tune.sweep(H100, fake_timer(clock, per_call_s=5.0), budget_s=60, clock=clock, log=lambda *a: None)
+    assert out["skipped"] and len(out["results"]) <= 60 / 5 + 1
+    assert "Not timed (budget)" in tune.table(out, "FAKE-GPU", "0.0")
+    # bf16, D = 128, causal first: those groups are the ones timed
+    assert {(r["dtype"], r["d"], r["causal"]) for r in out["results"]} == {("bfloat16", 128, True)}
+
+
+def test_write_cache_stores_the_runtime_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHTX_CACHE_DIR", str(tmp_path))
+    autotune.reset_memory()
+    clock = FakeClock()
+    out = tune.sweep(H100, fake_timer(clock), budget_s=1e9, quick=True, clock=clock, log=lambda *a: None)
+    keys = tune.write_cache(out, H100, "FAKE-GPU", "0.0")
+    assert len(keys) == len(tune.KERNELS) * len(tune.HEADDIMS)
+    data = json.loads((tmp_path / "autotune.json").read_text())
+    assert sorted(data["entries"]) == sorted(keys)
+    key = autotune.make_key(gpu="FAKE-GPU", arch=90, triton_version="0.0", kernel="attn_fwd",
+                            dtype=autotune.DTYPE_ANY_16, block_dqk=128, block_dv=128, causal="any", modified=False)
+    autotune.reset_memory()
+    assert autotune.cached(key).block_n == 64
+    autotune.reset_memory()
+
+
+def test_main_without_a_gpu_says_so(capsys):
+    assert tune.main([]) == 0
+    assert "no CUDA GPU here" in capsys.readouterr().out

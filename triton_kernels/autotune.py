@@ -1,0 +1,357 @@
+"""Autotuning of the attention tile configs on the GPU at hand (issue 13, item 2). Off by default.
+
+    FLASHTX_AUTOTUNE=1 python train.py         # or, in code: flashtx.triton_kernels.autotune.autotune()
+    python -m bench.tune                       # the offline sweep: a table ready to paste into configs.py
+
+When on, the first launch of each kernel for a new key times every candidate config that fits the
+GPU's shared memory (CANDIDATES below, plus configs.py's own choice) on synthetic inputs of the
+launch's head dims, keeps the fastest, and stores it in a JSON cache, so later runs on the same GPU
+pay nothing: `$FLASHTX_CACHE_DIR/autotune.json`, default `~/.cache/flashtx/autotune.json`. The key
+is the GPU name, its arch, the Triton version, the kernel, the dtype, the head dims, causal and
+whether score modifiers (mask, softcap, ALiBi, dropout) are on. configs.select_config consults
+`lookup` through a hook at its top only while autotuning is on; when off (the default) the hook is
+None and nothing extra runs, so compile time is what it was.
+
+select_config is not told the dtype or causality (its signature stays as it is), so the hook's key
+has dtype "16-bit" (fp16 and bf16, one element size) or "float32", and causal "any": such a key is
+tuned on both causal and non-causal inputs and keeps the config with the smallest total time.
+`bench.tune` measures each (dtype, causal, N) on its own.
+
+A cache file that cannot be read or does not have the expected form is ignored with a warning (and
+rewritten on the next store). Under torch.compile tracing only the cache is read: tuning then would
+time fake tensors; tune eagerly first (one eager step, or `python -m bench.tune --write-cache`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable
+
+from . import configs
+from .configs import TileConfig
+
+CACHE_VERSION = 1
+ENV = "FLASHTX_AUTOTUNE"
+DTYPE_ANY_16 = "16-bit"
+
+# Candidates per kernel, element size and head-dim bucket, beyond configs.py's own (always tried
+# first, so tuning never picks something worse than the default without having timed it). They are
+# the tiles FlashAttention-2's Triton tutorial and Triton's fused-attention tutorial use, and their
+# neighbours; shared memory is checked per GPU with configs.estimate_shared_memory before timing,
+# and a candidate that fails to compile or launch (registers, OutOfResources) is skipped.
+_T = TileConfig
+CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
+    "attn_fwd": {
+        2: {64: [_T(128, 64, 4, 3), _T(128, 128, 8, 3), _T(128, 32, 4, 4), _T(64, 64, 4, 4), _T(128, 64, 8, 4),
+                 _T(64, 32, 4, 3)],
+            128: [_T(128, 64, 8, 3), _T(128, 128, 8, 2), _T(64, 64, 4, 3), _T(128, 64, 4, 3), _T(64, 32, 4, 3),
+                  _T(128, 32, 8, 3)]},
+        4: {64: [_T(64, 64, 4, 2), _T(32, 32, 4, 2)], 128: [_T(32, 32, 4, 1), _T(32, 16, 4, 2)]},
+    },
+    "attn_bwd_dkdv": {
+        2: {64: [_T(32, 128, 8, 2), _T(32, 64, 4, 3), _T(64, 128, 8, 2), _T(16, 64, 4, 3), _T(32, 128, 4, 3)],
+            128: [_T(32, 128, 8, 2), _T(64, 128, 8, 2), _T(16, 128, 8, 2), _T(32, 64, 4, 3), _T(64, 64, 8, 2),
+                  _T(16, 64, 4, 2)]},
+        4: {64: [_T(16, 64, 4, 2), _T(32, 64, 8, 1)], 128: [_T(16, 32, 4, 1), _T(32, 32, 8, 1)]},
+    },
+    "attn_bwd_dq": {
+        2: {64: [_T(128, 64, 8, 2), _T(64, 64, 4, 3), _T(128, 32, 4, 3), _T(64, 32, 4, 2), _T(128, 128, 8, 2)],
+            128: [_T(128, 64, 8, 2), _T(128, 32, 8, 2), _T(64, 64, 4, 2), _T(64, 64, 8, 3), _T(128, 128, 8, 1),
+                  _T(32, 64, 4, 2)]},
+        4: {64: [_T(32, 32, 4, 2), _T(64, 64, 8, 1)], 128: [_T(32, 16, 4, 1), _T(16, 16, 4, 1)]},
+    },
+}
+TUNED_KERNELS = tuple(CANDIDATES)
+
+
+def enabled() -> bool:
+    return configs_hook() is not None
+
+
+def configs_hook():
+    return getattr(configs, "_autotune_hook", None)
+
+
+def autotune(enable: bool = True) -> None:
+    """Turn autotuning on (or off): the first launch of each kernel per key tunes it on this GPU once,
+    and the result is cached on disk. Same as FLASHTX_AUTOTUNE=1 at import."""
+    configs._autotune_hook = _hook if enable else None
+
+
+def _env_enabled() -> bool:
+    return os.environ.get(ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+# ------------------------------------------------------------------------------------------ cache
+def cache_path() -> Path:
+    base = os.environ.get("FLASHTX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flashtx")
+    return Path(base) / "autotune.json"
+
+
+def make_key(*, gpu: str, arch: int, triton_version: str, kernel: str, dtype: str, block_dqk: int, block_dv: int,
+             causal, modified: bool) -> str:
+    return (f"{gpu}|sm_{arch}|triton {triton_version}|{kernel}|{dtype}|d{block_dqk}/{block_dv}|"
+            f"causal={causal}|modified={bool(modified)}")
+
+
+_lock = threading.Lock()
+_memory: dict[str, dict] | None = None  # the cache file's entries, loaded once
+
+
+def _config_from(entry) -> TileConfig | None:
+    try:
+        c = entry["config"]
+        cfg = TileConfig(int(c["block_m"]), int(c["block_n"]), int(c["num_warps"]), int(c["num_stages"]),
+                         str(c.get("reason", "autotuned")))
+    except (TypeError, KeyError, ValueError):
+        return None
+    if min(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) <= 0:
+        return None
+    return cfg
+
+
+def load_cache(path: Path | None = None) -> dict[str, dict]:
+    """The cache's entries; {} (with a warning) when the file is unreadable or malformed."""
+    path = path or cache_path()
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if (not isinstance(data, dict) or data.get("version") != CACHE_VERSION
+                or not isinstance(data.get("entries"), dict)):
+            raise ValueError(f"not a flashtx autotune cache of version {CACHE_VERSION}")
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"flashtx autotune: ignoring the cache {path}: {type(exc).__name__}: {exc}", stacklevel=2)
+        return {}
+    good = {}
+    for key, entry in data["entries"].items():
+        if _config_from(entry) is not None:
+            good[key] = entry
+        else:
+            warnings.warn(f"flashtx autotune: ignoring a malformed entry in {path}: {key!r}", stacklevel=2)
+    return good
+
+
+def store(key: str, cfg: TileConfig, *, ms: float | None = None, timings: dict | None = None,
+          path: Path | None = None) -> None:
+    """Add one result to the cache file (read-modify-write, atomic rename)."""
+    global _memory
+    path = path or cache_path()
+    with _lock:
+        entries = load_cache(path)
+        entries[key] = {"config": {"block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                                   "num_stages": cfg.num_stages, "reason": cfg.reason or "autotuned"},
+                        "ms": ms, "timings": timings or {}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+        _memory = entries
+
+
+def cached(key: str) -> TileConfig | None:
+    global _memory
+    if _memory is None:
+        with _lock:
+            if _memory is None:
+                _memory = load_cache()
+    entry = _memory.get(key)
+    return _config_from(entry) if entry is not None else None
+
+
+def reset_memory() -> None:
+    """Forget the loaded cache (tests, or after another process wrote it)."""
+    global _memory
+    _memory = None
+
+
+# ------------------------------------------------------------------------------------- candidates
+def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
+               modified: bool = False) -> list[TileConfig]:
+    """configs.py's choice first, then this module's list; only those whose estimated shared memory
+    fits `target`; no duplicates (the reason is not part of the identity)."""
+    size, bucket = (2 if elt <= 2 else 4), configs.head_dim_bucket(max(block_dqk, block_dv))
+    out: list[TileConfig] = []
+    seen = set()
+    try:
+        default = [configs._select(kernel, block_dqk, block_dv, elt, target, modified)]
+    except (RuntimeError, KeyError):
+        default = []
+    for cfg in default + CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []):
+        ident = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+        if ident in seen:
+            continue
+        if configs.estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt, target) > target.max_shared:
+            continue
+        seen.add(ident)
+        out.append(cfg)
+    return out
+
+
+def best_of(cands: Iterable[TileConfig], time_fn: Callable[[TileConfig], float]) -> tuple[TileConfig | None, dict]:
+    """Time each candidate (ms; an exception or a non-finite time skips it); the fastest and all timings."""
+    timings: dict[str, float | str] = {}
+    best, best_ms = None, float("inf")
+    for cfg in cands:
+        name = describe(cfg)
+        try:
+            ms = float(time_fn(cfg))
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile or launch here is skipped
+            timings[name] = f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+            continue
+        if not ms == ms or ms <= 0 or ms == float("inf"):
+            timings[name] = "failed: no valid time"
+            continue
+        timings[name] = ms
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best, timings
+
+
+def describe(cfg: TileConfig) -> str:
+    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+# ------------------------------------------------------------------------------------ forcing, hook
+_forced: dict[str, TileConfig] = {}
+_tuning = threading.local()
+
+
+@contextlib.contextmanager
+def forced(kernel: str, cfg: TileConfig):
+    """Inside the block, select_config returns `cfg` for `kernel` (the tuner times candidates this
+    way, through the public ops). Needs the hook installed; installs it for the block if it is not."""
+    prev_hook = configs_hook()
+    if prev_hook is None:
+        configs._autotune_hook = _hook
+    prev, was_tuning = _forced.get(kernel), getattr(_tuning, "active", False)
+    _forced[kernel] = cfg
+    _tuning.active = True  # the other kernels of the pass keep select_config's (or the cache's) choice
+    try:
+        yield
+    finally:
+        _tuning.active = was_tuning
+        if prev is None:
+            _forced.pop(kernel, None)
+        else:
+            _forced[kernel] = prev
+        if prev_hook is None:
+            configs._autotune_hook = None
+
+
+def _hook(kernel, block_dqk, block_dv, elt, target, modified):
+    """configs.select_config's hook while autotuning is on: a forced, cached or freshly tuned config,
+    or None for select_config's own choice."""
+    cfg = _forced.get(kernel)
+    if cfg is not None:
+        return cfg
+    if kernel not in TUNED_KERNELS:
+        return None
+    try:
+        key = runtime_key(kernel, block_dqk, block_dv, elt, target, modified)
+        hit = cached(key)
+        if hit is not None:
+            return hit
+        if getattr(_tuning, "active", False) or _compiling():
+            return None
+        return tune_now(key, kernel, block_dqk, block_dv, elt, target, modified)
+    except Exception as exc:  # noqa: BLE001 - tuning must never break a launch: fall back to the default
+        warnings.warn(f"flashtx autotune: {kernel} not tuned ({type(exc).__name__}: {exc}); using the default",
+                      stacklevel=3)
+        return None
+
+
+def _compiling() -> bool:
+    try:
+        import torch
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def gpu_identity(target) -> tuple[str, str]:
+    import torch
+    import triton
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else f"sm_{target.arch}"
+    return name, triton.__version__
+
+
+def runtime_key(kernel, block_dqk, block_dv, elt, target, modified) -> str:
+    gpu, tv = gpu_identity(target)
+    return make_key(gpu=gpu, arch=target.arch, triton_version=tv, kernel=kernel,
+                    dtype=DTYPE_ANY_16 if elt <= 2 else "float32", block_dqk=block_dqk, block_dv=block_dv,
+                    causal="any", modified=modified)
+
+
+# Synthetic problem for tuning at run time: B*N = 16k tokens, H*D = 2048 (as bench/test_attention.py).
+RUNTIME_SEQLEN = 4096
+
+
+def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn=None) -> TileConfig | None:
+    """Time the candidates for one key (both causal and not, summed), store and return the fastest."""
+    cands = candidates(kernel, block_dqk, block_dv, elt, target, modified)
+    if not cands:
+        return None
+    _tuning.active = True
+    try:
+        if time_fn is None:
+            import torch
+            dtype = torch.bfloat16 if elt == 2 else torch.float32
+
+            def time_fn(cfg):
+                return sum(time_candidate(kernel, cfg, d=block_dqk, dv=block_dv, causal=c, dtype=dtype,
+                                          seqlen=RUNTIME_SEQLEN) for c in (False, True))
+        best, timings = best_of(cands, time_fn)
+    finally:
+        _tuning.active = False
+    if best is None:
+        return None
+    best = TileConfig(best.block_m, best.block_n, best.num_warps, best.num_stages,
+                      f"autotuned: {timings[describe(best)]:.3f} ms")
+    store(key, best, ms=timings[describe(best)], timings=timings)
+    return best
+
+
+def time_candidate(kernel: str, cfg: TileConfig, *, d: int, dv: int | None = None, causal: bool, dtype, seqlen: int,
+                   tokens: int = 16384, hidden: int = 2048, warmup_ms: float = 10, rep_ms: float = 40) -> float:
+    """Median ms of the pass that runs `kernel` (forward for attn_fwd, the backward for the others)
+    through flashtx.attention on CUDA tensors, with `kernel`'s config forced to `cfg` (GPU only)."""
+    import torch
+    import triton.testing
+
+    import flashtx
+
+    dv = dv or d
+    b, h = max(1, tokens // seqlen), max(1, hidden // d)
+    q, k = (torch.randn(b, h, seqlen, d, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(b, h, seqlen, dv, device="cuda", dtype=dtype)
+    with forced(kernel, cfg):
+        if kernel == "attn_fwd":
+            def fn():
+                with torch.no_grad():
+                    return flashtx.attention(q, k, v, is_causal=causal, backend="triton")
+        else:
+            qkv = tuple(t.requires_grad_() for t in (q, k, v))
+            out = flashtx.attention(*qkv, is_causal=causal, backend="triton")
+            dout = torch.randn_like(out)
+
+            def fn():
+                return torch.autograd.grad(out, qkv, dout, retain_graph=True)
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def summarize(timings: dict) -> str:
+    ok = {k: v for k, v in timings.items() if isinstance(v, float)}
+    if not ok:
+        return "no candidate ran"
+    best = min(ok, key=ok.get)
+    return f"{best}: {ok[best]:.3f} ms (median of candidates {statistics.median(ok.values()):.3f} ms)"
+
+
+if _env_enabled():
+    autotune(True)
