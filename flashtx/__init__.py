@@ -27,3 +27,22 @@ from . import sdpa_patch  # noqa: E402
 from .sdpa_patch import patch_sdpa  # noqa: E402
 
 __all__ += ["sdpa_patch", "patch_sdpa"]
+
+
+def autotune(enable: bool = True) -> None:
+    """Tune the attention tile configs on this GPU (off by default; same as FLASHTX_AUTOTUNE=1).
+
+    When on, the first launch of each attention kernel per key (GPU, Triton version, kernel,
+    dtype size, head dims, score modifiers) times the candidate configs that fit the GPU on
+    synthetic inputs of those head dims, keeps the fastest and caches it on disk
+    ($FLASHTX_CACHE_DIR/autotune.json, default ~/.cache/flashtx/): later runs pay nothing.
+
+    Example:
+        >>> flashtx.autotune()  # then train as usual; `python -m bench.tune` sweeps offline
+    """
+    from .triton_kernels.autotune import autotune as _autotune
+
+    _autotune(enable)
+
+
+__all__ += ["autotune"]

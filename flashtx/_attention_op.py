@@ -75,7 +75,13 @@ def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
 
     So an output for (B, S, H, D) inputs viewed as (B, H, S, D) is itself (B, S, H, D) in memory.
     """
-    shape = list(t.shape[:3])
+    B, H, S = t.shape[:3]
+    s0, s1, s2 = t.stride()[:3]
+    if s0 >= s1 >= s2:  # (B, H, S) order: the common cases first
+        return torch.empty(B, H, S, last_dim, dtype=t.dtype, device=t.device)
+    if s0 >= s2 > s1:  # (B, S, H) order
+        return torch.empty(B, S, H, last_dim, dtype=t.dtype, device=t.device).transpose(1, 2)
+    shape = [B, H, S]
     order = sorted(range(3), key=lambda i: (-t.stride(i), i))  # outermost first
     buf = torch.empty([shape[i] for i in order] + [last_dim], dtype=t.dtype, device=t.device)
     inverse = [order.index(i) for i in range(3)] + [3]

@@ -22,9 +22,7 @@ def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: b
 
     names: the user-facing argument names; layout: e.g. "(B, H, S, D)".
     """
-    nq, nk, nv = names
-    for n, t in zip(names, (q, k, v)):
-        check_tensor(n, t)
+    nq, nk, nv = names  # q, k, v passed check_tensor already
     if not (q.device == k.device == v.device):
         raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):

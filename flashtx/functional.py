@@ -33,6 +33,7 @@ from ._validate import (check_alibi, check_attn_mask, check_cu_seqlens, check_cu
                         check_window, resolve_scale)
 
 LN2 = math.log(2.0)
+_NO_WINDOW = (-1, -1)
 
 
 def _new_rng(device) -> torch.Tensor:
@@ -72,6 +73,9 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
 
 def _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens) -> dict:
     """Validated padding/window keywords of _run for (B, H, S, D) views q, k."""
+    if key_mask is None and query_mask is None and q_lens is None and kv_lens is None and (
+            window_size is _NO_WINDOW or window_size == (-1, -1)):
+        return {}
     B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
     return dict(window=check_window("window_size", window_size),
                 key_mask=check_seq_mask("key_mask", key_mask, B, Sk, q),
@@ -81,12 +85,15 @@ def _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens) -> 
 
 def _score_mods(batch, q, *, dropout_p=0.0, softcap=0.0, alibi_slopes=None) -> dict:
     """Validated score-modifier keywords of _run."""
+    if alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0 and type(softcap) is float and (
+            softcap == 0.0):
+        return {}
     return dict(dropout_p=check_dropout("dropout_p", dropout_p), softcap=check_softcap("softcap", softcap),
                 alibi_slopes=check_alibi("alibi_slopes", alibi_slopes, batch, q.shape[1], q))
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-              *, backend=None, return_lse=False, window_size=(-1, -1), key_mask=None, query_mask=None,
+              *, backend=None, return_lse=False, window_size=_NO_WINDOW, key_mask=None, query_mask=None,
               kv_lens=None, q_lens=None, softcap=0.0, alibi_slopes=None):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``, with O(N) memory.
 
@@ -151,6 +158,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                return_lse=return_lse, bias=bias,
                **_padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens),
                **_score_mods(q.shape[0], q, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
+    if query.dim() == 4:
+        return res
     lead_shape = query.shape[:-2]  # (..., Hq)
     if return_lse:
         out, lse = res

@@ -78,31 +78,33 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
             return "attn_mask does not broadcast to (..., Hq, Sq, Sk)" + _TORCH_ERROR
         if tuple(full) != (*query.shape[:-2], query.shape[-2], key.shape[-2]):
             return "attn_mask would broadcast the output's shape" + _TORCH_ERROR
-    if query.device.type == "cuda":
+    if query.device.type == _GPU:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
         bias_grad = needs_grad and attn_mask is not None and attn_mask.requires_grad
-        return _cuda_reason(query.device.index, query.dtype, query.shape[-1], value.shape[-1],
+        return _fast_reason(query.device.type, query.device.index, query.dtype, query.shape[-1], value.shape[-1],
                             attn_mask is not None and attn_mask.dtype != torch.bool, 2 if bias_grad else int(needs_grad))
     return None
 
 
-_CUDA_REASONS: dict = {}
+_GPU = "cuda"  # the device whose calls may lack a kernel config (flashtx.testing_gpu_trace stands in "cpu")
+_FAST_REASONS: dict = {}
 
 
 @torch.compiler.assume_constant_result  # torch.compile runs it while tracing and keeps the answer
-def _cuda_reason(index, dtype, d_qk: int, d_v: int, float_mask: bool, needs_grad: int) -> str | None:
+def _fast_reason(device_type: str, index, dtype, d_qk: int, d_v: int, float_mask: bool,
+                 needs_grad: int) -> str | None:
     """Why the Triton backend cannot run attention of these kinds on this GPU (None: it can),
     decided once per key from tiny stand-in inputs of the same kinds."""
-    key = (index, dtype, d_qk, d_v, float_mask, needs_grad)
-    if key not in _CUDA_REASONS:
-        dev = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+    key = (device_type, index, dtype, d_qk, d_v, float_mask, needs_grad)
+    if key not in _FAST_REASONS:
+        dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
         q, k = (torch.empty(1, 1, 1, d, dtype=dtype, device=dev) for d in (d_qk, d_qk))
         v = torch.empty(1, 1, 1, d_v, dtype=dtype, device=dev)
         masks = MaskSpec(attn_mask=torch.empty(1, 1, 1, 1, dtype=dtype, device=dev)) if float_mask else MaskSpec()
         reasons = BACKENDS["triton"].not_supported_reasons(AttentionInputs(q, k, v, masks=masks,
                                                                            needs_grad=needs_grad))
-        _CUDA_REASONS[key] = "no fast flashtx backend for these inputs: " + "; ".join(reasons) if reasons else None
-    return _CUDA_REASONS[key]
+        _FAST_REASONS[key] = "no fast flashtx backend for these inputs: " + "; ".join(reasons) if reasons else None
+    return _FAST_REASONS[key]
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -7,7 +7,8 @@ the CPU test suite keeps the ops opaque; this module instead runs the GPU path i
 stand-ins, in a process where TRITON_INTERPRET is off:
 
 - the dispatch takes the Triton backend for CPU tensors (as it does for CUDA tensors),
-- config selection sees an RTX 3090 (sm_86) instead of the interpreter's tiles,
+- config selection sees an RTX 3090 (sm_86) instead of the interpreter's tiles, and patch_sdpa
+  checks CPU calls as it checks CUDA ones,
 - Triton's driver reports an sm_86 target, so torch can lower the kernels to TTIR (no GPU needed).
 
 Nothing is executed: the compiled graphs are captured, and stand-in outputs of the right
@@ -39,6 +40,8 @@ def _install_standins() -> None:
 
     triton.runtime.driver.set_active(Sm86Driver())
     _env.INTERPRET = True  # dispatch: CPU tensors take the Triton backend, as CUDA tensors do
+    from flashtx import sdpa_patch
+    sdpa_patch._GPU = "cpu"  # patch_sdpa's per-kind check runs for CPU calls, as it does for CUDA ones
     sm86 = configs.KNOWN_TARGETS[86]
     for mod in list(sys.modules.values()):  # every launcher's imported target_for
         if getattr(mod, "__name__", "").startswith("flashtx.triton_kernels") and hasattr(mod, "target_for"):
