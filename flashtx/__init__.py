@@ -27,3 +27,8 @@ from . import sdpa_patch  # noqa: E402
 from .sdpa_patch import patch_sdpa  # noqa: E402
 
 __all__ += ["sdpa_patch", "patch_sdpa"]
+
+# Decoding against a KV cache (contiguous or paged), flash-attn's API (flashtx.decode)
+from .decode import flash_attn_with_kvcache  # noqa: E402
+
+__all__ += ["flash_attn_with_kvcache"]
