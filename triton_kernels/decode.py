@@ -278,7 +278,7 @@ _DECODE = {
         128: DecodeConfig(64, 64, 4, 2, "K+V tiles 32 KB a stage"),
         256: DecodeConfig(32, 32, 4, 2, "K+V tiles 32 KB a stage")},
     4: {64: DecodeConfig(32, 32, 4, 2, "fp32: half the rows of fp16"),
-        128: DecodeConfig(32, 16, 4, 2, "fp32 at D = 128"),
+        128: DecodeConfig(16, 16, 4, 2, "fp32 at D = 128: 32-key tiles spilled on sm_86/90"),
         256: DecodeConfig(16, 16, 4, 1, "fp32 at D = 256")},
 }
 # Interpreter: 16-key tiles so test caches span many tiles, splits and pages.
