@@ -6,8 +6,9 @@
 It trains two copies of one model from the same initial weights on the same batches: the flashtx
 model (TransformerBlock: fused QKV, RoPE, flash attention, SwiGLU) and an eager twin that computes
 the same network with plain PyTorch math (softmax(QK^T)V written out). The loss curves must agree
-step for step. Then it generates greedily with the KV cache and without it (recomputing the whole
-sequence each step): the tokens must be identical. Exits non-zero if either check fails.
+step for step. Then it generates greedily with a KV cache (a paged one by default: each step is one
+flashtx.flash_attn_with_kvcache call per layer, RoPE and the cache append fused) and without it
+(recomputing the whole sequence each step): the tokens must be identical. Exits non-zero if either check fails.
 """
 from __future__ import annotations
 
@@ -78,13 +79,15 @@ def eager_forward(model: GPT, idx):
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt, steps: int, use_cache: bool):
-    """Greedy continuation of prompt (1, P): with the KV cache (each step feeds one token) or without
-    it (each step reruns the whole sequence). Returns (1, P + steps)."""
+def generate(model: GPT, prompt, steps: int, use_cache: bool, paged: bool = True):
+    """Greedy continuation of prompt (B, P): with a KV cache (each step feeds one token; paged: a
+    PagedKVCache of 16-token pages handed out as sequences grow, else contiguous buffers) or without
+    it (each step reruns the whole sequence). Returns (B, P + steps)."""
     model.eval()
     idx = prompt
     if use_cache:
-        caches = [b.new_cache(prompt.shape[0], max_len=prompt.shape[1] + steps) for b in model.blocks]
+        caches = [b.new_cache(prompt.shape[0], max_len=prompt.shape[1] + steps, paged=paged, page_size=16)
+                  for b in model.blocks]
         logits = model(idx, caches)
         for _ in range(steps):
             nxt = logits[:, -1].argmax(-1, keepdim=True)
@@ -106,6 +109,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default=None, help="flashtx backend: None (automatic), triton, reference")
     ap.add_argument("--rtol", type=float, default=2e-3, help="allowed relative loss difference from the twin")
+    ap.add_argument("--cache", choices=("paged", "contiguous"), default="paged", help="KV cache for generation")
     args = ap.parse_args(argv)
 
     text = DATA.read_text()
@@ -139,10 +143,10 @@ def main(argv=None) -> dict:
     print(f"largest relative loss difference from the eager twin: {worst:.2e} (allowed {args.rtol:.0e})")
 
     prompt = data[None, :16]
-    with_cache = generate(model, prompt, args.gen, use_cache=True)
+    with_cache = generate(model, prompt, args.gen, use_cache=True, paged=args.cache == "paged")
     without = generate(model, prompt, args.gen, use_cache=False)
     sample = "".join(chars[i] for i in with_cache[0].tolist())
-    print(f"generated with the KV cache:\n{sample}")
+    print(f"generated with the {args.cache} KV cache:\n{sample}")
     same = torch.equal(with_cache, without)
     print("generation without the cache gives " + ("the same tokens" if same else "DIFFERENT tokens"))
     ok = worst <= args.rtol and same

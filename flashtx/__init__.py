@@ -28,6 +28,10 @@ from .sdpa_patch import patch_sdpa  # noqa: E402
 
 __all__ += ["sdpa_patch", "patch_sdpa"]
 
+# Decoding against a KV cache (contiguous or paged), flash-attn's API (flashtx.decode)
+from .decode import flash_attn_with_kvcache  # noqa: E402
+
+__all__ += ["flash_attn_with_kvcache"]
 
 def autotune(enable: bool = True) -> None:
     """Tune the attention tile configs on this GPU (off by default; same as FLASHTX_AUTOTUNE=1).

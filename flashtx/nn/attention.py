@@ -4,12 +4,24 @@ Layout: activations are batch-first (B, S, E). Heads are split as views of one f
 (no copies), attention runs on (B, H, S, D) views, and no layer holds an (S, S) tensor: padding is
 passed as (B, S) key masks and cache lengths as (B,) tensors, never as materialised masks.
 
-KV cache (incremental decoding): `KVCache` preallocates (B, Hkv, max_len, D) buffers; each call
-writes the new tokens' keys/values in place at positions [length, length + S) and attends over
-the first length + S positions with **bottom-right** causal alignment (flashtx.flash_attn_func
-with kv_lens/q_lens): new query i (absolute position length + i) sees keys j <= length + i.
-The length is a 0-dim tensor, so a decode step has static shapes: torch.compile traces it with
-no graph break and does not recompile as the cache grows.
+KV caches (incremental decoding, flashtx.nn.kv_cache): `KVCache` preallocates (B, Hkv, max_len, D)
+buffers, `PagedKVCache` a page pool with a block table. Each call writes the new tokens'
+keys/values in place at positions [length, length + S) and attends over the first length + S
+positions with **bottom-right** causal alignment: new query i (absolute position length + i)
+sees keys j <= length + i. Steps of up to DECODE_MAX_S tokens (decoding, speculative decoding)
+go through flashtx.flash_attn_with_kvcache (split-KV kernels, RoPE and the append fused); longer
+chunks (prefill), caches holding padding (a key_mask) and calls that need gradients through
+flashtx.flash_attn_func with kv_lens; a PagedKVCache always through flash_attn_with_kvcache
+(inference only: run it under torch.no_grad()). Lengths are tensors, so a decode
+step has static shapes: torch.compile traces it with no graph break and does not recompile as the
+cache grows.
+
+RoPE positions in a cache are the cache indices. With dynamic-NTK scaling the frequencies depend
+on the length in use: a cached call of S tokens at length L rotates its q and k with the
+frequencies of L + S (what the uncached forward computes over those L + S tokens), computed from
+the length tensor in the graph (no host read). Keys already in the cache keep the frequencies
+they were written with, as in transformers: beyond the original context the cached result
+therefore differs from a full forward over the whole sequence (which re-rotates every key).
 """
 from __future__ import annotations
 
@@ -18,103 +30,29 @@ import numbers
 import torch
 from torch import Tensor, nn
 
+from ..decode import flash_attn_with_kvcache
 from ..functional import attention, flash_attn_func
 from ..rotary import apply_rotary_qk
+from .kv_cache import KVCache, PagedKVCache, _check_pos_int
 from .rotary import RotaryEmbedding
 
-
-def _check_pos_int(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {v!r}")
-    return int(v)
+DECODE_MAX_S = 16  # cached calls of up to this many tokens use flash_attn_with_kvcache (see the module doc)
 
 
-def _check_mask(name: str, m, batch: int, seqlen: int, device) -> Tensor | None:
-    """None, or a (batch, seqlen) bool tensor on `device` (True = real token)."""
-    if m is None:
-        return None
-    if not isinstance(m, Tensor) or m.dtype != torch.bool:
-        got = f"dtype {m.dtype}" if isinstance(m, Tensor) else type(m).__name__
-        raise TypeError(f"{name} must be a bool tensor of shape ({batch}, {seqlen}) with True = real token; got {got}")
-    if tuple(m.shape) != (batch, seqlen):
-        raise ValueError(f"{name} must have shape (B, S) = ({batch}, {seqlen}) (True = real token); "
-                         f"got shape {tuple(m.shape)}")
-    if m.device != device:
-        raise ValueError(f"{name} must be on the activations' device {device}; got {m.device}")
-    return m
-
-
-class KVCache:
-    """Preallocated key/value buffers of one attention layer, filled in place while decoding.
-
-    Attributes:
-        k: (B, Hkv, max_len, D) and v: (B, Hkv, max_len, Dv) buffers, in the layer's dtype.
-        key_mask: (B, max_len) bool, True = real token (padding given to the layer is stored False).
-        length: 0-dim int64 tensor on the buffers' device: the number of positions filled.
-
-    Create one per layer with ``MultiheadAttention.new_cache`` (or ``TransformerBlock.new_cache``);
-    ``reset()`` empties it for a new batch. Positions are shared by the batch: with left padding,
-    every sequence's first real token sits at its own position, which RoPE does not notice (it
-    only sees relative positions) and the stored key mask hides the padding.
-    """
-
-    def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 v_head_dim: int | None = None, *, dtype=torch.float32, device=None):
-        batch_size = _check_pos_int("batch_size", batch_size)
-        max_len = _check_pos_int("max_len", max_len)
-        num_kv_heads, head_dim = _check_pos_int("num_kv_heads", num_kv_heads), _check_pos_int("head_dim", head_dim)
-        v_head_dim = head_dim if v_head_dim is None else _check_pos_int("v_head_dim", v_head_dim)
-        self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(batch_size, num_kv_heads, max_len, v_head_dim, dtype=dtype, device=device)
-        self.key_mask = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
-        self.length = torch.zeros((), dtype=torch.int64, device=device)
-        self.padded = False  # whether key_mask holds any False (then attention reads it)
-        self.filled = False  # cross-attention: whether the memory's keys/values are stored
-        self._host_length: int | None = 0  # mirror of `length` for bounds checks without a sync
-
-    @property
-    def batch_size(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
-    def __repr__(self) -> str:
-        return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.k.shape[1]}, max_len={self.max_len}, "
-                f"head_dim={self.k.shape[3]}, dtype={self.k.dtype}, device={self.k.device})")
-
-    def reset(self) -> "KVCache":
-        """Empty the cache (keeps the buffers)."""
-        self.length.zero_()
-        self.key_mask.fill_(True)
-        self.padded = self.filled = False
-        self._host_length = 0
-        return self
-
-    def append(self, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> None:
-        """Write k (B, Hkv, S, D), v (B, Hkv, S, Dv) and key_mask (B, S) at [length, length + S)."""
-        B, S = self.batch_size, k.shape[2]
-        for name, t, buf in (("k", k, self.k), ("v", v, self.v)):
-            want = (buf.shape[0], buf.shape[1], S, buf.shape[3])
-            if tuple(t.shape) != want or t.dtype != buf.dtype or t.device != buf.device:
-                raise ValueError(f"KVCache.append: {name} must be {want} (B, Hkv, S, D), {buf.dtype} on {buf.device}; "
-                                 f"got {tuple(t.shape)}, {t.dtype} on {t.device}")
-        key_mask = _check_mask("key_mask", key_mask, B, S, self.k.device)
-        if torch.compiler.is_compiling():
-            self._host_length = None  # the traced graph advances `length` on the device; no mirror
-        elif self._host_length is not None:
-            if self._host_length + S > self.max_len:
-                raise ValueError(f"KVCache is full: it holds {self._host_length} of max_len={self.max_len} positions "
-                                 f"and {S} more were given; create it with a larger max_len")
-            self._host_length += S
-        idx = self.length + torch.arange(S, device=self.k.device)  # (S,) positions
-        self.k.index_copy_(2, idx, k)
-        self.v.index_copy_(2, idx, v)
-        if key_mask is not None:
-            self.key_mask.index_copy_(1, idx, key_mask)
-            self.padded = True
-        self.length.add_(S)
+def dynamic_rope_tables(rotary: RotaryEmbedding, start: Tensor, S: int) -> tuple[Tensor, Tensor]:
+    """(cos, sin), each (B, S, dim/2) fp32: positions start[b] + i rotated with the dynamic-NTK
+    frequencies of length start[b] + S, exactly as RotaryEmbedding.cos_sin(start[b] + S) computes
+    them (fl32 inverse frequencies, float64 angles) but from the tensor `start`, with no host read."""
+    sc, dim = rotary.scaling, rotary.dim
+    old, f = sc["original_max_position_embeddings"], sc["factor"]
+    L = (start.to(torch.float64) + S)  # (B,)
+    base = torch.where(L > old, rotary.base * (f * L / old - (f - 1)) ** (dim / (dim - 2)),
+                       torch.full_like(L, rotary.base))
+    expo = -torch.arange(0, dim, 2, dtype=torch.float64, device=start.device) / dim  # (dim/2,)
+    inv = (base[:, None] ** expo[None, :]).float().double()  # (B, dim/2): fp32 frequencies, as the tables
+    pos = start.to(torch.float64)[:, None] + torch.arange(S, dtype=torch.float64, device=start.device)  # (B, S)
+    ang = pos[:, :, None] * inv[:, None, :]  # (B, S, dim/2)
+    return ang.cos().float(), ang.sin().float()
 
 
 class MultiheadAttention(nn.Module):
@@ -193,12 +131,21 @@ class MultiheadAttention(nn.Module):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, causal={self.causal}, cross={self.cross}, dropout={self.dropout}")
 
-    def new_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> KVCache:
-        """An empty KVCache for this layer: (batch_size, Hkv, max_len, D) buffers on the parameters'
-        device and dtype unless given. For cross-attention max_len is the memory's length (or more)."""
+    def new_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None, paged: bool = False,
+                  page_size: int = 16, num_pages: int | None = None) -> KVCache | PagedKVCache:
+        """An empty cache for this layer on the parameters' device and dtype unless given: a KVCache of
+        (batch_size, Hkv, max_len, D) buffers, or with paged=True a PagedKVCache of num_pages pages
+        (default: enough for every sequence to reach max_len) of page_size tokens (a multiple of 16),
+        at most max_len tokens a sequence. For cross-attention max_len is the memory's length (or more)."""
         p = self.out_proj.weight
-        return KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, dtype=dtype or p.dtype,
-                       device=device or p.device)
+        kw = dict(dtype=dtype or p.dtype, device=device or p.device)
+        if paged:
+            if self.cross:
+                raise ValueError("paged caches are for self-attention; cross-attention's memory uses a KVCache")
+            per_seq = -(-_check_pos_int("max_len", max_len) // _check_pos_int("page_size", page_size))
+            return PagedKVCache(batch_size, self.num_kv_heads, self.head_dim, page_size=page_size,
+                                num_pages=num_pages or batch_size * per_seq, max_pages_per_seq=per_seq, **kw)
+        return KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, **kw)
 
     def _kv(self, memory: Tensor, B: int) -> tuple[Tensor, Tensor]:
         """memory (B, Sm, kdim) -> k, v (B, Sm, Hkv, D) views of one projection."""
@@ -219,8 +166,8 @@ class MultiheadAttention(nn.Module):
                 With a cache, the mask of this call's new tokens (it is stored with them).
             attn_mask: SDPA semantics (bool True = attend, or float added to the scores),
                 broadcastable to (B, Hq, S, Sk); passed to flashtx.attention. Not with a cache.
-            cache: a KVCache from ``new_cache`` for incremental decoding (self-attention must be
-                causal; see the module docstring for the alignment).
+            cache: a KVCache or PagedKVCache from ``new_cache`` for incremental decoding
+                (self-attention must be causal; see the module docstring for the alignment).
 
         Returns:
             (B, S, E) in x's dtype.
@@ -236,8 +183,11 @@ class MultiheadAttention(nn.Module):
             if p > 0:
                 raise ValueError(f"a KV cache is for inference, but the layer is in training mode with dropout={p}; "
                                  "call .eval() first")
-            if not isinstance(cache, KVCache) or cache.batch_size != B:
-                raise ValueError(f"cache must be a KVCache for batch size {B} (from new_cache); got {cache!r}")
+            if not isinstance(cache, (KVCache, PagedKVCache)) or cache.batch_size != B:
+                raise ValueError(f"cache must be a KVCache or PagedKVCache for batch size {B} (from new_cache); "
+                                 f"got {cache!r}")
+            if isinstance(cache, PagedKVCache) and self.cross:
+                raise ValueError("cross-attention caches its memory in a KVCache, not a PagedKVCache")
         if self.cross:
             out = self._cross(x, memory, key_mask, attn_mask, cache, p)  # (B, Hq, S, D)
         else:
@@ -258,15 +208,37 @@ class MultiheadAttention(nn.Module):
         return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, dropout_p=p,
                          is_causal=self.causal, enable_gqa=True, key_mask=key_mask, backend=self.backend)
 
-    def _self_cached(self, q, k, v, key_mask, cache: KVCache) -> Tensor:
+    def _self_cached(self, q, k, v, key_mask, cache) -> Tensor:
         """Append k, v at the cache's length, attend bottom-right over the filled part -> (B, Hq, S, D)."""
         if not self.causal:
             raise ValueError("a KV cache needs causal=True self-attention: earlier tokens cannot see later ones")
         B, S = q.shape[:2]
+        paged = isinstance(cache, PagedKVCache)
+        if paged and key_mask is not None:
+            raise ValueError("a PagedKVCache stores no key mask: each sequence has its own length instead "
+                             "(pass key_mask=None; free() and refill a slot for a new sequence)")
+        start = cache.seqlens if paged else cache.length.expand(B)  # (B,) the new tokens' first position
+        rot, interleaved = None, False
         if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(cache.max_len, q.device)  # (max_len, dim/2) each
-            offsets = cache.length.expand(B).contiguous()  # (B,) the new tokens' first position
-            q, k = apply_rotary_qk(q, k, cos, sin, interleaved=self.rotary.interleaved, seqlen_offsets=offsets,
+            interleaved = self.rotary.interleaved
+            sc = self.rotary.scaling
+            if sc is not None and sc["type"] == "dynamic":  # frequencies of the length in use (module docstring)
+                cos, sin = dynamic_rope_tables(self.rotary, start, S)  # (B, S, dim/2)
+                q, k = apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, backend=self.backend)
+            else:
+                rot = self.rotary.cos_sin(cache.max_len, q.device)  # (max_len, dim/2) each
+        fast = not paged and S <= DECODE_MAX_S and key_mask is None and not cache.padded
+        if paged or fast and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+            cache._claim(S)
+            kc, vc = (cache.k, cache.v) if paged else (cache.k.transpose(1, 2), cache.v.transpose(1, 2))
+            out = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=rot[0] if rot else None,
+                                          rotary_sin=rot[1] if rot else None, cache_seqlens=start.to(torch.int32),
+                                          block_table=cache.block_table if paged else None, causal=True,
+                                          rotary_interleaved=interleaved, backend=self.backend)  # (B, S, Hq, D)
+            (cache.seqlens if paged else cache.length).add_(S)
+            return out.transpose(1, 2)
+        if rot is not None:
+            q, k = apply_rotary_qk(q, k, *rot, interleaved=interleaved, seqlen_offsets=start.contiguous(),
                                    backend=self.backend)
         cache.append(k.transpose(1, 2), v.transpose(1, 2), key_mask)
         kv_lens = cache.length.expand(B).contiguous()  # (B,) filled positions, including the new ones

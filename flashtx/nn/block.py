@@ -6,7 +6,8 @@ import numbers
 
 from torch import Tensor, nn
 
-from .attention import KVCache, MultiheadAttention
+from .attention import MultiheadAttention
+from .kv_cache import KVCache, PagedKVCache
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 from .swiglu import SwiGLU
@@ -22,9 +23,9 @@ def llama_hidden_dim(dim: int, multiple_of: int = 32) -> int:
 
 @dataclasses.dataclass
 class BlockCache:
-    """A TransformerBlock's caches: self-attention's KVCache and, for cross blocks, the memory's."""
+    """A TransformerBlock's caches: self-attention's KVCache or PagedKVCache and, for cross blocks, the memory's."""
 
-    self_attn: KVCache
+    self_attn: KVCache | PagedKVCache
     cross_attn: KVCache | None = None
 
     def reset(self) -> "BlockCache":
@@ -89,15 +90,18 @@ class TransformerBlock(nn.Module):
         self.mlp = SwiGLU(dim, hidden_dim, bias=bias, **kw)
         self.resid_dropout = nn.Dropout(resid_dropout)
 
-    def new_cache(self, batch_size: int, max_len: int, memory_len: int | None = None, **kw) -> BlockCache:
-        """Empty caches for incremental decoding: max_len positions for the self-attention and, for a
-        cross block, memory_len (the memory's length) for the cross-attention. kw: device, dtype."""
+    def new_cache(self, batch_size: int, max_len: int, memory_len: int | None = None, *, paged: bool = False,
+                  page_size: int = 16, num_pages: int | None = None, **kw) -> BlockCache:
+        """Empty caches for incremental decoding: max_len positions for the self-attention (paged=True:
+        a PagedKVCache, see MultiheadAttention.new_cache) and, for a cross block, memory_len (the
+        memory's length) for the cross-attention. kw: device, dtype."""
         cross = None
         if self.cross_attn is not None:
             if memory_len is None:
                 raise ValueError("a cross block's cache needs memory_len (the memory's sequence length)")
             cross = self.cross_attn.new_cache(batch_size, memory_len, **kw)
-        return BlockCache(self.attn.new_cache(batch_size, max_len, **kw), cross)
+        return BlockCache(self.attn.new_cache(batch_size, max_len, paged=paged, page_size=page_size,
+                                              num_pages=num_pages, **kw), cross)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *, key_mask: Tensor | None = None,
                 memory_mask: Tensor | None = None, attn_mask: Tensor | None = None,

@@ -1,0 +1,102 @@
+"""Decoding benchmarks: one new token (Sq = 1) attending over a KV cache, as flash-attn's
+flash_attn_with_kvcache is used in generation. Batch 1, 8, 64; context 1k, 8k, 32k, 128k; D = 128;
+Hq/Hkv = 32/8 (GQA, LLaMA-3-8B) and 8/8; bf16 (BENCH_DTYPE). Decoding is bandwidth-bound, so the
+figure of merit is GB/s of K/V read (batch x context x Hkv x D x 2 tensors x element size).
+
+Providers: flashtx.flash_attn_with_kvcache (split-KV kernels, num_splits heuristic); SDPA's
+backends given q (B, Hq, 1, D) and the whole cache as k/v (enable_gqa for GQA); xformers'
+Triton split-K kernel (`triton_splitKF`, passed explicitly with op=); and flashtx's training
+forward (flash_attn_func over the cache), to show what the split-KV path buys. GPU only: without
+one every case is skipped (bench/conftest.py); none is in the quick subset.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashtx
+
+from . import harness
+from .harness import DEVICE, Unavailable
+
+BATCHES = (1, 8, 64)
+CONTEXTS = (1024, 8192, 32768, 131072)
+HEADS = ((32, 8), (8, 8))
+D = 128
+PROVIDERS = {
+    "flashtx": "flashtx.flash_attn_with_kvcache (Triton split-KV)",
+    "sdpa-flash": "SDPA FLASH_ATTENTION backend, q (B, Hq, 1, D) over the cache",
+    "sdpa-efficient": "SDPA EFFICIENT_ATTENTION backend, q (B, Hq, 1, D) over the cache",
+    "sdpa-cudnn": "SDPA CUDNN_ATTENTION backend, q (B, Hq, 1, D) over the cache",
+    "xformers-splitk": "xformers memory_efficient_attention_forward with op=triton_splitKF",
+    "flashtx-train": "flashtx.flash_attn_func (the training forward) over the cache",
+}
+
+
+def _build(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype):
+    q = torch.randn(batch, 1, hq, D, device=DEVICE, dtype=dtype)  # (B, 1, Hq, D)
+    kc = torch.randn(batch, ctx, hkv, D, device=DEVICE, dtype=dtype)  # (B, ctx, Hkv, D)
+    vc = torch.randn_like(kc)
+    if provider == "flashtx":
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+        return lambda: flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
+    if provider == "flashtx-train":
+        return lambda: flashtx.flash_attn_func(q, kc, vc, causal=True)
+    if provider.startswith("sdpa-"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[provider]
+        qh, kh, vh = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)  # (B, H, S, D) views
+
+        def step():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=hq != hkv)
+        return step
+    if provider == "xformers-splitk":
+        try:
+            import xformers.ops as xops
+            from xformers.ops import fmha
+        except ImportError as exc:
+            raise Unavailable(f"xformers is not installed ({exc})") from exc
+        op = getattr(fmha.triton_splitk, "FwOp", None)
+        if op is None:
+            raise Unavailable("this xformers has no triton_splitk.FwOp")
+        g = hq // hkv  # xformers' 5-D GQA layout (B, S, Hkv, G, D), K/V broadcast over G without copies
+        q5 = q.view(batch, 1, hkv, g, D)
+        k5, v5 = (t[:, :, :, None].expand(batch, ctx, hkv, g, D) for t in (kc, vc))
+        return lambda: xops.memory_efficient_attention_forward(q5, k5, v5, op=op)
+    raise KeyError(provider)
+
+
+def _params():
+    for hq, hkv in HEADS:
+        for batch in BATCHES:
+            for ctx in CONTEXTS:
+                for provider in PROVIDERS:
+                    yield pytest.param(batch, hq, hkv, ctx, provider,
+                                       id=f"b{batch}-hq{hq}-hkv{hkv}-ctx{ctx}-{provider}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, hq, hkv, ctx, provider", list(_params()))
+def test_decode(benchmark, batch, hq, hkv, ctx, provider):
+    if harness.SMOKE:
+        pytest.skip("decode benchmarks are not part of the smoke run (no quick cases)")
+    benchmark.group = f"decode Sq=1 D={D} Hq/Hkv={hq}/{hkv} B={batch} ctx={ctx}"
+    dtype = harness.DTYPE
+    info = {"op": "decode", "batch": batch, "heads": hq, "kv_heads": hkv, "seqlen": ctx, "headdim": D,
+            "dtype": str(dtype).replace("torch.", ""), "provider": provider, "provider_desc": PROVIDERS[provider],
+            "shape": f"B={batch} Hq={hq} Hkv={hkv} ctx={ctx} D={D} Sq=1"}
+    is_ours = provider == "flashtx"
+    nbytes = 2 * batch * ctx * hkv * D * torch.finfo(dtype).bits // 8  # K and V read once
+
+    def prepare():
+        step = harness.build_or_skip(provider, lambda: _build(provider, batch, hq, hkv, ctx, dtype),
+                                     fail_fast=is_ours)
+        return step
+
+    with torch.no_grad():
+        harness.run_case(benchmark, prepare=prepare, step=lambda step: step(), info=info, nbytes=nbytes,
+                         dtype=dtype, fail_fast=is_ours)

@@ -1,0 +1,184 @@
+"""The KV-cache decoding ops, their backends and the eager reference.
+
+Two `flashtx._library.triton_op`s, so that under torch.compile the cache write is an explicit
+mutation and the attention a pure function of the written cache:
+
+- `flashtx::kvcache_append` (mutates k_cache, v_cache): writes new k (rotated by the RoPE tables
+  when given) and v at positions cache_seqlens[b] + t, and returns q rotated (an empty tensor when
+  there are no tables: use q itself).
+- `flashtx::kvcache_attention`: attention of q over each sequence's keys [cache_leftpad[b],
+  cache_seqlens[b]) of the (contiguous or paged) cache; returns (out, lse2) with lse2 in log2 units.
+
+Layouts and alignment: see flashtx.triton_kernels.decode. Inference only: no autograd formula
+is registered (flashtx.flash_attn_with_kvcache refuses inputs that require grad).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _dispatch, reference
+from ._library import triton_op
+from .backends import MAX_HEAD_DIM, triton_device_reasons
+
+_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+        torch.float64: torch.float64}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    q: Tensor
+    k_cache: Tensor
+    v_cache: Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+
+class DecodeTriton:
+    """flashtx's Triton kernels (triton_kernels/decode.py): CUDA tensors, or CPU in the interpreter."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, inp: DecodeInputs) -> list[str]:
+        reasons = triton_device_reasons(inp.device, inp.dtype)
+        d = max(inp.q.shape[-1], inp.v_cache.shape[-1])
+        if d > MAX_HEAD_DIM:
+            reasons.append(f"head dim {d} is above {MAX_HEAD_DIM}")
+        return reasons
+
+    def append(self, q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *,
+               interleaved, q_same_pos):
+        from .triton_kernels.decode import kv_append
+
+        kv_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
+                  interleaved=interleaved, q_same_pos=q_same_pos)
+
+    def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, **kw):
+        from .triton_kernels.decode import decode_attention
+
+        decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, **kw)
+
+
+def _positions(block_table, batch_idx, B: int, pos: Tensor, page: int, device):
+    """(first index, second index) of logical positions pos (B, N) in a (pages|rows, S, H, D) cache."""
+    if block_table is not None:
+        pages = block_table.long().gather(1, (pos // page).clamp(0, block_table.shape[1] - 1))  # (B, N)
+        return pages, pos % page
+    rows = batch_idx.long() if batch_idx is not None else torch.arange(B, device=device)
+    return rows[:, None].expand_as(pos), pos
+
+
+class DecodeReference:
+    """Eager PyTorch, vectorised (no host reads, so it traces too); any device and float dtype.
+    Gathers each sequence's whole capacity: O(B x capacity) memory, for tests and fallbacks."""
+
+    name = "reference"
+
+    def not_supported_reasons(self, inp: DecodeInputs) -> list[str]:
+        return []
+
+    def append(self, q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *,
+               interleaved, q_same_pos):
+        B, Sq, Hq, D = q.shape
+        dev = q.device
+        base = seqlens.long()[:, None]  # (B, 1)
+        page = k_cache.shape[1]
+        if cos is not None and Sq:
+            qpos = base + (0 if q_same_pos else torch.arange(Sq, device=dev)[None, :])  # (B, Sq)
+            tables = torch.zeros(B * Sq, dtype=torch.long, device=dev)
+            rot = reference.rotary_tokens(q.reshape(B * Sq, Hq, D), cos[None], sin[None], tables,
+                                          qpos.expand(B, Sq).reshape(-1), interleaved=interleaved)
+            q_out.copy_(rot.view(B, Sq, Hq, D))
+        if k is None or k.shape[1] == 0:
+            return
+        Snew, Hkv = k.shape[1], k.shape[2]
+        pos = base + torch.arange(Snew, device=dev)[None, :]  # (B, Snew)
+        if cos is not None:
+            tables = torch.zeros(B * Snew, dtype=torch.long, device=dev)
+            k = reference.rotary_tokens(k.reshape(B * Snew, Hkv, D), cos[None], sin[None], tables, pos.reshape(-1),
+                                        interleaved=interleaved).view(B, Snew, Hkv, D)
+        i0, i1 = _positions(block_table, batch_idx, B, pos, page, dev)
+        k_cache.index_put_((i0, i1), k)
+        v_cache.index_put_((i0, i1), v)
+
+    def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *,
+                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0):
+        B, Sq, Hq, D = q.shape
+        dev = q.device
+        page = k_cache.shape[1]
+        cap = block_table.shape[1] * page if block_table is not None else k_cache.shape[1]
+        j = torch.arange(cap, device=dev)
+        i0, i1 = _positions(block_table, batch_idx, B, j[None, :].expand(B, cap), page, dev)
+        if block_table is not None:
+            i0 = i0.clamp(0, k_cache.shape[0] - 1)  # unused table entries may hold anything
+        acc = _ACC[q.dtype]
+        k = k_cache[i0, i1].to(acc).transpose(1, 2)  # (B, Hkv, cap, D)
+        v = v_cache[i0, i1].to(acc).transpose(1, 2)
+        qh = q.to(acc).transpose(1, 2)  # (B, Hq, Sq, D)
+        end = seqlens.long()[:, None, None]  # (B, 1, 1)
+        start = leftpad.long()[:, None, None] if leftpad is not None else torch.zeros_like(end)
+        qpos = end - Sq + torch.arange(Sq, device=dev)[None, :, None]  # (B, Sq, 1) bottom-right
+        jj = j[None, None, :]
+        vis = (jj >= start) & (jj < end)  # (B, Sq, cap)
+        left, right = (int(x) for x in window)
+        if causal:
+            right = 0
+        if right >= 0:
+            vis = vis & (jj <= qpos + right)
+        if left >= 0:
+            vis = vis & (jj >= qpos - left)
+        bias = None
+        if alibi is not None:
+            bias = -alibi.to(acc).reshape(-1, Hq)[:, :, None, None] * (qpos - jj).abs()[:, None].to(acc)
+        o, lse = reference.attention(qh, k, v, scale=scale, vis=vis, softcap=softcap, alibi=bias, return_lse=True)
+        out.copy_(o.transpose(1, 2))
+        lse2.copy_(lse / reference.LN2)
+
+
+for _op in ("kvcache_append", "kvcache_attention"):
+    _dispatch.register(_op, "triton", DecodeTriton())
+    _dispatch.register(_op, "reference", DecodeReference())
+IMPLS = _dispatch.IMPLS["kvcache_attention"]
+
+
+def select(q: Tensor, k_cache: Tensor, v_cache: Tensor, backend: str | None) -> str:
+    """The backend name for these inputs (cached per device, dtype and head dims)."""
+    key = (q.device.type, q.dtype, q.shape[-1], v_cache.shape[-1])
+    return _dispatch.plan("kvcache_attention", key, backend, lambda: DecodeInputs(q, k_cache, v_cache),
+                          lambda: f"q {tuple(q.shape)} {q.dtype} on {q.device}, k_cache {tuple(k_cache.shape)}")
+
+
+@triton_op("flashtx::kvcache_append", mutates_args=("k_cache", "v_cache"))
+def kvcache_append(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                   rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Tensor,
+                   cache_batch_idx: Optional[Tensor], block_table: Optional[Tensor], rotary_interleaved: bool,
+                   q_same_position: bool, backend: str) -> Tensor:
+    q_out = torch.empty_like(q) if rotary_cos is not None else q.new_empty(0)
+    IMPLS[backend].append(q, q_out if rotary_cos is not None else None, k, v, k_cache, v_cache, rotary_cos,
+                          rotary_sin, cache_seqlens, cache_batch_idx, block_table, interleaved=rotary_interleaved,
+                          q_same_pos=q_same_position)
+    return q_out
+
+
+@triton_op("flashtx::kvcache_attention", mutates_args=())
+def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                      cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
+                      block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: float, causal: bool,
+                      window_left: int, window_right: int, softcap: float, num_splits: int,
+                      backend: str) -> tuple[Tensor, Tensor]:
+    B, Sq, Hq, _ = q.shape
+    out = q.new_empty((B, Sq, Hq, v_cache.shape[-1]))
+    lse2 = q.new_empty((B, Hq, Sq), dtype=_ACC[q.dtype])
+    IMPLS[backend].attention(q, k_cache, v_cache, out, lse2, cache_seqlens, cache_leftpad, cache_batch_idx,
+                             block_table, alibi_slopes, scale=scale, causal=causal,
+                             window=(window_left, window_right), softcap=softcap, num_splits=num_splits)
+    return out, lse2

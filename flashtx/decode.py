@@ -1,0 +1,231 @@
+"""`flashtx.flash_attn_with_kvcache`: flash-attn 2's decoding entry point, on flashtx's split-KV kernels."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+from . import _decode_op
+from ._validate import _values_readable, check_alibi, check_softcap, check_tensor, check_window, resolve_scale
+
+LN2 = math.log(2.0)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, Tensor) or t.dtype not in _INDEX_DTYPES:
+        got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be an int32 tensor of shape {shape}; got {got}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
+    return t
+
+
+def _check_like(name: str, t, dims: int, q: Tensor, shape_doc: str) -> None:
+    check_tensor(name, t)
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {shape_doc}; got shape {tuple(t.shape)}")
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name} must have q's dtype {q.dtype}; got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
+
+
+def _check_values(ok: Tensor, readable: bool, message, name: str) -> None:
+    """Raise ValueError(message()) where `ok` (a bool tensor) has a False; on a GPU or while tracing,
+    a device-side assert (torch._assert_async) instead of a host sync."""
+    if readable:
+        if not bool(ok.all()):
+            raise ValueError(message(ok))
+    else:
+        torch._assert_async(ok.all(), f"flashtx.flash_attn_with_kvcache: {name} out of range")
+
+
+def _first_bad(ok: Tensor) -> int:
+    return int((~ok).nonzero()[0][0])
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            *, backend=None):
+    """Drop-in for flash-attn 2's ``flash_attn_with_kvcache``: attention of a few new query tokens
+    over a KV cache, appending the new keys/values in place first. Inference only.
+
+    Args:
+        q: (B, Sq, Hq, D): Sq = 1 for decoding, a few tokens for speculative decoding (any Sq runs;
+            long prefills are faster through flashtx.flash_attn_func). float16, bfloat16, float32
+            (float64 in Triton's interpreter).
+        k_cache, v_cache: (B_cache, S_cache, Hkv, D|Dv) contiguous caches, or with block_table
+            paged pools (num_pages, page_size, Hkv, D|Dv), page_size a multiple of 16. q's dtype
+            and device; any strides (e.g. (B, Hkv, S, D) buffers viewed as (B, S, Hkv, D)).
+            Hq must be a multiple of Hkv (GQA/MQA; K/V are never expanded).
+        k, v: optional (B, Snew, Hkv, D|Dv) new keys/values, written in place into the cache at
+            positions cache_seqlens[b] .. cache_seqlens[b] + Snew - 1 before attending.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) tables (rotary_dim <= D, read
+            in fp32): k is rotated at its cache positions before being written, q at positions
+            cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b] (flash-attn's
+            rule). Every position used must be < seqlen_ro.
+        cache_seqlens: (B,) int32 (int64 accepted) or an int: tokens already in each sequence's
+            cache (before the append); None = the whole cache is in use.
+        cache_batch_idx: (B,) int32: sequence b uses cache row cache_batch_idx[b] (contiguous
+            caches only; distinct rows when appending). Default b.
+        cache_leftpad: (B,) int32: sequence b's keys start at cache index cache_leftpad[b] (left
+            padding); positions (RoPE, causal, ALiBi) stay cache indices, as flash-attn's.
+        block_table: (B, max_pages_per_seq) int32 page indices for a paged cache: position j of
+            sequence b is row j % page_size of page block_table[b, j // page_size]. Entries past a
+            sequence's length are never read.
+        softmax_scale: default 1 / sqrt(D).
+        causal, window_size: aligned bottom-right: query i sits at position L_b - Sq + i, where
+            L_b = cache_seqlens[b] + Snew, and sees keys j <= that + right (causal: right = 0) and
+            j >= that - left; window -1 = unbounded.
+        softcap: > 0: s -> softcap * tanh(s / softcap). alibi_slopes: (Hq,) or (B, Hq) float32:
+            -slope * |L_b - Sq + i - j| added to the scores.
+        num_splits: key-range splits per sequence (each a program; partials merged by their
+            log-sum-exp); 0 = a heuristic from the GPU's SM count (flash-attn's), 1 = none.
+        return_softmax_lse: also return lse (B, Hq, Sq), float32 (float64 for float64 q), natural log.
+        backend: None (automatic), "triton" or "reference" (keyword-only; flashtx's dispatch).
+
+    Returns:
+        out (B, Sq, Hq, Dv) in q's dtype [, lse]. Rows that see no key give 0 and lse -inf.
+
+    Indices are checked (a ValueError naming the argument) on CPU; on a GPU without a host sync,
+    by a device-side assert. Not differentiable: inputs that require grad are refused.
+
+    Example:
+        >>> out = flashtx.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens,
+        ...                                       rotary_cos=cos, rotary_sin=sin, causal=True)
+        >>> lens += 1   # the caller owns the lengths, as with flash-attn
+    """
+    _check_like("q", q, 4, q, "(B, Sq, Hq, D)")
+    paged = block_table is not None
+    layout = "(num_pages, page_size, Hkv, D)" if paged else "(B_cache, S_cache, Hkv, D)"
+    _check_like("k_cache", k_cache, 4, q, layout)
+    _check_like("v_cache", v_cache, 4, q, layout)
+    B, Sq, Hq, D = q.shape
+    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]) or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache must be {layout} with D = q's {D} and v_cache must match its first three dims; "
+                         f"got k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q's heads ({Hq}) must be a multiple of the cache's kv heads ({Hkv})")
+    if (k is None) != (v is None):
+        raise ValueError("pass k and v together (or neither)")
+    Snew = 0
+    if k is not None:
+        _check_like("k", k, 4, q, "(B, Snew, Hkv, D)")
+        _check_like("v", v, 4, q, "(B, Snew, Hkv, Dv)")
+        Snew = k.shape[1]
+        if tuple(k.shape) != (B, Snew, Hkv, D) or tuple(v.shape) != (B, Snew, Hkv, Dv):
+            raise ValueError(f"k and v must be (B, Snew, Hkv, D) = ({B}, Snew, {Hkv}, {D}) and (..., {Dv}); "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if paged:
+        block_table = _check_index("block_table", block_table, (B, block_table.shape[-1] if isinstance(
+            block_table, Tensor) and block_table.dim() == 2 else -1), q)
+        page = k_cache.shape[1]
+        if page % 16 or page == 0:
+            raise ValueError(f"the paged cache's page size (k_cache.shape[1]) must be a multiple of 16; got {page}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (the table already maps "
+                             "sequences to pages)")
+        capacity = block_table.shape[1] * page
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] != B:
+            raise ValueError(f"k_cache's batch ({k_cache.shape[0]}) must equal q's ({B}) unless cache_batch_idx "
+                             "picks the rows")
+    if rotary_cos is not None or rotary_sin is not None:
+        if rotary_cos is None or rotary_sin is None:
+            raise ValueError("pass rotary_cos and rotary_sin together (or neither)")
+        for n, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() != 2:
+                raise ValueError(f"{n} must be a float tensor (seqlen_ro, rotary_dim / 2)")
+            if t.device != q.device:
+                raise ValueError(f"{n} must be on q's device {q.device}; got {t.device}")
+        if rotary_cos.shape != rotary_sin.shape or not 0 < 2 * rotary_cos.shape[1] <= D:
+            raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                             f"<= D = {D}; got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic); got {num_splits!r}")
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    elif cache_seqlens is None:
+        cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
+    else:
+        cache_seqlens = _check_index("cache_seqlens", cache_seqlens, (B,), q)
+    cache_batch_idx = _check_index("cache_batch_idx", cache_batch_idx, (B,), q)
+    cache_leftpad = _check_index("cache_leftpad", cache_leftpad, (B,), q)
+    window = check_window("window_size", window_size)
+    softcap = check_softcap("softcap", softcap)
+    alibi = check_alibi("alibi_slopes", alibi_slopes, B, Hq, q)
+    scale = resolve_scale("softmax_scale", softmax_scale, D)
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                       for t in (q, k_cache, v_cache, k, v)):
+        raise RuntimeError("flash_attn_with_kvcache is inference-only (no autograd): call it under torch.no_grad() "
+                           "or torch.inference_mode(), or pass detached tensors")
+    _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew,
+                  capacity, bool(causal) or window != (-1, -1))
+
+    name = _decode_op.select(q, k_cache, v_cache, backend)
+    seqlens = cache_seqlens
+    if Snew or rotary_cos is not None:
+        q_rot = _decode_op.kvcache_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens,
+                                          cache_batch_idx, block_table, bool(rotary_interleaved),
+                                          not (bool(causal) or window != (-1, -1)), name)
+        if rotary_cos is not None:
+            q = q_rot
+        if Snew:
+            seqlens = seqlens + Snew
+    seqlens = seqlens.to(torch.int32)
+    out, lse2 = _decode_op.kvcache_attention(q, k_cache, v_cache, seqlens, cache_leftpad, cache_batch_idx,
+                                             block_table, alibi, scale, bool(causal), window[0], window[1],
+                                             float(softcap), int(num_splits), name)
+    if return_softmax_lse:
+        return out, lse2 * LN2
+    return out
+
+
+def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Snew: int, capacity: int,
+                  q_moves: bool) -> None:
+    """Every index the kernels will follow stays inside its tensor (see _check_values)."""
+    readable = _values_readable(seqlens)
+    lens = seqlens.long()
+    end = lens + Snew
+    _check_values((lens >= 0) & (end <= capacity), readable,
+                  lambda ok: f"cache_seqlens[{_first_bad(ok)}] = {int(lens[_first_bad(ok)])}: with the {Snew} new "
+                             f"tokens it must stay within the cache's {capacity} positions (and be >= 0)",
+                  "cache_seqlens")
+    if leftpad is not None:
+        lp = leftpad.long()
+        _check_values((lp >= 0) & (lp <= end), readable,
+                      lambda ok: f"cache_leftpad[{_first_bad(ok)}] = {int(lp[_first_bad(ok)])} must be in [0, "
+                                 f"cache_seqlens + Snew]", "cache_leftpad")
+    if batch_idx is not None:
+        bi = batch_idx.long()
+        _check_values((bi >= 0) & (bi < k_cache.shape[0]), readable,
+                      lambda ok: f"cache_batch_idx[{_first_bad(ok)}] = {int(bi[_first_bad(ok)])} is out of range "
+                                 f"for a cache of {k_cache.shape[0]} rows", "cache_batch_idx")
+        if Snew and readable and bi.unique().numel() != bi.numel():
+            raise ValueError("cache_batch_idx must not repeat a row when k, v are appended (two sequences would "
+                             "write the same cache row)")
+    if block_table is not None:
+        page = k_cache.shape[1]
+        used = torch.arange(block_table.shape[1], device=q.device)[None, :] * page < end[:, None]  # (B, pages)
+        bt = block_table.long()
+        ok = ~used | ((bt >= 0) & (bt < k_cache.shape[0]))
+        _check_values(ok, readable, lambda ok: (
+            f"block_table[{_first_bad(ok.all(1))}, {int((~ok[_first_bad(ok.all(1))]).nonzero()[0])}] = "
+            f"{int(bt[_first_bad(ok.all(1))][(~ok[_first_bad(ok.all(1))]).nonzero()[0]])} is not a page index in "
+            f"[0, {k_cache.shape[0]}) (num_pages = k_cache.shape[0])"), "block_table")
+    if cos is not None:
+        top = torch.maximum(end - 1, lens + (q.shape[1] - 1 if q_moves else 0))  # the last position rotated
+        _check_values(top < cos.shape[0], readable,
+                      lambda ok: f"rotary_cos/rotary_sin have {cos.shape[0]} positions but sequence "
+                                 f"{_first_bad(ok)} needs position {int(top[_first_bad(ok)])}", "rotary_cos")

@@ -1,0 +1,230 @@
+"""KV caches for incremental decoding: `KVCache` (contiguous buffers) and `PagedKVCache` (a page pool).
+
+Both are read by flashtx.flash_attn_with_kvcache (split-KV Triton kernels) in MultiheadAttention.
+
+Layouts. `KVCache` keeps (B, Hkv, max_len, D) buffers: one (batch, head)'s keys are contiguous, so
+a K/V tile is one block of memory; the kernels take it as the (B, max_len, Hkv, D) view
+``cache.k.transpose(1, 2)`` (strides, no copy), flash-attn's layout. `PagedKVCache` keeps
+flash-attn's paged layout, pools (num_pages, page_size, Hkv, D) plus a (B, max_pages_per_seq)
+int32 block table, with pages handed out and taken back per sequence on the host.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor
+
+
+def _check_pos_int(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {v!r}")
+    return int(v)
+
+
+def _check_mask(name: str, m, batch: int, seqlen: int, device) -> Tensor | None:
+    """None, or a (batch, seqlen) bool tensor on `device` (True = real token)."""
+    if m is None:
+        return None
+    if not isinstance(m, Tensor) or m.dtype != torch.bool:
+        got = f"dtype {m.dtype}" if isinstance(m, Tensor) else type(m).__name__
+        raise TypeError(f"{name} must be a bool tensor of shape ({batch}, {seqlen}) with True = real token; got {got}")
+    if tuple(m.shape) != (batch, seqlen):
+        raise ValueError(f"{name} must have shape (B, S) = ({batch}, {seqlen}) (True = real token); "
+                         f"got shape {tuple(m.shape)}")
+    if m.device != device:
+        raise ValueError(f"{name} must be on the activations' device {device}; got {m.device}")
+    return m
+
+
+class KVCache:
+    """Preallocated key/value buffers of one attention layer, filled in place while decoding.
+
+    Attributes:
+        k: (B, Hkv, max_len, D) and v: (B, Hkv, max_len, Dv) buffers, in the layer's dtype.
+        key_mask: (B, max_len) bool, True = real token (padding given to the layer is stored False).
+        length: 0-dim int64 tensor on the buffers' device: the number of positions filled.
+
+    Create one per layer with ``MultiheadAttention.new_cache`` (or ``TransformerBlock.new_cache``);
+    ``reset()`` empties it for a new batch. Positions are shared by the batch: with left padding,
+    every sequence's first real token sits at its own position, which RoPE does not notice (it
+    only sees relative positions) and the stored key mask hides the padding.
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 v_head_dim: int | None = None, *, dtype=torch.float32, device=None):
+        batch_size = _check_pos_int("batch_size", batch_size)
+        max_len = _check_pos_int("max_len", max_len)
+        num_kv_heads, head_dim = _check_pos_int("num_kv_heads", num_kv_heads), _check_pos_int("head_dim", head_dim)
+        v_head_dim = head_dim if v_head_dim is None else _check_pos_int("v_head_dim", v_head_dim)
+        self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(batch_size, num_kv_heads, max_len, v_head_dim, dtype=dtype, device=device)
+        self.key_mask = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
+        self.length = torch.zeros((), dtype=torch.int64, device=device)
+        self.padded = False  # whether key_mask holds any False (then attention reads it)
+        self.filled = False  # cross-attention: whether the memory's keys/values are stored
+        self._host_length: int | None = 0  # mirror of `length` for bounds checks without a sync
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.k.shape[1]}, max_len={self.max_len}, "
+                f"head_dim={self.k.shape[3]}, dtype={self.k.dtype}, device={self.k.device})")
+
+    def reset(self) -> "KVCache":
+        """Empty the cache (keeps the buffers)."""
+        self.length.zero_()
+        self.key_mask.fill_(True)
+        self.padded = self.filled = False
+        self._host_length = 0
+        return self
+
+    def _claim(self, S: int) -> None:
+        """Check (on the host mirror, no sync) that S more positions fit, and count them."""
+        if torch.compiler.is_compiling():
+            self._host_length = None  # the traced graph advances `length` on the device; no mirror
+        elif self._host_length is not None:
+            if self._host_length + S > self.max_len:
+                raise ValueError(f"KVCache is full: it holds {self._host_length} of max_len={self.max_len} positions "
+                                 f"and {S} more were given; create it with a larger max_len")
+            self._host_length += S
+
+    def append(self, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> None:
+        """Write k (B, Hkv, S, D), v (B, Hkv, S, Dv) and key_mask (B, S) at [length, length + S)."""
+        B, S = self.batch_size, k.shape[2]
+        for name, t, buf in (("k", k, self.k), ("v", v, self.v)):
+            want = (buf.shape[0], buf.shape[1], S, buf.shape[3])
+            if tuple(t.shape) != want or t.dtype != buf.dtype or t.device != buf.device:
+                raise ValueError(f"KVCache.append: {name} must be {want} (B, Hkv, S, D), {buf.dtype} on {buf.device}; "
+                                 f"got {tuple(t.shape)}, {t.dtype} on {t.device}")
+        key_mask = _check_mask("key_mask", key_mask, B, S, self.k.device)
+        self._claim(S)
+        idx = self.length + torch.arange(S, device=self.k.device)  # (S,) positions
+        self.k.index_copy_(2, idx, k)
+        self.v.index_copy_(2, idx, v)
+        if key_mask is not None:
+            self.key_mask.index_copy_(1, idx, key_mask)
+            self.padded = True
+        self.length.add_(S)
+
+
+class PagedKVCache:
+    """A pool of K/V pages shared by the sequences of a batch, and each sequence's block table.
+
+    Attributes:
+        k: (num_pages, page_size, Hkv, D) and v: (num_pages, page_size, Hkv, Dv) page pools.
+        block_table: (B, max_pages_per_seq) int32; entry [b, p] holds positions
+            [p * page_size, (p + 1) * page_size) of sequence b; -1 = no page (never read).
+        seqlens: (B,) int32: tokens in each sequence (each sequence has its own length).
+
+    Pages are handed out on the host: `allocate(b, n)` makes sequence b able to hold n tokens,
+    `free(b)` returns its pages and empties it (continuous batching: a finished sequence's slot is
+    refilled). In eager mode MultiheadAttention allocates on demand; a step traced by torch.compile
+    or captured in a CUDA graph cannot, so allocate the pages first (`allocate_all(max_len)`).
+    Writing past a sequence's pages fails (ValueError on CPU, a device-side assert on a GPU).
+
+    Example:
+        >>> cache = attn.new_cache(batch_size=8, max_len=4096, paged=True, page_size=64)
+        >>> y = attn(prompt, cache=cache); y = attn(next_token, cache=cache)
+        >>> cache.free(3)   # sequence 3 finished: its pages go back to the pool
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, *, num_pages: int, page_size: int = 16,
+                 max_pages_per_seq: int | None = None, v_head_dim: int | None = None, dtype=torch.float32,
+                 device=None):
+        batch_size = _check_pos_int("batch_size", batch_size)
+        num_kv_heads, head_dim = _check_pos_int("num_kv_heads", num_kv_heads), _check_pos_int("head_dim", head_dim)
+        num_pages, page_size = _check_pos_int("num_pages", num_pages), _check_pos_int("page_size", page_size)
+        if page_size % 16:
+            raise ValueError(f"page_size must be a multiple of 16; got {page_size}")
+        max_pages_per_seq = num_pages if max_pages_per_seq is None else _check_pos_int("max_pages_per_seq",
+                                                                                       max_pages_per_seq)
+        v_head_dim = head_dim if v_head_dim is None else _check_pos_int("v_head_dim", v_head_dim)
+        self.k = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_pages, page_size, num_kv_heads, v_head_dim, dtype=dtype, device=device)
+        self.block_table = torch.full((batch_size, max_pages_per_seq), -1, dtype=torch.int32, device=device)
+        self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
+        self._pages: list[list[int]] = [[] for _ in range(batch_size)]
+        self._host_lens: list[int] | None = [0] * batch_size  # mirror of seqlens (None once traced)
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens one sequence can hold (its block table's width)."""
+        return self.block_table.shape[1] * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(batch_size={self.batch_size}, num_pages={self.k.shape[0]}, page_size={self.page_size}, "
+                f"num_kv_heads={self.k.shape[2]}, head_dim={self.k.shape[3]}, free_pages={self.free_pages}, "
+                f"dtype={self.k.dtype}, device={self.k.device})")
+
+    def allocate(self, seq: int, num_tokens: int) -> None:
+        """Give sequence `seq` pages for its first num_tokens positions (host-side; keeps existing ones)."""
+        if not 0 <= seq < self.batch_size:
+            raise IndexError(f"seq must be in [0, {self.batch_size}); got {seq}")
+        need = -(-num_tokens // self.page_size)
+        if need > self.block_table.shape[1]:
+            raise ValueError(f"PagedKVCache: sequence {seq} would need {need} pages for {num_tokens} tokens, more than "
+                             f"max_pages_per_seq={self.block_table.shape[1]}")
+        have = self._pages[seq]
+        if need - len(have) > len(self._free):
+            raise ValueError(f"PagedKVCache is out of pages: sequence {seq} needs {need - len(have)} more, "
+                             f"{len(self._free)} are free; free finished sequences or create more pages")
+        new = [self._free.pop() for _ in range(need - len(have))]
+        if new:
+            self.block_table[seq, len(have):need] = torch.tensor(new, dtype=torch.int32)
+            have += new
+
+    def allocate_all(self, num_tokens: int) -> "PagedKVCache":
+        """allocate(b, num_tokens) for every sequence, e.g. before compiling or capturing a decode step."""
+        for b in range(self.batch_size):
+            self.allocate(b, num_tokens)
+        return self
+
+    def free(self, seq: int) -> None:
+        """Return sequence `seq`'s pages to the pool and empty it."""
+        self._free.extend(reversed(self._pages[seq]))
+        self._pages[seq] = []
+        self.block_table[seq].fill_(-1)
+        self.seqlens[seq] = 0
+        if self._host_lens is not None:
+            self._host_lens[seq] = 0
+
+    def reset(self) -> "PagedKVCache":
+        """Free every sequence."""
+        for b in range(self.batch_size):
+            self.free(b)
+        self._host_lens = [0] * self.batch_size
+        return self
+
+    def _claim(self, S: int) -> None:
+        """Before writing S tokens to every sequence: in eager mode allocate the pages they need."""
+        if torch.compiler.is_compiling():
+            self._host_lens = None  # the graph advances seqlens on the device; pages must be allocated already
+            return
+        if self._host_lens is None:
+            return  # lengths were advanced by a compiled step: the device asserts check the pages
+        for b in range(self.batch_size):
+            if self._host_lens[b] + S > self.max_len:
+                raise ValueError(f"PagedKVCache is full: sequence {b} holds {self._host_lens[b]} of max_len="
+                                 f"{self.max_len} positions and {S} more were given")
+            self.allocate(b, self._host_lens[b] + S)
+            self._host_lens[b] += S

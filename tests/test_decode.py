@@ -1,0 +1,252 @@
+"""flashtx.flash_attn_with_kvcache against a float64 loop reference: contiguous and paged caches,
+ragged lengths, cache_batch_idx, left padding, appends across pages, RoPE, GQA, splits, score
+modifiers; nothing written outside the new tokens' cache rows; clear errors for bad input."""
+import math
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DTYPES, dtype_id
+
+import flashtx
+from flashtx import reference
+
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 2e-5, torch.float64: 1e-11}
+
+
+def rotate(x, cos, sin, pos, interleaved):
+    """x (N, H, D) rotated at positions pos (N,) in float64 (columns past the tables pass through)."""
+    return reference.rotary_tokens(x.double(), cos[None].double(), sin[None].double(),
+                                   torch.zeros_like(pos), pos, interleaved=interleaved)
+
+
+def loop_reference(q, kc, vc, k, v, *, lens, batch_idx=None, leftpad=None, block_table=None, cos=None, sin=None,
+                   interleaved=True, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
+    """(out (B, Sq, Hq, Dv), lse (B, Hq, Sq), k_cache, v_cache after the append), all float64, one
+    sequence, head and query at a time."""
+    B, Sq, Hq, D = q.shape
+    kc, vc = kc.double().clone(), vc.double().clone()
+    Hkv, page = kc.shape[2], kc.shape[1]
+    scale = scale or 1 / math.sqrt(D)
+    out = torch.zeros(B, Sq, Hq, vc.shape[-1], dtype=torch.float64)
+    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float64)
+    moves = causal or tuple(window) != (-1, -1)
+
+    def slot(b, j):
+        if block_table is not None:
+            return int(block_table[b, j // page]), j % page
+        return (int(batch_idx[b]) if batch_idx is not None else b), j
+
+    for b in range(B):
+        L0 = int(lens[b])
+        Snew = k.shape[1] if k is not None else 0
+        qb = q[b].double()
+        if cos is not None:
+            qpos = torch.arange(Sq) + L0 if moves else torch.full((Sq,), L0)
+            qb = rotate(qb, cos, sin, qpos, interleaved)
+        for t in range(Snew):
+            kt = k[b, t:t + 1].double()
+            if cos is not None:
+                kt = rotate(kt, cos, sin, torch.tensor([L0 + t]), interleaved)
+            kc[slot(b, L0 + t)] = kt[0]
+            vc[slot(b, L0 + t)] = v[b, t].double()
+        end, start = L0 + Snew, int(leftpad[b]) if leftpad is not None else 0
+        for h in range(Hq):
+            g = h // (Hq // Hkv)
+            for i in range(Sq):
+                p = end - Sq + i
+                keys = [j for j in range(start, end) if (window[1] < 0 and not causal or j <= p + (0 if causal else
+                        window[1])) and (window[0] < 0 or j >= p - window[0])]
+                if not keys:
+                    continue
+                K = torch.stack([kc[slot(b, j)][g] for j in keys])
+                V = torch.stack([vc[slot(b, j)][g] for j in keys])
+                s = K @ qb[i, h] * scale
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
+                if alibi is not None:
+                    sl = alibi.reshape(-1, Hq)[b if alibi.dim() == 2 else 0, h].double()
+                    s = s - sl * (p - torch.tensor(keys, dtype=torch.float64)).abs()
+                lse[b, h, i] = torch.logsumexp(s, 0)
+                out[b, i, h] = torch.softmax(s, 0) @ V
+    return out, lse, kc, vc
+
+
+def make_cache(B, Hkv, D, cap, dtype, page=None, extra_rows=0, seed=0):
+    """(k_cache, v_cache, block_table): contiguous (B + extra_rows, cap, Hkv, D), or paged with
+    shuffled pages (and some unused ones) so that logical and physical order differ."""
+    g = torch.Generator().manual_seed(seed)
+    if page is None:
+        shape, bt = (B + extra_rows, cap, Hkv, D), None
+    else:
+        per = -(-cap // page)
+        npages = B * per + 3
+        bt = torch.randperm(npages, generator=g)[:B * per].view(B, per).to(torch.int32)
+        shape = (npages, page, Hkv, D)
+    kc = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    vc = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return kc.to(DEVICE), vc.to(DEVICE), bt.to(DEVICE) if bt is not None else None
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape, dtype=torch.float64).to(dtype).to(DEVICE)
+
+
+def run_case(dtype, *, B=3, Sq=1, Snew=1, Hq=4, Hkv=2, D=16, cap=80, page=None, lens=None, rotary=None,
+             splits=1, batch_idx=None, leftpad=None, extra_rows=0, backend="triton", **kw):
+    kc, vc, bt = make_cache(B, Hkv, D, cap, dtype, page, extra_rows)
+    lens = torch.tensor(lens if lens is not None else [cap - Snew - 7 * b for b in range(B)], dtype=torch.int32)
+    q = rand(B, Sq, Hq, D, dtype=dtype)
+    k, v = (rand(B, Snew, Hkv, D, dtype=dtype) for _ in range(2)) if Snew else (None, None)
+    cos = sin = None
+    if rotary is not None:
+        ang = torch.arange(cap)[:, None].double() * torch.rand(1, D // 4, dtype=torch.float64)
+        cos, sin = ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
+    bi = torch.tensor(batch_idx, dtype=torch.int32).to(DEVICE) if batch_idx is not None else None
+    lp = torch.tensor(leftpad, dtype=torch.int32).to(DEVICE) if leftpad is not None else None
+    ref = loop_reference(q, kc, vc, k, v, lens=lens, batch_idx=bi, leftpad=lp, block_table=bt, cos=cos, sin=sin,
+                         interleaved=rotary == "interleaved", **kw)
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = flashtx.flash_attn_with_kvcache(
+        q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens.to(DEVICE), cache_batch_idx=bi,
+        cache_leftpad=lp, block_table=bt, rotary_interleaved=rotary == "interleaved", num_splits=splits,
+        return_softmax_lse=True, backend=backend, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
+        softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi"))
+    tol = TOL[dtype]
+    assert out.dtype == dtype and out.shape == (B, Sq, Hq, D)
+    torch.testing.assert_close(out.double().cpu(), ref[0], atol=tol, rtol=0, msg="out")
+    fin = torch.isfinite(ref[1])
+    assert torch.equal(torch.isfinite(lse.cpu()), fin), "lse: -inf rows differ"
+    torch.testing.assert_close(lse.double().cpu()[fin], ref[1][fin], atol=tol, rtol=0, msg="lse")
+    # the cache: new rows as the reference wrote them (rounded to dtype), everything else bit-identical
+    written = (ref[2].to(dtype) != kc0.cpu()) | (ref[3].to(dtype) != vc0.cpu())
+    for name, got, want, before in (("k_cache", kc, ref[2], kc0), ("v_cache", vc, ref[3], vc0)):
+        torch.testing.assert_close(got.double().cpu(), want.to(dtype).double(), atol=tol, rtol=0, msg=name)
+        assert torch.equal(got.cpu()[~written], before.cpu()[~written]), f"{name}: rows outside the append changed"
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("page", [None, 16, 64], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_loop_reference(dtype, page, splits):
+    run_case(dtype, page=page, splits=splits, causal=True)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("Sq", [1, 3])
+def test_gqa_groups_and_speculative_queries(group, Sq):
+    run_case(torch.float64, Hq=2 * group, Hkv=2, Sq=Sq, Snew=Sq, page=16, splits=2, causal=True)
+
+
+@pytest.mark.parametrize("rotary", ["interleaved", "neox"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_rotary_with_append(rotary, causal):
+    run_case(torch.float64, Sq=2, Snew=2, rotary=rotary, causal=causal, page=16)
+
+
+def test_append_crosses_page_boundaries_ragged():
+    # lengths 13, 30, 47 with 5 new tokens cross 16-row pages; 256-row pages hold everything in one
+    for page in (16, 256):
+        run_case(torch.float64, B=3, Sq=5, Snew=5, lens=[13, 30, 47], page=page, cap=64, splits=3, causal=True,
+                 rotary="neox")
+
+
+def test_batch_idx_and_leftpad():
+    run_case(torch.float32, B=3, batch_idx=[4, 0, 2], extra_rows=2, leftpad=[3, 0, 20], lens=[40, 9, 60],
+             causal=True, splits=2)
+    run_case(torch.float64, B=2, leftpad=[5, 17], lens=[40, 60], page=16, causal=True, splits=4, rotary="neox")
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 0])
+def test_splits_heuristic_and_many(splits):
+    run_case(torch.float64, B=2, cap=160, lens=[150, 3], Snew=0, splits=splits, causal=True)
+
+
+def test_window_softcap_alibi():
+    alibi = torch.rand(2, 4, dtype=torch.float32).to(DEVICE)
+    run_case(torch.float64, B=2, Sq=3, Snew=3, window=(20, 0), softcap=5.0, alibi=alibi, splits=3, page=16)
+    run_case(torch.float32, B=2, Sq=2, Snew=1, window=(10, 1), alibi=alibi[0], splits=2)
+
+
+def test_rows_that_see_no_key_give_zero_and_neg_inf():
+    # leftpad == end: sequence 0 has no keys; window (0, 0) with Sq > keys of seq 1 leaves early rows empty
+    out, lse = run_case(torch.float64, B=2, Sq=3, Snew=0, lens=[30, 2], leftpad=[30, 0], causal=True, splits=4)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    assert torch.isneginf(lse[1, :, 0]).all() and torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
+
+
+def test_outputs_fully_written_with_poisoned_allocations(poison):
+    run_case(torch.float64, Sq=2, Snew=1, page=16, splits=3, causal=True)
+
+
+def test_triton_and_reference_backends_agree():
+    for backend in ("triton", "reference"):
+        run_case(torch.float64, Sq=2, Snew=2, page=16, splits=2, causal=True, rotary="interleaved", backend=backend)
+
+
+def test_cache_as_bhsd_buffers_viewed_bshd():
+    """flashtx.nn's (B, Hkv, S, D) buffers, viewed as (B, S, Hkv, D): strides only, no copies."""
+    B, Hkv, S, D = 2, 2, 40, 16
+    kb, vb = rand(B, Hkv, S, D, dtype=torch.float64), rand(B, Hkv, S, D, dtype=torch.float64)
+    q, k, v = rand(B, 1, 4, D, dtype=torch.float64), rand(B, 1, Hkv, D, dtype=torch.float64), \
+        rand(B, 1, Hkv, D, dtype=torch.float64)
+    lens = torch.tensor([10, 30], dtype=torch.int32).to(DEVICE)
+    ref = loop_reference(q, kb.transpose(1, 2), vb.transpose(1, 2), k, v, lens=lens, causal=True)
+    out = flashtx.flash_attn_with_kvcache(q, kb.transpose(1, 2), vb.transpose(1, 2), k, v, cache_seqlens=lens,
+                                         causal=True, num_splits=2)
+    torch.testing.assert_close(out.cpu(), ref[0], atol=1e-11, rtol=0)
+    torch.testing.assert_close(kb.transpose(1, 2).cpu(), ref[2], atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------- errors
+def _args(B=2, page=16):
+    kc, vc, bt = make_cache(B, 2, 16, 64, torch.float32, page)
+    q, k, v = rand(B, 1, 4, 16, dtype=torch.float32), rand(B, 1, 2, 16, dtype=torch.float32), \
+        rand(B, 1, 2, 16, dtype=torch.float32)
+    return dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, block_table=bt,
+                cache_seqlens=torch.tensor([3, 10], dtype=torch.int32).to(DEVICE))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: a.update(cache_seqlens=torch.tensor([3, 64], dtype=torch.int32)), ValueError, "cache_seqlens\\[1\\]"),
+    (lambda a: a["block_table"].__setitem__((1, 0), 999), ValueError, "block_table\\[1, 0\\] = 999"),
+    (lambda a: a["block_table"].__setitem__((0, 0), -1), ValueError, "block_table\\[0, 0\\] = -1"),
+    (lambda a: a.update(k_cache=a["k_cache"].half()), TypeError, "k_cache must have q's dtype"),
+    (lambda a: a.update(cache_seqlens=a["cache_seqlens"].float()), TypeError, "cache_seqlens must be an int32"),
+    (lambda a: a.update(k_cache=a["k_cache"].new_zeros(12, 24, 2, 16), v_cache=a["v_cache"].new_zeros(12, 24, 2, 16)),
+     ValueError,
+     "multiple of 16; got 24"),
+    (lambda a: a.update(k_cache=a["k_cache"].to("meta")), ValueError, "k_cache must be on q's device"),
+    (lambda a: a.update(cache_batch_idx=torch.zeros(2, dtype=torch.int32)), ValueError, "cache_batch_idx cannot"),
+    (lambda a: a.update(v=None), ValueError, "k and v together"),
+    (lambda a: a.update(cache_leftpad=torch.tensor([0, 12], dtype=torch.int32)), ValueError, "cache_leftpad\\[1\\]"),
+    (lambda a: a.update(rotary_cos=torch.ones(5, 4), rotary_sin=torch.ones(5, 4)), ValueError,
+     "rotary_cos/rotary_sin have 5 positions"),
+    (lambda a: a.update(num_splits=-1), ValueError, "num_splits"),
+])
+def test_bad_input_names_the_argument(change, error, match):
+    a = _args()
+    change(a)
+    kc0 = a["k_cache"].clone()
+    with pytest.raises(error, match=match):
+        flashtx.flash_attn_with_kvcache(**a)
+    if a["k_cache"].device.type != "meta":
+        assert torch.equal(a["k_cache"], kc0), "a refused call must not write"
+
+
+def test_contiguous_errors():
+    a = _args(page=None)
+    a.pop("block_table")
+    with pytest.raises(ValueError, match="cache_batch_idx\\[0\\] = 7"):
+        flashtx.flash_attn_with_kvcache(**a, cache_batch_idx=torch.tensor([7, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="must not repeat"):
+        flashtx.flash_attn_with_kvcache(**a, cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32))
+
+
+def test_refuses_grad():
+    a = _args()
+    a["q"].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        flashtx.flash_attn_with_kvcache(**a)
+    with torch.no_grad():
+        flashtx.flash_attn_with_kvcache(**a)
