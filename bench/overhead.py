@@ -18,7 +18,8 @@ SwiGLU):
   calls timed the same way.
 
 Method: gc disabled; each row warms up (untimed calls) first; then `repeats` rounds, each timing
-`calls` back-to-back calls with time.perf_counter_ns and dividing; flashtx's and the baseline's
+`calls` back-to-back calls with time.thread_time_ns (the calling thread's CPU time: Python work is
+what is measured, and a shared machine's preemption is not) and dividing; flashtx's and the baseline's
 rounds alternate so drift on a shared machine hits both alike; the median round is reported.
 Targets (issue 12): attention forward <= 25 us and forward+backward <= 80 us of Python; RoPE and
 SwiGLU <= 15 us per direction; each <= 2x the baseline's time at the same call, same machine and
@@ -252,10 +253,10 @@ def _sync(dev: str) -> None:
 
 
 def _round_us(fn: Callable[[], object], calls: int) -> float:
-    t0 = time.perf_counter_ns()
+    t0 = time.thread_time_ns()
     for _ in range(calls):
         fn()
-    return (time.perf_counter_ns() - t0) / calls / 1e3
+    return (time.thread_time_ns() - t0) / calls / 1e3
 
 
 def _median_iqr(xs: list[float]) -> tuple[float, float]:

@@ -118,6 +118,10 @@ def cases() -> dict:
     def block_step(x):
         return block(x).float().sum()
 
+    def decode(q, k_new, v_new, k_cache, v_cache, seqlens):  # one step of generation, appending in place
+        return flashtx.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                               causal=True).float().sum()
+
     key_mask = torch.ones(2, 64, dtype=torch.bool)
     key_mask[1, 50:] = False
     bias = torch.randn(1, 4, 64, 64, dtype=torch.float16, requires_grad=True)
@@ -127,6 +131,10 @@ def cases() -> dict:
         "masks-bias-softcap": (masks, [*qkv(2, 4, 64, 64), key_mask, bias], True),
         "patch-sdpa": (patched, qkv(2, 4, 64, 64), True),
         "transformer-block": (block_step, [torch.randn(2, 64, 64, dtype=torch.float16, requires_grad=True)], True),
+        "decode": (decode, [torch.randn(2, 1, 8, 64, dtype=torch.float16), *(torch.randn(2, 1, 2, 64, dtype=torch.float16)
+                                                                            for _ in range(2)),
+                            *(torch.randn(2, 256, 2, 64, dtype=torch.float16) for _ in range(2)),
+                            torch.tensor([100, 37], dtype=torch.int32)], False),
     }
 
 
