@@ -17,16 +17,13 @@ import warnings
 import torch
 
 from . import _env, reference
+from ._dispatch import BackendNotSupported  # noqa: F401  (public: flashtx.BackendNotSupported)
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256  # the largest head dim the Triton configs cover (configs.head_dim_bucket)
 INT32_MAX = 2**31 - 1  # kernels index within a (batch, head) slice with int32 offsets
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put heads and batch
-
-
-class BackendNotSupported(NotImplementedError):
-    """Raised when the requested backend cannot run the given inputs; the message says why."""
 
 
 # The kernels' mask description, from a module that does not import triton (so the reference

@@ -146,7 +146,7 @@ def plan_rotary(q, qo, k, ko, cos, sin, *, offsets=None, offset: int = 0, positi
     cfg: ElementwiseConfig = rotary_config(2 * r2, seq, target)
     has_k = k is not None
     k_, ko_ = (k, ko) if has_k else (q, qo)  # placeholders, never read when HAS_K is False
-    copy_rest = (qo.data_ptr() != q.data_ptr()) and D > 2 * r2
+    copy_rest = qo is not q and D > 2 * r2  # in place (qo is q): the pass-through columns are already there
     cbs = cos.stride(0) if cos.shape[0] > 1 else 0
     sbs = sin.stride(0) if sin.shape[0] > 1 else 0
     pos_strides = (0, 0)
