@@ -37,6 +37,8 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
             the gradients (saves two activations). Opt-in: after backward, gate and up hold their
             gradients; use it only when nothing else reads them (e.g. fresh projection outputs).
             gate and up must share no element (the halves of one [gate | up] tensor are fine).
+            Under torch.compile the backward is out of place (the overlap cannot be checked
+            while tracing).
         backend: None (automatic), "triton" or "reference".
 
     Returns:
@@ -55,10 +57,15 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
     if gate.shape != up.shape or gate.dim() == 0:
         raise ValueError(f"gate and up must have the same shape (..., H) with at least 1 dim; got gate "
                          f"{tuple(gate.shape)} and up {tuple(up.shape)}")
-    if inplace_backward and (views_overlap(gate, up) or has_internal_overlap(gate) or has_internal_overlap(up)):
+    if inplace_backward and (has_internal_overlap(gate) or has_internal_overlap(up)
+                             or (not torch.compiler.is_compiling() and views_overlap(gate, up))):
         raise ValueError("inplace_backward=True needs gate and up with no shared elements (the gradients of both are "
                          "written over them); they overlap (the same tensor, overlapping slices, or a stride-0 dim)")
     name = _select(gate, backend, lambda: f"gate/up {tuple(gate.shape)}, dtype={gate.dtype}, device={gate.device}")
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read storage pointers, so the overlap of gate and up is unknown when tracing:
+        # the compiled backward is out of place (always correct; the compiler plans its own memory)
+        inplace_backward = False
     return swiglu_op(gate, up, bool(inplace_backward), name)
 
 
