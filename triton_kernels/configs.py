@@ -239,8 +239,8 @@ class ElementwiseConfig:
     num_stages: int = 1  # no software-pipelined loop to stage
     reason: str = ""
 
-    @property
-    def launch_kwargs(self) -> dict:
+    @functools.cached_property
+    def launch_kwargs(self) -> dict:  # built once per config (launches read it per call)
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
