@@ -23,6 +23,7 @@ MAX_HEAD_DIM = 256  # the largest head dim the Triton configs cover (configs.hea
 INT32_MAX = 2**31 - 1  # kernels index within a (batch, head) slice with int32 offsets
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put heads and batch
 
+
 # The kernels' mask description, from a module that does not import triton (so the reference
 # backend works without it); flashtx calls it AttentionMasks.
 AttentionMasks = MaskSpec
@@ -104,18 +105,6 @@ def triton_device_reasons(device: torch.device, dtype: torch.dtype) -> list[str]
         reasons.append("bfloat16 is miscomputed by Triton's interpreter (triton-lang/triton#11584); "
                        "bfloat16 runs on GPUs only")
     return reasons
-
-
-def select_backend_for(op: str, backends: dict, inp, requested: str | None, summary: str) -> str:
-    """Uncached dispatch over `backends` (RoPE and SwiGLU until they move to flashtx._dispatch)."""
-    for name, impl in backends.items():
-        if (op, name) not in _SHIM:
-            _dispatch.register(op, name, impl)
-            _SHIM.add((op, name))
-    return _dispatch.resolve(op, requested, inp, lambda: summary)
-
-
-_SHIM: set = set()
 
 
 class ReferenceBackend(Backend):

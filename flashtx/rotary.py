@@ -1,9 +1,10 @@
-"""Fused rotary position embeddings (RoPE): custom ops, backends and the public functions.
+"""Fused rotary position embeddings (RoPE): validation and the public functions.
 
-Three layers, as for attention: the Triton kernel (flashtx.triton_kernels.rotary, no autograd),
-the custom ops here (`flashtx::rotary`, `flashtx::rotary_qk`, and the in-place `flashtx::rotary_`)
-with fake impls and autograd, and the public functions `apply_rotary`, `apply_rotary_qk` and
-`apply_rotary_pos_emb`.
+Four layers, as for attention: the Triton kernel and its launcher (flashtx.triton_kernels.rotary,
+no autograd), the registered ops with their autograd (flashtx._rotary_op: `flashtx::rotary`,
+`flashtx::rotary_qk` and the in-place `flashtx::rotary_`), the public functions here
+(`apply_rotary`, `apply_rotary_qk`, `apply_rotary_pos_emb`), and the module
+(flashtx.nn.RotaryEmbedding).
 
 Layouts (the `layout` argument):
 
@@ -18,225 +19,28 @@ varlen      (total, H, D)           pass cu_seqlens (nseq + 1,); layout must sta
 cos/sin are (seqlen_ro, rotary_dim / 2) tables indexed by position (flash-attn's convention), or
 (B, seqlen_ro, rotary_dim / 2) per-batch tables. They are read in fp32 (fp64 for fp64 x) whatever
 their dtype, and receive no gradient. Positions are `index + seqlen_offsets` or `position_ids`.
+
+Dispatch goes through flashtx._dispatch: the backend is resolved once per (device, dtype, cos
+dtype) and kept; nothing here formats a message unless it raises or warns.
 """
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import reference
-from ._validate import check_cu_seqlens_values, check_tensor, has_internal_overlap, views_overlap
-from .backends import select_backend_for, triton_device_reasons
+from . import _dispatch
+from ._rotary_op import ROTARY_BACKENDS, RotaryInputs, rotary_inplace_op, rotary_op, rotary_qk_op  # noqa: F401
+from ._validate import _values_readable, check_cu_seqlens_values, check_tensor, has_internal_overlap, views_overlap
 
 _INT_DTYPES = (torch.int32, torch.int64)
 LAYOUTS = ("bshd", "bhsd")
 
 
-# ----------------------------------------------------------------------------------- backends
-@dataclasses.dataclass(frozen=True)
-class RotaryInputs:
-    """What dispatch looks at: x as a (B, S, H, D) view and its cos table."""
-
-    x: Tensor
-    cos: Tensor
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-
-class RotaryTriton:
-    """flashtx's Triton rotary kernel: CUDA tensors, or CPU tensors in Triton's interpreter."""
-
-    name = "triton"
-
-    def not_supported_reasons(self, inp: RotaryInputs) -> list[str]:
-        reasons = triton_device_reasons(inp.device, inp.dtype)
-        if inp.cos.dtype == torch.bfloat16 and inp.device.type == "cpu":
-            reasons.append("bfloat16 cos/sin are misread by Triton's interpreter (triton-lang/triton#11584)")
-        return reasons
-
-    def run(self, q, qo, k, ko, cos, sin, **spec) -> None:
-        from .triton_kernels.rotary import rotary
-
-        rotary(q, qo, k, ko, cos, sin, **spec)
-
-
-class RotaryReference:
-    """Eager PyTorch (flashtx.reference.rotary_tokens): any device and float dtype."""
-
-    name = "reference"
-
-    def not_supported_reasons(self, inp: RotaryInputs) -> list[str]:
-        return []
-
-    def run(self, q, qo, k, ko, cos, sin, *, offsets=None, offset=0, position_ids=None, cu_seqlens=None,
-            max_seqlen=0, interleaved=False, conjugate=False) -> None:
-        for x, out in ((q, qo), (k, ko)):
-            if x is None or x.numel() == 0:
-                continue
-            B, S, H, D = x.shape
-            dev = x.device
-            if cu_seqlens is None:
-                tables = torch.arange(B, device=dev).repeat_interleave(S)  # (B * S,)
-                if position_ids is not None:
-                    pos = position_ids.expand(B, S).reshape(-1)
-                else:
-                    base = offsets.long()[:, None] if offsets is not None else torch.full((B, 1), offset, device=dev)
-                    pos = (torch.arange(S, device=dev)[None, :] + base).reshape(-1)  # (B * S,)
-                rows = slice(None)
-                tokens = x.reshape(B * S, H, D)
-            else:
-                cu = cu_seqlens.long()
-                tables = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), cu[1:] - cu[:-1])
-                rows = torch.arange(int(cu[0]), int(cu[-1]), device=dev)  # (n,) rows covered by sequences
-                in_seq = rows - cu[tables]
-                if position_ids is not None:
-                    pos = position_ids[0, rows]
-                else:
-                    pos = in_seq + (offsets.long()[tables] if offsets is not None else offset)
-                tokens = x[0, rows]
-            if cos.shape[0] == 1:
-                tables = torch.zeros_like(tables)
-            res = reference.rotary_tokens(tokens, cos, sin, tables, pos, interleaved=interleaved, conjugate=conjugate)
-            if cu_seqlens is None:
-                out.copy_(res.view(B, S, H, D))
-            else:
-                out[0, rows] = res
-
-
-ROTARY_BACKENDS = {"triton": RotaryTriton(), "reference": RotaryReference()}
-
-
-def _spec(offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate) -> dict:
-    return dict(offsets=offsets, offset=offset, position_ids=position_ids, cu_seqlens=cu_seqlens,
-                max_seqlen=max_seqlen, interleaved=interleaved, conjugate=conjugate)
-
-
-# ----------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("flashtx::rotary", mutates_args=())
-def rotary_op(x: Tensor, cos: Tensor, sin: Tensor, offsets: Optional[Tensor], offset: int,
-              position_ids: Optional[Tensor], cu_seqlens: Optional[Tensor], max_seqlen: int,
-              interleaved: bool, conjugate: bool, backend: str) -> Tensor:
-    """Rotated copy of x, a (B, S, H, D) view (varlen: (1, total, H, D)); same layout as x."""
-    out = torch.empty_like(x)
-    ROTARY_BACKENDS[backend].run(x, out, None, None, cos, sin, **_spec(
-        offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate))
-    return out
-
-
-@rotary_op.register_fake
-def _(x, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("flashtx::rotary_qk", mutates_args=())
-def rotary_qk_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, offsets: Optional[Tensor], offset: int,
-                 position_ids: Optional[Tensor], cu_seqlens: Optional[Tensor], max_seqlen: int,
-                 interleaved: bool, conjugate: bool, backend: str) -> tuple[Tensor, Tensor]:
-    """Rotated copies of q (B, S, Hq, D) and k (B, S, Hk, D) from one launch."""
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
-    ROTARY_BACKENDS[backend].run(q, qo, k, ko, cos, sin, **_spec(
-        offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate))
-    return qo, ko
-
-
-@rotary_qk_op.register_fake
-def _(q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend):
-    return torch.empty_like(q), torch.empty_like(k)
-
-
-@torch.library.custom_op("flashtx::rotary_", mutates_args=("q", "k"))
-def rotary_inplace_op(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, offsets: Optional[Tensor],
-                      offset: int, position_ids: Optional[Tensor], cu_seqlens: Optional[Tensor], max_seqlen: int,
-                      interleaved: bool, conjugate: bool, backend: str) -> None:
-    """Rotate q (and k) in place; no autograd of its own (see _RotaryInplace)."""
-    ROTARY_BACKENDS[backend].run(q, q, k, k, cos, sin, **_spec(
-        offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate))
-
-
-@rotary_inplace_op.register_fake
-def _(q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend):
-    return None
-
-
-def _save_rotation(ctx, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate,
-                   backend):
-    """Keep what the backward needs: the same rotation with the opposite `conjugate` (by -theta)."""
-    ctx.save_for_backward(cos, sin, offsets, position_ids, cu_seqlens)
-    ctx.args = (offset, max_seqlen, interleaved, not conjugate, backend)
-
-
-def _setup(ctx, inputs, output):
-    _save_rotation(ctx, *inputs[-10:])  # inputs: the rotated tensor(s), then the 10 rotation arguments
-
-
-def _backward_args(ctx):
-    cos, sin, offsets, position_ids, cu_seqlens = ctx.saved_tensors
-    offset, max_seqlen, interleaved, conjugate, backend = ctx.args
-    return (cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate, backend)
-
-
-def _rotary_backward(ctx, dout):
-    return (rotary_op(dout, *_backward_args(ctx)),) + (None,) * 10
-
-
-def _rotary_qk_backward(ctx, dq, dk):
-    dq, dk = rotary_qk_op(dq, dk, *_backward_args(ctx))
-    return (dq, dk) + (None,) * 10
-
-
-rotary_op.register_autograd(_rotary_backward, setup_context=_setup)
-rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_setup)
-
-
-class _RotaryInplace(torch.autograd.Function):
-    """In-place forward of q (mark_dirty) that also rotates k in the same launch when given.
-
-    Autograd forbids one Function from returning two in-place-modified views (q and k are usually
-    views of projections), so k's in-place update is claimed right after by _ClaimRotated. The
-    backward rotates the incoming gradient by -theta, out of place.
-    """
-
-    @staticmethod
-    def forward(ctx, q, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, backend, k):
-        rotary_inplace_op(q, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
-                          False, backend)
-        ctx.mark_dirty(q)
-        _save_rotation(ctx, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, False,
-                       backend)
-        return q
-
-    @staticmethod
-    def backward(ctx, dq):
-        return (rotary_op(dq, *_backward_args(ctx)),) + (None,) * 10
-
-
-class _ClaimRotated(torch.autograd.Function):
-    """Tell autograd that k was rotated in place (by _RotaryInplace); its backward is the inverse rotation."""
-
-    @staticmethod
-    def forward(ctx, k, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, backend):
-        ctx.mark_dirty(k)
-        _save_rotation(ctx, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, False,
-                       backend)
-        return k
-
-    @staticmethod
-    def backward(ctx, dk):
-        return (rotary_op(dk, *_backward_args(ctx)),) + (None,) * 9
-
-
-def _rotate_inplace(q4, k4, cos3, sin3, pos, interleaved: bool, backend: str, track: bool) -> None:
-    """Rotate q4 (and k4) in place in one launch, recording the autograd history when `track`."""
+# ----------------------------------------------------------------------------------- in place
+def _refuse_overlap(q4: Tensor, k4: Optional[Tensor]) -> None:
     for n, t in (("x" if k4 is None else "q", q4), ("k", k4)):
         if t is not None and has_internal_overlap(t):
             raise ValueError(f"inplace=True cannot rotate {n} in place: some of its elements share memory (a stride-0 "
@@ -245,17 +49,41 @@ def _rotate_inplace(q4, k4, cos3, sin3, pos, interleaved: bool, backend: str, tr
     if k4 is not None and views_overlap(q4, k4):
         raise ValueError("inplace=True needs q and k in separate memory, but they share elements (the same tensor, or "
                          "overlapping slices of one); pass inplace=False")
+
+
+def _records_grad(q: Tensor, k: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
+
+
+def _inplace_allowed(q4: Tensor, k4: Optional[Tensor]) -> bool:
+    """inplace=None: rotate in place when autograd records nothing (inference, no_grad) and the memory
+    allows it; under torch.compile the functional op is used (its overlap test reads pointers)."""
+    if torch.compiler.is_compiling() or _records_grad(q4, k4):
+        return False
+    if has_internal_overlap(q4) or (k4 is not None and (has_internal_overlap(k4) or views_overlap(q4, k4))):
+        return False
+    return True
+
+
+def _rotate_inplace(q4, k4, cos3, sin3, index, spec, backend: str, track: bool) -> None:
+    """Rotate q4 (and k4) in place. Without autograd: the in-place op (one launch, no copy). With
+    autograd: the functional op, written back with copy_, which autograd records (torch.library
+    gives mutating ops no autograd formula); the rotated values are what backward keeps, not x."""
+    _refuse_overlap(q4, k4)
     if not track:
-        rotary_inplace_op(q4, k4, cos3, sin3, *pos, interleaved, False, backend)
+        rotary_inplace_op(q4, k4, cos3, sin3, index, spec, backend)
         return
     for t in (q4, k4):  # refuse before mutating anything (autograd would refuse after q is rotated)
         base = t._base if t is not None and t._base is not None else t
         if base is not None and base.is_leaf and base.requires_grad:
             raise RuntimeError("inplace=True on a leaf tensor that requires grad (or a view of one): autograd "
                                "cannot record it; rotate a non-leaf (e.g. a projection's output) or use inplace=False")
-    _RotaryInplace.apply(q4, cos3, sin3, *pos, interleaved, backend, k4)
-    if k4 is not None:
-        _ClaimRotated.apply(k4, cos3, sin3, *pos, interleaved, backend)
+    if k4 is None:
+        q4.copy_(rotary_op(q4, cos3, sin3, index, spec, backend))
+    else:
+        qo, ko = rotary_qk_op(q4, k4, cos3, sin3, index, spec, backend)
+        q4.copy_(qo)
+        k4.copy_(ko)
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -325,7 +153,8 @@ def _check_tables(cos, sin, x4: Tensor, nb: int, name: str) -> tuple[Tensor, Ten
 
 
 def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
-    """Validated position arguments: (offsets tensor | None, offset int, position_ids | None, cu, max_seqlen)."""
+    """Validated position arguments: (index = [offsets | None, position_ids | None, cu_seqlens | None],
+    offset int, max_seqlen int (0 without cu_seqlens))."""
     varlen = cu_seqlens is not None
     if varlen:
         _check_index_tensor("cu_seqlens", cu_seqlens, lambda s: len(s) == 1 and s[0] >= 1, "(nseq + 1,)", x4.device)
@@ -360,34 +189,59 @@ def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
                                 f"({B}, {S}) or (1, {S})", x4.device)
             position_ids = position_ids.expand(B, S)
     elif offsets is None and seq + offset > cos.shape[1]:
+        if not varlen:
+            raise ValueError(f"cos/sin have {cos.shape[1]} positions (shape {tuple(cos.shape)}) but positions up to "
+                             f"{seq + offset - 1} are needed (sequence length {seq} + seqlen_offsets {offset})")
+        _check_varlen_table(cu_seqlens, cos, offset)
+    index = [offsets, position_ids, cu_seqlens]
+    return index, offset, (max_seqlen if varlen else 0)
+
+
+def _check_varlen_table(cu_seqlens: Tensor, cos: Tensor, offset: int) -> None:
+    """max_seqlen is only an upper bound (as in flash-attn): check the table against the sequences'
+    real lengths, on the host for CPU tensors, by a device-side assert (no sync) otherwise."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]  # (nseq,)
+    if lens.numel() == 0 or cu_seqlens.device.type == "meta":
+        return
+    if not _values_readable(cu_seqlens):
+        torch._assert_async(lens.max() + offset <= cos.shape[1],
+                            f"flashtx: cos/sin have {cos.shape[1]} positions, fewer than a sequence of cu_seqlens "
+                            f"plus seqlen_offsets {offset} needs")
+        return
+    longest = int(lens.max())
+    if longest + offset > cos.shape[1]:
+        i = int(lens.argmax())
         raise ValueError(f"cos/sin have {cos.shape[1]} positions (shape {tuple(cos.shape)}) but positions up to "
-                         f"{seq + offset - 1} are needed (sequence length {seq} + seqlen_offsets {offset})")
-    return offsets, offset, position_ids, cu_seqlens, (max_seqlen if varlen else 0)
+                         f"{longest + offset - 1} are needed (sequence length {longest} of sequence {i} in "
+                         f"cu_seqlens + seqlen_offsets {offset})")
 
 
-def _prepare(tensors: dict, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, backend,
-             op: str):
-    """Validate everything; returns (views, cos3, sin3, position args, backend name)."""
+def _prepare(tensors: dict, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, interleaved,
+             backend):
+    """Validate everything; returns (views, cos3, sin3, index, spec, backend name) for the ops."""
     varlen = cu_seqlens is not None
     views = [_as_bshd(n, t, layout, varlen) for n, t in tensors.items()]
-    names = list(tensors)
     x4 = views[0]
-    for n, v in zip(names[1:], views[1:]):
-        if v.device != x4.device or v.dtype != x4.dtype:
-            raise TypeError(f"{names[0]} and {n} must share dtype and device; got {x4.dtype}/{x4.device} and "
-                            f"{v.dtype}/{v.device}")
-        if (v.shape[0], v.shape[1], v.shape[3]) != (x4.shape[0], x4.shape[1], x4.shape[3]):
-            raise ValueError(f"{names[0]} {tuple(tensors[names[0]].shape)} and {n} {tuple(tensors[n].shape)} must "
-                             f"differ only in the number of heads (layout {layout!r})")
+    if len(views) == 2:
+        k4 = views[1]
+        if k4.device != x4.device or k4.dtype != x4.dtype:
+            raise TypeError(f"q and k must share dtype and device; got {x4.dtype}/{x4.device} and "
+                            f"{k4.dtype}/{k4.device}")
+        if (k4.shape[0], k4.shape[1], k4.shape[3]) != (x4.shape[0], x4.shape[1], x4.shape[3]):
+            raise ValueError(f"q {tuple(tensors['q'].shape)} and k {tuple(tensors['k'].shape)} must differ only in "
+                             f"the number of heads (layout {layout!r})")
+    name = next(iter(tensors))
     nb = cu_seqlens.numel() - 1 if varlen and isinstance(cu_seqlens, torch.Tensor) else x4.shape[0]
-    cos3, sin3 = _check_tables(cos, sin, x4, nb, names[0])
-    pos = _positions(x4, cos3, seqlen_offsets, position_ids, cu_seqlens, max_seqlen)
+    cos3, sin3 = _check_tables(cos, sin, x4, nb, name)
+    index, offset, max_seqlen = _positions(x4, cos3, seqlen_offsets, position_ids, cu_seqlens, max_seqlen)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    summary = ", ".join(f"{n} {tuple(t.shape)}" for n, t in tensors.items()) + \
-        f" (layout {layout!r}), cos {tuple(cos.shape)}, dtype={x4.dtype}, device={x4.device}"
-    name = select_backend_for(op, ROTARY_BACKENDS, RotaryInputs(x4, cos3), backend, summary)
-    return views, cos3, sin3, pos, name
+    chosen = _dispatch.plan(
+        "rotary", (x4.device, x4.dtype, cos3.dtype), backend, lambda: RotaryInputs(x4, cos3),
+        lambda: ", ".join(f"{n} {tuple(t.shape)}" for n, t in tensors.items())
+        + f" (layout {layout!r}), cos {tuple(cos.shape)}, dtype={x4.dtype}, device={x4.device}")
+    spec = [offset, max_seqlen, 1 if interleaved else 0, 0]
+    return views, cos3, sin3, index, spec, chosen
 
 
 def _restore(t: Tensor, layout: str, varlen: bool) -> Tensor:
@@ -417,8 +271,12 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
             excludes seqlen_offsets. Positions outside [0, seqlen_ro) give NaN (no device sync).
         cu_seqlens: (nseq + 1,) int32/int64 cumulative sequence lengths of packed x, with
             cu_seqlens[-1] == total; max_seqlen: longest sequence (computed, with a sync, if None).
-        inplace: rotate x in place and return it (saves one activation); autograd still works
-            unless x is a leaf that requires grad.
+        inplace: False (default): a new tensor. True: rotate x in place and return it; autograd
+            still works unless x is a leaf that requires grad (when autograd records the call, the
+            rotated values are computed out of place and written back with copy_, since
+            torch.library gives mutating ops no autograd formula). None: in place when autograd
+            records nothing (inference, no_grad) and x has no self-overlapping (stride-0) dim,
+            out of place otherwise (and always under torch.compile).
         layout: "bshd" or "bhsd" (4-D x only), see above. backend: None, "triton" or "reference".
 
     Returns:
@@ -428,15 +286,15 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
         >>> cos, sin = flashtx.nn.RotaryEmbedding(64).cos_sin(128)   # (128, 32) each
         >>> q = flashtx.apply_rotary(q, cos, sin)                      # q: (B, 128, H, 64)
     """
-    views, cos3, sin3, pos, name = _prepare({"x": x}, cos, sin, seqlen_offsets, position_ids, cu_seqlens,
-                                            max_seqlen, layout, backend, "apply_rotary")
+    views, cos3, sin3, index, spec, name = _prepare({"x": x}, cos, sin, seqlen_offsets, position_ids, cu_seqlens,
+                                                    max_seqlen, layout, interleaved, backend)
     x4 = views[0]
-    varlen = cu_seqlens is not None
+    if inplace is None:
+        inplace = _inplace_allowed(x4, None)
     if inplace:
-        _rotate_inplace(x4, None, cos3, sin3, pos, bool(interleaved), name, torch.is_grad_enabled() and x.requires_grad)
+        _rotate_inplace(x4, None, cos3, sin3, index, spec, name, _records_grad(x, None))
         return x
-    out = rotary_op(x4, cos3, sin3, *pos, bool(interleaved), False, name)
-    return _restore(out, layout, varlen)
+    return _restore(rotary_op(x4, cos3, sin3, index, spec, name), layout, cu_seqlens is not None)
 
 
 def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, position_ids=None, cu_seqlens=None,
@@ -445,24 +303,27 @@ def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, posi
 
     q: (B, S, Hq, D) and k: (B, S, Hk, D) (or (B, H, S, D) with layout="bhsd", or packed
     (total, H, D) with cu_seqlens), same dtype, device, B, S and D. Every other argument is as in
-    apply_rotary and applies to both. Returns (q_rot, k_rot), or (q, k) rotated in place.
+    apply_rotary and applies to both (inplace=True/None also needs q and k in separate memory;
+    None falls back to out of place when they share some). Returns (q_rot, k_rot), or (q, k)
+    rotated in place.
 
     Example:
         >>> q, k = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=cache_len)
     """
-    views, cos3, sin3, pos, name = _prepare({"q": q, "k": k}, cos, sin, seqlen_offsets, position_ids, cu_seqlens,
-                                            max_seqlen, layout, backend, "apply_rotary_qk")
+    views, cos3, sin3, index, spec, name = _prepare({"q": q, "k": k}, cos, sin, seqlen_offsets, position_ids,
+                                                    cu_seqlens, max_seqlen, layout, interleaved, backend)
     q4, k4 = views
-    varlen = cu_seqlens is not None
+    if inplace is None:
+        inplace = _inplace_allowed(q4, k4)
     if inplace:
-        track = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        _rotate_inplace(q4, k4, cos3, sin3, pos, bool(interleaved), name, track)
+        _rotate_inplace(q4, k4, cos3, sin3, index, spec, name, _records_grad(q, k))
         return q, k
-    qo, ko = rotary_qk_op(q4, k4, cos3, sin3, *pos, bool(interleaved), False, name)
+    qo, ko = rotary_qk_op(q4, k4, cos3, sin3, index, spec, name)
+    varlen = cu_seqlens is not None
     return _restore(qo, layout, varlen), _restore(ko, layout, varlen)
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, inplace=False):
     """Drop-in for Hugging Face transformers' ``modeling_llama.apply_rotary_pos_emb``, fused.
 
     Args:
@@ -475,9 +336,13 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
             (max_len, rotary_dim) tables plus position_ids (B, S): that form works too.
         position_ids: used only with 2-D cos/sin (ignored otherwise, as in transformers).
         unsqueeze_dim: 1 or 2, as above.
+        inplace: False (default, the drop-in's semantics): new tensors. None: rotate q and k in
+            place when autograd records nothing (as flashtx.integrations.transformers does in
+            inference); True: always in place (see apply_rotary).
 
     Returns:
-        (q_embed, k_embed), new tensors shaped like q and k. Differentiable in q and k.
+        (q_embed, k_embed) shaped like q and k (q and k themselves when rotated in place).
+        Differentiable in q and k.
 
     Example:
         >>> cos, sin = rotary_emb(v, position_ids)                       # transformers, (B, S, D)
@@ -501,4 +366,4 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
             raise ValueError(f"cos/sin {tuple(cos.shape)} must cover the sequence length {seq} of q "
                              f"{tuple(q.shape)} exactly (B, S, rotary_dim)")
         position_ids = None
-    return apply_rotary_qk(q, k, cos_h, sin_h, position_ids=position_ids, layout=layout)
+    return apply_rotary_qk(q, k, cos_h, sin_h, position_ids=position_ids, layout=layout, inplace=inplace)

@@ -1,7 +1,8 @@
-"""Fused SwiGLU activation, silu(gate) * up: custom ops, backends and the public functions.
+"""Fused SwiGLU activation, silu(gate) * up: validation and the public functions.
 
-Three layers, as for attention: the Triton kernel (flashtx.triton_kernels.swiglu, no autograd),
-the custom ops here, and `swiglu(gate, up)` / `swiglu_packed(x)`.
+Layers, as for attention: the Triton kernel (flashtx.triton_kernels.swiglu, no autograd), the
+registered ops with their autograd (flashtx._swiglu_op), `swiglu(gate, up)` / `swiglu_packed(x)`
+here, and the module flashtx.nn.SwiGLU.
 
 The forward saves only its inputs; the backward recomputes silu from them. With
 `inplace_backward=True` the backward writes the input gradients over the saved inputs (the gate
@@ -10,220 +11,20 @@ memory in backward, but after backward those inputs hold gradients, not their va
 """
 from __future__ import annotations
 
-import math
-
-import dataclasses
-
 import torch
 from torch import Tensor
 
-from . import reference
-from ._validate import check_tensor, has_internal_overlap, refuse_double_backward, views_overlap
-from .backends import select_backend_for, triton_device_reasons
-
-
-# ----------------------------------------------------------------------------------- backends
-@dataclasses.dataclass(frozen=True)
-class SwigluInputs:
-    gate: Tensor
-
-    @property
-    def device(self) -> torch.device:
-        return self.gate.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.gate.dtype
-
-
-class SwigluTriton:
-    """flashtx's Triton SwiGLU kernel: CUDA tensors, or CPU tensors in Triton's interpreter."""
-
-    name = "triton"
-
-    def not_supported_reasons(self, inp: SwigluInputs) -> list[str]:
-        return triton_device_reasons(inp.device, inp.dtype)
-
-    def forward(self, g, u, out) -> None:
-        from .triton_kernels.swiglu import swiglu_forward
-
-        swiglu_forward(g, u, out)
-
-    def backward(self, do, g, u, dg, du) -> None:
-        from .triton_kernels.swiglu import swiglu_backward
-
-        swiglu_backward(do, g, u, dg, du)
-
-
-class SwigluReference:
-    """Eager PyTorch (flashtx.reference.swiglu): any device and float dtype."""
-
-    name = "reference"
-
-    def not_supported_reasons(self, inp: SwigluInputs) -> list[str]:
-        return []
-
-    def forward(self, g, u, out) -> None:
-        out.copy_(reference.swiglu(g, u))
-
-    def backward(self, do, g, u, dg, du) -> None:
-        a, b = reference.swiglu_backward(do, g, u)  # computed fully before dg/du (maybe g/u) are written
-        dg.copy_(a)
-        du.copy_(b)
-
-
-SWIGLU_BACKENDS = {"triton": SwigluTriton(), "reference": SwigluReference()}
-
-
-def _rows(t: Tensor) -> Tensor:
-    """(..., H) -> (M, H): a view whenever strides allow (always for the packed halves of a 2-D x)."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: a size-0 dim makes -1 ambiguous
-
-
-def _rows_inplace(t: Tensor, write) -> None:
-    """Run write(rows) on an (M, H) view of t, or on a copy that is copied back into t."""
-    try:
-        rows = t.view(math.prod(t.shape[:-1]), t.shape[-1])
-    except RuntimeError:  # strides do not allow a flat view: work on a copy
-        rows = _rows(t).clone()
-        write(rows)
-        t.copy_(rows.view(t.shape))
-        return
-    write(rows)
-
-
-# ----------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("flashtx::swiglu", mutates_args=())
-def swiglu_op(gate: Tensor, up: Tensor, inplace_backward: bool, backend: str) -> Tensor:
-    """silu(gate) * up for gate, up (..., H); the output is contiguous."""
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    SWIGLU_BACKENDS[backend].forward(_rows(gate), _rows(up), _rows(out))
-    return out
-
-
-@swiglu_op.register_fake
-def _(gate, up, inplace_backward, backend):
-    return gate.new_empty(gate.shape)
-
-
-@torch.library.custom_op("flashtx::swiglu_bwd", mutates_args=())
-def swiglu_bwd_op(dout: Tensor, gate: Tensor, up: Tensor, backend: str) -> tuple[Tensor, Tensor]:
-    """(dgate, dup), contiguous, for the incoming gradient dout (..., H)."""
-    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    SWIGLU_BACKENDS[backend].backward(_rows(dout), _rows(gate), _rows(up), _rows(dg), _rows(du))
-    return dg, du
-
-
-@swiglu_bwd_op.register_fake
-def _(dout, gate, up, backend):
-    return gate.new_empty(gate.shape), up.new_empty(up.shape)
-
-
-@torch.library.custom_op("flashtx::swiglu_bwd_", mutates_args=("gate", "up"))
-def swiglu_bwd_inplace_op(dout: Tensor, gate: Tensor, up: Tensor, backend: str) -> None:
-    """Overwrite gate with dgate and up with dup."""
-    b = SWIGLU_BACKENDS[backend]
-    do = _rows(dout)
-
-    def write_gate(g):
-        _rows_inplace(up, lambda u: b.backward(do, g, u, g, u))
-
-    _rows_inplace(gate, write_gate)
-
-
-@swiglu_bwd_inplace_op.register_fake
-def _(dout, gate, up, backend):
-    return None
-
-
-def _setup(ctx, inputs, output):
-    gate, up, inplace_backward, backend = inputs
-    ctx.save_for_backward(gate, up)  # the only state kept for backward
-    ctx.args = (inplace_backward, backend)
-
-
-def _backward(ctx, dout):
-    gate, up = ctx.saved_tensors
-    inplace_backward, backend = ctx.args
-    if inplace_backward:
-        swiglu_bwd_inplace_op(dout, gate, up, backend)
-        return gate, up, None, None
-    dg, du = swiglu_bwd_op(dout, gate, up, backend)
-    return dg, du, None, None
-
-
-swiglu_op.register_autograd(_backward, setup_context=_setup)
-refuse_double_backward(swiglu_bwd_op, "swiglu", "torch.nn.functional.silu(gate) * up")
-
-
-@torch.library.custom_op("flashtx::swiglu_packed", mutates_args=())
-def swiglu_packed_op(x: Tensor, inplace_backward: bool, backend: str) -> Tensor:
-    """silu(x[..., :H]) * x[..., H:] for x (..., 2H); the output (..., H) is contiguous."""
-    h = x.shape[-1] // 2
-    out = torch.empty((*x.shape[:-1], h), dtype=x.dtype, device=x.device)
-    x2 = _rows(x)  # (M, 2H)
-    SWIGLU_BACKENDS[backend].forward(x2[:, :h], x2[:, h:], _rows(out))
-    return out
-
-
-@swiglu_packed_op.register_fake
-def _(x, inplace_backward, backend):
-    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-
-
-@torch.library.custom_op("flashtx::swiglu_packed_bwd", mutates_args=())
-def swiglu_packed_bwd_op(dout: Tensor, x: Tensor, backend: str) -> Tensor:
-    """dx (..., 2H), contiguous, holding [dgate | dup]."""
-    h = x.shape[-1] // 2
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x2, dx2 = _rows(x), _rows(dx)  # (M, 2H)
-    SWIGLU_BACKENDS[backend].backward(_rows(dout), x2[:, :h], x2[:, h:], dx2[:, :h], dx2[:, h:])
-    return dx
-
-
-@swiglu_packed_bwd_op.register_fake
-def _(dout, x, backend):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("flashtx::swiglu_packed_bwd_", mutates_args=("x",))
-def swiglu_packed_bwd_inplace_op(dout: Tensor, x: Tensor, backend: str) -> None:
-    """Overwrite x (..., 2H) with its gradient [dgate | dup]."""
-    h = x.shape[-1] // 2
-    do = _rows(dout)
-    _rows_inplace(x, lambda x2: SWIGLU_BACKENDS[backend].backward(do, x2[:, :h], x2[:, h:], x2[:, :h], x2[:, h:]))
-
-
-@swiglu_packed_bwd_inplace_op.register_fake
-def _(dout, x, backend):
-    return None
-
-
-def _setup_packed(ctx, inputs, output):
-    x, inplace_backward, backend = inputs
-    ctx.save_for_backward(x)
-    ctx.args = (inplace_backward, backend)
-
-
-def _backward_packed(ctx, dout):
-    (x,) = ctx.saved_tensors
-    inplace_backward, backend = ctx.args
-    if inplace_backward:
-        swiglu_packed_bwd_inplace_op(dout, x, backend)
-        return x, None, None
-    return swiglu_packed_bwd_op(dout, x, backend), None, None
-
-
-swiglu_packed_op.register_autograd(_backward_packed, setup_context=_setup_packed)
-refuse_double_backward(swiglu_packed_bwd_op, "swiglu_packed", "silu(x[..., :H]) * x[..., H:] in eager PyTorch")
+from . import _dispatch
+from ._swiglu_op import SWIGLU_BACKENDS, SwigluInputs, swiglu_op, swiglu_packed_op  # noqa: F401
+from ._validate import check_tensor, has_internal_overlap, views_overlap
 
 
 # ----------------------------------------------------------------------------------- public API
-def _select(op: str, t: Tensor, backend, summary: str) -> str:
+def _select(t: Tensor, backend, summary) -> str:
+    """The backend for t's (device, dtype), resolved once and cached; summary() only on errors."""
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    return select_backend_for(op, SWIGLU_BACKENDS, SwigluInputs(t), backend, summary)
+    return _dispatch.plan("swiglu", (t.device, t.dtype), backend, lambda: SwigluInputs(t), summary)
 
 
 def swiglu(gate, up, *, inplace_backward=False, backend=None):
@@ -236,6 +37,8 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
             the gradients (saves two activations). Opt-in: after backward, gate and up hold their
             gradients; use it only when nothing else reads them (e.g. fresh projection outputs).
             gate and up must share no element (the halves of one [gate | up] tensor are fine).
+            Under torch.compile the backward is out of place (the overlap cannot be checked
+            while tracing).
         backend: None (automatic), "triton" or "reference".
 
     Returns:
@@ -254,10 +57,15 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
     if gate.shape != up.shape or gate.dim() == 0:
         raise ValueError(f"gate and up must have the same shape (..., H) with at least 1 dim; got gate "
                          f"{tuple(gate.shape)} and up {tuple(up.shape)}")
-    if inplace_backward and (views_overlap(gate, up) or has_internal_overlap(gate) or has_internal_overlap(up)):
+    if inplace_backward and (has_internal_overlap(gate) or has_internal_overlap(up)
+                             or (not torch.compiler.is_compiling() and views_overlap(gate, up))):
         raise ValueError("inplace_backward=True needs gate and up with no shared elements (the gradients of both are "
                          "written over them); they overlap (the same tensor, overlapping slices, or a stride-0 dim)")
-    name = _select("swiglu", gate, backend, f"gate/up {tuple(gate.shape)}, dtype={gate.dtype}, device={gate.device}")
+    name = _select(gate, backend, lambda: f"gate/up {tuple(gate.shape)}, dtype={gate.dtype}, device={gate.device}")
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read storage pointers, so the overlap of gate and up is unknown when tracing:
+        # the compiled backward is out of place (always correct; the compiler plans its own memory)
+        inplace_backward = False
     return swiglu_op(gate, up, bool(inplace_backward), name)
 
 
@@ -280,5 +88,9 @@ def swiglu_packed(x, *, inplace_backward=False, backend=None):
     check_tensor("x", x)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x must be (..., 2H) holding [gate | up], with an even last dim; got shape {tuple(x.shape)}")
-    name = _select("swiglu_packed", x, backend, f"x {tuple(x.shape)}, dtype={x.dtype}, device={x.device}")
+    if inplace_backward and has_internal_overlap(x):
+        raise ValueError(f"inplace_backward=True writes x's gradient over x, but some elements of x share memory (a "
+                         f"stride-0 dim, e.g. from expand(); x has shape {tuple(x.shape)} and strides {x.stride()}); "
+                         f"pass inplace_backward=False or x.contiguous()")
+    name = _select(x, backend, lambda: f"x {tuple(x.shape)}, dtype={x.dtype}, device={x.device}")
     return swiglu_packed_op(x, bool(inplace_backward), name)

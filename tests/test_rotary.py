@@ -11,7 +11,7 @@ from conftest import (DEVICE, KERNEL_DTYPES, PRECISE_DTYPE, assert_close_to_refe
 
 import flashtx
 from flashtx import BackendNotSupported
-from flashtx.rotary import rotary_inplace_op, rotary_op, rotary_qk_op
+from flashtx._rotary_op import rotary_inplace_op, rotary_op, rotary_qk_op
 from flashtx.triton_kernels import launch as launch_mod
 
 
@@ -422,6 +422,28 @@ def test_empty_and_single(shape):
         torch.testing.assert_close(out.double(), reference64(x.detach(), cos, sin, pos, False))
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_varlen_max_seqlen_is_an_upper_bound(backend):
+    """Issue 17 item 6: max_seqlen=40 with a 16-row table and sequences of length <= 5 raised a
+    ValueError; max_seqlen bounds the lengths (as in flash-attn), the table is checked against the
+    real ones."""
+    lens = [5, 3, 0, 4]
+    cu = torch.tensor([0, 5, 8, 8, 12], dtype=torch.int32, device=DEVICE)
+    cos, sin = tables(16, 3)
+    x = randn(12, 2, 8, dtype=PRECISE_DTYPE)  # (total, H, D)
+    out = flashtx.apply_rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=40, seqlen_offsets=11, backend=backend)
+    exact = flashtx.apply_rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=max(lens), seqlen_offsets=11, backend=backend)
+    torch.testing.assert_close(out, exact, rtol=0, atol=0)
+    for b, n in enumerate(lens):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        ref = reference64(x[rows][None], cos, sin, default_pos(1, n, 11), False)
+        torch.testing.assert_close(out[rows][None].double(), ref, rtol=0, atol=precise_atol(1e-13))
+    # a table too short for the real lengths is still refused, naming the sequence
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match=r"cos/sin have 16 positions .*sequence length 5 of sequence 0"):
+            flashtx.apply_rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=40, seqlen_offsets=12, backend=backend)
+
+
 def test_varlen_no_sequences():
     cos, sin = tables(4, 2)
     x = randn(0, 2, 4)
@@ -466,7 +488,7 @@ def test_custom_ops_opcheck():
     cos, sin = tables(6, 2)
     x = randn(2, 4, 3, 6, requires_grad=True)
     k = randn(2, 4, 1, 6, requires_grad=True)
-    common = (cos[None], sin[None], None, 1, None, None, 0, False, False, "triton")
+    common = (cos[None], sin[None], [None, None, None], [1, 0, 0, 0], "triton")  # index, spec, backend
     torch.library.opcheck(rotary_op, (x, *common))
     torch.library.opcheck(rotary_qk_op, (x, k, *common))
     torch.library.opcheck(rotary_inplace_op, (x.detach().clone(), k.detach().clone(), *common))

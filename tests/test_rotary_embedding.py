@@ -76,20 +76,41 @@ def test_rotary_embedding_forward():
     rope = flashtx.nn.RotaryEmbedding(8, max_seq_len=4, device=DEVICE)  # cos_sin() tables on DEVICE
     q, k = randn(2, 6, 3, 10, dtype=torch.float64), randn(2, 6, 1, 10, dtype=torch.float64)
     cos, sin = rope.cos_sin(16)
-    qo, ko = rope(q, k, seqlen_offsets=10)  # needs 16 positions: grows past max_seq_len
+    qo, ko = rope(q, k, seqlen_offsets=10, inplace=False)  # needs 16 positions: grows past max_seq_len
     eq, ek = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=10)
     assert torch.equal(qo, eq) and torch.equal(ko, ek)
     pos = torch.tensor([[0, 3, 9, 1, 1, 2], [5, 5, 5, 5, 5, 20]], device=DEVICE)
-    assert torch.equal(rope(q, position_ids=pos), flashtx.apply_rotary(q, *rope.cos_sin(21), position_ids=pos))
+    assert torch.equal(rope(q, position_ids=pos, inplace=False),
+                       flashtx.apply_rotary(q, *rope.cos_sin(21), position_ids=pos))
     qb = q.transpose(1, 2)
     offs = torch.tensor([2, 7], device=DEVICE)
-    assert torch.equal(rope(qb, layout="bhsd", seqlen_offsets=offs).transpose(1, 2),
+    assert torch.equal(rope(qb.clone(), layout="bhsd", seqlen_offsets=offs).transpose(1, 2),
                        flashtx.apply_rotary(q, *rope.cos_sin(13), seqlen_offsets=offs))
     gptj = flashtx.nn.RotaryEmbedding(8, interleaved=True, device=DEVICE)
-    assert torch.equal(gptj(q), flashtx.apply_rotary(q, *gptj.cos_sin(6), interleaved=True))
+    assert torch.equal(gptj(q.clone()), flashtx.apply_rotary(q, *gptj.cos_sin(6), interleaved=True))
     cu = torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE)
     xv = randn(12, 2, 8, dtype=torch.float64)
-    assert torch.equal(rope(xv, cu_seqlens=cu), flashtx.apply_rotary(xv, *rope.cos_sin(8), cu_seqlens=cu))
+    assert torch.equal(rope(xv.clone(), cu_seqlens=cu), flashtx.apply_rotary(xv, *rope.cos_sin(8), cu_seqlens=cu))
+
+
+def test_rotary_embedding_in_place_by_default_where_autograd_allows():
+    """inplace=None (the default): no autograd recording -> q and k are rotated in place and returned;
+    recording -> new tensors, inputs untouched; q and k sharing memory -> out of place."""
+    rope = flashtx.nn.RotaryEmbedding(8, device=DEVICE)
+    q, k = randn(2, 5, 3, 8, dtype=torch.float64), randn(2, 5, 1, 8, dtype=torch.float64)
+    expect = flashtx.apply_rotary_qk(q, k, *rope.cos_sin(5))
+    q1, k1 = q.clone(), k.clone()
+    qo, ko = rope(q1, k1)
+    assert qo is q1 and ko is k1 and torch.equal(q1, expect[0]) and torch.equal(k1, expect[1])
+    q2 = q.clone().requires_grad_(True)
+    qo, ko = rope(q2, k.clone())
+    assert qo is not q2 and torch.equal(q2.detach(), q) and torch.equal(qo.detach(), expect[0])
+    with torch.no_grad():
+        q3 = q.clone().requires_grad_(True)
+        assert rope(q3) is q3
+    both = torch.cat((q, q), 2)  # q and k the same memory: refused in place, so out of place
+    qo, ko = rope(both[:, :, :3], both[:, :, 2:5])
+    assert torch.equal(both, torch.cat((q, q), 2)) and torch.equal(qo, expect[0])
 
 
 RE_ERRORS = {

@@ -7,7 +7,7 @@ from conftest import DEVICE, KERNEL_DTYPES, ON_GPU, assert_close_to_reference, d
 
 import flashtx
 from flashtx import BackendNotSupported
-from flashtx.swiglu import (swiglu_bwd_inplace_op, swiglu_bwd_op, swiglu_op, swiglu_packed_bwd_inplace_op,
+from flashtx._swiglu_op import (swiglu_bwd_inplace_op, swiglu_bwd_op, swiglu_op, swiglu_packed_bwd_inplace_op,
                             swiglu_packed_bwd_op, swiglu_packed_op)
 
 
@@ -133,6 +133,24 @@ def test_inplace_backward_rejects_overlapping_inputs():
             flashtx.swiglu(gate, up, inplace_backward=True)
     y = randn(6, 4)
     flashtx.swiglu(y[:3], y[3:], inplace_backward=True)  # disjoint spans are fine
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_packed_inplace_backward_refuses_expanded_x(backend):
+    """Issue 17 item 2: an expanded (stride-0) x gave a silently wrong gradient on the Triton path
+    (error ~3) and failed late, inside backward, on the reference path; refused up front now, as
+    swiglu() refuses the same input, and without inplace_backward the gradient is right."""
+    leaf = randn(1, 8, requires_grad=True)
+    x = (leaf * 1).expand(3, 8)  # (3, 8) with row stride 0
+    with pytest.raises(ValueError, match=r"inplace_backward=True writes x's gradient over x.*stride-0.*"
+                                         r"shape \(3, 8\) and strides \(0, 1\)"):
+        flashtx.swiglu_packed(x, inplace_backward=True, backend=backend)
+    d = randn(3, 4)
+    (got,) = torch.autograd.grad(flashtx.swiglu_packed(x, backend=backend), leaf, d)
+    l64 = leaf.detach().double().requires_grad_(True)
+    x64 = l64.expand(3, 8)
+    (ref,) = torch.autograd.grad(eager_swiglu(x64[:, :4], x64[:, 4:]), l64, d.double())
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_inplace_backward_on_the_interleaved_halves_of_one_tensor():

@@ -243,37 +243,49 @@ def cuda_target(device_index: int) -> Target:
 @dataclasses.dataclass(frozen=True)
 class ElementwiseConfig:
     block_rows: int  # rotary: positions per program; swiglu: rows per program
-    block_cols: int  # rotary: heads per program (a loop); swiglu: columns per program
+    block_cols: int  # rotary: heads per program; swiglu: columns per program
     num_warps: int
     num_stages: int = 1  # no software-pipelined loop to stage
     reason: str = ""
 
-    @property
-    def launch_kwargs(self) -> dict:
+    @functools.cached_property
+    def launch_kwargs(self) -> dict:  # built once per config (launches read it per call)
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-# Elements of one head's rotary part a rotary program holds per head: 4 warps x 32 threads x 16
-# elements, i.e. two 16-byte fp16 vectors per thread for each of x's halves. E.g. rotary_dim 128
-# gives 16 positions per program.
-ROTARY_TILE_ELEMENTS = 2048
-ROTARY_NUM_WARPS = 4  # 128 threads: one 16-element row of the (positions, rotary_dim) tile each
-# A program loads its cos/sin tile once and reuses it for this many heads (a loop). 4 keeps a
-# 32-head model at 8 head groups, so even a 4k-token prefill (256 position tiles) has thousands of
-# programs, while cos/sin reloads drop to a quarter.
-ROTARY_HEADS_PER_PROGRAM = 4
-# Interpreter: tiny tiles so that test shapes (S ~ 5-20, H ~ 3) span several position tiles and
-# head groups, exercising every mask.
-ROTARY_INTERPRETER = ElementwiseConfig(4, 2, 1, 1, "interpreter: several tiles in test-sized shapes")
+# --------------------------------------------------------------------------------------- RoPE
+# One program rotates a (positions, heads, rotary_dim / 2) tile of q (or of k): all the heads of a
+# position tile at once when they fit (Liger's layout), so cos/sin are loaded once per position
+# tile and broadcast over the heads. q and k share one launch but have their own tile shapes (a
+# k tile sized for 32 q heads would be 75% masked with 8 KV heads).
+#
+# Tile budget: 2048 pairs per half = 16 elements per thread per half with 4 warps, i.e. two
+# 16-byte fp16/bf16 vectors per thread for x1, two for x2 (the NeoX halves are two contiguous
+# loads; the interleaved pairs are one contiguous load of 2 * R2 columns, split in registers).
+# That is 8 KB read + 8 KB written per program in fp16; at ~16 resident programs per SM that is
+# ~128 KB in flight per SM, several times what an H100/H200 SM needs to cover HBM latency (Little:
+# 4.8 TB/s x ~0.6 us / 132 SMs ~ 22 KB), while the fp32 working set (x1, x2, o1, o2: 64
+# registers, plus the broadcast cos/sin) stays far from spilling.
+# LLaMA-3-8B (32 q / 8 kv heads, R2 = 64): q tiles 1 x 32 x 64, k tiles 4 x 8 x 64.
+ROTARY_TILE_PAIRS = 2048
+ROTARY_NUM_WARPS = 4
+# Interpreter: tiny tiles so that test shapes (S ~ 5-20, H ~ 1-5) span several position tiles and
+# head tiles, exercising every mask.
+ROTARY_INTERPRETER = ElementwiseConfig(2, 2, 1, 1, "interpreter: several tiles in test-sized shapes")
 
-# SwiGLU tiles are (rows, columns) of the (M, H) activations. 1024 columns = 2 KB of fp16 per row:
-# fully coalesced, and LLaMA hidden sizes (11008, 14336, 28672) are multiples of 256 so at most
-# one partial column tile per row.
-SWIGLU_MAX_BLOCK_H = 1024
-# Elements per program: 4 warps x 32 threads x 32 elements, i.e. four 16-byte fp16 vectors per
-# thread for each tensor (forward reads 2 and writes 1; backward reads 3 and writes 2).
+# -------------------------------------------------------------------------------------- SwiGLU
+# (rows, columns) tiles of the (M, H) activations, on a flat grid (column tiles fastest, so
+# consecutive programs stream consecutive memory). 4096 elements over 8 warps = 16 per thread per
+# tensor: two 16-byte fp16/bf16 vectors. Forward: 16 KB read + 8 KB written per program (fp16);
+# backward: 24 KB read + 16 KB written. The backward's fp32 working set (g, u, do, s, dg, du) is
+# ~96 registers per thread: no spills (compile check).
 SWIGLU_TILE_ELEMENTS = 4096
-SWIGLU_NUM_WARPS = 4
+SWIGLU_NUM_WARPS = 8
+# Column tiles, widest first: the widest that divides H, else the widest whose padding is at most
+# 1/32 of the row (see swiglu_block_h). LLaMA widths get no masked tail at all: 11008 = 43 x 256,
+# 14336 = 7 x 2048, 28672 = 14 x 2048.
+SWIGLU_BLOCK_H_CANDIDATES = (2048, 1024, 512, 256)
+SWIGLU_MAX_PAD_FRACTION = 1 / 32
 # Interpreter: 4 x 16 tiles so test shapes (M ~ 1-20, H ~ 1-40) cover partial tiles both ways.
 SWIGLU_INTERPRETER = ElementwiseConfig(4, 16, 1, 1, "interpreter: several tiles in test-sized shapes")
 
@@ -282,23 +294,40 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def rotary_config(rotary_dim: int, seqlen: int, target: Target) -> ElementwiseConfig:
-    """Positions and heads per program for a rotary launch (any target; no shared memory)."""
+def rotary_config(r2: int, heads: int, seqlen: int, target: Target) -> ElementwiseConfig:
+    """(positions, heads) per program of a rotary tile of R2 = rotary_dim / 2 pairs (any target; no
+    shared memory). block_rows x block_cols x pow2(R2) <= ROTARY_TILE_PAIRS, heads first."""
     if target is INTERPRETER_TARGET:
         return ROTARY_INTERPRETER
-    width = _pow2_at_least(max(rotary_dim, 2))
-    rows = max(1, ROTARY_TILE_ELEMENTS // width)
-    rows = min(rows, _pow2_at_least(max(seqlen, 1)))  # decoding (S = 1) wastes no lanes on padding
-    return ElementwiseConfig(rows, ROTARY_HEADS_PER_PROGRAM, ROTARY_NUM_WARPS, 1,
-                             f"{ROTARY_TILE_ELEMENTS}-element tile per head, cos/sin reused over heads")
+    width = _pow2_at_least(max(r2, 1))
+    block_h = max(1, min(_pow2_at_least(max(heads, 1)), ROTARY_TILE_PAIRS // width))
+    block_s = max(1, ROTARY_TILE_PAIRS // (width * block_h))
+    block_s = min(block_s, _pow2_at_least(max(seqlen, 1)))  # decoding (S = 1) wastes no lanes on padding
+    return ElementwiseConfig(block_s, block_h, ROTARY_NUM_WARPS, 1,
+                             f"{ROTARY_TILE_PAIRS} pairs per tile, heads first; cos/sin loaded once per tile")
+
+
+def swiglu_block_h(hidden: int) -> int:
+    """Column tile: the widest candidate that divides `hidden` (no masked tail at all), else the
+    widest whose padding is at most SWIGLU_MAX_PAD_FRACTION of the padded row; never wider than
+    the next power of two of `hidden`."""
+    fits = [c for c in SWIGLU_BLOCK_H_CANDIDATES if c <= _pow2_at_least(max(hidden, 1))]
+    for c in fits:
+        if hidden % c == 0:
+            return c
+    for c in fits:
+        padded = -(-hidden // c) * c
+        if padded - hidden <= SWIGLU_MAX_PAD_FRACTION * padded:
+            return c
+    return fits[-1] if fits else _pow2_at_least(max(hidden, 1))
 
 
 def swiglu_config(hidden: int, rows: int, target: Target) -> ElementwiseConfig:
     """(rows, columns) tile of a SwiGLU launch, forward and backward alike."""
     if target is INTERPRETER_TARGET:
         return SWIGLU_INTERPRETER
-    cols = min(SWIGLU_MAX_BLOCK_H, _pow2_at_least(max(hidden, 1)))
+    cols = min(swiglu_block_h(hidden), _pow2_at_least(max(hidden, 1)))
     block_rows = max(1, SWIGLU_TILE_ELEMENTS // cols)
     block_rows = min(block_rows, _pow2_at_least(max(rows, 1)))
     return ElementwiseConfig(block_rows, cols, SWIGLU_NUM_WARPS, 1,
-                             f"{SWIGLU_TILE_ELEMENTS}-element tile, rows of up to {SWIGLU_MAX_BLOCK_H} columns")
+                             f"{SWIGLU_TILE_ELEMENTS}-element tile, {cols} columns (little padding at this width)")

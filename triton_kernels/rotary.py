@@ -9,11 +9,18 @@ rotated by theta = angle(p, j), with c = cos[p, j], s = sin[p, j]:
 Columns from rotary_dim to D are copied unchanged (partial rotary). The backward is the same
 kernel with CONJUGATE (rotation by -theta, i.e. s -> -s), since the rotation is orthogonal.
 
+Tiling (as Liger's kernel): a program rotates a (positions, heads, R2) tile of q or of k, all
+the heads of a position tile when they fit, so cos/sin are read once per position tile and
+broadcast over the heads. One launch covers q and k (grid axis 0: q tiles, then k tiles, each
+with its own tile shape; axis 1: batch). The NeoX halves are two contiguous loads; interleaved
+(GPT-J) pairs are one contiguous load of 2 * R2 columns split into x1/x2 in registers
+(tl.reshape + tl.split, and tl.join to store), not stride-2 loads, so both layouts vectorise.
+
 Addressing: x is a (B, S, H, D) view with any strides, so (B, H, S, D) tensors run without
-copies. Packed varlen x (total, H, D) is passed as a (1, total, H, D) view with VARLEN: program
-b then covers rows cu_seqlens[b] .. cu_seqlens[b+1]. One launch can rotate two tensors (q and k,
-with different head counts) that share positions and cos/sin. cos/sin are (Bc, seqlen_ro, R2)
-with a batch stride that is 0 for a shared table. Math is fp32 (fp64 for fp64 inputs); positions
+copies. Packed varlen x (total, H, D) is passed as a (1, total, H, D) view with VARLEN: grid
+row b then covers rows cu_seqlens[b] .. cu_seqlens[b+1] (tiles past the sequence's end, from
+max_seqlen being an upper bound, return at once). cos/sin are (Bc, seqlen_ro, R2) with a batch
+stride that is 0 for a shared table. Math is fp32 (fp64 for fp64 inputs); positions
 outside [0, seqlen_ro) give NaN rows, since checking them on the host would need a device sync.
 """
 from __future__ import annotations
@@ -25,32 +32,81 @@ import triton.language as tl
 from .configs import ElementwiseConfig, Target, rotary_config
 from .launch import ACC_DTYPE, Launch, target_for
 
-MIN_BLOCK = 2  # smallest tl.arange width used for the rotary and pass-through column blocks
+MIN_BLOCK = 2  # smallest tl.arange width used for the pair and pass-through column blocks
+
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (triton.cdiv is a JIT function: calling it on the host is slow)."""
+    return -(-a // b)
 
 
 @triton.jit
-def _rotate_head(x_rows, o_rows, row_mask, cos, sin, offs_j, offs_p, R2, D_REST, stride_xd, stride_od,
-                 INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr, ACC: tl.constexpr):
-    """Rotate one head of BLOCK_S tokens. x_rows/o_rows: (BLOCK_S,) int64 element offsets of
-    x[.., 0] / out[.., 0] added to the base pointers by the caller (passed as pointer blocks)."""
-    jm = row_mask[:, None] & (offs_j[None, :] < R2)  # (BLOCK_S, BLOCK_R2)
-    if INTERLEAVED:
-        c1 = 2 * offs_j
-        c2 = c1 + 1
+def _rotate_tile(X, O, COS, SIN, POS, OFFSETS, b, xb, start, seqlen, s0, h0, H,
+                 stride_xs, stride_xh, stride_xd, stride_os, stride_oh, stride_od,
+                 stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
+                 R2, D_REST, seqlen_ro, pos_offset,
+                 BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R2: tl.constexpr, BLOCK_REST: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                 HAS_POS: tl.constexpr, COPY_REST: tl.constexpr, ACC: tl.constexpr):
+    """Rotate the (BLOCK_S positions, BLOCK_H heads) tile at (s0, h0) of one sequence. X/O already
+    point at the sequence's batch entry; rows are start + s (varlen: absolute rows)."""
+    offs_s = s0 + tl.arange(0, BLOCK_S)  # (BLOCK_S,) index within the sequence
+    row_mask = offs_s < seqlen
+    rows = start + offs_s.to(tl.int64)  # (BLOCK_S,) row in x's sequence dim
+
+    # positions (BLOCK_S,): explicit ids, or index + per-sequence / global offset
+    if HAS_POS:
+        pos = tl.load(POS + xb * stride_pb + rows * stride_ps, mask=row_mask, other=0).to(tl.int64)
+    elif HAS_OFFSETS:
+        pos = offs_s.to(tl.int64) + tl.load(OFFSETS + b).to(tl.int64)
     else:
-        c1 = offs_j
-        c2 = offs_j + R2
-    x1 = tl.load(x_rows[:, None] + c1[None, :] * stride_xd, mask=jm, other=0.0).to(ACC)  # (BLOCK_S, BLOCK_R2)
-    x2 = tl.load(x_rows[:, None] + c2[None, :] * stride_xd, mask=jm, other=0.0).to(ACC)
-    o1 = x1 * cos - x2 * sin
-    o2 = x1 * sin + x2 * cos
-    tl.store(o_rows[:, None] + c1[None, :] * stride_od, o1.to(o_rows.dtype.element_ty), mask=jm)
-    tl.store(o_rows[:, None] + c2[None, :] * stride_od, o2.to(o_rows.dtype.element_ty), mask=jm)
+        pos = offs_s.to(tl.int64) + pos_offset
+    in_range = (pos >= 0) & (pos < seqlen_ro)
+    safe_pos = tl.where(in_range, pos, 0)
+
+    # cos/sin (BLOCK_S, BLOCK_R2), loaded once for every head of the tile, in the accumulator dtype
+    offs_j = tl.arange(0, BLOCK_R2)
+    cmask = row_mask[:, None] & (offs_j[None, :] < R2)
+    cos = tl.load(COS + safe_pos[:, None] * stride_cs + offs_j[None, :] * stride_cd, mask=cmask, other=0.0).to(ACC)
+    sin = tl.load(SIN + safe_pos[:, None] * stride_ss + offs_j[None, :] * stride_sd, mask=cmask, other=0.0).to(ACC)
+    cos = tl.where(in_range[:, None], cos, float("nan"))  # out-of-range positions poison their rows
+    if CONJUGATE:
+        sin = -sin  # rotation by -theta: the backward
+    cos = cos[:, None, :]  # (BLOCK_S, 1, BLOCK_R2), broadcast over heads
+    sin = sin[:, None, :]
+
+    offs_h = h0 + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
+    m3 = row_mask[:, None, None] & (offs_h < H)[None, :, None]  # (BLOCK_S, BLOCK_H, 1)
+    x_rows = X + rows[:, None, None] * stride_xs + offs_h.to(tl.int64)[None, :, None] * stride_xh
+    o_rows = O + rows[:, None, None] * stride_os + offs_h.to(tl.int64)[None, :, None] * stride_oh
+    out_ty = O.dtype.element_ty
+    if INTERLEAVED:
+        # pairs (x[2j], x[2j+1]): one contiguous (.., 2 * BLOCK_R2) load, split into x1/x2 in registers
+        offs_c = tl.arange(0, 2 * BLOCK_R2)
+        cm = m3 & (offs_c < 2 * R2)[None, None, :]
+        x = tl.load(x_rows + offs_c[None, None, :] * stride_xd, mask=cm, other=0.0).to(ACC)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, BLOCK_R2, 2)))  # (BLOCK_S, BLOCK_H, BLOCK_R2) each
+        o1 = x1 * cos - x2 * sin
+        o2 = x1 * sin + x2 * cos
+        o = tl.reshape(tl.join(o1, o2), (BLOCK_S, BLOCK_H, 2 * BLOCK_R2))
+        tl.store(o_rows + offs_c[None, None, :] * stride_od, o.to(out_ty), mask=cm)
+    else:
+        # halves (x[j], x[j + R2]): two contiguous loads
+        jm = m3 & (offs_j < R2)[None, None, :]
+        c1 = offs_j[None, None, :]
+        x1 = tl.load(x_rows + c1 * stride_xd, mask=jm, other=0.0).to(ACC)  # (BLOCK_S, BLOCK_H, BLOCK_R2)
+        x2 = tl.load(x_rows + (c1 + R2) * stride_xd, mask=jm, other=0.0).to(ACC)
+        o1 = x1 * cos - x2 * sin
+        o2 = x1 * sin + x2 * cos
+        tl.store(o_rows + c1 * stride_od, o1.to(out_ty), mask=jm)
+        tl.store(o_rows + (c1 + R2) * stride_od, o2.to(out_ty), mask=jm)
     if COPY_REST:  # partial rotary, out of place: columns [2 * R2, D) pass through unchanged
-        cp = 2 * R2 + offs_p
-        pm = row_mask[:, None] & (offs_p[None, :] < D_REST)  # (BLOCK_S, BLOCK_REST)
-        rest = tl.load(x_rows[:, None] + cp[None, :] * stride_xd, mask=pm, other=0.0)
-        tl.store(o_rows[:, None] + cp[None, :] * stride_od, rest, mask=pm)
+        offs_p = tl.arange(0, BLOCK_REST)
+        cp = (2 * R2 + offs_p)[None, None, :]
+        pm = m3 & (offs_p < D_REST)[None, None, :]
+        rest = tl.load(x_rows + cp * stride_xd, mask=pm, other=0.0)
+        tl.store(o_rows + cp * stride_od, rest.to(out_ty), mask=pm)
 
 
 @triton.jit
@@ -61,14 +117,14 @@ def _rotary_kernel(Q, K, QO, KO, COS, SIN, OFFSETS, POS, CU_SEQLENS,
                    stride_kob, stride_kos, stride_koh, stride_kod,
                    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
                    stride_pb, stride_ps,
-                   S, HQ, HK, R2, D_REST, seqlen_ro, pos_offset,
-                   BLOCK_S: tl.constexpr, BLOCK_R2: tl.constexpr, BLOCK_REST: tl.constexpr,
-                   HEADS_PER_PROG: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
+                   S, HQ, HK, R2, D_REST, seqlen_ro, pos_offset, n_q_progs, n_sq_tiles, n_sk_tiles,
+                   BLOCK_SQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_SK: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   BLOCK_R2: tl.constexpr, BLOCK_REST: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
                    HAS_K: tl.constexpr, VARLEN: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                    HAS_POS: tl.constexpr, COPY_REST: tl.constexpr, ACC: tl.constexpr):
-    pid_s = tl.program_id(0)
+    pid = tl.program_id(0)  # q tiles first (position tiles fastest), then k tiles
     b = tl.program_id(1)  # batch index (varlen: sequence index)
-    pid_h = tl.program_id(2)  # head group: q groups first, then k groups
     if VARLEN:
         start = tl.load(CU_SEQLENS + b).to(tl.int64)  # first row of sequence b in (total, H, D)
         seqlen = tl.load(CU_SEQLENS + b + 1).to(tl.int64) - start
@@ -77,50 +133,27 @@ def _rotary_kernel(Q, K, QO, KO, COS, SIN, OFFSETS, POS, CU_SEQLENS,
         start = 0
         seqlen = S
         xb = b.to(tl.int64)
-    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,) index within the sequence
-    row_mask = offs_s < seqlen
-    rows = start + offs_s.to(tl.int64)  # (BLOCK_S,) row in x's sequence dim
-
-    # positions (BLOCK_S,): explicit ids, or index + per-batch / global offset
-    if HAS_POS:
-        pos = tl.load(POS + xb * stride_pb + rows * stride_ps, mask=row_mask, other=0).to(tl.int64)
-    elif HAS_OFFSETS:
-        pos = rows - start + tl.load(OFFSETS + b).to(tl.int64)
-    else:
-        pos = rows - start + pos_offset
-    in_range = (pos >= 0) & (pos < seqlen_ro)
-    safe_pos = tl.where(in_range, pos, 0)
-
-    # cos/sin tile (BLOCK_S, BLOCK_R2) in the accumulator dtype, loaded once for all heads
-    offs_j = tl.arange(0, BLOCK_R2)
-    cmask = row_mask[:, None] & (offs_j[None, :] < R2)
-    cb = b.to(tl.int64)
-    cos = tl.load(COS + cb * stride_cb + safe_pos[:, None] * stride_cs + offs_j[None, :] * stride_cd,
-                  mask=cmask, other=0.0).to(ACC)
-    sin = tl.load(SIN + cb * stride_sb + safe_pos[:, None] * stride_ss + offs_j[None, :] * stride_sd,
-                  mask=cmask, other=0.0).to(ACC)
-    cos = tl.where(in_range[:, None], cos, float("nan"))  # out-of-range positions poison their rows
-    if CONJUGATE:
-        sin = -sin  # rotation by -theta: the backward
-    offs_p = tl.arange(0, BLOCK_REST)
-
-    n_q_groups = tl.cdiv(HQ, HEADS_PER_PROG)
-    if pid_h < n_q_groups:
-        q_rows = Q + xb * stride_qb + rows * stride_qs  # (BLOCK_S,) pointers to q[b, s, 0, 0]
-        qo_rows = QO + xb * stride_qob + rows * stride_qos
-        h0 = pid_h * HEADS_PER_PROG
-        for h in range(h0, tl.minimum(h0 + HEADS_PER_PROG, HQ)):
-            hh = tl.cast(h, tl.int64)
-            _rotate_head(q_rows + hh * stride_qh, qo_rows + hh * stride_qoh, row_mask, cos, sin, offs_j, offs_p,
-                         R2, D_REST, stride_qd, stride_qod, INTERLEAVED, COPY_REST, ACC)
+    cos_b = COS + b.to(tl.int64) * stride_cb  # stride_cb is 0 for a table shared by the batch
+    sin_b = SIN + b.to(tl.int64) * stride_sb
+    if pid < n_q_progs:
+        h_tile = pid // n_sq_tiles
+        s0 = (pid - h_tile * n_sq_tiles) * BLOCK_SQ
+        if s0 < seqlen:  # varlen grids cover max_seqlen, an upper bound
+            _rotate_tile(Q + xb * stride_qb, QO + xb * stride_qob, cos_b, sin_b, POS, OFFSETS, b, xb, start, seqlen,
+                         s0, h_tile * BLOCK_HQ, HQ, stride_qs, stride_qh, stride_qd, stride_qos, stride_qoh,
+                         stride_qod, stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
+                         R2, D_REST, seqlen_ro, pos_offset, BLOCK_SQ, BLOCK_HQ, BLOCK_R2, BLOCK_REST,
+                         INTERLEAVED, CONJUGATE, HAS_OFFSETS, HAS_POS, COPY_REST, ACC)
     elif HAS_K:
-        k_rows = K + xb * stride_kb + rows * stride_ks
-        ko_rows = KO + xb * stride_kob + rows * stride_kos
-        h0 = (pid_h - n_q_groups) * HEADS_PER_PROG
-        for h in range(h0, tl.minimum(h0 + HEADS_PER_PROG, HK)):
-            hh = tl.cast(h, tl.int64)
-            _rotate_head(k_rows + hh * stride_kh, ko_rows + hh * stride_koh, row_mask, cos, sin, offs_j, offs_p,
-                         R2, D_REST, stride_kd, stride_kod, INTERLEAVED, COPY_REST, ACC)
+        kp = pid - n_q_progs
+        h_tile = kp // n_sk_tiles
+        s0 = (kp - h_tile * n_sk_tiles) * BLOCK_SK
+        if s0 < seqlen:
+            _rotate_tile(K + xb * stride_kb, KO + xb * stride_kob, cos_b, sin_b, POS, OFFSETS, b, xb, start, seqlen,
+                         s0, h_tile * BLOCK_HK, HK, stride_ks, stride_kh, stride_kd, stride_kos, stride_koh,
+                         stride_kod, stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
+                         R2, D_REST, seqlen_ro, pos_offset, BLOCK_SK, BLOCK_HK, BLOCK_R2, BLOCK_REST,
+                         INTERLEAVED, CONJUGATE, HAS_OFFSETS, HAS_POS, COPY_REST, ACC)
 
 
 def _pow2(n: int) -> int:
@@ -136,6 +169,7 @@ def plan_rotary(q, qo, k, ko, cos, sin, *, offsets=None, offset: int = 0, positi
     None. Varlen: q is (1, total, Hq, D), cu_seqlens (nseq + 1,) int32/int64, max_seqlen >= the
     longest sequence. cos, sin: (Bc, seqlen_ro, R2) with Bc in {1, B} (stride 0 when 1 is fine).
     offsets: (B,) ints or None (then `offset`); position_ids: (B, S) ints, or (1, total) for varlen.
+    Grid: (q tiles + k tiles, B or nseq); each tile is (positions, heads) of one tensor.
     """
     B, S, Hq, D = q.shape
     r2 = cos.shape[-1]
@@ -143,34 +177,39 @@ def plan_rotary(q, qo, k, ko, cos, sin, *, offsets=None, offset: int = 0, positi
     nb = cu_seqlens.shape[0] - 1 if varlen else B
     seq = max_seqlen if varlen else S
     target = target if target is not None else target_for(q)
-    cfg: ElementwiseConfig = rotary_config(2 * r2, seq, target)
     has_k = k is not None
+    hk = k.shape[2] if has_k else 0
+    cfg_q: ElementwiseConfig = rotary_config(r2, Hq, seq, target)
+    cfg_k: ElementwiseConfig = rotary_config(r2, max(hk, 1), seq, target)
     k_, ko_ = (k, ko) if has_k else (q, qo)  # placeholders, never read when HAS_K is False
-    copy_rest = (qo.data_ptr() != q.data_ptr()) and D > 2 * r2
+    copy_rest = qo is not q and D > 2 * r2  # in place (qo is q): the pass-through columns are already there
     cbs = cos.stride(0) if cos.shape[0] > 1 else 0
     sbs = sin.stride(0) if sin.shape[0] > 1 else 0
     pos_strides = (0, 0)
     if position_ids is not None:
         pos_strides = (0 if varlen else position_ids.stride(0), position_ids.stride(1))
+    seq_tiles = max(seq, 1)
+    n_sq, n_sk = _cdiv(seq_tiles, cfg_q.block_rows), _cdiv(seq_tiles, cfg_k.block_rows)
+    n_q_progs = n_sq * _cdiv(Hq, cfg_q.block_cols)
+    n_k_progs = n_sk * _cdiv(hk, cfg_k.block_cols) if has_k else 0
+    qs, qos, ks, kos = q.stride(), qo.stride(), k_.stride(), ko_.stride()
     args = dict(
         Q=q, K=k_, QO=qo, KO=ko_, COS=cos, SIN=sin, OFFSETS=offsets, POS=position_ids, CU_SEQLENS=cu_seqlens,
-        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
-        stride_qob=qo.stride(0), stride_qos=qo.stride(1), stride_qoh=qo.stride(2), stride_qod=qo.stride(3),
-        stride_kb=k_.stride(0), stride_ks=k_.stride(1), stride_kh=k_.stride(2), stride_kd=k_.stride(3),
-        stride_kob=ko_.stride(0), stride_kos=ko_.stride(1), stride_koh=ko_.stride(2), stride_kod=ko_.stride(3),
+        stride_qb=qs[0], stride_qs=qs[1], stride_qh=qs[2], stride_qd=qs[3],
+        stride_qob=qos[0], stride_qos=qos[1], stride_qoh=qos[2], stride_qod=qos[3],
+        stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_kd=ks[3],
+        stride_kob=kos[0], stride_kos=kos[1], stride_koh=kos[2], stride_kod=kos[3],
         stride_cb=cbs, stride_cs=cos.stride(1), stride_cd=cos.stride(2),
         stride_sb=sbs, stride_ss=sin.stride(1), stride_sd=sin.stride(2),
         stride_pb=pos_strides[0], stride_ps=pos_strides[1],
-        S=S, HQ=Hq, HK=k.shape[2] if has_k else 0, R2=r2, D_REST=D - 2 * r2, seqlen_ro=cos.shape[1],
-        pos_offset=int(offset),
-        BLOCK_S=cfg.block_rows, BLOCK_R2=_pow2(r2), BLOCK_REST=_pow2(D - 2 * r2),
-        HEADS_PER_PROG=cfg.block_cols, INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate),
+        S=S, HQ=Hq, HK=hk, R2=r2, D_REST=D - 2 * r2, seqlen_ro=cos.shape[1], pos_offset=int(offset),
+        n_q_progs=n_q_progs, n_sq_tiles=n_sq, n_sk_tiles=n_sk,
+        BLOCK_SQ=cfg_q.block_rows, BLOCK_HQ=cfg_q.block_cols, BLOCK_SK=cfg_k.block_rows, BLOCK_HK=cfg_k.block_cols,
+        BLOCK_R2=_pow2(r2), BLOCK_REST=_pow2(D - 2 * r2), INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate),
         HAS_K=has_k, VARLEN=varlen, HAS_OFFSETS=offsets is not None, HAS_POS=position_ids is not None,
         COPY_REST=copy_rest, ACC=ACC_DTYPE[q.dtype],
     )
-    n_groups = triton.cdiv(Hq, cfg.block_cols) + (triton.cdiv(k.shape[2], cfg.block_cols) if has_k else 0)
-    grid = (triton.cdiv(max(seq, 1), cfg.block_rows), nb, n_groups)
-    return Launch(_rotary_kernel, grid, args, cfg)
+    return Launch(_rotary_kernel, (n_q_progs + n_k_progs, nb), args, cfg_q)
 
 
 def rotary(q, qo, k=None, ko=None, cos=None, sin=None, **kw) -> None:
@@ -178,8 +217,9 @@ def rotary(q, qo, k=None, ko=None, cos=None, sin=None, **kw) -> None:
 
     Empty inputs (no rows, no heads, or no sequences) launch nothing.
     """
-    nb = kw["cu_seqlens"].shape[0] - 1 if kw.get("cu_seqlens") is not None else q.shape[0]
-    seq = kw.get("max_seqlen", 0) if kw.get("cu_seqlens") is not None else q.shape[1]
+    varlen = kw.get("cu_seqlens") is not None
+    nb = kw["cu_seqlens"].shape[0] - 1 if varlen else q.shape[0]
+    seq = kw.get("max_seqlen", 0) if varlen else q.shape[1]
     heads = q.shape[2] + (k.shape[2] if k is not None else 0)
     if nb <= 0 or seq <= 0 or heads == 0 or q.shape[3] == 0:
         return
@@ -187,34 +227,37 @@ def rotary(q, qo, k=None, ko=None, cos=None, sin=None, **kw) -> None:
 
 
 def compile_plans(target: Target) -> list[tuple[str, Launch]]:
-    """Representative launches for the compile check: fp16/bf16, head dims 64/128/256, half and
-    interleaved, full and partial rotary, q+k (GQA) and single tensors, varlen and position ids."""
+    """Representative launches for the compile check: fp16/bf16 (and fp32 at D=128), head dims
+    64/128/256, half and interleaved, forward and backward (conjugate), q+k at LLaMA-3-8B's
+    32/8 heads (so q and k get different tiles) and 8/2, full and partial rotary, varlen with
+    offsets in place, position ids with per-batch tables in the (B, H, S, D) layout, and decoding."""
     plans = []
-    for dtype in (torch.float16, torch.bfloat16):
-        for d in (64, 128, 256):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for d in ((64, 128, 256) if dtype != torch.float32 else (128,)):
             for interleaved in (False, True):
-                q = torch.empty(2, 16, 8, d, dtype=dtype)  # (B, S, Hq, D)
-                k = torch.empty(2, 16, 2, d, dtype=dtype)  # (B, S, Hk, D): GQA
-                cos = torch.empty(1, 64, d // 2, dtype=torch.float32)  # (1, seqlen_ro, R2)
                 style = "interleaved" if interleaved else "half"
-                plans.append((f"rotary_qk_{style}_d{d}_{dtype}",
-                              plan_rotary(q, torch.empty_like(q), k, torch.empty_like(k), cos, cos,
-                                          interleaved=interleaved, target=target)))
-                plans.append((f"rotary_qk_bwd_{style}_d{d}_{dtype}",
-                              plan_rotary(q, torch.empty_like(q), k, torch.empty_like(k), cos, cos,
-                                          interleaved=interleaved, conjugate=True, target=target)))
-            # partial rotary (half the head), out of place: the pass-through copy
-            q = torch.empty(2, 16, 8, d, dtype=dtype)
-            cos = torch.empty(1, 64, d // 4, dtype=torch.float32)
-            plans.append((f"rotary_partial_d{d}_{dtype}",
-                          plan_rotary(q, torch.empty_like(q), None, None, cos, cos, target=target)))
-            # varlen with per-sequence offsets, in place
+                for hq, hk in ((32, 8), (8, 2)):
+                    q = torch.empty(2, 16, hq, d, dtype=dtype)  # (B, S, Hq, D)
+                    k = torch.empty(2, 16, hk, d, dtype=dtype)  # (B, S, Hk, D): GQA
+                    cos = torch.empty(1, 64, d // 2, dtype=torch.float32)  # (1, seqlen_ro, R2)
+                    for conj in (False, True):
+                        plans.append((f"rotary_qk_{'bwd' if conj else 'fwd'}_{style}_h{hq}x{hk}_d{d}_{dtype}",
+                                      plan_rotary(q, torch.empty_like(q), k, torch.empty_like(k), cos, cos,
+                                                  interleaved=interleaved, conjugate=conj, target=target)))
+                # partial rotary (half the head), out of place: the pass-through copy
+                q = torch.empty(2, 16, 8, d, dtype=dtype)
+                cos = torch.empty(1, 64, d // 4, dtype=torch.float32)
+                plans.append((f"rotary_partial_{style}_d{d}_{dtype}",
+                              plan_rotary(q, torch.empty_like(q), None, None, cos, cos, interleaved=interleaved,
+                                          target=target)))
+            # varlen with per-sequence offsets, q and k in place
             x = torch.empty(1, 40, 8, d, dtype=dtype)  # (1, total, H, D)
+            kx = torch.empty(1, 40, 2, d, dtype=dtype)
             cu = torch.tensor([0, 10, 40], dtype=torch.int32)
             offs = torch.zeros(2, dtype=torch.int32)
             cos = torch.empty(1, 64, d // 2, dtype=torch.float32)
             plans.append((f"rotary_varlen_inplace_d{d}_{dtype}",
-                          plan_rotary(x, x, None, None, cos, cos, offsets=offs, cu_seqlens=cu, max_seqlen=30,
+                          plan_rotary(x, x, kx, kx, cos, cos, offsets=offs, cu_seqlens=cu, max_seqlen=30,
                                       target=target)))
             # per-batch tables and position ids (the HF apply_rotary_pos_emb path), (B, H, S, D) layout
             q = torch.empty(2, 8, 16, d, dtype=dtype).transpose(1, 2)  # (B, S, H, D) view of (B, H, S, D)
@@ -222,5 +265,12 @@ def compile_plans(target: Target) -> list[tuple[str, Launch]]:
             pos = torch.zeros(2, 16, dtype=torch.int64)
             plans.append((f"rotary_posids_bhsd_d{d}_{dtype}",
                           plan_rotary(q, torch.empty_like(q), None, None, cos, cos, position_ids=pos,
+                                      target=target)))
+            # decoding: one token, q and k in place, per-sequence offsets
+            q = torch.empty(4, 1, 32, d, dtype=dtype)
+            k = torch.empty(4, 1, 8, d, dtype=dtype)
+            cos = torch.empty(1, 4096, d // 2, dtype=torch.float32)
+            plans.append((f"rotary_decode_inplace_d{d}_{dtype}",
+                          plan_rotary(q, q, k, k, cos, cos, offsets=torch.zeros(4, dtype=torch.int32),
                                       target=target)))
     return plans

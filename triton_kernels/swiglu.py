@@ -3,6 +3,8 @@
 Forward (BACKWARD=False):  out = silu(g) * u                 with silu(g) = g * sigmoid(g)
 Backward (BACKWARD=True):  dg = do * u * s * (1 + g * (1 - s)),   du = do * silu(g),   s = sigmoid(g)
 
+sigmoid is 1 / (1 + exp2(-g * log2(e))): one exp2 and a reciprocal (fp64, in the interpreter, uses exp).
+
 The backward recomputes s from the saved g and u, so nothing but the inputs is kept for it. Its
 outputs may alias g and u (in-place gradients): each program reads a tile before writing the same
 tile, and no tile is read by another program.
@@ -20,17 +22,34 @@ from .configs import Target, swiglu_config
 from .launch import ACC_DTYPE, Launch, target_for
 
 
+
+def _cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (triton.cdiv is a JIT function: calling it on the host is slow)."""
+    return -(-a // b)
+
+
 @triton.jit
-def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H,
+def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H, n_h_tiles,
                    stride_gm, stride_gh, stride_um, stride_uh, stride_dom, stride_doh,
                    stride_o1m, stride_o1h, stride_o2m, stride_o2h,
-                   BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr):
-    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
-    offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # (BLOCK_H,)
+                   BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, FAST_EXP: tl.constexpr,
+                   ACC: tl.constexpr):
+    # flat grid, column tiles fastest: consecutive programs stream consecutive memory
+    pid = tl.program_id(0)
+    pid_m = pid // n_h_tiles
+    pid_h = pid - pid_m * n_h_tiles
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,) int32: H < 2**31
     mask = (offs_m[:, None] < M) & (offs_h[None, :] < H)  # (BLOCK_M, BLOCK_H)
     g = tl.load(G + offs_m[:, None] * stride_gm + offs_h[None, :] * stride_gh, mask=mask, other=0.0).to(ACC)
     u = tl.load(U + offs_m[:, None] * stride_um + offs_h[None, :] * stride_uh, mask=mask, other=0.0).to(ACC)
-    s = 1.0 / (1.0 + tl.exp(-g))  # sigmoid, (BLOCK_M, BLOCK_H); 1.0 is exact in any dtype
+    # sigmoid: exp2 (one MUFU.EX2) and a reciprocal; fp64 (interpreter tests) keeps exp, since the
+    # log2(e) literal would be fp32 and cost fp64 its precision. exp2(+inf) = inf gives s = 0.
+    if FAST_EXP:
+        e = tl.exp2(g * -1.4426950408889634)
+    else:
+        e = tl.exp(-g)
+    s = 1.0 / (1.0 + e)  # (BLOCK_M, BLOCK_H); 1.0 is exact in any dtype
     silu = g * s
     if BACKWARD:
         do = tl.load(DO + offs_m[:, None] * stride_dom + offs_h[None, :] * stride_doh, mask=mask, other=0.0).to(ACC)
@@ -47,20 +66,23 @@ def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H,
 
 def plan_swiglu(g, u, out1, *, do=None, out2=None, target: Target | None = None) -> Launch:
     """Launch for the forward (out1 = silu(g) * u) or, when `do` is given, the backward
-    (out1 = dgate, out2 = dup). Every tensor is an (M, H) view with any strides."""
+    (out1 = dgate, out2 = dup). Every tensor is an (M, H) view with any strides; out1/out2 may be
+    g/u (in-place backward: each program reads its tile before writing that same tile)."""
     M, H = g.shape
     target = target if target is not None else target_for(g)
     cfg = swiglu_config(H, M, target)
     backward = do is not None
     do_, out2_ = (do, out2) if backward else (g, out1)  # placeholders, unused in the forward
+    n_h_tiles = _cdiv(H, cfg.block_cols)
     args = dict(
-        G=g, U=u, DO=do_, OUT1=out1, OUT2=out2_, M=M, H=H,
+        G=g, U=u, DO=do_, OUT1=out1, OUT2=out2_, M=M, H=H, n_h_tiles=n_h_tiles,
         stride_gm=g.stride(0), stride_gh=g.stride(1), stride_um=u.stride(0), stride_uh=u.stride(1),
         stride_dom=do_.stride(0), stride_doh=do_.stride(1),
         stride_o1m=out1.stride(0), stride_o1h=out1.stride(1), stride_o2m=out2_.stride(0), stride_o2h=out2_.stride(1),
-        BLOCK_M=cfg.block_rows, BLOCK_H=cfg.block_cols, BACKWARD=backward, ACC=ACC_DTYPE[g.dtype],
+        BLOCK_M=cfg.block_rows, BLOCK_H=cfg.block_cols, BACKWARD=backward, FAST_EXP=g.dtype != torch.float64,
+        ACC=ACC_DTYPE[g.dtype],
     )
-    grid = (triton.cdiv(M, cfg.block_rows), triton.cdiv(H, cfg.block_cols))
+    grid = (_cdiv(M, cfg.block_rows) * n_h_tiles,)
     return Launch(_swiglu_kernel, grid, args, cfg)
 
 
@@ -78,10 +100,11 @@ def swiglu_backward(do, g, u, dg, du) -> None:
 
 def compile_plans(target: Target) -> list[tuple[str, Launch]]:
     """Forward and backward, fp16 and bf16, separate and packed [gate | up] inputs, at LLaMA-like
-    hidden sizes (a 256-wide one, 11008 = LLaMA-7B with a partial column tile, 14336 = LLaMA-3-8B)."""
+    hidden sizes (256; 11008 = LLaMA-7B, 256-column tiles; 14336 = LLaMA-3-8B and 28672 = LLaMA-3-70B,
+    2048-column tiles; 5000, a width with a partial last tile), plus fp32 at 14336."""
     plans = []
-    for dtype in (torch.float16, torch.bfloat16):
-        for h in (256, 11008, 14336):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for h in ((256, 5000, 11008, 14336, 28672) if dtype != torch.float32 else (14336,)):
             g = torch.empty(8, h, dtype=dtype)
             u = torch.empty(8, h, dtype=dtype)
             x = torch.empty(8, 2 * h, dtype=dtype)  # packed [gate | up]

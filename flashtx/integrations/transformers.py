@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from ..functional import attention
-from ..rotary import apply_rotary_pos_emb
+from ..rotary import apply_rotary_pos_emb as _fused_rotary_pos_emb
 from ..swiglu import swiglu
 
 # The name models use: attn_implementation="ftx". Not "flashtx": transformers treats every name that
@@ -37,6 +37,17 @@ from ..swiglu import swiglu
 NAME = "ftx"
 ROPE_FAMILIES = ("llama", "mistral", "qwen2")  # model_type values apply_flashtx knows
 _patched_rope: dict = {}  # modeling module -> its original apply_rotary_pos_emb
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """What apply_flashtx puts in place of a modeling module's ``apply_rotary_pos_emb``.
+
+    flashtx.apply_rotary_pos_emb (same signature and shapes: q (B, Hq, S, D), k (B, Hk, S, D),
+    cos/sin (B, S, rotary_dim)), rotating q and k in place when autograd records nothing
+    (generation, no_grad): the attention layers pass fresh projections and rebind the results, so
+    no second copy of q and k is written. With autograd recording (training) it returns new tensors.
+    """
+    return _fused_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, inplace=None)
 
 
 def flashtx_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -186,7 +197,7 @@ def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool
             one of ROPE_FAMILIES.
         attention: register flashtx and switch the model to ``attn_implementation="ftx"``.
         rope: replace the family's ``apply_rotary_pos_emb`` with flashtx.apply_rotary_pos_emb (fused,
-            fp32 inside). Like Liger-Kernel, this patches the modeling module, so it applies to
+            fp32 inside; in place when autograd records nothing, see apply_rotary_pos_emb here). Like Liger-Kernel, this patches the modeling module, so it applies to
             every model of that family in the process; ``restore_rope()`` undoes it.
         mlp: give each gated MLP (gate_proj/up_proj/down_proj with SiLU) a forward that uses
             flashtx.swiglu. Parameters, their names and checkpoints are unchanged.

@@ -147,12 +147,16 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().float(), angles.sin().float()
 
     def forward(self, q: Tensor, k: Tensor | None = None, *, seqlen_offsets=0, position_ids=None, cu_seqlens=None,
-                max_seqlen=None, layout: str = "bshd", inplace: bool = False, backend=None):
+                max_seqlen=None, layout: str = "bshd", inplace: bool | None = None, backend=None):
         """Rotate q (and k, in the same launch) by their positions; see flashtx.apply_rotary.
 
         q: (B, S, Hq, D), k: (B, S, Hk, D) (layout="bhsd": (B, H, S, D); packed (total, H, D)
         with cu_seqlens). Returns q_rot, or (q_rot, k_rot). Tables grow to cover the positions;
         with tensor seqlen_offsets or position_ids that reads their max (one device sync).
+
+        inplace: None (default) rotates q and k in place (and returns them) when autograd records
+        nothing (inference, no_grad) and their memory allows it, out of place otherwise (always
+        under torch.compile); True always in place, False never (see flashtx.apply_rotary).
         """
         check_tensor("q", q)
         needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout)

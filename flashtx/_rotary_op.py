@@ -1,0 +1,194 @@
+"""The RoPE ops: backends in flashtx._dispatch, triton_ops with their autograd (no validation here).
+
+Ops (schemas as torch.library infers them):
+
+    flashtx::rotary(Tensor x, Tensor cos, Tensor sin, Tensor?[] index, SymInt[] spec, str backend) -> Tensor
+    flashtx::rotary_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor?[] index, SymInt[] spec,
+                       str backend) -> (Tensor, Tensor)
+    flashtx::rotary_(Tensor(a!) q, Tensor(b!)? k, Tensor cos, Tensor sin, Tensor?[] index, SymInt[] spec,
+                     str backend) -> ()
+
+x, q, k: (B, S, H, D) views with any strides (varlen: (1, total, H, D)); cos, sin: (Bc, seqlen_ro,
+R2) with Bc in {1, B}. The optional tensors and the scalars travel grouped, and are unpacked by
+name (see INDEX and SPEC):
+
+    index = [offsets (B,) | None, position_ids (B, S) or (1, total) | None, cu_seqlens (nseq+1,) | None]
+    spec = [offset, max_seqlen, interleaved (0/1), conjugate (0/1)]
+
+The backward of a rotation is the rotation by -theta: the same op with `conjugate` flipped. The
+in-place `rotary_` has no autograd formula (torch.library refuses them for mutating ops);
+flashtx.rotary runs it only where autograd records nothing, and otherwise writes the functional
+op's result back (copy_), which autograd tracks.
+
+Each op is a `flashtx._library.triton_op`: its body is its fake impl too, so it must run on fake
+tensors (Launch.run skips the launch there) and stay free of data-dependent Python.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _dispatch, reference
+from ._library import triton_op
+from .backends import triton_device_reasons
+
+INDEX = ("offsets", "position_ids", "cu_seqlens")  # the order of `index`
+SPEC = ("offset", "max_seqlen", "interleaved", "conjugate")  # the order of `spec`
+
+
+# ----------------------------------------------------------------------------------- backends
+class RotaryInputs:
+    """What dispatch looks at (built only when a plan is resolved): x as (B, S, H, D) and its cos table."""
+
+    __slots__ = ("x", "cos")
+
+    def __init__(self, x: Tensor, cos: Tensor):
+        self.x, self.cos = x, cos
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+
+class RotaryTriton:
+    """flashtx's Triton rotary kernel: CUDA tensors, or CPU tensors in Triton's interpreter."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, inp: RotaryInputs) -> list[str]:
+        reasons = triton_device_reasons(inp.device, inp.dtype)
+        if inp.cos.dtype == torch.bfloat16 and inp.device.type == "cpu":
+            reasons.append("bfloat16 cos/sin are misread by Triton's interpreter (triton-lang/triton#11584)")
+        return reasons
+
+    def run(self, q, qo, k, ko, cos, sin, index, spec) -> None:
+        from .triton_kernels.rotary import rotary
+
+        offsets, position_ids, cu_seqlens = index
+        offset, max_seqlen, interleaved, conjugate = spec
+        rotary(q, qo, k, ko, cos, sin, offsets=offsets, offset=offset, position_ids=position_ids,
+               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, interleaved=bool(interleaved),
+               conjugate=bool(conjugate))
+
+
+class RotaryReference:
+    """Eager PyTorch (flashtx.reference.rotary_tokens): any device and float dtype. No
+    data-dependent shapes or host reads, so it traces (and runs on fake tensors)."""
+
+    name = "reference"
+
+    def not_supported_reasons(self, inp: RotaryInputs) -> list[str]:
+        return []
+
+    def run(self, q, qo, k, ko, cos, sin, index, spec) -> None:
+        offsets, position_ids, cu_seqlens = index
+        offset, _max_seqlen, interleaved, conjugate = spec
+        for x, out in ((q, qo), (k, ko)):
+            if x is None or x.numel() == 0:
+                continue
+            B, S, H, D = x.shape
+            dev = x.device
+            rows = torch.arange(S, device=dev)  # (S,) index along x's sequence dim
+            if cu_seqlens is None:
+                tables = torch.arange(B, device=dev).repeat_interleave(S)  # (B * S,)
+                if position_ids is not None:
+                    pos = position_ids.expand(B, S).reshape(-1)
+                elif offsets is not None:
+                    pos = (rows[None, :] + offsets.long()[:, None]).reshape(-1)
+                else:
+                    pos = (rows + offset).repeat(B)  # (B * S,)
+                tokens = x.reshape(B * S, H, D)
+            else:  # validation guarantees cu_seqlens[0] == 0 and cu_seqlens[-1] == total: every row is covered
+                cu = cu_seqlens.long()
+                tables = torch.searchsorted(cu[1:], rows, right=True)  # (total,) sequence of each row
+                if position_ids is not None:
+                    pos = position_ids[0]
+                else:
+                    pos = rows - cu[tables] + (offsets.long()[tables] if offsets is not None else offset)
+                tokens = x[0]  # (total, H, D)
+            if cos.shape[0] == 1:
+                tables = torch.zeros_like(tables)
+            res = reference.rotary_tokens(tokens, cos, sin, tables, pos, interleaved=bool(interleaved),
+                                          conjugate=bool(conjugate))
+            out.copy_(res.view(B, S, H, D))  # computed in full first: out may be x (in place)
+
+
+_dispatch.register("rotary", "triton", RotaryTriton())
+_dispatch.register("rotary", "reference", RotaryReference())
+ROTARY_BACKENDS = _dispatch.IMPLS["rotary"]  # the registry's entries, in preference order (selfcheck reads it)
+
+
+# ----------------------------------------------------------------------------------- ops
+@triton_op("flashtx::rotary", mutates_args=())
+def rotary_op(x: Tensor, cos: Tensor, sin: Tensor, index: list[Optional[Tensor]], spec: list[int],
+              backend: str) -> Tensor:
+    """Rotated copy of x (B, S, H, D) (varlen: (1, total, H, D)), laid out as empty_like(x)."""
+    out = torch.empty_like(x)
+    ROTARY_BACKENDS[backend].run(x, out, None, None, cos, sin, index, spec)
+    return out
+
+
+@triton_op("flashtx::rotary_qk", mutates_args=())
+def rotary_qk_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, index: list[Optional[Tensor]], spec: list[int],
+                 backend: str) -> tuple[Tensor, Tensor]:
+    """Rotated copies of q (B, S, Hq, D) and k (B, S, Hk, D), from one launch."""
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    ROTARY_BACKENDS[backend].run(q, qo, k, ko, cos, sin, index, spec)
+    return qo, ko
+
+
+@triton_op("flashtx::rotary_", mutates_args=("q", "k"))
+def rotary_inplace_op(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, index: list[Optional[Tensor]],
+                      spec: list[int], backend: str) -> None:
+    """Rotate q (and k, same launch) in place. No autograd formula (see the module docstring)."""
+    ROTARY_BACKENDS[backend].run(q, q, k, k, cos, sin, index, spec)
+
+
+def _conjugated(spec) -> list:
+    offset, max_seqlen, interleaved, conjugate = spec
+    return [offset, max_seqlen, interleaved, 1 - int(conjugate)]
+
+
+def _save(ctx, cos, sin, index, spec, backend) -> None:
+    """What the backward needs: the tables and positions, and the spec with `conjugate` flipped."""
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros are rotated
+    ctx.save_for_backward(cos, sin, *index)
+    ctx.spec, ctx.backend = _conjugated(spec), backend
+
+
+def _setup_rotary(ctx, inputs, output):
+    x, cos, sin, index, spec, backend = inputs
+    _save(ctx, cos, sin, index, spec, backend)
+
+
+def _setup_rotary_qk(ctx, inputs, output):
+    q, k, cos, sin, index, spec, backend = inputs
+    _save(ctx, cos, sin, index, spec, backend)
+
+
+def _rotary_backward(ctx, dout):
+    if dout is None:
+        return None, None, None, None, None, None
+    cos, sin, *index = ctx.saved_tensors
+    return rotary_op(dout, cos, sin, index, ctx.spec, ctx.backend), None, None, None, None, None
+
+
+def _rotary_qk_backward(ctx, dq, dk):
+    cos, sin, *index = ctx.saved_tensors
+    if dq is not None and dk is not None:
+        dq, dk = rotary_qk_op(dq, dk, cos, sin, index, ctx.spec, ctx.backend)
+    elif dq is not None:
+        dq = rotary_op(dq, cos, sin, index, ctx.spec, ctx.backend)
+    elif dk is not None:
+        dk = rotary_op(dk, cos, sin, index, ctx.spec, ctx.backend)
+    return dq, dk, None, None, None, None, None
+
+
+rotary_op.register_autograd(_rotary_backward, setup_context=_setup_rotary)
+rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_setup_rotary_qk)

@@ -1,0 +1,211 @@
+"""The SwiGLU ops: backends in flashtx._dispatch, triton_ops with their autograd (no validation here).
+
+Ops (schemas as torch.library infers them); every tensor is (..., H) (packed: (..., 2H)):
+
+    flashtx::swiglu(Tensor gate, Tensor up, bool inplace_backward, str backend) -> Tensor
+    flashtx::swiglu_bwd(Tensor dout, Tensor gate, Tensor up, str backend) -> (Tensor, Tensor)
+    flashtx::swiglu_bwd_(Tensor dout, Tensor(a!) gate, Tensor(b!) up, str backend) -> ()
+    flashtx::swiglu_packed(Tensor x, bool inplace_backward, str backend) -> Tensor
+    flashtx::swiglu_packed_bwd(Tensor dout, Tensor x, str backend) -> Tensor
+    flashtx::swiglu_packed_bwd_(Tensor dout, Tensor(a!) x, str backend) -> ()
+
+The forward saves only its inputs; the backward recomputes silu from them. The `_` ops write the
+gradients over the saved inputs (inplace_backward=True). Each op is a flashtx._library.triton_op:
+its body is its fake impl too (launches are skipped on fake tensors).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import _dispatch, reference
+from ._library import triton_op
+from ._validate import refuse_double_backward
+from .backends import triton_device_reasons
+
+
+# ----------------------------------------------------------------------------------- backends
+class SwigluInputs:
+    """What dispatch looks at (built only when a plan is resolved)."""
+
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: Tensor):
+        self.gate = gate
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate.dtype
+
+
+class SwigluTriton:
+    """flashtx's Triton SwiGLU kernel: CUDA tensors, or CPU tensors in Triton's interpreter."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, inp: SwigluInputs) -> list[str]:
+        return triton_device_reasons(inp.device, inp.dtype)
+
+    def forward(self, g, u, out) -> None:
+        from .triton_kernels.swiglu import swiglu_forward
+
+        swiglu_forward(g, u, out)
+
+    def backward(self, do, g, u, dg, du) -> None:
+        from .triton_kernels.swiglu import swiglu_backward
+
+        swiglu_backward(do, g, u, dg, du)
+
+
+class SwigluReference:
+    """Eager PyTorch (flashtx.reference.swiglu): any device and float dtype."""
+
+    name = "reference"
+
+    def not_supported_reasons(self, inp: SwigluInputs) -> list[str]:
+        return []
+
+    def forward(self, g, u, out) -> None:
+        out.copy_(reference.swiglu(g, u))
+
+    def backward(self, do, g, u, dg, du) -> None:
+        a, b = reference.swiglu_backward(do, g, u)  # computed fully before dg/du (maybe g/u) are written
+        dg.copy_(a)
+        du.copy_(b)
+
+
+_dispatch.register("swiglu", "triton", SwigluTriton())
+_dispatch.register("swiglu", "reference", SwigluReference())
+SWIGLU_BACKENDS = _dispatch.IMPLS["swiglu"]  # the registry's entries, in preference order (selfcheck reads it)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """(..., H) -> (M, H): a view whenever strides allow (always for the packed halves of a 2-D x)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: a size-0 dim makes -1 ambiguous
+
+
+def _rows_inplace(t: Tensor, write) -> None:
+    """Run write(rows) on an (M, H) view of t, or on a copy that is copied back into t."""
+    try:
+        rows = t.view(math.prod(t.shape[:-1]), t.shape[-1])
+    except RuntimeError:  # strides do not allow a flat view: work on a copy
+        rows = _rows(t).clone()
+        write(rows)
+        t.copy_(rows.view(t.shape))
+        return
+    write(rows)
+
+
+# ----------------------------------------------------------------------------------- custom ops
+@triton_op("flashtx::swiglu", mutates_args=())
+def swiglu_op(gate: Tensor, up: Tensor, inplace_backward: bool, backend: str) -> Tensor:
+    """silu(gate) * up for gate, up (..., H); the output is contiguous."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    SWIGLU_BACKENDS[backend].forward(_rows(gate), _rows(up), _rows(out))
+    return out
+
+
+
+@triton_op("flashtx::swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(dout: Tensor, gate: Tensor, up: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    """(dgate, dup), contiguous, for the incoming gradient dout (..., H)."""
+    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    SWIGLU_BACKENDS[backend].backward(_rows(dout), _rows(gate), _rows(up), _rows(dg), _rows(du))
+    return dg, du
+
+
+
+@triton_op("flashtx::swiglu_bwd_", mutates_args=("gate", "up"))
+def swiglu_bwd_inplace_op(dout: Tensor, gate: Tensor, up: Tensor, backend: str) -> None:
+    """Overwrite gate with dgate and up with dup."""
+    b = SWIGLU_BACKENDS[backend]
+    do = _rows(dout)
+
+    def write_gate(g):
+        _rows_inplace(up, lambda u: b.backward(do, g, u, g, u))
+
+    _rows_inplace(gate, write_gate)
+
+
+
+def _setup(ctx, inputs, output):
+    gate, up, inplace_backward, backend = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(gate, up)  # the only state kept for backward
+    ctx.args = (inplace_backward, backend)
+
+
+def _backward(ctx, dout):
+    if dout is None:
+        return None, None, None, None
+    gate, up = ctx.saved_tensors
+    inplace_backward, backend = ctx.args
+    if inplace_backward:
+        swiglu_bwd_inplace_op(dout, gate, up, backend)
+        return gate, up, None, None
+    dg, du = swiglu_bwd_op(dout, gate, up, backend)
+    return dg, du, None, None
+
+
+swiglu_op.register_autograd(_backward, setup_context=_setup)
+refuse_double_backward(swiglu_bwd_op, "swiglu", "torch.nn.functional.silu(gate) * up")
+
+
+@triton_op("flashtx::swiglu_packed", mutates_args=())
+def swiglu_packed_op(x: Tensor, inplace_backward: bool, backend: str) -> Tensor:
+    """silu(x[..., :H]) * x[..., H:] for x (..., 2H); the output (..., H) is contiguous."""
+    h = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], h), dtype=x.dtype, device=x.device)
+    x2 = _rows(x)  # (M, 2H)
+    SWIGLU_BACKENDS[backend].forward(x2[:, :h], x2[:, h:], _rows(out))
+    return out
+
+
+
+@triton_op("flashtx::swiglu_packed_bwd", mutates_args=())
+def swiglu_packed_bwd_op(dout: Tensor, x: Tensor, backend: str) -> Tensor:
+    """dx (..., 2H), contiguous, holding [dgate | dup]."""
+    h = x.shape[-1] // 2
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2, dx2 = _rows(x), _rows(dx)  # (M, 2H)
+    SWIGLU_BACKENDS[backend].backward(_rows(dout), x2[:, :h], x2[:, h:], dx2[:, :h], dx2[:, h:])
+    return dx
+
+
+
+@triton_op("flashtx::swiglu_packed_bwd_", mutates_args=("x",))
+def swiglu_packed_bwd_inplace_op(dout: Tensor, x: Tensor, backend: str) -> None:
+    """Overwrite x (..., 2H) with its gradient [dgate | dup]."""
+    h = x.shape[-1] // 2
+    do = _rows(dout)
+    _rows_inplace(x, lambda x2: SWIGLU_BACKENDS[backend].backward(do, x2[:, :h], x2[:, h:], x2[:, :h], x2[:, h:]))
+
+
+
+def _setup_packed(ctx, inputs, output):
+    x, inplace_backward, backend = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x)
+    ctx.args = (inplace_backward, backend)
+
+
+def _backward_packed(ctx, dout):
+    if dout is None:
+        return None, None, None
+    (x,) = ctx.saved_tensors
+    inplace_backward, backend = ctx.args
+    if inplace_backward:
+        swiglu_packed_bwd_inplace_op(dout, x, backend)
+        return x, None, None
+    return swiglu_packed_bwd_op(dout, x, backend), None, None
+
+
+swiglu_packed_op.register_autograd(_backward_packed, setup_context=_setup_packed)
+refuse_double_backward(swiglu_packed_bwd_op, "swiglu_packed", "silu(x[..., :H]) * x[..., H:] in eager PyTorch")
