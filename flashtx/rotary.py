@@ -35,6 +35,9 @@ from . import _dispatch
 from ._rotary_op import ROTARY_BACKENDS, RotaryInputs, rotary_inplace_op, rotary_op, rotary_qk_op  # noqa: F401
 from ._validate import _values_readable, check_cu_seqlens_values, check_tensor, has_internal_overlap, views_overlap
 
+_dispatch.STANDINS["rotary"] = lambda device, dtype, cos_dtype: RotaryInputs(
+    torch.empty(0, 0, 0, 0, device=device, dtype=dtype), torch.empty(0, 0, 0, device=device, dtype=cos_dtype))
+
 _INT_DTYPES = (torch.int32, torch.int64)
 LAYOUTS = ("bshd", "bhsd")
 
@@ -236,10 +239,7 @@ def _prepare(tensors: dict, cos, sin, seqlen_offsets, position_ids, cu_seqlens, 
     index, offset, max_seqlen = _positions(x4, cos3, seqlen_offsets, position_ids, cu_seqlens, max_seqlen)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    chosen = _dispatch.plan(
-        "rotary", (x4.device, x4.dtype, cos3.dtype), backend, lambda: RotaryInputs(x4, cos3),
-        lambda: ", ".join(f"{n} {tuple(t.shape)}" for n, t in tensors.items())
-        + f" (layout {layout!r}), cos {tuple(cos.shape)}, dtype={x4.dtype}, device={x4.device}")
+    chosen = _dispatch.plan_kinds("rotary", backend, x4.device.type, x4.device.index, x4.dtype, cos3.dtype)
     spec = [offset, max_seqlen, 1 if interleaved else 0, 0]
     return views, cos3, sin3, index, spec, chosen
 

@@ -20,11 +20,14 @@ from ._validate import check_tensor, has_internal_overlap, views_overlap
 
 
 # ----------------------------------------------------------------------------------- public API
-def _select(t: Tensor, backend, summary) -> str:
-    """The backend for t's (device, dtype), resolved once and cached; summary() only on errors."""
+def _select(t: Tensor, backend) -> str:
+    """The backend for t's (device, dtype), resolved once and cached (a constant under torch.compile)."""
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    return _dispatch.plan("swiglu", (t.device, t.dtype), backend, lambda: SwigluInputs(t), summary)
+    return _dispatch.plan_kinds("swiglu", backend, t.device.type, t.device.index, t.dtype)
+
+
+_dispatch.STANDINS["swiglu"] = lambda device, dtype: SwigluInputs(torch.empty(0, device=device, dtype=dtype))
 
 
 def swiglu(gate, up, *, inplace_backward=False, backend=None):
@@ -61,7 +64,7 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
                              or (not torch.compiler.is_compiling() and views_overlap(gate, up))):
         raise ValueError("inplace_backward=True needs gate and up with no shared elements (the gradients of both are "
                          "written over them); they overlap (the same tensor, overlapping slices, or a stride-0 dim)")
-    name = _select(gate, backend, lambda: f"gate/up {tuple(gate.shape)}, dtype={gate.dtype}, device={gate.device}")
+    name = _select(gate, backend)
     if torch.compiler.is_compiling():
         # Dynamo cannot read storage pointers, so the overlap of gate and up is unknown when tracing:
         # the compiled backward is out of place (always correct; the compiler plans its own memory)
@@ -92,5 +95,5 @@ def swiglu_packed(x, *, inplace_backward=False, backend=None):
         raise ValueError(f"inplace_backward=True writes x's gradient over x, but some elements of x share memory (a "
                          f"stride-0 dim, e.g. from expand(); x has shape {tuple(x.shape)} and strides {x.stride()}); "
                          f"pass inplace_backward=False or x.contiguous()")
-    name = _select(x, backend, lambda: f"x {tuple(x.shape)}, dtype={x.dtype}, device={x.device}")
+    name = _select(x, backend)
     return swiglu_packed_op(x, bool(inplace_backward), name)
