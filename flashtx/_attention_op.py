@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch
-from ._library import triton_op
+from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .triton_kernels.mask_spec import MaskSpec
 
@@ -94,7 +94,9 @@ def _plan(q, k, v, bias, aux, ints: Ints, floats: Floats, backend: str) -> str:
     from .backends import AttentionInputs, inputs_summary, within_limits
 
     a = Aux(*aux)
-    key = (q.device.type, q.device.index, q.dtype, q.shape[-1], v.shape[-1], ints.causal, ints.window_left >= 0,
+    # head dims as ints: under dynamic shapes they are SymInts (unhashable); the kernels specialise on them anyway
+    key = (q.device.type, q.device.index, q.dtype, int(q.shape[-1]), int(v.shape[-1]), ints.causal,
+           ints.window_left >= 0,
            a.key_mask is not None, a.query_mask is not None, a.q_lens is not None or a.kv_lens is not None,
            a.cu_seqlens_q is not None, None if bias is None else bias.dtype, floats.softcap > 0,
            a.alibi_slopes is not None, floats.dropout_p > 0, ints.needs_grad)
@@ -111,7 +113,8 @@ def _plan(q, k, v, bias, aux, ints: Ints, floats: Floats, backend: str) -> str:
     return _dispatch.plan("attention", key, backend or None, inputs, summary)
 
 
-def attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: list[Optional[Tensor]], ints: list[int],
+@triton_op("flashtx::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: list[Optional[Tensor]], ints: list[int],
              floats: list[float], backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, Hq, Sq, Dv), m2 (B, Hq, Sq), l2 (B, Hq, Sq)) of q (B, Hq, Sq, D), k (B, Hkv, Sk, D),
     v (B, Hkv, Sk, Dv); see the module docstring."""
@@ -124,7 +127,8 @@ def attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: 
     return out, m2, l2
 
 
-def attn_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, m2: Tensor, l2: Tensor, dl2: Optional[Tensor],
+@triton_op("flashtx::attn_bwd", mutates_args=())
+def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, m2: Tensor, l2: Tensor, dl2: Optional[Tensor],
              bias: Optional[Tensor], aux: list[Optional[Tensor]], ints: list[int], floats: list[float], backend: str,
              bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias); dbias is the bias's gradient (its shape) when bias_grad, else empty.
@@ -137,12 +141,6 @@ def attn_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, m2: 
         do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
         bottom_right=bool(it.bottom_right), masks=spec_of(bias, aux, it, fl), dbias=dbias if bias_grad else None)
     return dq, dk, dv, dbias
-
-
-# The registered ops, for torch.compile (see flashtx._library); eager calls take AttentionFunction,
-# which calls the same bodies without the dispatcher's layers.
-attn_fwd = triton_op("flashtx::attn_fwd", mutates_args=())(attn_fwd_impl)
-attn_bwd = triton_op("flashtx::attn_bwd", mutates_args=())(attn_bwd_impl)
 
 
 # A custom_op, not a triton_op: its output shape for varlen is (nseq, H, max_seqlen_q, max_seqlen_k),
@@ -176,7 +174,7 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (ints, floats, backend)
 
 
-def _grads(ctx, dout, dl2, bwd):
+def _backward(ctx, dout, dm2, dl2):
     q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
     ints, floats, backend = ctx.args
     if dout is None and dl2 is None:
@@ -184,38 +182,10 @@ def _grads(ctx, dout, dl2, bwd):
     if dout is None:  # only the lse was used
         dout = torch.zeros_like(out)
     bias_grad = bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = bwd(dout, q, k, v, out, m2, l2, dl2, bias, aux, ints, floats, backend, bias_grad)
+    dq, dk, dv, dbias = call(attn_bwd, dout, q, k, v, out, m2, l2, dl2, bias, aux, ints, floats, backend, bias_grad)
     return dq, dk, dv, dbias if bias_grad else None, None, None, None, None
 
 
-def _backward(ctx, dout, dm2, dl2):
-    return _grads(ctx, dout, dl2, attn_bwd)
-
-
-attn_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class AttentionFunction(torch.autograd.Function):
-    """Eager autograd for attn_fwd/attn_bwd's bodies: the same code as the registered ops, minus the
-    dispatcher (custom-op autograd, redispatch, Dynamo-disable wrappers: most of an eager call's
-    Python time). Inputs and outputs as attn_fwd's."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, aux, ints, floats, backend):
-        output = attn_fwd_impl(q, k, v, bias, aux, ints, floats, backend)
-        _setup_context(ctx, (q, k, v, bias, aux, ints, floats, backend), output)
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dm2, dl2):
-        # create_graph=True: the registered op, whose own backward refuses clearly (no double backward)
-        return _grads(ctx, dout, dl2, attn_bwd if torch.is_grad_enabled() else attn_bwd_impl)
-
-
-def attention_op(q, k, v, bias, aux: list, ints: list, floats: list, backend: str):
-    """(out, m2, l2): the registered op while torch.compile traces, AttentionFunction otherwise."""
-    if torch.compiler.is_compiling():
-        return attn_fwd(q, k, v, bias, aux, ints, floats, backend)
-    return AttentionFunction.apply(q, k, v, bias, aux, ints, floats, backend)
+register_autograd(attn_fwd, _backward, _setup_context)
 refuse_double_backward(attn_bwd, "attention",
                        "torch.nn.functional.scaled_dot_product_attention or flashtx.reference.attention")

@@ -1,6 +1,7 @@
-"""How flashtx registers its ops: `torch.library.triton_op`, so torch.compile sees the kernels.
+"""How flashtx registers and calls its ops.
 
-A triton_op is a custom op whose body torch.compile traces (with `wrap_triton` launches, see
+Registration: `triton_op` wraps `torch.library.triton_op`, so torch.compile sees the kernels. A
+triton_op is a custom op whose body torch.compile traces (with `wrap_triton` launches, see
 flashtx.triton_kernels.launch.run_kernel): Inductor then calls the Triton kernels from generated
 code, and CUDA graphs capture them. Dynamo itself never looks inside: in its graph the op is one
 node, so what Dynamo traces is only the thin functional layer around it.
@@ -8,13 +9,24 @@ node, so what Dynamo traces is only the thin functional layer around it.
 Triton's interpreter (CPU tests) cannot run on the fake tensors of a trace, so while it is on the
 ops stay opaque under torch.compile, as `torch.library.custom_op`s are: the Dynamo graph is the
 same, only Inductor's view inside the op differs.
+
+Calls: `call(op, *args)` runs the registered op while torch.compile traces, and otherwise the same
+body without the dispatcher's layers (custom-op autograd, redispatch, Dynamo-disable wrappers:
+most of an eager call's Python time): through an autograd.Function built from the op's own
+setup_context/backward when autograd must record the call, directly when it need not.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from . import _env
+
+_BODY: dict = {}  # op -> its Python body
+_EAGER: dict = {}  # op -> autograd.Function over the body (ops with autograd)
+_MUTATED: dict = {}  # op -> positions of the arguments it writes in place
 
 
 def _opaque(mode, op, types, args, kwargs):
@@ -23,10 +35,59 @@ def _opaque(mode, op, types, args, kwargs):
 
 def triton_op(name: str, *, mutates_args=()):
     """Decorator: register `fn` as the triton_op `name` (its own fake impl too: the body runs on
-    fake tensors, where launches record or skip)."""
+    fake tensors, where launches record or skip). Returns the op."""
     def dec(fn):
         op = torch.library.triton_op(name, mutates_args=mutates_args)(fn)
         if _env.INTERPRET or not _env.HAS_TRITON:
             op.register_torch_dispatch(FunctionalTensorMode, _opaque)
+        _BODY[op] = fn
+        params = list(inspect.signature(fn).parameters)
+        _MUTATED[op] = tuple(params.index(a) for a in mutates_args)
         return op
     return dec
+
+
+def register_autograd(op, backward, setup_context) -> None:
+    """op.register_autograd, plus the equivalent autograd.Function that `call` uses in eager mode."""
+    op.register_autograd(backward, setup_context=setup_context)
+    body = _BODY[op]
+
+    def forward(ctx, *args):
+        out = body(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    name = "".join(w.capitalize() for w in op._name.split("::")[-1].split("_"))  # attn_fwd -> AttnFwd(Backward)
+    _EAGER[op] = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                         "backward": staticmethod(backward)})
+
+
+def _requires_grad(args) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in a):
+            return True
+    return False
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def call(op, *args):
+    """Run `op` on positional `args` (the first one a tensor): the registered op whenever anything
+    traces or intercepts it (torch.compile, AOTAutograd or make_fx and their dispatch modes, tensor
+    subclasses) and wherever autograd must record an op without an eager twin (a double backward,
+    which it then refuses); otherwise its body, through its autograd.Function when a tensor
+    argument requires grad."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(args[0]) not in _PLAIN):
+        return op(*args)
+    if torch.is_grad_enabled() and _requires_grad(args):
+        eager = _EAGER.get(op)
+        return eager.apply(*args) if eager is not None else op(*args)
+    out = _BODY[op](*args)
+    for i in _MUTATED[op]:  # in-place writes bump version counters, as the registered op's would
+        if args[i] is not None:
+            torch.autograd.graph.increment_version(args[i])
+    return out

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch, reference
-from ._library import triton_op
+from ._library import call, register_autograd, triton_op
 from .backends import triton_device_reasons
 
 INDEX = ("offsets", "position_ids", "cu_seqlens")  # the order of `index`
@@ -176,19 +176,19 @@ def _rotary_backward(ctx, dout):
     if dout is None:
         return None, None, None, None, None, None
     cos, sin, *index = ctx.saved_tensors
-    return rotary_op(dout, cos, sin, index, ctx.spec, ctx.backend), None, None, None, None, None
+    return call(rotary_op, dout, cos, sin, index, ctx.spec, ctx.backend), None, None, None, None, None
 
 
 def _rotary_qk_backward(ctx, dq, dk):
     cos, sin, *index = ctx.saved_tensors
     if dq is not None and dk is not None:
-        dq, dk = rotary_qk_op(dq, dk, cos, sin, index, ctx.spec, ctx.backend)
+        dq, dk = call(rotary_qk_op, dq, dk, cos, sin, index, ctx.spec, ctx.backend)
     elif dq is not None:
-        dq = rotary_op(dq, cos, sin, index, ctx.spec, ctx.backend)
+        dq = call(rotary_op, dq, cos, sin, index, ctx.spec, ctx.backend)
     elif dk is not None:
-        dk = rotary_op(dk, cos, sin, index, ctx.spec, ctx.backend)
+        dk = call(rotary_op, dk, cos, sin, index, ctx.spec, ctx.backend)
     return dq, dk, None, None, None, None, None
 
 
-rotary_op.register_autograd(_rotary_backward, setup_context=_setup_rotary)
-rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_setup_rotary_qk)
+register_autograd(rotary_op, _rotary_backward, _setup_rotary)
+register_autograd(rotary_qk_op, _rotary_qk_backward, _setup_rotary_qk)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch, reference
-from ._library import triton_op
+from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .backends import triton_device_reasons
 
@@ -147,14 +147,16 @@ def _backward(ctx, dout):
         return None, None, None, None
     gate, up = ctx.saved_tensors
     inplace_backward, backend = ctx.args
-    if inplace_backward:
-        swiglu_bwd_inplace_op(dout, gate, up, backend)
+    # create_graph=True: the out-of-place op, whose gradients refuse a double backward clearly (the
+    # overwritten inputs would carry the forward's autograd history: wrong second derivatives)
+    if inplace_backward and not torch.is_grad_enabled():
+        call(swiglu_bwd_inplace_op, dout, gate, up, backend)
         return gate, up, None, None
-    dg, du = swiglu_bwd_op(dout, gate, up, backend)
+    dg, du = call(swiglu_bwd_op, dout, gate, up, backend)
     return dg, du, None, None
 
 
-swiglu_op.register_autograd(_backward, setup_context=_setup)
+register_autograd(swiglu_op, _backward, _setup)
 refuse_double_backward(swiglu_bwd_op, "swiglu", "torch.nn.functional.silu(gate) * up")
 
 
@@ -201,11 +203,11 @@ def _backward_packed(ctx, dout):
         return None, None, None
     (x,) = ctx.saved_tensors
     inplace_backward, backend = ctx.args
-    if inplace_backward:
-        swiglu_packed_bwd_inplace_op(dout, x, backend)
+    if inplace_backward and not torch.is_grad_enabled():  # create_graph=True: out of place (see _backward)
+        call(swiglu_packed_bwd_inplace_op, dout, x, backend)
         return x, None, None
-    return swiglu_packed_bwd_op(dout, x, backend), None, None
+    return call(swiglu_packed_bwd_op, dout, x, backend), None, None
 
 
-swiglu_packed_op.register_autograd(_backward_packed, setup_context=_setup_packed)
+register_autograd(swiglu_packed_op, _backward_packed, _setup_packed)
 refuse_double_backward(swiglu_packed_bwd_op, "swiglu_packed", "silu(x[..., :H]) * x[..., H:] in eager PyTorch")

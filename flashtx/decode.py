@@ -24,7 +24,7 @@ def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:
         raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
-    return t
+    return t.contiguous()  # the kernels index it flat: a strided view would be read past its values
 
 
 def _check_like(name: str, t, dims: int, q: Tensor, shape_doc: str) -> None:
@@ -152,6 +152,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if rotary_cos.shape != rotary_sin.shape or not 0 < 2 * rotary_cos.shape[1] <= D:
             raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim "
                              f"<= D = {D}; got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()  # read with unit column stride
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic); got {num_splits!r}")
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):

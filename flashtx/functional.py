@@ -27,7 +27,8 @@ import math
 
 import torch
 
-from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attention_op, attn_probs
+from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
+from ._library import call
 from ._validate import (check_alibi, check_attn_mask, check_cu_seqlens, check_cu_seqlens_values, check_dropout,
                         check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_softcap, check_tensor,
                         check_window, resolve_scale)
@@ -59,7 +60,7 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     aux = [key_mask, query_mask, q_lens, kv_lens, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng]  # _attention_op.Aux
     ints = [int(causal), int(bottom_right), window[0], window[1], max_seqlen_q, max_seqlen_k, needs_grad]  # Ints
     floats = [scale, softcap, dropout_p]  # _attention_op.Floats
-    out, m2, l2 = attention_op(q, k, v, bias, aux, ints, floats, backend or "")
+    out, m2, l2 = call(attn_fwd, q, k, v, bias, aux, ints, floats, backend or "")
     if not (return_lse or return_probs):
         return out
     res = [out]

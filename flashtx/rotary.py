@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch
+from ._library import call
 from ._rotary_op import ROTARY_BACKENDS, RotaryInputs, rotary_inplace_op, rotary_op, rotary_qk_op  # noqa: F401
 from ._validate import _values_readable, check_cu_seqlens_values, check_tensor, has_internal_overlap, views_overlap
 
@@ -74,7 +75,7 @@ def _rotate_inplace(q4, k4, cos3, sin3, index, spec, backend: str, track: bool) 
     gives mutating ops no autograd formula); the rotated values are what backward keeps, not x."""
     _refuse_overlap(q4, k4)
     if not track:
-        rotary_inplace_op(q4, k4, cos3, sin3, index, spec, backend)
+        call(rotary_inplace_op, q4, k4, cos3, sin3, index, spec, backend)
         return
     for t in (q4, k4):  # refuse before mutating anything (autograd would refuse after q is rotated)
         base = t._base if t is not None and t._base is not None else t
@@ -82,9 +83,9 @@ def _rotate_inplace(q4, k4, cos3, sin3, index, spec, backend: str, track: bool) 
             raise RuntimeError("inplace=True on a leaf tensor that requires grad (or a view of one): autograd "
                                "cannot record it; rotate a non-leaf (e.g. a projection's output) or use inplace=False")
     if k4 is None:
-        q4.copy_(rotary_op(q4, cos3, sin3, index, spec, backend))
+        q4.copy_(call(rotary_op, q4, cos3, sin3, index, spec, backend))
     else:
-        qo, ko = rotary_qk_op(q4, k4, cos3, sin3, index, spec, backend)
+        qo, ko = call(rotary_qk_op, q4, k4, cos3, sin3, index, spec, backend)
         q4.copy_(qo)
         k4.copy_(ko)
 
@@ -161,6 +162,7 @@ def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
     varlen = cu_seqlens is not None
     if varlen:
         _check_index_tensor("cu_seqlens", cu_seqlens, lambda s: len(s) == 1 and s[0] >= 1, "(nseq + 1,)", x4.device)
+        cu_seqlens = cu_seqlens.contiguous()  # the kernel indexes it flat
         nb = cu_seqlens.numel() - 1
         if max_seqlen is None:  # one device sync; pass max_seqlen to avoid it
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if nb > 0 else 0
@@ -175,7 +177,7 @@ def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
     if isinstance(seqlen_offsets, torch.Tensor):
         _check_index_tensor("seqlen_offsets", seqlen_offsets, lambda s: s == (nb,),
                             f"({nb},) (one offset per sequence)", x4.device)
-        offsets = seqlen_offsets
+        offsets = seqlen_offsets.contiguous()  # the kernel indexes it flat
     else:
         offset = _check_int("seqlen_offsets", seqlen_offsets)
     if position_ids is not None:
@@ -294,7 +296,7 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
     if inplace:
         _rotate_inplace(x4, None, cos3, sin3, index, spec, name, _records_grad(x, None))
         return x
-    return _restore(rotary_op(x4, cos3, sin3, index, spec, name), layout, cu_seqlens is not None)
+    return _restore(call(rotary_op, x4, cos3, sin3, index, spec, name), layout, cu_seqlens is not None)
 
 
 def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, position_ids=None, cu_seqlens=None,
@@ -318,7 +320,7 @@ def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, posi
     if inplace:
         _rotate_inplace(q4, k4, cos3, sin3, index, spec, name, _records_grad(q, k))
         return q, k
-    qo, ko = rotary_qk_op(q4, k4, cos3, sin3, index, spec, name)
+    qo, ko = call(rotary_qk_op, q4, k4, cos3, sin3, index, spec, name)
     varlen = cu_seqlens is not None
     return _restore(qo, layout, varlen), _restore(ko, layout, varlen)
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch
+from ._library import call
 from ._swiglu_op import SWIGLU_BACKENDS, SwigluInputs, swiglu_op, swiglu_packed_op  # noqa: F401
 from ._validate import check_tensor, has_internal_overlap, views_overlap
 
@@ -69,7 +70,7 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
         # Dynamo cannot read storage pointers, so the overlap of gate and up is unknown when tracing:
         # the compiled backward is out of place (always correct; the compiler plans its own memory)
         inplace_backward = False
-    return swiglu_op(gate, up, bool(inplace_backward), name)
+    return call(swiglu_op, gate, up, bool(inplace_backward), name)
 
 
 def swiglu_packed(x, *, inplace_backward=False, backend=None):
@@ -96,4 +97,4 @@ def swiglu_packed(x, *, inplace_backward=False, backend=None):
                          f"stride-0 dim, e.g. from expand(); x has shape {tuple(x.shape)} and strides {x.stride()}); "
                          f"pass inplace_backward=False or x.contiguous()")
     name = _select(x, backend)
-    return swiglu_packed_op(x, bool(inplace_backward), name)
+    return call(swiglu_packed_op, x, bool(inplace_backward), name)

@@ -92,7 +92,7 @@ def cases() -> dict:
     import torch
 
     import flashtx
-    from flashtx.nn import TransformerBlock
+    from flashtx.nn import RotaryEmbedding, TransformerBlock
 
     torch.manual_seed(0)
 
@@ -113,7 +113,7 @@ def cases() -> dict:
         with flashtx.patch_sdpa():
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
 
-    block = TransformerBlock(64, 4, 2, hidden_dim=96).to(torch.float16)
+    block = TransformerBlock(64, 4, 2, hidden_dim=96, rotary=RotaryEmbedding(16)).to(torch.float16)
 
     def block_step(x):
         return block(x).float().sum()

@@ -234,3 +234,18 @@ def test_no_top_level_triton_kernels_module_is_installed(tmp_path):
                            check=True).stdout.splitlines()
     ours = os.path.dirname(lines[0])
     assert lines[1] == "None" or not lines[1].startswith(ours), lines
+
+
+def test_custom_ops_opcheck():
+    """torch.library.opcheck: schema, fake impl, and autograd under AOTDispatcher (what torch.compile
+    uses) agree with eager, for the forward (with a learned bias) and the backward op."""
+    from flashtx._attention_op import attn_bwd, attn_fwd
+
+    torch.manual_seed(21)
+    q, k, v = (randn(1, 2, 9, 16, requires_grad=True) for _ in range(3))
+    bias = randn(1, 2, 9, 9, requires_grad=True)
+    aux, ints, floats = [None] * 8, [1, 0, -1, -1, 0, 0, 2], [0.25, 0.0, 0.0]
+    torch.library.opcheck(attn_fwd, (q, k, v, bias, aux, ints, floats, ""))
+    out, m2, l2 = attn_fwd(q, k, v, bias, aux, ints, floats, "")
+    d = [t.detach() for t in (q, k, v, out, m2, l2)]
+    torch.library.opcheck(attn_bwd, (randn(*out.shape), *d, None, bias.detach(), aux, ints, floats, "", True))

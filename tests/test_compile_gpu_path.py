@@ -32,7 +32,8 @@ def traced():
     ("flash-gqa", FWD, BWD),
     ("masks-bias-softcap", FWD, BWD + ["_attn_scores"]),  # the learned bias's gradient
     ("patch-sdpa", FWD, BWD),
-    ("transformer-block", FWD, BWD),
+    # RoPE (q and k in one launch, its backward the same kernel conjugated) and SwiGLU, around attention
+    ("transformer-block", FWD + ["_rotary_kernel", "_swiglu_kernel"], BWD + ["_rotary_kernel", "_swiglu_kernel"]),
     ("decode", ["_kv_append", "_decode_fwd"], None),  # flash_attn_with_kvcache: append in place, then attend
 ])
 def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):

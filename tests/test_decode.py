@@ -250,3 +250,26 @@ def test_refuses_grad():
         flashtx.flash_attn_with_kvcache(**a)
     with torch.no_grad():
         flashtx.flash_attn_with_kvcache(**a)
+
+
+def test_strided_index_tensors_are_read_by_value():
+    """cache_seqlens / cache_batch_idx / cache_leftpad / block_table / rotary tables given as strided views
+    (an outside review: the kernels read them flat, so a [::2] view of validated values appended at position
+    50 of a 32-slot cache, outside the buffer). Same answer as contiguous copies, nothing written outside."""
+    torch.manual_seed(8)
+    B, H, D, cap = 2, 1, 16, 32
+    big_k, big_v = torch.zeros(B, 64, H, D, device=DEVICE), torch.zeros(B, 64, H, D, device=DEVICE)
+    kc, vc = big_k[:, :cap], big_v[:, :cap]  # the caches: 32 positions of 64-long rows
+    lens = torch.tensor([4, 50, 6, 50], dtype=torch.int32, device=DEVICE)[::2]  # values [4, 6]
+    q, k, v = (torch.randn(B, 1, H, D, device=DEVICE) for _ in range(3))
+    cos, sin = (torch.randn(16, cap, device=DEVICE).t()[:, :4] for _ in range(2))  # (32, 4), column-major
+    with torch.no_grad():
+        out = flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, rotary_cos=cos, rotary_sin=sin,
+                                              causal=True, backend="triton")
+        kc2, vc2 = torch.zeros(B, cap, H, D, device=DEVICE), torch.zeros(B, cap, H, D, device=DEVICE)
+        want = flashtx.flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=lens.contiguous(),
+                                               rotary_cos=cos.contiguous(), rotary_sin=sin.contiguous(),
+                                               causal=True, backend="triton")
+    assert torch.equal(big_k[:, cap:], torch.zeros_like(big_k[:, cap:]))  # nothing past the cache
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(out, want)

@@ -603,3 +603,22 @@ def test_errors(case):
     with pytest.raises(exc, match=match):
         fn(cos, sin)
 
+
+
+def test_strided_cu_seqlens_and_offsets_are_read_by_value():
+    """cu_seqlens and tensor seqlen_offsets given as strided views (an outside review: the kernel read them
+    flat, so in-place varlen RoPE wrote rows outside x): the same as contiguous copies, nothing else written."""
+    torch.manual_seed(4)
+    big = torch.zeros(40, 1, 4, device=DEVICE)
+    x = big[20:27]
+    x.copy_(torch.randn(7, 1, 4, device=DEVICE))
+    want_x = x.clone()
+    cos, sin = tables(8, 2)
+    cu = torch.tensor([0, -10, 3, 0, 7], dtype=torch.int32, device=DEVICE)[::2]  # values [0, 3, 7]
+    offsets = torch.tensor([1, 9, 4, 9], dtype=torch.int32, device=DEVICE)[::2]  # values [1, 4]
+    flashtx.apply_rotary(want_x, cos, sin, cu_seqlens=cu.contiguous(), max_seqlen=4,
+                         seqlen_offsets=offsets.contiguous(), inplace=True, backend="triton")
+    flashtx.apply_rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=4, seqlen_offsets=offsets, inplace=True,
+                         backend="triton")
+    assert torch.equal(x, want_x)
+    assert torch.equal(big[:20], torch.zeros_like(big[:20])) and torch.equal(big[27:], torch.zeros_like(big[27:]))

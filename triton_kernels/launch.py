@@ -109,8 +109,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def head_block(d: int) -> int:
-    """Register tile width for a head dim: next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, 1 << (d - 1).bit_length())
+    """Register tile width for a head dim: next power of two, at least 16 (tl.dot's minimum). A SymInt
+    (dynamic shapes) is specialised: the tile width is a compile-time constant of the kernel."""
+    return max(16, 1 << (int(d) - 1).bit_length())
 
 
 def strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
