@@ -455,7 +455,8 @@ def test_readme_documents_the_extension():
     readme = (B.ROOT / "README.md").read_text()
     sec = readme[readme.index("## Optional CUDA extension"):]
     for w in ("FLASHTX_BUILD_CUDA=1 pip install --no-build-isolation -e .", "FLASHTX_CUDA_EXT=1",
-              "cuda_ext.build()", "off by default", "available()"):
+              "cuda_ext.build()", "off by default", "available()", 'backend="cuda"', "`backend=None`) never takes",
+              "BackendNotSupported"):
         assert w in sec.split("\n## ")[0], w
 
 
