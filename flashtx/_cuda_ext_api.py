@@ -159,9 +159,10 @@ _LN2 = 0.6931471805599453
 
 
 def _vec_ok(t: torch.Tensor) -> bool:
-    """The binding's layout rule for a tensor it reads/writes with 16-byte vectors."""
+    """The binding's layout rule for a tensor it reads/writes with 16-byte vectors. Alignment from
+    the storage offset (allocations are 16-byte aligned), not data_ptr(): fake tensors have none."""
     vec = 16 // t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    return (t.stride(-1) == 1 and t.storage_offset() % vec == 0
             and all(t.stride(d) % vec == 0 or t.shape[d] == 1 for d in range(t.dim() - 1)))
 
 
