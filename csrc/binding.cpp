@@ -67,9 +67,26 @@ void check_int_vec(const char* op, const char* name, const at::Tensor& t, const 
 }
 
 struct CacheInfo {
-  int cache_rows, cache_len, max_blocks;
+  ftx_cache_map map;  // the kernels' view of the cache (pointers, sizes)
   int64_t capacity;
 };
+
+ftx_strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// q (B, Sq, Hq, D), as both ops take it: a CUDA tensor of a supported dtype and head dim.
+struct QInfo {
+  ftx_dtype dtype;
+  int64_t B, Sq, Hq, D;
+};
+
+QInfo check_q(const char* op, const at::Tensor& q) {
+  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor; got device ", q.device());
+  const ftx_dtype dt = to_ftx(op, q);
+  check_vec_tensor(op, "q", q, q, 4);
+  const QInfo info{dt, q.size(0), q.size(1), q.size(2), q.size(3)};
+  TORCH_CHECK(info.D == 64 || info.D == 128, op, ": head dim must be 64 or 128; got q of shape ", shape_str(q));
+  return info;
+}
 
 // k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged (num_blocks, page_size, Hkv, D) + block_table.
 CacheInfo check_cache(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -85,7 +102,8 @@ CacheInfo check_cache(const char* op, const at::Tensor& q, const at::Tensor& k_c
               shape_str(k_cache));
   TORCH_CHECK(k_cache.size(0) <= INT32_MAX && k_cache.size(1) <= INT32_MAX, op, ": cache too large");
   check_int_vec(op, "cache_seqlens", cache_seqlens, q, B);
-  CacheInfo c{(int)k_cache.size(0), (int)k_cache.size(1), 0, k_cache.size(1)};
+  CacheInfo c{{cache_seqlens.data_ptr<int>(), nullptr, nullptr, 0, (int)k_cache.size(0), (int)k_cache.size(1), 0},
+              k_cache.size(1)};
   if (block_table.has_value()) {
     const at::Tensor& bt = *block_table;
     check_device(op, "block_table", bt, q);
@@ -96,10 +114,13 @@ CacheInfo check_cache(const char* op, const at::Tensor& q, const at::Tensor& k_c
     TORCH_CHECK(!cache_batch_idx.has_value(), op, ": cache_batch_idx cannot be used with a paged cache "
                 "(block_table); index the block_table rows instead");
     TORCH_CHECK(bt.size(1) * k_cache.size(1) <= INT32_MAX, op, ": max_blocks * page_size must fit int32");
-    c.max_blocks = (int)bt.size(1);
+    c.map.block_table = bt.data_ptr<int>();
+    c.map.bt_sb = bt.stride(0);
+    c.map.max_blocks = (int)bt.size(1);
     c.capacity = bt.size(1) * k_cache.size(1);
   } else if (cache_batch_idx.has_value()) {
     check_int_vec(op, "cache_batch_idx", *cache_batch_idx, q, B);
+    c.map.cache_batch_idx = cache_batch_idx->data_ptr<int>();
   } else {
     TORCH_CHECK(k_cache.size(0) >= B, op, ": k_cache has ", k_cache.size(0), " batch rows but q has B = ", B,
                 "; pass cache_batch_idx to map batch rows to cache rows");
@@ -117,21 +138,20 @@ void check_cache_values(const char* op, const CacheInfo& c, const at::Tensor& ca
   TORCH_CHECK(lo >= 0 && hi <= max_len, op, ": cache_seqlens must lie in [0, ", max_len, "] (cache capacity ",
               c.capacity, extra ? " minus the Sq new tokens" : "", "); got values in [", lo, ", ", hi, "]");
   if (block_table.has_value()) {
-    const auto used_blocks = (lens + extra + c.cache_len - 1).div(c.cache_len, "floor");  // (B,)
-    const auto cols = at::arange(c.max_blocks, lens.options()).unsqueeze(0);              // (1, max_blocks)
-    const auto used = cols < used_blocks.unsqueeze(1);                                    // (B, max_blocks)
-    const auto bad = used & ((*block_table < 0) | (*block_table >= c.cache_rows));
-    TORCH_CHECK(!bad.any().item<bool>(), op, ": block_table has entries outside [0, num_blocks = ", c.cache_rows,
+    const int64_t page = c.map.cache_len;
+    const auto used_blocks = (lens + extra + page - 1).div(page, "floor");             // (B,)
+    const auto cols = at::arange(c.map.max_blocks, lens.options()).unsqueeze(0);       // (1, max_blocks)
+    const auto used = cols < used_blocks.unsqueeze(1);                                 // (B, max_blocks)
+    const auto bad = used & ((*block_table < 0) | (*block_table >= c.map.cache_rows));
+    TORCH_CHECK(!bad.any().item<bool>(), op, ": block_table has entries outside [0, num_blocks = ", c.map.cache_rows,
                 ") in the blocks that cache_seqlens uses");
   }
   if (cache_batch_idx.has_value()) {
     const int64_t a = cache_batch_idx->min().item<int64_t>(), b = cache_batch_idx->max().item<int64_t>();
-    TORCH_CHECK(a >= 0 && b < c.cache_rows, op, ": cache_batch_idx must lie in [0, ", c.cache_rows, "); got [", a,
+    TORCH_CHECK(a >= 0 && b < c.map.cache_rows, op, ": cache_batch_idx must lie in [0, ", c.map.cache_rows, "); got [", a,
                 ", ", b, "]");
   }
 }
-
-const int* opt_int_ptr(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<int>() : nullptr; }
 
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
@@ -140,11 +160,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
                                                     double softmax_scale, bool causal, int64_t num_splits,
                                                     bool check_values) {
   const char* op = "flashtx_cuda::decode_attention";
-  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor; got device ", q.device());
-  const ftx_dtype dt = to_ftx(op, q);
-  check_vec_tensor(op, "q", q, q, 4);
-  const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3);
-  TORCH_CHECK(D == 64 || D == 128, op, ": head dim must be 64 or 128; got q of shape ", shape_str(q));
+  const QInfo qi = check_q(op, q);
+  const int64_t B = qi.B, Sq = qi.Sq, Hq = qi.Hq, D = qi.D;
   const CacheInfo c = check_cache(op, q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, B);
   const int64_t Hkv = k_cache.size(2);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, op, ": q's heads (", Hq, ") must be a multiple of the caches' heads (",
@@ -172,19 +189,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   p.lse = lse.data_ptr<float>();
   p.out_partial = num_splits > 1 ? out_partial.data_ptr<float>() : nullptr;
   p.lse_partial = num_splits > 1 ? lse_partial.data_ptr<float>() : nullptr;
-  p.cache_seqlens = cache_seqlens.data_ptr<int>();
-  p.block_table = opt_int_ptr(block_table);
-  p.cache_batch_idx = opt_int_ptr(cache_batch_idx);
-  p.q_sb = q.stride(0), p.q_ss = q.stride(1), p.q_sh = q.stride(2);
-  p.k_sb = k_cache.stride(0), p.k_ss = k_cache.stride(1), p.k_sh = k_cache.stride(2);
-  p.v_sb = v_cache.stride(0), p.v_ss = v_cache.stride(1), p.v_sh = v_cache.stride(2);
-  p.bt_sb = block_table.has_value() ? block_table->stride(0) : 0;
+  p.q_st = strides_of(q), p.k_st = strides_of(k_cache), p.v_st = strides_of(v_cache);
+  p.cache = c.map;
   p.B = (int)B, p.Sq = (int)Sq, p.Hq = (int)Hq, p.Hkv = (int)Hkv, p.D = (int)D;
-  p.cache_rows = c.cache_rows, p.cache_len = c.cache_len, p.max_blocks = c.max_blocks;
   p.num_splits = (int)num_splits;
   p.softmax_scale = (float)softmax_scale;
   p.causal = causal ? 1 : 0;
-  p.dtype = dt;
+  p.dtype = qi.dtype;
   const cudaError_t err = ftx_decode_attention(&p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return {out, lse};
@@ -197,11 +208,8 @@ at::Tensor rotary_append(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          const c10::optional<at::Tensor>& cache_batch_idx, bool interleaved, bool q_causal,
                          bool check_values) {
   const char* op = "flashtx_cuda::rotary_append";
-  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor; got device ", q.device());
-  const ftx_dtype dt = to_ftx(op, q);
-  check_vec_tensor(op, "q", q, q, 4);
-  const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3);
-  TORCH_CHECK(D == 64 || D == 128, op, ": head dim must be 64 or 128; got q of shape ", shape_str(q));
+  const QInfo qi = check_q(op, q);
+  const int64_t B = qi.B, Sq = qi.Sq, Hq = qi.Hq, D = qi.D;
   check_vec_tensor(op, "k", k, q, 4);
   check_vec_tensor(op, "v", v, q, 4);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == Sq && k.size(3) == D, op,
@@ -247,20 +255,13 @@ at::Tensor rotary_append(const at::Tensor& q, const at::Tensor& k, const at::Ten
   p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
   p.cos = cos.has_value() ? cos->data_ptr() : nullptr;
   p.sin = sin.has_value() ? sin->data_ptr() : nullptr;
-  p.cache_seqlens = cache_seqlens.data_ptr<int>();
-  p.block_table = opt_int_ptr(block_table);
-  p.cache_batch_idx = opt_int_ptr(cache_batch_idx);
-  p.q_sb = q.stride(0), p.q_ss = q.stride(1), p.q_sh = q.stride(2);
-  p.k_sb = k.stride(0), p.k_ss = k.stride(1), p.k_sh = k.stride(2);
-  p.v_sb = v.stride(0), p.v_ss = v.stride(1), p.v_sh = v.stride(2);
-  p.kc_sb = k_cache.stride(0), p.kc_ss = k_cache.stride(1), p.kc_sh = k_cache.stride(2);
-  p.vc_sb = v_cache.stride(0), p.vc_ss = v_cache.stride(1), p.vc_sh = v_cache.stride(2);
-  p.bt_sb = block_table.has_value() ? block_table->stride(0) : 0;
+  p.q_st = strides_of(q), p.k_st = strides_of(k), p.v_st = strides_of(v);
+  p.kc_st = strides_of(k_cache), p.vc_st = strides_of(v_cache);
+  p.cache = c.map;
   p.B = (int)B, p.Sq = (int)Sq, p.Hq = (int)Hq, p.Hkv = (int)k.size(2), p.D = (int)D;
   p.rotary_dim = (int)rotary_dim, p.S_rot = (int)s_rot, p.cos_f32 = cos_f32 ? 1 : 0;
-  p.cache_rows = c.cache_rows, p.cache_len = c.cache_len, p.max_blocks = c.max_blocks;
   p.interleaved = interleaved ? 1 : 0, p.q_causal = q_causal ? 1 : 0;
-  p.dtype = dt;
+  p.dtype = qi.dtype;
   const cudaError_t err = ftx_rotary_append(&p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return q_out;

@@ -37,6 +37,22 @@ __device__ __forceinline__ void split_range(int seqlen, int num_splits, int spli
   end = min(begin + per * bn, seqlen);
 }
 
+// One tile of BN keys of KV head kvh into smem (one cp.async group): key n from cache row
+// key_row[n], slot key_slot[n]; zeros where key_row[n] < 0 (masked: nothing is read).
+template <typename T, int D>
+__device__ __forceinline__ void load_tile_async(T (&dst)[DecodeTile<T, D>::BN][DecodeTile<T, D>::LDK],
+                                                const T* __restrict__ cache, const ftx_strides& st, int kvh,
+                                                const int* key_row, const int* key_slot) {
+  using Tile = DecodeTile<T, D>;
+  constexpr int DV = D / Tile::VEC;
+  for (int e = threadIdx.x; e < Tile::BN * DV; e += DECODE_THREADS) {
+    const int n = e / DV, c = e % DV, row = key_row[n];
+    const T* src = cache + offset(st, row, key_slot[n], kvh) + c * Tile::VEC;
+    cp_async16(&dst[n][c * Tile::VEC], row >= 0 ? src : cache, row >= 0);
+  }
+  cp_async_commit();
+}
+
 template <typename T, int D, int ROWS>
 __global__ void __launch_bounds__(DECODE_THREADS)
 decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
@@ -62,8 +78,7 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
   const T* __restrict__ kc = static_cast<const T*>(p.k_cache);
   const T* __restrict__ vc = static_cast<const T*>(p.v_cache);
 
-  const int capacity = p.block_table != nullptr ? p.max_blocks * p.cache_len : p.cache_len;
-  const int seqlen = min(max(p.cache_seqlens[b], 0), capacity);
+  const int seqlen = min(max(p.cache.cache_seqlens[b], 0), cache_capacity(p.cache));
   int n_begin, n_end;
   split_range(seqlen, p.num_splits, split, BN, n_begin, n_end);
   const float scale_log2 = p.softmax_scale * LOG2E;
@@ -85,7 +100,7 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
       int r = e / DV, c = e % DV, R = row0 + r;
       bool ok = R < rows_total;
       int g = ok ? R / Sq : 0, i = ok ? R % Sq : 0;
-      const T* src = q + (long long)b * p.q_sb + (long long)i * p.q_ss + (long long)(kvh * G + g) * p.q_sh + c * VEC;
+      const T* src = q + offset(p.q_st, b, i, kvh * G + g) + c * VEC;
       cp_async16(&Qs[r][c * VEC], ok ? src : q, ok);
     }
     cp_async_commit();
@@ -96,25 +111,14 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
     if (tid < BN) {
       int row = -1, slot = 0;
       if (n0 + tid < n_end)
-        cache_slot(b, n0 + tid, p.block_table, p.bt_sb, p.cache_batch_idx, p.cache_rows, p.cache_len,
-                   p.max_blocks, row, slot);
+        cache_slot(b, n0 + tid, p.cache, row, slot);
       key_row[tid] = row;
       key_slot[tid] = slot;
     }
     __syncthreads();
     // 2. K then V tiles (two cp.async groups)
-    for (int e = tid; e < BN * DV; e += NT) {
-      int n = e / DV, c = e % DV, row = key_row[n];
-      const T* src = kc + (long long)row * p.k_sb + (long long)key_slot[n] * p.k_ss + (long long)kvh * p.k_sh + c * VEC;
-      cp_async16(&Ks[n][c * VEC], row >= 0 ? src : kc, row >= 0);
-    }
-    cp_async_commit();
-    for (int e = tid; e < BN * DV; e += NT) {
-      int n = e / DV, c = e % DV, row = key_row[n];
-      const T* src = vc + (long long)row * p.v_sb + (long long)key_slot[n] * p.v_ss + (long long)kvh * p.v_sh + c * VEC;
-      cp_async16(&Vs[n][c * VEC], row >= 0 ? src : vc, row >= 0);
-    }
-    cp_async_commit();
+    load_tile_async<T, D>(Ks, kc, p.k_st, kvh, key_row, key_slot);
+    load_tile_async<T, D>(Vs, vc, p.v_st, kvh, key_row, key_slot);
     cp_async_wait<1>();  // Q (first tile) and K have landed
     __syncthreads();
 
@@ -303,9 +307,9 @@ cudaError_t launch_decode_dim(const ftx_decode_params& p, cudaStream_t stream) {
 extern "C" int ftx_decode_rows_per_cta(int group_rows) { return group_rows <= 8 ? 8 : 32; }
 
 extern "C" cudaError_t ftx_decode_attention(const ftx_decode_params* p, cudaStream_t stream) {
-  if (p == nullptr || p->Hkv <= 0 || p->Hq % p->Hkv != 0 || p->num_splits < 1 || p->cache_len <= 0 ||
+  if (p == nullptr || p->Hkv <= 0 || p->Hq % p->Hkv != 0 || p->num_splits < 1 || p->cache.cache_len <= 0 ||
       (p->num_splits > 1 && (p->out_partial == nullptr || p->lse_partial == nullptr)) ||
-      (p->block_table != nullptr && p->cache_batch_idx != nullptr))
+      (p->cache.block_table != nullptr && p->cache.cache_batch_idx != nullptr))
     return cudaErrorInvalidValue;
   if (p->B == 0 || p->Sq == 0 || p->Hq == 0) return cudaSuccess;  // nothing to compute
   switch (p->dtype) {

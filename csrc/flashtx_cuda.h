@@ -17,22 +17,41 @@ extern "C" {
 
 typedef enum { FTX_FLOAT16 = 0, FTX_BFLOAT16 = 1, FTX_FLOAT32 = 2 } ftx_dtype;
 
+// Strides in elements of the first three dims of a (rows, positions, heads, D) tensor.
+typedef struct {
+  long long sb, ss, sh;
+} ftx_strides;
+
+// Where position `pos` of batch row b lives in a KV cache of (cache_rows, cache_len, Hkv, D):
+//   contiguous (cache_rows = B_cache, cache_len = S_cache): row cache_batch_idx[b] (b if NULL),
+//                slot pos; capacity cache_len
+//   paged      (cache_rows = num_blocks, cache_len = page_size): page
+//                block_table[b * bt_sb + pos / page_size] (block_table (B, max_blocks) int32),
+//                slot pos % page_size; capacity max_blocks * cache_len
+//   cache_seqlens (B,) int32: the keys in use (decode) or where the append starts (rotary)
+// block_table and cache_batch_idx are never both set. Out-of-range entries are guarded in the
+// kernels (ftx::cache_slot): see each launcher.
+typedef struct {
+  const int* cache_seqlens;
+  const int* block_table;
+  const int* cache_batch_idx;
+  long long bt_sb;
+  int cache_rows, cache_len, max_blocks;
+} ftx_cache_map;
+
 // Split-KV decode attention with GQA packing, flash-attn 2's flash_attn_with_kvcache semantics
 // (without the append; see ftx_rotary_append).
-//   q            (B, Sq, Hq, D), strides q_sb, q_ss, q_sh
-//   k/v cache    contiguous (cache_rows = B_cache, cache_len = S_cache, Hkv, D), or
-//                paged      (cache_rows = num_blocks, cache_len = page_size, Hkv, D) with
-//   block_table  (B, max_blocks) int32, row stride bt_sb; NULL for a contiguous cache
-//   cache_seqlens (B,) int32: keys [0, cache_seqlens[b]) are attended
-//   cache_batch_idx (B,) int32 or NULL: the cache row of batch b (contiguous cache only)
+//   q            (B, Sq, Hq, D), strides q_st
+//   k/v cache    (cache_rows, cache_len, Hkv, D), strides k_st / v_st, mapped by `cache`:
+//                keys [0, cache_seqlens[b]) of batch row b are attended
 //   out          (B, Sq, Hq, D) contiguous, dtype of q
 //   lse          (B, Hq, Sq) float32, natural log; -inf (and out = 0) for a row with no key
 //   out_partial  (num_splits, B, Hq, Sq, D) float32 and lse_partial (num_splits, B, Hq, Sq)
 //                float32 (log2 units): workspace, needed when num_splits > 1, else NULL
 // Causal is bottom-right: query i sees keys j <= cache_seqlens[b] - Sq + i.
-// Guards: cache_seqlens[b] is clamped to [0, capacity] (capacity = cache_len, or
-// max_blocks * cache_len when paged); a cache_batch_idx outside [0, cache_rows) makes that
-// batch row empty (out 0, lse -inf); a block_table entry outside [0, cache_rows) masks its keys.
+// Guards: cache_seqlens[b] is clamped to [0, capacity]; a cache_batch_idx outside
+// [0, cache_rows) makes that batch row empty (out 0, lse -inf); a block_table entry outside
+// [0, cache_rows) masks its keys.
 typedef struct {
   const void* q;
   const void* k_cache;
@@ -41,15 +60,9 @@ typedef struct {
   float* lse;
   float* out_partial;
   float* lse_partial;
-  const int* cache_seqlens;
-  const int* block_table;
-  const int* cache_batch_idx;
-  long long q_sb, q_ss, q_sh;
-  long long k_sb, k_ss, k_sh;
-  long long v_sb, v_ss, v_sh;
-  long long bt_sb;
+  ftx_strides q_st, k_st, v_st;
+  ftx_cache_map cache;
   int B, Sq, Hq, Hkv, D;
-  int cache_rows, cache_len, max_blocks;
   int num_splits;
   float softmax_scale;
   int causal;
@@ -62,8 +75,9 @@ int ftx_decode_rows_per_cta(int group_rows);
 cudaError_t ftx_decode_attention(const ftx_decode_params* p, cudaStream_t stream);
 
 // Fused rotary embedding + KV-cache append (vLLM rotary_embedding + reshape_and_cache_flash).
-//   q (B, Sq, Hq, D) or NULL (Hq = 0); q_out (B, Sq, Hq, D) contiguous: q rotated
-//   k, v (B, Sq, Hkv, D): k rotated and v copied into the cache at position cache_seqlens[b] + i
+//   q (B, Sq, Hq, D), strides q_st, or NULL (Hq = 0); q_out (B, Sq, Hq, D) contiguous: q rotated
+//   k, v (B, Sq, Hkv, D), strides k_st / v_st: k rotated and v copied into the caches
+//   (strides kc_st / vc_st, mapped by `cache`) at position cache_seqlens[b] + i
 //   cos, sin (S_rot, rotary_dim / 2) contiguous, float32 (cos_f32 = 1) or the dtype of q;
 //   NULL with rotary_dim = 0 to append without rotating
 //   interleaved: 0 rotates (x[j], x[j + rotary_dim/2]) (NeoX), 1 rotates (x[2j], x[2j+1]) (GPT-J)
@@ -80,18 +94,10 @@ typedef struct {
   void* v_cache;
   const void* cos;
   const void* sin;
-  const int* cache_seqlens;
-  const int* block_table;
-  const int* cache_batch_idx;
-  long long q_sb, q_ss, q_sh;
-  long long k_sb, k_ss, k_sh;
-  long long v_sb, v_ss, v_sh;
-  long long kc_sb, kc_ss, kc_sh;
-  long long vc_sb, vc_ss, vc_sh;
-  long long bt_sb;
+  ftx_strides q_st, k_st, v_st, kc_st, vc_st;
+  ftx_cache_map cache;
   int B, Sq, Hq, Hkv, D;
   int rotary_dim, S_rot, cos_f32;
-  int cache_rows, cache_len, max_blocks;
   int interleaved, q_causal;
   ftx_dtype dtype;
 } ftx_rotary_append_params;

@@ -32,38 +32,48 @@ template <> struct RawVec<4> { using type = unsigned int; };
 template <> struct RawVec<8> { using type = uint2; };
 template <> struct RawVec<16> { using type = uint4; };
 
+// N elements of T moved as chunks of up to 16 bytes: PER elements in one raw R load/store.
+template <typename T, int N>
+struct VecChunks {
+  static constexpr int BYTES = N * (int)sizeof(T);
+  static constexpr int CHUNK = BYTES < 16 ? BYTES : 16;
+  static constexpr int PER = CHUNK / (int)sizeof(T);
+  static constexpr int COUNT = N / PER;
+  using R = typename RawVec<CHUNK>::type;
+};
+
 // Load N elements of T from p (aligned to min(N * sizeof(T), 16) bytes) as floats, with loads of
 // up to 16 bytes.
 template <typename T, int N>
 __device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
-  constexpr int BYTES = N * (int)sizeof(T);
-  constexpr int CHUNK = BYTES < 16 ? BYTES : 16;
-  constexpr int PER = CHUNK / (int)sizeof(T);
-  using R = typename RawVec<CHUNK>::type;
+  using V = VecChunks<T, N>;
 #pragma unroll
-  for (int c = 0; c < N / PER; ++c) {
-    R raw = reinterpret_cast<const R*>(p)[c];
+  for (int c = 0; c < V::COUNT; ++c) {
+    typename V::R raw = reinterpret_cast<const typename V::R*>(p)[c];
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < PER; ++i) out[c * PER + i] = to_float(e[i]);
+    for (int i = 0; i < V::PER; ++i) out[c * V::PER + i] = to_float(e[i]);
   }
 }
 
 // Store N floats to p as T, with stores of up to 16 bytes.
 template <typename T, int N>
 __device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
-  constexpr int BYTES = N * (int)sizeof(T);
-  constexpr int CHUNK = BYTES < 16 ? BYTES : 16;
-  constexpr int PER = CHUNK / (int)sizeof(T);
-  using R = typename RawVec<CHUNK>::type;
+  using V = VecChunks<T, N>;
 #pragma unroll
-  for (int c = 0; c < N / PER; ++c) {
-    R raw;
+  for (int c = 0; c < V::COUNT; ++c) {
+    typename V::R raw;
     T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < PER; ++i) e[i] = from_float<T>(in[c * PER + i]);
-    reinterpret_cast<R*>(p)[c] = raw;
+    for (int i = 0; i < V::PER; ++i) e[i] = from_float<T>(in[c * V::PER + i]);
+    reinterpret_cast<typename V::R*>(p)[c] = raw;
   }
+}
+
+// Element offset of (row, pos, head) in a tensor with strides st.
+__host__ __device__ __forceinline__ long long offset(const ftx_strides& st, long long row, long long pos,
+                                                     long long head) {
+  return row * st.sb + pos * st.ss + head * st.sh;
 }
 
 // 16-byte asynchronous global -> shared copy (sm_80+); zero-fills the 16 bytes when !pred
@@ -89,26 +99,29 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// The cache capacity of a batch row: max_blocks pages when paged, else cache_len.
+__device__ __forceinline__ int cache_capacity(const ftx_cache_map& c) {
+  return c.block_table != nullptr ? c.max_blocks * c.cache_len : c.cache_len;
+}
+
 // The cache row (contiguous: batch row or cache_batch_idx[b]; paged: block_table page) and slot
 // of position `pos` of batch row b; row = -1 when anything is out of range (pos outside
 // [0, capacity), a cache_batch_idx or block_table entry outside [0, cache_rows)).
-__device__ __forceinline__ void cache_slot(int b, long long pos, const int* block_table, long long bt_sb,
-                                           const int* cache_batch_idx, int cache_rows, int cache_len,
-                                           int max_blocks, int& row, int& slot) {
+__device__ __forceinline__ void cache_slot(int b, long long pos, const ftx_cache_map& c, int& row, int& slot) {
   row = -1;
   slot = 0;
   if (pos < 0) return;
-  if (block_table != nullptr) {
-    const long long blk = pos / cache_len;
-    if (blk >= max_blocks) return;
-    const int page = block_table[(long long)b * bt_sb + blk];
-    if (page < 0 || page >= cache_rows) return;
+  if (c.block_table != nullptr) {
+    const long long blk = pos / c.cache_len;
+    if (blk >= c.max_blocks) return;
+    const int page = c.block_table[(long long)b * c.bt_sb + blk];
+    if (page < 0 || page >= c.cache_rows) return;
     row = page;
-    slot = (int)(pos - blk * cache_len);
+    slot = (int)(pos - blk * c.cache_len);
   } else {
-    if (pos >= cache_len) return;
-    const int r = cache_batch_idx != nullptr ? cache_batch_idx[b] : b;
-    if (r < 0 || r >= cache_rows) return;
+    if (pos >= c.cache_len) return;
+    const int r = c.cache_batch_idx != nullptr ? c.cache_batch_idx[b] : b;
+    if (r < 0 || r >= c.cache_rows) return;
     row = r;
     slot = (int)pos;
   }

@@ -16,10 +16,10 @@ __global__ void __launch_bounds__(128) rotary_append_kernel(const ftx_rotary_app
   constexpr int VEC = vec16<T>();
   const int tok = blockIdx.x, b = tok / p.Sq, i = tok % p.Sq;
   const int DV = p.D / VEC, half_rd = p.rotary_dim / 2;
-  const int base = p.cache_seqlens[b];
+  const int base = p.cache.cache_seqlens[b];
   const long long pos = (long long)base + i;  // where the new k/v go, and k's rotary position
   int row, slot;
-  cache_slot(b, pos, p.block_table, p.bt_sb, p.cache_batch_idx, p.cache_rows, p.cache_len, p.max_blocks, row, slot);
+  cache_slot(b, pos, p.cache, row, slot);
   const long long qpos = p.q_causal ? pos : (long long)base;
   const int n_q = p.Hq * DV, n_k = p.Hkv * DV;
   const CT* cos_t = static_cast<const CT*>(p.cos);
@@ -33,19 +33,17 @@ __global__ void __launch_bounds__(128) rotary_append_kernel(const ftx_rotary_app
     const int idx = e < n_q ? e : (is_v ? e - n_q - n_k : e - n_q);
     const int h = idx / DV, col = (idx % DV) * VEC;
     if (e < n_q) {
-      src = static_cast<const T*>(p.q) + (long long)b * p.q_sb + (long long)i * p.q_ss + (long long)h * p.q_sh;
+      src = static_cast<const T*>(p.q) + offset(p.q_st, b, i, h);
       dst = static_cast<T*>(p.q_out) + (((long long)b * p.Sq + i) * p.Hq + h) * p.D;  // (B, Sq, Hq, D)
       rp = qpos;
     } else {
       if (row < 0) continue;  // out-of-range position/page/cache row: nothing is written
       if (is_v) {
-        src = static_cast<const T*>(p.v) + (long long)b * p.v_sb + (long long)i * p.v_ss + (long long)h * p.v_sh;
-        dst = static_cast<T*>(p.v_cache) + (long long)row * p.vc_sb + (long long)slot * p.vc_ss +
-              (long long)h * p.vc_sh;
+        src = static_cast<const T*>(p.v) + offset(p.v_st, b, i, h);
+        dst = static_cast<T*>(p.v_cache) + offset(p.vc_st, row, slot, h);
       } else {
-        src = static_cast<const T*>(p.k) + (long long)b * p.k_sb + (long long)i * p.k_ss + (long long)h * p.k_sh;
-        dst = static_cast<T*>(p.k_cache) + (long long)row * p.kc_sb + (long long)slot * p.kc_ss +
-              (long long)h * p.kc_sh;
+        src = static_cast<const T*>(p.k) + offset(p.k_st, b, i, h);
+        dst = static_cast<T*>(p.k_cache) + offset(p.kc_st, row, slot, h);
       }
       rp = pos;
     }
@@ -104,10 +102,10 @@ cudaError_t launch_rotary(const ftx_rotary_append_params& p, cudaStream_t stream
 }  // namespace ftx
 
 extern "C" cudaError_t ftx_rotary_append(const ftx_rotary_append_params* p, cudaStream_t stream) {
-  if (p == nullptr || (p->D != 64 && p->D != 128) || p->cache_len <= 0 || p->rotary_dim < 0 ||
+  if (p == nullptr || (p->D != 64 && p->D != 128) || p->cache.cache_len <= 0 || p->rotary_dim < 0 ||
       p->rotary_dim > p->D || (p->rotary_dim > 0 && (p->cos == nullptr || p->sin == nullptr)) ||
       (p->Hq > 0 && (p->q == nullptr || p->q_out == nullptr)) ||
-      (p->block_table != nullptr && p->cache_batch_idx != nullptr))
+      (p->cache.block_table != nullptr && p->cache.cache_batch_idx != nullptr))
     return cudaErrorInvalidValue;
   const int vec = p->dtype == FTX_FLOAT32 ? 4 : 8;
   if (p->rotary_dim % (2 * vec) != 0) return cudaErrorInvalidValue;

@@ -9,10 +9,15 @@ import torch
 from . import cuda_ext as _ext
 
 
+def _ops():
+    """The extension's ops (one place, so that CPU tests can stand the float64 references in)."""
+    return torch.ops.flashtx_cuda
+
+
 def _require(op: str, q: torch.Tensor) -> None:
     if not _ext.load():
         raise RuntimeError(f"flashtx.cuda_ext.{op}: the CUDA extension is not available: {_ext.unavailable_reason()}")
-    if q.device.type != "cuda":
+    if q.device.type not in _ext.DEVICE_TYPES:
         raise ValueError(f"flashtx.cuda_ext.{op}: q must be a CUDA tensor; got device {q.device}")
 
 
@@ -68,7 +73,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, ca
     if num_splits == 0:
         batch, sq, hq, _ = q.shape
         num_splits = _ext.choose_num_splits(batch, hq, k_cache.shape[2], sq, cap, _num_sms(q.device.index or 0))
-    out, lse = torch.ops.flashtx_cuda.decode_attention(q, k_cache, v_cache, lens, block_table, cache_batch_idx,
+    out, lse = _ops().decode_attention(q, k_cache, v_cache, lens, block_table, cache_batch_idx,
                                                        float(softmax_scale), bool(causal), int(num_splits),
                                                        bool(check_values))
     return (out, lse) if return_lse else out
@@ -103,7 +108,7 @@ def rotary_append(q, k, v, k_cache, v_cache, cache_seqlens, *, cos=None, sin=Non
     _require("rotary_append", q)
     lens = _lens("rotary_append", cache_seqlens, q.shape[0], q.device)
     _ext.check_rotary_append_args(q, k, v, k_cache, v_cache, cos, sin, lens, block_table, cache_batch_idx)
-    return torch.ops.flashtx_cuda.rotary_append(q, k, v, k_cache, v_cache, cos, sin, lens, block_table,
+    return _ops().rotary_append(q, k, v, k_cache, v_cache, cos, sin, lens, block_table,
                                                 cache_batch_idx, bool(interleaved), bool(q_causal),
                                                 bool(check_values))
 
@@ -144,3 +149,116 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return decode_attention(q, k_cache, v_cache, lens, block_table=block_table, cache_batch_idx=cache_batch_idx,
                             softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
                             return_lse=return_softmax_lse, check_values=check_values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend "cuda" of flashtx's decode ops (flashtx._decode_op: kvcache_append, kvcache_attention)
+# ---------------------------------------------------------------------------------------------
+
+_LN2 = 0.6931471805599453
+
+
+def _vec_ok(t: torch.Tensor) -> bool:
+    """The binding's layout rule for a tensor it reads/writes with 16-byte vectors. Alignment from
+    the storage offset (allocations are 16-byte aligned), not data_ptr(): fake tensors have none."""
+    vec = 16 // t.element_size()
+    return (t.stride(-1) == 1 and t.storage_offset() % vec == 0
+            and all(t.stride(d) % vec == 0 or t.shape[d] == 1 for d in range(t.dim() - 1)))
+
+
+def _int32(t):
+    return None if t is None else t.to(torch.int32).contiguous()
+
+
+def _vec(t):
+    return t if _vec_ok(t) else t.contiguous()
+
+
+class DecodeCUDA:
+    """The extension as flashtx's decode backend "cuda": flashtx.flash_attn_with_kvcache(...,
+    backend="cuda"). Explicit only until MEASURED_FASTER; features the kernels lack (softcap,
+    ALiBi, sliding windows, cache_leftpad, Dv != D, RoPE without an append or with Snew != Sq,
+    rotary tables shorter than the cache) are refused in not_supported_reasons, never approximated.
+
+    Its reasons depend on the call (DecodeInputs.call), not only on (device, dtype, head dims):
+    call_key() is what _decode_op.select adds to the plan key for backend="cuda"."""
+
+    name = "cuda"
+
+    @staticmethod
+    def call_key(q, k_cache, v_cache, call) -> tuple:
+        """Everything of the call (beyond device, dtype and head dims) that the reasons read."""
+        k, cos = call.get("k"), call.get("rotary_cos")
+        return (k is None, None if k is None else k.shape[1] == q.shape[1],
+                None if cos is None else (tuple(cos.shape), cos.dtype, cos.shape[0] >= call["capacity"]),
+                call.get("cache_leftpad") is not None, call.get("alibi") is not None,
+                tuple(call.get("window", (-1, -1))), float(call.get("softcap", 0.0)) > 0,
+                _vec_ok(k_cache) and _vec_ok(v_cache))
+
+    def not_supported_reasons(self, inp) -> list[str]:
+        automatic = getattr(inp, "automatic", True)
+        q, kc, vc = inp.q, inp.k_cache, inp.v_cache
+        reasons = _ext.not_supported_reasons(q, kc, automatic=automatic)
+        if vc.shape[-1] != kc.shape[-1]:
+            reasons.append(f"v head dim {vc.shape[-1]} differs from k's {kc.shape[-1]} (the kernels need Dv = D)")
+        if kc.is_floating_point() and not (_vec_ok(kc) and _vec_ok(vc)):
+            reasons.append("k_cache/v_cache strides are not multiples of 16 bytes (or the data is not 16-byte "
+                           "aligned): the kernels write the cache in place with 16-byte vectors")
+        call = getattr(inp, "call", None) or {}
+        if float(call.get("softcap", 0.0)) > 0:
+            reasons.append("softcap is not implemented by the CUDA kernels")
+        if call.get("alibi") is not None:
+            reasons.append("alibi_slopes are not implemented by the CUDA kernels")
+        if tuple(call.get("window", (-1, -1))) != (-1, -1):
+            reasons.append("window_size (sliding window) is not implemented by the CUDA kernels")
+        if call.get("cache_leftpad") is not None:
+            reasons.append("cache_leftpad is not implemented by the CUDA kernels")
+        k, cos = call.get("k"), call.get("rotary_cos")
+        if k is not None and k.shape[1] != q.shape[1]:
+            reasons.append(f"appending Snew = {k.shape[1]} tokens with Sq = {q.shape[1]} queries: the CUDA append "
+                           "kernel needs Snew = Sq")
+        if cos is not None:
+            if k is None:
+                reasons.append("rotary_cos/rotary_sin without new k, v: the CUDA kernel rotates q only within an "
+                               "append")
+            rd, vec = 2 * cos.shape[1], 16 // q.element_size()
+            if rd % (2 * vec):
+                reasons.append(f"rotary_dim {rd} is not a multiple of {2 * vec} (the CUDA kernel's vector width "
+                               f"for {q.dtype})")
+            if cos.shape[0] < call["capacity"]:
+                reasons.append(f"rotary_cos/rotary_sin have {cos.shape[0]} rows for a cache capacity of "
+                               f"{call['capacity']}: the CUDA kernel needs one for every cache position")
+        return reasons
+
+    @staticmethod
+    def _refuse_unimplemented(**features) -> None:
+        # reached only if a plan key missed a feature: refuse rather than compute something else
+        used = [n for n, on in features.items() if on]
+        if used:
+            from ._dispatch import BackendNotSupported
+
+            raise BackendNotSupported(f"backend 'cuda' does not implement {', '.join(used)}")
+
+    def append(self, q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *,
+               interleaved, q_same_pos):
+        self._refuse_unimplemented(**{"RoPE without an append": k is None,
+                                      "Snew != Sq": k is not None and k.shape[1] != q.shape[1]})
+        if cos is not None:
+            if cos.dtype not in (torch.float32, q.dtype):
+                cos, sin = cos.float(), sin.float()  # the Triton kernel reads the tables in fp32 too
+            cos, sin = cos.contiguous(), sin.contiguous()
+        q_rot = rotary_append(_vec(q), _vec(k), _vec(v), k_cache, v_cache, _int32(seqlens), cos=cos, sin=sin,
+                              interleaved=interleaved, q_causal=not q_same_pos, block_table=_int32(block_table),
+                              cache_batch_idx=_int32(batch_idx))
+        if q_out is not None:
+            q_out.copy_(q_rot)
+
+    def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *,
+                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0):
+        self._refuse_unimplemented(cache_leftpad=leftpad is not None, alibi_slopes=alibi is not None,
+                                   window_size=tuple(window) != (-1, -1), softcap=softcap > 0)
+        o, lse = decode_attention(_vec(q), k_cache, v_cache, _int32(seqlens), block_table=_int32(block_table),
+                                  cache_batch_idx=_int32(batch_idx), softmax_scale=scale, causal=causal,
+                                  num_splits=min(int(num_splits), _ext.MAX_SPLITS), return_lse=True)
+        out.copy_(o)
+        torch.mul(lse, 1.0 / _LN2, out=lse2)  # natural log -> flashtx's log2 units (-inf stays -inf)

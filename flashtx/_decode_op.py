@@ -33,6 +33,8 @@ class DecodeInputs:
     q: Tensor
     k_cache: Tensor
     v_cache: Tensor
+    call: Optional[dict] = None  # the call's other arguments, for backends that read them ("cuda")
+    automatic: bool = True  # backend=None (False: asked for by name)
 
     @property
     def device(self) -> torch.device:
@@ -147,13 +149,18 @@ class DecodeReference:
 for _op in ("kvcache_append", "kvcache_attention"):
     _dispatch.register(_op, "triton", DecodeTriton())
     _dispatch.register(_op, "reference", DecodeReference())
+from . import cuda_ext  # noqa: E402,F401  registers the CUDA extension as "cuda", explicit only until measured
 IMPLS = _dispatch.IMPLS["kvcache_attention"]
 
 
-def select(q: Tensor, k_cache: Tensor, v_cache: Tensor, backend: str | None) -> str:
-    """The backend name for these inputs (cached per device, dtype and head dims)."""
+def select(q: Tensor, k_cache: Tensor, v_cache: Tensor, backend: str | None, call: dict | None = None) -> str:
+    """The backend name for these inputs (cached per device, dtype and head dims, plus the call_key of
+    a requested backend that has one)."""
     key = (q.device.type, q.dtype, q.shape[-1], v_cache.shape[-1])
-    return _dispatch.plan("kvcache_attention", key, backend, lambda: DecodeInputs(q, k_cache, v_cache),
+    if call is not None and hasattr(IMPLS.get(backend), "call_key"):
+        key += IMPLS[backend].call_key(q, k_cache, v_cache, call)
+    return _dispatch.plan("kvcache_attention", key, backend,
+                          lambda: DecodeInputs(q, k_cache, v_cache, call, automatic=backend is None),
                           lambda: f"q {tuple(q.shape)} {q.dtype} on {q.device}, k_cache {tuple(k_cache.shape)}")
 
 

@@ -15,7 +15,11 @@ implementations are registered here, so torch.compile traces them. Ways to get t
   - neither: flashtx runs pure-Python/Triton as always; available() is False with a reason.
 
 Off by default: the kernels have never run or been timed on a GPU, so no automatic choice takes
-them (not_supported_reasons(..., automatic=True) always says so); call these functions directly.
+them (not_supported_reasons(..., automatic=True) always says so). They are flashtx's backend
+"cuda" of the decode ops (registered in flashtx._dispatch after "triton"):
+`flashtx.flash_attn_with_kvcache(..., backend="cuda")` takes them when they can run those inputs
+(BackendNotSupported with the reasons otherwise); backend=None never does while MEASURED_FASTER
+is False. Or call the functions here directly.
 """
 from __future__ import annotations
 
@@ -38,13 +42,17 @@ SCHEMAS = {  # must equal the m.def strings of csrc/binding.cpp (tests/test_cuda
                      "Tensor? cos, Tensor? sin, Tensor cache_seqlens, Tensor? block_table, Tensor? cache_batch_idx, "
                      "bool interleaved, bool q_causal, bool check_values) -> Tensor",
 }
+DEVICE_TYPES = ("cuda",)  # the tests add "cpu" to run the Python glue over stand-in ops
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_SPLITS = 128  # the binding's limit on num_splits
 MIN_KEYS_PER_SPLIT = 256  # the heuristic gives each split at least this many keys (unmeasured guess)
-MEASURED_FASTER = False  # True only once bench/RESULTS.md records it beating the Triton kernels
+MEASURED_FASTER = False  # True only once bench/RESULTS.md records it beating the Triton kernels (then
+# DecodeCUDA.call_key must also go into the automatic plan key: see _decode_op.select)
 STALE_LOCK_S = 900  # a JIT lock file older than this was left by a killed build
 ENV_AUTO = "FLASHTX_CUDA_EXT"  # =1: build/load on first use
+NOT_MEASURED = ("not measured faster than the Triton kernel on a GPU yet: off in automatic dispatch (off by "
+                "default); pass backend='cuda'")
 
 _state: dict = {"loaded": None, "error": None, "fakes": False}
 
@@ -113,9 +121,10 @@ def load(build_if_missing: bool | None = None) -> bool:
     return bool(_state["loaded"])
 
 
-def unavailable_reason() -> str | None:
-    """Why the extension cannot run here, or None when it can (see available())."""
-    if not load():
+def unavailable_reason(build_if_missing: bool | None = None) -> str | None:
+    """Why the extension cannot run here, or None when it can (see available()). build_if_missing
+    as in load() (False: never start a JIT build, only look)."""
+    if not load(build_if_missing):
         if _state["error"]:
             return _state["error"]
         env = build_env_reasons()
@@ -139,21 +148,20 @@ def not_supported_reasons(q: torch.Tensor | None = None, k_cache: torch.Tensor |
     automatic=True (what dispatch would ask) also says "not measured faster" until the kernels
     have been timed against the Triton kernels on a GPU, so automatic choices never take them."""
     reasons = []
-    why = unavailable_reason()
+    why = unavailable_reason(None if not automatic or MEASURED_FASTER else False)  # an unused choice builds nothing
     if why:
         reasons.append(why)
     for name, t in (("q", q), ("k_cache", k_cache)):
         if t is None:
             continue
-        if t.device.type != "cuda":
+        if t.device.type not in DEVICE_TYPES:
             reasons.append(f"{name} is on {t.device}; the extension runs CUDA tensors only")
         if t.dtype not in SUPPORTED_DTYPES:
             reasons.append(f"{name} dtype {t.dtype} is not supported (float16, bfloat16, float32)")
         if t.dim() >= 1 and t.shape[-1] not in SUPPORTED_HEAD_DIMS:
             reasons.append(f"{name} head dim {t.shape[-1]} is not supported (64 or 128)")
     if automatic and not MEASURED_FASTER:
-        reasons.append("not measured on a GPU (never timed against the Triton kernels), so off by default; "
-                       "call flashtx.cuda_ext functions directly to use it")
+        reasons.append(NOT_MEASURED)
     return reasons
 
 
@@ -438,3 +446,8 @@ def _register_fakes() -> None:
 
 
 from ._cuda_ext_api import decode_attention, flash_attn_with_kvcache, rotary_append  # noqa: E402,F401
+from ._cuda_ext_api import DecodeCUDA  # noqa: E402
+from . import _dispatch  # noqa: E402
+
+for _op in ("kvcache_append", "kvcache_attention"):  # after "triton" (flashtx._decode_op imports this module)
+    _dispatch.register(_op, "cuda", DecodeCUDA())

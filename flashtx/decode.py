@@ -91,7 +91,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         num_splits: key-range splits per sequence (each a program; partials merged by their
             log-sum-exp); 0 = a heuristic from the GPU's SM count (flash-attn's), 1 = none.
         return_softmax_lse: also return lse (B, Hq, Sq), float32 (float64 for float64 q), natural log.
-        backend: None (automatic), "triton" or "reference" (keyword-only; flashtx's dispatch).
+        backend: None (automatic), "triton", "reference" or "cuda" (the optional CUDA extension,
+            flashtx.cuda_ext; never chosen automatically until measured). Keyword-only.
 
     Returns:
         out (B, Sq, Hq, Dv) in q's dtype [, lse]. Rows that see no key give 0 and lse -inf.
@@ -174,7 +175,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew,
                   capacity, bool(causal) or window != (-1, -1))
 
-    name = _decode_op.select(q, k_cache, v_cache, backend)
+    name = _decode_op.select(q, k_cache, v_cache, backend, dict(
+        k=k, rotary_cos=rotary_cos, cache_leftpad=cache_leftpad, alibi=alibi, window=window, softcap=softcap,
+        capacity=capacity))
     seqlens = cache_seqlens
     if Snew or rotary_cos is not None:
         q_rot = _decode_op.kvcache_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens,

@@ -171,6 +171,36 @@ def test_flash_attn_with_kvcache_decode_loop():
         lens = lens + 1
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("sq", [1, 3])
+def test_backend_cuda_equals_triton(paged, sq):
+    """flashtx.flash_attn_with_kvcache(..., backend="cuda") (RoPE + append + attention) against
+    backend="triton" on the same inputs: out, lse (natural log) and the written caches; automatic
+    dispatch still takes Triton (MEASURED_FASTER is False)."""
+    import flashtx
+    from flashtx import _decode_op
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dtype, batch, hkv, hq, d = torch.float16, 2, 2, 8, 128
+    lens = torch.tensor([17, 200], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _caches(batch, hkv, d, dtype, lens + sq, 16 if paged else None, gen=gen)
+    kc, vc = kc.nan_to_num(0.0), vc.nan_to_num(0.0)  # compare the two paths, not their poison handling
+    theta = torch.arange(CAP, device="cuda", dtype=torch.float64)[:, None] * 0.01 * torch.arange(
+        d // 4, device="cuda", dtype=torch.float64)
+    cos, sin = theta.cos().float(), theta.sin().float()
+    q = torch.randn(batch, sq, hq, d, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(batch, sq, hkv, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    res = {}
+    for backend in ("triton", "cuda"):
+        kc_b, vc_b = kc.clone(), vc.clone()
+        res[backend] = (*flashtx.flash_attn_with_kvcache(q, kc_b, vc_b, k, v, cos, sin, cache_seqlens=lens,
+                                                         block_table=bt, causal=True, return_softmax_lse=True,
+                                                         backend=backend), kc_b, vc_b)
+    for a, b in zip(res["triton"], res["cuda"]):
+        torch.testing.assert_close(b.float(), a.float(), atol=ATOL[dtype], rtol=1e-2)
+    assert _decode_op.select(q, kc, vc, None, {"capacity": CAP}) == "triton"
+
+
 def test_guards_and_check_values():
     dtype, batch, hkv, d = torch.float16, 2, 1, 64
     lens = torch.tensor([100, 30], dtype=torch.int32, device="cuda")
