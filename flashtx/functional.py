@@ -56,12 +56,12 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, masks=NO_
     margs = (int(m.window[0]), int(m.window[1]), m.key_mask, m.query_mask, m.q_lens, m.kv_lens, m.cu_seqlens_q,
              m.cu_seqlens_k, m.max_seqlen_q, m.max_seqlen_k, *max_seqlen_t, m.attn_mask, float(m.softcap),
              m.alibi_slopes, float(m.dropout_p), m.rng)
-    out, lse2 = attention_fwd(q, k, v, scale, causal, bottom_right, name, *margs)
+    out, m2, l2 = attention_fwd(q, k, v, scale, causal, bottom_right, name, *margs)
     res = [out]
     if return_lse:
-        res.append(lse2 * LN2)  # natural log
+        res.append((m2 + l2) * LN2)  # natural log
     if return_probs:
-        res.append(attention_probs(q.detach(), k.detach(), v.detach(), lse2.detach(), scale, causal, bottom_right,
+        res.append(attention_probs(q.detach(), k.detach(), v.detach(), m2.detach(), l2.detach(), scale, causal, bottom_right,
                                    name, *margs))
     return res[0] if len(res) == 1 else tuple(res)
 

@@ -72,8 +72,8 @@ def test_gradcheck_catches_a_wrong_gradient(which, monkeypatch):
 
     real_backward = TritonBackend.backward
 
-    def planted(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, **kw):
-        real_backward(self, do, q, k, v, out, lse2, dlse2, dq, dk, dv, **kw)
+    def planted(self, do, q, k, v, out, m2, l2, dlse2, dq, dk, dv, **kw):
+        real_backward(self, do, q, k, v, out, m2, l2, dlse2, dq, dk, dv, **kw)
         {"dq": dq, "dk": dk, "dv": dv}[which].mul_(1.001)
 
     monkeypatch.setattr(TritonBackend, "backward", planted)
