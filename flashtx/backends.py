@@ -71,7 +71,7 @@ class Backend:
         raise NotImplementedError
 
     def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
-        """The probabilities of the forward that returned lse2 (dropped entries negated)."""
+        """The probabilities of the forward that returned (m2, l2) (dropped entries negated)."""
         raise NotImplementedError
 
 
@@ -118,20 +118,20 @@ class ReferenceBackend(Backend):
         return []
 
     def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
-        o, lse2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
-                                              spec=masks)
+        o, m2, l2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
+                                                spec=masks)
         out.copy_(o)
-        return lse2, torch.zeros_like(lse2)
+        return m2, l2
 
-    def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
-                 dbias=None):
-        grads = reference.attention_backward(do, q, k, v, out, m2 + l2, scale=scale, causal=causal,
+    def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right,
+                 masks=NO_MASKS, dbias=None):
+        grads = reference.attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal,
                                              bottom_right=bottom_right, dlse2=dl2, spec=masks, dbias=dbias)
         for buf, g in zip((dq, dk, dv), grads):
             buf.copy_(g)
 
     def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
-        return reference.attention_probs(q, k, v, m2 + l2, scale=scale, causal=causal, bottom_right=bottom_right,
+        return reference.attention_probs(q, k, v, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
                                          spec=masks)
 
 
@@ -186,25 +186,26 @@ class TritonBackend(Backend):
         from .triton_kernels.attention_fwd import attention_forward
 
         q, k, v = (_unit_last(t) for t in (q, k, v))
-        _, lse2 = attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
-                                    spec=masks, out=out)
-        return lse2, torch.zeros_like(lse2)
+        _, m2, l2 = attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
+                                      spec=masks, out=out)
+        return m2, l2
 
-    def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
-                 dbias=None):
+    def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right,
+                 masks=NO_MASKS, dbias=None):
         from .triton_kernels.attention_bwd import attention_backward
 
         do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
         if dl2 is not None:
             dl2 = dl2.contiguous()
-        attention_backward(do, q, k, v, out, m2 + l2, scale=scale, causal=causal, bottom_right=bottom_right,
+        attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
                            dlse2=dl2, spec=masks, grads=(dq, dk, dv), dbias=dbias)
 
     def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
         from .triton_kernels.attention_scores import attention_probs
 
         q, k, v = (_unit_last(t) for t in (q, k, v))
-        return attention_probs(q, k, v, m2 + l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=masks)
+        return attention_probs(q, k, v, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=masks)
+
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,10 @@ import math
 import torch
 
 LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+# The backends raise additive attn_mask values below this to it (-inf stays -inf), as the kernels do
+# (triton_kernels.attention_common.BIAS_FLOOR): bias * log2(e) stays finite in fp32.
+BIAS_FLOOR = -2.0 ** 125
 
 
 def causal_visibility(Sq: int, Sk: int, bottom_right: bool, device=None) -> torch.Tensor:
@@ -99,10 +103,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     empty = torch.isneginf(s).all(-1)  # (B, H, Sq) rows with no visible key
     # empty rows get finite dummies (zeroed below) so that autograd sees no NaN
     s = s.masked_fill(empty[..., None], 0.0)
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
-    p = torch.exp(s - lse[..., None])  # (B, H, Sq, Sk), exactly 0 on masked entries
-    p = p.masked_fill(empty[..., None], 0.0)
-    lse = lse.masked_fill(empty, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (B, H, Sq, 1)
+    p = torch.exp(s - lse)  # (B, H, Sq, Sk), exactly 0 on masked entries
+    # Where every score of a row ties at a huge value (a -1e9 bias), lse = max + log(sum) rounds to the
+    # max and exp(s - lse) would sum to Sk, not 1: such rows (log(sum) lost) use exp(s - max) / sum.
+    m = s.amax(-1, keepdim=True).detach()
+    e = torch.exp(s - m)
+    l = e.sum(-1, keepdim=True)
+    lost = (lse.detach() == m) & (l > 1)
+    p = torch.where(lost, e / l, p).masked_fill(empty[..., None], 0.0)
+    lse = lse.squeeze(-1).masked_fill(empty, float("-inf"))  # (B, H, Sq)
     if keep is not None:
         p = p * keep / (1.0 - dropout_p)
     out = torch.matmul(p, v)  # (B, H, Sq, Dv)
@@ -183,7 +193,10 @@ def _spec_kwargs(spec, causal, bottom_right, q, k) -> dict:
     if spec is None:
         return kw
     if spec.attn_mask is not None:
-        kw["bias"] = spec.attn_mask
+        m = spec.attn_mask
+        if m.is_floating_point():  # floored as the kernels do (-inf kept)
+            m = torch.where(torch.isneginf(m), m, m.clamp(min=max(BIAS_FLOOR, torch.finfo(m.dtype).min)))
+        kw["bias"] = m
     kw["softcap"] = float(spec.softcap)
     if spec.alibi_slopes is not None:
         if spec.varlen:
@@ -198,35 +211,62 @@ def _spec_kwargs(spec, causal, bottom_right, q, k) -> dict:
     return kw
 
 
+def _expand_kv(q, k, v):
+    """k, v repeated to q's heads (GQA/MQA), and the group size."""
+    group = q.shape[1] // k.shape[1] if k.shape[1] else 1  # 0 heads: nothing to repeat
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return k, v, group
+
+
+def _scores2(q, ke, scale, kw):
+    """The backends' scores in log2 units (B, H, Sq, Sk), -inf where invisible, and tanh(s / softcap)."""
+    s, t = _scores(q, ke, scale=scale, **kw)
+    return s * LOG2E, t
+
+
 def attention_forward(q, k, v, *, scale: float, causal: bool, bottom_right: bool, spec=None):
-    """Reference backend forward with the kernels' contract: returns (out, lse2), lse2 in log2 units.
+    """Reference backend forward with the kernels' contract: returns (out, m2, l2).
 
-    Computes in fp32 for half inputs (fp64 for fp64), output cast back to the input dtype.
+    m2: the row max of the scores in log2 units, l2 = log2(sum exp2(s2 - m2)), both (B, H, Sq) in
+    the accumulator dtype; rows that see no key have m2 = -inf, l2 = 0 and output 0. Computes in
+    fp32 for half inputs (fp64 for fp64), output cast back to the input dtype.
     """
-    out, lse = attention(_upcast(q), _upcast(k), _upcast(v), scale=scale, return_lse=True,
-                         **_spec_kwargs(spec, causal, bottom_right, q, k))
-    return out.to(q.dtype), lse / LN2
+    dt = q.dtype
+    q, k, v = (_upcast(t) for t in (q, k, v))
+    kw = _spec_kwargs(spec, causal, bottom_right, q, k)
+    keep, p_drop = kw.pop("keep", None), kw.pop("dropout_p", 0.0)
+    ke, ve, _ = _expand_kv(q, k, v)
+    s2, _ = _scores2(q, ke, scale, kw)  # (B, H, Sq, Sk)
+    empty = torch.isneginf(s2).all(-1)  # (B, H, Sq)
+    m2 = s2.amax(-1) if s2.shape[-1] else s2.new_full(s2.shape[:-1], float("-inf"))
+    e = torch.exp2(s2 - torch.where(empty, float("inf"), m2)[..., None])  # 0 on empty rows
+    l = e.sum(-1)
+    l2 = torch.log2(torch.where(empty, 1.0, l))
+    p = e / torch.where(empty, 1.0, l)[..., None]
+    if keep is not None:
+        p = p * keep / (1.0 - p_drop)
+    return torch.matmul(p, ve).to(dt), m2, l2
 
 
-def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right: bool, dlse2=None,
+def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_right: bool, dlse2=None,
                        spec=None, dbias=None):
-    """Reference backend backward from the saved lse (the same recomputation the kernels do).
+    """Reference backend backward from the saved (m2, l2) (the same recomputation the kernels do:
+    P = exp2(s2 - m2) * exp2(-l2)); dlse2 is the cotangent of lse2 = m2 + l2.
 
     Returns (dq, dk, dv) in the inputs' dtype; with dbias (shaped like spec.attn_mask), also
     writes the float attn_mask's gradient into it, summed over its broadcast dims.
     """
     dt = q.dtype
     do, q, k, v, out = (_upcast(t) for t in (do, q, k, v, out))
-    Hq, Hkv = q.shape[1], k.shape[1]
-    group = Hq // Hkv if Hkv else 1  # 0 heads: nothing to repeat
-    ke = k.repeat_interleave(group, dim=1) if group > 1 else k  # (B, Hq, Sk, D)
-    ve = v.repeat_interleave(group, dim=1) if group > 1 else v
+    Hkv = k.shape[1]
+    ke, ve, group = _expand_kv(q, k, v)  # (B, Hq, Sk, D)
     kw = _spec_kwargs(spec, causal, bottom_right, q, k)
     keep, p_drop = kw.pop("keep", None), kw.pop("dropout_p", 0.0)
-    s, t = _scores(q, ke, scale=scale, **kw)  # (B, Hq, Sq, Sk)
-    lse = (lse2 * LN2).to(s.dtype)
-    # rows that see no key (lse = -inf) get P = 0
-    p = torch.exp(s - torch.where(torch.isinf(lse), float("inf"), lse)[..., None])
+    s2, t = _scores2(q, ke, scale, kw)  # (B, Hq, Sq, Sk)
+    # rows that see no key (m2 = -inf) get P = 0
+    ms = torch.where(torch.isneginf(m2), float("inf"), m2).to(s2.dtype)
+    p = torch.exp2(s2 - ms[..., None]) * torch.exp2(-l2.to(s2.dtype))[..., None]
     delta = (do * out).sum(-1)  # (B, Hq, Sq)
     if dlse2 is not None:
         delta = delta - dlse2.to(delta.dtype) / LN2
@@ -249,8 +289,8 @@ def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool, bo
     return dq.to(dt), dk.to(dt), dv.to(dt)
 
 
-def attention_probs(q, k, v, lse2, *, scale: float, causal: bool, bottom_right: bool, spec=None):
-    """Reference backend probabilities (B, H, Sq, Sk) (varlen (nseq, H, max_q, max_k)) in lse2's dtype,
+def attention_probs(q, k, v, m2, l2, *, scale: float, causal: bool, bottom_right: bool, spec=None):
+    """Reference backend probabilities (B, H, Sq, Sk) (varlen (nseq, H, max_q, max_k)) in m2's dtype,
     dropped entries negated: the same contract as the kernels' attention_probs."""
     kw = _spec_kwargs(spec, causal, bottom_right, q, k)
     keep = kw.pop("keep", None)
@@ -258,7 +298,7 @@ def attention_probs(q, k, v, lse2, *, scale: float, causal: bool, bottom_right: 
     B, H, Sq, Sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     eye = torch.eye(Sk, dtype=torch.float64, device=q.device).expand(B, k.shape[1], Sk, Sk)
     # P itself: attention with V = identity gives P @ I = P
-    p = attention(q.double(), k.double(), eye, scale=scale, **kw).to(lse2.dtype)  # (B, H, Sq, Sk)
+    p = attention(q.double(), k.double(), eye, scale=scale, **kw).to(m2.dtype)  # (B, H, Sq, Sk)
     if keep is not None:
         p = torch.where(keep, p, -p)
     if spec is not None and spec.varlen:

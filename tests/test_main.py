@@ -24,9 +24,9 @@ def test_self_check_fails_on_a_wrong_kernel(monkeypatch):
     real = TritonBackend.forward
 
     def planted(self, q, k, v, out, **kw):
-        lse2 = real(self, q, k, v, out, **kw)
+        stats = real(self, q, k, v, out, **kw)
         out.mul_(1.01)
-        return lse2
+        return stats
 
     monkeypatch.setattr(TritonBackend, "forward", planted)
     device = "cuda" if torch.cuda.is_available() else "cpu"

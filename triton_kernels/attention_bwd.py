@@ -1,11 +1,11 @@
-"""Flash attention backward: P is recomputed from the saved log-sum-exp, never stored.
+"""Flash attention backward: P is recomputed from the saved row statistics (m2, l2), never stored.
 
 Three kernels, no atomics, so gradients are bitwise reproducible:
 1. `_attn_bwd_preprocess`: delta = rowsum(dO * O) (minus the lse cotangent, when there is one).
 2. `_attn_bwd_dkdv`: one program owns a K/V tile of one (batch, kv head) and loops over the q
    tiles of every q head in its GQA group, so dK/dV are reduced over the group in registers.
 3. `_attn_bwd_dq`: one program owns a q tile and loops over the K/V tiles it can see.
-With s2 = q.k * scale * log2(e) and P = exp2(s2 - lse2):
+With s2 = q.k * scale * log2(e) and P = exp2(s2 - m2) * exp2(-l2):
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale * dS K,  dK = scale * dS^T Q.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, lse_base, delta_base, mb_base, offs_n, start, end, Sq_b, Sk_b,
+def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, m2_base, l2_base, delta_base, mb_base, offs_n, start, end, Sq_b, Sk_b,
                 causal_shift, window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
                 stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
@@ -62,20 +62,21 @@ def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, lse_base, delta_base, mb_
     alibi_shift = Sk_b - Sq_b
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        # rows past Sq_b read as zeros (q, dO, delta) and lse -inf, so they add nothing
+        # rows past Sq_b read as zeros (q, dO, delta) and m2 -inf, so they add nothing
         row_ok = offs_m < Sq_b
         qt = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
                      mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)  # (BLOCK_DQK, BLOCK_M)
         do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                      mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV)
-        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("-inf"))
+        m2 = tl.load(m2_base + offs_m, mask=row_ok, other=float("-inf"))
+        inv_l = tl.exp2(-tl.load(l2_base + offs_m, mask=row_ok, other=0.0))  # 1 / row sum
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that see no key: P = exp2(s - inf) = 0
+        m2 = tl.where(m2 == float("-inf"), float("inf"), m2)  # rows that see no key: P = exp2(s - inf) = 0
         st = tl.dot(k, qt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T
         st, tt = score_mods(st, offs_m[None, :], offs_n[:, None], row_ok[None, :] & (offs_n[:, None] < Sk_b),
                             mb_base, stride_mm, stride_mn, softcap2, slope2, alibi_shift, log2e,
                             MASK_KIND, SOFTCAP, ALIBI)
-        pt = tl.exp2(st - lse[None, :])
+        pt = tl.exp2(st - m2[None, :]) * inv_l[None, :]
         if MASKED:
             pt = tl.where(visible(offs_m[None, :], offs_n[:, None], Sq_b, Sk_b, causal_shift, window_shift, key_ok,
                                   CAUSAL, WINDOW, KEY_MASK), pt, 0.0)
@@ -95,7 +96,7 @@ def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, lse_base, delta_base, mb_
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
+def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -149,7 +150,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K,
         # masked tiles before the unmasked range (causal diagonal), unmasked, masked tail (window edge, Sq_b)
         for part in tl.static_range(3):
             start, end = loop_part(part, lo, free_lo, free_hi, hi)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, LSE + row_base, DELTA + row_base, mb_base,
+            dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, M2 + row_base, L2 + row_base, DELTA + row_base,
+                                 mb_base,
                                  offs_n, start, end, Sq_b, Sk_b, causal_shift, window_shift, qk_scale,
                                  stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, D_QK, D_V,
                                  softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p, drop_scale,
@@ -166,7 +168,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU_K,
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b, causal_shift,
+def _dq_tiles(dq, q, do, m2, inv_l, delta, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b, causal_shift,
               window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn,
               D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p, drop_scale,
               BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
@@ -187,7 +189,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, mb_base, offs_m, s
         s, t = score_mods(s, offs_m[:, None], offs_n[None, :], (offs_m[:, None] < Sq_b) & (offs_n[None, :] < Sk_b),
                           mb_base, stride_mm, stride_mn, softcap2, slope2, alibi_shift, log2e,
                           MASK_KIND, SOFTCAP, ALIBI)
-        p = tl.exp2(s - lse[:, None])
+        p = tl.exp2(s - m2[:, None]) * inv_l[:, None]
         if MASKED:
             key_ok = offs_n[None, :] < Sk_b
             if KEY_MASK:
@@ -206,7 +208,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, mb_base, offs_m, s
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
+def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
@@ -240,8 +242,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, Q
                  + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                  mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV)
     row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
-    lse = tl.load(LSE + row, mask=row_ok, other=float("-inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that see no key: P = exp2(s - inf) = 0
+    m2 = tl.load(M2 + row, mask=row_ok, other=float("-inf"))
+    m2 = tl.where(m2 == float("-inf"), float("inf"), m2)  # rows that see no key: P = exp2(s - inf) = 0
+    inv_l = tl.exp2(-tl.load(L2 + row, mask=row_ok, other=0.0))  # 1 / row sum
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
     drop_scale = scalar_in(drop_scale_hi, drop_scale_lo, ACC)
@@ -257,7 +260,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, Q
                                               CAUSAL, WINDOW, EVERY_TILE)
     for part in tl.static_range(3):  # masked head (window edge), unmasked, masked tail (causal diagonal, Sk_b)
         start, end = loop_part(part, lo, full_lo, full_hi, hi)
-        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b,
+        dq = _dq_tiles(dq, q, do, m2, inv_l, delta, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b,
                        causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
                        stride_mm, stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p,
                        drop_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, part != 1, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
@@ -268,13 +271,13 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, Q_LENS, KV_LENS, CU_Q, CU_K, KM, Q
              mask=(offs_m[:, None] < Sq_mem) & (offs_dqk[None, :] < D_QK))
 
 
-def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, causal: bool,
+def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, causal: bool,
                   bottom_right: bool, dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS,
                   dbias: torch.Tensor | None = None, target=None) -> list[Launch]:
     """The launches of the backward (preprocess, dK/dV, dQ, and the attn_mask gradient into `dbias`
     when given, shaped like spec.attn_mask), in order.
 
-    (B, H, S, D) views; varlen: (1, H, total, D) views of the packed tensors, lse2/delta (1, H, total).
+    (B, H, S, D) views; varlen: (1, H, total, D) views of the packed tensors, m2/l2/delta (1, H, total).
     """
     H, Sq_rows, D_QK = q.shape[1], q.shape[2], q.shape[3]
     Hkv, D_V = k.shape[1], v.shape[3]
@@ -294,8 +297,8 @@ def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, ca
         dlse_scale_hi=dl_hi, dlse_scale_lo=dl_lo,
         BLOCK_M=PREPROCESS_BLOCK_M, BLOCK_DV=block_dv, HAS_DLSE=dlse2 is not None, ACC=acc))
 
-    margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, lse2)
-    common = dict(Q=q, K=k, V=v, DO=do, LSE=lse2, DELTA=delta,
+    margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
+    common = dict(Q=q, K=k, V=v, DO=do, M2=m2, L2=l2, DELTA=delta,
                   **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
                   **stride_args("do", do, spec), Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
@@ -315,14 +318,15 @@ def plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, *, scale: float, ca
     if dbias is not None:
         from .attention_scores import plan_scores
 
-        launches.append(plan_scores(q, k, v, lse2, dbias, scale=scale, causal=causal, bottom_right=bottom_right,
+        launches.append(plan_scores(q, k, v, m2, l2, dbias, scale=scale, causal=causal, bottom_right=bottom_right,
                                     spec=spec, do=do, delta=delta, target=target))
     return launches
 
 
-def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool = False, bottom_right: bool = False,
+def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool = False, bottom_right: bool = False,
                        dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS, grads=None, dbias=None):
-    """Gradients of attention_forward. Shapes as there; do is dL/dout, dlse2 an optional dL/dlse2.
+    """Gradients of attention_forward from its (out, m2, l2). do is dL/dout; dlse2 an optional
+    dL/dlse2, the cotangent of lse2 = m2 + l2 (log2 units).
 
     Returns (dq, dk, dv) shaped like (q, k, v), written into `grads` when given (any strides with
     a unit last stride). Padding rows/keys and rows that see no key get exactly zero gradient.
@@ -334,8 +338,8 @@ def attention_backward(do, q, k, v, out, lse2, *, scale: float, causal: bool = F
         if dbias is not None:
             dbias.zero_()
         return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = torch.empty(lse2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
-    for launch in plan_backward(do, q, k, v, out, lse2, delta, dq, dk, dv, scale=scale, causal=causal,
+    delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
+    for launch in plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, scale=scale, causal=causal,
                                 bottom_right=bottom_right, dlse2=dlse2, spec=spec, dbias=dbias):
         launch.run()
     return dq, dk, dv
@@ -349,9 +353,9 @@ def compile_plans(target) -> list:
     plans = []
     for d, dtype, name, causal, spec in compile_cases():
         q, k, v, o, do, dq, dk, dv = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(8))
-        lse2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(2))
+        m2, l2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(3))
         try:
-            pre, dkdv, dqk = plan_backward(do, q, k, v, o, lse2, delta, dq, dk, dv, scale=d ** -0.5,
+            pre, dkdv, dqk = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5,
                                            causal=causal, bottom_right=spec.varlen, spec=spec, target=target)
         except RuntimeError:  # no config fits: the backend reports it and never launches
             continue

@@ -14,9 +14,13 @@ Conventions used by every attention kernel:
   where causal_shift = align + right, window_shift = align - left, align = Sk_b - Sq_b for
   bottom-right alignment (flash-attn) and 0 for top-left (SDPA); right is 0 for causal.
   A query_mask only zeroes rows at the end of the forward (QUERY_MASK): a row that sees no key
-  has lse = -inf, and the backward turns that into P = 0 for the whole row.
-- Scores live in the log2 domain: s2 = (q . k) * scale * log2(e), so the softmax uses exp2, and
-  the stored log-sum-exp `lse2` is in log2 units (natural lse = lse2 * ln 2).
+  has m2 = -inf, and the backward turns that into P = 0 for the whole row.
+- Scores live in the log2 domain: s2 = (q . k) * scale * log2(e), so the softmax uses exp2. The
+  forward stores two per-row statistics: m2, the row max of s2, and l2 = log2(sum_j exp2(s2 - m2));
+  P = exp2(s2 - m2) * exp2(-l2) everywhere P is recomputed (one rounding inside exp2, as the
+  forward's exp2(s2 - m) / l; exp2((s2 - m2) - l2) would add a second). Not one lse2 = m2 + l2: with |m2| huge
+  (a row of -1e9 biases) fp32 cannot hold l2 next to m2, and P would sum to Sk. Rows that see no
+  key have m2 = -inf, l2 = 0 (the backward turns that into P = 0). Natural lse = (m2 + l2) * ln 2.
 - Score modifiers (`score_mods`), in flash-attn's order on the scaled scores s (natural units):
   s = softcap * tanh(s / softcap) (SOFTCAP), s -= slope * |i + Sk_b - Sq_b - j| (ALIBI),
   s += attn_mask (MASK_KIND 2, additive) or s = -inf where attn_mask is False (MASK_KIND 1); then
@@ -52,8 +56,9 @@ def seq_bounds(b, Sq, Sk, Q_LENS, KV_LENS, CU_Q, CU_K, bottom_right, right, left
     Sq_mem = Sq
     Sk_mem = Sk
     if LENS:  # right padding: per-batch lengths, clamped to the padded length
-        Sq_b = tl.minimum(tl.maximum(tl.load(Q_LENS + b).to(tl.int32), 0), Sq)
-        Sk_b = tl.minimum(tl.maximum(tl.load(KV_LENS + b).to(tl.int32), 0), Sk)
+        # clamp in the loaded dtype, then cast: an int64 2**32 + 3 is 'all rows', not 3
+        Sq_b = tl.minimum(tl.maximum(tl.load(Q_LENS + b), 0), Sq).to(tl.int32)
+        Sk_b = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), Sk).to(tl.int32)
     if VARLEN:  # packed: sequence b is rows [cu[b], cu[b+1]) of the (total, H, D) tensors
         q_start = tl.load(CU_Q + b).to(tl.int32)
         k_start = tl.load(CU_K + b).to(tl.int32)
@@ -158,6 +163,11 @@ def loop_part(part: tl.constexpr, lo, mid_lo, mid_hi, hi):
         return tl.maximum(mid_lo, mid_hi), hi
 
 
+# Additive attn_mask values below this are raised to it (-inf stays -inf), so that bias * log2(e)
+# stays finite in fp32: a row of torch.finfo(torch.float32).min (Hugging Face's masks) ties at a
+# huge finite score (uniform softmax, as fp32 SDPA) instead of becoming a fully masked row.
+BIAS_FLOOR = tl.constexpr(-2.0 ** 125)
+
 # MASK_KIND: how the kernels read attn_mask (constexprs, so jit code may name them)
 MASK_NONE = tl.constexpr(0)
 MASK_BOOL = tl.constexpr(1)  # bool / uint8: -inf where 0
@@ -199,8 +209,9 @@ def score_mods(s, q_idx, k_idx, in_bounds, mb_base, stride_mm, stride_mn, softca
         keep = tl.load(mb_base + q_idx * stride_mm + k_idx * stride_mn, mask=in_bounds, other=0)
         s = tl.where(keep != 0, s, float("-inf"))
     elif MASK_KIND == MASK_ADDITIVE:
-        bias = tl.load(mb_base + q_idx * stride_mm + k_idx * stride_mn, mask=in_bounds, other=0.0)
-        s = s + bias.to(s.dtype) * log2e
+        bias = tl.load(mb_base + q_idx * stride_mm + k_idx * stride_mn, mask=in_bounds, other=0.0).to(s.dtype)
+        # floored (-inf kept) so bias * log2(e) cannot overflow: finfo.min rows tie instead of becoming -inf
+        s = s + tl.where(bias == float("-inf"), bias, tl.maximum(bias, BIAS_FLOOR) * log2e)
     return s, t
 
 
@@ -253,8 +264,9 @@ def _as_u8(m: torch.Tensor) -> torch.Tensor:
 def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tuple[dict, int, int, int]:
     """Kernel arguments for `spec`, and the (batch, Sq, Sk) the grids span.
 
-    q, k: the (B, H, S, D) views the kernels read (varlen: (1, H, total, D)); lse: the (B, H, Sq)
-    log-sum-exp buffer (varlen: (1, H, total)). Absent tensors are replaced by `lse` (never read).
+    q, k: the (B, H, S, D) views the kernels read (varlen: (1, H, total, D)); lse: a (B, H, Sq)
+    per-row buffer such as m2 (varlen: (1, H, total)), whose strides every per-row buffer shares.
+    Absent tensors are replaced by `lse` (never read).
     """
     left, right = (int(x) for x in spec.window)
     has_right = bool(causal) or right >= 0

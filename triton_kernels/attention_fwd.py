@@ -2,7 +2,8 @@
 
 One program owns BLOCK_M query rows of one (batch, q head) and streams the K/V tiles its rows can
 see, keeping the running row max `m`, row sum `l` and output accumulator in registers. It writes
-O and the per-row log-sum-exp (log2 units) that the backward uses to recompute P.
+O and the per-row statistics m2 (row max, log2 units) and l2 = log2(l) that the backward uses to
+recompute P = exp2((s2 - m2) - l2).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, mb_base, offs_m, start
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
+def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
@@ -118,7 +119,7 @@ def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
                                    SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
 
     # Rows that saw no key (masked out, padding, or before the causal diagonal) have l = 0 or are
-    # past Sq_b / masked by query_mask: output 0, lse = -inf (the backward gives them P = 0).
+    # past Sq_b / masked by query_mask: output 0, m2 = -inf, l2 = 0 (the backward gives them P = 0).
     empty = (l_i == 0.0) | (offs_m >= Sq_b)
     if QUERY_MASK:
         qm = tl.load(QM + b.to(tl.int64) * stride_qmb + offs_m * stride_qmn, mask=offs_m < Sq_b, other=0)
@@ -127,25 +128,27 @@ def _attn_fwd(Q, K, V, O, LSE, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
     if DROPOUT:
         inv_l = inv_l * scalar_in(drop_scale_hi, drop_scale_lo, ACC)  # kept entries scaled by 1 / (1 - p)
     o = tl.where(empty[:, None], 0.0, acc * inv_l[:, None])
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    m2 = tl.where(empty, float("-inf"), m_i)
+    l2 = tl.log2(tl.where(empty, 1.0, l_i))  # kept apart from m2: m2 + l2 rounds to m2 when |m2| is huge
     tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, o.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < Sq_mem) & (offs_dv[None, :] < D_V))
-    tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m, lse,
-             mask=offs_m < Sq_mem)
+    row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
+    tl.store(M2 + row, m2, mask=offs_m < Sq_mem)
+    tl.store(L2 + row, l2, mask=offs_m < Sq_mem)
 
 
-def plan_forward(q, k, v, out, lse2, *, scale: float, causal: bool, bottom_right: bool, spec: MaskSpec = NO_MASKS,
-                 target=None) -> Launch:
-    """The launch that computes out and lse2 from q, k, v ((B, H, S, D) views; varlen (1, H, total, D))."""
+def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_right: bool,
+                 spec: MaskSpec = NO_MASKS, target=None) -> Launch:
+    """The launch that computes out, m2 and l2 from q, k, v ((B, H, S, D) views; varlen (1, H, total, D))."""
     H, D_QK = q.shape[1], q.shape[3]
     Hkv, D_V = k.shape[1], v.shape[3]
     target = target if target is not None else target_for(q)
     block_dqk, block_dv = head_block(D_QK), head_block(D_V)
     cfg = select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     hi, lo = split_f32(scale * LOG2E)
-    margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, lse2)
+    margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
     args = dict(
-        Q=q, K=k, V=v, O=out, LSE=lse2,
+        Q=q, K=k, V=v, O=out, M2=m2, L2=l2,
         **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
         **stride_args("o", out, spec),
         H=H, GROUP=H // Hkv, Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
@@ -164,20 +167,21 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
 
     q: (B, Hq, Sq, Dqk); k: (B, Hkv, Sk, Dqk); v: (B, Hkv, Sk, Dv), Hq a multiple of Hkv.
     spec: window / masks / lengths / varlen (see MaskSpec; varlen: (1, H, total, D) views).
-    Returns (out, lse2): out (B, Hq, Sq, Dv) in q's dtype (written into `out` if given);
-    lse2 (B, Hq, Sq) contiguous, fp32 (fp64 for fp64 inputs), the row log-sum-exp of the scaled
-    scores in log2 units, -inf for rows that see no key (their output is 0).
+    Returns (out, m2, l2): out (B, Hq, Sq, Dv) in q's dtype (written into `out` if given); m2 and
+    l2 (B, Hq, Sq) contiguous, fp32 (fp64 for fp64 inputs): m2 the row max of the scaled scores in
+    log2 units, l2 = log2(sum exp2(s2 - m2)); rows that see no key have m2 = -inf, l2 = 0 (and
+    output 0). The row log-sum-exp is (m2 + l2) * ln 2.
     """
     B, H, Sq, _ = q.shape
     if out is None:
         out = torch.empty(B, H, Sq, v.shape[3], dtype=q.dtype, device=q.device)
-    lse2 = torch.empty(B, H, Sq, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
+    m2, l2 = (torch.empty(B, H, Sq, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device) for _ in range(2))
     if out.numel() == 0:
-        return out, lse2
+        return out, m2, l2
     if k.shape[2] == 0:  # no keys: every row sees none, so 0 output and lse -inf (as fully masked rows; SDPA too)
-        return out.zero_(), lse2.fill_(float("-inf"))
-    plan_forward(q, k, v, out, lse2, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec).run()
-    return out, lse2
+        return out.zero_(), m2.fill_(float("-inf")), l2.zero_()
+    plan_forward(q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec).run()
+    return out, m2, l2
 
 
 def all_options_spec(B: int, S: int, H: int = 2, bias_shape=None, dtype=torch.float16) -> MaskSpec:
@@ -223,9 +227,9 @@ def compile_plans(target) -> list:
     plans = []
     for d, dtype, name, causal, spec in compile_cases():
         q, k, v, o = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(4))
-        lse2 = torch.empty(1, 2, 128, dtype=torch.float32)
+        m2, l2 = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(2))
         try:
-            launch = plan_forward(q, k, v, o, lse2, scale=d ** -0.5, causal=causal, bottom_right=spec.varlen,
+            launch = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=causal, bottom_right=spec.varlen,
                                   spec=spec, target=target)
         except RuntimeError:  # no config fits: the backend reports it and never launches
             continue

@@ -1,6 +1,6 @@
 """Score-shaped outputs of attention: the attn_mask (bias) gradient and the probabilities.
 
-One kernel, `_attn_scores`, recomputes tiles of P = exp2(s2 - lse2) (with every mask, modifier
+One kernel, `_attn_scores`, recomputes tiles of P = exp2(s2 - m2) / 2**l2 (with every mask, modifier
 and the dropout draw of the forward) and either
 - GRAD: accumulates dS = P * (dP - delta), the gradient of the scores, into an output shaped
   like the user's attn_mask: a dim of size 1 there (broadcast in the forward) is summed here, in
@@ -25,7 +25,7 @@ from .launch import ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f
 
 
 @triton.jit
-def _attn_scores(Q, K, V, DO, LSE, DELTA, OUT, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
+def _attn_scores(Q, K, V, DO, M2, L2, DELTA, OUT, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, RNG,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
@@ -80,8 +80,9 @@ def _attn_scores(Q, K, V, DO, LSE, DELTA, OUT, Q_LENS, KV_LENS, CU_Q, CU_K, KM, 
                 row_ok = offs_m < Sq_b
                 q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
                             mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)  # (BLOCK_M, BLOCK_DQK)
-                lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=float("-inf"))
-                lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that see no key: P = 0
+                m2 = tl.load(M2 + row_base + offs_m, mask=row_ok, other=float("-inf"))
+                m2 = tl.where(m2 == float("-inf"), float("inf"), m2)  # rows that see no key: P = 0
+                inv_l = tl.exp2(-tl.load(L2 + row_base + offs_m, mask=row_ok, other=0.0))  # 1 / row sum
                 if GRAD:
                     do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                                  mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV)
@@ -100,7 +101,7 @@ def _attn_scores(Q, K, V, DO, LSE, DELTA, OUT, Q_LENS, KV_LENS, CU_Q, CU_K, KM, 
                                          mask=key_ok, other=0) != 0
                     vis = visible(offs_m[:, None], offs_n[None, :], Sq_b, Sk_b, causal_shift, window_shift, key_ok,
                                   CAUSAL, WINDOW, KEY_MASK)
-                    p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)  # (BLOCK_M, BLOCK_N)
+                    p = tl.where(vis, tl.exp2(s - m2[:, None]) * inv_l[:, None], 0.0)  # (BLOCK_M, BLOCK_N)
                     if GRAD:
                         vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
                                      mask=(offs_n[None, :] < Sk_b) & (offs_dv[:, None] < D_V), other=0.0)
@@ -129,7 +130,7 @@ def _attn_scores(Q, K, V, DO, LSE, DELTA, OUT, Q_LENS, KV_LENS, CU_Q, CU_K, KM, 
                  acc.to(OUT.dtype.element_ty), mask=(offs_m[:, None] < Sq) & (offs_n[None, :] < Sk))
 
 
-def plan_scores(q, k, v, lse2, out, *, scale: float, causal: bool, bottom_right: bool, spec: MaskSpec = NO_MASKS,
+def plan_scores(q, k, v, m2, l2, out, *, scale: float, causal: bool, bottom_right: bool, spec: MaskSpec = NO_MASKS,
                 do=None, delta=None, target=None) -> Launch:
     """The launch that fills `out` (4-D): with do/delta, the attn_mask gradient summed to out's shape
     (each dim 1 or full (B, Hq, Sq, Sk)); without, the probabilities (B, Hq, Sq, Sk), dropped
@@ -140,7 +141,7 @@ def plan_scores(q, k, v, lse2, out, *, scale: float, causal: bool, bottom_right:
     block_dqk, block_dv = head_block(D_QK), head_block(D_V)
     cfg = select_config("attn_scores", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     hi, lo = split_f32(scale * LOG2E)
-    margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, lse2)
+    margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
     grad = do is not None
     sum_b, sum_h = out.shape[0] == 1 and B > 1, out.shape[1] == 1 and H > 1
     sum_m, sum_n = out.shape[2] == 1 and Sq > 1, out.shape[3] == 1 and Sk > 1
@@ -148,7 +149,7 @@ def plan_scores(q, k, v, lse2, out, *, scale: float, causal: bool, bottom_right:
     tiles_n = 1 if sum_n else triton.cdiv(Sk, cfg.block_n)
     out_strides = [0 if n == 1 else st for n, st in zip(out.shape, out.stride())]
     args = dict(
-        Q=q, K=k, V=v, DO=do if grad else q, LSE=lse2, DELTA=delta if grad else lse2, OUT=out,
+        Q=q, K=k, V=v, DO=do if grad else q, M2=m2, L2=l2, DELTA=delta if grad else m2, OUT=out,
         **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
         **stride_args("do", do if grad else q, spec),
         **{f"stride_out{ax}": st for ax, st in zip("bhmn", out_strides)},
@@ -163,17 +164,17 @@ def plan_scores(q, k, v, lse2, out, *, scale: float, causal: bool, bottom_right:
     return Launch(_attn_scores, grid, args, cfg, est)
 
 
-def attention_probs(q, k, v, lse2, *, scale: float, causal: bool = False, bottom_right: bool = False,
+def attention_probs(q, k, v, m2, l2, *, scale: float, causal: bool = False, bottom_right: bool = False,
                     spec: MaskSpec = NO_MASKS) -> torch.Tensor:
-    """The attention probabilities of attention_forward's run (lse2 from it): (B, Hq, Sq, Sk) in the
+    """The attention probabilities of attention_forward's run (m2, l2 from it): (B, Hq, Sq, Sk) in the
     accumulator dtype (varlen: (nseq, Hq, max_seqlen_q, max_seqlen_k)), entries dropped by dropout
     negated, invisible ones 0. O(Sq * Sk) memory: for tests and small sizes."""
     B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
     if spec.varlen:
         B, Sq, Sk = spec.cu_seqlens_q.shape[0] - 1, int(spec.max_seqlen_q), int(spec.max_seqlen_k)
-    out = torch.zeros(B, q.shape[1], Sq, Sk, dtype=lse2.dtype, device=q.device)
+    out = torch.zeros(B, q.shape[1], Sq, Sk, dtype=m2.dtype, device=q.device)
     if out.numel():
-        plan_scores(q, k, v, lse2, out, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec).run()
+        plan_scores(q, k, v, m2, l2, out, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec).run()
     return out
 
 
@@ -190,14 +191,14 @@ def compile_plans(target) -> list:
         cases += [(torch.float32, (B, H, S, S), True), (torch.float16, (B, H, S, S), False)]
         for dtype, shape, grad in cases:
             q, k, v, do = (torch.empty(B, H, S, d, dtype=dtype) for _ in range(4))
-            lse2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(2))
+            m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
             if dtype == torch.float32:
                 spec = MaskSpec(attn_mask=torch.empty(shape, dtype=dtype))
             else:
                 spec = all_options_spec(B, S, H, shape, dtype)
             out = torch.empty(shape if grad else (B, H, S, S), dtype=dtype if grad else torch.float32)
             try:
-                launch = plan_scores(q, k, v, lse2, out, scale=d ** -0.5, causal=True, bottom_right=False, spec=spec,
+                launch = plan_scores(q, k, v, m2, l2, out, scale=d ** -0.5, causal=True, bottom_right=False, spec=spec,
                                      do=do if grad else None, delta=delta if grad else None, target=target)
             except RuntimeError:  # no config fits: the backend reports it and never launches
                 continue

@@ -1,0 +1,102 @@
+"""Extreme inputs (issue 17, items 3 and 4): rows whose scores all tie at a huge finite value, and
+int64 lengths beyond int32.
+
+A float attn_mask of -1e9 or torch.finfo(torch.float32).min (as Hugging Face builds masks) on a
+whole row makes every score of that row the same huge number: fp32 SDPA gives the uniform softmax
+(the mean of V) there, and so must both backends, forward and backward. Rows masked with -inf keep
+flashtx's documented 0 output and -inf lse.
+"""
+import pytest
+import torch
+from conftest import DEVICE, randn
+
+import flashtx
+
+B, H, SQ, SK, D = 1, 2, 21, 37, 16
+BACKENDS = ["reference", "triton"]
+
+
+def _sdpa_fp32(q, k, v, bias):
+    """fp32 SDPA (math backend) outputs and gradients: the behaviour to match."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, bias = (t.detach().float().requires_grad_(True) for t in (q, k, v, bias))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return out, q, k, v, bias
+
+
+def _bias(fill: float, partial: bool) -> torch.Tensor:
+    """(B, H, SQ, SK) bias of small random values; rows 3..6 fully at `fill` (with partial, rows 8..10
+    at `fill` on all but the first five keys)."""
+    torch.manual_seed(5)
+    bias = torch.randn(B, H, SQ, SK, dtype=torch.float64, device=DEVICE) * 0.5
+    bias[:, :, 3:7] = fill
+    if partial:
+        bias[:, :, 8:11, 5:] = fill
+    return bias.float()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min], ids=["-1e9", "finfo.min"])
+@pytest.mark.parametrize("partial", [False, True], ids=["full-rows", "partial-rows"])
+def test_rows_tied_at_a_huge_value_match_fp32_sdpa(backend, fill, partial):
+    q, k, v = (randn(B, H, s, D, requires_grad=True) for s in (SQ, SK, SK))
+    bias = _bias(fill, partial).requires_grad_(True)
+    out, lse = flashtx.attention(q, k, v, attn_mask=bias, backend=backend, return_lse=True)
+    ref, rq, rk, rv, rb = _sdpa_fp32(q, k, v, bias)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    # the tied rows are the uniform softmax: the mean of V
+    torch.testing.assert_close(out[:, :, 3:7], v.mean(2, keepdim=True).expand(B, H, 4, D), atol=2e-6, rtol=1e-5)
+    # the backends floor the bias at -2**125 (so that bias * log2(e) stays finite in fp32): the lse of a
+    # row that ties there is about -2**125, not finfo.min; every other row's is exact
+    s = (q.double() @ k.double().transpose(-2, -1)) * D ** -0.5 + bias.double().clamp(min=-2.0 ** 125)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=1e-5, rtol=1e-6)
+    do = randn(B, H, SQ, D)
+    dl = randn(B, H, SQ)
+    torch.autograd.backward((out, lse), (do, dl))
+    s32 = (rq @ rk.transpose(-2, -1)) * D ** -0.5 + rb
+    m = s32.amax(-1, keepdim=True).detach()  # torch.logsumexp's fp32 gradient has the very bug fixed here
+    torch.autograd.backward((ref, (m + torch.log(torch.exp(s32 - m).sum(-1, keepdim=True))).squeeze(-1)), (do, dl))
+    for name, a, r in (("dq", q, rq), ("dk", k, rk), ("dv", v, rv), ("dbias", bias, rb)):
+        torch.testing.assert_close(a.grad, r.grad, atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_at_minus_inf_keep_zero_output_and_lse(backend):
+    q, k, v = (randn(B, H, s, D, requires_grad=True) for s in (SQ, SK, SK))
+    bias = _bias(float("-inf"), partial=True)
+    out, lse = flashtx.attention(q, k, v, attn_mask=bias, backend=backend, return_lse=True)
+    assert (out[:, :, 3:7] == 0).all() and torch.isneginf(lse[:, :, 3:7]).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[:, :, 3:7] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int64_lengths_beyond_int32_are_clamped_not_wrapped(backend):
+    """kv_lens = 2**32 + 3 means 'all keys' (clamped to Sk), not 3 (its low 32 bits)."""
+    q, k, v = (randn(2, H, s, D) for s in (SQ, SK, SK))
+    big = torch.tensor([2**32 + 3, 2**33 + 5], dtype=torch.int64, device=DEVICE)
+    neg = torch.tensor([-(2**32) + 4, 7], dtype=torch.int64, device=DEVICE)  # low 32 bits of the first: 4
+    out = flashtx.attention(q, k, v, kv_lens=big, q_lens=big, backend=backend)
+    torch.testing.assert_close(out, flashtx.attention(q, k, v, backend="reference"), atol=2e-6, rtol=1e-5)
+    out = flashtx.attention(q, k, v, kv_lens=neg, backend=backend)
+    assert (out[0] == 0).all()  # a negative length clamps to 0: no keys, zero output
+    ref = flashtx.attention(q[1:], k[1:, :, :7], v[1:, :, :7], backend="reference")
+    torch.testing.assert_close(out[1:], ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_probs_and_eager_reference_of_tied_rows_are_uniform(backend):
+    """return_attn_probs (recomputed from the saved row statistics) and flashtx.reference.attention
+    give 1 / Sk on rows that tie at a huge value."""
+    q, k, v = (randn(B, s, H, D) for s in (SQ, SK, SK))  # flash layout (B, S, H, D)
+    bias = _bias(torch.finfo(torch.float32).min, partial=False)
+    out, lse, probs = flashtx.flash_attn_func(q, k, v, attn_bias=bias, return_attn_probs=True, backend=backend)
+    torch.testing.assert_close(probs[:, :, 3:7].float(), torch.full((B, H, 4, SK), 1.0 / SK), atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(probs.sum(-1).float(), torch.ones(B, H, SQ), atol=1e-6, rtol=1e-6)
+    ref = flashtx.reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias=_bias(-1e9, False))
+    torch.testing.assert_close(ref[:, :, 3:7], v.transpose(1, 2).mean(2, keepdim=True).expand(B, H, 4, D),
+                               atol=2e-6, rtol=1e-5)
