@@ -214,9 +214,6 @@ class MultiheadAttention(nn.Module):
             raise ValueError("a KV cache needs causal=True self-attention: earlier tokens cannot see later ones")
         B, S = q.shape[:2]
         paged = isinstance(cache, PagedKVCache)
-        if paged and key_mask is not None:
-            raise ValueError("a PagedKVCache stores no key mask: each sequence has its own length instead "
-                             "(pass key_mask=None; free() and refill a slot for a new sequence)")
         start = cache.seqlens if paged else cache.length.expand(B)  # (B,) the new tokens' first position
         rot, interleaved = None, False
         if self.rotary is not None:
@@ -227,20 +224,31 @@ class MultiheadAttention(nn.Module):
                 q, k = apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, backend=self.backend)
             else:
                 rot = self.rotary.cos_sin(cache.max_len, q.device)  # (max_len, dim/2) each
-        fast = not paged and S <= DECODE_MAX_S and key_mask is None and not cache.padded
-        if paged or fast and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        if paged:
+            keep = cache._take(key_mask, S)  # allocates pages, moves leftpad; (B,) tokens kept or None
+        else:
             cache._claim(S)
+            cache._store_mask(key_mask, S)  # leftpad, or holes (then flash_attn_func below)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        if paged or (S <= DECODE_MAX_S and not cache.holes and not grad):
             kc, vc = (cache.k, cache.v) if paged else (cache.k.transpose(1, 2), cache.v.transpose(1, 2))
             out = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=rot[0] if rot else None,
                                           rotary_sin=rot[1] if rot else None, cache_seqlens=start.to(torch.int32),
-                                          block_table=cache.block_table if paged else None, causal=True,
-                                          rotary_interleaved=interleaved, backend=self.backend)  # (B, S, Hq, D)
-            (cache.seqlens if paged else cache.length).add_(S)
+                                          cache_leftpad=cache.leftpad, block_table=cache.block_table if paged else None,
+                                          causal=True, rotary_interleaved=interleaved,
+                                          backend=self.backend)  # (B, S, Hq, D)
+            if paged:
+                cache.seqlens.add_(S if keep is None else keep)
+            else:
+                cache.length.add_(S)
             return out.transpose(1, 2)
         if rot is not None:
             q, k = apply_rotary_qk(q, k, *rot, interleaved=interleaved, seqlen_offsets=start.contiguous(),
                                    backend=self.backend)
-        cache.append(k.transpose(1, 2), v.transpose(1, 2), key_mask)
+        idx = cache.length + torch.arange(S, device=q.device)  # (S,) positions (KVCache.append, checked above)
+        cache.k.index_copy_(2, idx, k.transpose(1, 2))
+        cache.v.index_copy_(2, idx, v.transpose(1, 2))
+        cache.length.add_(S)
         kv_lens = cache.length.expand(B).contiguous()  # (B,) filled positions, including the new ones
         q_lens = torch.full((B,), S, dtype=torch.int64, device=q.device)
         out = flash_attn_func(q, cache.k.transpose(1, 2), cache.v.transpose(1, 2), causal=True,
@@ -263,8 +271,15 @@ class MultiheadAttention(nn.Module):
                 raise ValueError("the cross-attention cache is empty: pass memory on the first call")
             k, v = self._kv(memory, B)
             cache.reset()
-            cache.append(k.transpose(1, 2), v.transpose(1, 2), key_mask)
+            cache.append(k.transpose(1, 2), v.transpose(1, 2))
+            cache._store_memory_mask(key_mask, k.shape[1])  # per-row [leftpad, end) of the real memory, or holes
             cache.filled = True
+        if S <= DECODE_MAX_S and not cache.holes and not (torch.is_grad_enabled() and q.requires_grad):
+            ends = cache._ends if cache._ends is not None else cache.length.expand(B).to(torch.int32)
+            out = flash_attn_with_kvcache(q.transpose(1, 2), cache.k.transpose(1, 2), cache.v.transpose(1, 2),
+                                          cache_seqlens=ends, cache_leftpad=cache.leftpad,
+                                          backend=self.backend)  # (B, S, Hq, D), no append
+            return out.transpose(1, 2)
         kv_lens = cache.length.expand(B).contiguous()  # (B,) the memory's length
         return attention(q, cache.k, cache.v, enable_gqa=True, key_mask=cache.key_mask if cache.padded else None,
                          kv_lens=kv_lens, backend=self.backend)
