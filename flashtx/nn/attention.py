@@ -10,11 +10,22 @@ keys/values in place at positions [length, length + S) and attends over the firs
 positions with **bottom-right** causal alignment: new query i (absolute position length + i)
 sees keys j <= length + i. Steps of up to DECODE_MAX_S tokens (decoding, speculative decoding)
 go through flashtx.flash_attn_with_kvcache (split-KV kernels, RoPE and the append fused); longer
-chunks (prefill), caches holding padding (a key_mask) and calls that need gradients through
-flashtx.flash_attn_func with kv_lens; a PagedKVCache always through flash_attn_with_kvcache
-(inference only: run it under torch.no_grad()). Lengths are tensors, so a decode
-step has static shapes: torch.compile traces it with no graph break and does not recompile as the
-cache grows.
+chunks (prefill) and calls that need gradients through flashtx.flash_attn_func with kv_lens; a
+PagedKVCache always through flash_attn_with_kvcache (inference only: run it under torch.no_grad()).
+
+Padding with a cache: each call's key_mask describes its new tokens. Left padding (a sequence's
+padding before its first real token) is kept as flash-attn's cache_leftpad (the cache's
+``leftpad``), so padded decoding runs on flash_attn_with_kvcache too, equal to the uncached forward
+over the same padded tokens. A KVCache whose mask has holes (padding after a real token) keeps
+flash_attn_func over its stored mask, in eager mode; a PagedKVCache instead drops trailing
+padding (each sequence advances by its own count: ragged prompts, continuous batching) and
+refuses holes. See flashtx.nn.kv_cache. A cross-attention cache keeps each memory's real range
+[leftpad, end) (left or right padding) and attends through flash_attn_with_kvcache without an
+append (steps of up to DECODE_MAX_S queries; a memory mask with holes keeps flashtx.attention).
+
+Lengths are tensors, so a decode step has static shapes: torch.compile traces it with no graph
+break and does not recompile as the cache grows (a key_mask given to a traced step is checked by a
+device-side assert instead of being read).
 
 RoPE positions in a cache are the cache indices. With dynamic-NTK scaling the frequencies depend
 on the length in use: a cached call of S tokens at length L rotates its q and k with the
@@ -163,7 +174,8 @@ class MultiheadAttention(nn.Module):
             memory: (B, Sm, kdim), cross-attention only. With a cache it is projected on the first
                 call (when ``cache.filled`` is False) and reused afterwards; it may be None then.
             key_mask: (B, Sk) bool, True = real key: x's padding (self) or memory's (cross).
-                With a cache, the mask of this call's new tokens (it is stored with them).
+                With a cache, the mask of this call's new tokens (see the module docstring: left
+                padding, or for a PagedKVCache also trailing padding, which is not kept).
             attn_mask: SDPA semantics (bool True = attend, or float added to the scores),
                 broadcastable to (B, Hq, S, Sk); passed to flashtx.attention. Not with a cache.
             cache: a KVCache or PagedKVCache from ``new_cache`` for incremental decoding
