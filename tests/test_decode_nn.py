@@ -328,3 +328,16 @@ def test_cross_attention_cache_matches_uncached(pad, monkeypatch):
                         + [layer(x[:, t:t + 1], cache=cache) for t in (2, 3)], 1)
     assert cache.holes == (pad == "holes")
     torch.testing.assert_close(got, full, atol=1e-12, rtol=0)
+
+
+def test_cached_call_with_a_bad_key_mask_changes_nothing():
+    layer = MultiheadAttention(E, H, HKV, causal=True).to(DEVICE).eval()
+    x = randn(2, 3, E)
+    for paged in (False, True):
+        cache = layer.new_cache(2, max_len=8, paged=paged)
+        with torch.no_grad(), pytest.raises(ValueError, match="key_mask must have shape"):
+            layer(x, key_mask=torch.ones(2, 4, dtype=torch.bool, device=DEVICE), cache=cache)
+        with torch.no_grad():
+            layer(x, cache=cache)
+            layer(x, cache=cache)  # 6 of 8 positions: the refused call claimed none
+        assert (cache.seqlens if paged else cache.length.expand(2)).tolist() == [6, 6]

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from ..decode import flash_attn_with_kvcache
 from ..functional import attention, flash_attn_func
 from ..rotary import apply_rotary_qk
-from .kv_cache import KVCache, PagedKVCache, _check_pos_int
+from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int
 from .rotary import RotaryEmbedding
 
 DECODE_MAX_S = 16  # cached calls of up to this many tokens use flash_attn_with_kvcache (see the module doc)
@@ -239,6 +239,7 @@ class MultiheadAttention(nn.Module):
         if paged:
             keep = cache._take(key_mask, S)  # allocates pages, moves leftpad; (B,) tokens kept or None
         else:
+            _check_mask("key_mask", key_mask, B, S, q.device)  # before _claim counts the tokens
             cache._claim(S)
             cache._store_mask(key_mask, S)  # leftpad, or holes (then flash_attn_func below)
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
