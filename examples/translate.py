@@ -13,7 +13,11 @@ mix sentences of different lengths, so both sides are padded (on the right).
 Greedy decoding starts from <sos> and stops when every sentence has produced <eos> (or after
 --max-len tokens). It uses the flashtx.nn KV cache: one BlockCache per decoder block, whose
 self-attention cache grows by one token a step (bottom-right causal) and whose cross-attention
-cache projects the encoder output once, with its padding mask, and reuses it.
+cache projects the encoder output once, with its padding mask, and reuses it. Every decoding step
+runs on flashtx.flash_attn_with_kvcache, flash-attn's decode API: the self-attention appends the
+new token's key/value in place and attends over the cache; the cross-attention attends, without
+an append, over each sentence's real encoder states (the source is right-padded: cache_seqlens
+is each source's length). Training and the encoder use the training kernels (flashtx.attention).
 
 At the end it checks, and exits non-zero if any check fails:
   * exact-match accuracy of greedy translations of all training pairs >= --min-accuracy;

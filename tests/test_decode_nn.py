@@ -85,12 +85,19 @@ def test_paged_cache_allocates_and_frees_pages():
         PagedKVCache(1, 1, 8, num_pages=2, page_size=24)
 
 
-def test_paged_layer_refuses_key_mask_and_grad():
+def test_paged_layer_refuses_holes_and_grad():
     layer = MultiheadAttention(E, H, HKV, causal=True).to(DEVICE).eval()
     cache = layer.new_cache(2, max_len=16, paged=True)
     x = randn(2, 3, E)
-    with pytest.raises(ValueError, match="PagedKVCache stores no key mask"):
-        layer(x, key_mask=torch.ones(2, 3, dtype=torch.bool, device=DEVICE), cache=cache)
+    holes = torch.tensor([[True, False, True], [True] * 3], device=DEVICE)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="row 0 must read pad\\* real\\* pad\\*"):
+            layer(x, key_mask=holes, cache=cache)
+        layer(x, cache=cache)
+        late_pad = torch.tensor([[True] * 3, [False, True, True]], device=DEVICE)
+        with pytest.raises(ValueError, match="row 1 has leading padding, but its sequence already holds"):
+            layer(x, key_mask=late_pad, cache=cache)
+    assert cache.seqlens.tolist() == [3, 3]  # refused calls change nothing
     with pytest.raises(RuntimeError, match="inference-only"):
         layer(x, cache=cache)  # parameters require grad and grad mode is on
 
@@ -150,3 +157,187 @@ def test_decode_step_captured_in_cuda_graph(paged):
             graph.replay()
             outs.append(static_out.clone())
     torch.testing.assert_close(torch.cat(outs, 1), eager, atol=2e-3, rtol=2e-3)
+
+
+def decode_masked(layer, x, mask, cache, prompt: int, **kw):
+    """As decode, passing each call's slice of the key mask."""
+    outs = [layer(x[:, :prompt], key_mask=mask[:, :prompt], cache=cache, **kw)]
+    for t in range(prompt, x.shape[1]):
+        outs.append(layer(x[:, t:t + 1], key_mask=mask[:, t:t + 1], cache=cache, **kw))
+    return torch.cat(outs, dim=1)
+
+
+def no_flash_attn_func(*args, **kwargs):
+    raise AssertionError("cached call took the flash_attn_func path")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("scaling", [None, {"type": "dynamic", "factor": 2.0}], ids=["rope", "dynamic"])
+def test_left_padded_decoding_uses_leftpad_and_matches_uncached(paged, scaling, monkeypatch):
+    """Left-padded prompts decode through flash_attn_with_kvcache (cache_leftpad), never flash_attn_func,
+    and equal the uncached forward over the same padded tokens at every real position (float64).
+    Row 3 is padding through the prompt and two steps: a KVCache stores that padding (all rows share
+    positions), a PagedKVCache keeps nothing of an all-padding call, so there row 3 starts at position
+    0 and equals the uncached forward of its real tokens alone. (Dynamic-NTK within its original
+    length: past it cached keys keep their frequencies, see test_dynamic_ntk_rope_past_original_length.)"""
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(8, max_seq_len=16, scaling=scaling)
+    block = TransformerBlock(E, H, HKV, hidden_dim=48, rotary=rope, dtype=torch.float64).to(DEVICE).eval()
+    x = randn(4, 12, E, dtype=torch.float64)
+    lead = torch.tensor([0, 3, 5, 8], device=DEVICE)  # row 3 is all padding through the prompt and step 6, 7
+    mask = torch.arange(12, device=DEVICE)[None, :] >= lead[:, None]
+    with torch.no_grad():
+        full = block(x, key_mask=mask)
+        monkeypatch.setattr("flashtx.nn.attention.flash_attn_func", no_flash_attn_func)
+        cache = block.new_cache(4, max_len=32, paged=paged)
+        got = decode_masked(block, x, mask, cache, prompt=6)
+        if paged:
+            full[3, 8:] = block(x[3:, 8:])[0]
+    assert cache.self_attn.leftpad.tolist() == ([0, 3, 5, 0] if paged else lead.tolist())
+    if paged:
+        assert cache.self_attn.seqlens.tolist() == [12, 12, 12, 4]
+    else:
+        assert not cache.self_attn.holes
+    torch.testing.assert_close(got[mask], full[mask], atol=1e-12, rtol=0)
+
+
+def test_contiguous_cache_with_holes_falls_back_and_matches_uncached():
+    """A key mask with padding after real tokens cannot be a leftpad: the KVCache attends through
+    flash_attn_func over its stored mask (eager), still equal to the uncached forward."""
+    torch.manual_seed(0)
+    layer = MultiheadAttention(E, H, HKV, rotary=RotaryEmbedding(8), causal=True,
+                               dtype=torch.float64).to(DEVICE).eval()
+    x = randn(2, 9, E, dtype=torch.float64)
+    mask = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
+    mask[0, 2:4] = False  # a hole in the prompt
+    mask[1, 6] = False  # a padded decode step after real tokens
+    with torch.no_grad():
+        full = layer(x, key_mask=mask)
+        cache = layer.new_cache(2, max_len=16)
+        got = decode_masked(layer, x, mask, cache, prompt=5)
+    assert cache.holes
+    torch.testing.assert_close(got[mask], full[mask], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_compiled_padded_decode_step_no_breaks_one_trace(paged):
+    """A decode step given a key_mask (left-padded prompt) compiles with fullgraph, calls
+    flash_attn_with_kvcache's op (not flash_attn_func's) and is traced once as the cache grows."""
+    torch.manual_seed(0)
+    block = TransformerBlock(E, H, HKV, hidden_dim=48, rotary=RotaryEmbedding(8)).to(DEVICE).eval()
+    x = randn(2, 10, E)
+    mask = torch.ones(2, 10, dtype=torch.bool, device=DEVICE)
+    mask[1, :3] = False
+
+    def fresh():
+        cache = block.new_cache(2, max_len=16, paged=paged)
+        if paged:
+            cache.self_attn.allocate_all(16)
+        return cache
+
+    with torch.no_grad():
+        full = block(x, key_mask=mask)
+        cache = fresh()
+        block(x[:, :4], key_mask=mask[:, :4], cache=cache)
+        ex = torch._dynamo.explain(block)(x[:, 4:5], key_mask=mask[:, 4:5], cache=cache)
+        assert ex.graph_break_count == 0, ex.break_reasons
+        ops = {str(n.target) for g in ex.graphs for n in g.graph.nodes if str(n.target).startswith("flashtx.")}
+        assert "flashtx.kvcache_attention.default" in ops and "flashtx.attn_fwd.default" not in ops, ops
+        cache = fresh()
+        counter = CompileCounter()
+        compiled = torch.compile(block, fullgraph=True, backend=counter)
+        outs = [block(x[:, :4], key_mask=mask[:, :4], cache=cache)]
+        outs += [compiled(x[:, t:t + 1], key_mask=mask[:, t:t + 1], cache=cache) for t in range(4, 10)]
+    assert counter.frame_count == 1  # six decode steps, one trace
+    got = torch.cat(outs, 1)
+    torch.testing.assert_close(got[mask], full[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_continuous_batching_ragged_lengths_and_page_reuse(monkeypatch):
+    """Sequences at different lengths in one PagedKVCache: a right-padded ragged prefill, decode steps,
+    a finished sequence freed and a new prompt prefilled into its slot while the others take one token
+    (trailing padding is not kept). Every real output equals the float64 uncached forward of that
+    sequence alone; freed pages are reused."""
+    torch.manual_seed(0)
+    block = TransformerBlock(E, H, HKV, hidden_dim=48, rotary=RotaryEmbedding(8),
+                             dtype=torch.float64).to(DEVICE).eval()
+    seqs = [randn(1, n, E, dtype=torch.float64) for n in (20, 9, 14, 11)]  # seqs[3] replaces seqs[1]
+    cache = block.new_cache(3, max_len=48, paged=True, page_size=16, num_pages=4).self_attn  # 4 pages in all
+    bc = type(block.new_cache(1, 16))(cache)  # a BlockCache around the paged cache
+    monkeypatch.setattr("flashtx.nn.attention.flash_attn_func", no_flash_attn_func)
+    got = [[] for _ in seqs]  # per sequence: its outputs at real positions, in order
+    slot = [0, 1, 2]  # slot b holds sequence slot[b]
+    pos = [0, 0, 0]  # next token of each slot's sequence
+
+    def step(take):  # take[b]: tokens slot b consumes this call (0 = idle)
+        S = max(take)
+        xb = torch.zeros(3, S, E, dtype=torch.float64, device=DEVICE)
+        mask = torch.zeros(3, S, dtype=torch.bool, device=DEVICE)
+        for b, n in enumerate(take):
+            xb[b, :n] = seqs[slot[b]][0, pos[b]:pos[b] + n]
+            mask[b, :n] = True
+        out = block(xb, key_mask=mask, cache=bc)
+        for b, n in enumerate(take):
+            got[slot[b]].append(out[b, :n])
+            pos[b] += n
+
+    with torch.no_grad():
+        step([5, 9, 3])  # ragged prefill
+        assert cache.seqlens.tolist() == [5, 9, 3]
+        step([1, 0, 1])  # slot 1 idle
+        step([1, 0, 1])
+        assert cache.seqlens.tolist() == [7, 9, 5]
+        old_pages = set(cache.block_table[1].tolist()) - {-1}
+        assert cache.free_pages == 1 and len(old_pages) == 1
+        cache.free(1)  # sequence 1 done (all 9 tokens in)
+        assert cache.free_pages == 2 and cache.block_table[1].tolist() == [-1, -1, -1]
+        slot[1], pos[1] = 3, 0
+        step([1, 11, 1])  # a new prompt in slot 1, one token for the others
+        assert cache.seqlens.tolist() == [8, 11, 6]
+        assert old_pages <= set(cache.block_table.flatten().tolist())  # the freed page is in use again
+        assert cache.free_pages == 0  # (slot 0's pages cover seqlens + S: its padding is written, not kept)
+        while pos[0] < 20:
+            step([1, 0, 1 if pos[2] < 14 else 0])
+        assert cache.seqlens.tolist() == [20, 11, 14]
+        assert cache.free_pages == 0 and cache.leftpad.tolist() == [0, 0, 0]
+        for i, x in enumerate(seqs):
+            want = block(x)[0]
+            torch.testing.assert_close(torch.cat(got[i]), want[:len(torch.cat(got[i]))], atol=1e-12, rtol=0,
+                                       msg=f"sequence {i}")
+            assert len(torch.cat(got[i])) == x.shape[1] or i == 1 and len(torch.cat(got[i])) == 9
+
+
+@pytest.mark.parametrize("pad", ["right", "left", "holes"])
+def test_cross_attention_cache_matches_uncached(pad, monkeypatch):
+    """Cross-attention over a cached, padded memory: decode steps go through flash_attn_with_kvcache
+    (cache_seqlens = each memory's end, cache_leftpad = its start; no append); a mask with holes
+    keeps the training kernels. Equal to the uncached layer."""
+    torch.manual_seed(0)
+    layer = MultiheadAttention(E, H, HKV, cross=True, kdim=24, dtype=torch.float64).to(DEVICE).eval()
+    x, memory = randn(3, 4, E, dtype=torch.float64), randn(3, 7, 24, dtype=torch.float64)
+    n = torch.tensor([7, 4, 1], device=DEVICE)
+    ar = torch.arange(7, device=DEVICE)[None, :]
+    mask = {"right": ar < n[:, None], "left": ar >= 7 - n[:, None],
+            "holes": ((ar % 2 == 0) | (ar == 1)).expand(3, 7)}[pad]
+    with torch.no_grad():
+        full = layer(x, memory, key_mask=mask)
+        if pad != "holes":
+            monkeypatch.setattr("flashtx.nn.attention.attention", no_flash_attn_func)
+        cache = layer.new_cache(3, max_len=9)  # longer than the memory
+        got = torch.cat([layer(x[:, :2], memory, key_mask=mask, cache=cache)]
+                        + [layer(x[:, t:t + 1], cache=cache) for t in (2, 3)], 1)
+    assert cache.holes == (pad == "holes")
+    torch.testing.assert_close(got, full, atol=1e-12, rtol=0)
+
+
+def test_cached_call_with_a_bad_key_mask_changes_nothing():
+    layer = MultiheadAttention(E, H, HKV, causal=True).to(DEVICE).eval()
+    x = randn(2, 3, E)
+    for paged in (False, True):
+        cache = layer.new_cache(2, max_len=8, paged=paged)
+        with torch.no_grad(), pytest.raises(ValueError, match="key_mask must have shape"):
+            layer(x, key_mask=torch.ones(2, 4, dtype=torch.bool, device=DEVICE), cache=cache)
+        with torch.no_grad():
+            layer(x, cache=cache)
+            layer(x, cache=cache)  # 6 of 8 positions: the refused call claimed none
+        assert (cache.seqlens if paged else cache.length.expand(2)).tolist() == [6, 6]

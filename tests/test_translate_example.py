@@ -70,3 +70,55 @@ sys.exit(0 if translate.main(["--steps", "5", "--min-accuracy", "0"])["ok"] else
     assert res.returncode == 1, out + res.stderr
     assert check_lines(out) == {"exact-match accuracy": True, "KV-cache decoding vs recomputation": True,
                                 "padded batch vs each pair alone": False}, out
+
+
+def test_translate_example_decodes_through_flash_attn_with_kvcache():
+    """Greedy decoding (untrained weights, all pairs: right-padded sources) runs every decoder step's
+    self- and cross-attention on flash_attn_with_kvcache, never the training kernels, and its cached
+    logits still equal recomputation."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(EXAMPLE.parent)!r})
+import torch
+import translate
+import flashtx.nn.attention as A
+
+calls, decoding = [], [False]
+kvcache = A.flash_attn_with_kvcache
+def counted(q, k_cache, v_cache, k=None, v=None, **kw):
+    calls.append(k is not None)  # True: self-attention (append), False: cross-attention
+    return kvcache(q, k_cache, v_cache, k, v, **kw)
+def refused(name, f):
+    def g(*a, **kw):
+        if decoding[0]:
+            raise AssertionError(name + " called while decoding")
+        return f(*a, **kw)
+    return g
+A.flash_attn_with_kvcache = counted
+A.attention = refused("attention", A.attention)
+A.flash_attn_func = refused("flash_attn_func", A.flash_attn_func)
+encode = translate.Translator.encode
+def encode_then_decode(self, *a):
+    out = encode(self, *a)
+    decoding[0] = True
+    return out
+translate.Translator.encode = encode_then_decode
+
+pairs = translate.load_pairs()
+sv, tv = translate.Vocab([s for s, _ in pairs]), translate.Vocab([t for _, t in pairs])
+ids = [(sv.encode(s), tv.encode(t)) for s, t in pairs]
+torch.manual_seed(0)
+model = translate.Translator(len(sv), len(tv))
+src, src_mask = translate.make_batch(ids, "cpu")[:2]
+assert not bool(src_mask.all())  # padded sources
+tokens, logits, memory = translate.greedy(model, src, src_mask, 6)
+steps, layers = tokens.shape[1], len(model.decoder)
+assert calls.count(True) == calls.count(False) == steps * layers, (calls, steps)
+decoding[0] = False
+translate.Translator.encode = encode
+diff = translate.cache_check(model, src, src_mask, 6)
+assert diff < 1e-4, diff
+print("ok", steps, layers, diff)
+"""
+    res = run("-c", script)
+    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stdout + res.stderr

@@ -10,11 +10,22 @@ keys/values in place at positions [length, length + S) and attends over the firs
 positions with **bottom-right** causal alignment: new query i (absolute position length + i)
 sees keys j <= length + i. Steps of up to DECODE_MAX_S tokens (decoding, speculative decoding)
 go through flashtx.flash_attn_with_kvcache (split-KV kernels, RoPE and the append fused); longer
-chunks (prefill), caches holding padding (a key_mask) and calls that need gradients through
-flashtx.flash_attn_func with kv_lens; a PagedKVCache always through flash_attn_with_kvcache
-(inference only: run it under torch.no_grad()). Lengths are tensors, so a decode
-step has static shapes: torch.compile traces it with no graph break and does not recompile as the
-cache grows.
+chunks (prefill) and calls that need gradients through flashtx.flash_attn_func with kv_lens; a
+PagedKVCache always through flash_attn_with_kvcache (inference only: run it under torch.no_grad()).
+
+Padding with a cache: each call's key_mask describes its new tokens. Left padding (a sequence's
+padding before its first real token) is kept as flash-attn's cache_leftpad (the cache's
+``leftpad``), so padded decoding runs on flash_attn_with_kvcache too, equal to the uncached forward
+over the same padded tokens. A KVCache whose mask has holes (padding after a real token) keeps
+flash_attn_func over its stored mask, in eager mode; a PagedKVCache instead drops trailing
+padding (each sequence advances by its own count: ragged prompts, continuous batching) and
+refuses holes. See flashtx.nn.kv_cache. A cross-attention cache keeps each memory's real range
+[leftpad, end) (left or right padding) and attends through flash_attn_with_kvcache without an
+append (steps of up to DECODE_MAX_S queries; a memory mask with holes keeps flashtx.attention).
+
+Lengths are tensors, so a decode step has static shapes: torch.compile traces it with no graph
+break and does not recompile as the cache grows (a key_mask given to a traced step is checked by a
+device-side assert instead of being read).
 
 RoPE positions in a cache are the cache indices. With dynamic-NTK scaling the frequencies depend
 on the length in use: a cached call of S tokens at length L rotates its q and k with the
@@ -33,7 +44,7 @@ from torch import Tensor, nn
 from ..decode import flash_attn_with_kvcache
 from ..functional import attention, flash_attn_func
 from ..rotary import apply_rotary_qk
-from .kv_cache import KVCache, PagedKVCache, _check_pos_int
+from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int
 from .rotary import RotaryEmbedding
 
 DECODE_MAX_S = 16  # cached calls of up to this many tokens use flash_attn_with_kvcache (see the module doc)
@@ -163,7 +174,8 @@ class MultiheadAttention(nn.Module):
             memory: (B, Sm, kdim), cross-attention only. With a cache it is projected on the first
                 call (when ``cache.filled`` is False) and reused afterwards; it may be None then.
             key_mask: (B, Sk) bool, True = real key: x's padding (self) or memory's (cross).
-                With a cache, the mask of this call's new tokens (it is stored with them).
+                With a cache, the mask of this call's new tokens (see the module docstring: left
+                padding, or for a PagedKVCache also trailing padding, which is not kept).
             attn_mask: SDPA semantics (bool True = attend, or float added to the scores),
                 broadcastable to (B, Hq, S, Sk); passed to flashtx.attention. Not with a cache.
             cache: a KVCache or PagedKVCache from ``new_cache`` for incremental decoding
@@ -214,9 +226,6 @@ class MultiheadAttention(nn.Module):
             raise ValueError("a KV cache needs causal=True self-attention: earlier tokens cannot see later ones")
         B, S = q.shape[:2]
         paged = isinstance(cache, PagedKVCache)
-        if paged and key_mask is not None:
-            raise ValueError("a PagedKVCache stores no key mask: each sequence has its own length instead "
-                             "(pass key_mask=None; free() and refill a slot for a new sequence)")
         start = cache.seqlens if paged else cache.length.expand(B)  # (B,) the new tokens' first position
         rot, interleaved = None, False
         if self.rotary is not None:
@@ -227,20 +236,32 @@ class MultiheadAttention(nn.Module):
                 q, k = apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, backend=self.backend)
             else:
                 rot = self.rotary.cos_sin(cache.max_len, q.device)  # (max_len, dim/2) each
-        fast = not paged and S <= DECODE_MAX_S and key_mask is None and not cache.padded
-        if paged or fast and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        if paged:
+            keep = cache._take(key_mask, S)  # allocates pages, moves leftpad; (B,) tokens kept or None
+        else:
+            _check_mask("key_mask", key_mask, B, S, q.device)  # before _claim counts the tokens
             cache._claim(S)
+            cache._store_mask(key_mask, S)  # leftpad, or holes (then flash_attn_func below)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        if paged or (S <= DECODE_MAX_S and not cache.holes and not grad):
             kc, vc = (cache.k, cache.v) if paged else (cache.k.transpose(1, 2), cache.v.transpose(1, 2))
             out = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=rot[0] if rot else None,
                                           rotary_sin=rot[1] if rot else None, cache_seqlens=start.to(torch.int32),
-                                          block_table=cache.block_table if paged else None, causal=True,
-                                          rotary_interleaved=interleaved, backend=self.backend)  # (B, S, Hq, D)
-            (cache.seqlens if paged else cache.length).add_(S)
+                                          cache_leftpad=cache.leftpad, block_table=cache.block_table if paged else None,
+                                          causal=True, rotary_interleaved=interleaved,
+                                          backend=self.backend)  # (B, S, Hq, D)
+            if paged:
+                cache.seqlens.add_(S if keep is None else keep)
+            else:
+                cache.length.add_(S)
             return out.transpose(1, 2)
         if rot is not None:
             q, k = apply_rotary_qk(q, k, *rot, interleaved=interleaved, seqlen_offsets=start.contiguous(),
                                    backend=self.backend)
-        cache.append(k.transpose(1, 2), v.transpose(1, 2), key_mask)
+        idx = cache.length + torch.arange(S, device=q.device)  # (S,) positions (KVCache.append, checked above)
+        cache.k.index_copy_(2, idx, k.transpose(1, 2))
+        cache.v.index_copy_(2, idx, v.transpose(1, 2))
+        cache.length.add_(S)
         kv_lens = cache.length.expand(B).contiguous()  # (B,) filled positions, including the new ones
         q_lens = torch.full((B,), S, dtype=torch.int64, device=q.device)
         out = flash_attn_func(q, cache.k.transpose(1, 2), cache.v.transpose(1, 2), causal=True,
@@ -263,8 +284,15 @@ class MultiheadAttention(nn.Module):
                 raise ValueError("the cross-attention cache is empty: pass memory on the first call")
             k, v = self._kv(memory, B)
             cache.reset()
-            cache.append(k.transpose(1, 2), v.transpose(1, 2), key_mask)
+            cache.append(k.transpose(1, 2), v.transpose(1, 2))
+            cache._store_memory_mask(key_mask, k.shape[1])  # per-row [leftpad, end) of the real memory, or holes
             cache.filled = True
+        if S <= DECODE_MAX_S and not cache.holes and not (torch.is_grad_enabled() and q.requires_grad):
+            ends = cache._ends if cache._ends is not None else cache.length.expand(B).to(torch.int32)
+            out = flash_attn_with_kvcache(q.transpose(1, 2), cache.k.transpose(1, 2), cache.v.transpose(1, 2),
+                                          cache_seqlens=ends, cache_leftpad=cache.leftpad,
+                                          backend=self.backend)  # (B, S, Hq, D), no append
+            return out.transpose(1, 2)
         kv_lens = cache.length.expand(B).contiguous()  # (B,) the memory's length
         return attention(q, cache.k, cache.v, enable_gqa=True, key_mask=cache.key_mask if cache.padded else None,
                          kv_lens=kv_lens, backend=self.backend)

@@ -7,6 +7,13 @@ a K/V tile is one block of memory; the kernels take it as the (B, max_len, Hkv, 
 ``cache.k.transpose(1, 2)`` (strides, no copy), flash-attn's layout. `PagedKVCache` keeps
 flash-attn's paged layout, pools (num_pages, page_size, Hkv, D) plus a (B, max_pages_per_seq)
 int32 block table, with pages handed out and taken back per sequence on the host.
+
+Padding (a call's ``key_mask``, True = real token) is kept per sequence as flash-attn's
+``cache_leftpad``: a sequence's leading padding is stored and hidden (its keys start at
+``leftpad[b]``); positions stay cache indices, as in the uncached forward over the same padded
+tokens. A `PagedKVCache` also takes trailing padding: those tokens are not kept (each sequence
+advances by its own count, continuous batching). A `KVCache` mask with holes (padding after a
+sequence's first real token) falls back to flash_attn_func over the stored mask (eager only).
 """
 from __future__ import annotations
 
@@ -37,6 +44,29 @@ def _check_mask(name: str, m, batch: int, seqlen: int, device) -> Tensor | None:
     return m
 
 
+def _host_readable() -> bool:
+    """Whether tensor values may be read on the host now (not traced, not inside a CUDA-graph capture)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _mask_runs(key_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(lead, real, ar): per row the count of leading False (S when none is True), of True, and arange(S)."""
+    S = key_mask.shape[1]
+    lead = S - key_mask.int().cummax(1).values.sum(1)  # (B,) int64
+    return lead, key_mask.sum(1), torch.arange(S, device=key_mask.device)
+
+
+def _check_ok(ok: Tensor, readable: bool, message: str) -> None:
+    """Raise ValueError(message) where a row of ok (B,) is False; traced/captured: a device-side assert."""
+    if readable:
+        if not bool(ok.all()):
+            raise ValueError(message.format(int((~ok).nonzero()[0])))
+    else:
+        torch._assert_async(ok.all(), message.format("?"))
+
+
 class KVCache:
     """Preallocated key/value buffers of one attention layer, filled in place while decoding.
 
@@ -44,11 +74,18 @@ class KVCache:
         k: (B, Hkv, max_len, D) and v: (B, Hkv, max_len, Dv) buffers, in the layer's dtype.
         key_mask: (B, max_len) bool, True = real token (padding given to the layer is stored False).
         length: 0-dim int64 tensor on the buffers' device: the number of positions filled.
+        leftpad: (B,) int32: each sequence's first real position (flash-attn's cache_leftpad).
+        holes: True once a stored key mask is not left padding (see below).
 
     Create one per layer with ``MultiheadAttention.new_cache`` (or ``TransformerBlock.new_cache``);
     ``reset()`` empties it for a new batch. Positions are shared by the batch: with left padding,
     every sequence's first real token sits at its own position, which RoPE does not notice (it
-    only sees relative positions) and the stored key mask hides the padding.
+    only sees relative positions) and ``leftpad`` hides the padding from flash_attn_with_kvcache.
+    A key mask whose row has padding after a real token (right padding followed by more tokens,
+    holes) cannot be a leftpad: in eager mode the cache then sets ``holes`` and the layer attends
+    through flash_attn_func over the stored key_mask; in a traced or captured step (where the
+    mask's values cannot be read) it is a device-side assert. Eager calls with a key_mask read it
+    on the host (a sync on a GPU); calls with key_mask=None never do.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
@@ -61,7 +98,10 @@ class KVCache:
         self.v = torch.zeros(batch_size, num_kv_heads, max_len, v_head_dim, dtype=dtype, device=device)
         self.key_mask = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
         self.length = torch.zeros((), dtype=torch.int64, device=device)
-        self.padded = False  # whether key_mask holds any False (then attention reads it)
+        self.leftpad = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.padded = False  # whether a key mask was stored (flash_attn_func then reads key_mask)
+        self.holes = False  # whether the stored mask is more than left padding (then only flash_attn_func)
+        self._ends: Tensor | None = None  # cross-attention: (B,) int32 end of each memory's real keys
         self.filled = False  # cross-attention: whether the memory's keys/values are stored
         self._host_length: int | None = 0  # mirror of `length` for bounds checks without a sync
 
@@ -81,7 +121,9 @@ class KVCache:
         """Empty the cache (keeps the buffers)."""
         self.length.zero_()
         self.key_mask.fill_(True)
-        self.padded = self.filled = False
+        self.leftpad.zero_()
+        self.padded = self.filled = self.holes = False
+        self._ends = None
         self._host_length = 0
         return self
 
@@ -103,15 +145,55 @@ class KVCache:
             if tuple(t.shape) != want or t.dtype != buf.dtype or t.device != buf.device:
                 raise ValueError(f"KVCache.append: {name} must be {want} (B, Hkv, S, D), {buf.dtype} on {buf.device}; "
                                  f"got {tuple(t.shape)}, {t.dtype} on {t.device}")
-        key_mask = _check_mask("key_mask", key_mask, B, S, self.k.device)
         self._claim(S)
+        self._store_mask(key_mask, S)
         idx = self.length + torch.arange(S, device=self.k.device)  # (S,) positions
         self.k.index_copy_(2, idx, k)
         self.v.index_copy_(2, idx, v)
-        if key_mask is not None:
-            self.key_mask.index_copy_(1, idx, key_mask)
-            self.padded = True
         self.length.add_(S)
+
+    def _store_mask(self, key_mask: Tensor | None, S: int) -> None:
+        """Store the key mask (B, S) of S tokens about to be written at [length, length + S) and
+        advance leftpad (rows without a real token yet move it past their leading padding)."""
+        key_mask = _check_mask("key_mask", key_mask, self.batch_size, S, self.k.device)
+        if key_mask is None:
+            return  # positions past `length` hold True since reset(): nothing to store
+        self.key_mask.index_copy_(1, self.length + torch.arange(S, device=self.k.device), key_mask)
+        self.padded = True
+        if self.holes:
+            return
+        lead, _, ar = _mask_runs(key_mask)
+        fresh = self.leftpad.long() == self.length  # rows holding no real token yet
+        ok = (key_mask == (ar[None, :] >= lead[:, None])).all(1) & (fresh | (lead == 0))
+        readable = _host_readable()
+        if readable and not bool(ok.all()):
+            self.holes = True  # not left padding: flash_attn_func over key_mask from now on
+            return
+        if not readable:
+            torch._assert_async(ok.all(), "flashtx.nn.KVCache: in a traced or captured step a key_mask must "
+                                          "continue left padding (no padding after a real token)")
+        self.leftpad.copy_(torch.where(fresh, self.length + lead, self.leftpad.long()))
+
+    def _store_memory_mask(self, key_mask: Tensor | None, Sm: int) -> None:
+        """Cross-attention: after appending the memory, its per-row real range [leftpad, end) from a
+        mask of the form pad* real* pad* (left and/or right padding); any other mask sets holes."""
+        key_mask = _check_mask("memory_mask", key_mask, self.batch_size, Sm, self.k.device)
+        if key_mask is None:
+            return
+        self.key_mask[:, :Sm] = key_mask
+        self.padded = True
+        lead, real, ar = _mask_runs(key_mask)
+        lead = torch.where(real > 0, lead, 0)
+        ok = (key_mask == ((ar[None, :] >= lead[:, None]) & (ar[None, :] < (lead + real)[:, None]))).all(1)
+        readable = _host_readable()
+        if readable and not bool(ok.all()):
+            self.holes = True
+            return
+        if not readable:
+            torch._assert_async(ok.all(), "flashtx.nn.KVCache: in a traced step a memory mask must be "
+                                          "padding before and/or after the real tokens")
+        self.leftpad.copy_(lead)
+        self._ends = (lead + real).to(torch.int32)
 
 
 class PagedKVCache:
@@ -122,6 +204,7 @@ class PagedKVCache:
         block_table: (B, max_pages_per_seq) int32; entry [b, p] holds positions
             [p * page_size, (p + 1) * page_size) of sequence b; -1 = no page (never read).
         seqlens: (B,) int32: tokens in each sequence (each sequence has its own length).
+        leftpad: (B,) int32: each sequence's first real position (its leading padding is hidden).
 
     Pages are handed out on the host: `allocate(b, n)` makes sequence b able to hold n tokens,
     `free(b)` returns its pages and empties it (continuous batching: a finished sequence's slot is
@@ -129,10 +212,23 @@ class PagedKVCache:
     or captured in a CUDA graph cannot, so allocate the pages first (`allocate_all(max_len)`).
     Writing past a sequence's pages fails (ValueError on CPU, a device-side assert on a GPU).
 
+    Per-sequence lengths (continuous batching): a call's ``key_mask`` (B, S) row b must read
+    ``pad* real* pad*``. Sequence b appends at its own ``seqlens[b]``: leading padding (allowed
+    while b holds no real token, e.g. a left-padded prompt) is stored and hidden by ``leftpad``,
+    the real tokens are kept, trailing padding is dropped: ``seqlens[b]`` advances by the leading
+    padding plus the real tokens, so a row of all False leaves sequence b as it was. Outputs at
+    padding positions are unspecified. One call can thus prefill a new prompt of S tokens into a
+    freed slot while the other rows take one token each (``[True] + [False] * (S - 1)``). A
+    dropped token is still written past ``seqlens[b]`` (overwritten later), so the eager page
+    allocation covers ``seqlens[b] + S``. Eager calls with a key_mask read it on the host (a sync
+    on a GPU); a traced or captured step checks it with a device-side assert.
+
     Example:
         >>> cache = attn.new_cache(batch_size=8, max_len=4096, paged=True, page_size=64)
         >>> y = attn(prompt, cache=cache); y = attn(next_token, cache=cache)
         >>> cache.free(3)   # sequence 3 finished: its pages go back to the pool
+        >>> mask = torch.zeros(8, P, dtype=torch.bool); mask[:, 0] = True; mask[3] = True
+        >>> y = attn(x, key_mask=mask, cache=cache)   # x (8, P, E): a new prompt in slot 3, others +1
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, *, num_pages: int, page_size: int = 16,
@@ -150,6 +246,7 @@ class PagedKVCache:
         self.v = torch.zeros(num_pages, page_size, num_kv_heads, v_head_dim, dtype=dtype, device=device)
         self.block_table = torch.full((batch_size, max_pages_per_seq), -1, dtype=torch.int32, device=device)
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.leftpad = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
         self._pages: list[list[int]] = [[] for _ in range(batch_size)]
         self._host_lens: list[int] | None = [0] * batch_size  # mirror of seqlens (None once traced)
@@ -205,6 +302,7 @@ class PagedKVCache:
         self._pages[seq] = []
         self.block_table[seq].fill_(-1)
         self.seqlens[seq] = 0
+        self.leftpad[seq] = 0
         if self._host_lens is not None:
             self._host_lens[seq] = 0
 
@@ -215,9 +313,10 @@ class PagedKVCache:
         self._host_lens = [0] * self.batch_size
         return self
 
-    def _claim(self, S: int) -> None:
-        """Before writing S tokens to every sequence: in eager mode allocate the pages they need."""
-        if torch.compiler.is_compiling():
+    def _claim(self, S: int, keep: list[int] | None = None) -> None:
+        """Before writing S tokens to every sequence (of which sequence b keeps keep[b], default S):
+        in eager mode allocate the pages they need."""
+        if not _host_readable():
             self._host_lens = None  # the graph advances seqlens on the device; pages must be allocated already
             return
         if self._host_lens is None:
@@ -227,4 +326,25 @@ class PagedKVCache:
                 raise ValueError(f"PagedKVCache is full: sequence {b} holds {self._host_lens[b]} of max_len="
                                  f"{self.max_len} positions and {S} more were given")
             self.allocate(b, self._host_lens[b] + S)
-            self._host_lens[b] += S
+            self._host_lens[b] += S if keep is None else keep[b]
+
+    def _take(self, key_mask: Tensor | None, S: int) -> Tensor | None:
+        """Before a call of S tokens: allocate pages and move leftpad past new leading padding; returns
+        the (B,) int32 count each sequence keeps (None: all S) to add to seqlens after the call."""
+        key_mask = _check_mask("key_mask", key_mask, self.batch_size, S, self.k.device)
+        if key_mask is None:
+            self._claim(S)
+            return None
+        lead, real, ar = _mask_runs(key_mask)
+        lead = torch.where(real > 0, lead, 0)  # a row of all padding keeps nothing
+        fresh = self.leftpad == self.seqlens  # sequences holding no real token yet
+        ok = (key_mask == ((ar[None, :] >= lead[:, None]) & (ar[None, :] < (lead + real)[:, None]))).all(1)
+        readable = _host_readable()
+        _check_ok(ok, readable, "PagedKVCache: key_mask row {} must read pad* real* pad* (padding before "
+                                "and/or after the real tokens, never between them)")
+        _check_ok(fresh | (lead == 0), readable, "PagedKVCache: key_mask row {} has leading padding, but "
+                                                 "its sequence already holds real tokens (free() it first)")
+        keep = (lead + real).to(torch.int32)
+        self._claim(S, keep.tolist() if readable else None)
+        self.leftpad.copy_(torch.where(fresh, self.seqlens + lead, self.leftpad))
+        return keep
