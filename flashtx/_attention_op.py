@@ -24,6 +24,7 @@ from torch import Tensor
 from . import _dispatch
 from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
+from .backends import AttentionInputs, inputs_summary, within_limits
 from .triton_kernels.mask_spec import MaskSpec
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
@@ -91,8 +92,6 @@ def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
 def _plan(q, k, v, bias, aux, ints: Ints, floats: Floats, backend: str) -> str:
     """The backend for these inputs: cached per key; shape limits are checked on every call. The
     backward plans with the forward's arguments, so both take the same backend."""
-    from .backends import AttentionInputs, inputs_summary, within_limits
-
     a = Aux(*aux)
     # head dims as ints: under dynamic shapes they are SymInts (unhashable); the kernels specialise on them anyway
     key = (q.device.type, q.device.index, q.dtype, int(q.shape[-1]), int(v.shape[-1]), ints.causal,

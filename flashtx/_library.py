@@ -27,6 +27,7 @@ from . import _env
 _BODY: dict = {}  # op -> its Python body
 _EAGER: dict = {}  # op -> autograd.Function over the body (ops with autograd)
 _MUTATED: dict = {}  # op -> positions of the arguments it writes in place
+_TENSORS: dict = {}  # op -> (positions of its Tensor arguments, positions of its Tensor-list arguments)
 
 
 def _opaque(mode, op, types, args, kwargs):
@@ -41,8 +42,12 @@ def triton_op(name: str, *, mutates_args=()):
         if _env.INTERPRET or not _env.HAS_TRITON:
             op.register_torch_dispatch(FunctionalTensorMode, _opaque)
         _BODY[op] = fn
-        params = list(inspect.signature(fn).parameters)
-        _MUTATED[op] = tuple(params.index(a) for a in mutates_args)
+        params = inspect.signature(fn).parameters
+        names = list(params)
+        _MUTATED[op] = tuple(names.index(a) for a in mutates_args)
+        kinds = [str(p.annotation) for p in params.values()]  # annotations as written ("Optional[Tensor]")
+        _TENSORS[op] = (tuple(i for i, a in enumerate(kinds) if "Tensor" in a and "list" not in a),
+                        tuple(i for i, a in enumerate(kinds) if "Tensor" in a and "list" in a))
         return op
     return dec
 
@@ -62,13 +67,16 @@ def register_autograd(op, backward, setup_context) -> None:
                                                          "backward": staticmethod(backward)})
 
 
-def _requires_grad(args) -> bool:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if a.requires_grad:
-                return True
-        elif isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in a):
+def _requires_grad(op, args) -> bool:
+    tensors, lists = _TENSORS[op]
+    for i in tensors:
+        a = args[i]
+        if a is not None and a.requires_grad:
             return True
+    for i in lists:
+        for t in args[i]:
+            if t is not None and t.requires_grad:
+                return True
     return False
 
 
@@ -83,7 +91,7 @@ def call(op, *args):
     argument requires grad."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(args[0]) not in _PLAIN):
         return op(*args)
-    if torch.is_grad_enabled() and _requires_grad(args):
+    if torch.is_grad_enabled() and _requires_grad(op, args):
         eager = _EAGER.get(op)
         return eager.apply(*args) if eager is not None else op(*args)
     out = _BODY[op](*args)

@@ -183,29 +183,46 @@ class TritonBackend(Backend):
         return reasons
 
     def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
-        from .triton_kernels.attention_fwd import attention_forward
-
         q, k, v = (_unit_last(t) for t in (q, k, v))
-        _, m2, l2 = attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
+        _, m2, l2 = _kernels().attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
                                       spec=masks, out=out)
         return m2, l2
 
     def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right,
                  masks=NO_MASKS, dbias=None):
-        from .triton_kernels.attention_bwd import attention_backward
-
         do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
         if dl2 is not None:
             dl2 = dl2.contiguous()
-        attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
+        _kernels().attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
                            dlse2=dl2, spec=masks, grads=(dq, dk, dv), dbias=dbias)
 
     def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
+        q, k, v = (_unit_last(t) for t in (q, k, v))
+        return _kernels().attention_probs(q, k, v, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=masks)
+
+
+
+class _Kernels:
+    """The Triton launchers, imported on first use (flashtx works without triton); one attribute
+    lookup per call afterwards, not an import statement."""
+
+    def __init__(self):
+        from .triton_kernels.attention_bwd import attention_backward
+        from .triton_kernels.attention_fwd import attention_forward
         from .triton_kernels.attention_scores import attention_probs
 
-        q, k, v = (_unit_last(t) for t in (q, k, v))
-        return attention_probs(q, k, v, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=masks)
+        self.attention_forward, self.attention_backward = attention_forward, attention_backward
+        self.attention_probs = attention_probs
 
+
+_KERNELS: _Kernels | None = None
+
+
+def _kernels() -> _Kernels:
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _Kernels()
+    return _KERNELS
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

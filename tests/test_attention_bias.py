@@ -95,10 +95,10 @@ def test_bias_gradient_is_deterministic_and_mask_is_never_expanded():
         runs.append(torch.autograd.grad(out.square().sum(), (q, k, v, bias)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    from flashtx.triton_kernels.attention_common import modifier_args
+    from flashtx.triton_kernels.attention_common import mask_args
     from flashtx.triton_kernels.mask_spec import MaskSpec
 
-    args = modifier_args(MaskSpec(attn_mask=bias.detach()), q)
+    args, *_ = mask_args(MaskSpec(attn_mask=bias.detach()), False, False, q, k, q[..., 0])
     assert args["MB"].data_ptr() == bias.data_ptr() and args["stride_mb"] == 0
 
 

@@ -18,7 +18,7 @@ from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds,
                                modifier_scalars, q_loop_bounds, scalar_in, score_mods, seq_bounds, stride_args,
                                visible)
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
-from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
+from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32, target_for
 
 
 @triton.jit
@@ -291,7 +291,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     dl_hi, dl_lo = split_f32(LOG2E)
 
     # delta is per row: the preprocess runs over every stored row (varlen: the packed rows, B = 1)
-    pre = Launch(_attn_bwd_preprocess, (triton.cdiv(Sq_rows, PREPROCESS_BLOCK_M), H, out.shape[0]), dict(
+    pre = Launch(_attn_bwd_preprocess, (cdiv(Sq_rows, PREPROCESS_BLOCK_M), H, out.shape[0]), dict(
         O=out, DO=do, DLSE=dlse2 if dlse2 is not None else delta, DELTA=delta,
         **stride_args("o", out), **stride_args("do", do), H=H, Sq=Sq_rows, D_V=D_V,
         dlse_scale_hi=dl_hi, dlse_scale_lo=dl_lo,
@@ -304,13 +304,13 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
                   BLOCK_DQK=block_dqk, BLOCK_DV=block_dv, ACC=acc, DOT_PREC=prec, **margs)
     c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
-    dkdv = Launch(_attn_bwd_dkdv, (triton.cdiv(Sk, c1.block_n), Hkv, B), dict(
+    dkdv = Launch(_attn_bwd_dkdv, (cdiv(Sk, c1.block_n), Hkv, B), dict(
         common, DK=dk, DV=dv, **stride_args("dk", dk, spec), **stride_args("dv", dv, spec), H=H,
         GROUP=H // Hkv,
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1,
         estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target))
     c2 = select_config("attn_bwd_dq", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
-    dqk = Launch(_attn_bwd_dq, (triton.cdiv(Sq, c2.block_m), H, B), dict(
+    dqk = Launch(_attn_bwd_dq, (cdiv(Sq, c2.block_m), H, B), dict(
         common, DQ=dq, **stride_args("dq", dq, spec), H=H, GROUP=H // Hkv,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
         estimate_shared_memory("attn_bwd_dq", c2, block_dqk, block_dv, q.element_size(), target))

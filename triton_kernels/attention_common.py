@@ -248,12 +248,16 @@ import torch  # noqa: E402
 from .mask_spec import NO_MASKS, MaskSpec  # noqa: E402,F401  (re-exported for the launchers)
 
 
+_STRIDE_NAMES = {p: tuple(f"stride_{p}{ax}" for ax in ("b", "h", "m" if p in ("q", "o", "do", "dq") else "n", "d"))
+                 for p in ("q", "k", "v", "o", "do", "dq", "dk", "dv")}
+
+
 def stride_args(prefix: str, t: torch.Tensor, spec: MaskSpec = NO_MASKS) -> dict:
     """Kernel stride arguments stride_{prefix}{b,h,m|n,d} of a (B, H, S, D) view (batch stride 0 for
     varlen's packed views). Query-side tensors (q, o, do, dq) name their sequence axis m, key-side n."""
-    seq = "m" if prefix in ("q", "o", "do", "dq") else "n"
-    return {f"stride_{prefix}{ax}": st
-            for ax, st in zip(("b", "h", seq, "d"), (batch_stride(t, spec), *t.stride()[1:]))}
+    nb, nh, ns, nd = _STRIDE_NAMES[prefix]
+    sb, sh, ss, sd = t.stride()
+    return {nb: 0 if spec.cu_seqlens_q is not None else sb, nh: sh, ns: ss, nd: sd}
 
 
 def _as_u8(m: torch.Tensor) -> torch.Tensor:
@@ -261,69 +265,82 @@ def _as_u8(m: torch.Tensor) -> torch.Tensor:
     return m.view(torch.uint8) if m.dtype == torch.bool else m
 
 
+_STATIC: dict = {}  # what decides the constexprs and scalars of mask_args -> those arguments
+
+
+def _static_args(spec: MaskSpec, causal: bool, bottom_right: bool) -> dict:
+    """mask_args' constexprs and scalars, built once per combination of what decides them."""
+    from .launch import LOG2E, split_f32
+
+    m = spec.attn_mask
+    kind = MASK_NONE.value if m is None else MASK_BOOL.value if m.dtype == torch.bool else MASK_ADDITIVE.value
+    key = (tuple(spec.window), bool(causal), bool(bottom_right), spec.q_lens is not None or spec.kv_lens is not None,
+           spec.cu_seqlens_q is not None, spec.key_mask is not None, spec.query_mask is not None, kind,
+           float(spec.softcap), spec.alibi_slopes is not None, float(spec.dropout_p))
+    args = _STATIC.get(key)
+    if args is None:
+        left, right = (int(x) for x in spec.window)
+        has_right = bool(causal) or right >= 0
+        cap_hi, cap_lo = split_f32(float(spec.softcap) * LOG2E)
+        l2_hi, l2_lo = split_f32(LOG2E)
+        p = float(spec.dropout_p)
+        ds_hi, ds_lo = split_f32(1.0 / (1.0 - p))
+        args = _STATIC[key] = dict(
+            bottom_right=int(bool(bottom_right)), right=(0 if causal else right) if has_right else 0,
+            left=max(left, 0), CAUSAL=has_right, WINDOW=left >= 0, LENS=key[3], VARLEN=key[4], KEY_MASK=key[5],
+            QUERY_MASK=key[6], MASK_KIND=kind, EVERY_TILE=key[5] or m is not None,
+            softcap_hi=cap_hi, softcap_lo=cap_lo, SOFTCAP=bool(spec.softcap), log2e_hi=l2_hi, log2e_lo=l2_lo,
+            ALIBI=key[9], dropout_p=p, drop_scale_hi=ds_hi, drop_scale_lo=ds_lo, DROPOUT=p > 0.0)
+    return args
+
+
 def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tuple[dict, int, int, int]:
     """Kernel arguments for `spec`, and the (batch, Sq, Sk) the grids span.
 
     q, k: the (B, H, S, D) views the kernels read (varlen: (1, H, total, D)); lse: a (B, H, Sq)
     per-row buffer such as m2 (varlen: (1, H, total)), whose strides every per-row buffer shares.
-    Absent tensors are replaced by `lse` (never read).
+    Absent tensors are replaced by `lse` (never read). The constexprs and scalars come from a
+    cache (_static_args); only tensors, strides and sizes are gathered per call.
     """
-    left, right = (int(x) for x in spec.window)
-    has_right = bool(causal) or right >= 0
+    args = dict(_static_args(spec, causal, bottom_right))
     dummy = lse
     B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
-    args = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-                bottom_right=int(bool(bottom_right)), right=(0 if causal else right) if has_right else 0,
-                left=max(left, 0), CAUSAL=has_right, WINDOW=left >= 0,
-                LENS=spec.q_lens is not None or spec.kv_lens is not None, VARLEN=spec.varlen,
-                KEY_MASK=spec.key_mask is not None, QUERY_MASK=spec.query_mask is not None)
+    args["stride_lb"], args["stride_lh"] = lse.stride(0), lse.stride(1)
     if args["LENS"]:
         ql = spec.q_lens if spec.q_lens is not None else torch.full((B,), Sq, dtype=torch.int32, device=q.device)
         kl = spec.kv_lens if spec.kv_lens is not None else torch.full((B,), Sk, dtype=torch.int32, device=q.device)
-        args.update(Q_LENS=ql, KV_LENS=kl)
+        args["Q_LENS"], args["KV_LENS"] = ql, kl
     else:
-        args.update(Q_LENS=dummy, KV_LENS=dummy)
-    if spec.varlen:
+        args["Q_LENS"] = args["KV_LENS"] = dummy
+    if spec.cu_seqlens_q is not None:
         B = spec.cu_seqlens_q.shape[0] - 1
-        args.update(CU_Q=spec.cu_seqlens_q, CU_K=spec.cu_seqlens_k, stride_lb=0)
+        args["CU_Q"], args["CU_K"], args["stride_lb"] = spec.cu_seqlens_q, spec.cu_seqlens_k, 0
         Sq, Sk = int(spec.max_seqlen_q), int(spec.max_seqlen_k)
     else:
-        args.update(CU_Q=dummy, CU_K=dummy)
-    for name, m in (("KM", spec.key_mask), ("QM", spec.query_mask)):
-        if m is not None:
-            m = _as_u8(m)
-            args.update({name: m, f"stride_{name.lower()}b": m.stride(0), f"stride_{name.lower()}n": m.stride(1)})
+        args["CU_Q"] = args["CU_K"] = dummy
+    for name, sb, sn, t in (("KM", "stride_kmb", "stride_kmn", spec.key_mask),
+                            ("QM", "stride_qmb", "stride_qmn", spec.query_mask)):
+        if t is not None:
+            t = _as_u8(t)
+            args[name], args[sb], args[sn] = t, t.stride(0), t.stride(1)
         else:
-            args.update({name: dummy, f"stride_{name.lower()}b": 0, f"stride_{name.lower()}n": 0})
-    args.update(modifier_args(spec, dummy))
+            args[name], args[sb], args[sn] = dummy, 0, 0
+    m = spec.attn_mask
+    if m is not None:
+        args["MB"] = _as_u8(m)
+        args["stride_mb"], args["stride_mh"], args["stride_mm"], args["stride_mn"] = broadcast_strides(m)
+    else:
+        args["MB"], args["stride_mb"], args["stride_mh"], args["stride_mm"], args["stride_mn"] = dummy, 0, 0, 0, 0
+    al = spec.alibi_slopes
+    args["AL"] = al if al is not None else dummy
+    args["stride_alb"] = 0 if al is None or al.shape[0] == 1 else al.stride(0)
+    args["RNG"] = spec.rng if args["DROPOUT"] else dummy
     return args, B, Sq, Sk
 
 
 def broadcast_strides(t: torch.Tensor) -> tuple:
     """t's strides with 0 on its size-1 dims, so a (1, H, Sq, Sk) mask reads like (B, H, Sq, Sk)."""
     return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
-
-
-def modifier_args(spec: MaskSpec, dummy: torch.Tensor) -> dict:
-    """Kernel arguments for attn_mask, softcap, ALiBi and dropout (see score_mods, dropout_keep)."""
-    from .launch import LOG2E, split_f32
-
-    m = spec.attn_mask
-    kind = (MASK_NONE if m is None else MASK_BOOL if m.dtype == torch.bool else MASK_ADDITIVE).value
-    smb, smh, smm, smn = broadcast_strides(m) if m is not None else (0, 0, 0, 0)
-    cap_hi, cap_lo = split_f32(float(spec.softcap) * LOG2E)
-    l2_hi, l2_lo = split_f32(LOG2E)
-    p = float(spec.dropout_p)
-    ds_hi, ds_lo = split_f32(1.0 / (1.0 - p))
-    al = spec.alibi_slopes
-    return dict(
-        MB=_as_u8(m) if m is not None else dummy, stride_mb=smb, stride_mh=smh, stride_mm=smm, stride_mn=smn,
-        MASK_KIND=kind, EVERY_TILE=spec.key_mask is not None or m is not None,
-        softcap_hi=cap_hi, softcap_lo=cap_lo, SOFTCAP=bool(spec.softcap), log2e_hi=l2_hi, log2e_lo=l2_lo,
-        AL=al if al is not None else dummy, stride_alb=0 if al is None or al.shape[0] == 1 else al.stride(0),
-        ALIBI=al is not None,
-        RNG=spec.rng if spec.dropout else dummy, dropout_p=p, drop_scale_hi=ds_hi, drop_scale_lo=ds_lo,
-        DROPOUT=spec.dropout)
 
 
 def batch_stride(t: torch.Tensor, spec: MaskSpec) -> int:

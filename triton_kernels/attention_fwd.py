@@ -14,7 +14,8 @@ import triton.language as tl
 from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part, mask_args,
                                modifier_scalars, scalar_in, score_mods, seq_bounds, stride_args, visible)
 from .configs import estimate_shared_memory, select_config
-from .launch import ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
+from .launch import (ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32,
+                     target_for)
 
 
 @triton.jit
@@ -156,7 +157,7 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
         ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **margs,
     )
-    grid = (triton.cdiv(Sq, cfg.block_m), H, B)
+    grid = (cdiv(Sq, cfg.block_m), H, B)
     est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size(), target)
     return Launch(_attn_fwd, grid, args, cfg, est)
 

@@ -21,7 +21,7 @@ import triton.language as tl
 from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, mask_args, modifier_scalars, scalar_in, score_mods,
                                seq_bounds, stride_args, visible)
 from .configs import estimate_shared_memory, select_config
-from .launch import ACC_DTYPE, LOG2E, Launch, dot_precision, head_block, split_f32, target_for
+from .launch import ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32, target_for
 
 
 @triton.jit
@@ -145,8 +145,8 @@ def plan_scores(q, k, v, m2, l2, out, *, scale: float, causal: bool, bottom_righ
     grad = do is not None
     sum_b, sum_h = out.shape[0] == 1 and B > 1, out.shape[1] == 1 and H > 1
     sum_m, sum_n = out.shape[2] == 1 and Sq > 1, out.shape[3] == 1 and Sk > 1
-    tiles_m = 1 if sum_m else triton.cdiv(Sq, cfg.block_m)
-    tiles_n = 1 if sum_n else triton.cdiv(Sk, cfg.block_n)
+    tiles_m = 1 if sum_m else cdiv(Sq, cfg.block_m)
+    tiles_n = 1 if sum_n else cdiv(Sk, cfg.block_n)
     out_strides = [0 if n == 1 else st for n, st in zip(out.shape, out.stride())]
     args = dict(
         Q=q, K=k, V=v, DO=do if grad else q, M2=m2, L2=l2, DELTA=delta if grad else m2, OUT=out,

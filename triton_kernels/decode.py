@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .attention_common import scalar_in, tanh
 from .configs import INTERPRETER_TARGET, KNOWN_TARGETS, Target, head_dim_bucket
-from .launch import ACC_DTYPE, LOG2E, TORCH_ACC_DTYPE, Launch, dot_precision, head_block, split_f32, target_for
+from .launch import ACC_DTYPE, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block, split_f32, target_for
 
 
 @triton.jit
@@ -368,10 +368,10 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
     cfg = decode_config(D, DV, q.element_size(), target)
     group = Hq // Hkv
     block_m = max(16, min(cfg.max_block_m, _pow2(group * Sq)))
-    m_tiles = triton.cdiv(group * Sq, block_m)
+    m_tiles = cdiv(group * Sq, block_m)
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    key_tiles = triton.cdiv(capacity, cfg.block_n)
+    key_tiles = cdiv(capacity, cfg.block_n)
     if num_splits <= 0:
         num_splits = num_splits_heuristic(B * Hkv * m_tiles, key_tiles, _sm_count(q) if target is not None else 4)
     num_splits = max(1, min(num_splits, key_tiles, MAX_SPLITS))
@@ -420,7 +420,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                      ACC=ACC_DTYPE[q.dtype])
         from .configs import ElementwiseConfig
         warps = 1 if target is INTERPRETER_TARGET else 4
-        launches.append(Launch(_decode_combine, (triton.cdiv(Sq, block_r), Hq, B), cargs,
+        launches.append(Launch(_decode_combine, (cdiv(Sq, block_r), Hq, B), cargs,
                                ElementwiseConfig(block_r, 1, warps, 1)))
     return launches
 

@@ -108,6 +108,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for grids, in plain Python (triton.cdiv is a jit function: calling it on the host costs
+    microseconds per launch)."""
+    return -(-a // b)
+
+
 def head_block(d: int) -> int:
     """Register tile width for a head dim: next power of two, at least 16 (tl.dot's minimum). A SymInt
     (dynamic shapes) is specialised: the tile width is a compile-time constant of the kernel."""
