@@ -295,7 +295,7 @@ def attention_probs(q, k, v, m2, l2, *, scale: float, causal: bool, bottom_right
     kw = _spec_kwargs(spec, causal, bottom_right, q, k)
     keep = kw.pop("keep", None)
     kw.pop("dropout_p", None)
-    B, H, Sq, Sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    B, H, Sk = q.shape[0], q.shape[1], k.shape[2]
     eye = torch.eye(Sk, dtype=torch.float64, device=q.device).expand(B, k.shape[1], Sk, Sk)
     # P itself: attention with V = identity gives P @ I = P
     p = attention(q.double(), k.double(), eye, scale=scale, **kw).to(m2.dtype)  # (B, H, Sq, Sk)

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch._dynamo
-from conftest import DEVICE, randn
+from conftest import DEVICE
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 

@@ -139,7 +139,7 @@ class KVCache:
 
     def append(self, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> None:
         """Write k (B, Hkv, S, D), v (B, Hkv, S, Dv) and key_mask (B, S) at [length, length + S)."""
-        B, S = self.batch_size, k.shape[2]
+        S = k.shape[2]
         for name, t, buf in (("k", k, self.k), ("v", v, self.v)):
             want = (buf.shape[0], buf.shape[1], S, buf.shape[3])
             if tuple(t.shape) != want or t.dtype != buf.dtype or t.device != buf.device:
