@@ -216,14 +216,17 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
     Triton keeps `num_stages` buffers of each streamed tile in shared memory and stages the
     resident tiles and the dot operands that need a layout change there too. On Hopper (sm_90)
     the (block_m, block_n) P / dS operand of the second dot is staged too (measured: the compile
-    check's sm_90 builds with score modifiers). The compile check asserts that this estimate is
-    never below what the compiler reports.
+    check's sm_90 builds with score modifiers; the forward with masks stages two). The compile check
+    asserts that this estimate is never below what the compiler reports.
     """
     hopper = cfg.block_m * cfg.block_n * elt if target is not None and target.arch >= 90 else 0
     m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
     if kernel == "attn_fwd":
         streamed = n * (block_dqk + block_dv)  # K and V tiles
         resident = m * block_dqk  # Q tile
+        # + 8 bytes a row for the fp32 row max and sum (measured: 512 bytes beyond the tiles at 128 fp32
+        # rows on sm_80); sm_90 stages a second (block_m, block_n) tile with masks (measured: 32 KB at 128x128)
+        return (s * streamed + resident) * elt + 2 * hopper + 8 * m
     elif kernel == "attn_bwd_dkdv":
         streamed = m * (block_dqk + block_dv)  # Q and dO tiles
         resident = n * (block_dqk + block_dv) + m * max(block_dqk, block_dv)  # K, V, a transposed q/dO tile
