@@ -2,7 +2,7 @@
 
 `flashtx::attention_fwd` returns (out, m2, l2) (row max of the scores and log2 of the row sum,
 log2 units; lse2 = m2 + l2) and saves (q, k, v, out, m2, l2) for backward; `flashtx::attention_bwd`
-recomputes P = exp2((s2 - m2) - l2) through the same backend. Both take (B, H, S, D)
+recomputes P = exp2(s2 - m2) * exp2(-l2) through the same backend. Both take (B, H, S, D)
 views with any strides. Being custom ops, they trace under torch.compile(fullgraph=True).
 """
 from __future__ import annotations
@@ -118,12 +118,12 @@ def _(do, q, k, v, out, m2, l2, dlse2, scale, causal, bottom_right, backend, bia
 
 
 @torch.library.custom_op("flashtx::attention_probs", mutates_args=())
-def attention_probs(q: Tensor, k: Tensor, v: Tensor, m2: Tensor, l2: Tensor, scale: float, causal: bool, bottom_right: bool,
-                    backend: str, window_left: int = -1, window_right: int = -1, key_mask: Optional[Tensor] = None,
-                    query_mask: Optional[Tensor] = None, q_lens: Optional[Tensor] = None,
-                    kv_lens: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
-                    cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                    max_seqlen_q_t: Optional[Tensor] = None,
+def attention_probs(q: Tensor, k: Tensor, v: Tensor, m2: Tensor, l2: Tensor, scale: float, causal: bool,
+                    bottom_right: bool, backend: str, window_left: int = -1, window_right: int = -1,
+                    key_mask: Optional[Tensor] = None, query_mask: Optional[Tensor] = None,
+                    q_lens: Optional[Tensor] = None, kv_lens: Optional[Tensor] = None,
+                    cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                    max_seqlen_q: int = 0, max_seqlen_k: int = 0, max_seqlen_q_t: Optional[Tensor] = None,
                     max_seqlen_k_t: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                     softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
                     rng: Optional[Tensor] = None) -> Tensor:

@@ -61,8 +61,8 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, masks=NO_
     if return_lse:
         res.append((m2 + l2) * LN2)  # natural log
     if return_probs:
-        res.append(attention_probs(q.detach(), k.detach(), v.detach(), m2.detach(), l2.detach(), scale, causal, bottom_right,
-                                   name, *margs))
+        res.append(attention_probs(q.detach(), k.detach(), v.detach(), m2.detach(), l2.detach(), scale, causal,
+                                   bottom_right, name, *margs))
     return res[0] if len(res) == 1 else tuple(res)
 
 

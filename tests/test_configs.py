@@ -25,7 +25,8 @@ def test_every_family_has_every_kernel_dtype_and_head_dim():
                 assert set(TABLES[fam][kernel][elt]) == {64, 128, 256}, (fam, kernel, elt)
 
 
-@pytest.mark.parametrize("fam,kernel,elt,bucket,cfg", list(entries()), ids=lambda x: str(x) if not hasattr(x, "block_m") else "")
+@pytest.mark.parametrize("fam,kernel,elt,bucket,cfg", list(entries()),
+                         ids=lambda x: "" if hasattr(x, "block_m") else str(x))
 def test_each_entry_names_its_source_and_is_what_its_architecture_selects(fam, kernel, elt, bucket, cfg):
     assert cfg.reason, "every entry names its source"
     archs = [a for a in KNOWN_TARGETS if family(a) == fam]

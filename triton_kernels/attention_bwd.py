@@ -56,9 +56,9 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, m2_base, l2_base, delta_base, mb_base, offs_n, start, end, Sq_b, Sk_b,
-                causal_shift, window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
-                stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p, drop_scale,
+def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, m2_base, l2_base, delta_base, mb_base, offs_n, start, end,
+                Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod,
+                stride_mm, stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr,
                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
@@ -164,13 +164,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
         # masked tiles before the unmasked range (causal diagonal), unmasked, masked tail (window edge, Sq_b)
         for part in tl.static_range(3):
             start, end = loop_part(part, lo, free_lo, free_hi, hi)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, M2 + row_base, L2 + row_base, DELTA + row_base,
-                                 mb_base,
-                                 offs_n, start, end, Sq_b, Sk_b, causal_shift, window_shift, qk_scale,
-                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn, D_QK, D_V,
-                                 softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p, drop_scale,
-                                 BLOCK_M, BLOCK_DQK, BLOCK_DV, part != 1, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
-                                 SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, M2 + row_base, L2 + row_base,
+                                 DELTA + row_base, mb_base, offs_n, start, end, Sq_b, Sk_b, causal_shift,
+                                 window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
+                                 stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p,
+                                 drop_scale, BLOCK_M, BLOCK_DQK, BLOCK_DV, part != 1, CAUSAL, WINDOW, KEY_MASK,
+                                 MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
 
     dk = dk * scalar_in(sm_scale_hi, sm_scale_lo, ACC)
     tl.store(DK + b.to(tl.int64) * stride_dkb + pid_h.to(tl.int64) * stride_dkh + k_start.to(tl.int64) * stride_dkn
@@ -307,7 +306,8 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
                         + offs_m[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
                         mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)  # (BLOCK_M, BLOCK_DQK)
             do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                         + q_start.to(tl.int64) * stride_dom + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                         + q_start.to(tl.int64) * stride_dom + offs_m[:, None] * stride_dom
+                         + offs_dv[None, :] * stride_dod,
                          mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV)
             row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
             m2 = tl.load(M2 + row, mask=row_ok, other=float("-inf"))
