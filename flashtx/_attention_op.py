@@ -10,9 +10,9 @@ Each op takes (B, H, S, D) views with any strides and small grouped arguments:
 The op body resolves its backend through flashtx._dispatch's plan cache (one dict lookup) and
 calls it. The forward returns (out, m2, l2): the row max of the scores and the log2 of the row sum
 of exp2(s2 - m2), both (B, H, Sq) in the accumulator dtype (log2 units; rows that see no key have
-m2 = -inf, l2 = 0). The backward recomputes P = exp2((s2 - m2) - l2): split in two, so rows whose
-scores all sit at a huge finite value (a -1e9 mask) keep log2(l) exactly. The natural lse is
-(m2 + l2) * ln 2.
+m2 = -inf, l2 = 0). The backward recomputes P = exp2(s2 - m2) * exp2(-l2): kept apart, so rows
+whose scores all sit at a huge finite value (a -1e9 mask) keep log2(l) exactly. The natural lse is
+(m2 + l2) * ln 2, and an unused lse gives dl2 = None (no dlse work in the backward).
 """
 from __future__ import annotations
 

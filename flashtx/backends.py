@@ -174,7 +174,7 @@ class TritonBackend(Backend):
         reasons = []
         kernels = ["attn_fwd"] + (["attn_bwd_dkdv", "attn_bwd_dq"] if inp.needs_grad else [])
         if inp.needs_grad == 2:
-            kernels.append("attn_scores")  # the bias gradient
+            kernels[-1] = "attn_bwd_dq_dbias"  # the dQ kernel that also writes the bias gradient
         for kernel in kernels:
             try:
                 select_config(kernel, bq, bv, inp.q.element_size(), target, inp.masks.modifies_scores)

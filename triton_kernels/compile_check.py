@@ -8,7 +8,9 @@ it builds the launches the launchers would make on that GPU, specialises their a
 way `JITFunction.run` does (unit strides, 16-byte alignment), compiles them to cubin with
 Triton's bundled ptxas (no driver needed), and reports shared memory (against the target's
 per-block limit), registers and spills. Exits non-zero if any config fails to compile, exceeds
-shared memory or spills. Needs TRITON_INTERPRET unset (it compiles; it does not interpret).
+shared memory, or needs more than config selection estimated. Spills are reported, not failed:
+only a GPU run can say whether a spilling tile is slower than a smaller one (configs.py).
+Needs TRITON_INTERPRET unset (it compiles; it does not interpret).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return (not self.error and self.shared <= self.limit and self.spill_bytes == 0
+        return (not self.error and self.shared <= self.limit
                 and (self.estimate is None or self.estimate >= self.shared))
 
     @property
@@ -50,10 +52,10 @@ class Result:
             return "ERROR " + self.error
         if self.shared > self.limit:
             return "SHARED>LIMIT"
-        if self.spill_bytes:
-            return "SPILLS"
         if self.estimate is not None and self.estimate < self.shared:
             return "ESTIMATE<SHARED (selection could launch a config that does not fit)"
+        if self.spill_bytes:
+            return f"ok, spills {self.spill_bytes} bytes"
         return "ok"
 
 
@@ -170,8 +172,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) | {"ok": r.ok} for r in results], f, indent=1)
     bad = [r for r in results if not r.ok]
-    print(f"\n{len(results) - len(bad)} of {len(results)} kernel configs compile, fit shared memory (and the "
-          f"estimate config selection uses) and do not spill")
+    spilling = sum(1 for r in results if r.ok and r.spill_bytes)
+    print(f"\n{len(results) - len(bad)} of {len(results)} kernel configs compile and fit shared memory (and the "
+          f"estimate config selection uses); {spilling} of them spill registers (reported, not failed)")
     return 1 if bad else 0
 
 

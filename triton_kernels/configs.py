@@ -1,15 +1,19 @@
 """Tile configurations for every Triton kernel, in one place.
 
-Each kernel has an ordered list of candidate configs per padded head dim. The launcher picks the
-first candidate whose estimated shared memory fits the target GPU, so an RTX 3090 (sm_86,
-101,376 bytes a block) never launches a config that only fits an A100 or H100. The compile check
-(tests/test_compile.py) compiles every config that this selection can return for sm_80, sm_86 and
-sm_90 without a GPU and checks the compiler's real shared memory against the limit.
+Attention tiles come from per-architecture tables (sm_80; sm_86/89; sm_90). Nobody on this
+project has measured them yet, so every entry names its source: an anchor's published table
+(FlexAttention's defaults in PyTorch's inductor `flex_attention.py`, Triton's fused-attention
+tutorial, FlagAttention's RTX 3090 configs) and, where ours differs, why (almost always: our
+estimate of shared memory, which the compile check proves against the compiler, does not fit the
+anchor's stages on that target). Register spills no longer disqualify a tile: the anchors'
+tiles spill in some specialisations too, and only a GPU can weigh that; the compile check
+(tests/test_compile.py) compiles every entry for its architecture, proves it fits shared memory
+and reports spills. bench/RESULTS.md records every GPU run.
 
-Provenance: the candidates started from the shapes FlashAttention-2's Triton tutorial uses on
-Ampere (A100) and were trimmed with the compile check (Triton 3.9's ptxas for sm_86) until none
-spills or exceeds the RTX 3090's shared memory. They have not been timed on a GPU yet: speed
-tuning belongs to the benchmark issue, and bench/RESULTS.md records every GPU run.
+Selection: the table of the target's family, the score-modifier table first when the launch
+modifies scores (empty today: a config trimmed for one specialisation must not slow the plain
+one), then, if nothing fits the target's shared memory (an unknown part), the smaller families'
+entries.
 """
 from __future__ import annotations
 
@@ -25,15 +29,16 @@ class Target:
     arch: int  # compute capability as 10 * major + minor, e.g. 86
     max_shared: int  # max dynamic shared memory per block, bytes
     warp_size: int = 32
+    sm_count: int = 0  # streaming multiprocessors (0: unknown), for grid-size decisions
 
 
 # Max dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin), from NVIDIA's
 # CUDA C++ Programming Guide, "Compute capabilities" table.
 KNOWN_TARGETS = {
-    80: Target(80, 166_912),  # A100
-    86: Target(86, 101_376),  # RTX 3090 / A10 / A40
-    89: Target(89, 101_376),  # RTX 4090 / L4 / L40
-    90: Target(90, 232_448),  # H100 / H200
+    80: Target(80, 166_912, sm_count=108),  # A100
+    86: Target(86, 101_376, sm_count=82),  # RTX 3090 / A10 / A40
+    89: Target(89, 101_376, sm_count=128),  # RTX 4090 / L4 / L40
+    90: Target(90, 232_448, sm_count=132),  # H100 / H200
 }
 
 # One config for Triton's interpreter: blocks small enough that test shapes (S up to a few
@@ -48,61 +53,139 @@ class TileConfig:
     block_n: int  # rows of K/V per tile
     num_warps: int
     num_stages: int
-    reason: str = ""
+    reason: str = ""  # the source of the entry, and why it differs from it
 
     @property
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-# Candidates, best first, per kernel, element size (2: fp16/bf16, 4: fp32) and padded head dim
-# (the larger of the qk and v dims). Every entry was compiled for sm_80/86/90 by the compile check
-# (no spills, shared memory within the limit); the register notes are from sm_86's ptxas.
-_FWD = {
-    2: {
-        64: [TileConfig(128, 64, 8, 3, "FA2 tutorial's Ampere tile for D<=64; 4 warps spill on sm_80")],
-        # 128x64 K/V tiles spilled 24 bytes on sm_80 with varlen + window (255 registers); 128x32
-        # stays under 230 registers for every variant.
-        128: [TileConfig(128, 32, 8, 2, "8 warps hold the 128x128 fp32 accumulator without spills; 48 KB")],
-        256: [TileConfig(64, 32, 8, 2, "64x256 accumulator over 8 warps; 68 KB fits sm_86")],
+C = TileConfig
+FLEX_H100 = "FlexAttention sm_90 default (inductor flex_attention.py _h100_default_config / _get_nv_config)"
+FLEX_A100 = "FlexAttention sm_80 default (inductor flex_attention.py _a100_default_config / _get_nv_config)"
+FLAG_3090 = "FlagAttention RTX 3090 config (128x64 for D<=64, 128x32 for D=128, 4 warps)"
+TUTORIAL = "Triton fused-attention tutorial (06-fused-attention.py)"
+KEPT = "flashtx's previous compile-checked tile (no anchor fits our shared-memory estimate here)"
+
+# TABLES[family][kernel][element size][head-dim bucket]: one tile per entry. The element size is 2
+# (fp16/bf16) or 4 (fp32); the bucket is the larger padded head dim (64, 128 or 256).
+# attn_bwd_dkdv: block_m = q rows streamed, block_n = K/V rows owned (FlexAttention's BLOCK_M1/N1);
+# attn_bwd_dq: block_m = q rows owned, block_n = K/V rows streamed (BLOCK_M2/N2).
+TABLES = {
+    "sm90": {
+        "attn_fwd": {
+            2: {64: C(128, 128, 4, 3, FLEX_H100),
+                128: C(128, 64, 8, 3, FLEX_H100 + " (bf16's; fp16's is 128x128)"),
+                256: C(64, 32, 4, 3, FLEX_H100)},
+            4: {64: C(128, 32, 4, 3, FLEX_H100),
+                128: C(32, 64, 4, 3, FLEX_H100),
+                256: C(32, 32, 4, 2, FLEX_H100 + " with 2 stages: 3 exceed 232,448 bytes by our estimate")},
+        },
+        "attn_bwd_dkdv": {
+            2: {64: C(64, 64, 4, 3, FLEX_H100),
+                128: C(64, 128, 8, 3, FLEX_H100),
+                256: C(32, 64, 8, 2, FLEX_H100 + " is 64x64 4 warps 2 stages: q rows halved to fit our estimate, "
+                       "8 warps for the two 64x256 fp32 accumulators")},
+            4: {64: C(32, 32, 8, 1, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
+                128: C(16, 16, 4, 1, FLEX_H100 + " (fp32)"),
+                256: C(16, 16, 4, 1, FLEX_H100 + " (fp32)")},
+        },
+        "attn_bwd_dq": {
+            2: {64: C(64, 64, 4, 3, FLEX_H100),
+                128: C(128, 64, 8, 3, FLEX_H100),
+                256: C(64, 64, 8, 2, FLEX_H100 + " with 8 warps for the 64x256 fp32 accumulator")},
+            4: {64: C(64, 32, 8, 2, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
+                128: C(16, 16, 4, 1, FLEX_H100 + " (fp32)"),
+                256: C(16, 16, 4, 1, FLEX_H100 + " (fp32)")},
+        },
     },
-    4: {
-        64: [TileConfig(64, 32, 8, 2, "fp32 tiles are twice the bytes; 64x64 spills on sm_90")],
-        128: [TileConfig(16, 16, 4, 1, "fp32 at D=128: every larger tile tried spills on sm_86 or sm_90")],
-        256: [TileConfig(32, 32, 8, 1, "96 KB: just fits sm_86")],
+    "sm80": {
+        "attn_fwd": {
+            2: {64: C(128, 64, 4, 3, FLEX_A100),
+                128: C(128, 64, 8, 3, FLEX_A100),
+                256: C(32, 64, 4, 2, FLEX_A100 + " with 2 stages: 3 exceed 166,912 bytes by our estimate")},
+            4: {64: C(128, 32, 4, 3, FLEX_A100),
+                128: C(128, 32, 4, 3, FLEX_A100),
+                256: C(64, 16, 4, 3, FLEX_A100)},
+        },
+        "attn_bwd_dkdv": {
+            2: {64: C(32, 128, 4, 3, FLEX_A100 + "; also the tutorial's dK/dV tile"),
+                128: C(32, 128, 4, 3, FLEX_A100),
+                256: C(32, 64, 8, 2, FLEX_A100 + " is 32x128 3 stages: K/V rows halved and 2 stages to fit")},
+            4: {64: C(32, 32, 8, 1, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
+                128: C(16, 16, 4, 1, FLEX_A100 + " (fp32)"),
+                256: C(16, 16, 4, 1, FLEX_A100 + " (fp32)")},
+        },
+        "attn_bwd_dq": {
+            2: {64: C(128, 32, 4, 3, FLEX_A100 + "; also the tutorial's dQ tile"),
+                128: C(128, 32, 4, 3, FLEX_A100),
+                256: C(64, 32, 8, 2, FLEX_A100 + " is 128x32 3 stages: q rows halved and 2 stages to fit")},
+            4: {64: C(64, 32, 8, 2, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
+                128: C(16, 32, 8, 1, KEPT),
+                256: C(16, 32, 8, 1, KEPT)},
+        },
+    },
+    "sm86": {  # RTX 3090 / A10 / A40 / RTX 4090 / L4 / L40: 101,376 bytes a block
+        "attn_fwd": {
+            2: {64: C(128, 64, 4, 3, FLAG_3090),
+                128: C(128, 32, 4, 2, FLAG_3090),
+                256: C(64, 32, 8, 2, KEPT + "; 68 KB")},
+            4: {64: C(64, 32, 8, 2, KEPT),
+                128: C(32, 32, 4, 2, "FlexAttention's sm_90 fp32 32x64 with half the K/V rows to fit sm_86"),
+                256: C(32, 32, 8, 1, KEPT + "; 96 KB")},
+        },
+        "attn_bwd_dkdv": {
+            2: {64: C(32, 128, 4, 3, FLEX_A100 + " (sm_8x); fits sm_86"),
+                128: C(32, 64, 8, 2, "FlexAttention sm_86/89: 64x64 2 stages; q rows halved to fit our estimate"),
+                256: C(32, 32, 8, 1, KEPT + "; 80 KB")},
+            4: {64: C(32, 32, 8, 1, KEPT),
+                128: C(16, 16, 4, 1, "FlexAttention fp32 backward (16x16, 4 warps, 1 stage)"),
+                256: C(16, 16, 4, 1, "FlexAttention fp32 backward (16x16, 4 warps, 1 stage)")},
+        },
+        "attn_bwd_dq": {
+            2: {64: C(128, 32, 4, 3, FLEX_A100 + " (sm_8x); fits sm_86"),
+                128: C(128, 32, 8, 2, FLEX_A100 + " with 2 stages, as FlexAttention does on sm_86/89"),
+                256: C(32, 32, 8, 1, KEPT + "; 64 KB")},
+            4: {64: C(64, 32, 8, 2, KEPT),
+                128: C(16, 32, 8, 1, KEPT),
+                256: C(16, 32, 8, 1, KEPT + "; 96 KB")},
+        },
     },
 }
 
-# dK/dV kernel: block_m is the q tile it streams, block_n the K/V rows it owns.
-_BWD_DKDV = {
-    2: {
-        # FA2 tutorial's dK/dV tile is 32x128 with 3 stages; with the window/varlen/mask bounds it
-        # spills 16-40 bytes on sm_80/86 (255 registers), so 16 q rows per step (no spills anywhere).
-        64: [TileConfig(16, 128, 8, 2, "128 K/V rows, 8 warps for 2 accumulators; 16 q rows per step")],
-        128: [TileConfig(32, 64, 8, 2, "128 K/V rows spill at D=128; 64 rows use 218 registers")],
-        256: [TileConfig(32, 32, 8, 1, "dK and dV accumulators of 32x256 fp32; 80 KB")],
-    },
-    4: {
-        64: [TileConfig(32, 32, 8, 1, "fp32: 16x64 and 16x32 tiles spilled 16-40 bytes on sm_86 or sm_90")],
-        128: [TileConfig(16, 16, 4, 1, "fp32 at D=128: 16x32 spills on sm_80")],
-        # fp32 at D=256: every tile tried spilled on sm_86, so none is offered (reference fallback).
-        256: [],
-    },
-}
+# The dQ kernel writing the attn_mask gradient (attention_bwd.py, DBIAS) adds a (block_m, block_n) fp32
+# tile staged in shared memory for the read-modify-write of dS (measured: 8 KB more at 64x64 on sm_90),
+# so it is its own specialisation: dQ's tile where that still fits, else a smaller one just for it.
+for _fam, _overrides in {
+    "sm90": {}, "sm80": {},
+    "sm86": {2: {128: C(64, 32, 8, 2, "dQ's 128x32 with half the q rows: the dS tile's staging does not fit "
+                                      "sm_86 beside 128 rows")}},
+}.items():
+    TABLES[_fam]["attn_bwd_dq_dbias"] = {elt: {**by_bucket, **_overrides.get(elt, {})}
+                                         for elt, by_bucket in TABLES[_fam]["attn_bwd_dq"].items()}
 
-# dQ kernel: block_m is the q tile it owns, block_n the K/V tile it streams.
-_BWD_DQ = {
-    2: {
-        64: [TileConfig(128, 32, 8, 3, "FA2 tutorial's dQ tile: 128 q rows held, 32 K/V rows streamed")],
-        128: [TileConfig(64, 32, 4, 2, "64 q rows at D=128: 50 KB, no spills")],
-        256: [TileConfig(32, 32, 8, 1, "64 KB; 64 q rows spill at D=256")],
-    },
-    4: {
-        64: [TileConfig(64, 32, 8, 2, "fp32: half the q rows of fp16")],
-        128: [TileConfig(16, 32, 8, 1, "fp32 at D=128: 32 q rows spill on sm_90")],
-        256: [TileConfig(16, 32, 8, 1, "fp32 at D=256: 96 KB")],
-    },
+# The probabilities kernel (attention_scores.py: return_attn_probs, for tests and small sizes) loads
+# what the dQ kernel loads; no anchor has one, so every family keeps the previous compile-checked tiles.
+_SCORES = {
+    2: {64: C(128, 32, 8, 3, KEPT), 128: C(32, 32, 8, 1, KEPT), 256: C(16, 32, 4, 1, KEPT)},
+    4: {64: C(32, 32, 8, 1, KEPT), 128: C(16, 16, 8, 1, KEPT), 256: C(16, 16, 4, 1, KEPT + " (spills)")},
 }
+for _family in TABLES.values():
+    _family["attn_scores"] = _SCORES
+
+# Score modifiers (attn_mask, softcap, ALiBi, dropout) add live registers per score tile. Entries
+# here are tried before TABLES for launches that modify scores, so a tile trimmed for them never
+# slows the plain launch. Empty: the anchors use their plain tiles with score/mask mods too.
+MODIFIED: dict = {"sm90": {}, "sm80": {}, "sm86": {}}
+
+# Families in the order selection falls back through when the target's own entries do not fit.
+FALLBACK_ORDER = ("sm86",)
+
+
+def family(arch: int) -> str:
+    """The table family of a compute capability: sm90 for 9.0 and later, sm80 for 8.0, else sm86."""
+    return "sm90" if arch >= 90 else "sm80" if arch == 80 else "sm86"
+
 
 # The interpreter runs tiles as numpy arrays: bigger tiles are faster there, but tests need
 # several tiles per sequence. BLOCK_M != BLOCK_N on purpose (see INTERPRETER_TARGET).
@@ -110,37 +193,8 @@ _INTERPRETER = {
     "attn_fwd": TileConfig(64, 32, 1, 1, "interpreter"),
     "attn_bwd_dkdv": TileConfig(32, 64, 1, 1, "interpreter"),
     "attn_bwd_dq": TileConfig(64, 32, 1, 1, "interpreter"),
+    "attn_bwd_dq_dbias": TileConfig(64, 32, 1, 1, "interpreter"),
     "attn_scores": TileConfig(32, 16, 1, 1, "interpreter"),
-}
-
-# The attn_mask-gradient / probabilities kernel (attention_scores.py) loads what the dQ kernel
-# loads (Q and dO tiles held, K and V tiles streamed) and holds one (block_m, block_n) fp32
-# accumulator instead of dQ's (block_m, D); its four nested loops need smaller tiles at D >= 128.
-_SCORES = {
-    2: {
-        64: [TileConfig(128, 32, 8, 3, "dQ's tile: no spills with every option")],
-        # 64x32, 32x32 over 4 warps, 32x32 in 2 stages, 32x16 and 16x32 each spilled 8-88 bytes
-        # somewhere (sm_80/86/90, Triton 3.6 or 3.9); one stage does not
-        128: [TileConfig(32, 32, 8, 1, "no spills on sm_80/86/90 with Triton 3.6 and 3.9")],
-        256: [TileConfig(16, 32, 4, 1, "32x32 spilled 8-16 bytes on sm_80/86")],
-    },
-    4: {
-        64: [TileConfig(32, 32, 8, 1, "fp32: dQ's 64x32 spilled 16 bytes on sm_86 with Triton 3.6")],
-        128: [TileConfig(16, 16, 8, 1, "fp32 at D=128: 16x32, 32x32 and 16x16 over 4 warps spilled")],
-        # fp32 at D=256: 16x16 over 8 warps still spilled ~100 bytes, so none (as dK/dV's): reference fallback
-        256: [],
-    },
-}
-
-CANDIDATES = {"attn_fwd": _FWD, "attn_bwd_dkdv": _BWD_DKDV, "attn_bwd_dq": _BWD_DQ, "attn_scores": _SCORES}
-
-# Score modifiers (attn_mask, softcap, ALiBi, dropout) add live registers per score tile (the
-# mask tile, tanh, the Philox state). Where the plain tile spilled with every option at once
-# (compile check, sm_86 ptxas of Triton 3.9), these smaller tiles are tried first instead.
-_MODIFIED = {
-    "attn_fwd": {2: {64: [TileConfig(64, 32, 4, 3, "every option: 128x64 (and 64x64) spilled ~50 bytes on sm_86")]}},
-    "attn_bwd_dkdv": {2: {128: [TileConfig(16, 32, 4, 2, "every option: 32x64 and 16x64 spilled 8 bytes")]}},
-    "attn_bwd_dq": {2: {128: [TileConfig(32, 32, 4, 2, "every option: 64 q rows spilled 8 bytes")]}},
 }
 
 # Rows per program of the delta = rowsum(dO * O) preprocess: pure bandwidth, no tiling concerns.
@@ -162,20 +216,25 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
     Triton keeps `num_stages` buffers of each streamed tile in shared memory and stages the
     resident tiles and the dot operands that need a layout change there too. On Hopper (sm_90)
     the (block_m, block_n) P / dS operand of the second dot is staged too (measured: the compile
-    check's sm_90 builds with score modifiers). The compile check asserts that this estimate is
-    never below what the compiler reports.
+    check's sm_90 builds with score modifiers; the forward with masks stages two). The compile check
+    asserts that this estimate is never below what the compiler reports.
     """
     hopper = cfg.block_m * cfg.block_n * elt if target is not None and target.arch >= 90 else 0
     m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
     if kernel == "attn_fwd":
         streamed = n * (block_dqk + block_dv)  # K and V tiles
         resident = m * block_dqk  # Q tile
+        # + 8 bytes a row for the fp32 row max and sum (measured: 512 bytes beyond the tiles at 128 fp32
+        # rows on sm_80); sm_90 stages a second (block_m, block_n) tile with masks (measured: 32 KB at 128x128)
+        return (s * streamed + resident) * elt + 2 * hopper + 8 * m
     elif kernel == "attn_bwd_dkdv":
         streamed = m * (block_dqk + block_dv)  # Q and dO tiles
         resident = n * (block_dqk + block_dv) + m * max(block_dqk, block_dv)  # K, V, a transposed q/dO tile
-    elif kernel in ("attn_bwd_dq", "attn_scores"):
+    elif kernel in ("attn_bwd_dq", "attn_bwd_dq_dbias", "attn_scores"):
         streamed = n * (block_dqk + block_dv)  # K and V tiles
         resident = m * (block_dqk + block_dv)  # Q and dO tiles
+        if kernel == "attn_bwd_dq_dbias":
+            return (s * streamed + resident) * elt + hopper + m * n * 4  # + the fp32 dS tile written out
     else:
         raise KeyError(kernel)
     return (s * streamed + resident) * elt + hopper
@@ -205,13 +264,23 @@ def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: 
     return _select(kernel, block_dqk, block_dv, elt, target, modified)
 
 
+def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool = False):
+    """The entries selection tries for `target`, best first (see the module docstring)."""
+    size, bucket = 2 if elt <= 2 else 4, head_dim_bucket(max(block_dqk, block_dv))
+    out = []
+    fams = (family(target.arch),) + tuple(f for f in FALLBACK_ORDER if f != family(target.arch))
+    for i, fam in enumerate(fams):
+        tables = ([MODIFIED[fam]] if modified else []) + [TABLES[fam]]
+        for table in tables:
+            cfg = table.get(kernel, {}).get(size, {}).get(bucket)
+            if cfg is not None and cfg not in out:
+                out.append(cfg)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _select(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool) -> TileConfig:
-    size, bucket = 2 if elt <= 2 else 4, head_dim_bucket(max(block_dqk, block_dv))
-    candidates = CANDIDATES[kernel][size][bucket]
-    if modified:
-        candidates = _MODIFIED.get(kernel, {}).get(size, {}).get(bucket, []) + candidates
-    for cfg in candidates:
+    for cfg in candidates(kernel, block_dqk, block_dv, elt, target, modified):
         if estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt, target) <= target.max_shared:
             return cfg
     raise RuntimeError(
@@ -228,7 +297,7 @@ def cuda_target(device_index: int) -> Target:
     props = torch.cuda.get_device_properties(device_index)
     arch = props.major * 10 + props.minor
     smem = getattr(props, "shared_memory_per_block_optin", 0) or KNOWN_TARGETS.get(arch, KNOWN_TARGETS[86]).max_shared
-    return Target(arch, int(smem))
+    return Target(arch, int(smem), sm_count=int(props.multi_processor_count))
 
 
 # ==================================================================================================
