@@ -29,20 +29,12 @@ _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeInputs:
+class DecodeInputs(_dispatch.OpInputs):
     q: Tensor
     k_cache: Tensor
     v_cache: Tensor
     call: Optional[dict] = None  # the call's other arguments, for backends that read them ("cuda")
     automatic: bool = True  # backend=None (False: asked for by name)
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
 
 
 class DecodeTriton:

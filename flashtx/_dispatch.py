@@ -25,6 +25,22 @@ class BackendNotSupported(NotImplementedError):
     """Raised when the requested backend cannot run the given inputs; the message says why."""
 
 
+class OpInputs:
+    """Mixin of every op's inputs object: its device and dtype are those of its first tensor field,
+    named by the class attribute `primary`."""
+
+    __slots__ = ()
+    primary = "q"
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, self.primary).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(self, self.primary).dtype
+
+
 IMPLS: dict[str, dict[str, object]] = {}  # op -> {backend name -> implementation}, in preference order
 _PLANS: dict[tuple, str] = {}
 _WARNED: set = set()

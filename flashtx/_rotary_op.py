@@ -39,21 +39,14 @@ SPEC = ("offset", "max_seqlen", "interleaved", "conjugate")  # the order of `spe
 
 
 # ----------------------------------------------------------------------------------- backends
-class RotaryInputs:
+class RotaryInputs(_dispatch.OpInputs):
     """What dispatch looks at (built only when a plan is resolved): x as (B, S, H, D) and its cos table."""
 
     __slots__ = ("x", "cos")
+    primary = "x"
 
     def __init__(self, x: Tensor, cos: Tensor):
         self.x, self.cos = x, cos
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
 
 
 class RotaryTriton:

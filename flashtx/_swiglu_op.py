@@ -27,21 +27,14 @@ from .backends import triton_device_reasons
 
 
 # ----------------------------------------------------------------------------------- backends
-class SwigluInputs:
+class SwigluInputs(_dispatch.OpInputs):
     """What dispatch looks at (built only when a plan is resolved)."""
 
     __slots__ = ("gate",)
+    primary = "gate"
 
     def __init__(self, gate: Tensor):
         self.gate = gate
-
-    @property
-    def device(self) -> torch.device:
-        return self.gate.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.gate.dtype
 
 
 class SwigluTriton:

@@ -30,7 +30,7 @@ AttentionMasks = MaskSpec
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionInputs:
+class AttentionInputs(_dispatch.OpInputs):
     """Attention inputs as the kernels see them: (B, H, S, D) views, any strides.
 
     needs_grad: 0 (inference), 1 (the backward must run too) or 2 (and the bias's gradient).
@@ -43,14 +43,6 @@ class AttentionInputs:
     bottom_right: bool = False
     masks: AttentionMasks = NO_MASKS
     needs_grad: int = 0
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
 
 
 class Backend:
