@@ -28,6 +28,7 @@ def test_gpt_example_matches_its_eager_twin_and_its_cache():
 
 
 def test_gpt_example_fails_when_the_twin_differs():
-    """The check can fail: a tolerance below the float32 noise between the two paths is not met."""
-    res = run_example("gpt.py", "--steps", "3", "--gen", "4", "--rtol", "0")
+    """The check can fail: a tolerance below the float32 noise between the two paths is not met. (Over 3
+    steps the two float32 losses can coincide to the last bit; 12 AdamW steps let the noise show.)"""
+    res = run_example("gpt.py", "--steps", "12", "--gen", "4", "--rtol", "0")
     assert res.returncode == 1 and "largest relative loss difference" in res.stdout
