@@ -48,22 +48,27 @@ _STUB = None  # see stub_launches
 def run_kernel(kernel, grid, args: dict, launch_kwargs: dict) -> None:
     """Every flashtx kernel launch goes through here.
 
-    On a GPU it launches through torch.library.wrap_triton: inside a flashtx op (a
-    torch.library.triton_op) traced by torch.compile, Inductor records the kernel itself, so a
-    compiled model calls it from generated code with no flashtx Python in between; in eager mode
-    wrap_triton hands back the plain kernel. Triton's interpreter cannot run on the fake tensors
-    of a trace, so there (CPU tests) the ops stay opaque under torch.compile (flashtx._library)
-    and a traced launch is skipped; real CPU tensors launch as usual.
+    On a GPU, while anything traces (torch.compile's fake tensors, AOTAutograd's functional
+    tensors: a dispatch mode is active), it launches through torch.library.wrap_triton, so
+    Inductor records the kernel inside the flashtx op (a torch.library.triton_op) and a compiled
+    model calls it from generated code with no flashtx Python in between. In eager mode it is the
+    plain launch: flashtx._library.call runs op bodies outside the op's own dispatch, where
+    wrap_triton would send every launch through its higher-order op. Triton's interpreter cannot
+    run on the fake tensors of a trace, so there (CPU tests) the ops stay opaque under
+    torch.compile (flashtx._library) and a traced launch is skipped; real CPU tensors launch as
+    usual. tests/test_launch.py checks the GPU branch with a stand-in kernel.
     """
     if _STUB is not None:
         _STUB(kernel, grid, args)
     elif _INTERPRET:
         if not any(isinstance(a, torch.Tensor) and _is_traced(a) for a in args.values()):
             kernel[grid](**args, **launch_kwargs)
-    else:
-        from torch.library import wrap_triton
+    elif torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        from torch.library import wrap_triton  # a trace (fake/functional tensors): record the kernel
 
         wrap_triton(kernel)[grid](**args, **launch_kwargs)
+    else:  # eager: the plain launch (wrap_triton would route it through a higher-order op, ~1 ms)
+        kernel[grid](**args, **launch_kwargs)
 
 
 def _is_traced(t: torch.Tensor) -> bool:
