@@ -148,12 +148,28 @@ IMPLS = _dispatch.IMPLS["kvcache_attention"]
 def select(q: Tensor, k_cache: Tensor, v_cache: Tensor, backend: str | None, call: dict | None = None) -> str:
     """The backend name for these inputs (cached per device, dtype and head dims, plus the call_key of
     a requested backend that has one)."""
-    key = (q.device.type, q.dtype, q.shape[-1], v_cache.shape[-1])
-    if call is not None and hasattr(IMPLS.get(backend), "call_key"):
-        key += IMPLS[backend].call_key(q, k_cache, v_cache, call)
-    return _dispatch.plan("kvcache_attention", key, backend,
-                          lambda: DecodeInputs(q, k_cache, v_cache, call, automatic=backend is None),
-                          lambda: f"q {tuple(q.shape)} {q.dtype} on {q.device}, k_cache {tuple(k_cache.shape)}")
+    if call is not None and hasattr(IMPLS.get(backend), "call_key"):  # a backend whose reasons read the call
+        key = (q.device.type, q.dtype, q.shape[-1], v_cache.shape[-1]) + IMPLS[backend].call_key(
+            q, k_cache, v_cache, call)
+        return _dispatch.plan("kvcache_attention", key, backend,
+                              lambda: DecodeInputs(q, k_cache, v_cache, call, automatic=backend is None),
+                              lambda: f"q {tuple(q.shape)} {q.dtype} on {q.device}, k_cache {tuple(k_cache.shape)}")
+    return _select_kinds(q.device.type, q.device.index, q.dtype, int(q.shape[-1]), int(v_cache.shape[-1]), backend)
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it while tracing and keeps the answer
+def _select_kinds(device_type: str, index, dtype, d: int, dv: int, backend) -> str:
+    """select() for the common case, whose choice depends only on the device, dtype and head dims:
+    a plan miss while tracing never traces dispatch (device queries). Stand-in inputs of those kinds."""
+    dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
+
+    def inputs():
+        q, kc = (torch.empty(1, 16, 1, d, device=dev, dtype=dtype) for _ in range(2))
+        return DecodeInputs(q, kc, torch.empty(1, 16, 1, dv, device=dev, dtype=dtype), None,
+                            automatic=backend is None)
+
+    return _dispatch.plan("kvcache_attention", (device_type, index, dtype, d, dv), backend, inputs,
+                          lambda: f"q (..., {d}) {dtype} on {dev}, v_cache (..., {dv})")
 
 
 @triton_op("flashtx::kvcache_append", mutates_args=("k_cache", "v_cache"))

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _decode_op
+from ._library import call
 from ._validate import _values_readable, check_alibi, check_softcap, check_tensor, check_window, resolve_scale
 
 LN2 = math.log(2.0)
@@ -180,17 +181,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         capacity=capacity))
     seqlens = cache_seqlens
     if Snew or rotary_cos is not None:
-        q_rot = _decode_op.kvcache_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens,
-                                          cache_batch_idx, block_table, bool(rotary_interleaved),
-                                          not (bool(causal) or window != (-1, -1)), name)
+        q_rot = call(_decode_op.kvcache_append, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens,
+                     cache_batch_idx, block_table, bool(rotary_interleaved), not (bool(causal) or window != (-1, -1)),
+                     name)
         if rotary_cos is not None:
             q = q_rot
         if Snew:
             seqlens = seqlens + Snew
     seqlens = seqlens.to(torch.int32)
-    out, lse2 = _decode_op.kvcache_attention(q, k_cache, v_cache, seqlens, cache_leftpad, cache_batch_idx,
-                                             block_table, alibi, scale, bool(causal), window[0], window[1],
-                                             float(softcap), int(num_splits), name)
+    out, lse2 = call(_decode_op.kvcache_attention, q, k_cache, v_cache, seqlens, cache_leftpad, cache_batch_idx,
+                     block_table, alibi, scale, bool(causal), window[0], window[1], float(softcap), int(num_splits),
+                     name)
     if return_softmax_lse:
         return out, lse2 * LN2
     return out
