@@ -1,0 +1,166 @@
+"""The CUDA extension as flashtx's decode backend "cuda" (flashtx.flash_attn_with_kvcache(...,
+backend="cuda")), without a GPU: registration order, the reasons it refuses with, automatic dispatch
+never picking it while unmeasured, and the Python glue against the Triton path with the extension's ops
+stood in by the float64 references."""
+import pytest
+import torch
+
+import flashtx
+from flashtx import cuda_ext
+from flashtx.cuda_ext_reference import decode_attention_ref, rotary_append_ref
+
+from flashtx import _cuda_ext_api, _decode_op, _dispatch
+from flashtx._dispatch import BackendNotSupported
+
+
+@pytest.fixture
+def fresh_plans():
+    _dispatch.clear_plans()
+    yield
+    _dispatch.clear_plans()
+
+
+class _StandinOps:
+    """torch.ops.flashtx_cuda as the float64 references, behind the binding's own argument checks
+    (the fakes run them): what a GPU would run, minus the kernels."""
+
+    @staticmethod
+    def decode_attention(q, k_cache, v_cache, lens, bt, bidx, scale, causal, num_splits, check_values):
+        cuda_ext._decode_fake(q, k_cache, v_cache, lens, bt, bidx, scale, causal, num_splits, check_values)
+        out, lse = decode_attention_ref(q, k_cache, v_cache, lens, bt, bidx, scale, causal)
+        return out.to(q.dtype), lse.float()
+
+    @staticmethod
+    def rotary_append(q, k, v, k_cache, v_cache, cos, sin, lens, bt, bidx, interleaved, q_causal, check_values):
+        cuda_ext._rotary_append_fake(q, k, v, k_cache, v_cache, cos, sin, lens, bt, bidx, interleaved, q_causal,
+                                     check_values)
+        q_rot, kc, vc = rotary_append_ref(q, k, v, k_cache, v_cache, lens, cos, sin, interleaved, q_causal, bt, bidx)
+        k_cache.copy_(kc)
+        v_cache.copy_(vc)
+        return q_rot.to(q.dtype)
+
+
+@pytest.fixture
+def standin(monkeypatch, fresh_plans):
+    """The extension 'available' on CPU tensors, its ops replaced by _StandinOps."""
+    monkeypatch.setattr(cuda_ext, "unavailable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(cuda_ext, "load", lambda *a, **k: True)
+    monkeypatch.setattr(cuda_ext, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(_cuda_ext_api, "_ops", lambda: _StandinOps)
+    monkeypatch.setattr(_cuda_ext_api, "_num_sms", lambda index: 4)
+
+
+def _kv_case(B=2, Sq=1, Hq=4, Hkv=2, D=64, cap=48, paged=False, dtype=torch.float32):
+    torch.manual_seed(0)
+    q = torch.randn(B, Sq, Hq, D, dtype=dtype)
+    if paged:
+        kc = torch.randn(B * cap // 16 + 2, 16, Hkv, D, dtype=dtype)
+        bt = torch.randperm(kc.shape[0])[:B * cap // 16].reshape(B, cap // 16).to(torch.int32)
+    else:
+        kc, bt = torch.randn(B, cap, Hkv, D, dtype=dtype), None
+    return q, kc, torch.randn_like(kc), bt
+
+
+def test_cuda_backend_is_registered_after_triton():
+    for op in ("kvcache_append", "kvcache_attention"):
+        names = list(_dispatch.IMPLS[op])
+        assert "cuda" in names and names.index("triton") < names.index("cuda"), names
+        assert isinstance(_dispatch.IMPLS[op]["cuda"], _cuda_ext_api.DecodeCUDA)
+
+
+def test_cuda_backend_refused_here_with_reasons(fresh_plans):
+    q, kc, vc, _ = _kv_case()
+    if cuda_ext.available():
+        pytest.skip("the extension is available here")
+    with pytest.raises(BackendNotSupported) as e:
+        flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, backend="cuda")
+    msg = str(e.value)
+    assert "backend='cuda' cannot run" in msg and cuda_ext.unavailable_reason() in msg
+    assert "q is on cpu; the extension runs CUDA tensors only" in msg
+    assert cuda_ext.NOT_MEASURED not in msg.split("All backends:")[0]  # asked for by name: not a reason
+    reasons = _dispatch.IMPLS["kvcache_attention"]["cuda"].not_supported_reasons(_decode_op.DecodeInputs(q, kc, vc))
+    assert reasons[-1] == cuda_ext.NOT_MEASURED and reasons[0] == cuda_ext.unavailable_reason()
+
+
+def test_cuda_backend_lists_what_the_kernels_lack(standin):
+    q, kc, vc, _ = _kv_case(D=64)
+    impl = _dispatch.IMPLS["kvcache_attention"]["cuda"]
+    inp = _decode_op.DecodeInputs(q, kc, vc, {}, automatic=False)
+    assert impl.not_supported_reasons(inp) == []  # 'available', CPU allowed: explicit use runs
+    assert impl.not_supported_reasons(_decode_op.DecodeInputs(q, kc, vc, {})) == [cuda_ext.NOT_MEASURED]
+    k = torch.randn(2, 2, 2, 64)
+    cos = torch.randn(40, 8)
+    call = dict(k=k, rotary_cos=cos, cache_leftpad=torch.zeros(2, dtype=torch.int32), alibi=torch.ones(4),
+                window=(8, 0), softcap=5.0, capacity=48)
+    reasons = "\n".join(impl.not_supported_reasons(_decode_op.DecodeInputs(q, kc, vc[..., :32], call,
+                                                                          automatic=False)))
+    for words in ("softcap", "alibi_slopes", "window_size", "cache_leftpad", "Snew = 2 tokens with Sq = 1",
+                  "v head dim 32", "40 rows for a cache capacity of 48"):
+        assert words in reasons, (words, reasons)
+    reasons = "; ".join(impl.not_supported_reasons(_decode_op.DecodeInputs(
+        q.half(), kc.half()[:, :, :, :64], vc.half(), dict(rotary_cos=torch.randn(48, 4), capacity=48),
+        automatic=False)))
+    assert "without new k, v" in reasons and "rotary_dim 8 is not a multiple of 16" in reasons
+    reasons = impl.not_supported_reasons(_decode_op.DecodeInputs(q.double(), kc.double()[..., :48],
+                                                                 vc.double()[..., :48], {}, automatic=False))
+    assert any("float64 is not supported" in r for r in reasons) and any("head dim 48" in r for r in reasons)
+    # through the public function: each refusal raises, naming the feature
+    with pytest.raises(BackendNotSupported, match="softcap is not implemented"):
+        flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, softcap=5.0, backend="cuda")
+    with pytest.raises(BackendNotSupported, match="cache_leftpad is not implemented"):
+        flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, cache_leftpad=torch.ones(2, dtype=torch.int32),
+                                        backend="cuda")
+
+
+def test_automatic_dispatch_never_picks_cuda(standin, monkeypatch):
+    q, kc, vc, _ = _kv_case()
+    assert not cuda_ext.MEASURED_FASTER
+    assert _decode_op.select(q, kc, vc, None, {"capacity": 48}) == "triton"
+    assert _decode_op.select(q, kc, vc, "cuda", {"capacity": 48}) == "cuda"
+    # even with Triton unable to run and the extension 'available', automatic takes the reference
+    monkeypatch.setattr(_decode_op.DecodeTriton, "not_supported_reasons", lambda self, inp: ["(test) no Triton"])
+    _dispatch.clear_plans()
+    with pytest.warns(UserWarning, match="not measured faster than the Triton kernel"):
+        assert _decode_op.select(q, kc, vc, None, {"capacity": 48}) == "reference"
+    calls = []
+    monkeypatch.setattr(_cuda_ext_api.DecodeCUDA, "attention", lambda self, *a, **k: calls.append(1))
+    flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5)
+    assert calls == []
+
+
+@pytest.mark.parametrize("case", [
+    dict(name="contiguous Sq=1 GQA", Sq=1, Hq=4, Hkv=2, lens=[5, 0], causal=False),
+    dict(name="contiguous Sq=4 causal empty rows", Sq=4, Hq=4, Hkv=1, lens=[2, 0], causal=True, int64=True),
+    dict(name="paged Sq=3 rotary append causal", Sq=3, Hq=8, Hkv=2, lens=[17, 30], causal=True, paged=True,
+         append=True, rotary=True, interleaved=False, splits=3),
+    dict(name="contiguous batch_idx Sq=2 rotary append", Sq=2, Hq=4, Hkv=4, lens=[7, 40], causal=False,
+         append=True, rotary=True, batch_idx=True, D=128),
+    dict(name="paged Sq=1 append no rotary", Sq=1, Hq=2, Hkv=1, lens=[0, 47], causal=True, paged=True, append=True),
+], ids=lambda c: c["name"])
+def test_cuda_backend_glue_matches_triton(standin, case):
+    """flash_attn_with_kvcache(..., backend="cuda") with the ops stood in by the float64 references
+    equals the Triton kernels (interpreter): argument mapping, layouts, positions and lse units."""
+    B, Sq, D = 2, case["Sq"], case.get("D", 64)
+    q, kc, vc, bt = _kv_case(B, Sq, case["Hq"], case["Hkv"], D, paged=case.get("paged", False))
+    lens = torch.tensor(case["lens"], dtype=torch.int64 if case.get("int64") else torch.int32)
+    kw = dict(cache_seqlens=lens, block_table=bt, causal=case["causal"], return_softmax_lse=True,
+              num_splits=case.get("splits", 0))
+    if case.get("batch_idx"):
+        kc, vc = torch.cat([kc, torch.randn_like(kc)]), torch.cat([vc, torch.randn_like(vc)])
+        kw["cache_batch_idx"] = torch.tensor([3, 0], dtype=torch.int32)
+    if case.get("append"):
+        kw["k"], kw["v"] = torch.randn(B, Sq, case["Hkv"], D), torch.randn(B, Sq, case["Hkv"], D)
+        if case.get("rotary"):
+            theta = torch.arange(64)[:, None] * 0.3 ** torch.arange(D // 4)[None, :]  # rotary_dim = D / 2
+            kw.update(rotary_cos=theta.cos(), rotary_sin=theta.sin(), rotary_interleaved=case.get("interleaved", True))
+    results = {}
+    for backend in ("triton", "cuda"):
+        kc_b, vc_b = kc.clone(), vc.clone()
+        out, lse = flashtx.flash_attn_with_kvcache(q.clone(), kc_b, vc_b, backend=backend, **kw)
+        results[backend] = out, lse, kc_b, vc_b
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), results["triton"], results["cuda"]):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+    out, lse = results["cuda"][:2]
+    if case["causal"] and not case.get("append") and min(case["lens"]) < Sq:  # rows that see no key
+        b = case["lens"].index(min(case["lens"]))
+        assert torch.all(out[b] == 0) and torch.all(lse[b] == float("-inf"))
