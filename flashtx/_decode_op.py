@@ -154,22 +154,18 @@ def select(q: Tensor, k_cache: Tensor, v_cache: Tensor, backend: str | None, cal
         return _dispatch.plan("kvcache_attention", key, backend,
                               lambda: DecodeInputs(q, k_cache, v_cache, call, automatic=backend is None),
                               lambda: f"q {tuple(q.shape)} {q.dtype} on {q.device}, k_cache {tuple(k_cache.shape)}")
-    return _select_kinds(q.device.type, q.device.index, q.dtype, int(q.shape[-1]), int(v_cache.shape[-1]), backend)
+    # the common case: the choice depends only on the device, dtype and head dims (a constant under compile)
+    return _dispatch.plan_kinds("kvcache_attention", backend, q.device.type, q.device.index, q.dtype,
+                                int(q.shape[-1]), int(v_cache.shape[-1]))
 
 
-@torch.compiler.assume_constant_result  # torch.compile runs it while tracing and keeps the answer
-def _select_kinds(device_type: str, index, dtype, d: int, dv: int, backend) -> str:
-    """select() for the common case, whose choice depends only on the device, dtype and head dims:
-    a plan miss while tracing never traces dispatch (device queries). Stand-in inputs of those kinds."""
-    dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
+def _standin(device, dtype, d: int, dv: int) -> DecodeInputs:
+    """Inputs of these kinds for plan_kinds (automatic: the "cuda" backend's reasons refuse them)."""
+    q, kc = (torch.empty(1, 16, 1, d, device=device, dtype=dtype) for _ in range(2))
+    return DecodeInputs(q, kc, torch.empty(1, 16, 1, dv, device=device, dtype=dtype))
 
-    def inputs():
-        q, kc = (torch.empty(1, 16, 1, d, device=dev, dtype=dtype) for _ in range(2))
-        return DecodeInputs(q, kc, torch.empty(1, 16, 1, dv, device=dev, dtype=dtype), None,
-                            automatic=backend is None)
 
-    return _dispatch.plan("kvcache_attention", (device_type, index, dtype, d, dv), backend, inputs,
-                          lambda: f"q (..., {d}) {dtype} on {dev}, v_cache (..., {dv})")
+_dispatch.STANDINS["kvcache_attention"] = _standin
 
 
 @triton_op("flashtx::kvcache_append", mutates_args=("k_cache", "v_cache"))

@@ -99,16 +99,16 @@ def clear_plans() -> None:
     _WARNED.clear()
 
 
-STANDINS: dict[str, object] = {}  # op -> fn(device, *dtypes) -> an inputs object of those kinds (see plan_kinds)
+STANDINS: dict[str, object] = {}  # op -> fn(device, *kinds) -> an inputs object of those kinds (see plan_kinds)
 
 
 @torch.compiler.assume_constant_result  # torch.compile runs it while tracing and keeps the answer
-def plan_kinds(op: str, requested, device_type: str, device_index, *dtypes) -> str:
-    """plan() for ops whose backend depends only on the device and dtypes (RoPE, SwiGLU), callable
-    from code that torch.compile traces: Dynamo runs it at trace time and keeps the name as a
-    constant, so a plan miss while tracing (a model compiled before any eager call) never traces
-    dispatch itself (device queries, reason lists). A miss builds stand-in inputs of those kinds
-    with STANDINS[op]."""
+def plan_kinds(op: str, requested, device_type: str, device_index, *kinds) -> str:
+    """plan() for ops whose backend depends only on the device and a few constants (dtypes, head
+    dims: RoPE, SwiGLU, decoding), callable from code that torch.compile traces: Dynamo runs it at
+    trace time and keeps the name as a constant, so a plan miss while tracing (a model compiled
+    before any eager call) never traces dispatch itself (device queries, reason lists). A miss
+    builds stand-in inputs of those kinds with STANDINS[op]."""
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
-    return plan(op, (device_type, device_index, *dtypes), requested, lambda: STANDINS[op](device, *dtypes),
-                lambda: f"{op} inputs of dtype(s) {', '.join(map(str, dtypes))} on {device}")
+    return plan(op, (device_type, device_index, *kinds), requested, lambda: STANDINS[op](device, *kinds),
+                lambda: f"{op} inputs of kind(s) {', '.join(map(str, kinds))} on {device}")
