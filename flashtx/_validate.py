@@ -221,7 +221,7 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name:
 
 
 def check_max_seqlen(name: str, m):
-    """An int >= 0 or a 0-dim integer tensor (read at run time, so torch.compile can trace it)."""
+    """An int >= 0 or a 0-dim integer tensor (checked on the device, never read on the host)."""
     if isinstance(m, torch.Tensor):
         if m.dim() != 0 or m.is_floating_point() or m.is_complex() or m.dtype == torch.bool:
             raise TypeError(f"{name} must be an int or a 0-dim integer tensor; got a {m.dtype} tensor of shape "

@@ -247,7 +247,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: (nseq + 1,) int32 cumulative lengths, starting at 0 and ending
             at total (sequence b is rows [cu[b], cu[b+1])).
         max_seqlen_q, max_seqlen_k: the longest sequence (or more), an int or a 0-dim integer
-            tensor (read at run time inside the op, so torch.compile traces through).
+            tensor. The grid spans min(int, total) rows per sequence; a tensor is only checked
+            (never read on the host, so torch.compile traces through) and the grid spans the total.
         cu_seqlens and max_seqlen are checked: on CPU with a ValueError naming the bad entry; on
             a GPU without a host sync, by a device-side assert (torch._assert_async) that stops
             the program, as PyTorch's indexing does, rather than read out of bounds.
