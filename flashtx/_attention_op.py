@@ -25,7 +25,7 @@ from . import _dispatch
 from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .backends import AttentionInputs, inputs_summary, within_limits
-from .triton_kernels.mask_spec import MaskSpec
+from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
         torch.float64: torch.float64}
@@ -65,6 +65,9 @@ class Floats(NamedTuple):
 
 
 def spec_of(bias, aux: list, ints: Ints, floats: Floats) -> MaskSpec:
+    if (bias is None and ints.window_left < 0 and ints.window_right < 0 and floats.softcap == 0.0
+            and floats.dropout_p == 0.0 and all(t is None for t in aux)):
+        return NO_MASKS  # the common case: no MaskSpec built
     a = Aux(*aux)
     return MaskSpec((ints.window_left, ints.window_right), a.key_mask, a.query_mask, a.q_lens, a.kv_lens,
                     a.cu_seqlens_q, a.cu_seqlens_k, ints.max_seqlen_q, ints.max_seqlen_k, bias, floats.softcap,
@@ -76,6 +79,8 @@ def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
 
     So an output for (B, S, H, D) inputs viewed as (B, H, S, D) is itself (B, S, H, D) in memory.
     """
+    if last_dim == t.shape[3] and t.stride(3) == 1:
+        return torch.empty_like(t)  # keeps the memory order of t's dims (dense or not), in one call
     B, H, S = t.shape[:3]
     s0, s1, s2 = t.stride()[:3]
     if s0 >= s1 >= s2:  # (B, H, S) order: the common cases first
@@ -92,13 +97,10 @@ def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
 def _plan(q, k, v, bias, aux, ints: Ints, floats: Floats, backend: str) -> str:
     """The backend for these inputs: cached per key; shape limits are checked on every call. The
     backward plans with the forward's arguments, so both take the same backend."""
-    a = Aux(*aux)
     # head dims as ints: under dynamic shapes they are SymInts (unhashable); the kernels specialise on them anyway
-    key = (q.device.type, q.device.index, q.dtype, int(q.shape[-1]), int(v.shape[-1]), ints.causal,
-           ints.window_left >= 0,
-           a.key_mask is not None, a.query_mask is not None, a.q_lens is not None or a.kv_lens is not None,
-           a.cu_seqlens_q is not None, None if bias is None else bias.dtype, floats.softcap > 0,
-           a.alibi_slopes is not None, floats.dropout_p > 0, ints.needs_grad)
+    key = (q.device, q.dtype, int(q.shape[-1]), int(v.shape[-1]), ints.causal, ints.window_left >= 0,
+           tuple(t is not None for t in aux), None if bias is None else bias.dtype, floats.softcap > 0,
+           floats.dropout_p > 0, ints.needs_grad)
 
     def inputs():
         return AttentionInputs(q, k, v, bool(ints.causal), bool(ints.bottom_right), spec_of(bias, aux, ints, floats),
@@ -107,7 +109,7 @@ def _plan(q, k, v, bias, aux, ints: Ints, floats: Floats, backend: str) -> str:
     def summary():
         return inputs_summary(inputs())
 
-    if not within_limits(q, k, v, bias, a.cu_seqlens_q):  # rare: let the reasons say which limit
+    if not within_limits(q, k, v, bias, aux[4]):  # aux[4]: Aux.cu_seqlens_q  # rare: let the reasons say which limit
         return _dispatch.resolve("attention", backend or None, inputs(), summary)
     return _dispatch.plan("attention", key, backend or None, inputs, summary)
 

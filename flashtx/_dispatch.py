@@ -14,6 +14,7 @@ asked for by name raises BackendNotSupported with the reasons instead.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -97,6 +98,9 @@ def clear_plans() -> None:
     """Forget every cached plan and fallback warning (tests; after changing environment switches)."""
     _PLANS.clear()
     _WARNED.clear()
+    launch = sys.modules.get("flashtx.triton_kernels.launch")  # loaded only with triton
+    if launch is not None:
+        launch.LAUNCHES.clear()
 
 
 STANDINS: dict[str, object] = {}  # op -> fn(device, *kinds) -> an inputs object of those kinds (see plan_kinds)

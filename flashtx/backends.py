@@ -147,7 +147,7 @@ class TritonBackend(Backend):
             reasons.append(f"batch {inp.q.shape[0]} x heads {inp.q.shape[1]}: each must be <= {MAX_GRID_YZ} "
                            "(CUDA grid y/z limit)")
         for name, t in (("query", inp.q), ("key", inp.k), ("value", inp.v)):
-            if t.shape[2] * max(t.stride(2), 1) > INT32_MAX:
+            if t.shape[2] * t.stride(2) > INT32_MAX:
                 reasons.append(f"{name}'s sequence span ({t.shape[2]} x stride {t.stride(2)}) overflows int32 offsets")
         m = inp.masks.attn_mask
         if m is not None and _mask_span(m) > INT32_MAX:
@@ -175,14 +175,16 @@ class TritonBackend(Backend):
         return reasons
 
     def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
-        q, k, v = (_unit_last(t) for t in (q, k, v))
+        if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+            q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         _, m2, l2 = _kernels().attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
                                       spec=masks, out=out)
         return m2, l2
 
     def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right,
                  masks=NO_MASKS, dbias=None):
-        do, q, k, v, out = (_unit_last(t) for t in (do, q, k, v, out))
+        if do.stride(3) != 1 or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1 or out.stride(3) != 1:
+            do, q, k, v, out = _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out)
         if dl2 is not None:
             dl2 = dl2.contiguous()
         _kernels().attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
@@ -230,13 +232,13 @@ BACKENDS: dict[str, Backend] = _dispatch.IMPLS["attention"]  # name -> backend, 
 def within_limits(q, k, v, bias, cu_seqlens_q) -> bool:
     """The per-call shape limits of the Triton kernels (CUDA grid dims, int32 offsets), in ints.
     False sends the call to an uncached resolve, whose reasons say which limit."""
-    if q.shape[0] > MAX_GRID_YZ or q.shape[1] > MAX_GRID_YZ:
+    B, H, Sq = q.shape[:3]
+    if B > MAX_GRID_YZ or H > MAX_GRID_YZ:
         return False
     if cu_seqlens_q is not None and cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ:
         return False
-    for t in (q, k, v):
-        if t.shape[2] * max(t.stride(2), 1) > INT32_MAX:
-            return False
+    if Sq * q.stride(2) > INT32_MAX or k.shape[2] * k.stride(2) > INT32_MAX or v.shape[2] * v.stride(2) > INT32_MAX:
+        return False  # strides are never negative; a stride of 0 spans nothing
     return bias is None or _mask_span(bias) <= INT32_MAX
 
 

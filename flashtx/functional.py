@@ -29,9 +29,9 @@ import torch
 
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
 from ._library import call
-from ._validate import (check_alibi, check_attn_mask, check_cu_seqlens, check_cu_seqlens_values, check_dropout,
-                        check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_softcap, check_tensor,
-                        check_window, resolve_scale)
+from ._validate import (ALLOWED_DTYPES, check_alibi, check_attn_mask, check_cu_seqlens, check_cu_seqlens_values,
+                        check_dropout, check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_softcap,
+                        check_tensor, check_window, resolve_scale)
 
 LN2 = math.log(2.0)
 _NO_WINDOW = (-1, -1)
@@ -138,18 +138,23 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)
     """
-    for n, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(n, t)
+    if (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor  # common case:
+            and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in ALLOWED_DTYPES
+            and key.dtype in ALLOWED_DTYPES and value.dtype in ALLOWED_DTYPES):  # plain 4-D tensors
+        q, k, v = query, key, value
+    else:
+        for n, t in (("query", query), ("key", key), ("value", value)):
+            check_tensor(n, t)
+        if not (query.dim() == key.dim() == value.dim()) or query.dim() < 2:
+            raise ValueError(f"query, key, value must have the same rank, at least 2 ((..., H, S, D) or (S, D)); "
+                             f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        lead = query.shape[:-3]
+        if key.shape[:-3] != lead or value.shape[:-3] != lead:
+            raise ValueError(f"query, key, value must have the same leading (batch) dims; got shapes "
+                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        q, k, v = (_as4d(t) for t in (query, key, value))
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    if not (query.dim() == key.dim() == value.dim()) or query.dim() < 2:
-        raise ValueError(f"query, key, value must have the same rank, at least 2 ((..., H, S, D) or (S, D)); "
-                         f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    lead = query.shape[:-3]
-    if key.shape[:-3] != lead or value.shape[:-3] != lead:
-        raise ValueError(f"query, key, value must have the same leading (batch) dims; got shapes "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    q, k, v = (_as4d(t) for t in (query, key, value))
     check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=bool(enable_gqa),
               gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
     scale = resolve_scale("scale", scale, q.shape[-1])

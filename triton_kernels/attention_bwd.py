@@ -21,12 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part, mask_args,
-                               modifier_scalars, q_loop_bounds, scalar_in, score_mods, seq_bounds, stride_args,
-                               visible)
+from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part,
+                               mask_args, modifier_scalars, q_loop_bounds, scalar_in, score_mods, seq_bounds,
+                               stride_args, visible)
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
-from .launch import (ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32,
-                     target_for)
+from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block,
+                     split_f32, target_for)
 
 
 @triton.jit
@@ -466,6 +466,9 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     return [pre, dkdv, dqk] + [step for step in (reduce, finish) if step is not None]
 
 
+_ROLES = ("DO", "Q", "K", "V", "O", "M2", "L2", "DELTA", "DQ", "DK", "DV", "DLSE", "DB", *MASK_ROLES)
+
+
 def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool = False, bottom_right: bool = False,
                        dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS, grads=None, dbias=None,
                        gqa_split: bool | None = None):
@@ -484,9 +487,12 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
             dbias.zero_()
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
-    for launch in plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, scale=scale, causal=causal,
-                                bottom_right=bottom_right, dlse2=dlse2, spec=spec, dbias=dbias, gqa_split=gqa_split):
-        launch.run()
+    static, tensors = spec.launch_key()
+    LAUNCHES.run(("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, gqa_split, static),
+                 _ROLES, (do, q, k, v, out, m2, l2, delta, dq, dk, dv, dlse2, dbias, *tensors),
+                 lambda: plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, scale=scale, causal=causal,
+                                       bottom_right=bottom_right, dlse2=dlse2, spec=spec, dbias=dbias,
+                                       gqa_split=gqa_split))
     return dq, dk, dv
 
 

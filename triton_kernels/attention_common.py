@@ -260,6 +260,10 @@ def stride_args(prefix: str, t: torch.Tensor, spec: MaskSpec = NO_MASKS) -> dict
     return {nb: 0 if spec.cu_seqlens_q is not None else sb, nh: sh, ns: ss, nd: sd}
 
 
+# The kernel arguments of MaskSpec.launch_key()'s tensors, in its order (launch.LaunchCache roles)
+MASK_ROLES = ("KM", "QM", "Q_LENS", "KV_LENS", "CU_Q", "CU_K", "MB", "AL", "RNG")
+
+
 def _as_u8(m: torch.Tensor) -> torch.Tensor:
     """A bool mask as uint8 without a copy (Triton loads it as bytes; nonzero = True)."""
     return m.view(torch.uint8) if m.dtype == torch.bool else m

@@ -11,11 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part, mask_args,
-                               modifier_scalars, scalar_in, score_mods, seq_bounds, stride_args, visible)
+from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part,
+                               mask_args, modifier_scalars, scalar_in, score_mods, seq_bounds, stride_args, visible)
 from .configs import estimate_shared_memory, select_config
-from .launch import (ACC_DTYPE, TORCH_ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32,
-                     target_for)
+from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block,
+                     split_f32, target_for)
 
 
 @triton.jit
@@ -162,6 +162,9 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
     return Launch(_attn_fwd, grid, args, cfg, est)
 
 
+_ROLES = ("Q", "K", "V", "O", "M2", "L2", *MASK_ROLES)  # the kernel argument of each launch-cache input
+
+
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_right: bool = False,
                       spec: MaskSpec = NO_MASKS, out: torch.Tensor | None = None):
     """Flash attention forward on (B, H, S, D) views (any strides with a unit last stride).
@@ -176,12 +179,17 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
     B, H, Sq, _ = q.shape
     if out is None:
         out = torch.empty(B, H, Sq, v.shape[3], dtype=q.dtype, device=q.device)
-    m2, l2 = (torch.empty(B, H, Sq, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device) for _ in range(2))
+    acc, dev = TORCH_ACC_DTYPE[q.dtype], q.device
+    m2, l2 = torch.empty(B, H, Sq, dtype=acc, device=dev), torch.empty(B, H, Sq, dtype=acc, device=dev)
     if out.numel() == 0:
         return out, m2, l2
     if k.shape[2] == 0:  # no keys: every row sees none, so 0 output and lse -inf (as fully masked rows; SDPA too)
         return out.zero_(), m2.fill_(float("-inf")), l2.zero_()
-    plan_forward(q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec).run()
+    static, tensors = spec.launch_key()
+    LAUNCHES.run(("attn_fwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, static),
+                 _ROLES, (q, k, v, out, m2, l2, *tensors),
+                 lambda: [plan_forward(q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
+                                       spec=spec)])
     return out, m2, l2
 
 

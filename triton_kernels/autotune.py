@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -81,6 +82,9 @@ def autotune(enable: bool = True) -> None:
     """Turn autotuning on (or off): the first launch of each kernel per key tunes it on this GPU once,
     and the result is cached on disk. Same as FLASHTX_AUTOTUNE=1 at import."""
     configs._autotune_hook = _hook if enable else None
+    launch = sys.modules.get(__package__ + ".launch")  # not imported here: configs imports this module early
+    if launch is not None:
+        launch.LAUNCHES.clear()  # launches planned before now chose their configs without the tuner
 
 
 def _env_enabled() -> bool:
@@ -226,15 +230,19 @@ _tuning = threading.local()
 def forced(kernel: str, cfg: TileConfig):
     """Inside the block, select_config returns `cfg` for `kernel` (the tuner times candidates this
     way, through the public ops). Needs the hook installed; installs it for the block if it is not."""
+    from .launch import LAUNCHES
+
     prev_hook = configs_hook()
     if prev_hook is None:
         configs._autotune_hook = _hook
     prev, was_tuning = _forced.get(kernel), getattr(_tuning, "active", False)
     _forced[kernel] = cfg
     _tuning.active = True  # the other kernels of the pass keep select_config's (or the cache's) choice
+    was_caching, LAUNCHES.enabled = LAUNCHES.enabled, False  # every call inside plans afresh
     try:
         yield
     finally:
+        LAUNCHES.enabled = was_caching
         _tuning.active = was_tuning
         if prev is None:
             _forced.pop(kernel, None)

@@ -71,6 +71,118 @@ def run_kernel(kernel, grid, args: dict, launch_kwargs: dict) -> None:
         kernel[grid](**args, **launch_kwargs)
 
 
+class LaunchCache:
+    """Launch lists memoised per call signature, so a repeated call skips planning (config selection,
+    scalar splitting, the argument dicts) and only rebinds its tensors.
+
+    `key` must hold every non-tensor input that decides the plan (scalars, flags, the device); the
+    tensors' dtypes, shapes and strides are added here. `names` gives, for each of `tensors`, the kernel
+    argument it is passed as (its role), so that inputs that are one object (self-attention's q is k)
+    still rebind by role. An entry stores each launch's arguments without tensors, and the input (and
+    dtype view, as a bool mask read as uint8) each tensor argument takes. A plan with host steps, or
+    one that launches on a tensor it allocated itself, or on an input it cannot tell by role, is built
+    every call. Never consulted while anything traces (fake tensors have symbolic shapes, and a compiled
+    graph calls the kernels from generated code anyway) or on tensor subclasses.
+    """
+
+    MAX_ENTRIES = 512  # signatures kept before the cache starts over (a varlen stream has many shapes)
+
+    def __init__(self):
+        self.entries: dict = {}
+        self.enabled = True  # off while the autotuner forces configs (triton_kernels/autotune.py)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def run(self, key: tuple, names: tuple, tensors: tuple, build) -> None:
+        """Run the launches build() returns for `tensors` (tensors or None; names[i] is tensors[i]'s role)."""
+        sig = self.enabled and _signature(tensors)
+        if not sig:  # off, tracing, or a tensor subclass: plan this call
+            for step in build():
+                step.run()
+            return
+        sig = (key, sig)
+        entry = self.entries.get(sig)
+        if entry is None:
+            steps = build()
+            entry = _memo(steps, names, tensors)
+            if entry is None:  # not cacheable: run what was built
+                for step in steps:
+                    step.run()
+                return
+            if len(self.entries) >= self.MAX_ENTRIES:
+                self.entries.clear()
+            self.entries[sig] = entry
+        for kernel, grid, template, slots, launch_kwargs in entry:
+            args = template.copy()
+            for name, i, view in slots:
+                t = tensors[i]
+                args[name] = t if view is None else t.view(view)
+            run_kernel(kernel, grid, args, launch_kwargs)
+
+
+LAUNCHES = LaunchCache()  # every launcher's: keys start with the launcher's name
+
+
+def _signature(tensors: tuple) -> tuple | None:
+    """(dtype, shape, strides) of each tensor (None for None) in eager calls on plain tensors; None
+    while anything traces or for a fake tensor or a subclass."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return None
+    sig = []
+    for t in tensors:
+        if t is None:
+            sig.append(None)
+        elif type(t) is torch.Tensor:
+            sig.append((t.dtype, t.shape, t.stride()))
+        else:
+            return None
+    return tuple(sig)
+
+
+def _memo(steps: list, names: tuple, tensors: tuple):
+    """(kernel, grid, args without tensors, ((arg name, input index, view dtype), ...), launch kwargs)
+    per launch, or None when the plan cannot be replayed from `tensors` alone."""
+    entry = []
+    for step in steps:
+        if type(step) is not Launch:
+            return None
+        template, slots = {}, []
+        for name, a in step.args.items():
+            if not isinstance(a, torch.Tensor):
+                template[name] = a
+                continue
+            slot = _slot(name, a, names, tensors)
+            if slot is None:
+                return None
+            slots.append((name, *slot))
+        entry.append((step.kernel, step.grid, template, tuple(slots),
+                      step.config.launch_kwargs if step.config is not None else {}))
+    return entry
+
+
+def _same(a: torch.Tensor, t) -> tuple | None:
+    """(view dtype or None) when kernel argument `a` is input `t` itself or a same-size dtype view of it."""
+    if a is t:
+        return (None,)
+    if (t is not None and a.dtype != t.dtype and a.element_size() == t.element_size() and a.data_ptr() == t.data_ptr()
+            and a.shape == t.shape and a.stride() == t.stride()):
+        return (a.dtype,)
+    return None
+
+
+def _slot(name: str, a: torch.Tensor, names: tuple, tensors: tuple):
+    """The input kernel argument `name` takes: by role when it has one, else the one input it is (a
+    stand-in for an absent tensor); None when it is none or several of them."""
+    i = names.index(name) if name in names else len(tensors)
+    if i < len(tensors):  # (a MaskSpec without tensors gives none of the mask roles)
+        view = _same(a, tensors[i])
+        if view is not None:
+            return (i, *view)
+    found = [(i, *view) for i, t in enumerate(tensors) if (view := _same(a, t)) is not None]
+    return found[0] if len(found) == 1 else None
+
+
 def _is_traced(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 

@@ -69,6 +69,14 @@ class MaskSpec:
     def dropout(self) -> bool:
         return self.dropout_p > 0.0
 
+    def launch_key(self) -> tuple:
+        """(non-tensor fields, tensor fields): what a launch cache (launch.LaunchCache) keys on."""
+        if self is NO_MASKS:
+            return _EMPTY_KEY
+        return ((tuple(self.window), self.max_seqlen_q, self.max_seqlen_k, self.softcap, self.dropout_p),
+                (self.key_mask, self.query_mask, self.q_lens, self.kv_lens, self.cu_seqlens_q, self.cu_seqlens_k,
+                 self.attn_mask, self.alibi_slopes, self.rng))
+
     def describe(self) -> str:
         parts = [f"window_size={tuple(self.window)}"] if tuple(self.window) != (-1, -1) else []
         parts += [n for n in ("key_mask", "query_mask", "q_lens", "kv_lens") if getattr(self, n) is not None]
@@ -87,3 +95,4 @@ class MaskSpec:
 
 
 NO_MASKS = MaskSpec()
+_EMPTY_KEY = ((), ())

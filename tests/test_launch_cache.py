@@ -1,0 +1,150 @@
+"""launch.LaunchCache: a repeated attention call replays its planned launches with only its tensors
+rebound. A replay must launch exactly what planning would for the same tensors, rebind by role when
+inputs are one object (self-attention), and fall back to planning where it cannot replay."""
+import pytest
+import torch
+
+import flashtx
+from flashtx.triton_kernels import attention_bwd, attention_fwd, autotune, launch
+from flashtx.triton_kernels.mask_spec import MaskSpec
+
+from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    launch.LAUNCHES.clear()
+    yield
+    launch.LAUNCHES.clear()
+
+
+def _record():
+    calls = []
+    return calls, launch.stub_launches(lambda kernel, grid, args: calls.append((kernel, grid, dict(args))))
+
+
+def _same_args(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if isinstance(x, torch.Tensor):  # the same tensor, or the same bytes viewed alike
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.data_ptr() == y.data_ptr()
+                    and x.shape == y.shape and x.stride() == y.stride()):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _specs(B, Sq, Sk, H):
+    keep_k = torch.rand(B, Sk, device=DEVICE) > 0.3
+    keep_q = torch.rand(B, Sq, device=DEVICE) > 0.2
+    bias = randn(1, H, Sq, Sk, dtype=PRECISE_DTYPE)
+    return {
+        "plain": MaskSpec(),
+        "bool masks": MaskSpec(key_mask=keep_k, query_mask=keep_q),
+        "window+lens": MaskSpec(window=(5, 0), q_lens=torch.tensor([Sq, Sq - 3], device=DEVICE),
+                                kv_lens=torch.tensor([Sk - 1, Sk], device=DEVICE)),
+        "bias+softcap+dropout": MaskSpec(attn_mask=bias, softcap=5.0, dropout_p=0.2,
+                                         rng=torch.tensor([7], dtype=torch.int64, device=DEVICE)),
+    }
+
+
+@pytest.mark.parametrize("case", ["plain", "bool masks", "window+lens", "bias+softcap+dropout"])
+def test_a_replay_launches_what_planning_would(case):
+    """The second call (a cache hit) launches exactly the plan built afresh for its own tensors."""
+    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 19, 23, 16
+    spec = _specs(B, Sq, Sk, H)[case]
+    q, do = randn(B, H, Sq, D, dtype=PRECISE_DTYPE), randn(B, H, Sq, D, dtype=PRECISE_DTYPE)
+    k, v = randn(B, Hkv, Sk, D, dtype=PRECISE_DTYPE), randn(B, Hkv, Sk, D, dtype=PRECISE_DTYPE)
+    fwd = dict(scale=0.3, causal=True, bottom_right=False, spec=spec)
+    out, m2, l2 = attention_fwd.attention_forward(q, k, v, **fwd)  # a miss: planned and stored
+    attention_bwd.attention_backward(do, q, k, v, out, m2, l2, gqa_split=False, **fwd)
+    assert len(launch.LAUNCHES.entries) == 2
+    calls, rec = _record()
+    with rec:
+        out, m2, l2 = attention_fwd.attention_forward(q, k, v, **fwd)  # hits
+        dq, dk, dv = attention_bwd.attention_backward(do, q, k, v, out, m2, l2, gqa_split=False, **fwd)
+    assert len(launch.LAUNCHES.entries) == 2 and len(calls) == 4
+    want = [attention_fwd.plan_forward(q, k, v, out, m2, l2, **fwd)]
+    want += attention_bwd.plan_backward(do, q, k, v, out, m2, l2, calls[1][2]["DELTA"], dq, dk, dv,
+                                        gqa_split=False, **fwd)
+    for (kernel, grid, args), w in zip(calls, want):
+        assert kernel is w.kernel and grid == w.grid
+        assert _same_args(args, w.args), [n for n in args if not _same_args({n: args[n]}, {n: w.args[n]})]
+
+
+def test_self_attention_inputs_rebind_by_role():
+    """Planned with q is k is v, replayed with three different tensors of that signature (and back)."""
+    x = randn(1, 2, 17, 16, dtype=PRECISE_DTYPE)
+    q, k, v = (randn(1, 2, 17, 16, dtype=PRECISE_DTYPE) for _ in range(3))
+    flashtx.attention(x, x, x, is_causal=True, backend="triton")
+    got = flashtx.attention(q, k, v, is_causal=True, backend="triton")
+    want = flashtx.reference.attention(q, k, v, causal=True)
+    assert (got - want).abs().max() < precise_atol(1e-12)
+    got = flashtx.attention(x, x, x, is_causal=True, backend="triton")
+    assert (got - flashtx.reference.attention(x, x, x, causal=True)).abs().max() < precise_atol(1e-12)
+
+
+def test_replayed_calls_compute_with_their_own_tensors():
+    """Fresh data each call through the public op, forward and backward, against the reference."""
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q, k, v = (randn(2, 3, 21, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+        keep = torch.rand(2, 21, device=DEVICE) > 0.3
+        keep[:, 0] = True
+        out = flashtx.attention(q, k, v, is_causal=True, key_mask=keep, backend="triton")
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        ref = flashtx.attention(q, k, v, is_causal=True, key_mask=keep, backend="reference")
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        assert (out - ref).abs().max() < precise_atol(1e-12)
+        for g, r in zip(grads, ref_grads):
+            assert (g - r).abs().max() < precise_atol(1e-11)
+    assert len(launch.LAUNCHES.entries) == 2  # one forward and one backward signature
+
+
+def test_plans_with_host_steps_are_not_stored_and_still_run():
+    """A split GQA dK/dV (a host reduction over a buffer it allocates) is planned on every call."""
+    q, do = randn(1, 4, 13, 16, dtype=PRECISE_DTYPE), randn(1, 4, 13, 16, dtype=PRECISE_DTYPE)
+    k, v = randn(1, 1, 13, 16, dtype=PRECISE_DTYPE), randn(1, 1, 13, 16, dtype=PRECISE_DTYPE)
+    out, m2, l2 = attention_fwd.attention_forward(q, k, v, scale=0.25, causal=True)
+    grads = [attention_bwd.attention_backward(do, q, k, v, out, m2, l2, scale=0.25, causal=True, gqa_split=split)
+             for split in (True, True, False)]
+    assert len(launch.LAUNCHES.entries) == 2  # the forward and the unsplit backward
+    for a, b in zip(grads[0], grads[2]):
+        assert (a - b).abs().max() < precise_atol(1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+
+
+def test_not_consulted_while_tracing_or_when_disabled():
+    q = randn(1, 2, 8, 16, dtype=PRECISE_DTYPE)
+    assert launch._signature((q, None)) is not None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        assert launch._signature((mode.from_tensor(q),)) is None
+    calls = []
+    launch.LAUNCHES.enabled = False
+    try:
+        launch.LAUNCHES.run(("test",), ("X",), (q,), lambda: calls.append(1) or [])
+        launch.LAUNCHES.run(("test",), ("X",), (q,), lambda: calls.append(1) or [])
+    finally:
+        launch.LAUNCHES.enabled = True
+    assert calls == [1, 1] and not launch.LAUNCHES.entries
+
+
+def test_the_autotuner_plans_afresh_while_it_forces_a_config():
+    """Inside autotune.forced the cache is off (each timed candidate must launch its own tile), and
+    turning autotuning on forgets launches planned without it."""
+    q, k, v = (randn(1, 2, 8, 16, dtype=PRECISE_DTYPE) for _ in range(3))
+    flashtx.attention(q, k, v, backend="triton")
+    assert launch.LAUNCHES.entries
+    with autotune.forced("attn_fwd", attention_fwd.select_config("attn_fwd", 16, 16, 8, launch.INTERPRETER_TARGET)):
+        assert not launch.LAUNCHES.enabled
+    assert launch.LAUNCHES.enabled
+    was = autotune.enabled()
+    autotune.autotune(True)
+    try:
+        assert not launch.LAUNCHES.entries
+    finally:
+        autotune.autotune(was)
