@@ -171,13 +171,19 @@ def _setup_context(ctx, inputs, output):
     out, m2, l2 = output
     ctx.mark_non_differentiable(m2)  # lse = m2 + l2: its cotangent reaches l2 alone
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, m2, l2, bias, *aux)
-    ctx.args = (ints, floats, backend)
+    no_aux = all(t is None for t in aux)
+    if no_aux:
+        ctx.save_for_backward(q, k, v, out, m2, l2, bias)  # fewer saved slots to unpack in the common case
+    else:
+        ctx.save_for_backward(q, k, v, out, m2, l2, bias, *aux)
+    ctx.args = (ints, floats, backend, len(aux) if no_aux else 0)
 
 
 def _backward(ctx, dout, dm2, dl2):
     q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
-    ints, floats, backend = ctx.args
+    ints, floats, backend, n_none = ctx.args
+    if n_none:
+        aux = [None] * n_none
     if dout is None and dl2 is None:
         return None, None, None, None, None, None, None, None
     if dout is None:  # only the lse was used

@@ -41,10 +41,9 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
                        enable_gqa=False) -> str | None:
     """Why flashtx should not run this SDPA call (None = it runs it). Reasons name no shapes, so
     each is warned about once."""
-    ts = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) for t in ts):
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
         return "query, key and value must all be tensors"
-    if any(t.is_nested for t in ts):
+    if query.is_nested or key.is_nested or value.is_nested:
         return "nested (jagged) tensors are not supported"
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _DTYPES:
         return "query, key, value must share one of float16, bfloat16, float32, float64"
@@ -79,7 +78,7 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         if tuple(full) != (*query.shape[:-2], query.shape[-2], key.shape[-2]):
             return "attn_mask would broadcast the output's shape" + _TORCH_ERROR
     if query.device.type == _GPU:
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+        needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         bias_grad = needs_grad and attn_mask is not None and attn_mask.requires_grad
         return _fast_reason(query.device.type, query.device.index, query.dtype, query.shape[-1], value.shape[-1],
                             attn_mask is not None and attn_mask.dtype != torch.bool, 2 if bias_grad else int(needs_grad))
