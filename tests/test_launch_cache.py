@@ -104,17 +104,32 @@ def test_replayed_calls_compute_with_their_own_tensors():
     assert len(launch.LAUNCHES.entries) == 2  # one forward and one backward signature
 
 
-def test_plans_with_host_steps_are_not_stored_and_still_run():
-    """A split GQA dK/dV (a host reduction over a buffer it allocates) is planned on every call."""
+def test_split_gqa_backward_replays_with_fresh_partials():
+    """A split GQA dK/dV (fp32 per-q-head partials summed afterwards) replays from the cache: its
+    partials are allocated per call by attention_backward, not by the plan."""
     q, do = randn(1, 4, 13, 16, dtype=PRECISE_DTYPE), randn(1, 4, 13, 16, dtype=PRECISE_DTYPE)
     k, v = randn(1, 1, 13, 16, dtype=PRECISE_DTYPE), randn(1, 1, 13, 16, dtype=PRECISE_DTYPE)
     out, m2, l2 = attention_fwd.attention_forward(q, k, v, scale=0.25, causal=True)
     grads = [attention_bwd.attention_backward(do, q, k, v, out, m2, l2, scale=0.25, causal=True, gqa_split=split)
              for split in (True, True, False)]
-    assert len(launch.LAUNCHES.entries) == 2  # the forward and the unsplit backward
+    assert len(launch.LAUNCHES.entries) == 3  # the forward, the split and the unsplit backward
     for a, b in zip(grads[0], grads[2]):
         assert (a - b).abs().max() < precise_atol(1e-12)
     assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+
+
+def test_plans_with_host_steps_are_not_stored_and_still_run():
+    """A bias gradient summed over the query dim goes through a buffer the plan allocates and reduces
+    on the host: planned on every call, with the same result."""
+    B, H, S, D = 1, 2, 13, 16
+    q, k, v, do = (randn(B, H, S, D, dtype=PRECISE_DTYPE) for _ in range(4))
+    spec = MaskSpec(attn_mask=randn(B, H, 1, S, dtype=PRECISE_DTYPE))
+    out, m2, l2 = attention_fwd.attention_forward(q, k, v, scale=0.25, causal=True, spec=spec)
+    dbs = [torch.empty(B, H, 1, S, dtype=PRECISE_DTYPE, device=DEVICE) for _ in range(2)]
+    grads = [attention_bwd.attention_backward(do, q, k, v, out, m2, l2, scale=0.25, causal=True, spec=spec, dbias=db)
+             for db in dbs]
+    assert len(launch.LAUNCHES.entries) == 1  # the forward only
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1])) and torch.equal(dbs[0], dbs[1])
 
 
 def test_not_consulted_while_tracing_or_when_disabled():

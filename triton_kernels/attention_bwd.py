@@ -402,12 +402,36 @@ def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype)
     return args, (1 if sum_h else H, 1 if sum_b else B), finish
 
 
+def gqa_split_factor(q, k, spec: MaskSpec, c1, target, gqa_split: bool | None) -> int:
+    """Programs per K/V head of the dK/dV kernel: the GQA group size (one program per q head, fp32
+    partials summed afterwards) when gqa_split, or when None and the K/V-head grid fills under 2 waves
+    of the GPU; else 1. c1: the dK/dV tile config."""
+    group = q.shape[1] // k.shape[1]
+    if group == 1 or gqa_split is False:
+        return 1
+    if gqa_split is None:
+        B = spec.cu_seqlens_q.shape[0] - 1 if spec.varlen else q.shape[0]
+        Sk = int(spec.max_seqlen_k) if spec.varlen else k.shape[2]
+        if cdiv(Sk, c1.block_n) * k.shape[1] * B >= 2 * target.sm_count:
+            return 1
+    return group
+
+
+def gqa_partials(dk, dv, split: int, dtype) -> tuple:
+    """Uninitialised fp32 (fp64 for fp64) per-q-head dK/dV partials (B, Hkv * split, Sk, D) for a split dK/dV."""
+    return tuple(torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=TORCH_ACC_DTYPE[dtype],
+                             device=t.device) for t in (dk, dv))
+
+
 def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, causal: bool,
                   bottom_right: bool, dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS,
-                  dbias: torch.Tensor | None = None, target=None, gqa_split: bool | None = None) -> list:
+                  dbias: torch.Tensor | None = None, target=None, gqa_split: bool | None = None,
+                  gqa_parts: tuple | None = None) -> list:
     """The launches of the backward, in order: preprocess, dK/dV, dQ (which also writes the attn_mask
-    gradient into `dbias` when given, shaped like spec.attn_mask), and a DbiasReduce host step when
-    the gradient goes through a buffer (see dbias_plan).
+    gradient into `dbias` when given, shaped like spec.attn_mask), and host steps: a GqaReduce when
+    dK/dV is split over the GQA group (gqa_split_factor) into partials it allocates (not when the caller
+    passes them as gqa_parts and sums them itself), a DbiasReduce when the bias gradient goes through a
+    buffer (see dbias_plan).
 
     (B, H, S, D) views; varlen: (1, H, total, D) views of the packed tensors, m2/l2/delta (1, H, total).
     """
@@ -438,14 +462,15 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     group = H // Hkv
     tiles_n = cdiv(Sk, c1.block_n)
-    if gqa_split is None:  # fill the GPU: one q head per program when the K/V-head grid is under 2 waves
-        gqa_split = group > 1 and tiles_n * Hkv * B < 2 * target.sm_count
-    split = group if gqa_split else 1
     dk_out, dv_out, reduce = dk, dv, None
-    if split > 1:
-        dk_out, dv_out = (torch.empty(t.shape[0], Hkv * split, *t.shape[2:], dtype=TORCH_ACC_DTYPE[q.dtype],
-                                      device=t.device) for t in (dk, dv))
-        reduce = GqaReduce(dk_out, dv_out, dk, dv, split)
+    if gqa_parts is not None:  # the caller allocated the per-q-head partials and sums them (attention_backward)
+        dk_out, dv_out = gqa_parts
+        split = dk_out.shape[1] // Hkv
+    else:
+        split = gqa_split_factor(q, k, spec, c1, target, gqa_split)
+        if split > 1:
+            dk_out, dv_out = gqa_partials(dk, dv, split, q.dtype)
+            reduce = GqaReduce(dk_out, dv_out, dk, dv, split)
     dkdv = Launch(_attn_bwd_dkdv, (tiles_n, Hkv * split, B), dict(
         common, DK=dk_out, DV=dv_out, **stride_args("dk", dk_out, spec), **stride_args("dv", dv_out, spec), H=H,
         GROUP=group, SPLIT=split,
@@ -466,7 +491,8 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     return [pre, dkdv, dqk] + [step for step in (reduce, finish) if step is not None]
 
 
-_ROLES = ("DO", "Q", "K", "V", "O", "M2", "L2", "DELTA", "DQ", "DK", "DV", "DLSE", "DB", *MASK_ROLES)
+_ROLES = ("DO", "Q", "K", "V", "O", "M2", "L2", "DELTA", "DQ", "DK", "DV", "DLSE", "DB", "DK_PART", "DV_PART",
+          *MASK_ROLES)
 
 
 def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool = False, bottom_right: bool = False,
@@ -487,12 +513,22 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
             dbias.zero_()
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
+    parts, split = (None, None), 1
+    if q.shape[1] != k.shape[1]:  # GQA: split dK/dV over the group into partials allocated here, so the
+        target = target_for(q)   # plan has no host step and replays from the launch cache
+        c1 = select_config("attn_bwd_dkdv", head_block(q.shape[3]), head_block(v.shape[3]), q.element_size(), target,
+                           spec.modifies_scores)
+        split = gqa_split_factor(q, k, spec, c1, target, gqa_split)
+        if split > 1:
+            parts = gqa_partials(dk, dv, split, q.dtype)
     static, tensors = spec.launch_key()
-    LAUNCHES.run(("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, gqa_split, static),
-                 _ROLES, (do, q, k, v, out, m2, l2, delta, dq, dk, dv, dlse2, dbias, *tensors),
+    LAUNCHES.run(("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, split, static),
+                 _ROLES, (do, q, k, v, out, m2, l2, delta, dq, dk, dv, dlse2, dbias, *parts, *tensors),
                  lambda: plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, scale=scale, causal=causal,
                                        bottom_right=bottom_right, dlse2=dlse2, spec=spec, dbias=dbias,
-                                       gqa_split=gqa_split))
+                                       gqa_parts=parts if split > 1 else None))
+    if split > 1:
+        GqaReduce(*parts, dk, dv, split).run()
     return dq, dk, dv
 
 
