@@ -140,7 +140,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     """
     if (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor  # common case:
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in ALLOWED_DTYPES
-            and key.dtype in ALLOWED_DTYPES and value.dtype in ALLOWED_DTYPES):  # plain 4-D tensors
+            and key.dtype in ALLOWED_DTYPES and value.dtype in ALLOWED_DTYPES
+            and query.shape[0] == key.shape[0] == value.shape[0]):  # plain 4-D tensors, one batch size
         q, k, v = query, key, value
     else:
         for n, t in (("query", query), ("key", key), ("value", value)):

@@ -41,7 +41,9 @@ pytestmark = pytest.mark.skipif(
 def smoke(tmp_path_factory):
     """Run the script once: (returncode, log text, $OUT folder)."""
     out = tmp_path_factory.mktemp("device_out")
-    env = {**os.environ, "BENCH_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable,
+    # not an xdist worker's variables: pytest-benchmark would take the script's pytest runs for xdist workers
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+           "BENCH_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable,
            "DEVICE_CHECK_STEPS": "bench,models,report",
            "DEVICE_CHECK_TIME_SCALE": "4"}  # CI's 2 cores: the interpreter is slow, and limits must not bite
     env.pop("BENCH_DTYPE", None)
