@@ -119,6 +119,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def pow2_bucket(n, cap: int) -> int:
+    """min(cap, the next power of two >= max(n, 1)) for a power of two `cap`, by comparisons only: a
+    SymInt n (torch.compile, dynamic shapes) gets range guards, not int() specialisation. Launchers
+    use it to key per-row-count tile shrinking (decoding, tiny batches) without a key per length."""
+    if cap <= 1 or n > cap // 2:
+        return cap
+    b = cap // 2
+    while b > 1 and n <= b // 2:
+        b //= 2
+    return b
+
+
 def head_block(d: int) -> int:
     """Register tile width for a head dim: next power of two, at least 16 (tl.dot's minimum). A SymInt
     (dynamic shapes) is specialised: the tile width is a compile-time constant of the kernel."""
