@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .configs import Target, swiglu_config
-from .launch import ACC_DTYPE, Launch, pow2_bucket, run_kernel, target_for
+from .launch import ACC_DTYPE, Launch, pow2_bucket, target_for
 
 
 
@@ -72,14 +72,13 @@ class _Static:
     constexprs and the column tiles. `small` holds the variants for row counts below the config's
     block_rows (swiglu_config shrinks the row tile to the next power of two of the rows)."""
 
-    __slots__ = ("cfg", "consts", "n_h_tiles", "launch_kwargs", "small")
+    __slots__ = ("cfg", "consts", "n_h_tiles", "small")
 
     def __init__(self, hidden, dtype, backward: bool, cfg):
         self.cfg = cfg
         self.consts = dict(BLOCK_M=cfg.block_rows, BLOCK_H=cfg.block_cols, BACKWARD=backward,
                            FAST_EXP=dtype != torch.float64, ACC=ACC_DTYPE[dtype])
         self.n_h_tiles = _cdiv(hidden, cfg.block_cols)
-        self.launch_kwargs = cfg.launch_kwargs
         self.small: dict = {}
 
 
@@ -132,11 +131,11 @@ def plan_swiglu(g, u, out1, *, do=None, out2=None, target: Target | None = None)
 
 
 def _launch(g, u, out1, do, out2) -> None:
-    """plan_swiglu(...).run() without the Launch: the per-call path."""
+    """plan_swiglu(...).run() with positional arguments: the per-call path."""
     M, H = g.shape
     st = _static(H, M, g.dtype, do is not None, target_for(g))
     grid, args = _args(st, g, u, out1, do, out2)
-    run_kernel(_swiglu_kernel, grid, args, st.launch_kwargs)
+    Launch(_swiglu_kernel, grid, args, st.cfg).run()
 
 
 def swiglu_forward(g, u, out) -> None:
