@@ -7,6 +7,7 @@ from conftest import DEVICE
 
 from flashtx import _dispatch
 from flashtx.triton_kernels import configs, launch
+from flashtx.triton_kernels import rotary as rotary_kernels
 from flashtx.triton_kernels import swiglu as swiglu_kernels
 
 TARGETS = [configs.INTERPRETER_TARGET, *configs.KNOWN_TARGETS.values()]
@@ -65,3 +66,64 @@ def test_backend_by_device_answers_as_plan_kinds_and_is_cleared_with_the_plans()
             want = {c: _dispatch.plan_kinds(c[0], c[1], dev.type, dev.index, *c[2]) for c in order}
             assert got == want
     assert want[cases[1]] == "reference" and want[cases[5]] == "reference"
+
+
+def _old_rotary_consts(q, qo, k, cos, seq, interleaved, conjugate, varlen, has_offsets, has_pos, target):
+    """The constexprs and head tiles as plan_rotary built them per call before the cache."""
+    r2, D, hq = cos.shape[-1], q.shape[-1], q.shape[2]
+    hk = k.shape[2] if k is not None else 0
+    cq, ck = configs.rotary_config(r2, hq, seq, target), configs.rotary_config(r2, max(hk, 1), seq, target)
+    pow2 = rotary_kernels._pow2
+    return dict(HQ=hq, HK=hk, R2=r2, D_REST=D - 2 * r2, BLOCK_SQ=cq.block_rows, BLOCK_HQ=cq.block_cols,
+                BLOCK_SK=ck.block_rows, BLOCK_HK=ck.block_cols, BLOCK_R2=pow2(r2), BLOCK_REST=pow2(D - 2 * r2),
+                INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate), HAS_K=k is not None, VARLEN=varlen,
+                HAS_OFFSETS=has_offsets, HAS_POS=has_pos, COPY_REST=qo is not q and D > 2 * r2,
+                ACC=launch.ACC_DTYPE[q.dtype]), cq
+
+
+def test_rotary_cached_plan_matches_config_for_every_sequence_length():
+    rotary_kernels._STATIC.clear()
+    for target in TARGETS:
+        for hq, hk in ((32, 8), (5, 1), (4, 0)):
+            for d, r2 in ((64, 32), (128, 32), (16, 8)):
+                for seq in (1, 2, 3, 5, 16, 17, 64, 1000, 1 << 16):
+                    q = torch.empty(2, seq, hq, d)
+                    k = torch.empty(2, seq, hk, d) if hk else None
+                    cos = torch.empty(seq, r2)
+                    for interleaved, conjugate, inplace in ((False, False, False), (True, True, True)):
+                        qo = q if inplace else torch.empty_like(q)
+                        ko = (k if inplace else torch.empty_like(k)) if k is not None else None
+                        plan = rotary_kernels.plan_rotary(q, qo, k, ko, cos, cos, interleaved=interleaved,
+                                                          conjugate=conjugate, target=target)
+                        want, cfg_q = _old_rotary_consts(q, qo, k, cos, seq, interleaved, conjugate, False, False,
+                                                         False, target)
+                        assert {n: plan.args[n] for n in want} == want, (target, hq, hk, d, seq)
+                        assert plan.config == cfg_q
+                        n_q = -(-seq // want["BLOCK_SQ"]) * -(-hq // want["BLOCK_HQ"])
+                        n_k = -(-seq // want["BLOCK_SK"]) * -(-hk // want["BLOCK_HK"]) if hk else 0
+                        assert plan.grid == (n_q + n_k, 2) and plan.args["n_q_progs"] == n_q
+    # one entry per key, none per sequence length (the short-sequence variants hang off their entry)
+    assert len(rotary_kernels._STATIC) <= len(TARGETS) * 3 * 3 * 2
+
+
+def test_rotary_layouts_read_the_same_strides_as_views():
+    """(B, H, S, D) with heads_first and packed (total, H, D) plan the launch their (B, S, H, D) and
+    (1, total, H, D) views planned (what the functional layer passed before)."""
+    target = configs.KNOWN_TARGETS[86]
+    cos = torch.empty(1, 40, 8)
+    bhsd_q, bhsd_k = torch.empty(3, 6, 11, 16)[:, :5], torch.empty(3, 2, 11, 16)
+    a = rotary_kernels.plan_rotary(bhsd_q, torch.empty_like(bhsd_q), bhsd_k, bhsd_k, cos[0], cos[0],
+                                   heads_first=True, offsets=torch.zeros(3, dtype=torch.int32), target=target)
+    qv, kv = bhsd_q.transpose(1, 2), bhsd_k.transpose(1, 2)
+    b = rotary_kernels.plan_rotary(qv, torch.empty_like(bhsd_q).transpose(1, 2), kv, kv, cos, cos,
+                                   offsets=torch.zeros(3, dtype=torch.int32), target=target)
+    tensors = ("Q", "K", "QO", "KO", "COS", "SIN", "OFFSETS", "POS", "CU_SEQLENS")
+    assert a.grid == b.grid and a.config == b.config
+    assert {n: v for n, v in a.args.items() if n not in tensors} == {n: v for n, v in b.args.items() if n not in tensors}
+    packed = torch.empty(30, 4, 16)[:, :3]  # (total, H, D), strided heads
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    a = rotary_kernels.plan_rotary(packed, packed, None, None, cos, cos, cu_seqlens=cu, max_seqlen=20, target=target)
+    b = rotary_kernels.plan_rotary(packed[None], packed[None], None, None, cos, cos, cu_seqlens=cu, max_seqlen=20,
+                                   target=target)
+    assert a.grid == b.grid
+    assert {n: v for n, v in a.args.items() if n not in tensors} == {n: v for n, v in b.args.items() if n not in tensors}

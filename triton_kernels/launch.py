@@ -91,7 +91,7 @@ def stub_launches(fn=None):
 
 def target_for(t: torch.Tensor) -> Target:
     """The Target whose configs a launch on `t` uses."""
-    if t.device.type == "cuda" and not _INTERPRET:
+    if t.is_cuda and not _INTERPRET:  # is_cuda: no torch.device built per call
         return cuda_target(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return INTERPRETER_TARGET
 
