@@ -214,41 +214,38 @@ def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max
     """(kernel arguments, grid, _Static) of the launch plan_rotary describes; None when it would
     cover nothing (no rows, heads, sequences or columns)."""
     varlen = cu_seqlens is not None
-    if q.dim() == 3:  # packed (total, H, D): the (1, total, H, D) view's strides, without the view
+    # strides as (batch, sequence, head, dim), unpacked in the tensor's own order (no views)
+    if q.dim() == 3:  # packed (total, H, D): the strides of its (1, total, H, D) view
         S, hq, D = q.shape
-        ss, sh, sd = q.stride()
-        qs = (S * ss, ss, sh, sd)
-        sso, sho, sdo = qo.stride()
-        qos = (S * sso, sso, sho, sdo)
         B = 1
+        qss, qsh, qsd = q.stride()
+        oss, osh, osd = qo.stride()
+        qsb, osb = S * qss, S * oss
     elif heads_first:  # (B, H, S, D)
         B, hq, S, D = q.shape
-        sb, sh, ss, sd = q.stride()
-        qs = (sb, ss, sh, sd)
-        sb, sh, ss, sd = qo.stride()
-        qos = (sb, ss, sh, sd)
+        qsb, qsh, qss, qsd = q.stride()
+        osb, osh, oss, osd = qo.stride()
     else:
         B, S, hq, D = q.shape
-        qs, qos = q.stride(), qo.stride()
+        qsb, qss, qsh, qsd = q.stride()
+        osb, oss, osh, osd = qo.stride()
     has_k = k is not None
-    if has_k:
-        if k.dim() == 3:
-            hk = k.shape[1]
-            ss, sh, sd = k.stride()
-            ks = (S * ss, ss, sh, sd)
-            ss, sh, sd = ko.stride()
-            kos = (S * ss, ss, sh, sd)
-        elif heads_first:
-            hk = k.shape[1]
-            sb, sh, ss, sd = k.stride()
-            ks = (sb, ss, sh, sd)
-            sb, sh, ss, sd = ko.stride()
-            kos = (sb, ss, sh, sd)
-        else:
-            hk = k.shape[2]
-            ks, kos = k.stride(), ko.stride()
+    if not has_k:
+        hk = 0  # placeholders below, never read when HAS_K is False
+        ksb, kss, ksh, ksd, kosb, koss, kosh, kosd = qsb, qss, qsh, qsd, osb, oss, osh, osd
+    elif k.dim() == 3:
+        hk = k.shape[1]
+        kss, ksh, ksd = k.stride()
+        koss, kosh, kosd = ko.stride()
+        ksb, kosb = S * kss, S * koss
+    elif heads_first:
+        hk = k.shape[1]
+        ksb, ksh, kss, ksd = k.stride()
+        kosb, kosh, koss, kosd = ko.stride()
     else:
-        hk, ks, kos = 0, qs, qos  # placeholders, never read when HAS_K is False
+        hk = k.shape[2]
+        ksb, kss, ksh, ksd = k.stride()
+        kosb, koss, kosh, kosd = ko.stride()
     nb = cu_seqlens.shape[0] - 1 if varlen else B
     seq = max_seqlen if varlen else S
     if nb <= 0 or seq <= 0 or hq + hk == 0 or D == 0:
@@ -272,16 +269,16 @@ def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max
             pb = 0
     else:
         pb = ps = 0
-    n_sq, n_sk = _cdiv(seq, st.block_sq), _cdiv(seq, st.block_sk)  # seq >= 1 here
+    n_sq, n_sk = -(-seq // st.block_sq), -(-seq // st.block_sk)  # position tiles (ceil division); seq >= 1
     n_q_progs = n_sq * st.n_hq_tiles
     args = dict(st.consts)
     args.update(
         Q=q, K=k if has_k else q, QO=qo, KO=ko if has_k else qo, COS=cos, SIN=sin, OFFSETS=offsets,
         POS=position_ids, CU_SEQLENS=cu_seqlens,
-        stride_qb=qs[0], stride_qs=qs[1], stride_qh=qs[2], stride_qd=qs[3],
-        stride_qob=qos[0], stride_qos=qos[1], stride_qoh=qos[2], stride_qod=qos[3],
-        stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_kd=ks[3],
-        stride_kob=kos[0], stride_kos=kos[1], stride_koh=kos[2], stride_kod=kos[3],
+        stride_qb=qsb, stride_qs=qss, stride_qh=qsh, stride_qd=qsd,
+        stride_qob=osb, stride_qos=oss, stride_qoh=osh, stride_qod=osd,
+        stride_kb=ksb, stride_ks=kss, stride_kh=ksh, stride_kd=ksd,
+        stride_kob=kosb, stride_kos=koss, stride_koh=kosh, stride_kod=kosd,
         stride_cb=cbs, stride_cs=scs, stride_cd=scd, stride_sb=sbs, stride_ss=sss, stride_sd=ssd,
         stride_pb=pb, stride_ps=ps, S=S, seqlen_ro=cos.shape[-2], pos_offset=int(offset),
         n_q_progs=n_q_progs, n_sq_tiles=n_sq, n_sk_tiles=n_sk)
