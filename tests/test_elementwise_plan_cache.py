@@ -127,3 +127,29 @@ def test_rotary_layouts_read_the_same_strides_as_views():
                                    target=target)
     assert a.grid == b.grid
     assert {n: v for n, v in a.args.items() if n not in tensors} == {n: v for n, v in b.args.items() if n not in tensors}
+
+
+def _symbolic(value: int):
+    """A backed SymInt of hint `value` and its ShapeEnv, as torch.compile makes for a dynamic length."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env, src = ShapeEnv(), ConstantSource("length")
+    sym = env.create_symbol(value, source=src, dynamic_dim=DimDynamic.DYNAMIC)
+    return env, env.create_symintnode(sym, hint=value, source=src)
+
+
+def test_symbolic_lengths_are_bucketed_not_specialised():
+    """A dynamic sequence length / row count gets range guards (one compiled graph per tile variant),
+    never the int() specialisation that made torch.compile's GPU path recompile for every length."""
+    target = configs.KNOWN_TARGETS[86]
+    env, seq = _symbolic(12)
+    key = (8, 16, 4, 2, torch.float16, False, False, True, False, False, False, True, target)
+    st = rotary_kernels._static(key, seq)
+    assert st.block_sq == configs.rotary_config(8, 4, 12, target).block_rows and not env.replacements
+    env, rows = _symbolic(24)
+    st = swiglu_kernels._static(24, rows, torch.float16, False, target)
+    assert st.cfg == configs.swiglu_config(24, 24, target) and not env.replacements
+    env, seq = _symbolic(12)
+    configs.rotary_config(8, 4, seq, target)  # what the launcher called per launch before: specialises
+    assert env.replacements

@@ -191,14 +191,18 @@ def _static(key: tuple, seq) -> _Static:
 
     The key (see _Static) holds no sequence length or token count: rotary_config only shrinks the
     position tile to the next power of two of short sequences (decoding), so seq picks one of a few
-    shrunken variants (pow2_bucket: comparisons, no int() of a SymInt while torch.compile traces). A
-    symbolic head count or dim (unhashable) is planned without the cache."""
+    shrunken variants (pow2_bucket: comparisons, no int() of a SymInt while torch.compile traces, so
+    lengths that share a variant share a compiled graph). A symbolic head count or dim (unhashable)
+    is planned the same way, without the cache."""
     try:
         st = _STATIC.get(key)
-    except TypeError:  # a SymInt in the key
-        return _Static(key, seq)
+        cached = True
+    except TypeError:  # a SymInt in the key (torch.compile with dynamic head counts or dims)
+        st, cached = None, False
     if st is None:
-        st = _STATIC[key] = _Static(key, 1 << 62)
+        st = _Static(key, 1 << 62)
+        if cached:
+            _STATIC[key] = st
     cap = max(st.block_sq, st.block_sk)
     b = pow2_bucket(seq, cap)
     if b == cap:

@@ -87,15 +87,19 @@ def _static(hidden, rows, dtype, backward: bool, target: Target) -> _Static:
 
     The key holds no row count (a token count): swiglu_config only shrinks the row tile to the next
     power of two of small row counts, so rows pick one of a config's few shrunken variants
-    (pow2_bucket: comparisons, no int() of a SymInt while torch.compile traces). A symbolic hidden
-    size (unhashable) is planned without the cache."""
+    (pow2_bucket: comparisons, no int() of a SymInt while torch.compile traces, so row counts that
+    share a variant share a compiled graph). A symbolic hidden size (unhashable) is planned the
+    same way, without the cache."""
     key = (hidden, dtype, backward, target)
     try:
         st = _STATIC.get(key)
+        cached = True
     except TypeError:  # a SymInt in the key
-        return _Static(hidden, dtype, backward, swiglu_config(hidden, rows, target))
+        st, cached = None, False
     if st is None:
-        st = _STATIC[key] = _Static(hidden, dtype, backward, swiglu_config(hidden, 1 << 62, target))
+        st = _Static(hidden, dtype, backward, swiglu_config(hidden, 1 << 62, target))
+        if cached:
+            _STATIC[key] = st
     br = st.cfg.block_rows
     b = pow2_bucket(rows, br)
     if b == br:
