@@ -153,3 +153,25 @@ def test_symbolic_lengths_are_bucketed_not_specialised():
     env, seq = _symbolic(12)
     configs.rotary_config(8, 4, seq, target)  # what the launcher called per launch before: specialises
     assert env.replacements
+
+
+def test_rotary_autograd_graph_has_no_layout_views():
+    """(B, H, S, D) and packed inputs reach the op as they are: its outputs come straight from the op's
+    autograd node, whose inputs are the caller's tensors (no Transpose/Unsqueeze/Squeeze backward
+    nodes around it; each was an autograd node to run per backward)."""
+    import flashtx
+    from flashtx.nn import RotaryEmbedding
+
+    cos, sin = RotaryEmbedding(8).cos_sin(16, device=DEVICE)
+    cases = [(torch.randn(2, 3, 5, 8, device=DEVICE), torch.randn(2, 1, 5, 8, device=DEVICE), {"layout": "bhsd"}),
+             (torch.randn(7, 3, 8, device=DEVICE), torch.randn(7, 1, 8, device=DEVICE),
+              {"cu_seqlens": torch.tensor([0, 3, 7], device=DEVICE), "max_seqlen": 4})]
+    for q, k, kw in cases:
+        q.requires_grad_(True), k.requires_grad_(True)
+        qo, ko = flashtx.apply_rotary_qk(q, k, cos, sin, **kw)
+        assert qo.grad_fn is ko.grad_fn and qo.stride() == q.stride() and ko.stride() == k.stride()
+        inputs = [f for f, _ in qo.grad_fn.next_functions if f is not None]
+        assert [type(f).__name__ for f in inputs] == ["AccumulateGrad", "AccumulateGrad"]
+        assert inputs[0].variable is q and inputs[1].variable is k
+        xo = flashtx.apply_rotary(q, cos, sin, **kw)
+        assert [f.variable for f, _ in xo.grad_fn.next_functions if f is not None] == [q]
