@@ -44,6 +44,7 @@ class OpInputs:
 
 IMPLS: dict[str, dict[str, object]] = {}  # op -> {backend name -> implementation}, in preference order
 _PLANS: dict[tuple, str] = {}
+_BY_DEVICE: dict[tuple, str] = {}  # (op, requested, device, *kinds) -> plan_kinds' answer, see plan_device
 _WARNED: set = set()
 
 
@@ -97,6 +98,7 @@ def plan(op: str, key: tuple, requested: str | None, make_inputs, summary) -> st
 def clear_plans() -> None:
     """Forget every cached plan and fallback warning (tests; after changing environment switches)."""
     _PLANS.clear()
+    _BY_DEVICE.clear()
     _WARNED.clear()
     launch = sys.modules.get("flashtx.triton_kernels.launch")  # loaded only with triton
     if launch is not None:
@@ -116,3 +118,16 @@ def plan_kinds(op: str, requested, device_type: str, device_index, *kinds) -> st
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     return plan(op, (device_type, device_index, *kinds), requested, lambda: STANDINS[op](device, *kinds),
                 lambda: f"{op} inputs of kind(s) {', '.join(map(str, kinds))} on {device}")
+
+
+def plan_device(op: str, requested, device: torch.device, *kinds) -> str:
+    """plan_kinds(op, requested, device.type, device.index, *kinds), looked up by the torch.device
+    itself in eager mode (one dict lookup, no device attributes read). While torch.compile traces,
+    plan_kinds is called as before (Dynamo runs it once and keeps the answer as a constant)."""
+    if torch.compiler.is_compiling():
+        return plan_kinds(op, requested, device.type, device.index, *kinds)
+    k = (op, requested, device, *kinds)
+    name = _BY_DEVICE.get(k)
+    if name is None:
+        name = _BY_DEVICE[k] = plan_kinds(op, requested, device.type, device.index, *kinds)
+    return name

@@ -8,12 +8,14 @@ Ops (schemas as torch.library infers them):
     flashtx::rotary_(Tensor(a!) q, Tensor(b!)? k, Tensor cos, Tensor sin, Tensor?[] index, SymInt[] spec,
                      str backend) -> ()
 
-x, q, k: (B, S, H, D) views with any strides (varlen: (1, total, H, D)); cos, sin: (Bc, seqlen_ro,
-R2) with Bc in {1, B}. The optional tensors and the scalars travel grouped, and are unpacked by
-name (see INDEX and SPEC):
+x, q, k: (B, S, H, D) with any strides, or (B, H, S, D) when spec's heads_first is 1 (the ops
+read the strides in that order: no transposed views, so autograd records no view ops around
+them); varlen: packed (total, H, D) (or a (1, total, H, D) view). Outputs are laid out as
+empty_like(x). cos, sin: (seqlen_ro, R2), or (Bc, seqlen_ro, R2) with Bc in {1, B}. The optional
+tensors and the scalars travel grouped, and are unpacked by name (see INDEX and SPEC):
 
     index = [offsets (B,) | None, position_ids (B, S) or (1, total) | None, cu_seqlens (nseq+1,) | None]
-    spec = [offset, max_seqlen, interleaved (0/1), conjugate (0/1)]
+    spec = [offset, max_seqlen, interleaved (0/1), conjugate (0/1), heads_first (0/1; optional, 0)]
 
 The backward of a rotation is the rotation by -theta: the same op with `conjugate` flipped. The
 in-place `rotary_` has no autograd formula (torch.library refuses them for mutating ops);
@@ -35,7 +37,7 @@ from ._library import call, register_autograd, triton_op
 from .backends import triton_device_reasons
 
 INDEX = ("offsets", "position_ids", "cu_seqlens")  # the order of `index`
-SPEC = ("offset", "max_seqlen", "interleaved", "conjugate")  # the order of `spec`
+SPEC = ("offset", "max_seqlen", "interleaved", "conjugate", "heads_first")  # the order of `spec`
 
 
 # ----------------------------------------------------------------------------------- backends
@@ -61,13 +63,34 @@ class RotaryTriton:
         return reasons
 
     def run(self, q, qo, k, ko, cos, sin, index, spec) -> None:
-        from .triton_kernels.rotary import rotary
-
+        launch = _KERNEL or _load_kernel()
         offsets, position_ids, cu_seqlens = index
-        offset, max_seqlen, interleaved, conjugate = spec
-        rotary(q, qo, k, ko, cos, sin, offsets=offsets, offset=offset, position_ids=position_ids,
-               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, interleaved=bool(interleaved),
-               conjugate=bool(conjugate))
+        launch(q, qo, k, ko, cos, sin, offsets, spec[0], position_ids, cu_seqlens, spec[1], bool(spec[2]),
+               bool(spec[3]), _heads_first(spec))
+
+
+_KERNEL = None  # triton_kernels.rotary.rotary_launch, imported on first use (it imports triton)
+
+
+def _load_kernel():
+    global _KERNEL
+    from .triton_kernels.rotary import rotary_launch
+
+    _KERNEL = rotary_launch
+    return rotary_launch
+
+
+def _heads_first(spec) -> bool:
+    return len(spec) > 4 and bool(spec[4])
+
+
+def _bshd(x: Optional[Tensor], heads_first: bool) -> Optional[Tensor]:
+    """x as a (B, S, H, D) view (packed (total, H, D): (1, total, H, D))."""
+    if x is None:
+        return None
+    if x.dim() == 3:
+        return x.unsqueeze(0)
+    return x.transpose(1, 2) if heads_first else x
 
 
 class RotaryReference:
@@ -81,7 +104,11 @@ class RotaryReference:
 
     def run(self, q, qo, k, ko, cos, sin, index, spec) -> None:
         offsets, position_ids, cu_seqlens = index
-        offset, _max_seqlen, interleaved, conjugate = spec
+        offset, _max_seqlen, interleaved, conjugate = spec[:4]
+        heads_first = _heads_first(spec)
+        q, qo, k, ko = (_bshd(t, heads_first) for t in (q, qo, k, ko))
+        if cos.dim() == 2:
+            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
         for x, out in ((q, qo), (k, ko)):
             if x is None or x.numel() == 0:
                 continue
@@ -121,7 +148,7 @@ ROTARY_BACKENDS = _dispatch.IMPLS["rotary"]  # the registry's entries, in prefer
 @triton_op("flashtx::rotary", mutates_args=())
 def rotary_op(x: Tensor, cos: Tensor, sin: Tensor, index: list[Optional[Tensor]], spec: list[int],
               backend: str) -> Tensor:
-    """Rotated copy of x (B, S, H, D) (varlen: (1, total, H, D)), laid out as empty_like(x)."""
+    """Rotated copy of x (see the module docstring for its layouts), laid out as empty_like(x)."""
     out = torch.empty_like(x)
     ROTARY_BACKENDS[backend].run(x, out, None, None, cos, sin, index, spec)
     return out
@@ -130,7 +157,8 @@ def rotary_op(x: Tensor, cos: Tensor, sin: Tensor, index: list[Optional[Tensor]]
 @triton_op("flashtx::rotary_qk", mutates_args=())
 def rotary_qk_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, index: list[Optional[Tensor]], spec: list[int],
                  backend: str) -> tuple[Tensor, Tensor]:
-    """Rotated copies of q (B, S, Hq, D) and k (B, S, Hk, D), from one launch."""
+    """Rotated copies of q (B, S, Hq, D) and k (B, S, Hk, D) (or as the module docstring says), from one
+    launch."""
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     ROTARY_BACKENDS[backend].run(q, qo, k, ko, cos, sin, index, spec)
     return qo, ko
@@ -144,8 +172,8 @@ def rotary_inplace_op(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, 
 
 
 def _conjugated(spec) -> list:
-    offset, max_seqlen, interleaved, conjugate = spec
-    return [offset, max_seqlen, interleaved, 1 - int(conjugate)]
+    offset, max_seqlen, interleaved, conjugate = spec[:4]
+    return [offset, max_seqlen, interleaved, 1 - int(conjugate), *spec[4:]]
 
 
 def _save(ctx, cos, sin, index, spec, backend) -> None:

@@ -46,14 +46,21 @@ class SwigluTriton:
         return triton_device_reasons(inp.device, inp.dtype)
 
     def forward(self, g, u, out) -> None:
-        from .triton_kernels.swiglu import swiglu_forward
-
-        swiglu_forward(g, u, out)
+        _kernels().swiglu_forward(g, u, out)
 
     def backward(self, do, g, u, dg, du) -> None:
-        from .triton_kernels.swiglu import swiglu_backward
+        _kernels().swiglu_backward(do, g, u, dg, du)
 
-        swiglu_backward(do, g, u, dg, du)
+
+_KERNELS = []  # [flashtx.triton_kernels.swiglu] once imported (it imports triton: not at flashtx's import)
+
+
+def _kernels():
+    if not _KERNELS:
+        from .triton_kernels import swiglu as mod
+
+        _KERNELS.append(mod)
+    return _KERNELS[0]
 
 
 class SwigluReference:
@@ -80,11 +87,16 @@ SWIGLU_BACKENDS = _dispatch.IMPLS["swiglu"]  # the registry's entries, in prefer
 
 def _rows(t: Tensor) -> Tensor:
     """(..., H) -> (M, H): a view whenever strides allow (always for the packed halves of a 2-D x)."""
+    if t.dim() == 2:
+        return t
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: a size-0 dim makes -1 ambiguous
 
 
 def _rows_inplace(t: Tensor, write) -> None:
     """Run write(rows) on an (M, H) view of t, or on a copy that is copied back into t."""
+    if t.dim() == 2:
+        write(t)
+        return
     try:
         rows = t.view(math.prod(t.shape[:-1]), t.shape[-1])
     except RuntimeError:  # strides do not allow a flat view: work on a copy
@@ -96,10 +108,13 @@ def _rows_inplace(t: Tensor, write) -> None:
 
 
 # ----------------------------------------------------------------------------------- custom ops
+_CONTIGUOUS = torch.contiguous_format  # outputs and gradients are contiguous whatever the inputs' strides
+
+
 @triton_op("flashtx::swiglu", mutates_args=())
 def swiglu_op(gate: Tensor, up: Tensor, inplace_backward: bool, backend: str) -> Tensor:
     """silu(gate) * up for gate, up (..., H); the output is contiguous."""
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    out = torch.empty_like(gate, memory_format=_CONTIGUOUS)
     SWIGLU_BACKENDS[backend].forward(_rows(gate), _rows(up), _rows(out))
     return out
 
@@ -108,8 +123,8 @@ def swiglu_op(gate: Tensor, up: Tensor, inplace_backward: bool, backend: str) ->
 @triton_op("flashtx::swiglu_bwd", mutates_args=())
 def swiglu_bwd_op(dout: Tensor, gate: Tensor, up: Tensor, backend: str) -> tuple[Tensor, Tensor]:
     """(dgate, dup), contiguous, for the incoming gradient dout (..., H)."""
-    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    dg = torch.empty_like(gate, memory_format=_CONTIGUOUS)
+    du = torch.empty_like(up, memory_format=_CONTIGUOUS)
     SWIGLU_BACKENDS[backend].backward(_rows(dout), _rows(gate), _rows(up), _rows(dg), _rows(du))
     return dg, du
 
@@ -168,7 +183,7 @@ def swiglu_packed_op(x: Tensor, inplace_backward: bool, backend: str) -> Tensor:
 def swiglu_packed_bwd_op(dout: Tensor, x: Tensor, backend: str) -> Tensor:
     """dx (..., 2H), contiguous, holding [dgate | dup]."""
     h = x.shape[-1] // 2
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty_like(x, memory_format=_CONTIGUOUS)
     x2, dx2 = _rows(x), _rows(dx)  # (M, 2H)
     SWIGLU_BACKENDS[backend].backward(_rows(dout), x2[:, :h], x2[:, h:], dx2[:, :h], dx2[:, h:])
     return dx

@@ -44,13 +44,13 @@ LAYOUTS = ("bshd", "bhsd")
 
 
 # ----------------------------------------------------------------------------------- in place
-def _refuse_overlap(q4: Tensor, k4: Optional[Tensor]) -> None:
-    for n, t in (("x" if k4 is None else "q", q4), ("k", k4)):
+def _refuse_overlap(q: Tensor, k: Optional[Tensor]) -> None:
+    for n, t in (("x" if k is None else "q", q), ("k", k)):
         if t is not None and has_internal_overlap(t):
             raise ValueError(f"inplace=True cannot rotate {n} in place: some of its elements share memory (a stride-0 "
                              f"dim, e.g. from expand(); strides {t.stride()} for shape {tuple(t.shape)}); pass "
                              f"inplace=False or {n}.contiguous()")
-    if k4 is not None and views_overlap(q4, k4):
+    if k is not None and views_overlap(q, k):
         raise ValueError("inplace=True needs q and k in separate memory, but they share elements (the same tensor, or "
                          "overlapping slices of one); pass inplace=False")
 
@@ -59,35 +59,36 @@ def _records_grad(q: Tensor, k: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
 
 
-def _inplace_allowed(q4: Tensor, k4: Optional[Tensor]) -> bool:
+def _inplace_allowed(q: Tensor, k: Optional[Tensor]) -> bool:
     """inplace=None: rotate in place when autograd records nothing (inference, no_grad) and the memory
     allows it; under torch.compile the functional op is used (its overlap test reads pointers)."""
-    if torch.compiler.is_compiling() or _records_grad(q4, k4):
+    if torch.compiler.is_compiling() or _records_grad(q, k):
         return False
-    if has_internal_overlap(q4) or (k4 is not None and (has_internal_overlap(k4) or views_overlap(q4, k4))):
+    if has_internal_overlap(q) or (k is not None and (has_internal_overlap(k) or views_overlap(q, k))):
         return False
     return True
 
 
-def _rotate_inplace(q4, k4, cos3, sin3, index, spec, backend: str, track: bool) -> None:
-    """Rotate q4 (and k4) in place. Without autograd: the in-place op (one launch, no copy). With
-    autograd: the functional op, written back with copy_, which autograd records (torch.library
-    gives mutating ops no autograd formula); the rotated values are what backward keeps, not x."""
-    _refuse_overlap(q4, k4)
+def _rotate_inplace(q, k, cos, sin, index, spec, backend: str, track: bool) -> None:
+    """Rotate q (and k), in the caller's layout, in place. Without autograd: the in-place op (one launch,
+    no copy). With autograd: the functional op, written back with copy_, which autograd records
+    (torch.library gives mutating ops no autograd formula); the rotated values are what backward
+    keeps, not x."""
+    _refuse_overlap(q, k)
     if not track:
-        call(rotary_inplace_op, q4, k4, cos3, sin3, index, spec, backend)
+        call(rotary_inplace_op, q, k, cos, sin, index, spec, backend)
         return
-    for t in (q4, k4):  # refuse before mutating anything (autograd would refuse after q is rotated)
+    for t in (q, k):  # refuse before mutating anything (autograd would refuse after q is rotated)
         base = t._base if t is not None and t._base is not None else t
         if base is not None and base.is_leaf and base.requires_grad:
             raise RuntimeError("inplace=True on a leaf tensor that requires grad (or a view of one): autograd "
                                "cannot record it; rotate a non-leaf (e.g. a projection's output) or use inplace=False")
-    if k4 is None:
-        q4.copy_(call(rotary_op, q4, cos3, sin3, index, spec, backend))
+    if k is None:
+        q.copy_(call(rotary_op, q, cos, sin, index, spec, backend))
     else:
-        qo, ko = call(rotary_qk_op, q4, k4, cos3, sin3, index, spec, backend)
-        q4.copy_(qo)
-        k4.copy_(ko)
+        qo, ko = call(rotary_qk_op, q, k, cos, sin, index, spec, backend)
+        q.copy_(qo)
+        k.copy_(ko)
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -111,91 +112,97 @@ def _check_index_tensor(name: str, t, shape_ok, expected: str, device) -> None:
         raise ValueError(f"{name} is on {t.device} but the activations are on {device}")
 
 
-def _as_bshd(name: str, x, layout: str, varlen: bool) -> Tensor:
-    """x as the kernels' (B, S, H, D) view (varlen: (1, total, H, D)); no copies."""
+def _dims(name: str, x, layout: str, varlen: bool) -> tuple:
+    """x's (B, S, H, D) (varlen: (1, total, H, D)) for `layout`, checked; no views are made: the ops
+    read x's strides in its own layout."""
     check_tensor(name, x)
-    if layout not in LAYOUTS:
+    if layout != "bshd" and layout != "bhsd":
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    shape = x.shape
     if varlen:
         if layout != "bshd":
             raise ValueError(f"with cu_seqlens, {name} is packed (total, H, D) and layout must be 'bshd'; "
                              f"got layout={layout!r}")
-        if x.dim() != 3:
-            raise ValueError(f"with cu_seqlens, {name} must be 3-D (total, H, D); got shape {tuple(x.shape)}")
-        return x.unsqueeze(0)
-    if x.dim() != 4:
+        if len(shape) != 3:
+            raise ValueError(f"with cu_seqlens, {name} must be 3-D (total, H, D); got shape {tuple(shape)}")
+        return 1, shape[0], shape[1], shape[2]
+    if len(shape) != 4:
         want = "(B, S, H, D)" if layout == "bshd" else "(B, H, S, D)"
-        raise ValueError(f"{name} must be 4-D {want} for layout={layout!r}; got shape {tuple(x.shape)}")
-    return x if layout == "bshd" else x.transpose(1, 2)
+        raise ValueError(f"{name} must be 4-D {want} for layout={layout!r}; got shape {tuple(shape)}")
+    if layout == "bshd":
+        return shape
+    return shape[0], shape[2], shape[1], shape[3]
 
 
-def _check_tables(cos, sin, x4: Tensor, nb: int, name: str) -> tuple[Tensor, Tensor]:
-    """cos/sin as (Bc, seqlen_ro, R2) with Bc in {1, nb}; checks rotary_dim against x's head dim."""
+def _check_tables(cos, sin, x: Tensor, d: int, nb: int, name: str) -> None:
+    """cos/sin are (seqlen_ro, R2) or (Bc, seqlen_ro, R2) with Bc in {1, nb}; checks rotary_dim against
+    x's head dim d."""
     for n, t in (("cos", cos), ("sin", sin)):
         check_tensor(n, t)
-        if t.device != x4.device:
-            raise ValueError(f"{n} is on {t.device} but {name} is on {x4.device}")
+        if t.device != x.device:
+            raise ValueError(f"{n} is on {t.device} but {name} is on {x.device}")
         if t.requires_grad and torch.is_grad_enabled():
             raise NotImplementedError(f"{n} requires grad, but flashtx's rotary computes no gradient for cos/sin; "
                                       f"pass {n}.detach() (position tables are constants)")
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must have the same shape; got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    if cos.dim() not in (2, 3):
+    shape = cos.shape
+    if shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape; got {tuple(shape)} and {tuple(sin.shape)}")
+    dim = len(shape)
+    if dim != 2 and dim != 3:
         raise ValueError(f"cos/sin must be (seqlen_ro, rotary_dim / 2) or (B, seqlen_ro, rotary_dim / 2); "
-                         f"got shape {tuple(cos.shape)}")
-    if cos.shape[-2] == 0:
-        raise ValueError(f"cos/sin must hold at least one position (seqlen_ro >= 1); got shape {tuple(cos.shape)}")
-    if cos.dim() == 2:
-        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    if cos.shape[0] not in (1, nb):
-        raise ValueError(f"per-batch cos/sin must have batch size 1 or {nb}; got shape {tuple(cos.shape)}")
-    r2, d = cos.shape[-1], x4.shape[-1]
+                         f"got shape {tuple(shape)}")
+    if shape[-2] == 0:
+        raise ValueError(f"cos/sin must hold at least one position (seqlen_ro >= 1); got shape {tuple(shape)}")
+    if dim == 3 and shape[0] != 1 and shape[0] != nb:
+        raise ValueError(f"per-batch cos/sin must have batch size 1 or {nb}; got shape {tuple(shape)}")
+    r2 = shape[-1]
     if r2 == 0 or 2 * r2 > d:
         raise ValueError(f"rotary_dim = 2 * cos.shape[-1] = {2 * r2} must be in [2, head dim {d}] of {name} "
-                         f"{tuple(x4.shape)} (cos/sin shape {tuple(cos.shape)})")
-    return cos, sin
+                         f"{tuple(x.shape)} (cos/sin shape {tuple(shape)})")
 
 
-def _positions(x4, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
-    """Validated position arguments: (index = [offsets | None, position_ids | None, cu_seqlens | None],
-    offset int, max_seqlen int (0 without cu_seqlens))."""
+def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
+    """Validated position arguments for x of (B, S, H, D) (varlen: (1, total, H, D)): (index =
+    [offsets | None, position_ids | None, cu_seqlens | None], offset int, max_seqlen int (0 without
+    cu_seqlens))."""
     varlen = cu_seqlens is not None
     if varlen:
-        _check_index_tensor("cu_seqlens", cu_seqlens, lambda s: len(s) == 1 and s[0] >= 1, "(nseq + 1,)", x4.device)
+        _check_index_tensor("cu_seqlens", cu_seqlens, lambda s: len(s) == 1 and s[0] >= 1, "(nseq + 1,)", device)
         cu_seqlens = cu_seqlens.contiguous()  # the kernel indexes it flat
         nb = cu_seqlens.numel() - 1
         if max_seqlen is None:  # one device sync; pass max_seqlen to avoid it
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if nb > 0 else 0
         max_seqlen = _check_int("max_seqlen", max_seqlen)
-        check_cu_seqlens_values("cu_seqlens", cu_seqlens, x4.shape[1], "total (x.shape[0])", max_seqlen, "max_seqlen")
+        check_cu_seqlens_values("cu_seqlens", cu_seqlens, S, "total (x.shape[0])", max_seqlen, "max_seqlen")
         seq = max_seqlen
     else:
         if max_seqlen is not None:
             raise ValueError("max_seqlen is only meaningful with cu_seqlens (packed varlen input)")
-        nb, seq = x4.shape[0], x4.shape[1]
+        nb, seq = B, S
     offsets, offset = None, 0
     if isinstance(seqlen_offsets, torch.Tensor):
         _check_index_tensor("seqlen_offsets", seqlen_offsets, lambda s: s == (nb,),
-                            f"({nb},) (one offset per sequence)", x4.device)
+                            f"({nb},) (one offset per sequence)", device)
         offsets = seqlen_offsets.contiguous()  # the kernel indexes it flat
+    elif type(seqlen_offsets) is int and seqlen_offsets >= 0:  # the common case, as _check_int accepts it
+        offset = seqlen_offsets
     else:
         offset = _check_int("seqlen_offsets", seqlen_offsets)
+    seqlen_ro = cos.shape[-2]
     if position_ids is not None:
         if offsets is not None or offset != 0:
             raise ValueError("pass either seqlen_offsets or position_ids, not both (position_ids are absolute)")
         if varlen:
-            total = x4.shape[1]
-            _check_index_tensor("position_ids", position_ids, lambda s: s == (total,), f"({total},) for packed input",
-                                x4.device)
+            _check_index_tensor("position_ids", position_ids, lambda s: s == (S,), f"({S},) for packed input",
+                                device)
             position_ids = position_ids.unsqueeze(0)  # (1, total)
         else:
-            B, S = x4.shape[:2]
             _check_index_tensor("position_ids", position_ids, lambda s: len(s) == 2 and s[0] in (1, B) and s[1] == S,
-                                f"({B}, {S}) or (1, {S})", x4.device)
+                                f"({B}, {S}) or (1, {S})", device)
             position_ids = position_ids.expand(B, S)
-    elif offsets is None and seq + offset > cos.shape[1]:
+    elif offsets is None and seq + offset > seqlen_ro:
         if not varlen:
-            raise ValueError(f"cos/sin have {cos.shape[1]} positions (shape {tuple(cos.shape)}) but positions up to "
+            raise ValueError(f"cos/sin have {seqlen_ro} positions (shape {tuple(cos.shape)}) but positions up to "
                              f"{seq + offset - 1} are needed (sequence length {seq} + seqlen_offsets {offset})")
         _check_varlen_table(cu_seqlens, cos, offset)
     index = [offsets, position_ids, cu_seqlens]
@@ -208,49 +215,43 @@ def _check_varlen_table(cu_seqlens: Tensor, cos: Tensor, offset: int) -> None:
     lens = cu_seqlens[1:] - cu_seqlens[:-1]  # (nseq,)
     if lens.numel() == 0 or cu_seqlens.device.type == "meta":
         return
+    seqlen_ro = cos.shape[-2]
     if not _values_readable(cu_seqlens):
-        torch._assert_async(lens.max() + offset <= cos.shape[1],
-                            f"flashtx: cos/sin have {cos.shape[1]} positions, fewer than a sequence of cu_seqlens "
+        torch._assert_async(lens.max() + offset <= seqlen_ro,
+                            f"flashtx: cos/sin have {seqlen_ro} positions, fewer than a sequence of cu_seqlens "
                             f"plus seqlen_offsets {offset} needs")
         return
     longest = int(lens.max())
-    if longest + offset > cos.shape[1]:
+    if longest + offset > seqlen_ro:
         i = int(lens.argmax())
-        raise ValueError(f"cos/sin have {cos.shape[1]} positions (shape {tuple(cos.shape)}) but positions up to "
+        raise ValueError(f"cos/sin have {seqlen_ro} positions (shape {tuple(cos.shape)}) but positions up to "
                          f"{longest + offset - 1} are needed (sequence length {longest} of sequence {i} in "
                          f"cu_seqlens + seqlen_offsets {offset})")
 
 
-def _prepare(tensors: dict, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, interleaved,
+def _prepare(name: str, x, k, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, interleaved,
              backend):
-    """Validate everything; returns (views, cos3, sin3, index, spec, backend name) for the ops."""
+    """Validate everything for x (or q, k when k is given, with name "q"); returns (index, spec,
+    backend name) for the ops, which take x, k, cos and sin as given (see flashtx._rotary_op)."""
     varlen = cu_seqlens is not None
-    views = [_as_bshd(n, t, layout, varlen) for n, t in tensors.items()]
-    x4 = views[0]
-    if len(views) == 2:
-        k4 = views[1]
-        if k4.device != x4.device or k4.dtype != x4.dtype:
-            raise TypeError(f"q and k must share dtype and device; got {x4.dtype}/{x4.device} and "
-                            f"{k4.dtype}/{k4.device}")
-        if (k4.shape[0], k4.shape[1], k4.shape[3]) != (x4.shape[0], x4.shape[1], x4.shape[3]):
-            raise ValueError(f"q {tuple(tensors['q'].shape)} and k {tuple(tensors['k'].shape)} must differ only in "
-                             f"the number of heads (layout {layout!r})")
-    name = next(iter(tensors))
-    nb = cu_seqlens.numel() - 1 if varlen and isinstance(cu_seqlens, torch.Tensor) else x4.shape[0]
-    cos3, sin3 = _check_tables(cos, sin, x4, nb, name)
-    index, offset, max_seqlen = _positions(x4, cos3, seqlen_offsets, position_ids, cu_seqlens, max_seqlen)
+    B, S, H, D = _dims(name, x, layout, varlen)
+    if k is not None:
+        kd = _dims("k", k, layout, varlen)
+        if k.device != x.device or k.dtype != x.dtype:
+            raise TypeError(f"q and k must share dtype and device; got {x.dtype}/{x.device} and "
+                            f"{k.dtype}/{k.device}")
+        if kd[0] != B or kd[1] != S or kd[3] != D:
+            raise ValueError(f"q {tuple(x.shape)} and k {tuple(k.shape)} must differ only in the number of heads "
+                             f"(layout {layout!r})")
+    nb = cu_seqlens.numel() - 1 if varlen and isinstance(cu_seqlens, torch.Tensor) else B
+    _check_tables(cos, sin, x, D, nb, name)
+    index, offset, max_seqlen = _positions(B, S, x.device, cos, seqlen_offsets, position_ids, cu_seqlens,
+                                           max_seqlen)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    chosen = _dispatch.plan_kinds("rotary", backend, x4.device.type, x4.device.index, x4.dtype, cos3.dtype)
-    spec = [offset, max_seqlen, 1 if interleaved else 0, 0]
-    return views, cos3, sin3, index, spec, chosen
-
-
-def _restore(t: Tensor, layout: str, varlen: bool) -> Tensor:
-    """Inverse of _as_bshd for outputs."""
-    if varlen:
-        return t.squeeze(0)
-    return t if layout == "bshd" else t.transpose(1, 2)
+    chosen = _dispatch.plan_device("rotary", backend, x.device, x.dtype, cos.dtype)
+    spec = [offset, max_seqlen, 1 if interleaved else 0, 0, 1 if layout == "bhsd" else 0]
+    return index, spec, chosen
 
 
 # ----------------------------------------------------------------------------------- public API
@@ -288,15 +289,14 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
         >>> cos, sin = flashtx.nn.RotaryEmbedding(64).cos_sin(128)   # (128, 32) each
         >>> q = flashtx.apply_rotary(q, cos, sin)                      # q: (B, 128, H, 64)
     """
-    views, cos3, sin3, index, spec, name = _prepare({"x": x}, cos, sin, seqlen_offsets, position_ids, cu_seqlens,
-                                                    max_seqlen, layout, interleaved, backend)
-    x4 = views[0]
+    index, spec, name = _prepare("x", x, None, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout,
+                                 interleaved, backend)
     if inplace is None:
-        inplace = _inplace_allowed(x4, None)
+        inplace = _inplace_allowed(x, None)
     if inplace:
-        _rotate_inplace(x4, None, cos3, sin3, index, spec, name, _records_grad(x, None))
+        _rotate_inplace(x, None, cos, sin, index, spec, name, _records_grad(x, None))
         return x
-    return _restore(call(rotary_op, x4, cos3, sin3, index, spec, name), layout, cu_seqlens is not None)
+    return call(rotary_op, x, cos, sin, index, spec, name)
 
 
 def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, position_ids=None, cu_seqlens=None,
@@ -312,17 +312,14 @@ def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, posi
     Example:
         >>> q, k = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=cache_len)
     """
-    views, cos3, sin3, index, spec, name = _prepare({"q": q, "k": k}, cos, sin, seqlen_offsets, position_ids,
-                                                    cu_seqlens, max_seqlen, layout, interleaved, backend)
-    q4, k4 = views
+    index, spec, name = _prepare("q", q, k, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout,
+                                 interleaved, backend)
     if inplace is None:
-        inplace = _inplace_allowed(q4, k4)
+        inplace = _inplace_allowed(q, k)
     if inplace:
-        _rotate_inplace(q4, k4, cos3, sin3, index, spec, name, _records_grad(q, k))
+        _rotate_inplace(q, k, cos, sin, index, spec, name, _records_grad(q, k))
         return q, k
-    qo, ko = call(rotary_qk_op, q4, k4, cos3, sin3, index, spec, name)
-    varlen = cu_seqlens is not None
-    return _restore(qo, layout, varlen), _restore(ko, layout, varlen)
+    return call(rotary_qk_op, q, k, cos, sin, index, spec, name)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, inplace=False):

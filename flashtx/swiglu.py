@@ -25,7 +25,7 @@ def _select(t: Tensor, backend) -> str:
     """The backend for t's (device, dtype), resolved once and cached (a constant under torch.compile)."""
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    return _dispatch.plan_kinds("swiglu", backend, t.device.type, t.device.index, t.dtype)
+    return _dispatch.plan_device("swiglu", backend, t.device, t.dtype)
 
 
 _dispatch.STANDINS["swiglu"] = lambda device, dtype: SwigluInputs(torch.empty(0, device=device, dtype=dtype))

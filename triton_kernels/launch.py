@@ -203,7 +203,7 @@ def stub_launches(fn=None):
 
 def target_for(t: torch.Tensor) -> Target:
     """The Target whose configs a launch on `t` uses."""
-    if t.device.type == "cuda" and not _INTERPRET:
+    if t.is_cuda and not _INTERPRET:  # is_cuda: no torch.device built per call
         return cuda_target(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return INTERPRETER_TARGET
 
@@ -229,6 +229,18 @@ def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for grids, in plain Python (triton.cdiv is a jit function: calling it on the host costs
     microseconds per launch)."""
     return -(-a // b)
+
+
+def pow2_bucket(n, cap: int) -> int:
+    """min(cap, the next power of two >= max(n, 1)) for a power of two `cap`, by comparisons only: a
+    SymInt n (torch.compile, dynamic shapes) gets range guards, not int() specialisation. Launchers
+    use it to key per-row-count tile shrinking (decoding, tiny batches) without a key per length."""
+    if cap <= 1 or n > cap // 2:
+        return cap
+    b = cap // 2
+    while b > 1 and n <= b // 2:
+        b //= 2
+    return b
 
 
 def head_block(d: int) -> int:

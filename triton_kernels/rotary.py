@@ -16,11 +16,11 @@ with its own tile shape; axis 1: batch). The NeoX halves are two contiguous load
 (GPT-J) pairs are one contiguous load of 2 * R2 columns split into x1/x2 in registers
 (tl.reshape + tl.split, and tl.join to store), not stride-2 loads, so both layouts vectorise.
 
-Addressing: x is a (B, S, H, D) view with any strides, so (B, H, S, D) tensors run without
-copies. Packed varlen x (total, H, D) is passed as a (1, total, H, D) view with VARLEN: grid
-row b then covers rows cu_seqlens[b] .. cu_seqlens[b+1] (tiles past the sequence's end, from
-max_seqlen being an upper bound, return at once). cos/sin are (Bc, seqlen_ro, R2) with a batch
-stride that is 0 for a shared table. Math is fp32 (fp64 for fp64 inputs); positions
+Addressing: x is a (B, S, H, D) tensor with any strides, or a (B, H, S, D) one (heads_first:
+its strides are read in that order, no view is made). Packed varlen x is (total, H, D) (or a
+(1, total, H, D) view) with VARLEN: grid row b then covers rows cu_seqlens[b] .. cu_seqlens[b+1]
+(tiles past the sequence's end, from max_seqlen being an upper bound, return at once). cos/sin
+are (seqlen_ro, R2) or (Bc, seqlen_ro, R2), with a batch stride that is 0 for a shared table. Math is fp32 (fp64 for fp64 inputs); positions
 outside [0, seqlen_ro) give NaN rows, since checking them on the host would need a device sync.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import ElementwiseConfig, Target, rotary_config
-from .launch import ACC_DTYPE, Launch, target_for
+from .configs import Target, rotary_config
+from .launch import ACC_DTYPE, Launch, pow2_bucket, target_for
 
 MIN_BLOCK = 2  # smallest tl.arange width used for the pair and pass-through column blocks
 
@@ -160,70 +160,176 @@ def _pow2(n: int) -> int:
     return max(MIN_BLOCK, 1 << max(n - 1, 0).bit_length())
 
 
+_STATIC: dict = {}  # everything but the sizes of the sequence axis -> _Static; see _static
+
+
+class _Static:
+    """What a launch takes from its key alone (head counts, head and rotary dims, dtype, flags, target):
+    the q and k tile configs, every constexpr and the head tiles. `small` holds the variants for
+    sequences shorter than the position tiles (rotary_config shrinks them to the next power of two
+    of the sequence length)."""
+
+    __slots__ = ("cfg_q", "block_sq", "block_sk", "n_hq_tiles", "n_hk_tiles", "consts", "small")
+
+    def __init__(self, key, seq):
+        r2, d, hq, hk, dtype, interleaved, conjugate, has_k, varlen, has_offsets, has_pos, copy_rest, target = key
+        cfg_q, cfg_k = rotary_config(r2, hq, seq, target), rotary_config(r2, max(hk, 1), seq, target)
+        self.cfg_q, self.block_sq, self.block_sk = cfg_q, cfg_q.block_rows, cfg_k.block_rows
+        self.n_hq_tiles = _cdiv(hq, cfg_q.block_cols)
+        self.n_hk_tiles = _cdiv(hk, cfg_k.block_cols) if has_k else 0
+        self.consts = dict(
+            HQ=hq, HK=hk, R2=r2, D_REST=d - 2 * r2,
+            BLOCK_SQ=cfg_q.block_rows, BLOCK_HQ=cfg_q.block_cols, BLOCK_SK=cfg_k.block_rows,
+            BLOCK_HK=cfg_k.block_cols, BLOCK_R2=_pow2(r2), BLOCK_REST=_pow2(d - 2 * r2),
+            INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate), HAS_K=has_k, VARLEN=varlen,
+            HAS_OFFSETS=has_offsets, HAS_POS=has_pos, COPY_REST=copy_rest, ACC=ACC_DTYPE[dtype])
+        self.small: dict = {}
+
+
+def _static(key: tuple, seq) -> _Static:
+    """The cached _Static of a launch: the configs rotary_config(r2, heads, seq, target) gives.
+
+    The key (see _Static) holds no sequence length or token count: rotary_config only shrinks the
+    position tile to the next power of two of short sequences (decoding), so seq picks one of a few
+    shrunken variants (pow2_bucket: comparisons, no int() of a SymInt while torch.compile traces, so
+    lengths that share a variant share a compiled graph). A symbolic head count or dim (unhashable)
+    is planned the same way, without the cache."""
+    try:
+        st = _STATIC.get(key)
+        cached = True
+    except TypeError:  # a SymInt in the key (torch.compile with dynamic head counts or dims)
+        st, cached = None, False
+    if st is None:
+        st = _Static(key, 1 << 62)
+        if cached:
+            _STATIC[key] = st
+    cap = max(st.block_sq, st.block_sk)
+    b = pow2_bucket(seq, cap)
+    if b == cap:
+        return st
+    small = st.small.get(b)
+    if small is None:
+        small = st.small[b] = _Static(key, b)
+    return small
+
+
+def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved: bool,
+          conjugate: bool, heads_first: bool, target: Target | None):
+    """(kernel arguments, grid, _Static) of the launch plan_rotary describes; None when it would
+    cover nothing (no rows, heads, sequences or columns)."""
+    varlen = cu_seqlens is not None
+    # strides as (batch, sequence, head, dim), unpacked in the tensor's own order (no views)
+    if q.dim() == 3:  # packed (total, H, D): the strides of its (1, total, H, D) view
+        S, hq, D = q.shape
+        B = 1
+        qss, qsh, qsd = q.stride()
+        oss, osh, osd = qo.stride()
+        qsb, osb = S * qss, S * oss
+    elif heads_first:  # (B, H, S, D)
+        B, hq, S, D = q.shape
+        qsb, qsh, qss, qsd = q.stride()
+        osb, osh, oss, osd = qo.stride()
+    else:
+        B, S, hq, D = q.shape
+        qsb, qss, qsh, qsd = q.stride()
+        osb, oss, osh, osd = qo.stride()
+    has_k = k is not None
+    if not has_k:
+        hk = 0  # placeholders below, never read when HAS_K is False
+        ksb, kss, ksh, ksd, kosb, koss, kosh, kosd = qsb, qss, qsh, qsd, osb, oss, osh, osd
+    elif k.dim() == 3:
+        hk = k.shape[1]
+        kss, ksh, ksd = k.stride()
+        koss, kosh, kosd = ko.stride()
+        ksb, kosb = S * kss, S * koss
+    elif heads_first:
+        hk = k.shape[1]
+        ksb, ksh, kss, ksd = k.stride()
+        kosb, kosh, koss, kosd = ko.stride()
+    else:
+        hk = k.shape[2]
+        ksb, kss, ksh, ksd = k.stride()
+        kosb, koss, kosh, kosd = ko.stride()
+    nb = cu_seqlens.shape[0] - 1 if varlen else B
+    seq = max_seqlen if varlen else S
+    if nb <= 0 or seq <= 0 or hq + hk == 0 or D == 0:
+        return None
+    r2 = cos.shape[-1]
+    copy_rest = qo is not q and D > 2 * r2  # in place (qo is q): the pass-through columns are already there
+    key = (r2, D, hq, hk, q.dtype, interleaved, conjugate, has_k, varlen, offsets is not None,
+           position_ids is not None, copy_rest, target if target is not None else target_for(q))
+    st = _static(key, seq)
+    if cos.dim() == 2:
+        cbs = sbs = 0
+        (scs, scd), (sss, ssd) = cos.stride(), sin.stride()
+    else:
+        cbs, scs, scd = cos.stride()
+        sbs, sss, ssd = sin.stride()
+        if cos.shape[0] == 1:
+            cbs = sbs = 0
+    if position_ids is not None:
+        pb, ps = position_ids.stride()
+        if varlen:
+            pb = 0
+    else:
+        pb = ps = 0
+    n_sq, n_sk = -(-seq // st.block_sq), -(-seq // st.block_sk)  # position tiles (ceil division); seq >= 1
+    n_q_progs = n_sq * st.n_hq_tiles
+    args = dict(st.consts)
+    args.update(
+        Q=q, K=k if has_k else q, QO=qo, KO=ko if has_k else qo, COS=cos, SIN=sin, OFFSETS=offsets,
+        POS=position_ids, CU_SEQLENS=cu_seqlens,
+        stride_qb=qsb, stride_qs=qss, stride_qh=qsh, stride_qd=qsd,
+        stride_qob=osb, stride_qos=oss, stride_qoh=osh, stride_qod=osd,
+        stride_kb=ksb, stride_ks=kss, stride_kh=ksh, stride_kd=ksd,
+        stride_kob=kosb, stride_kos=koss, stride_koh=kosh, stride_kod=kosd,
+        stride_cb=cbs, stride_cs=scs, stride_cd=scd, stride_sb=sbs, stride_ss=sss, stride_sd=ssd,
+        stride_pb=pb, stride_ps=ps, S=S, seqlen_ro=cos.shape[-2], pos_offset=int(offset),
+        n_q_progs=n_q_progs, n_sq_tiles=n_sq, n_sk_tiles=n_sk)
+    return args, (n_q_progs + n_sk * st.n_hk_tiles, nb), st
+
+
 def plan_rotary(q, qo, k, ko, cos, sin, *, offsets=None, offset: int = 0, position_ids=None, cu_seqlens=None,
-                max_seqlen: int = 0, interleaved: bool = False, conjugate: bool = False,
+                max_seqlen: int = 0, interleaved: bool = False, conjugate: bool = False, heads_first: bool = False,
                 target: Target | None = None) -> Launch:
     """The launch that writes rotate(q) into qo (and rotate(k) into ko when k is given).
 
-    q, qo: (B, S, Hq, D) views, any strides (qo may be q itself: in place). k, ko: (B, S, Hk, D) or
-    None. Varlen: q is (1, total, Hq, D), cu_seqlens (nseq + 1,) int32/int64, max_seqlen >= the
-    longest sequence. cos, sin: (Bc, seqlen_ro, R2) with Bc in {1, B} (stride 0 when 1 is fine).
+    q, qo: (B, S, Hq, D), any strides (qo may be q itself: in place), or (B, Hq, S, D) with
+    heads_first. k, ko: (B, S, Hk, D) (heads_first: (B, Hk, S, D)) or None. Varlen: q is
+    (total, Hq, D) (or a (1, total, Hq, D) view), cu_seqlens (nseq + 1,) int32/int64, max_seqlen >=
+    the longest sequence. cos, sin: (seqlen_ro, R2) or (Bc, seqlen_ro, R2) with Bc in {1, B}.
     offsets: (B,) ints or None (then `offset`); position_ids: (B, S) ints, or (1, total) for varlen.
     Grid: (q tiles + k tiles, B or nseq); each tile is (positions, heads) of one tensor.
+    Empty inputs must not be planned (see rotary).
     """
-    B, S, Hq, D = q.shape
-    r2 = cos.shape[-1]
-    varlen = cu_seqlens is not None
-    nb = cu_seqlens.shape[0] - 1 if varlen else B
-    seq = max_seqlen if varlen else S
-    target = target if target is not None else target_for(q)
-    has_k = k is not None
-    hk = k.shape[2] if has_k else 0
-    cfg_q: ElementwiseConfig = rotary_config(r2, Hq, seq, target)
-    cfg_k: ElementwiseConfig = rotary_config(r2, max(hk, 1), seq, target)
-    k_, ko_ = (k, ko) if has_k else (q, qo)  # placeholders, never read when HAS_K is False
-    copy_rest = qo is not q and D > 2 * r2  # in place (qo is q): the pass-through columns are already there
-    cbs = cos.stride(0) if cos.shape[0] > 1 else 0
-    sbs = sin.stride(0) if sin.shape[0] > 1 else 0
-    pos_strides = (0, 0)
-    if position_ids is not None:
-        pos_strides = (0 if varlen else position_ids.stride(0), position_ids.stride(1))
-    seq_tiles = max(seq, 1)
-    n_sq, n_sk = _cdiv(seq_tiles, cfg_q.block_rows), _cdiv(seq_tiles, cfg_k.block_rows)
-    n_q_progs = n_sq * _cdiv(Hq, cfg_q.block_cols)
-    n_k_progs = n_sk * _cdiv(hk, cfg_k.block_cols) if has_k else 0
-    qs, qos, ks, kos = q.stride(), qo.stride(), k_.stride(), ko_.stride()
-    args = dict(
-        Q=q, K=k_, QO=qo, KO=ko_, COS=cos, SIN=sin, OFFSETS=offsets, POS=position_ids, CU_SEQLENS=cu_seqlens,
-        stride_qb=qs[0], stride_qs=qs[1], stride_qh=qs[2], stride_qd=qs[3],
-        stride_qob=qos[0], stride_qos=qos[1], stride_qoh=qos[2], stride_qod=qos[3],
-        stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_kd=ks[3],
-        stride_kob=kos[0], stride_kos=kos[1], stride_koh=kos[2], stride_kod=kos[3],
-        stride_cb=cbs, stride_cs=cos.stride(1), stride_cd=cos.stride(2),
-        stride_sb=sbs, stride_ss=sin.stride(1), stride_sd=sin.stride(2),
-        stride_pb=pos_strides[0], stride_ps=pos_strides[1],
-        S=S, HQ=Hq, HK=hk, R2=r2, D_REST=D - 2 * r2, seqlen_ro=cos.shape[1], pos_offset=int(offset),
-        n_q_progs=n_q_progs, n_sq_tiles=n_sq, n_sk_tiles=n_sk,
-        BLOCK_SQ=cfg_q.block_rows, BLOCK_HQ=cfg_q.block_cols, BLOCK_SK=cfg_k.block_rows, BLOCK_HK=cfg_k.block_cols,
-        BLOCK_R2=_pow2(r2), BLOCK_REST=_pow2(D - 2 * r2), INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate),
-        HAS_K=has_k, VARLEN=varlen, HAS_OFFSETS=offsets is not None, HAS_POS=position_ids is not None,
-        COPY_REST=copy_rest, ACC=ACC_DTYPE[q.dtype],
-    )
-    return Launch(_rotary_kernel, (n_q_progs + n_k_progs, nb), args, cfg_q)
+    plan = _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
+                 conjugate, heads_first, target)
+    if plan is None:
+        raise ValueError("plan_rotary: nothing to launch (no rows, heads, sequences or columns)")
+    args, grid, st = plan
+    return Launch(_rotary_kernel, grid, args, st.cfg_q)
 
 
-def rotary(q, qo, k=None, ko=None, cos=None, sin=None, **kw) -> None:
+def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
+                  conjugate, heads_first) -> None:
+    """plan_rotary(...).run() with positional arguments (the per-call path); launches nothing for empty
+    inputs (no rows, no heads, no sequences or no columns)."""
+    plan = _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
+                 conjugate, heads_first, None)
+    if plan is not None:
+        args, grid, st = plan
+        Launch(_rotary_kernel, grid, args, st.cfg_q).run()
+
+
+def rotary(q, qo, k=None, ko=None, cos=None, sin=None, *, offsets=None, offset: int = 0, position_ids=None,
+           cu_seqlens=None, max_seqlen: int = 0, interleaved: bool = False, conjugate: bool = False,
+           heads_first: bool = False) -> None:
     """Rotate q into qo (and k into ko) in one launch; see plan_rotary for shapes. Returns nothing.
 
     Empty inputs (no rows, no heads, or no sequences) launch nothing.
     """
-    varlen = kw.get("cu_seqlens") is not None
-    nb = kw["cu_seqlens"].shape[0] - 1 if varlen else q.shape[0]
-    seq = kw.get("max_seqlen", 0) if varlen else q.shape[1]
-    heads = q.shape[2] + (k.shape[2] if k is not None else 0)
-    if nb <= 0 or seq <= 0 or heads == 0 or q.shape[3] == 0:
-        return
-    plan_rotary(q, qo, k, ko, cos, sin, **kw).run()
+    rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
+                  conjugate, heads_first)
 
 
 def compile_plans(target: Target) -> list[tuple[str, Launch]]:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .configs import Target, swiglu_config
-from .launch import ACC_DTYPE, Launch, target_for
+from .launch import ACC_DTYPE, Launch, pow2_bucket, target_for
 
 
 
@@ -64,38 +64,94 @@ def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H, n_h_tiles,
                  (silu * u).to(OUT1.dtype.element_ty), mask=mask)
 
 
+_STATIC: dict = {}  # (hidden, dtype, backward, target) -> _Static; see _static
+
+
+class _Static:
+    """What a launch takes from (hidden, dtype, backward, target) alone: the tile config, the
+    constexprs and the column tiles. `small` holds the variants for row counts below the config's
+    block_rows (swiglu_config shrinks the row tile to the next power of two of the rows)."""
+
+    __slots__ = ("cfg", "consts", "n_h_tiles", "small")
+
+    def __init__(self, hidden, dtype, backward: bool, cfg):
+        self.cfg = cfg
+        self.consts = dict(BLOCK_M=cfg.block_rows, BLOCK_H=cfg.block_cols, BACKWARD=backward,
+                           FAST_EXP=dtype != torch.float64, ACC=ACC_DTYPE[dtype])
+        self.n_h_tiles = _cdiv(hidden, cfg.block_cols)
+        self.small: dict = {}
+
+
+def _static(hidden, rows, dtype, backward: bool, target: Target) -> _Static:
+    """The cached _Static of a launch: the same config as swiglu_config(hidden, rows, target).
+
+    The key holds no row count (a token count): swiglu_config only shrinks the row tile to the next
+    power of two of small row counts, so rows pick one of a config's few shrunken variants
+    (pow2_bucket: comparisons, no int() of a SymInt while torch.compile traces, so row counts that
+    share a variant share a compiled graph). A symbolic hidden size (unhashable) is planned the
+    same way, without the cache."""
+    key = (hidden, dtype, backward, target)
+    try:
+        st = _STATIC.get(key)
+        cached = True
+    except TypeError:  # a SymInt in the key
+        st, cached = None, False
+    if st is None:
+        st = _Static(hidden, dtype, backward, swiglu_config(hidden, 1 << 62, target))
+        if cached:
+            _STATIC[key] = st
+    br = st.cfg.block_rows
+    b = pow2_bucket(rows, br)
+    if b == br:
+        return st
+    small = st.small.get(b)
+    if small is None:
+        small = st.small[b] = _Static(hidden, dtype, backward, swiglu_config(hidden, b, target))
+    return small
+
+
+def _args(st: _Static, g, u, out1, do, out2) -> tuple[tuple, dict]:
+    """(grid, kernel arguments) of one launch (see plan_swiglu)."""
+    M, H = g.shape
+    if do is None:
+        do, out2 = g, out1  # placeholders, unused in the forward
+    sg, su, sd, s1, s2 = g.stride(), u.stride(), do.stride(), out1.stride(), out2.stride()
+    nht = st.n_h_tiles
+    args = dict(st.consts)
+    args.update(G=g, U=u, DO=do, OUT1=out1, OUT2=out2, M=M, H=H, n_h_tiles=nht,
+                stride_gm=sg[0], stride_gh=sg[1], stride_um=su[0], stride_uh=su[1], stride_dom=sd[0],
+                stride_doh=sd[1], stride_o1m=s1[0], stride_o1h=s1[1], stride_o2m=s2[0], stride_o2h=s2[1])
+    return (_cdiv(M, st.cfg.block_rows) * nht,), args
+
+
 def plan_swiglu(g, u, out1, *, do=None, out2=None, target: Target | None = None) -> Launch:
     """Launch for the forward (out1 = silu(g) * u) or, when `do` is given, the backward
     (out1 = dgate, out2 = dup). Every tensor is an (M, H) view with any strides; out1/out2 may be
     g/u (in-place backward: each program reads its tile before writing that same tile)."""
     M, H = g.shape
-    target = target if target is not None else target_for(g)
-    cfg = swiglu_config(H, M, target)
-    backward = do is not None
-    do_, out2_ = (do, out2) if backward else (g, out1)  # placeholders, unused in the forward
-    n_h_tiles = _cdiv(H, cfg.block_cols)
-    args = dict(
-        G=g, U=u, DO=do_, OUT1=out1, OUT2=out2_, M=M, H=H, n_h_tiles=n_h_tiles,
-        stride_gm=g.stride(0), stride_gh=g.stride(1), stride_um=u.stride(0), stride_uh=u.stride(1),
-        stride_dom=do_.stride(0), stride_doh=do_.stride(1),
-        stride_o1m=out1.stride(0), stride_o1h=out1.stride(1), stride_o2m=out2_.stride(0), stride_o2h=out2_.stride(1),
-        BLOCK_M=cfg.block_rows, BLOCK_H=cfg.block_cols, BACKWARD=backward, FAST_EXP=g.dtype != torch.float64,
-        ACC=ACC_DTYPE[g.dtype],
-    )
-    grid = (_cdiv(M, cfg.block_rows) * n_h_tiles,)
-    return Launch(_swiglu_kernel, grid, args, cfg)
+    st = _static(H, M, g.dtype, do is not None, target if target is not None else target_for(g))
+    grid, args = _args(st, g, u, out1, do, out2)
+    return Launch(_swiglu_kernel, grid, args, st.cfg)
+
+
+def _launch(g, u, out1, do, out2) -> None:
+    """plan_swiglu(...).run() with positional arguments: the per-call path."""
+    M, H = g.shape
+    st = _static(H, M, g.dtype, do is not None, target_for(g))
+    grid, args = _args(st, g, u, out1, do, out2)
+    Launch(_swiglu_kernel, grid, args, st.cfg).run()
 
 
 def swiglu_forward(g, u, out) -> None:
     """out = silu(g) * u on (M, H) views; launches nothing for empty inputs."""
     if g.numel():
-        plan_swiglu(g, u, out).run()
+        _launch(g, u, out, None, None)
 
 
 def swiglu_backward(do, g, u, dg, du) -> None:
     """dg, du = gradients of silu(g) * u for the incoming do, all (M, H) views (dg/du may be g/u)."""
     if g.numel():
-        plan_swiglu(g, u, dg, do=do, out2=du).run()
+        _launch(g, u, dg, do, du)
 
 
 def compile_plans(target: Target) -> list[tuple[str, Launch]]:
