@@ -159,15 +159,18 @@ class TritonBackend(Backend):
     @staticmethod
     def _config_reasons(inp):
         from .triton_kernels.configs import select_config
-        from .triton_kernels.launch import head_block, target_for
+        from .triton_kernels.launch import head_block, head_split, target_for
 
         target = target_for(inp.q)
-        bq, bv = head_block(inp.q.shape[-1]), head_block(inp.v.shape[-1])
+        dq, dv = inp.q.shape[-1], inp.v.shape[-1]
         reasons = []
         kernels = ["attn_fwd"] + (["attn_bwd_dkdv", "attn_bwd_dq"] if inp.needs_grad else [])
         if inp.needs_grad == 2:
             kernels[-1] = "attn_bwd_dq_dbias"  # the dQ kernel that also writes the bias gradient
         for kernel in kernels:
+            # the register tile widths the launcher passes: the forward splits head dims (head_split)
+            bq, bv = (sum(head_split(dq)), sum(head_split(dv))) if kernel == "attn_fwd" else (head_block(dq),
+                                                                                                head_block(dv))
             try:
                 select_config(kernel, bq, bv, inp.q.element_size(), target, inp.masks.modifies_scores)
             except RuntimeError as exc:

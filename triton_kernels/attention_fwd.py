@@ -14,30 +14,42 @@ import triton.language as tl
 from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part,
                                mask_args, modifier_scalars, scalar_in, score_mods, seq_bounds, stride_args, visible)
 from .configs import estimate_shared_memory, select_config
-from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block,
+from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for)
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b, causal_shift,
-               window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn,
-               D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
-               BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
-               DOT_PREC: tl.constexpr):
-    """Fold key tiles [start, end) into the online-softmax state (acc, m_i, l_i)."""
+def _fwd_tiles(acc, acc2, m_i, l_i, q, q2, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b,
+               causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm,
+               stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
+               BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_DV2: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+               DROPOUT: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Fold key tiles [start, end) into the online-softmax state (acc, acc2, m_i, l_i).
+
+    Head dims split in two column pieces (launch.head_split) when BLOCK_DQK2 / BLOCK_DV2 > 0: q2 holds
+    Q's columns [BLOCK_DQK, BLOCK_DQK + BLOCK_DQK2), acc2 the output's columns [BLOCK_DV, BLOCK_DV +
+    BLOCK_DV2). Unsplit, q2 / acc2 are placeholders that are never read (and returned unchanged).
+    """
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     alibi_shift = Sk_b - Sq_b  # ALiBi is aligned bottom-right, as flash-attn's
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # K^T tile (BLOCK_DQK, BLOCK_N) and V tile (BLOCK_N, BLOCK_DV); keys past Sk_b (padding) read as 0
+        key_in = offs_n < Sk_b  # keys past Sk_b (padding) read as 0
+        # K^T tile (BLOCK_DQK, BLOCK_N) and V tile (BLOCK_N, BLOCK_DV)
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
-                     mask=(offs_n[None, :] < Sk_b) & (offs_dqk[:, None] < D_QK), other=0.0)
+                     mask=key_in[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                    mask=(offs_n[:, None] < Sk_b) & (offs_dv[None, :] < D_V), other=0.0)
-        s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+                    mask=key_in[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
+        if BLOCK_DQK2 > 0:  # the second column piece of K^T, (BLOCK_DQK2, BLOCK_N), accumulated into s
+            offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+            kt2 = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dqk2[:, None] * stride_kd,
+                          mask=key_in[None, :] & (offs_dqk2[:, None] < D_QK), other=0.0)
+            s = tl.dot(q2, kt2, s, out_dtype=ACC, input_precision=DOT_PREC)
+        s = s * qk_scale  # log2 units
         in_bounds = (offs_m[:, None] < Sq_b) & (offs_n[None, :] < Sk_b)
         s, _ = score_mods(s, offs_m[:, None], offs_n[None, :], in_bounds, mb_base, stride_mm, stride_mn,
                           softcap2, slope2, alibi_shift, log2e, MASK_KIND, SOFTCAP, ALIBI)
@@ -60,8 +72,13 @@ def _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, mb_base, offs_m, start
         if DROPOUT:
             p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Sk, dropout_p), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT_PREC)
+        if BLOCK_DV2 > 0:  # the second column piece of V, (BLOCK_N, BLOCK_DV2), into its own accumulator
+            offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+            v2 = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv2[None, :] * stride_vd,
+                         mask=key_in[:, None] & (offs_dv2[None, :] < D_V), other=0.0)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, out_dtype=ACC, input_precision=DOT_PREC)
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, acc2, m_i, l_i
 
 
 @triton.jit
@@ -74,8 +91,8 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
               stride_mb, stride_mh, stride_mm, stride_mn, stride_alb,
               H, GROUP, Sq, Sk, D_QK, D_V, bottom_right, right, left, qk_scale_hi, qk_scale_lo,
               softcap_hi, softcap_lo, log2e_hi, log2e_lo, dropout_p, drop_scale_hi, drop_scale_lo,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
               LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               ACC: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -99,25 +116,34 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
+    row_in = offs_m < Sq_b
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
-                mask=(offs_m[:, None] < Sq_b) & (offs_dqk[None, :] < D_QK), other=0.0)  # (BLOCK_M, BLOCK_DQK)
+                mask=row_in[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)  # (BLOCK_M, BLOCK_DQK)
+    q2 = q  # placeholder: read only when the head dim is split
+    if BLOCK_DQK2 > 0:
+        offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+        q2 = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dqk2[None, :] * stride_qd,
+                     mask=row_in[:, None] & (offs_dqk2[None, :] < D_QK), other=0.0)  # (BLOCK_M, BLOCK_DQK2)
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)  # running row max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=ACC)  # running row sum of exp2(s - m)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)  # running P @ V
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)  # running P @ V (its first column piece when split)
+    acc2 = l_i  # placeholder: an accumulator only when the value head dim is split
+    if BLOCK_DV2 > 0:
+        acc2 = tl.zeros([BLOCK_M, BLOCK_DV2], dtype=ACC)  # P @ V's columns [BLOCK_DV, BLOCK_DV + BLOCK_DV2)
 
     # masked tiles left of the unmasked range (window edge), unmasked, masked tail (causal diagonal, Sk_b)
     lo, full_lo, full_hi, hi = kv_loop_bounds(m0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,
                                               CAUSAL, WINDOW, EVERY_TILE)
     for part in tl.static_range(3):
         start, end = loop_part(part, lo, full_lo, full_hi, hi)
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, mb_base, offs_m, start, end,
-                                   Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd,
-                                   stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn, D_QK, D_V,
-                                   softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
-                                   BLOCK_N, BLOCK_DQK, BLOCK_DV, part != 1, CAUSAL, WINDOW, KEY_MASK, MASK_KIND,
-                                   SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
+        acc, acc2, m_i, l_i = _fwd_tiles(acc, acc2, m_i, l_i, q, q2, k_base, v_base, km_base, mb_base, offs_m,
+                                         start, end, Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn,
+                                         stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn, D_QK, D_V,
+                                         softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
+                                         BLOCK_N, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_DV2, part != 1, CAUSAL,
+                                         WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
 
     # Rows that saw no key (masked out, padding, or before the causal diagonal) have l = 0 or are
     # past Sq_b / masked by query_mask: output 0, m2 = -inf, l2 = 0 (the backward gives them P = 0).
@@ -133,6 +159,11 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
     l2 = tl.log2(tl.where(empty, 1.0, l_i))  # kept apart from m2: m2 + l2 rounds to m2 when |m2| is huge
     tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, o.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < Sq_mem) & (offs_dv[None, :] < D_V))
+    if BLOCK_DV2 > 0:
+        offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+        o2 = tl.where(empty[:, None], 0.0, acc2 * inv_l[:, None])
+        tl.store(o_base + offs_m[:, None] * stride_om + offs_dv2[None, :] * stride_od, o2.to(O.dtype.element_ty),
+                 mask=(offs_m[:, None] < Sq_mem) & (offs_dv2[None, :] < D_V))
     row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(M2 + row, m2, mask=offs_m < Sq_mem)
     tl.store(L2 + row, l2, mask=offs_m < Sq_mem)
@@ -144,7 +175,8 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
     H, D_QK = q.shape[1], q.shape[3]
     Hkv, D_V = k.shape[1], v.shape[3]
     target = target if target is not None else target_for(q)
-    block_dqk, block_dv = head_block(D_QK), head_block(D_V)
+    (dqk1, dqk2), (dv1, dv2) = head_split(D_QK), head_split(D_V)
+    block_dqk, block_dv = dqk1 + dqk2, dv1 + dv2  # the register tile widths configs see
     cfg = select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     hi, lo = split_f32(scale * LOG2E)
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
@@ -154,7 +186,7 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
         **stride_args("o", out, spec),
         H=H, GROUP=H // Hkv, Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
         qk_scale_hi=hi, qk_scale_lo=lo,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
         ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **margs,
     )
     grid = (cdiv(Sq, cfg.block_m), H, B)
@@ -203,11 +235,12 @@ def all_options_spec(B: int, S: int, H: int = 2, bias_shape=None, dtype=torch.fl
                     softcap=30.0, alibi_slopes=torch.ones(1, H), dropout_p=0.1, rng=torch.zeros(1, dtype=torch.int64))
 
 
-def compile_cases():
+def compile_cases(head_dims=(64, 128, 256)):
     """(head dim, dtype, name, causal, MaskSpec) of every case the compile check covers, forward and
-    backward alike: head dims 64/128/256; fp16, bf16, fp32; causal or not; fp16/bf16 also with the
-    mask options (every option at once is the most registers; a separate varlen case covers its
-    addressing), and with every option including attn_mask, softcap, ALiBi and dropout."""
+    backward alike: head dims 64/128/256 (the forward adds 192, split 128 + 64); fp16, bf16, fp32;
+    causal or not; fp16/bf16 also with the mask options (every option at once is the most registers;
+    a separate varlen case covers its addressing), and with every option including attn_mask, softcap,
+    ALiBi and dropout."""
     B, S = 1, 128
     lens = torch.full((B,), S, dtype=torch.int32)
     mask = torch.ones(B, S, dtype=torch.bool)
@@ -217,7 +250,7 @@ def compile_cases():
               ("varlen+window", True, MaskSpec(window=(64, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
                                                max_seqlen_k=S)),
               ("all-options", True, all_options_spec(B, S))]
-    for d in (64, 128, 256):
+    for d in head_dims:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             if dtype == torch.float16:
                 yield d, dtype, "causal=False", False, NO_MASKS
@@ -227,20 +260,33 @@ def compile_cases():
                     yield d, dtype, name, causal, spec
 
 
+# Split head dims (launch.head_split) the compile check adds beyond compile_cases' 192:
+# (Dqk, Dv, dtype, name, causal, MaskSpec): DeepSeek's MLA 192/128, and 96 (64 + 32) and 160 (128 + 32).
+def _split_cases():
+    masks = all_options_spec(1, 128)
+    for dqk, dv in ((192, 128), (96, 96), (160, 160)):
+        yield dqk, dv, torch.float16, "causal=True", True, NO_MASKS
+        yield dqk, dv, torch.float16, "all-options", True, masks
+
+
 def compile_plans(target) -> list:
-    """Every forward config `target` can launch (head dims 64/128/256; fp16, bf16, fp32; causal or not;
-    fp16/bf16 also with a window, key/query masks, lengths and varlen).
+    """Every forward config `target` can launch (head dims 64/128/192/256, and the split head dims
+    96, 160 and 192/128; fp16, bf16, fp32; causal or not; fp16/bf16 also with a window, key/query
+    masks, lengths and varlen).
 
     For the compile check: small CPU tensors whose strides match a real (B, H, S, D) launch.
     """
     plans = []
-    for d, dtype, name, causal, spec in compile_cases():
-        q, k, v, o = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(4))
+    cases = [(d, d, *rest) for d, *rest in compile_cases((64, 128, 192, 256))] + list(_split_cases())
+    for dqk, dv, dtype, name, causal, spec in cases:
+        q, k = (torch.empty(1, 2, 128, dqk, dtype=dtype) for _ in range(2))
+        v, o = (torch.empty(1, 2, 128, dv, dtype=dtype) for _ in range(2))
         m2, l2 = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(2))
         try:
-            launch = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=causal, bottom_right=spec.varlen,
+            launch = plan_forward(q, k, v, o, m2, l2, scale=dqk ** -0.5, causal=causal, bottom_right=spec.varlen,
                                   spec=spec, target=target)
         except RuntimeError:  # no config fits: the backend reports it and never launches
             continue
-        plans.append((f"attn_fwd D={d} {str(dtype)[6:]} {name}", launch))
+        dims = f"D={dqk}" if dqk == dv else f"D={dqk}/{dv}"
+        plans.append((f"attn_fwd {dims} {str(dtype)[6:]} {name}", launch))
     return plans

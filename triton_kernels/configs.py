@@ -66,9 +66,14 @@ FLEX_A100 = "FlexAttention sm_80 default (inductor flex_attention.py _a100_defau
 FLAG_3090 = "FlagAttention RTX 3090 config (128x64 for D<=64, 128x32 for D=128, 4 warps)"
 TUTORIAL = "Triton fused-attention tutorial (06-fused-attention.py)"
 KEPT = "flashtx's previous compile-checked tile (no anchor fits our shared-memory estimate here)"
+FA2_192 = ("FlashAttention-2's hdim-192 forward tile (128x64, 8 warps, sm_80 and later; flash_fwd_launch_template.h "
+           "run_mha_fwd_hdim192)")
+DERIVED_192 = "no anchor has an fp32 head dim 192 tile (FlexAttention pads it to 256): the "
 
 # TABLES[family][kernel][element size][head-dim bucket]: one tile per entry. The element size is 2
-# (fp16/bf16) or 4 (fp32); the bucket is the larger padded head dim (64, 128 or 256).
+# (fp16/bf16) or 4 (fp32); the bucket is the larger register tile width (64, 128 or 256: a head dim padded
+# to a power of two), or for attn_fwd also 192 (a head dim split in two power-of-two pieces,
+# launch.head_split: 144-192 = 128 + 16..64); a width uses the smallest bucket that holds it.
 # attn_bwd_dkdv: block_m = q rows streamed, block_n = K/V rows owned (FlexAttention's BLOCK_M1/N1);
 # attn_bwd_dq: block_m = q rows owned, block_n = K/V rows streamed (BLOCK_M2/N2).
 TABLES = {
@@ -76,9 +81,13 @@ TABLES = {
         "attn_fwd": {
             2: {64: C(128, 128, 4, 3, FLEX_H100),
                 128: C(128, 64, 8, 3, FLEX_H100 + " (bf16's; fp16's is 128x128)"),
+                192: C(128, 64, 8, 3, FA2_192 + " with FlexAttention sm_90's 3 stages (its 128 entry's); no spills "
+                       "without score modifiers, 104 bytes with every option"),
                 256: C(64, 32, 4, 3, FLEX_H100)},
             4: {64: C(128, 32, 4, 3, FLEX_H100),
                 128: C(32, 64, 4, 3, FLEX_H100),
+                192: C(32, 32, 4, 2, DERIVED_192 + "256 entry's tile: fp32 spills at either width (752 bytes "
+                       "split vs 2,008 padded), more stages do not help"),
                 256: C(32, 32, 4, 2, FLEX_H100 + " with 2 stages: 3 exceed 232,448 bytes by our estimate")},
         },
         "attn_bwd_dkdv": {
@@ -103,9 +112,14 @@ TABLES = {
         "attn_fwd": {
             2: {64: C(128, 64, 4, 3, FLEX_A100),
                 128: C(128, 64, 8, 3, FLEX_A100),
+                192: C(128, 32, 8, 3, FA2_192 + " with half the K/V rows and FlexAttention sm_80's 3 stages: "
+                       "128x64 spills without score modifiers (24 bytes; 856 with every option), 128x32 only "
+                       "with every option (176)"),
                 256: C(32, 64, 4, 2, FLEX_A100 + " with 2 stages: 3 exceed 166,912 bytes by our estimate")},
             4: {64: C(128, 32, 4, 3, FLEX_A100),
                 128: C(128, 32, 4, 3, FLEX_A100),
+                192: C(64, 16, 4, 3, DERIVED_192 + "256 entry's tile (FlexAttention sm_80 fp32): no spills "
+                       "split (608 bytes padded)"),
                 256: C(64, 16, 4, 3, FLEX_A100)},
         },
         "attn_bwd_dkdv": {
@@ -129,9 +143,12 @@ TABLES = {
         "attn_fwd": {
             2: {64: C(128, 64, 4, 3, FLAG_3090),
                 128: C(128, 32, 4, 2, FLAG_3090),
+                192: C(128, 32, 8, 2, FA2_192 + " with half the K/V rows and 2 stages, as FlagAttention's "
+                       "RTX 3090 D=128 tile (128x32): 99,328 bytes by our estimate"),
                 256: C(64, 32, 8, 2, KEPT + "; 68 KB")},
             4: {64: C(64, 32, 8, 2, KEPT),
                 128: C(32, 32, 4, 2, "FlexAttention's sm_90 fp32 32x64 with half the K/V rows to fit sm_86"),
+                192: C(32, 32, 8, 1, DERIVED_192 + "256 entry's tile: 56 KB split, no spills"),
                 256: C(32, 32, 8, 1, KEPT + "; 96 KB")},
         },
         "attn_bwd_dkdv": {
@@ -201,12 +218,13 @@ _INTERPRETER = {
 PREPROCESS_BLOCK_M = 64
 
 
-def head_dim_bucket(d: int) -> int:
-    """Smallest config bucket that holds a padded head dim (16..256)."""
-    for bucket in (64, 128, 256):
+def head_dim_bucket(d: int, buckets=(64, 128, 256)) -> int:
+    """Smallest of `buckets` (ascending) that holds a register tile width d (16..256): a padded head dim,
+    or a split one's two pieces together (launch.head_split, e.g. 192 = 128 + 64)."""
+    for bucket in buckets:
         if d <= bucket:
             return bucket
-    raise ValueError(f"head dim {d} is above the largest supported (256)")
+    raise ValueError(f"head dim {d} is above the largest supported ({buckets[-1]})")
 
 
 def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_dv: int, elt: int,
@@ -266,16 +284,26 @@ def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: 
 
 def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool = False):
     """The entries selection tries for `target`, best first (see the module docstring)."""
-    size, bucket = 2 if elt <= 2 else 4, head_dim_bucket(max(block_dqk, block_dv))
+    size, width = 2 if elt <= 2 else 4, max(block_dqk, block_dv)
+    head_dim_bucket(width)  # refuses widths above 256
     out = []
     fams = (family(target.arch),) + tuple(f for f in FALLBACK_ORDER if f != family(target.arch))
     for i, fam in enumerate(fams):
         tables = ([MODIFIED[fam]] if modified else []) + [TABLES[fam]]
         for table in tables:
-            cfg = table.get(kernel, {}).get(size, {}).get(bucket)
+            cfg = _entry(table.get(kernel, {}).get(size, {}), width)
             if cfg is not None and cfg not in out:
                 out.append(cfg)
     return out
+
+
+POW2_BUCKETS = (64, 128, 256)
+
+
+def _entry(by_bucket: dict, width: int):
+    """The entry for register tile width `width` (or None): the bucket is the smallest of 64/128/256 and the
+    table's own buckets (attn_fwd's 192 for split head dims) that holds the width."""
+    return by_bucket.get(head_dim_bucket(width, sorted(set(POW2_BUCKETS) | set(by_bucket))))
 
 
 @functools.lru_cache(maxsize=None)

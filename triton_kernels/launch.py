@@ -249,6 +249,26 @@ def head_block(d: int) -> int:
     return max(16, 1 << (int(d) - 1).bit_length())
 
 
+# A split head dim needs each piece to be a legal tl.dot K (>= 16) and must save at least this much of the
+# padded width: 192 = 128 + 64, 96 = 64 + 32, 160 = 128 + 32, 80 = 64 + 16 save 25-37.5%.
+MIN_HEAD_PIECE = 16
+MIN_SPLIT_SAVING = 0.25
+
+
+def head_split(d: int) -> tuple[int, int]:
+    """Register tile widths (first, second) for a head dim: two power-of-two column pieces when that saves
+    at least MIN_SPLIT_SAVING of the padded width head_block(d) (first = head_block(d) / 2, second the
+    smallest power of two >= 16 that covers the rest, e.g. 192 -> (128, 64), 72 -> (64, 16)); else
+    (head_block(d), 0), one piece. Depends on the head dim alone, so CPU (interpreter) and GPU runs take
+    the same path."""
+    full = head_block(d)
+    first = full // 2
+    second = head_block(int(d) - first) if int(d) > first else 0
+    if first >= MIN_HEAD_PIECE and second and first + second <= full * (1 - MIN_SPLIT_SAVING):
+        return first, second
+    return full, 0
+
+
 def strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
     assert t.dim() == 4
     return tuple(t.stride())
