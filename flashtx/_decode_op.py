@@ -8,6 +8,8 @@ mutation and the attention a pure function of the written cache:
   there are no tables: use q itself).
 - `flashtx::kvcache_attention`: attention of q over each sequence's keys [cache_leftpad[b],
   cache_seqlens[b]) of the (contiguous or paged) cache; returns (out, lse2) with lse2 in log2 units.
+- `flashtx::kvcache_check`: the index check on the device (triton_kernels/decode_check.py): a (1,)
+  int32 flag, 1 when every index the other two would follow is in range, for torch._assert_async.
 
 Layouts and alignment: see flashtx.triton_kernels.decode. Inference only: no autograd formula
 is registered (flashtx.flash_attn_with_kvcache refuses inputs that require grad).
@@ -15,6 +17,7 @@ is registered (flashtx.flash_attn_with_kvcache refuses inputs that require grad)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -49,17 +52,26 @@ class DecodeTriton:
             reasons.append(f"head dim {d} is above {MAX_HEAD_DIM}")
         return reasons
 
+    @functools.cached_property
+    def kernels(self):  # imported once, on first use (never without triton)
+        from .triton_kernels import decode
+
+        return decode
+
+    @functools.cached_property
+    def checks(self):
+        from .triton_kernels import decode_check
+
+        return decode_check
+
     def append(self, q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *,
                interleaved, q_same_pos):
-        from .triton_kernels.decode import kv_append
-
-        kv_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
-                  interleaved=interleaved, q_same_pos=q_same_pos)
+        self.kernels.kv_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
+                               interleaved=interleaved, q_same_pos=q_same_pos)
 
     def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, **kw):
-        from .triton_kernels.decode import decode_attention
-
-        decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, **kw)
+        self.kernels.decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table,
+                                      alibi, **kw)
 
 
 def _positions(block_table, batch_idx, B: int, pos: Tensor, page: int, device):
@@ -138,8 +150,9 @@ class DecodeReference:
         lse2.copy_(lse / reference.LN2)
 
 
+_TRITON = DecodeTriton()
 for _op in ("kvcache_append", "kvcache_attention"):
-    _dispatch.register(_op, "triton", DecodeTriton())
+    _dispatch.register(_op, "triton", _TRITON)
     _dispatch.register(_op, "reference", DecodeReference())
 from . import cuda_ext  # noqa: E402,F401  registers the CUDA extension as "cuda", explicit only until measured
 IMPLS = _dispatch.IMPLS["kvcache_attention"]
@@ -193,3 +206,16 @@ def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
                              block_table, alibi_slopes, scale=scale, causal=causal,
                              window=(window_left, window_right), softcap=softcap, num_splits=num_splits)
     return out, lse2
+
+
+@triton_op("flashtx::kvcache_check", mutates_args=())
+def kvcache_check(cache_seqlens: Tensor, cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
+                  block_table: Optional[Tensor], snew: int, capacity: int, rows: int, page: int, cos_rows: int,
+                  q_extra: int) -> Tensor:
+    """(1,) int32: 1 when every index is in range (see triton_kernels/decode_check.py). Triton only."""
+    flag = cache_seqlens.new_empty(1, dtype=torch.int32)
+    if cache_seqlens.shape[0] == 0:
+        return flag.fill_(1)
+    _TRITON.checks.decode_check(flag, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, snew=snew,
+                                capacity=capacity, rows=rows, page=page, cos_rows=cos_rows, q_extra=q_extra)
+    return flag

@@ -1,14 +1,16 @@
 """`flashtx.flash_attn_with_kvcache`: flash-attn 2's decoding entry point, on flashtx's split-KV kernels."""
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 
 import torch
 from torch import Tensor
 
-from . import _decode_op
+from . import _decode_op, _env
 from ._library import call
+from .backends import triton_device_reasons
 from ._validate import _values_readable, check_alibi, check_softcap, check_tensor, check_window, resolve_scale
 
 LN2 = math.log(2.0)
@@ -197,10 +199,57 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return out
 
 
+def _assert_message(leftpad: bool, batch_idx: bool, paged: bool, rotary: bool) -> str:
+    """The device-side assert's message: the conditions the check kernel evaluated."""
+    conds = ["cache_seqlens must be >= 0 and stay within the cache with the new tokens (cache_seqlens + Snew <= "
+             "capacity)"]
+    if leftpad:
+        conds.append("cache_leftpad must be in [0, cache_seqlens + Snew]")
+    if batch_idx:
+        conds.append("cache_batch_idx must be in [0, k_cache.shape[0])")
+    if paged:
+        conds.append("the block_table entries of the pages in use must be in [0, num_pages)")
+    if rotary:
+        conds.append("every rotated position must be a row of rotary_cos/rotary_sin")
+    return (f"flashtx.flash_attn_with_kvcache: an index is out of range: {'; '.join(conds)} (run the call on CPU "
+            "tensors for an error that names the exact entry)")
+
+
+# (cache_leftpad?, cache_batch_idx?, block_table?, rotary?) -> message: built once (a constant under torch.compile)
+_ASSERT_MESSAGES = {flags: _assert_message(*flags) for flags in itertools.product((False, True), repeat=4)}
+
+
+_CHECKABLE: dict = {}  # (device type, index) -> the Triton check kernel can run there
+
+
+@torch.compiler.assume_constant_result  # a constant under torch.compile (no device query traced)
+def _triton_checks(device_type: str, index) -> bool:
+    """Whether the device-side check can be the Triton kernel (else torch ops: no triton, an old GPU)."""
+    if device_type == "cpu":
+        return _env.INTERPRET and not _env.INTERPRETER_NUMPY_PROBLEM
+    ok = _CHECKABLE.get((device_type, index))
+    if ok is None:
+        device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+        ok = _CHECKABLE[device_type, index] = not triton_device_reasons(device, torch.float32)
+    return ok
+
+
 def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Snew: int, capacity: int,
                   q_moves: bool) -> None:
-    """Every index the kernels will follow stays inside its tensor (see _check_values)."""
+    """Every index the kernels will follow stays inside its tensor: on CPU read on the host (a ValueError
+    naming the first bad entry); otherwise on the device without a sync, by the check kernel
+    (flashtx::kvcache_check) and one torch._assert_async of its flag, launched before the append and
+    attention kernels (an assert stops every later kernel of the stream)."""
     readable = _values_readable(seqlens)
+    dev = seqlens.device
+    if not readable and _triton_checks(dev.type, dev.index):
+        paged = block_table is not None
+        flag = call(_decode_op.kvcache_check, seqlens, leftpad, batch_idx, block_table, Snew, capacity,
+                    k_cache.shape[0], k_cache.shape[1] if paged else 1, cos.shape[0] if cos is not None else -1,
+                    q.shape[1] - 1 if q_moves and cos is not None else 0)
+        torch._assert_async(flag, _ASSERT_MESSAGES[leftpad is not None, batch_idx is not None, paged,
+                                                   cos is not None])
+        return
     lens = seqlens.long()
     end = lens + Snew
     _check_values((lens >= 0) & (end <= capacity), readable,
