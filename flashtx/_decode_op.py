@@ -7,7 +7,8 @@ mutation and the attention a pure function of the written cache:
   when given) and v at positions cache_seqlens[b] + t, and returns q rotated (an empty tensor when
   there are no tables: use q itself).
 - `flashtx::kvcache_attention`: attention of q over each sequence's keys [cache_leftpad[b],
-  cache_seqlens[b]) of the (contiguous or paged) cache; returns (out, lse2) with lse2 in log2 units.
+  cache_seqlens[b] + snew) of the (contiguous or paged) cache (snew: the tokens just appended);
+  returns (out, lse2) with lse2 in log2 units.
 - `flashtx::kvcache_check`: the index check on the device (triton_kernels/decode_check.py): a (1,)
   int32 flag, 1 when every index the other two would follow is in range, for torch._assert_async.
 
@@ -117,7 +118,7 @@ class DecodeReference:
         v_cache.index_put_((i0, i1), v)
 
     def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *,
-                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0):
+                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0, snew=0):
         B, Sq, Hq, D = q.shape
         dev = q.device
         page = k_cache.shape[1]
@@ -130,7 +131,7 @@ class DecodeReference:
         k = k_cache[i0, i1].to(acc).transpose(1, 2)  # (B, Hkv, cap, D)
         v = v_cache[i0, i1].to(acc).transpose(1, 2)
         qh = q.to(acc).transpose(1, 2)  # (B, Hq, Sq, D)
-        end = seqlens.long()[:, None, None]  # (B, 1, 1)
+        end = seqlens.long()[:, None, None] + snew  # (B, 1, 1)
         start = leftpad.long()[:, None, None] if leftpad is not None else torch.zeros_like(end)
         qpos = end - Sq + torch.arange(Sq, device=dev)[None, :, None]  # (B, Sq, 1) bottom-right
         jj = j[None, None, :]
@@ -197,14 +198,14 @@ def kvcache_append(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tens
 def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                       cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
                       block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: float, causal: bool,
-                      window_left: int, window_right: int, softcap: float, num_splits: int,
+                      window_left: int, window_right: int, softcap: float, num_splits: int, snew: int,
                       backend: str) -> tuple[Tensor, Tensor]:
     B, Sq, Hq, _ = q.shape
     out = q.new_empty((B, Sq, Hq, v_cache.shape[-1]))
     lse2 = q.new_empty((B, Hq, Sq), dtype=_ACC[q.dtype])
     IMPLS[backend].attention(q, k_cache, v_cache, out, lse2, cache_seqlens, cache_leftpad, cache_batch_idx,
                              block_table, alibi_slopes, scale=scale, causal=causal,
-                             window=(window_left, window_right), softcap=softcap, num_splits=num_splits)
+                             window=(window_left, window_right), softcap=softcap, num_splits=num_splits, snew=snew)
     return out, lse2
 
 

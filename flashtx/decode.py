@@ -181,19 +181,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     name = _decode_op.select(q, k_cache, v_cache, backend, dict(
         k=k, rotary_cos=rotary_cos, cache_leftpad=cache_leftpad, alibi=alibi, window=window, softcap=softcap,
         capacity=capacity))
-    seqlens = cache_seqlens
     if Snew or rotary_cos is not None:
-        q_rot = call(_decode_op.kvcache_append, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens,
+        q_rot = call(_decode_op.kvcache_append, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                      cache_batch_idx, block_table, bool(rotary_interleaved), not (bool(causal) or window != (-1, -1)),
                      name)
         if rotary_cos is not None:
             q = q_rot
-        if Snew:
-            seqlens = seqlens + Snew
-    seqlens = seqlens.to(torch.int32)
-    out, lse2 = call(_decode_op.kvcache_attention, q, k_cache, v_cache, seqlens, cache_leftpad, cache_batch_idx,
+    # the keys end at cache_seqlens + Snew: the kernels add Snew themselves (no device op here)
+    out, lse2 = call(_decode_op.kvcache_attention, q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
                      block_table, alibi, scale, bool(causal), window[0], window[1], float(softcap), int(num_splits),
-                     name)
+                     Snew, name)
     if return_softmax_lse:
         return out, lse2 * LN2
     return out
