@@ -169,8 +169,14 @@ def select(q: Tensor, k_cache: Tensor, v_cache: Tensor, backend: str | None, cal
                               lambda: DecodeInputs(q, k_cache, v_cache, call, automatic=backend is None),
                               lambda: f"q {tuple(q.shape)} {q.dtype} on {q.device}, k_cache {tuple(k_cache.shape)}")
     # the common case: the choice depends only on the device, dtype and head dims (a constant under compile)
-    return _dispatch.plan_kinds("kvcache_attention", backend, q.device.type, q.device.index, q.dtype,
-                                int(q.shape[-1]), int(v_cache.shape[-1]))
+    dev = q.device
+    if not torch.compiler.is_compiling():  # eager: plan_kinds's own cache entry, read directly
+        name = _dispatch._PLANS.get(("kvcache_attention", backend, (dev.type, dev.index, q.dtype, q.shape[-1],
+                                                                    v_cache.shape[-1])))
+        if name is not None:
+            return name
+    return _dispatch.plan_kinds("kvcache_attention", backend, dev.type, dev.index, q.dtype, int(q.shape[-1]),
+                                int(v_cache.shape[-1]))
 
 
 def _standin(device, dtype, d: int, dv: int) -> DecodeInputs:

@@ -11,10 +11,19 @@ from torch import Tensor
 from . import _decode_op, _env
 from ._library import call
 from .backends import triton_device_reasons
-from ._validate import _values_readable, check_alibi, check_softcap, check_tensor, check_window, resolve_scale
+from . import _validate
+from ._validate import check_alibi, check_softcap, check_tensor, check_window, resolve_scale
 
 LN2 = math.log(2.0)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _values_readable(t: Tensor) -> bool:
+    """_validate._values_readable (values readable on the host for free), without its per-call import for
+    plain tensors (never fake)."""
+    if type(t) is Tensor:
+        return t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return _validate._values_readable(t)
 
 
 def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:
@@ -23,7 +32,7 @@ def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:
     if not isinstance(t, Tensor) or t.dtype not in _INDEX_DTYPES:
         got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
         raise TypeError(f"{name} must be an int32 tensor of shape {shape}; got {got}")
-    if tuple(t.shape) != shape:
+    if t.shape != shape:
         raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
@@ -31,6 +40,8 @@ def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:
 
 
 def _check_like(name: str, t, dims: int, q: Tensor, shape_doc: str) -> None:
+    if type(t) is Tensor and t is not q and t.dtype == q.dtype and t.dim() == dims and t.device == q.device:
+        return  # the common case (q itself passed check_tensor first)
     check_tensor(name, t)
     if t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D {shape_doc}; got shape {tuple(t.shape)}")
@@ -114,7 +125,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_like("k_cache", k_cache, 4, q, layout)
     _check_like("v_cache", v_cache, 4, q, layout)
     B, Sq, Hq, D = q.shape
-    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]) or k_cache.shape[3] != D:
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != D:
         raise ValueError(f"k_cache must be {layout} with D = q's {D} and v_cache must match its first three dims; "
                          f"got k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
@@ -127,7 +138,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_like("k", k, 4, q, "(B, Snew, Hkv, D)")
         _check_like("v", v, 4, q, "(B, Snew, Hkv, Dv)")
         Snew = k.shape[1]
-        if tuple(k.shape) != (B, Snew, Hkv, D) or tuple(v.shape) != (B, Snew, Hkv, Dv):
+        if k.shape != (B, Snew, Hkv, D) or v.shape != (B, Snew, Hkv, Dv):
             raise ValueError(f"k and v must be (B, Snew, Hkv, D) = ({B}, Snew, {Hkv}, {D}) and (..., {Dv}); "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
     if paged:
@@ -157,9 +168,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim "
                              f"<= D = {D}; got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()  # read with unit column stride
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+    if type(num_splits) is not int and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)) \
+            or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic); got {num_splits!r}")
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+    if type(cache_seqlens) is Tensor:  # the common case first
+        cache_seqlens = _check_index("cache_seqlens", cache_seqlens, (B,), q)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     elif cache_seqlens is None:
         cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
@@ -167,8 +181,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = _check_index("cache_seqlens", cache_seqlens, (B,), q)
     cache_batch_idx = _check_index("cache_batch_idx", cache_batch_idx, (B,), q)
     cache_leftpad = _check_index("cache_leftpad", cache_leftpad, (B,), q)
-    window = check_window("window_size", window_size)
-    softcap = check_softcap("softcap", softcap)
+    if type(window_size) is tuple and window_size == (-1, -1):  # the default, without the generic checks
+        window = (-1, -1)
+    else:
+        window = check_window("window_size", window_size)
+    softcap = 0.0 if type(softcap) is float and softcap == 0.0 else check_softcap("softcap", softcap)
     alibi = check_alibi("alibi_slopes", alibi_slopes, B, Hq, q)
     scale = resolve_scale("softmax_scale", softmax_scale, D)
     if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
@@ -178,7 +195,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew,
                   capacity, bool(causal) or window != (-1, -1))
 
-    name = _decode_op.select(q, k_cache, v_cache, backend, dict(
+    name = _decode_op.select(q, k_cache, v_cache, backend, None if backend is None else dict(
         k=k, rotary_cos=rotary_cos, cache_leftpad=cache_leftpad, alibi=alibi, window=window, softcap=softcap,
         capacity=capacity))
     if Snew or rotary_cos is not None:
