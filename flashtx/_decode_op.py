@@ -220,7 +220,7 @@ def kvcache_check(cache_seqlens: Tensor, cache_leftpad: Optional[Tensor], cache_
                   block_table: Optional[Tensor], snew: int, capacity: int, rows: int, page: int, cos_rows: int,
                   q_extra: int) -> Tensor:
     """(1,) int32: 1 when every index is in range (see triton_kernels/decode_check.py). Triton only."""
-    flag = cache_seqlens.new_empty(1, dtype=torch.int32)
+    flag = torch.empty(1, dtype=torch.int32, device=cache_seqlens.device)
     if cache_seqlens.shape[0] == 0:
         return flag.fill_(1)
     _TRITON.checks.decode_check(flag, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, snew=snew,
