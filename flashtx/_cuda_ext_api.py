@@ -254,9 +254,11 @@ class DecodeCUDA:
             q_out.copy_(q_rot)
 
     def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *,
-                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0):
+                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0, snew=0):
         self._refuse_unimplemented(cache_leftpad=leftpad is not None, alibi_slopes=alibi is not None,
                                    window_size=tuple(window) != (-1, -1), softcap=softcap > 0)
+        if snew:  # the keys end after the tokens just appended
+            seqlens = seqlens + snew
         o, lse = decode_attention(_vec(q), k_cache, v_cache, _int32(seqlens), block_table=_int32(block_table),
                                   cache_batch_idx=_int32(batch_idx), softmax_scale=scale, causal=causal,
                                   num_splits=min(int(num_splits), _ext.MAX_SPLITS), return_lse=True)

@@ -7,7 +7,10 @@ mutation and the attention a pure function of the written cache:
   when given) and v at positions cache_seqlens[b] + t, and returns q rotated (an empty tensor when
   there are no tables: use q itself).
 - `flashtx::kvcache_attention`: attention of q over each sequence's keys [cache_leftpad[b],
-  cache_seqlens[b]) of the (contiguous or paged) cache; returns (out, lse2) with lse2 in log2 units.
+  cache_seqlens[b] + snew) of the (contiguous or paged) cache (snew: the tokens just appended);
+  returns (out, lse2) with lse2 in log2 units.
+- `flashtx::kvcache_check`: the index check on the device (triton_kernels/decode_check.py): a (1,)
+  int32 flag, 1 when every index the other two would follow is in range, for torch._assert_async.
 
 Layouts and alignment: see flashtx.triton_kernels.decode. Inference only: no autograd formula
 is registered (flashtx.flash_attn_with_kvcache refuses inputs that require grad).
@@ -15,6 +18,7 @@ is registered (flashtx.flash_attn_with_kvcache refuses inputs that require grad)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -49,17 +53,26 @@ class DecodeTriton:
             reasons.append(f"head dim {d} is above {MAX_HEAD_DIM}")
         return reasons
 
+    @functools.cached_property
+    def kernels(self):  # imported once, on first use (never without triton)
+        from .triton_kernels import decode
+
+        return decode
+
+    @functools.cached_property
+    def checks(self):
+        from .triton_kernels import decode_check
+
+        return decode_check
+
     def append(self, q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *,
                interleaved, q_same_pos):
-        from .triton_kernels.decode import kv_append
-
-        kv_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
-                  interleaved=interleaved, q_same_pos=q_same_pos)
+        self.kernels.kv_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
+                               interleaved=interleaved, q_same_pos=q_same_pos)
 
     def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, **kw):
-        from .triton_kernels.decode import decode_attention
-
-        decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, **kw)
+        self.kernels.decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table,
+                                      alibi, **kw)
 
 
 def _positions(block_table, batch_idx, B: int, pos: Tensor, page: int, device):
@@ -105,7 +118,7 @@ class DecodeReference:
         v_cache.index_put_((i0, i1), v)
 
     def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *,
-                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0):
+                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0, snew=0):
         B, Sq, Hq, D = q.shape
         dev = q.device
         page = k_cache.shape[1]
@@ -118,7 +131,7 @@ class DecodeReference:
         k = k_cache[i0, i1].to(acc).transpose(1, 2)  # (B, Hkv, cap, D)
         v = v_cache[i0, i1].to(acc).transpose(1, 2)
         qh = q.to(acc).transpose(1, 2)  # (B, Hq, Sq, D)
-        end = seqlens.long()[:, None, None]  # (B, 1, 1)
+        end = seqlens.long()[:, None, None] + snew  # (B, 1, 1)
         start = leftpad.long()[:, None, None] if leftpad is not None else torch.zeros_like(end)
         qpos = end - Sq + torch.arange(Sq, device=dev)[None, :, None]  # (B, Sq, 1) bottom-right
         jj = j[None, None, :]
@@ -138,8 +151,9 @@ class DecodeReference:
         lse2.copy_(lse / reference.LN2)
 
 
+_TRITON = DecodeTriton()
 for _op in ("kvcache_append", "kvcache_attention"):
-    _dispatch.register(_op, "triton", DecodeTriton())
+    _dispatch.register(_op, "triton", _TRITON)
     _dispatch.register(_op, "reference", DecodeReference())
 from . import cuda_ext  # noqa: E402,F401  registers the CUDA extension as "cuda", explicit only until measured
 IMPLS = _dispatch.IMPLS["kvcache_attention"]
@@ -155,8 +169,14 @@ def select(q: Tensor, k_cache: Tensor, v_cache: Tensor, backend: str | None, cal
                               lambda: DecodeInputs(q, k_cache, v_cache, call, automatic=backend is None),
                               lambda: f"q {tuple(q.shape)} {q.dtype} on {q.device}, k_cache {tuple(k_cache.shape)}")
     # the common case: the choice depends only on the device, dtype and head dims (a constant under compile)
-    return _dispatch.plan_kinds("kvcache_attention", backend, q.device.type, q.device.index, q.dtype,
-                                int(q.shape[-1]), int(v_cache.shape[-1]))
+    dev = q.device
+    if not torch.compiler.is_compiling():  # eager: plan_kinds's own cache entry, read directly
+        name = _dispatch._PLANS.get(("kvcache_attention", backend, (dev.type, dev.index, q.dtype, q.shape[-1],
+                                                                    v_cache.shape[-1])))
+        if name is not None:
+            return name
+    return _dispatch.plan_kinds("kvcache_attention", backend, dev.type, dev.index, q.dtype, int(q.shape[-1]),
+                                int(v_cache.shape[-1]))
 
 
 def _standin(device, dtype, d: int, dv: int) -> DecodeInputs:
@@ -184,12 +204,25 @@ def kvcache_append(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tens
 def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                       cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
                       block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: float, causal: bool,
-                      window_left: int, window_right: int, softcap: float, num_splits: int,
+                      window_left: int, window_right: int, softcap: float, num_splits: int, snew: int,
                       backend: str) -> tuple[Tensor, Tensor]:
     B, Sq, Hq, _ = q.shape
     out = q.new_empty((B, Sq, Hq, v_cache.shape[-1]))
     lse2 = q.new_empty((B, Hq, Sq), dtype=_ACC[q.dtype])
     IMPLS[backend].attention(q, k_cache, v_cache, out, lse2, cache_seqlens, cache_leftpad, cache_batch_idx,
                              block_table, alibi_slopes, scale=scale, causal=causal,
-                             window=(window_left, window_right), softcap=softcap, num_splits=num_splits)
+                             window=(window_left, window_right), softcap=softcap, num_splits=num_splits, snew=snew)
     return out, lse2
+
+
+@triton_op("flashtx::kvcache_check", mutates_args=())
+def kvcache_check(cache_seqlens: Tensor, cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
+                  block_table: Optional[Tensor], snew: int, capacity: int, rows: int, page: int, cos_rows: int,
+                  q_extra: int) -> Tensor:
+    """(1,) int32: 1 when every index is in range (see triton_kernels/decode_check.py). Triton only."""
+    flag = torch.empty(1, dtype=torch.int32, device=cache_seqlens.device)
+    if cache_seqlens.shape[0] == 0:
+        return flag.fill_(1)
+    _TRITON.checks.decode_check(flag, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, snew=snew,
+                                capacity=capacity, rows=rows, page=page, cos_rows=cos_rows, q_extra=q_extra)
+    return flag

@@ -1,18 +1,29 @@
 """`flashtx.flash_attn_with_kvcache`: flash-attn 2's decoding entry point, on flashtx's split-KV kernels."""
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 
 import torch
 from torch import Tensor
 
-from . import _decode_op
+from . import _decode_op, _env
 from ._library import call
-from ._validate import _values_readable, check_alibi, check_softcap, check_tensor, check_window, resolve_scale
+from .backends import triton_device_reasons
+from . import _validate
+from ._validate import check_alibi, check_softcap, check_tensor, check_window, resolve_scale
 
 LN2 = math.log(2.0)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _values_readable(t: Tensor) -> bool:
+    """_validate._values_readable (values readable on the host for free), without its per-call import for
+    plain tensors (never fake)."""
+    if type(t) is Tensor:
+        return t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return _validate._values_readable(t)
 
 
 def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:
@@ -21,7 +32,7 @@ def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:
     if not isinstance(t, Tensor) or t.dtype not in _INDEX_DTYPES:
         got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
         raise TypeError(f"{name} must be an int32 tensor of shape {shape}; got {got}")
-    if tuple(t.shape) != shape:
+    if t.shape != shape:
         raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
@@ -29,6 +40,8 @@ def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:
 
 
 def _check_like(name: str, t, dims: int, q: Tensor, shape_doc: str) -> None:
+    if type(t) is Tensor and t is not q and t.dtype == q.dtype and t.dim() == dims and t.device == q.device:
+        return  # the common case (q itself passed check_tensor first)
     check_tensor(name, t)
     if t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D {shape_doc}; got shape {tuple(t.shape)}")
@@ -112,7 +125,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_like("k_cache", k_cache, 4, q, layout)
     _check_like("v_cache", v_cache, 4, q, layout)
     B, Sq, Hq, D = q.shape
-    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]) or k_cache.shape[3] != D:
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != D:
         raise ValueError(f"k_cache must be {layout} with D = q's {D} and v_cache must match its first three dims; "
                          f"got k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
@@ -125,7 +138,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_like("k", k, 4, q, "(B, Snew, Hkv, D)")
         _check_like("v", v, 4, q, "(B, Snew, Hkv, Dv)")
         Snew = k.shape[1]
-        if tuple(k.shape) != (B, Snew, Hkv, D) or tuple(v.shape) != (B, Snew, Hkv, Dv):
+        if k.shape != (B, Snew, Hkv, D) or v.shape != (B, Snew, Hkv, Dv):
             raise ValueError(f"k and v must be (B, Snew, Hkv, D) = ({B}, Snew, {Hkv}, {D}) and (..., {Dv}); "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
     if paged:
@@ -155,9 +168,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim "
                              f"<= D = {D}; got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()  # read with unit column stride
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+    if type(num_splits) is not int and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)) \
+            or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic); got {num_splits!r}")
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+    if type(cache_seqlens) is Tensor:  # the common case first
+        cache_seqlens = _check_index("cache_seqlens", cache_seqlens, (B,), q)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     elif cache_seqlens is None:
         cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
@@ -165,8 +181,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = _check_index("cache_seqlens", cache_seqlens, (B,), q)
     cache_batch_idx = _check_index("cache_batch_idx", cache_batch_idx, (B,), q)
     cache_leftpad = _check_index("cache_leftpad", cache_leftpad, (B,), q)
-    window = check_window("window_size", window_size)
-    softcap = check_softcap("softcap", softcap)
+    if type(window_size) is tuple and window_size == (-1, -1):  # the default, without the generic checks
+        window = (-1, -1)
+    else:
+        window = check_window("window_size", window_size)
+    softcap = 0.0 if type(softcap) is float and softcap == 0.0 else check_softcap("softcap", softcap)
     alibi = check_alibi("alibi_slopes", alibi_slopes, B, Hq, q)
     scale = resolve_scale("softmax_scale", softmax_scale, D)
     if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
@@ -176,31 +195,75 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew,
                   capacity, bool(causal) or window != (-1, -1))
 
-    name = _decode_op.select(q, k_cache, v_cache, backend, dict(
+    name = _decode_op.select(q, k_cache, v_cache, backend, None if backend is None else dict(
         k=k, rotary_cos=rotary_cos, cache_leftpad=cache_leftpad, alibi=alibi, window=window, softcap=softcap,
         capacity=capacity))
-    seqlens = cache_seqlens
     if Snew or rotary_cos is not None:
-        q_rot = call(_decode_op.kvcache_append, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens,
+        q_rot = call(_decode_op.kvcache_append, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                      cache_batch_idx, block_table, bool(rotary_interleaved), not (bool(causal) or window != (-1, -1)),
                      name)
         if rotary_cos is not None:
             q = q_rot
-        if Snew:
-            seqlens = seqlens + Snew
-    seqlens = seqlens.to(torch.int32)
-    out, lse2 = call(_decode_op.kvcache_attention, q, k_cache, v_cache, seqlens, cache_leftpad, cache_batch_idx,
+    # the keys end at cache_seqlens + Snew: the kernels add Snew themselves (no device op here)
+    out, lse2 = call(_decode_op.kvcache_attention, q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
                      block_table, alibi, scale, bool(causal), window[0], window[1], float(softcap), int(num_splits),
-                     name)
+                     Snew, name)
     if return_softmax_lse:
         return out, lse2 * LN2
     return out
 
 
+def _assert_message(leftpad: bool, batch_idx: bool, paged: bool, rotary: bool) -> str:
+    """The device-side assert's message: the conditions the check kernel evaluated."""
+    conds = ["cache_seqlens must be >= 0 and stay within the cache with the new tokens (cache_seqlens + Snew <= "
+             "capacity)"]
+    if leftpad:
+        conds.append("cache_leftpad must be in [0, cache_seqlens + Snew]")
+    if batch_idx:
+        conds.append("cache_batch_idx must be in [0, k_cache.shape[0])")
+    if paged:
+        conds.append("the block_table entries of the pages in use must be in [0, num_pages)")
+    if rotary:
+        conds.append("every rotated position must be a row of rotary_cos/rotary_sin")
+    return (f"flashtx.flash_attn_with_kvcache: an index is out of range: {'; '.join(conds)} (run the call on CPU "
+            "tensors for an error that names the exact entry)")
+
+
+# (cache_leftpad?, cache_batch_idx?, block_table?, rotary?) -> message: built once (a constant under torch.compile)
+_ASSERT_MESSAGES = {flags: _assert_message(*flags) for flags in itertools.product((False, True), repeat=4)}
+
+
+_CHECKABLE: dict = {}  # (device type, index) -> the Triton check kernel can run there
+
+
+@torch.compiler.assume_constant_result  # a constant under torch.compile (no device query traced)
+def _triton_checks(device_type: str, index) -> bool:
+    """Whether the device-side check can be the Triton kernel (else torch ops: no triton, an old GPU)."""
+    if device_type == "cpu":
+        return _env.INTERPRET and not _env.INTERPRETER_NUMPY_PROBLEM
+    ok = _CHECKABLE.get((device_type, index))
+    if ok is None:
+        device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+        ok = _CHECKABLE[device_type, index] = not triton_device_reasons(device, torch.float32)
+    return ok
+
+
 def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Snew: int, capacity: int,
                   q_moves: bool) -> None:
-    """Every index the kernels will follow stays inside its tensor (see _check_values)."""
+    """Every index the kernels will follow stays inside its tensor: on CPU read on the host (a ValueError
+    naming the first bad entry); otherwise on the device without a sync, by the check kernel
+    (flashtx::kvcache_check) and one torch._assert_async of its flag, launched before the append and
+    attention kernels (an assert stops every later kernel of the stream)."""
     readable = _values_readable(seqlens)
+    dev = seqlens.device
+    if not readable and _triton_checks(dev.type, dev.index):
+        paged = block_table is not None
+        flag = call(_decode_op.kvcache_check, seqlens, leftpad, batch_idx, block_table, Snew, capacity,
+                    k_cache.shape[0], k_cache.shape[1] if paged else 1, cos.shape[0] if cos is not None else -1,
+                    q.shape[1] - 1 if q_moves and cos is not None else 0)
+        torch._assert_async(flag, _ASSERT_MESSAGES[leftpad is not None, batch_idx is not None, paged,
+                                                   cos is not None])
+        return
     lens = seqlens.long()
     end = lens + Snew
     _check_values((lens >= 0) & (end <= capacity), readable,

@@ -34,7 +34,8 @@ def traced():
     ("patch-sdpa", FWD, BWD),
     # RoPE (q and k in one launch, its backward the same kernel conjugated) and SwiGLU, around attention
     ("transformer-block", FWD + ["_rotary_kernel", "_swiglu_kernel"], BWD + ["_rotary_kernel", "_swiglu_kernel"]),
-    ("decode", ["_kv_append", "_decode_fwd"], None),  # flash_attn_with_kvcache: append in place, then attend
+    # flash_attn_with_kvcache: the index check (its flag asserted on the device), append in place, then attend
+    ("decode", ["_decode_check", "_kv_append", "_decode_fwd"], None),
 ])
 def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):
     res = traced[case]

@@ -9,7 +9,8 @@ viewed as (B, S, H, D) run without copies):
   D-contiguous rows), so any page size works; flashtx asks for multiples of 16.
 
 Positions are cache indices: sequence b's keys are [start_b, end_b) with start_b = cache_leftpad[b]
-(0 without) and end_b = cache_seqlens[b] (after the append). Queries are aligned bottom-right:
+(0 without) and end_b = cache_seqlens[b] + SNEW (the tokens just appended: the attention reads the
+lengths from before the append, so no device op adds them). Queries are aligned bottom-right:
 query i sits at position end_b - Sq + i, sees keys j <= end_b - Sq + i + right (causal: right = 0)
 and j >= end_b - Sq + i - left (window), and ALiBi adds -slope * |end_b - Sq + i - j|, as flash-attn.
 
@@ -29,8 +30,9 @@ import triton
 import triton.language as tl
 
 from .attention_common import scalar_in, tanh
-from .configs import INTERPRETER_TARGET, KNOWN_TARGETS, Target, head_dim_bucket
-from .launch import ACC_DTYPE, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block, split_f32, target_for
+from .configs import INTERPRETER_TARGET, KNOWN_TARGETS, ElementwiseConfig, Target, head_dim_bucket
+from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block, split_f32,
+                     target_for)
 
 
 @triton.jit
@@ -129,7 +131,7 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL,
                 stride_vb, stride_vn, stride_vh, stride_vd,
                 stride_os, stride_ob, stride_om, stride_oh, stride_od,
                 stride_ls, stride_lb, stride_lh, stride_lm, stride_btb, stride_alb,
-                Sq, GROUP, M_TILES, NUM_SPLITS, D, DV, PAGE, right, left, qk_scale_hi, qk_scale_lo,
+                Sq, SNEW, GROUP, M_TILES, NUM_SPLITS, D, DV, PAGE, right, left, qk_scale_hi, qk_scale_lo,
                 softcap_hi, softcap_lo, log2e_hi, log2e_lo,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, LEFTPAD_ON: tl.constexpr, PAGED: tl.constexpr,
@@ -139,7 +141,7 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL,
     kvh = tl.program_id(1) // M_TILES
     mt = tl.program_id(1) % M_TILES
     b = tl.program_id(2)
-    end = tl.load(SEQLENS + b).to(tl.int32)  # keys [start, end) of this sequence
+    end = tl.load(SEQLENS + b).to(tl.int32) + SNEW  # keys [start, end) of this sequence
     start = end * 0
     if LEFTPAD_ON:
         start = tl.load(LEFTPAD + b).to(tl.int32)
@@ -311,10 +313,18 @@ def num_splits_heuristic(programs: int, key_tiles: int, sms: int, max_splits: in
     return next(s for s, e in enumerate(eff, 1) if e >= 0.85 * best)
 
 
-def _sm_count(t: torch.Tensor) -> int:
-    if t.device.type == "cuda" and target_for(t) is not INTERPRETER_TARGET:
-        return torch.cuda.get_device_properties(t.device).multi_processor_count
-    return 4  # the interpreter: small enough that test shapes split
+def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Target) -> int:
+    """Key-range splits per sequence: num_splits clamped to the key tiles (at most MAX_SPLITS), or for 0
+    flash-attn's heuristic (num_splits_heuristic) for the target's SM count (4 in the interpreter)."""
+    B, Sq, Hq, D = q.shape
+    Hkv, DV = k_cache.shape[2], v_cache.shape[3]
+    cfg = decode_config(D, DV, q.element_size(), target)
+    m_tiles = cdiv(Hq // Hkv * Sq, max(16, min(cfg.max_block_m, _pow2(Hq // Hkv * Sq))))
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    key_tiles = cdiv(capacity, cfg.block_n)
+    if num_splits <= 0:
+        num_splits = num_splits_heuristic(B * Hkv * m_tiles, key_tiles, target.sm_count or 4)
+    return max(1, min(num_splits, key_tiles, MAX_SPLITS))
 
 
 def plan_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *,
@@ -329,7 +339,7 @@ def plan_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, 
     dummy = seqlens
     R2 = cos.shape[1] if rotary else 0
     qo = q_out if rotary else q
-    kn, vn = (k, v) if k is not None else (k_cache[:1, :1], v_cache[:1, :1])  # never read
+    kn, vn = (k, v) if k is not None else (k_cache, v_cache)  # never read
     st = lambda t: tuple(t.stride())  # noqa: E731
     args = dict(Q=q, QO=qo, KN=kn, VN=vn, KC=k_cache, VC=v_cache, COS=cos if rotary else dummy,
                 SIN=sin if rotary else dummy, SEQLENS=seqlens, BIDX=batch_idx if batch_idx is not None else dummy,
@@ -349,18 +359,18 @@ def plan_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, 
                 HAS_KV=Snew > 0, PAGED=block_table is not None, BATCH_IDX=batch_idx is not None,
                 ACC=ACC_DTYPE[q.dtype])
     warps = 1 if (target or target_for(q)) is INTERPRETER_TARGET else 4
-    from .configs import ElementwiseConfig
     return Launch(_kv_append, (max(Sq if rotary else 0, Snew), B), args, ElementwiseConfig(1, 1, warps, 1))
 
 
 def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *, scale: float,
-                causal: bool, window=(-1, -1), softcap: float = 0.0, num_splits: int = 0, target=None,
+                causal: bool, window=(-1, -1), softcap: float = 0.0, num_splits: int = 0, snew: int = 0, target=None,
                 partials=None) -> list[Launch]:
     """Launches for attention of q (B, Sq, Hq, D) over the cache; see the module docstring.
 
-    seqlens: (B,) int32 end of each sequence's keys; leftpad/batch_idx/block_table/alibi: optional.
-    out (B, Sq, Hq, Dv), lse2 (B, Hq, Sq) in log2 units. partials: (o (S, B, Sq, Hq, Dv), lse
-    (S, B, Hq, Sq)) in the accumulator dtype for S > 1 splits, or None to allocate them.
+    seqlens: (B,) int32 (or int64) lengths before the append of snew tokens (the keys end at seqlens + snew);
+    leftpad/batch_idx/block_table/alibi: optional. out (B, Sq, Hq, Dv), lse2 (B, Hq, Sq) in log2 units.
+    partials: (o (S, B, Sq, Hq, Dv), lse (S, B, Hq, Sq)) in the accumulator dtype for S = split_count(...) > 1
+    splits, or None to allocate them.
     """
     B, Sq, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
@@ -370,11 +380,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
     block_m = max(16, min(cfg.max_block_m, _pow2(group * Sq)))
     m_tiles = cdiv(group * Sq, block_m)
     paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    key_tiles = cdiv(capacity, cfg.block_n)
-    if num_splits <= 0:
-        num_splits = num_splits_heuristic(B * Hkv * m_tiles, key_tiles, _sm_count(q) if target is not None else 4)
-    num_splits = max(1, min(num_splits, key_tiles, MAX_SPLITS))
+    num_splits = split_count(q, k_cache, v_cache, block_table, num_splits, target)
     left, right = (int(x) for x in window)
     has_right = bool(causal) or right >= 0
     if num_splits > 1:
@@ -401,7 +407,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                 **dict(zip(("stride_ls", "stride_lb", "stride_lh", "stride_lm"), l_st)),
                 stride_btb=block_table.stride(0) if paged else 0,
                 stride_alb=alibi.stride(0) if alibi is not None and alibi.shape[0] > 1 else 0,
-                Sq=Sq, GROUP=group, M_TILES=m_tiles, NUM_SPLITS=num_splits, D=D, DV=DV,
+                Sq=Sq, SNEW=int(snew), GROUP=group, M_TILES=m_tiles, NUM_SPLITS=num_splits, D=D, DV=DV,
                 PAGE=k_cache.shape[1] if paged else 1, right=(0 if causal else right) if has_right else 0,
                 left=max(left, 0), qk_scale_hi=sc_hi, qk_scale_lo=sc_lo, softcap_hi=cap_hi, softcap_lo=cap_lo,
                 log2e_hi=l2_hi, log2e_lo=l2_lo, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_block(D),
@@ -418,27 +424,62 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                      **dict(zip(("stride_lb", "stride_lh", "stride_lm"), lse2.stride())),
                      Sq=Sq, DV=DV, NUM_SPLITS=num_splits, BLOCK_R=block_r, BLOCK_DV=head_block(DV),
                      ACC=ACC_DTYPE[q.dtype])
-        from .configs import ElementwiseConfig
         warps = 1 if target is INTERPRETER_TARGET else 4
         launches.append(Launch(_decode_combine, (cdiv(Sq, block_r), Hq, B), cargs,
                                ElementwiseConfig(block_r, 1, warps, 1)))
     return launches
 
 
+# the kernel argument each launch-cache input is passed as (the split partials: "OP"/"LP" of the combine)
+_APPEND_ROLES = ("Q", "QO", "KN", "VN", "KC", "VC", "COS", "SIN", "SEQLENS", "BIDX", "BT")
+_DECODE_ROLES = ("Q", "KC", "VC", "O", "LSE", "SEQLENS", "LEFTPAD", "BIDX", "BT", "AL", "OP", "LP")
+
+
 def kv_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *, interleaved: bool,
               q_same_pos: bool) -> None:
-    launch = plan_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
-                         interleaved=interleaved, q_same_pos=q_same_pos)
-    if launch is not None:
-        launch.run()
+    """Run plan_append's launch (nothing when there is nothing to write), replayed per call signature."""
+    def build():
+        launch = plan_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
+                             interleaved=interleaved, q_same_pos=q_same_pos)
+        return [launch] if launch is not None else []
+
+    LAUNCHES.run(("kv_append", q.device, bool(interleaved), bool(q_same_pos)), _APPEND_ROLES,
+                 (q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table), build)
 
 
-def decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, **kw) -> None:
-    """Run plan_decode's launches (nothing for an empty q)."""
+_SPLITS: dict = {}  # split_count per (shapes, dtype, device, num_splits) of eager calls
+
+
+def decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *,
+                     scale: float, causal: bool, window=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
+                     snew: int = 0) -> None:
+    """Run plan_decode's launches (nothing for an empty q), replayed per call signature; the split
+    partials are allocated here, so that a replay rebinds them like every other tensor."""
     if out.numel() == 0 and lse2.numel() == 0:
         return
-    for launch in plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, **kw):
-        launch.run()
+    if type(q) is torch.Tensor:  # eager (fake tensors' symbolic shapes are not hashable)
+        key = (q.shape, k_cache.shape, v_cache.shape[3], None if block_table is None else block_table.shape[1],
+               q.dtype, q.device, num_splits)
+        splits = _SPLITS.get(key)
+        if splits is None:
+            if len(_SPLITS) >= 512:
+                _SPLITS.clear()
+            splits = _SPLITS[key] = split_count(q, k_cache, v_cache, block_table, num_splits, target_for(q))
+    else:
+        splits = split_count(q, k_cache, v_cache, block_table, num_splits, target_for(q))
+    o_part = l_part = None
+    if splits > 1:
+        B, Sq, Hq, _ = q.shape
+        acc = TORCH_ACC_DTYPE[q.dtype]
+        o_part = torch.empty(splits, B, Sq, Hq, v_cache.shape[3], dtype=acc, device=q.device)
+        l_part = torch.empty(splits, B, Hq, Sq, dtype=acc, device=q.device)
+    window = (int(window[0]), int(window[1]))
+    LAUNCHES.run(("decode", q.device, dot_precision(q.dtype), float(scale), bool(causal), window, float(softcap),
+                  splits, int(snew)), _DECODE_ROLES,
+                 (q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, o_part, l_part),
+                 lambda: plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi,
+                                     scale=scale, causal=causal, window=window, softcap=softcap, num_splits=splits,
+                                     snew=snew, partials=(o_part, l_part) if splits > 1 else None))
 
 
 def compile_plans(target) -> list:
