@@ -230,6 +230,33 @@ def _swiglu_bwd(dev, dtype):
     return one(flashtx.swiglu(g, u)), one(F.silu(g) * u)
 
 
+def _decode(dev, dtype):
+    """One generation step of flash_attn_with_kvcache (append the new k/v at cache_seqlens, attend; B=2,
+    Hq/Hkv = 8/2, D=64, a 256-slot cache) against SDPA over the cache's first 100 keys (enable_gqa)."""
+    q, k, v = _rand(2, 1, 8, 64, dev=dev, dtype=dtype), _rand(2, 1, 2, 64, dev=dev, dtype=dtype), \
+        _rand(2, 1, 2, 64, dev=dev, dtype=dtype)
+    kc, vc = _rand(2, 256, 2, 64, dev=dev, dtype=dtype), _rand(2, 256, 2, 64, dev=dev, dtype=dtype)
+    lens = torch.full((2,), 99, dtype=torch.int32, device=dev)
+    qh, kh, vh = q.transpose(1, 2), kc[:, :100].transpose(1, 2), vc[:, :100].transpose(1, 2)  # (B, H, S, D)
+
+    def ours():
+        with torch.no_grad():
+            return flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True)
+
+    def base():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+    return ours, base
+
+
+def _stub(kernel, grid, args) -> None:
+    """The no-op launch of the timed rounds; the decode index check's flag is written as the kernel would
+    for in-range inputs (a device tensor that torch._assert_async reads)."""
+    flag = args.get("FLAG")
+    if flag is not None:
+        flag.fill_(1)
+
+
 SDPA = "F.scaled_dot_product_attention, same call"
 ROWS = [
     Row("attention fwd (no grad)", TARGET_FWD_US, SDPA, _fwd(_attention_fwd, _sdpa_fwd)),
@@ -242,6 +269,7 @@ ROWS = [
     Row("rope q+k bwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE backward", _rope_bwd),
     Row("swiglu fwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up", _swiglu_fwd),
     Row("swiglu bwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up backward", _swiglu_bwd),
+    Row("decode step (append + attend)", None, "SDPA over the cached keys (enable_gqa)", _decode),
 ]
 ROW_NAMES = [r.name for r in ROWS]
 
@@ -310,12 +338,12 @@ def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=No
     ours, base = row.build(dev, dtype)
     launches: list = []
     with getattr(ours, "context", contextlib.nullcontext)():
-        with stub_launches(lambda kernel, grid, args: launches.append(kernel)):
+        with stub_launches(lambda kernel, grid, args: _stub(kernel, grid, args) or launches.append(kernel)):
             ours()  # count the launches of one call (the stub is what is timed below)
         n_launch = len(launches)
         if n_launch == 0:
             raise RuntimeError(f"{row.name}: flashtx launched no kernel: it did not take its Triton backend")
-        with stub_launches():
+        with stub_launches(_stub):
             ours_t, base_t = time_pair([ours, base], dev, repeats, calls, warmup)
             if benchmark is not None:
                 was = gc.isenabled()

@@ -27,7 +27,7 @@ PASSES = ["fwd", "bwd", "fwd+bwd"]
 MODEL_ORDER = ["flashtx", "sdpa", "eager"]  # bench/test_models.py's providers
 OVERHEAD_ORDER = ["attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
                   "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
-                  "swiglu fwd", "swiglu bwd"]  # bench/overhead.py's rows
+                  "swiglu fwd", "swiglu bwd", "decode step (append + attend)"]  # bench/overhead.py's rows
 VARIANT_ORDER = ["full", "window1024", "varlen16x1k", "bias", "boolmask", "softcap+alibi", "dropout0.1"]
 # Issue 3's targets: (pass, provider, minimum ratio provider_time / flashtx_time, what it says)
 TARGETS = [("fwd", "sdpa-flash", 1.0, "attention forward >= 1.0x SDPA-FLASH (FlashAttention-2 inside PyTorch)"),

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU check; on
 
 EXPECTED_ROWS = ["attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
                  "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
-                 "swiglu fwd", "swiglu bwd"]
+                 "swiglu fwd", "swiglu bwd", "decode step (append + attend)"]
 
 
 def test_overhead_tool_reports_every_row(tmp_path, capsys):
@@ -32,7 +32,7 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
     text = capsys.readouterr().out
     for name in EXPECTED_ROWS:
         assert f"| {name} |" in text, name
-    assert "Met " in text and "of 10 rows" in text
+    assert "Met " in text and f"of {len(EXPECTED_ROWS)} rows" in text
     data = json.loads(out.read_text())
     assert data["environment"]["device"] == "cpu" and "stub" in data["environment"]["mode"]
     rows = {r["row"]: r for r in data["rows"]}
@@ -43,6 +43,7 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
     # the launches each call makes (what stub_launches replaced): fwd 1, bwd preprocess + dK/dV + dQ
     assert rows["attention fwd (no grad)"]["launches_per_call"] == 1
     assert rows["attention bwd"]["launches_per_call"] == 3 and rows["attention fwd+bwd"]["launches_per_call"] == 4
+    assert rows["decode step (append + attend)"]["launches_per_call"] == 2  # append, attend (CPU: host-checked)
     assert {r["target_us"] for r in rows.values()} == {25.0, 80.0, 15.0, None}
 
 
