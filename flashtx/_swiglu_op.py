@@ -51,6 +51,10 @@ class SwigluTriton:
     def backward(self, do, g, u, dg, du) -> None:
         _kernels().swiglu_backward(do, g, u, dg, du)
 
+    def backward_packed(self, do, x, dx) -> None:
+        """dx (M, 2H) = [dgate | dup] of x = [gate | up] (dx may be x), do (M, H)."""
+        _kernels().swiglu_backward_packed(do, x, dx)
+
 
 _KERNELS = []  # [flashtx.triton_kernels.swiglu] once imported (it imports triton: not at flashtx's import)
 
@@ -78,6 +82,10 @@ class SwigluReference:
         a, b = reference.swiglu_backward(do, g, u)  # computed fully before dg/du (maybe g/u) are written
         dg.copy_(a)
         du.copy_(b)
+
+    def backward_packed(self, do, x, dx) -> None:
+        h = x.shape[-1] // 2
+        self.backward(do, x[:, :h], x[:, h:], dx[:, :h], dx[:, h:])
 
 
 _dispatch.register("swiglu", "triton", SwigluTriton())
@@ -182,10 +190,9 @@ def swiglu_packed_op(x: Tensor, inplace_backward: bool, backend: str) -> Tensor:
 @triton_op("flashtx::swiglu_packed_bwd", mutates_args=())
 def swiglu_packed_bwd_op(dout: Tensor, x: Tensor, backend: str) -> Tensor:
     """dx (..., 2H), contiguous, holding [dgate | dup]."""
-    h = x.shape[-1] // 2
     dx = torch.empty_like(x, memory_format=_CONTIGUOUS)
     x2, dx2 = _rows(x), _rows(dx)  # (M, 2H)
-    SWIGLU_BACKENDS[backend].backward(_rows(dout), x2[:, :h], x2[:, h:], dx2[:, :h], dx2[:, h:])
+    SWIGLU_BACKENDS[backend].backward_packed(_rows(dout), x2, dx2)  # not through column views: see the kernel
     return dx
 
 
@@ -193,9 +200,8 @@ def swiglu_packed_bwd_op(dout: Tensor, x: Tensor, backend: str) -> Tensor:
 @triton_op("flashtx::swiglu_packed_bwd_", mutates_args=("x",))
 def swiglu_packed_bwd_inplace_op(dout: Tensor, x: Tensor, backend: str) -> None:
     """Overwrite x (..., 2H) with its gradient [dgate | dup]."""
-    h = x.shape[-1] // 2
     do = _rows(dout)
-    _rows_inplace(x, lambda x2: SWIGLU_BACKENDS[backend].backward(do, x2[:, :h], x2[:, h:], x2[:, :h], x2[:, h:]))
+    _rows_inplace(x, lambda x2: SWIGLU_BACKENDS[backend].backward_packed(do, x2, x2))
 
 
 

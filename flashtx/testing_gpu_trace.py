@@ -13,7 +13,9 @@ stand-ins, in a process where TRITON_INTERPRET is off:
 
 Nothing is executed: the compiled graphs are captured, and stand-in outputs of the right
 metadata let the backward be traced too. Prints JSON: for each case, the Triton kernels in each
-captured graph (forward, then backward), or the error (a graph break raises under fullgraph=True).
+captured graph (forward, then backward) and its scatter ops (what functionalization adds when a kernel
+writes through a view of a tensor: a copy of the whole base), or the error (a graph break raises under
+fullgraph=True).
 
     python -m flashtx.testing_gpu_trace [CASE ...]
 """
@@ -76,15 +78,18 @@ def _capture(fn, args, backward: bool) -> dict:
     out = compiled(*args)
     if backward:
         out.backward()
-    kernels = []
+    kernels, scatters = [], []
     for gm in graphs:
-        names = []
+        names, copied = [], []
         for n in gm.graph.nodes:
             if "triton_kernel_wrapper" in str(n.target) or "TritonKernelWrapper" in type(n.target).__name__:
                 k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
                 names.append(getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", "?"))
+            elif "scatter" in str(n.target):  # a kernel that wrote through a view: copied back over its base
+                copied.append(str(n.target))
         kernels.append(names)
-    return {"kernels": kernels}  # fullgraph=True: a graph break would have raised
+        scatters.append(copied)
+    return {"kernels": kernels, "scatters": scatters}  # fullgraph=True: a graph break would have raised
 
 
 def cases() -> dict:

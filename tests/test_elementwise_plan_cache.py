@@ -29,7 +29,8 @@ def test_swiglu_cached_plan_matches_config_for_every_row_count():
                         cfg = configs.swiglu_config(hidden, rows, target)
                         assert st.cfg == cfg, (target, hidden, rows)
                         assert st.consts == dict(BLOCK_M=cfg.block_rows, BLOCK_H=cfg.block_cols, BACKWARD=backward,
-                                                 FAST_EXP=dtype != torch.float64, ACC=launch.ACC_DTYPE[dtype])
+                                                 FAST_EXP=dtype != torch.float64, ACC=launch.ACC_DTYPE[dtype],
+                                                 PACKED=False)
                         assert st.n_h_tiles == -(-hidden // cfg.block_cols)
 
 

@@ -33,7 +33,11 @@ def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H, n_h_tiles,
                    stride_gm, stride_gh, stride_um, stride_uh, stride_dom, stride_doh,
                    stride_o1m, stride_o1h, stride_o2m, stride_o2h,
                    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, FAST_EXP: tl.constexpr,
-                   ACC: tl.constexpr):
+                   ACC: tl.constexpr, PACKED: tl.constexpr = False):
+    """PACKED: G is an (M, 2H) [gate | up] tensor and U its columns [H, 2H) (U's strides are G's); in the
+    backward OUT1 is the (M, 2H) [dgate | dup] gradient and OUT2 its columns [H, 2H). Writing through
+    one tensor, not through two column views of it, keeps torch.compile from copying the halves back
+    (a kernel that mutates a view is functionalized into a clone and a slice_scatter of the whole base)."""
     # flat grid, column tiles fastest: consecutive programs stream consecutive memory
     pid = tl.program_id(0)
     pid_m = pid // n_h_tiles
@@ -41,8 +45,13 @@ def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H, n_h_tiles,
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,) int32: H < 2**31
     mask = (offs_m[:, None] < M) & (offs_h[None, :] < H)  # (BLOCK_M, BLOCK_H)
+    u_base = U
+    o2_base = OUT2
+    if PACKED:
+        u_base = G + H * stride_gh
+        o2_base = OUT1 + H * stride_o1h
     g = tl.load(G + offs_m[:, None] * stride_gm + offs_h[None, :] * stride_gh, mask=mask, other=0.0).to(ACC)
-    u = tl.load(U + offs_m[:, None] * stride_um + offs_h[None, :] * stride_uh, mask=mask, other=0.0).to(ACC)
+    u = tl.load(u_base + offs_m[:, None] * stride_um + offs_h[None, :] * stride_uh, mask=mask, other=0.0).to(ACC)
     # sigmoid: exp2 (one MUFU.EX2) and a reciprocal; fp64 (interpreter tests) keeps exp, since the
     # log2(e) literal would be fp32 and cost fp64 its precision. exp2(+inf) = inf gives s = 0.
     if FAST_EXP:
@@ -57,8 +66,8 @@ def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H, n_h_tiles,
         du = do * silu
         tl.store(OUT1 + offs_m[:, None] * stride_o1m + offs_h[None, :] * stride_o1h,
                  dg.to(OUT1.dtype.element_ty), mask=mask)
-        tl.store(OUT2 + offs_m[:, None] * stride_o2m + offs_h[None, :] * stride_o2h,
-                 du.to(OUT2.dtype.element_ty), mask=mask)
+        tl.store(o2_base + offs_m[:, None] * stride_o2m + offs_h[None, :] * stride_o2h,
+                 du.to(o2_base.dtype.element_ty), mask=mask)
     else:
         tl.store(OUT1 + offs_m[:, None] * stride_o1m + offs_h[None, :] * stride_o1h,
                  (silu * u).to(OUT1.dtype.element_ty), mask=mask)
@@ -77,7 +86,7 @@ class _Static:
     def __init__(self, hidden, dtype, backward: bool, cfg):
         self.cfg = cfg
         self.consts = dict(BLOCK_M=cfg.block_rows, BLOCK_H=cfg.block_cols, BACKWARD=backward,
-                           FAST_EXP=dtype != torch.float64, ACC=ACC_DTYPE[dtype])
+                           FAST_EXP=dtype != torch.float64, ACC=ACC_DTYPE[dtype], PACKED=False)
         self.n_h_tiles = _cdiv(hidden, cfg.block_cols)
         self.small: dict = {}
 
@@ -142,6 +151,25 @@ def _launch(g, u, out1, do, out2) -> None:
     Launch(_swiglu_kernel, grid, args, st.cfg).run()
 
 
+def plan_swiglu_backward_packed(do, x, dx, *, target: Target | None = None) -> Launch:
+    """Launch for dx = [dgate | dup] of x = [gate | up]: x, dx (M, 2H) (dx may be x: in place), do (M, H).
+    The kernel reads and writes both halves through x and dx themselves (PACKED), never column views."""
+    M, H = do.shape
+    st = _static(H, M, x.dtype, True, target if target is not None else target_for(x))
+    sx, sd, so = x.stride(), do.stride(), dx.stride()
+    args = dict(st.consts)
+    args.update(PACKED=True, G=x, U=x, DO=do, OUT1=dx, OUT2=do, M=M, H=H, n_h_tiles=st.n_h_tiles,  # OUT2: unused
+                stride_gm=sx[0], stride_gh=sx[1], stride_um=sx[0], stride_uh=sx[1], stride_dom=sd[0],
+                stride_doh=sd[1], stride_o1m=so[0], stride_o1h=so[1], stride_o2m=so[0], stride_o2h=so[1])
+    return Launch(_swiglu_kernel, (_cdiv(M, st.cfg.block_rows) * st.n_h_tiles,), args, st.cfg)
+
+
+def swiglu_backward_packed(do, x, dx) -> None:
+    """dx = [dgate | dup] for x = [gate | up] (M, 2H) (dx may be x) and do (M, H); nothing for empty inputs."""
+    if do.numel():
+        plan_swiglu_backward_packed(do, x, dx).run()
+
+
 def swiglu_forward(g, u, out) -> None:
     """out = silu(g) * u on (M, H) views; launches nothing for empty inputs."""
     if g.numel():
@@ -164,13 +192,16 @@ def compile_plans(target: Target) -> list[tuple[str, Launch]]:
             g = torch.empty(8, h, dtype=dtype)
             u = torch.empty(8, h, dtype=dtype)
             x = torch.empty(8, 2 * h, dtype=dtype)  # packed [gate | up]
-            gp, up = x[:, :h], x[:, h:]
+            gp, up = x[:, :h], x[:, h:]  # the forward reads the halves as views
             plans.append((f"swiglu_fwd_h{h}_{dtype}", plan_swiglu(g, u, torch.empty_like(g), target=target)))
             plans.append((f"swiglu_fwd_packed_h{h}_{dtype}",
                           plan_swiglu(gp, up, torch.empty(8, h, dtype=dtype), target=target)))
             plans.append((f"swiglu_bwd_h{h}_{dtype}",
                           plan_swiglu(g, u, torch.empty_like(g), do=torch.empty_like(g), out2=torch.empty_like(u),
                                       target=target)))
+            plans.append((f"swiglu_bwd_packed_h{h}_{dtype}",
+                          plan_swiglu_backward_packed(torch.empty(8, h, dtype=dtype), x, torch.empty_like(x),
+                                                      target=target)))
             plans.append((f"swiglu_bwd_packed_inplace_h{h}_{dtype}",
-                          plan_swiglu(gp, up, gp, do=torch.empty(8, h, dtype=dtype), out2=up, target=target)))
+                          plan_swiglu_backward_packed(torch.empty(8, h, dtype=dtype), x, x, target=target)))
     return plans
