@@ -64,9 +64,12 @@ class Floats(NamedTuple):
     dropout_p: float = 0.0
 
 
-def spec_of(bias, aux: list, ints: Ints, floats: Floats) -> MaskSpec:
-    if (bias is None and ints.window_left < 0 and ints.window_right < 0 and floats.softcap == 0.0
-            and floats.dropout_p == 0.0 and all(t is None for t in aux)):
+def spec_of(bias, aux: list, ints: Ints, floats: Floats, no_aux: bool | None = None) -> MaskSpec:
+    """The MaskSpec of an op's arguments. no_aux: whether every aux entry is None, if already known."""
+    if no_aux is None:
+        no_aux = all(t is None for t in aux)
+    if (no_aux and bias is None and ints.window_left < 0 and ints.window_right < 0 and floats.softcap == 0.0
+            and floats.dropout_p == 0.0):
         return NO_MASKS  # the common case: no MaskSpec built
     a = Aux(*aux)
     return MaskSpec((ints.window_left, ints.window_right), a.key_mask, a.query_mask, a.q_lens, a.kv_lens,
@@ -94,13 +97,13 @@ def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
     return buf.permute(inverse)
 
 
-def _plan(q, k, v, bias, aux, ints: Ints, floats: Floats, backend: str) -> str:
+def _plan(q, k, v, bias, aux, ints: Ints, floats: Floats, backend: str, no_aux: bool = False) -> str:
     """The backend for these inputs: cached per key; shape limits are checked on every call. The
-    backward plans with the forward's arguments, so both take the same backend."""
+    backward plans with the forward's arguments, so both take the same backend. no_aux: every aux is None."""
     # head dims as ints: under dynamic shapes they are SymInts (unhashable); the kernels specialise on them anyway
     key = (q.device, q.dtype, int(q.shape[-1]), int(v.shape[-1]), ints.causal, ints.window_left >= 0,
-           tuple(t is not None for t in aux), None if bias is None else bias.dtype, floats.softcap > 0,
-           floats.dropout_p > 0, ints.needs_grad)
+           None if no_aux else tuple(t is not None for t in aux), None if bias is None else bias.dtype,
+           floats.softcap > 0, floats.dropout_p > 0, ints.needs_grad)
 
     def inputs():
         return AttentionInputs(q, k, v, bool(ints.causal), bool(ints.bottom_right), spec_of(bias, aux, ints, floats),
@@ -120,11 +123,12 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: list[
     """(out (B, Hq, Sq, Dv), m2 (B, Hq, Sq), l2 (B, Hq, Sq)) of q (B, Hq, Sq, D), k (B, Hkv, Sk, D),
     v (B, Hkv, Sk, Dv); see the module docstring."""
     it, fl = Ints(*ints), Floats(*floats)
-    name = _plan(q, k, v, bias, aux, it, fl, backend)
+    no_aux = all(t is None for t in aux)
+    name = _plan(q, k, v, bias, aux, it, fl, backend, no_aux)
     out = empty_like_layout(q, v.shape[-1])  # (B, Hq, Sq, Dv)
     m2, l2 = _dispatch.IMPLS["attention"][name].forward(
         q, k, v, out, scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
-        masks=spec_of(bias, aux, it, fl))
+        masks=spec_of(bias, aux, it, fl, no_aux))
     return out, m2, l2
 
 
@@ -135,12 +139,14 @@ def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, m2: Tenso
     """(dq, dk, dv, dbias); dbias is the bias's gradient (its shape) when bias_grad, else empty.
     dl2 is the cotangent of the lse (log2 units), or None. Arguments as the forward's."""
     it, fl = Ints(*ints), Floats(*floats)
-    name = _plan(q, k, v, bias, aux, it, fl, backend)
-    dq, dk, dv = (empty_like_layout(t, t.shape[-1]) for t in (q, k, v))
+    no_aux = all(t is None for t in aux)
+    name = _plan(q, k, v, bias, aux, it, fl, backend, no_aux)
+    dq, dk, dv = empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, v.shape[3])
     dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
     _dispatch.IMPLS["attention"][name].backward(
         do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
-        bottom_right=bool(it.bottom_right), masks=spec_of(bias, aux, it, fl), dbias=dbias if bias_grad else None)
+        bottom_right=bool(it.bottom_right), masks=spec_of(bias, aux, it, fl, no_aux),
+        dbias=dbias if bias_grad else None)
     return dq, dk, dv, dbias
 
 

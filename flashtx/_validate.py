@@ -17,6 +17,15 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; allowed: {_ALLOWED}")
 
 
+def qkv_ok(q, k, v, allow_gqa: bool) -> bool:
+    """True when check_qkv would pass (the common case, decided with ints and bools; check_qkv itself
+    raises with the message otherwise)."""
+    qs, ks, vs = q.shape, k.shape, v.shape
+    return (q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and ks[0] == qs[0] == vs[0]
+            and ks[1] == vs[1] and ks[2] == vs[2] and ks[3] == qs[3] and qs[3] > 0 and vs[3] > 0
+            and (qs[1] == ks[1] or (allow_gqa and ks[1] > 0 and qs[1] % ks[1] == 0)))
+
+
 def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: bool, gqa_hint: str = "") -> None:
     """Check (B, H, S, D) views of q, k, v; `layout` names the user's layout for messages.
 
