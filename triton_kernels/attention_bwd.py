@@ -29,20 +29,27 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
                          stride_ob, stride_oh, stride_om, stride_od,
                          stride_dob, stride_doh, stride_dom, stride_dod,
                          H, Sq, D_V, dlse_scale_hi, dlse_scale_lo,
-                         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
-                         ACC: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
+                         HAS_DLSE: tl.constexpr, ACC: tl.constexpr):
+    """delta of BLOCK_M rows; a split value head dim (BLOCK_DV2 > 0) is summed piece by piece."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
     pid_bh = b * H + h
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
     offs_d = tl.arange(0, BLOCK_DV)
     mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D_V)
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-                + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                 + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    o = tl.load(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
     delta = tl.sum(o.to(ACC) * do.to(ACC), 1)  # (BLOCK_M,)
+    if BLOCK_DV2 > 0:  # columns [BLOCK_DV, BLOCK_DV + BLOCK_DV2), (BLOCK_M, BLOCK_DV2)
+        offs_d2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+        mask2 = (offs_m[:, None] < Sq) & (offs_d2[None, :] < D_V)
+        o2 = tl.load(o_base + offs_m[:, None] * stride_om + offs_d2[None, :] * stride_od, mask=mask2, other=0.0)
+        do2 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d2[None, :] * stride_dod, mask=mask2, other=0.0)
+        delta += tl.sum(o2.to(ACC) * do2.to(ACC), 1)
     row = pid_bh.to(tl.int64) * Sq + offs_m
     if HAS_DLSE:
         # lse = logsumexp(s) has d lse / d s = P, which folds into dS = P * (dP - delta + dlse)
@@ -52,14 +59,18 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, m2_base, l2_base, delta_base, mb_base, offs_n, start, end,
+def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_base, do_base, m2_base, l2_base, delta_base, mb_base,
+                offs_n, start, end,
                 Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod,
                 stride_mm, stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p, drop_scale,
-                BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
-                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
-                DOT_PREC: tl.constexpr):
-    """Add the contributions of q rows [start, end) of one head to this K/V tile's dK, dV."""
+                BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_DV2: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                DROPOUT: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Add the contributions of q rows [start, end) of one head to this K/V tile's dK, dV.
+
+    Split head dims (BLOCK_DQK2 / BLOCK_DV2 > 0): k2 / v2 hold K's / V's second column piece and dk2 / dv2
+    accumulate the gradients' second pieces; unsplit they are placeholders, never read, returned unchanged."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     alibi_shift = Sk_b - Sq_b
@@ -75,7 +86,14 @@ def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, m2_base, l2_base, delta_b
         inv_l = tl.exp2(-tl.load(l2_base + offs_m, mask=row_ok, other=0.0))  # 1 / row sum
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         m2 = tl.where(m2 == float("-inf"), float("inf"), m2)  # rows that see no key: P = exp2(s - inf) = 0
-        st = tl.dot(k, qt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T
+        st = tl.dot(k, qt, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) = S^T
+        qt2 = qt  # placeholder: read only when the head dim is split
+        if BLOCK_DQK2 > 0:  # Q's second column piece, (BLOCK_DQK2, BLOCK_M), accumulated into S^T
+            offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+            qt2 = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk2[:, None] * stride_qd,
+                          mask=row_ok[None, :] & (offs_dqk2[:, None] < D_QK), other=0.0)
+            st = tl.dot(k2, qt2, st, out_dtype=ACC, input_precision=DOT_PREC)
+        st = st * qk_scale
         st, tt = score_mods(st, offs_m[None, :], offs_n[:, None], row_ok[None, :] & (offs_n[:, None] < Sk_b),
                             mb_base, stride_mm, stride_mn, softcap2, slope2, alibi_shift, log2e,
                             MASK_KIND, SOFTCAP, ALIBI)
@@ -84,18 +102,28 @@ def _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, m2_base, l2_base, delta_b
             pt = tl.where(visible(offs_m[None, :], offs_n[:, None], Sq_b, Sk_b, causal_shift, window_shift, key_ok,
                                   CAUSAL, WINDOW, KEY_MASK), pt, 0.0)
         dpt = tl.dot(v, tl.trans(do), out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) = dP^T
+        do2 = do  # placeholder: read only when the value head dim is split
+        if BLOCK_DV2 > 0:  # dO's second column piece, (BLOCK_M, BLOCK_DV2), accumulated into dP^T
+            offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+            do2 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv2[None, :] * stride_dod,
+                          mask=row_ok[:, None] & (offs_dv2[None, :] < D_V), other=0.0)
+            dpt = tl.dot(v2, tl.trans(do2), dpt, out_dtype=ACC, input_precision=DOT_PREC)
+        pv = pt  # the P^T that dV sees
         if DROPOUT:  # out = (P * keep / (1 - p)) V: the same factor scales dV's P and dP
             keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], Sk, dropout_p)
-            dv += tl.dot(tl.where(keep, pt * drop_scale, 0.0).to(do.dtype), do, out_dtype=ACC,
-                         input_precision=DOT_PREC)
+            pv = tl.where(keep, pt * drop_scale, 0.0)
             dpt = tl.where(keep, dpt * drop_scale, 0.0)
-        else:
-            dv += tl.dot(pt.to(do.dtype), do, out_dtype=ACC, input_precision=DOT_PREC)
+        dv += tl.dot(pv.to(do.dtype), do, out_dtype=ACC, input_precision=DOT_PREC)
+        if BLOCK_DV2 > 0:
+            dv2 += tl.dot(pv.to(do2.dtype), do2, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_DV2)
         dst = pt * (dpt - delta[None, :])  # dL/d(scores), natural units
         if SOFTCAP:
             dst = dst * (1.0 - tt * tt)  # d/dx softcap * tanh(x / softcap)
         dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), out_dtype=ACC, input_precision=DOT_PREC)
-    return dk, dv
+        if BLOCK_DQK2 > 0:
+            # (BLOCK_N, BLOCK_DQK2)
+            dk2 += tl.dot(dst.to(qt2.dtype), tl.trans(qt2), out_dtype=ACC, input_precision=DOT_PREC)
+    return dk, dv, dk2, dv2
 
 
 @triton.jit
@@ -111,7 +139,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
                    H, GROUP, SPLIT, Sq, Sk, D_QK, D_V, bottom_right, right, left,
                    qk_scale_hi, qk_scale_lo, sm_scale_hi, sm_scale_lo,
                    softcap_hi, softcap_lo, log2e_hi, log2e_lo, dropout_p, drop_scale_hi, drop_scale_lo,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
                    LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
@@ -119,7 +148,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
     """dK/dV of one K/V tile from GROUP // SPLIT of the q heads sharing its K/V head. SPLIT = 1: the
     whole GQA group, reduced in registers, written to DK/DV at the K/V head. SPLIT = GROUP: one q head
     per program (a grid GROUP times larger), each writing its partial at head index program_id(1)
-    of fp32 (B, Hkv * SPLIT, Sk, D) buffers that the host sums in a fixed order (deterministic)."""
+    of fp32 (B, Hkv * SPLIT, Sk, D) buffers that the host sums in a fixed order (deterministic).
+    Split head dims (BLOCK_DQK2 / BLOCK_DV2 > 0, launch.head_split) keep each second column piece in
+    its own tiles and accumulators."""
     pid_n = tl.program_id(0)
     pid_h = tl.program_id(1)  # kvh * SPLIT + the part of the group
     b = tl.program_id(2)
@@ -133,19 +164,31 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     key_row = offs_n < Sk_b  # padding keys read as 0 and get zero gradients
-    k = tl.load(K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
-                + offs_n[:, None] * stride_kn + offs_dqk[None, :] * stride_kd,
+    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_dqk[None, :] * stride_kd,
                 mask=key_row[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)  # (BLOCK_N, BLOCK_DQK)
-    v = tl.load(V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
-                + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=key_row[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_N, BLOCK_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
+    k2, dk2 = k, key_row  # placeholders: second column pieces only when a head dim is split
+    v2, dv2 = v, key_row
+    if BLOCK_DQK2 > 0:
+        offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+        k2 = tl.load(k_base + offs_n[:, None] * stride_kn + offs_dqk2[None, :] * stride_kd,
+                     mask=key_row[:, None] & (offs_dqk2[None, :] < D_QK), other=0.0)  # (BLOCK_N, BLOCK_DQK2)
+        dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], dtype=ACC)
+    if BLOCK_DV2 > 0:
+        offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+        v2 = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv2[None, :] * stride_vd,
+                     mask=key_row[:, None] & (offs_dv2[None, :] < D_V), other=0.0)  # (BLOCK_N, BLOCK_DV2)
+        dv2 = tl.zeros([BLOCK_N, BLOCK_DV2], dtype=ACC)
     key_ok = key_row[:, None]
     if KEY_MASK:  # this program's keys never change: read their mask once
         key_ok = tl.load(KM + b.to(tl.int64) * stride_kmb + offs_n[:, None] * stride_kmn, mask=key_ok, other=0) != 0
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
     drop_scale = scalar_in(drop_scale_hi, drop_scale_lo, ACC)
-    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=ACC)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
 
     lo, free_lo, free_hi, hi = q_loop_bounds(n0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW, EVERY_TILE)
@@ -160,33 +203,48 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
         # masked tiles before the unmasked range (causal diagonal), unmasked, masked tail (window edge, Sq_b)
         for part in tl.static_range(3):
             start, end = loop_part(part, lo, free_lo, free_hi, hi)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, key_ok, q_base, do_base, M2 + row_base, L2 + row_base,
+            dk, dv, dk2, dv2 = _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_base, do_base, M2 + row_base,
+                                           L2 + row_base,
                                  DELTA + row_base, mb_base, offs_n, start, end, Sq_b, Sk_b, causal_shift,
                                  window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
                                  stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p,
-                                 drop_scale, BLOCK_M, BLOCK_DQK, BLOCK_DV, part != 1, CAUSAL, WINDOW, KEY_MASK,
-                                 MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
+                                 drop_scale, BLOCK_M, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_DV2, part != 1, CAUSAL,
+                                 WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
 
-    dk = dk * scalar_in(sm_scale_hi, sm_scale_lo, ACC)
-    tl.store(DK + b.to(tl.int64) * stride_dkb + pid_h.to(tl.int64) * stride_dkh + k_start.to(tl.int64) * stride_dkn
-             + offs_n[:, None] * stride_dkn + offs_dqk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
-             mask=(offs_n[:, None] < Sk_mem) & (offs_dqk[None, :] < D_QK))
-    tl.store(DV + b.to(tl.int64) * stride_dvb + pid_h.to(tl.int64) * stride_dvh + k_start.to(tl.int64) * stride_dvn
-             + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-             mask=(offs_n[:, None] < Sk_mem) & (offs_dv[None, :] < D_V))
+    sm_scale = scalar_in(sm_scale_hi, sm_scale_lo, ACC)
+    dk_base = DK + b.to(tl.int64) * stride_dkb + pid_h.to(tl.int64) * stride_dkh + k_start.to(tl.int64) * stride_dkn
+    dv_base = DV + b.to(tl.int64) * stride_dvb + pid_h.to(tl.int64) * stride_dvh + k_start.to(tl.int64) * stride_dvn
+    key_out = offs_n[:, None] < Sk_mem
+    tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_dqk[None, :] * stride_dkd,
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=key_out & (offs_dqk[None, :] < D_QK))
+    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=key_out & (offs_dv[None, :] < D_V))
+    if BLOCK_DQK2 > 0:
+        offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+        tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_dqk2[None, :] * stride_dkd,
+                 (dk2 * sm_scale).to(DK.dtype.element_ty), mask=key_out & (offs_dqk2[None, :] < D_QK))
+    if BLOCK_DV2 > 0:
+        offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+        tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_dv2[None, :] * stride_dvd, dv2.to(DV.dtype.element_ty),
+                 mask=key_out & (offs_dv2[None, :] < D_V))
 
 
 @triton.jit
-def _dq_tiles(dq, db_row, q, do, m2, inv_l, delta, k_base, v_base, km_base, mb_base, db_base, first, offs_m, start,
-              end, Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+def _dq_tiles(dq, dq2, db_row, q, q2, do, do2, m2, inv_l, delta, k_base, v_base, km_base, mb_base, db_base, first,
+              offs_m, start, end, Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn,
+              stride_vd,
               stride_kmn, stride_mm, stride_mn, stride_dbm, stride_dbn, D_QK, D_V, softcap2, slope2, log2e, seed, bh,
               Sq, Sk, dropout_p, drop_scale,
-              BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_DV2: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
               DB_SUM_M: tl.constexpr, DB_SUM_N: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     """Add the contributions of key tiles [start, end) to this q tile's dQ (unscaled), and with DBIAS
-    their dS to the attn_mask gradient (`_dbias_tile`)."""
+    their dS to the attn_mask gradient (`_dbias_tile`).
+
+    Split head dims (BLOCK_DQK2 / BLOCK_DV2 > 0): q2 / do2 hold Q's / dO's second column piece and dq2
+    accumulates dQ's; unsplit they are placeholders, never read, dq2 returned unchanged."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     alibi_shift = Sk_b - Sq_b
@@ -196,7 +254,14 @@ def _dq_tiles(dq, db_row, q, do, m2, inv_l, delta, k_base, v_base, km_base, mb_b
                      mask=(offs_n[None, :] < Sk_b) & (offs_dqk[:, None] < D_QK), other=0.0)  # (BLOCK_DQK, BLOCK_N)
         vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
                      mask=(offs_n[None, :] < Sk_b) & (offs_dv[:, None] < D_V), other=0.0)  # (BLOCK_DV, BLOCK_N)
-        s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
+        kt2 = kt  # placeholder: read only when the head dim is split
+        if BLOCK_DQK2 > 0:  # K^T's second column piece, (BLOCK_DQK2, BLOCK_N), accumulated into s
+            offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+            kt2 = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dqk2[:, None] * stride_kd,
+                          mask=(offs_n[None, :] < Sk_b) & (offs_dqk2[:, None] < D_QK), other=0.0)
+            s = tl.dot(q2, kt2, s, out_dtype=ACC, input_precision=DOT_PREC)
+        s = s * qk_scale
         s, t = score_mods(s, offs_m[:, None], offs_n[None, :], (offs_m[:, None] < Sq_b) & (offs_n[None, :] < Sk_b),
                           mb_base, stride_mm, stride_mn, softcap2, slope2, alibi_shift, log2e,
                           MASK_KIND, SOFTCAP, ALIBI)
@@ -208,6 +273,11 @@ def _dq_tiles(dq, db_row, q, do, m2, inv_l, delta, k_base, v_base, km_base, mb_b
             p = tl.where(visible(offs_m[:, None], offs_n[None, :], Sq_b, Sk_b, causal_shift, window_shift, key_ok,
                                  CAUSAL, WINDOW, KEY_MASK), p, 0.0)
         dp = tl.dot(do, vt, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
+        if BLOCK_DV2 > 0:  # V^T's second column piece, (BLOCK_DV2, BLOCK_N), accumulated into dP
+            offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+            vt2 = tl.load(v_base + offs_n[None, :] * stride_vn + offs_dv2[:, None] * stride_vd,
+                          mask=(offs_n[None, :] < Sk_b) & (offs_dv2[:, None] < D_V), other=0.0)
+            dp = tl.dot(do2, vt2, dp, out_dtype=ACC, input_precision=DOT_PREC)
         if DROPOUT:
             keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Sk, dropout_p)
             dp = tl.where(keep, dp * drop_scale, 0.0)
@@ -218,7 +288,10 @@ def _dq_tiles(dq, db_row, q, do, m2, inv_l, delta, k_base, v_base, km_base, mb_b
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), out_dtype=ACC, input_precision=DOT_PREC)
-    return dq, db_row
+        if BLOCK_DQK2 > 0:
+            # (BLOCK_M, BLOCK_DQK2)
+            dq2 += tl.dot(ds.to(kt2.dtype), tl.trans(kt2), out_dtype=ACC, input_precision=DOT_PREC)
+    return dq, dq2, db_row
 
 
 @triton.jit
@@ -272,7 +345,8 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
                  H, GROUP, Sq, Sk, D_QK, D_V, bottom_right, right, left, n_b, n_h,
                  qk_scale_hi, qk_scale_lo, sm_scale_hi, sm_scale_lo,
                  softcap_hi, softcap_lo, log2e_hi, log2e_lo, dropout_p, drop_scale_hi, drop_scale_lo,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
                  LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
@@ -298,13 +372,23 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
             h = tl.program_id(1) + hi_
             first = tl.where((bi == 0) & (hi_ == 0), 1, 0)  # the first (batch, head) stores, later ones add
             kvh = h // GROUP
-            q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
-                        + offs_m[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
+            q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
+            do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + q_start.to(tl.int64) * stride_dom
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
                         mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)  # (BLOCK_M, BLOCK_DQK)
-            do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-                         + q_start.to(tl.int64) * stride_dom + offs_m[:, None] * stride_dom
-                         + offs_dv[None, :] * stride_dod,
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                          mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV)
+            dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=ACC)
+            q2, dq2, do2 = q, row_ok, do  # placeholders: second column pieces only when a head dim is split
+            if BLOCK_DQK2 > 0:
+                offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+                q2 = tl.load(q_base + offs_m[:, None] * stride_qm + offs_dqk2[None, :] * stride_qd,
+                             mask=row_ok[:, None] & (offs_dqk2[None, :] < D_QK), other=0.0)  # (BLOCK_M, BLOCK_DQK2)
+                dq2 = tl.zeros([BLOCK_M, BLOCK_DQK2], dtype=ACC)
+            if BLOCK_DV2 > 0:
+                offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+                do2 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv2[None, :] * stride_dod,
+                              mask=row_ok[:, None] & (offs_dv2[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV2)
             row = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
             m2 = tl.load(M2 + row, mask=row_ok, other=float("-inf"))
             m2 = tl.where(m2 == float("-inf"), float("inf"), m2)  # rows that see no key: P = exp2(s - inf) = 0
@@ -312,7 +396,6 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
             delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
             softcap2, log2e, slope2, seed = modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo,
                                                              log2e_hi, log2e_lo, ALIBI, DROPOUT, ACC)
-            dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=ACC)
             db_row = tl.zeros([BLOCK_M], dtype=ACC)  # the bias gradient summed over keys (DB_SUM_N)
             k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
             v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
@@ -325,11 +408,13 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
                                                       CAUSAL, WINDOW, EVERY_TILE)
             for part in tl.static_range(3):  # masked head (window edge), unmasked, masked tail (causal diagonal, Sk_b)
                 start, end = loop_part(part, lo, full_lo, full_hi, hi)
-                dq, db_row = _dq_tiles(dq, db_row, q, do, m2, inv_l, delta, k_base, v_base, km_base, mb_base, db_base,
+                dq, dq2, db_row = _dq_tiles(dq, dq2, db_row, q, q2, do, do2, m2, inv_l, delta, k_base, v_base, km_base,
+                                            mb_base, db_base,
                                        first, offs_m, start, end, Sq_b, Sk_b, causal_shift, window_shift, qk_scale,
                                        stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn,
                                        stride_dbm, stride_dbn, D_QK, D_V, softcap2, slope2, log2e, seed, b * H + h,
-                                       Sq, Sk, dropout_p, drop_scale, BLOCK_N, BLOCK_DQK, BLOCK_DV, part != 1, CAUSAL,
+                                       Sq, Sk, dropout_p, drop_scale, BLOCK_N, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                                       BLOCK_DV2, part != 1, CAUSAL,
                                        WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, DBIAS, DB_SUM_M,
                                        DB_SUM_N, ACC, DOT_PREC)
             if DBIAS:
@@ -348,10 +433,16 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
                     z_hi = tl.where(first != 0, tl.cdiv(tl.maximum(hi, lo), BLOCK_N) * BLOCK_N, Sk)
                     _dbias_zero(db_base, offs_m, 0, z_lo, Sq, Sk, stride_dbm, stride_dbn, BLOCK_M, BLOCK_N, DB_SUM_M)
                     _dbias_zero(db_base, offs_m, z_hi, Sk, Sq, Sk, stride_dbm, stride_dbn, BLOCK_M, BLOCK_N, DB_SUM_M)
-            dq = dq * scalar_in(sm_scale_hi, sm_scale_lo, ACC)
-            tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + q_start.to(tl.int64) * stride_dqm
-                     + offs_m[:, None] * stride_dqm + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+            sm_scale = scalar_in(sm_scale_hi, sm_scale_lo, ACC)
+            dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + q_start.to(tl.int64) * stride_dqm
+            tl.store(dq_base + offs_m[:, None] * stride_dqm + offs_dqk[None, :] * stride_dqd,
+                     (dq * sm_scale).to(DQ.dtype.element_ty),
                      mask=(offs_m[:, None] < Sq_mem) & (offs_dqk[None, :] < D_QK))
+            if BLOCK_DQK2 > 0:
+                offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+                tl.store(dq_base + offs_m[:, None] * stride_dqm + offs_dqk2[None, :] * stride_dqd,
+                         (dq2 * sm_scale).to(DQ.dtype.element_ty),
+                         mask=(offs_m[:, None] < Sq_mem) & (offs_dqk2[None, :] < D_QK))
 
 
 # The host side lives in attention_bwd_launch.py (which imports the kernels above when it plans a launch);

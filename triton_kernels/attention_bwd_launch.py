@@ -7,7 +7,7 @@ import torch
 
 from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_args
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
-from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block,
+from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for)
 
 
@@ -92,7 +92,8 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     H, Sq_rows, D_QK = q.shape[1], q.shape[2], q.shape[3]
     Hkv, D_V = k.shape[1], v.shape[3]
     target = target if target is not None else target_for(q)
-    block_dqk, block_dv = head_block(D_QK), head_block(D_V)
+    (dqk1, dqk2), (dv1, dv2) = head_split(D_QK), head_split(D_V)  # two column pieces each, or (width, 0)
+    block_dqk, block_dv = dqk1 + dqk2, dv1 + dv2  # the register tile widths configs see
     acc = ACC_DTYPE[q.dtype]
     prec = dot_precision(q.dtype)
     qk_hi, qk_lo = split_f32(scale * LOG2E)
@@ -105,14 +106,14 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         O=out, DO=do, DLSE=dlse2 if dlse2 is not None else delta, DELTA=delta,
         **stride_args("o", out), **stride_args("do", do), H=H, Sq=Sq_rows, D_V=D_V,
         dlse_scale_hi=dl_hi, dlse_scale_lo=dl_lo,
-        BLOCK_M=PREPROCESS_BLOCK_M, BLOCK_DV=block_dv, HAS_DLSE=dlse2 is not None, ACC=acc))
+        BLOCK_M=PREPROCESS_BLOCK_M, BLOCK_DV=dv1, BLOCK_DV2=dv2, HAS_DLSE=dlse2 is not None, ACC=acc))
 
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
     common = dict(Q=q, K=k, V=v, DO=do, M2=m2, L2=l2, DELTA=delta,
                   **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
                   **stride_args("do", do, spec), Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
-                  BLOCK_DQK=block_dqk, BLOCK_DV=block_dv, ACC=acc, DOT_PREC=prec, **margs)
+                  BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2, ACC=acc, DOT_PREC=prec, **margs)
     c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     group = H // Hkv
     tiles_n = cdiv(Sk, c1.block_n)
@@ -170,8 +171,8 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
     parts, split = (None, None), 1
     if q.shape[1] != k.shape[1]:  # GQA: split dK/dV over the group into partials allocated here, so the
         target = target_for(q)   # plan has no host step and replays from the launch cache
-        c1 = select_config("attn_bwd_dkdv", head_block(q.shape[3]), head_block(v.shape[3]), q.element_size(), target,
-                           spec.modifies_scores)
+        c1 = select_config("attn_bwd_dkdv", sum(head_split(q.shape[3])), sum(head_split(v.shape[3])),
+                           q.element_size(), target, spec.modifies_scores)
         split = gqa_split_factor(q, k, spec, c1, target, gqa_split)
         if split > 1:
             parts = gqa_partials(dk, dv, split, q.dtype)
@@ -187,34 +188,38 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
 
 
 def compile_plans(target) -> list:
-    """Every backward config `target` can launch (head dims 64/128/256; fp16, bf16, fp32; causal or not;
-    fp16/bf16 also with a window, key/query masks, lengths and varlen)."""
-    from .attention_fwd import compile_cases
+    """Every backward config `target` can launch (head dims 64/128/192/256, 192 split 128 + 64, and the
+    forward's split head dims 96, 160 and 192/128; fp16, bf16, fp32; causal or not; fp16/bf16 also with a
+    window, key/query masks, lengths and varlen)."""
+    from .attention_fwd import _split_cases, compile_cases
 
     plans = []
-    for d, dtype, name, causal, spec in compile_cases():
-        q, k, v, o, do, dq, dk, dv = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(8))
+    cases = [(d, d, *rest) for d, *rest in compile_cases((64, 128, 192, 256))] + list(_split_cases())
+    for dqk, dvd, dtype, name, causal, spec in cases:
+        q, k, dq, dk = (torch.empty(1, 2, 128, dqk, dtype=dtype) for _ in range(4))
+        v, o, do, dv = (torch.empty(1, 2, 128, dvd, dtype=dtype) for _ in range(4))
         m2, l2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(3))
         try:
-            pre, dkdv, dqk = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5,
-                                           causal=causal, bottom_right=spec.varlen, spec=spec, target=target)
+            pre, dkdv, dqk_ = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=dqk ** -0.5,
+                                            causal=causal, bottom_right=spec.varlen, spec=spec, target=target)
         except RuntimeError:  # no config fits: the backend reports it and never launches
             continue
-        tag = f"D={d} {str(dtype)[6:]} {name}"
+        tag = f"D={dqk} {str(dtype)[6:]} {name}" if dqk == dvd else f"D={dqk}/{dvd} {str(dtype)[6:]} {name}"
         if name == "causal=True":
             plans.append((f"attn_bwd_preprocess {tag}", pre))
-        plans += [(f"attn_bwd_dkdv {tag}", dkdv), (f"attn_bwd_dq {tag}", dqk)]
+        plans += [(f"attn_bwd_dkdv {tag}", dkdv), (f"attn_bwd_dq {tag}", dqk_)]
     return plans + _fused_compile_plans(target)
 
 
 def _fused_compile_plans(target) -> list:
     """The dQ kernel writing the attn_mask gradient (fp16/bf16 with every option, the mask broadcast
-    over batch, or over heads and queries; fp32 with a full mask), and dK/dV split over GQA heads."""
+    over batch, or over heads and queries; fp32 with a full mask), and dK/dV split over GQA heads; head dims
+    64/128/192 (split 128 + 64)/256."""
     from .attention_fwd import all_options_spec
 
     B, H, S = 2, 2, 128
     plans = []
-    for d in (64, 128, 256):
+    for d in (64, 128, 192, 256):
         cases = [(dt, shape) for dt in (torch.float16, torch.bfloat16) for shape in ((1, H, S, S), (B, 1, 1, S))]
         for dtype, shape in cases + [(torch.float32, (B, H, S, S))]:
             q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=dtype) for _ in range(8))
