@@ -159,7 +159,7 @@ class TritonBackend(Backend):
     @staticmethod
     def _config_reasons(inp):
         from .triton_kernels.configs import select_config
-        from .triton_kernels.launch import head_block, head_split, target_for
+        from .triton_kernels.launch import head_split, target_for
 
         target = target_for(inp.q)
         dq, dv = inp.q.shape[-1], inp.v.shape[-1]
@@ -168,9 +168,8 @@ class TritonBackend(Backend):
         if inp.needs_grad == 2:
             kernels[-1] = "attn_bwd_dq_dbias"  # the dQ kernel that also writes the bias gradient
         for kernel in kernels:
-            # the register tile widths the launcher passes: the forward splits head dims (head_split)
-            bq, bv = (sum(head_split(dq)), sum(head_split(dv))) if kernel == "attn_fwd" else (head_block(dq),
-                                                                                                head_block(dv))
+            # the register tile widths the launchers pass: forward and backward split head dims (head_split)
+            bq, bv = sum(head_split(dq)), sum(head_split(dv))
             try:
                 select_config(kernel, bq, bv, inp.q.element_size(), target, inp.masks.modifies_scores)
             except RuntimeError as exc:

@@ -1,10 +1,10 @@
 """Head dims split in two power-of-two column pieces (launch.head_split: 192 = 128 + 64, 96 = 64 + 32,
-160 = 128 + 32, 80 = 64 + 16) instead of padded to the next power of two, in the forward kernel.
+160 = 128 + 32, 80 = 64 + 16) instead of padded to the next power of two, in the forward and backward
+kernels (test_attention_split_bwd.py adds the backward's own cases).
 
 The split depends on the head dim alone, so the interpreter runs (CPU) take the same split path as a
 GPU: these cases check that it does, and hold the split kernels to the tolerance rule of
-conftest.assert_close_to_reference against the float64 reference, forward and backward (the backward
-is padded, but takes the split forward's out / lse).
+conftest.assert_close_to_reference against the float64 reference, forward and backward.
 """
 import dataclasses
 

@@ -69,10 +69,12 @@ KEPT = "flashtx's previous compile-checked tile (no anchor fits our shared-memor
 FA2_192 = ("FlashAttention-2's hdim-192 forward tile (128x64, 8 warps, sm_80 and later; flash_fwd_launch_template.h "
            "run_mha_fwd_hdim192)")
 DERIVED_192 = "no anchor has an fp32 head dim 192 tile (FlexAttention pads it to 256): the "
+FA2_BWD_192 = ("FlashAttention-2's hdim-192 backward tile (64x64, 8 warps; flash_bwd_launch_template.h "
+               "run_mha_bwd_hdim192, one kernel for dK/dV and dQ)")
 
 # TABLES[family][kernel][element size][head-dim bucket]: one tile per entry. The element size is 2
 # (fp16/bf16) or 4 (fp32); the bucket is the larger register tile width (64, 128 or 256: a head dim padded
-# to a power of two), or for attn_fwd also 192 (a head dim split in two power-of-two pieces,
+# to a power of two), or for attn_fwd and the backward also 192 (a head dim split in two power-of-two pieces,
 # launch.head_split: 144-192 = 128 + 16..64); a width uses the smallest bucket that holds it.
 # attn_bwd_dkdv: block_m = q rows streamed, block_n = K/V rows owned (FlexAttention's BLOCK_M1/N1);
 # attn_bwd_dq: block_m = q rows owned, block_n = K/V rows streamed (BLOCK_M2/N2).
@@ -93,18 +95,22 @@ TABLES = {
         "attn_bwd_dkdv": {
             2: {64: C(64, 64, 4, 3, FLEX_H100),
                 128: C(64, 128, 8, 3, FLEX_H100),
+                192: C(64, 64, 8, 2, FA2_BWD_192 + " with 2 stages: 180,224 bytes by our estimate"),
                 256: C(32, 64, 8, 2, FLEX_H100 + " is 64x64 4 warps 2 stages: q rows halved to fit our estimate, "
                        "8 warps for the two 64x256 fp32 accumulators")},
             4: {64: C(32, 32, 8, 1, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
                 128: C(16, 16, 4, 1, FLEX_H100 + " (fp32)"),
+                192: C(16, 16, 4, 1, DERIVED_192 + "128 and 256 entries' tile (FlexAttention's fp32 16x16)"),
                 256: C(16, 16, 4, 1, FLEX_H100 + " (fp32)")},
         },
         "attn_bwd_dq": {
             2: {64: C(64, 64, 4, 3, FLEX_H100),
                 128: C(128, 64, 8, 3, FLEX_H100),
+                192: C(64, 64, 8, 3, FA2_BWD_192 + " with FlexAttention sm_90's 3 stages (its 128 entry's)"),
                 256: C(64, 64, 8, 2, FLEX_H100 + " with 8 warps for the 64x256 fp32 accumulator")},
             4: {64: C(64, 32, 8, 2, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
                 128: C(16, 16, 4, 1, FLEX_H100 + " (fp32)"),
+                192: C(16, 16, 4, 1, DERIVED_192 + "128 and 256 entries' tile (FlexAttention's fp32 16x16)"),
                 256: C(16, 16, 4, 1, FLEX_H100 + " (fp32)")},
         },
     },
@@ -125,17 +131,25 @@ TABLES = {
         "attn_bwd_dkdv": {
             2: {64: C(32, 128, 4, 3, FLEX_A100 + "; also the tutorial's dK/dV tile"),
                 128: C(32, 128, 4, 3, FLEX_A100),
+                192: C(32, 32, 8, 2, "sm_86's 192 entry: " + FA2_BWD_192 + " fits sm_80 only with 1 stage by "
+                       "our estimate, and ptxas gives it (and the 256 entry's 32x64 2 stages, split) 32 registers "
+                       "and 5-10 KB of stack; 32x32 2 stages: 255 registers, no spills, with every option too"),
                 256: C(32, 64, 8, 2, FLEX_A100 + " is 32x128 3 stages: K/V rows halved and 2 stages to fit")},
             4: {64: C(32, 32, 8, 1, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
                 128: C(16, 16, 4, 1, FLEX_A100 + " (fp32)"),
+                192: C(16, 16, 4, 1, DERIVED_192 + "128 and 256 entries' tile (FlexAttention's fp32 16x16)"),
                 256: C(16, 16, 4, 1, FLEX_A100 + " (fp32)")},
         },
         "attn_bwd_dq": {
             2: {64: C(128, 32, 4, 3, FLEX_A100 + "; also the tutorial's dQ tile"),
                 128: C(128, 32, 4, 3, FLEX_A100),
+                192: C(64, 32, 8, 2, FA2_BWD_192 + " with half the K/V rows (the 256 entry's tile): its 64x64 "
+                       "2 stages compiles to 128 registers and 1.8 KB of spills split; 64x32 spills 8 bytes "
+                       "(624 with every option)"),
                 256: C(64, 32, 8, 2, FLEX_A100 + " is 128x32 3 stages: q rows halved and 2 stages to fit")},
             4: {64: C(64, 32, 8, 2, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
                 128: C(16, 32, 8, 1, KEPT),
+                192: C(16, 32, 8, 1, DERIVED_192 + "128 and 256 entries' tile"),
                 256: C(16, 32, 8, 1, KEPT)},
         },
     },
@@ -154,17 +168,23 @@ TABLES = {
         "attn_bwd_dkdv": {
             2: {64: C(32, 128, 4, 3, FLEX_A100 + " (sm_8x); fits sm_86"),
                 128: C(32, 64, 8, 2, "FlexAttention sm_86/89: 64x64 2 stages; q rows halved to fit our estimate"),
+                192: C(32, 32, 8, 2, "the 256 entry's tile with 2 stages (86,016 bytes by our estimate): "
+                       + FA2_BWD_192 + " does not fit sm_86 by our estimate even with 1 stage"),
                 256: C(32, 32, 8, 1, KEPT + "; 80 KB")},
             4: {64: C(32, 32, 8, 1, KEPT),
                 128: C(16, 16, 4, 1, "FlexAttention fp32 backward (16x16, 4 warps, 1 stage)"),
+                192: C(16, 16, 4, 1, DERIVED_192 + "128 and 256 entries' tile (FlexAttention's fp32 16x16)"),
                 256: C(16, 16, 4, 1, "FlexAttention fp32 backward (16x16, 4 warps, 1 stage)")},
         },
         "attn_bwd_dq": {
             2: {64: C(128, 32, 4, 3, FLEX_A100 + " (sm_8x); fits sm_86"),
                 128: C(128, 32, 8, 2, FLEX_A100 + " with 2 stages, as FlexAttention does on sm_86/89"),
+                192: C(64, 32, 8, 2, FA2_BWD_192 + " with half the K/V rows and 2 stages to fit sm_86: 98,304 "
+                       "bytes by our estimate"),
                 256: C(32, 32, 8, 1, KEPT + "; 64 KB")},
             4: {64: C(64, 32, 8, 2, KEPT),
                 128: C(16, 32, 8, 1, KEPT),
+                192: C(16, 32, 8, 1, DERIVED_192 + "128 and 256 entries' tile"),
                 256: C(16, 32, 8, 1, KEPT + "; 96 KB")},
         },
     },
@@ -176,7 +196,9 @@ TABLES = {
 for _fam, _overrides in {
     "sm90": {}, "sm80": {},
     "sm86": {2: {128: C(64, 32, 8, 2, "dQ's 128x32 with half the q rows: the dS tile's staging does not fit "
-                                      "sm_86 beside 128 rows")}},
+                                      "sm_86 beside 128 rows"),
+                 192: C(32, 32, 8, 2, "dQ's 64x32 with half the q rows: the dS tile's staging does not fit "
+                                      "sm_86 beside 64 rows at head dim 192 (73,728 + 4,096 bytes by our estimate)")}},
 }.items():
     TABLES[_fam]["attn_bwd_dq_dbias"] = {elt: {**by_bucket, **_overrides.get(elt, {})}
                                          for elt, by_bucket in TABLES[_fam]["attn_bwd_dq"].items()}

@@ -1,0 +1,245 @@
+"""Flash attention backward, host side: the launches of attention_bwd.py's kernels (plan_backward), the
+host steps after them (GqaReduce, DbiasReduce), the launch-cache entry point (attention_backward) and the
+compile check's plans."""
+from __future__ import annotations
+
+import torch
+
+from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_args
+from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
+from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
+                     split_f32, target_for)
+
+
+class GqaReduce:
+    """Host step after a split dK/dV kernel (SPLIT > 1): dK, dV = the fp32 per-q-head partials summed
+    over each GQA group, in a fixed order (torch's sum: deterministic)."""
+
+    def __init__(self, dk_part, dv_part, dk, dv, split: int):
+        self.parts, self.outs, self.split = (dk_part, dv_part), (dk, dv), split
+
+    def run(self):
+        for part, out in zip(self.parts, self.outs):
+            B, Hs = part.shape[:2]
+            out.copy_(part.view(B, Hs // self.split, self.split, *part.shape[2:]).sum(2))
+
+
+class DbiasReduce:
+    """Host step after the dQ kernel: the bias gradient from its buffer (a sum over the per-q-tile
+    partials when the mask broadcasts over queries; a cast when the buffer is fp32 and the mask is not).
+    torch's sum over a fixed shape is deterministic."""
+
+    def __init__(self, buf, dbias, sum_m: bool):
+        self.buf, self.dbias, self.sum_m = buf, dbias, sum_m
+
+    def run(self):
+        self.dbias.copy_(self.buf.sum(2, keepdim=True) if self.sum_m else self.buf)
+
+
+def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype) -> tuple[dict, tuple, object]:
+    """dQ-kernel arguments for writing the attn_mask gradient `dbias` ((B|1, H|1, Sq|1, Sk|1)), the grid's
+    (heads, batch) extents, and the host step after it (None when the kernel writes dbias itself)."""
+    sum_b, sum_h = dbias.shape[0] == 1 and B > 1, dbias.shape[1] == 1 and H > 1
+    sum_m, sum_n = dbias.shape[2] == 1 and Sq > 1, dbias.shape[3] == 1 and Sk > 1
+    buf, finish = dbias, None
+    if sum_m or dbias.dtype != acc_dtype:
+        rows = cdiv(Sq, block_m) if sum_m else dbias.shape[2]
+        buf = torch.empty(*dbias.shape[:2], rows, dbias.shape[3], dtype=acc_dtype, device=dbias.device)
+        finish = DbiasReduce(buf, dbias, sum_m)
+    strides = [0 if n == 1 else st for n, st in zip(buf.shape, buf.stride())]
+    if sum_m:
+        strides[2] = buf.stride(2)  # partial rows are indexed by q tile
+    args = dict(DB=buf, **{f"stride_db{ax}": st for ax, st in zip("bhmn", strides)},
+                n_b=B if sum_b else 1, n_h=H if sum_h else 1, DBIAS=True, DB_SUM_M=sum_m, DB_SUM_N=sum_n)
+    return args, (1 if sum_h else H, 1 if sum_b else B), finish
+
+
+def gqa_split_factor(q, k, spec: MaskSpec, c1, target, gqa_split: bool | None) -> int:
+    """Programs per K/V head of the dK/dV kernel: the GQA group size (one program per q head, fp32
+    partials summed afterwards) when gqa_split, or when None and the K/V-head grid fills under 2 waves
+    of the GPU; else 1. c1: the dK/dV tile config."""
+    group = q.shape[1] // k.shape[1]
+    if group == 1 or gqa_split is False:
+        return 1
+    if gqa_split is None:
+        B = spec.cu_seqlens_q.shape[0] - 1 if spec.varlen else q.shape[0]
+        Sk = int(spec.max_seqlen_k) if spec.varlen else k.shape[2]
+        if cdiv(Sk, c1.block_n) * k.shape[1] * B >= 2 * target.sm_count:
+            return 1
+    return group
+
+
+def gqa_partials(dk, dv, split: int, dtype) -> tuple:
+    """Uninitialised fp32 (fp64 for fp64) per-q-head dK/dV partials (B, Hkv * split, Sk, D) for a split dK/dV."""
+    return tuple(torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=TORCH_ACC_DTYPE[dtype],
+                             device=t.device) for t in (dk, dv))
+
+
+def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, causal: bool,
+                  bottom_right: bool, dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS,
+                  dbias: torch.Tensor | None = None, target=None, gqa_split: bool | None = None,
+                  gqa_parts: tuple | None = None) -> list:
+    """The launches of the backward, in order: preprocess, dK/dV, dQ (which also writes the attn_mask
+    gradient into `dbias` when given, shaped like spec.attn_mask), and host steps: a GqaReduce when
+    dK/dV is split over the GQA group (gqa_split_factor) into partials it allocates (not when the caller
+    passes them as gqa_parts and sums them itself), a DbiasReduce when the bias gradient goes through a
+    buffer (see dbias_plan).
+
+    (B, H, S, D) views; varlen: (1, H, total, D) views of the packed tensors, m2/l2/delta (1, H, total).
+    """
+    from .attention_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess  # (attention_bwd re-exports this module)
+
+    H, Sq_rows, D_QK = q.shape[1], q.shape[2], q.shape[3]
+    Hkv, D_V = k.shape[1], v.shape[3]
+    target = target if target is not None else target_for(q)
+    (dqk1, dqk2), (dv1, dv2) = head_split(D_QK), head_split(D_V)  # two column pieces each, or (width, 0)
+    block_dqk, block_dv = dqk1 + dqk2, dv1 + dv2  # the register tile widths configs see
+    acc = ACC_DTYPE[q.dtype]
+    prec = dot_precision(q.dtype)
+    qk_hi, qk_lo = split_f32(scale * LOG2E)
+    sm_hi, sm_lo = split_f32(scale)
+    # dlse2 is the cotangent of lse2 (log2 units); dS needs that of the natural lse: dlse2 * log2(e)
+    dl_hi, dl_lo = split_f32(LOG2E)
+
+    # delta is per row: the preprocess runs over every stored row (varlen: the packed rows, B = 1)
+    pre = Launch(_attn_bwd_preprocess, (cdiv(Sq_rows, PREPROCESS_BLOCK_M), H, out.shape[0]), dict(
+        O=out, DO=do, DLSE=dlse2 if dlse2 is not None else delta, DELTA=delta,
+        **stride_args("o", out), **stride_args("do", do), H=H, Sq=Sq_rows, D_V=D_V,
+        dlse_scale_hi=dl_hi, dlse_scale_lo=dl_lo,
+        BLOCK_M=PREPROCESS_BLOCK_M, BLOCK_DV=dv1, BLOCK_DV2=dv2, HAS_DLSE=dlse2 is not None, ACC=acc))
+
+    margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
+    common = dict(Q=q, K=k, V=v, DO=do, M2=m2, L2=l2, DELTA=delta,
+                  **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
+                  **stride_args("do", do, spec), Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
+                  qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
+                  BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2, ACC=acc, DOT_PREC=prec, **margs)
+    c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
+    group = H // Hkv
+    tiles_n = cdiv(Sk, c1.block_n)
+    dk_out, dv_out, reduce = dk, dv, None
+    if gqa_parts is not None:  # the caller allocated the per-q-head partials and sums them (attention_backward)
+        dk_out, dv_out = gqa_parts
+        split = dk_out.shape[1] // Hkv
+    else:
+        split = gqa_split_factor(q, k, spec, c1, target, gqa_split)
+        if split > 1:
+            dk_out, dv_out = gqa_partials(dk, dv, split, q.dtype)
+            reduce = GqaReduce(dk_out, dv_out, dk, dv, split)
+    dkdv = Launch(_attn_bwd_dkdv, (tiles_n, Hkv * split, B), dict(
+        common, DK=dk_out, DV=dv_out, **stride_args("dk", dk_out, spec), **stride_args("dv", dv_out, spec), H=H,
+        GROUP=group, SPLIT=split,
+        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1,
+        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target))
+    dq_kernel = "attn_bwd_dq" if dbias is None else "attn_bwd_dq_dbias"  # its own tile (configs.py)
+    c2 = select_config(dq_kernel, block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
+    finish = None
+    if dbias is not None:  # the attn_mask gradient is dS: written by the dQ kernel as it forms dS
+        db_args, (grid_h, grid_b), finish = dbias_plan(dbias, B, H, Sq, Sk, c2.block_m, TORCH_ACC_DTYPE[q.dtype])
+    else:
+        db_args, (grid_h, grid_b) = dict(DB=delta, stride_dbb=0, stride_dbh=0, stride_dbm=0, stride_dbn=0, n_b=1,
+                                         n_h=1, DBIAS=False, DB_SUM_M=False, DB_SUM_N=False), (H, B)
+    dqk = Launch(_attn_bwd_dq, (cdiv(Sq, c2.block_m), grid_h, grid_b), dict(
+        common, DQ=dq, **stride_args("dq", dq, spec), **db_args, H=H, GROUP=H // Hkv,
+        BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
+        estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target))
+    return [pre, dkdv, dqk] + [step for step in (reduce, finish) if step is not None]
+
+
+_ROLES = ("DO", "Q", "K", "V", "O", "M2", "L2", "DELTA", "DQ", "DK", "DV", "DLSE", "DB", "DK_PART", "DV_PART",
+          *MASK_ROLES)
+
+
+def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool = False, bottom_right: bool = False,
+                       dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS, grads=None, dbias=None,
+                       gqa_split: bool | None = None):
+    """Gradients of attention_forward from its (out, m2, l2). do is dL/dout; dlse2 an optional
+    dL/dlse2, the cotangent of lse2 = m2 + l2 (log2 units).
+
+    Returns (dq, dk, dv) shaped like (q, k, v), written into `grads` when given (any strides with
+    a unit last stride). Padding rows/keys and rows that see no key get exactly zero gradient.
+    dbias: a tensor shaped like spec.attn_mask (additive) that receives the mask's gradient, summed
+    over its broadcast (size-1) dims.
+    gqa_split: one program per q head for dK/dV (see _attn_bwd_dkdv); None decides from the grid size.
+    """
+    dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    if q.numel() == 0 or k.numel() == 0:
+        if dbias is not None:
+            dbias.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
+    parts, split = (None, None), 1
+    if q.shape[1] != k.shape[1]:  # GQA: split dK/dV over the group into partials allocated here, so the
+        target = target_for(q)   # plan has no host step and replays from the launch cache
+        c1 = select_config("attn_bwd_dkdv", sum(head_split(q.shape[3])), sum(head_split(v.shape[3])),
+                           q.element_size(), target, spec.modifies_scores)
+        split = gqa_split_factor(q, k, spec, c1, target, gqa_split)
+        if split > 1:
+            parts = gqa_partials(dk, dv, split, q.dtype)
+    static, tensors = spec.launch_key()
+    LAUNCHES.run(("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, split, static),
+                 _ROLES, (do, q, k, v, out, m2, l2, delta, dq, dk, dv, dlse2, dbias, *parts, *tensors),
+                 lambda: plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, scale=scale, causal=causal,
+                                       bottom_right=bottom_right, dlse2=dlse2, spec=spec, dbias=dbias,
+                                       gqa_parts=parts if split > 1 else None))
+    if split > 1:
+        GqaReduce(*parts, dk, dv, split).run()
+    return dq, dk, dv
+
+
+def compile_plans(target) -> list:
+    """Every backward config `target` can launch (head dims 64/128/192/256, 192 split 128 + 64, and the
+    forward's split head dims 96, 160 and 192/128; fp16, bf16, fp32; causal or not; fp16/bf16 also with a
+    window, key/query masks, lengths and varlen)."""
+    from .attention_fwd import _split_cases, compile_cases
+
+    plans = []
+    cases = [(d, d, *rest) for d, *rest in compile_cases((64, 128, 192, 256))] + list(_split_cases())
+    for dqk, dvd, dtype, name, causal, spec in cases:
+        q, k, dq, dk = (torch.empty(1, 2, 128, dqk, dtype=dtype) for _ in range(4))
+        v, o, do, dv = (torch.empty(1, 2, 128, dvd, dtype=dtype) for _ in range(4))
+        m2, l2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(3))
+        try:
+            pre, dkdv, dqk_ = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=dqk ** -0.5,
+                                            causal=causal, bottom_right=spec.varlen, spec=spec, target=target)
+        except RuntimeError:  # no config fits: the backend reports it and never launches
+            continue
+        tag = f"D={dqk} {str(dtype)[6:]} {name}" if dqk == dvd else f"D={dqk}/{dvd} {str(dtype)[6:]} {name}"
+        if name == "causal=True":
+            plans.append((f"attn_bwd_preprocess {tag}", pre))
+        plans += [(f"attn_bwd_dkdv {tag}", dkdv), (f"attn_bwd_dq {tag}", dqk_)]
+    return plans + _fused_compile_plans(target)
+
+
+def _fused_compile_plans(target) -> list:
+    """The dQ kernel writing the attn_mask gradient (fp16/bf16 with every option, the mask broadcast
+    over batch, or over heads and queries; fp32 with a full mask), and dK/dV split over GQA heads; head dims
+    64/128/192 (split 128 + 64)/256."""
+    from .attention_fwd import all_options_spec
+
+    B, H, S = 2, 2, 128
+    plans = []
+    for d in (64, 128, 192, 256):
+        cases = [(dt, shape) for dt in (torch.float16, torch.bfloat16) for shape in ((1, H, S, S), (B, 1, 1, S))]
+        for dtype, shape in cases + [(torch.float32, (B, H, S, S))]:
+            q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=dtype) for _ in range(8))
+            m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
+            spec = (MaskSpec(attn_mask=torch.empty(shape, dtype=dtype)) if dtype == torch.float32
+                    else all_options_spec(B, S, H, shape, dtype))
+            try:
+                launches = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
+                                         bottom_right=False, spec=spec, dbias=torch.empty(shape, dtype=dtype),
+                                         target=target)
+            except RuntimeError:  # no config fits: the backend reports it and never launches
+                continue
+            plans.append((f"attn_bwd_dq+dbias D={d} {str(dtype)[6:]} {'x'.join(map(str, shape))}", launches[2]))
+        q, o, do, dq = (torch.empty(1, 4, S, d, dtype=torch.float16) for _ in range(4))
+        k, v, dk, dv = (torch.empty(1, 1, S, d, dtype=torch.float16) for _ in range(4))
+        m2, l2, delta = (torch.empty(1, 4, S, dtype=torch.float32) for _ in range(3))
+        try:
+            launches = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
+                                     bottom_right=False, target=target, gqa_split=True)
+        except RuntimeError:
+            continue
+        plans.append((f"attn_bwd_dkdv+gqa-split D={d} float16 causal", launches[1]))
+    return plans
