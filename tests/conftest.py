@@ -182,3 +182,16 @@ def eager_mha(layer, x, memory=None, key_mask=None, attn_mask=None):
     p = torch.softmax(scores.masked_fill(~vis, float("-inf")), dim=-1).nan_to_num(0.0)
     out = (p @ v).transpose(1, 2).reshape(B, S, Hq * D)
     return F.linear(out, layer.out_proj.weight, layer.out_proj.bias)
+
+
+@pytest.fixture
+def split_head_dims(monkeypatch):
+    """Head dims split in two power-of-two pieces (launch.SPLIT_HEAD_DIMS, off by default for now) for
+    one test; cached plans are forgotten before and after."""
+    from flashtx import _dispatch
+    from flashtx.triton_kernels import launch
+
+    _dispatch.clear_plans()
+    monkeypatch.setattr(launch, "SPLIT_HEAD_DIMS", True)
+    yield
+    _dispatch.clear_plans()

@@ -19,6 +19,8 @@ from flashtx import reference
 from flashtx.triton_kernels.attention_fwd import plan_forward
 from flashtx.triton_kernels.launch import head_split
 
+pytestmark = pytest.mark.usefixtures("split_head_dims")  # off by default for now (launch.SPLIT_HEAD_DIMS)
+
 
 @pytest.mark.parametrize("d,pieces", [(192, (128, 64)), (96, (64, 32)), (160, (128, 32)), (80, (64, 16)),
                                       (72, (64, 16)), (48, (32, 16)), (144, (128, 16)), (176, (128, 64)),

@@ -18,6 +18,8 @@ from flashtx.triton_kernels.attention_common import MaskSpec
 from flashtx.triton_kernels.attention_fwd import attention_forward
 from flashtx.triton_kernels.launch import head_split
 
+pytestmark = pytest.mark.usefixtures("split_head_dims")  # off by default for now (launch.SPLIT_HEAD_DIMS)
+
 
 @pytest.mark.parametrize("dqk,dv", [(192, 128), (96, 160), (160, 80), (128, 192)])
 def test_backward_launches_take_the_split_path(dqk, dv):

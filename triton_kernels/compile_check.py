@@ -130,9 +130,15 @@ _PLAN_CACHE: dict = {}
 
 def _all_plans(target: Target):
     if target.arch not in _PLAN_CACHE:
+        from . import launch
+
         plans = []
-        for mod in _plan_modules():
-            plans += mod.compile_plans(target)
+        was, launch.SPLIT_HEAD_DIMS = launch.SPLIT_HEAD_DIMS, True  # the split kernels stay compile-checked
+        try:
+            for mod in _plan_modules():
+                plans += mod.compile_plans(target)
+        finally:
+            launch.SPLIT_HEAD_DIMS = was
         _PLAN_CACHE[target.arch] = plans
     return _PLAN_CACHE[target.arch]
 
