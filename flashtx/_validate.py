@@ -17,9 +17,8 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; allowed: {_ALLOWED}")
 
 
-def qkv_ok(q, k, v, allow_gqa: bool) -> bool:
-    """True when check_qkv would pass (the common case, decided with ints and bools; check_qkv itself
-    raises with the message otherwise)."""
+def _qkv_ok(q, k, v, allow_gqa: bool) -> bool:
+    """True when check_qkv passes: its common case, decided with ints and bools before any message is built."""
     qs, ks, vs = q.shape, k.shape, v.shape
     return (q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and ks[0] == qs[0] == vs[0]
             and ks[1] == vs[1] and ks[2] == vs[2] and ks[3] == qs[3] and qs[3] > 0 and vs[3] > 0
@@ -31,6 +30,8 @@ def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: b
 
     names: the user-facing argument names; layout: e.g. "(B, H, S, D)".
     """
+    if _qkv_ok(q, k, v, allow_gqa):
+        return
     nq, nk, nv = names  # q, k, v passed check_tensor already
     if not (q.device == k.device == v.device):
         raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {q.device}, {k.device}, {v.device}")
@@ -184,8 +185,12 @@ def views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _values_readable(t: torch.Tensor) -> bool:
     """True when t's values can be read on the host for free: an eager CPU tensor (not fake, not traced)."""
+    if t.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    if type(t) is torch.Tensor:  # a plain tensor is never fake: no import on the common path
+        return True
     from torch._subclasses.fake_tensor import is_fake
-    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
+    return not is_fake(t)
 
 
 def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name: str, max_seqlen,

@@ -11,19 +11,10 @@ from torch import Tensor
 from . import _decode_op, _env
 from ._library import call
 from .backends import triton_device_reasons
-from . import _validate
-from ._validate import check_alibi, check_softcap, check_tensor, check_window, resolve_scale
+from ._validate import _values_readable, check_alibi, check_softcap, check_tensor, check_window, resolve_scale
 
 LN2 = math.log(2.0)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def _values_readable(t: Tensor) -> bool:
-    """_validate._values_readable (values readable on the host for free), without its per-call import for
-    plain tensors (never fake)."""
-    if type(t) is Tensor:
-        return t.device.type == "cpu" and not torch.compiler.is_compiling()
-    return _validate._values_readable(t)
 
 
 def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:

@@ -31,7 +31,7 @@ from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
 from ._library import call
 from ._validate import (ALLOWED_DTYPES, check_alibi, check_attn_mask, check_cu_seqlens, check_cu_seqlens_values,
                         check_dropout, check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_softcap,
-                        check_tensor, check_window, qkv_ok, resolve_scale)
+                        check_tensor, check_window, resolve_scale)
 
 LN2 = math.log(2.0)
 _NO_WINDOW = (-1, -1)
@@ -156,9 +156,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         q, k, v = (_as4d(t) for t in (query, key, value))
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    if not qkv_ok(q, k, v, bool(enable_gqa)):
-        check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=bool(enable_gqa),
-                  gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
+    check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=bool(enable_gqa),
+              gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
     scale = resolve_scale("scale", scale, q.shape[-1])
     bias = check_attn_mask("attn_mask", attn_mask, tuple(query.shape[:-3]), q.shape[1], q.shape[2], k.shape[2], q,
                            lambda: f"query {tuple(query.shape)} and key {tuple(key.shape)}")
@@ -229,8 +228,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if t.dim() != 4:
             raise ValueError(f"{n} must be 4-D (B, S, H, D); got shape {tuple(t.shape)}")
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views, no copies
-    if not qkv_ok(qh, kh, vh, True):
-        check_qkv(("q", "k", "v"), qh, kh, vh, "(B, S, H, D)", allow_gqa=True)
+    check_qkv(("q", "k", "v"), qh, kh, vh, "(B, S, H, D)", allow_gqa=True)
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
     bias = check_attn_mask("attn_bias", attn_bias, (q.shape[0],), qh.shape[1], qh.shape[2], kh.shape[2], q,
                            lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")

@@ -195,3 +195,19 @@ def split_head_dims(monkeypatch):
     monkeypatch.setattr(launch, "SPLIT_HEAD_DIMS", True)
     yield
     _dispatch.clear_plans()
+
+
+def same_launch_args(a: dict, b: dict) -> bool:
+    """Two launches' argument dicts are equal: the same values, and for tensors the same bytes viewed alike
+    (dtype, data pointer, shape and strides)."""
+    if a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.data_ptr() == y.data_ptr()
+                    and x.shape == y.shape and x.stride() == y.stride()):
+                return False
+        elif x != y:
+            return False
+    return True

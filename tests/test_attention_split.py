@@ -10,10 +10,11 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import (DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, poisoned_allocations, randn, to64,
-                      to_dtype)
-from test_attention import Case, make_qkv, reference_in_shell, run_shell
-from test_attention_masks import MCase, case_inputs, case_visibility, reference_case, run_case
+import test_attention
+import test_attention_masks
+from conftest import DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, randn, to64, to_dtype
+from test_attention import Case
+from test_attention_masks import MCase
 
 from flashtx import reference
 from flashtx.triton_kernels.attention_fwd import plan_forward
@@ -53,22 +54,8 @@ CASES = [
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_split_head_dims_match_reference(case, dtype):
-    torch.manual_seed(hash(case.id) % 2**31)
-    q, k, v = make_qkv(case, dtype)
-    with poisoned_allocations():
-        out = run_shell(case, q, k, v, backend="triton")
-        do = randn(*out.shape, dtype=dtype)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-    q64, k64, v64 = to64(q, k, v)
-    ref = reference_in_shell(case, q64, k64, v64)
-    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.to(torch.float64))
-    qe, ke, ve = to_dtype(dtype, q, k, v)
-    eager = reference_in_shell(case, qe, ke, ve)
-    eager_grads = torch.autograd.grad(eager, (qe, ke, ve), do)
-    assert_close_to_reference("out", out, ref, eager)
-    grad_scale = max(float(r.abs().max()) for r in ref_grads)
-    for name, g, r, e in zip(("dq", "dk", "dv"), grads, ref_grads, eager_grads):
-        assert_close_to_reference(name, g, r, e, grad=True, scale=grad_scale)
+    """test_attention's forward/backward check, at split head dims."""
+    test_attention.test_forward_backward_match_reference(case, dtype)
 
 
 MASK_CASES = [
@@ -81,23 +68,8 @@ MASK_CASES = [
 @pytest.mark.parametrize("case,dtype", [pytest.param(c, dt, id=f"{c.name}-{dtype_id(dt)}") for c in MASK_CASES
                                         for dt in KERNEL_DTYPES[:2]])
 def test_split_head_dims_with_masks_match_reference(case, dtype):
-    torch.manual_seed(sum(map(ord, case.name)))
-    q, k, v, kw = case_inputs(case, dtype)
-    with poisoned_allocations():
-        out = run_case(case, q, k, v, kw)
-        do = randn(*out.shape, dtype=dtype)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-    vis = case_visibility(case, kw)
-    q64, k64, v64 = to64(q, k, v)
-    ref = reference_case(case, q64, k64, v64, vis)
-    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.to(torch.float64))
-    qe, ke, ve = to_dtype(dtype, q, k, v)
-    eager = reference_case(case, qe, ke, ve, vis)
-    eager_grads = torch.autograd.grad(eager, (qe, ke, ve), do)
-    assert_close_to_reference("out", out, ref, eager)
-    scale = max(float(r.abs().max()) for r in ref_grads)
-    for name, g, r, e in zip(("dq", "dk", "dv"), grads, ref_grads, eager_grads):
-        assert_close_to_reference(name, g, r, e, grad=True, scale=scale)
+    """test_attention_masks' forward/backward check (empty rows and keys exactly 0 included), at split head dims."""
+    test_attention_masks.test_masked_forward_backward_match_reference(case, dtype)
 
 
 @dataclasses.dataclass(frozen=True)

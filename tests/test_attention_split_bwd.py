@@ -13,7 +13,7 @@ from conftest import (DEVICE, KERNEL_DTYPES, ON_GPU, PRECISE_DTYPE, assert_close
 
 import flashtx
 from flashtx import reference
-from flashtx.triton_kernels.attention_bwd import attention_backward, plan_backward
+from flashtx.triton_kernels.attention_bwd import attention_backward, gqa_partials, plan_backward
 from flashtx.triton_kernels.attention_common import MaskSpec
 from flashtx.triton_kernels.attention_fwd import attention_forward
 from flashtx.triton_kernels.launch import head_split
@@ -31,7 +31,8 @@ def test_backward_launches_take_the_split_path(dqk, dv):
     m2, l2, delta = (torch.empty(1, 4, 40, device=DEVICE) for _ in range(3))
     spec = MaskSpec(attn_mask=torch.empty(1, 4, 40, 40, device=DEVICE))
     launches = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv_, scale=1.0, causal=True, bottom_right=False,
-                             spec=spec, dbias=torch.empty(1, 4, 40, 40, device=DEVICE), gqa_split=True)
+                             spec=spec, dbias=torch.empty(1, 4, 40, 40, device=DEVICE),
+                             gqa_parts=gqa_partials(dk, dv_, 2, q.dtype))
     pre, dkdv, dqk_ = launches[:3]
     assert (pre.args["BLOCK_DV"], pre.args["BLOCK_DV2"]) == head_split(dv)
     for launch in (dkdv, dqk_):

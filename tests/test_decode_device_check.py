@@ -7,7 +7,7 @@ each kind of bad index raises and writes nothing, and kernel and host agree on r
 Also: the decode launches are replayed from the launch cache exactly as planned."""
 import pytest
 import torch
-from conftest import DEVICE, poisoned_allocations
+from conftest import DEVICE, poisoned_allocations, same_launch_args
 from test_decode import make_cache, rand
 
 import flashtx
@@ -183,20 +183,6 @@ def test_without_the_triton_check_torch_ops_check_instead(device_path, monkeypat
 
 
 # --------------------------------------------------------------------------------- launch cache
-def _same_args(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for name, x in a.items():
-        y = b[name]
-        if isinstance(x, torch.Tensor):
-            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.data_ptr() == y.data_ptr()
-                    and x.shape == y.shape and x.stride() == y.stride()):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("append", ["none", "k", "k+rotary"])
 def test_decode_replays_launch_what_planning_would(device_path, splits, append):
@@ -245,4 +231,4 @@ def test_decode_replays_launch_what_planning_would(device_path, splits, append):
     assert len(calls) == len(want)
     for (kernel, grid, args), w in zip(calls, want):
         assert kernel is w.kernel and grid == w.grid
-        assert _same_args(args, w.args), [k for k in args if not _same_args({k: args[k]}, {k: w.args[k]})]
+        assert same_launch_args(args, w.args), [k for k in args if not same_launch_args({k: args[k]}, {k: w.args[k]})]

@@ -8,7 +8,7 @@ import flashtx
 from flashtx.triton_kernels import attention_bwd, attention_fwd, autotune, launch
 from flashtx.triton_kernels.mask_spec import MaskSpec
 
-from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn
+from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn, same_launch_args
 
 
 @pytest.fixture(autouse=True)
@@ -21,20 +21,6 @@ def fresh_cache():
 def _record():
     calls = []
     return calls, launch.stub_launches(lambda kernel, grid, args: calls.append((kernel, grid, dict(args))))
-
-
-def _same_args(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for name, x in a.items():
-        y = b[name]
-        if isinstance(x, torch.Tensor):  # the same tensor, or the same bytes viewed alike
-            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.data_ptr() == y.data_ptr()
-                    and x.shape == y.shape and x.stride() == y.stride()):
-                return False
-        elif x != y:
-            return False
-    return True
 
 
 def _specs(B, Sq, Sk, H):
@@ -68,11 +54,10 @@ def test_a_replay_launches_what_planning_would(case):
         dq, dk, dv = attention_bwd.attention_backward(do, q, k, v, out, m2, l2, gqa_split=False, **fwd)
     assert len(launch.LAUNCHES.entries) == 2 and len(calls) == 4
     want = [attention_fwd.plan_forward(q, k, v, out, m2, l2, **fwd)]
-    want += attention_bwd.plan_backward(do, q, k, v, out, m2, l2, calls[1][2]["DELTA"], dq, dk, dv,
-                                        gqa_split=False, **fwd)
+    want += attention_bwd.plan_backward(do, q, k, v, out, m2, l2, calls[1][2]["DELTA"], dq, dk, dv, **fwd)
     for (kernel, grid, args), w in zip(calls, want):
         assert kernel is w.kernel and grid == w.grid
-        assert _same_args(args, w.args), [n for n in args if not _same_args({n: args[n]}, {n: w.args[n]})]
+        assert same_launch_args(args, w.args), [n for n in args if not same_launch_args({n: args[n]}, {n: w.args[n]})]
 
 
 def test_self_attention_inputs_rebind_by_role():

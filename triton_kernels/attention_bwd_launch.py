@@ -60,14 +60,18 @@ def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype)
 AUTO_GQA_SPLIT = False
 
 
-def gqa_split_factor(q, k, spec: MaskSpec, c1, target, gqa_split: bool | None) -> int:
+def gqa_split_factor(q, k, v, spec: MaskSpec, gqa_split: bool | None) -> int:
     """Programs per K/V head of the dK/dV kernel: the GQA group size (one program per q head, fp32
     partials summed afterwards) when gqa_split, or when None (and AUTO_GQA_SPLIT) and the K/V-head grid
-    fills under 2 waves of the GPU; else 1. c1: the dK/dV tile config."""
+    fills under 2 waves of the GPU; else 1. The tile config and the GPU are looked up only for that
+    last decision."""
     group = q.shape[1] // k.shape[1]
     if group == 1 or gqa_split is False or (gqa_split is None and not AUTO_GQA_SPLIT):
         return 1
     if gqa_split is None:
+        target = target_for(q)
+        c1 = select_config("attn_bwd_dkdv", sum(head_split(q.shape[3])), sum(head_split(v.shape[3])),
+                           q.element_size(), target, spec.modifies_scores)
         B = spec.cu_seqlens_q.shape[0] - 1 if spec.varlen else q.shape[0]
         Sk = int(spec.max_seqlen_k) if spec.varlen else k.shape[2]
         if cdiv(Sk, c1.block_n) * k.shape[1] * B >= 2 * target.sm_count:
@@ -83,13 +87,13 @@ def gqa_partials(dk, dv, split: int, dtype) -> tuple:
 
 def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, causal: bool,
                   bottom_right: bool, dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS,
-                  dbias: torch.Tensor | None = None, target=None, gqa_split: bool | None = None,
-                  gqa_parts: tuple | None = None) -> list:
+                  dbias: torch.Tensor | None = None, target=None, gqa_parts: tuple | None = None) -> list:
     """The launches of the backward, in order: preprocess, dK/dV, dQ (which also writes the attn_mask
-    gradient into `dbias` when given, shaped like spec.attn_mask), and host steps: a GqaReduce when
-    dK/dV is split over the GQA group (gqa_split_factor) into partials it allocates (not when the caller
-    passes them as gqa_parts and sums them itself), a DbiasReduce when the bias gradient goes through a
-    buffer (see dbias_plan).
+    gradient into `dbias` when given, shaped like spec.attn_mask), and a DbiasReduce host step when the
+    bias gradient goes through a buffer (see dbias_plan).
+
+    gqa_parts: (dk, dv) partials from gqa_partials to split dK/dV over the GQA group (one program per
+    q head); the caller sums them (GqaReduce, as attention_backward does). None: no split.
 
     (B, H, S, D) views; varlen: (1, H, total, D) views of the packed tensors, m2/l2/delta (1, H, total).
     """
@@ -123,15 +127,10 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
     group = H // Hkv
     tiles_n = cdiv(Sk, c1.block_n)
-    dk_out, dv_out, reduce = dk, dv, None
-    if gqa_parts is not None:  # the caller allocated the per-q-head partials and sums them (attention_backward)
+    dk_out, dv_out, split = dk, dv, 1
+    if gqa_parts is not None:  # per-q-head partials the caller allocated and sums
         dk_out, dv_out = gqa_parts
         split = dk_out.shape[1] // Hkv
-    else:
-        split = gqa_split_factor(q, k, spec, c1, target, gqa_split)
-        if split > 1:
-            dk_out, dv_out = gqa_partials(dk, dv, split, q.dtype)
-            reduce = GqaReduce(dk_out, dv_out, dk, dv, split)
     dkdv = Launch(_attn_bwd_dkdv, (tiles_n, Hkv * split, B), dict(
         common, DK=dk_out, DV=dv_out, **stride_args("dk", dk_out, spec), **stride_args("dv", dv_out, spec), H=H,
         GROUP=group, SPLIT=split,
@@ -149,7 +148,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         common, DQ=dq, **stride_args("dq", dq, spec), **db_args, H=H, GROUP=H // Hkv,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
         estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target))
-    return [pre, dkdv, dqk] + [step for step in (reduce, finish) if step is not None]
+    return [pre, dkdv, dqk] + ([finish] if finish is not None else [])
 
 
 _ROLES = ("DO", "Q", "K", "V", "O", "M2", "L2", "DELTA", "DQ", "DK", "DV", "DLSE", "DB", "DK_PART", "DV_PART",
@@ -174,14 +173,9 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
             dbias.zero_()
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
-    parts, split = (None, None), 1
-    if q.shape[1] != k.shape[1]:  # GQA: split dK/dV over the group into partials allocated here, so the
-        target = target_for(q)   # plan has no host step and replays from the launch cache
-        c1 = select_config("attn_bwd_dkdv", sum(head_split(q.shape[3])), sum(head_split(v.shape[3])),
-                           q.element_size(), target, spec.modifies_scores)
-        split = gqa_split_factor(q, k, spec, c1, target, gqa_split)
-        if split > 1:
-            parts = gqa_partials(dk, dv, split, q.dtype)
+    parts, split = (None, None), gqa_split_factor(q, k, v, spec, gqa_split)
+    if split > 1:  # the partials are allocated here, so the plan has no host step and replays from the cache
+        parts = gqa_partials(dk, dv, split, q.dtype)
     static, tensors = spec.launch_key()
     LAUNCHES.run(("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, split, static),
                  _ROLES, (do, q, k, v, out, m2, l2, delta, dq, dk, dv, dlse2, dbias, *parts, *tensors),
@@ -244,7 +238,7 @@ def _fused_compile_plans(target) -> list:
         m2, l2, delta = (torch.empty(1, 4, S, dtype=torch.float32) for _ in range(3))
         try:
             launches = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
-                                     bottom_right=False, target=target, gqa_split=True)
+                                     bottom_right=False, target=target, gqa_parts=gqa_partials(dk, dv, 4, q.dtype))
         except RuntimeError:
             continue
         plans.append((f"attn_bwd_dkdv+gqa-split D={d} float16 causal", launches[1]))
