@@ -119,9 +119,9 @@ def _static(hidden, rows, dtype, backward: bool, target: Target) -> _Static:
     return small
 
 
-def _args(st: _Static, g, u, out1, do, out2) -> tuple[tuple, dict]:
-    """(grid, kernel arguments) of one launch (see plan_swiglu)."""
-    M, H = g.shape
+def _args(st: _Static, g, u, out1, do, out2, shape=None) -> tuple[tuple, dict]:
+    """(grid, kernel arguments) of one launch (see plan_swiglu); shape: (M, H) when g is not (M, H) (packed)."""
+    M, H = shape if shape is not None else g.shape
     if do is None:
         do, out2 = g, out1  # placeholders, unused in the forward
     sg, su, sd, s1, s2 = g.stride(), u.stride(), do.stride(), out1.stride(), out2.stride()
@@ -156,12 +156,11 @@ def plan_swiglu_backward_packed(do, x, dx, *, target: Target | None = None) -> L
     The kernel reads and writes both halves through x and dx themselves (PACKED), never column views."""
     M, H = do.shape
     st = _static(H, M, x.dtype, True, target if target is not None else target_for(x))
-    sx, sd, so = x.stride(), do.stride(), dx.stride()
-    args = dict(st.consts)
-    args.update(PACKED=True, G=x, U=x, DO=do, OUT1=dx, OUT2=do, M=M, H=H, n_h_tiles=st.n_h_tiles,  # OUT2: unused
-                stride_gm=sx[0], stride_gh=sx[1], stride_um=sx[0], stride_uh=sx[1], stride_dom=sd[0],
-                stride_doh=sd[1], stride_o1m=so[0], stride_o1h=so[1], stride_o2m=so[0], stride_o2h=so[1])
-    return Launch(_swiglu_kernel, (_cdiv(M, st.cfg.block_rows) * st.n_h_tiles,), args, st.cfg)
+    # U and OUT2 are x and dx themselves (their strides); PACKED offsets them by H columns, and never stores
+    # through OUT2, so dx is the only tensor the kernel writes
+    grid, args = _args(st, x, x, dx, do, dx, do.shape)
+    args["PACKED"] = True
+    return Launch(_swiglu_kernel, grid, args, st.cfg)
 
 
 def swiglu_backward_packed(do, x, dx) -> None:
