@@ -211,3 +211,39 @@ def same_launch_args(a: dict, b: dict) -> bool:
         elif x != y:
             return False
     return True
+
+
+@pytest.fixture(autouse=True)
+def _bounds_checked():
+    """Every interpreted kernel launch in every test must keep its masked-in loads and stores inside its
+    tensor arguments' storages (flashtx.testing_bounds): a stray access fails the test here, where on a GPU
+    it would be an illegal memory access or silent garbage. It adds ~5% to the CPU suite;
+    FLASHTX_CHECK_BOUNDS=0 turns it off."""
+    if ON_GPU or os.environ.get("FLASHTX_CHECK_BOUNDS") == "0":
+        yield
+        return
+    from flashtx import testing_bounds
+
+    with testing_bounds.checking():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _opt_in_paths(monkeypatch):
+    """FLASHTX_TEST_SPLIT_HEAD_DIMS=1 / FLASHTX_TEST_AUTO_GQA_SPLIT=1 run every test with that off-by-default
+    path on (launch.SPLIT_HEAD_DIMS, attention_bwd_launch.AUTO_GQA_SPLIT), so a GPU run can bisect them one
+    at a time (bench/device_check.sh's `bisect` step)."""
+    flags = [(name, attr) for name, attr in (("FLASHTX_TEST_SPLIT_HEAD_DIMS", "SPLIT_HEAD_DIMS"),
+                                             ("FLASHTX_TEST_AUTO_GQA_SPLIT", "AUTO_GQA_SPLIT"))
+             if os.environ.get(name) == "1"]
+    if not flags:
+        yield
+        return
+    from flashtx import _dispatch
+    from flashtx.triton_kernels import attention_bwd_launch, launch
+
+    for _, attr in flags:
+        monkeypatch.setattr(launch if attr == "SPLIT_HEAD_DIMS" else attention_bwd_launch, attr, True)
+    _dispatch.clear_plans()
+    yield
+    _dispatch.clear_plans()
