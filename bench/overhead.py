@@ -330,6 +330,17 @@ def check_path(dev: str) -> None:
                            "flashtx/triton is imported): otherwise flashtx takes its reference backend")
 
 
+@contextlib.contextmanager
+def _direct_launch(on: bool):
+    from flashtx.triton_kernels import launch
+
+    prev, launch.DIRECT_LAUNCH = launch.DIRECT_LAUNCH, on
+    try:
+        yield
+    finally:
+        launch.DIRECT_LAUNCH = prev
+
+
 def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=None) -> Result:
     """Time one row. With a pytest-benchmark fixture, flashtx's stubbed call is also timed through
     benchmark.pedantic (its own rounds, so the JSON and pytest's table have an entry); the numbers
@@ -357,9 +368,16 @@ def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=No
         if dev == "cuda":  # the real call, launches included
             (real_t,) = time_pair([ours], dev, max(3, repeats // 2), calls, warmup)
             launch_us = statistics.median(real_t)
+            # and with every launch through Triton's JITFunction.run (launch.DIRECT_LAUNCH off): what the
+            # direct launch of the compiled kernel saves
+            with _direct_launch(False):
+                (jit_t,) = time_pair([ours], dev, max(3, repeats // 2), calls, warmup)
+            jit_launch_us = statistics.median(jit_t)
     base_us, base_iqr = _median_iqr(base_t)
     extra = {"min_us_per_call": min(ours_t), "baseline_min_us_per_call": min(base_t), "rounds": len(ours_t),
              "calls_per_round": calls}
+    if launch_us is not None:
+        extra["with_launch_via_jit_us_per_call"] = jit_launch_us
     ours_us, ours_iqr = _median_iqr(ours_t)
     return Result(row.name, row.target_us, row.baseline, ours_us, base_us, launch_us, ours_iqr, base_iqr, n_launch,
                   extra)
@@ -410,7 +428,7 @@ def table(results: list[Result], env: dict | None = None) -> str:
     env = env or environment()
     gpu = env["device"] == "cuda"
     head = ["row", "flashtx us/call", "target us", "baseline us/call", "ratio (<= 2x)"]
-    head += ["with launch us/call"] if gpu else []
+    head += ["with launch us/call", "launched via JITFunction.run us/call"] if gpu else []
     head += ["launches", "verdict"]
     lines = [f"Host overhead: {env['mode']}; {env['device']} {env.get('gpu') or env.get('cpu')}, {env['dtype']}, "
              f"torch {env['torch']}, triton {env['triton']}, flashtx {env['flashtx']} ({env.get('commit') or '?'}). "
@@ -424,7 +442,7 @@ def table(results: list[Result], env: dict | None = None) -> str:
             misses.append(f"{r.ratio:.1f}x the baseline")
         verdict = "met" if not misses else "MISSED: " + ", ".join(misses)
         cells = [r.name, _fmt(r.ours_us), _fmt(r.target_us, "{:.0f}"), _fmt(r.base_us), f"{r.ratio:.2f}x"]
-        cells += [_fmt(r.launch_us)] if gpu else []
+        cells += [_fmt(r.launch_us), _fmt(r.extra.get("with_launch_via_jit_us_per_call"))] if gpu else []
         cells += [str(r.launches), verdict]
         lines.append("| " + " | ".join(cells) + " |")
     met = sum(r.met for r in results)

@@ -148,3 +148,99 @@ def test_the_autotuner_plans_afresh_while_it_forces_a_config():
         assert not launch.LAUNCHES.entries
     finally:
         autotune.autotune(was)
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: `compiled[grid](*args, stream=...)` records a direct launch."""
+
+    packed_metadata = ()
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args, stream=None: self.log.append(("direct", grid, args, stream))
+
+
+class _Kernel:
+    """Stands in for a JITFunction on a GPU: `kernel[grid](**kwargs)` records a launch through
+    JITFunction.run and returns the compiled kernel, as Triton's does."""
+
+    arg_names = ["X", "Y", "N", "BLOCK"]
+
+    def __init__(self):
+        self.log = []
+        self.compiled = _Compiled(self.log)
+
+    def __getitem__(self, grid):
+        def run(**kw):
+            self.log.append(("run", grid, kw, None))
+            return self.compiled
+        return run
+
+
+class _Driver:
+    device = 0
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device):
+        return 1000 + device
+
+
+def test_gpu_replays_launch_the_compiled_kernel_directly(monkeypatch):
+    """On a GPU (stand-ins for the kernel, Triton's compiled kernel and its driver), a replay's first launch
+    goes through the kernel (JITFunction.run) and later ones call the compiled kernel with the arguments in
+    the kernel's parameter order, its own tensors rebound, on the current stream. A tensor whose 16-byte
+    alignment changed (Triton specialises on it), another current device, DIRECT_LAUNCH = False and stubbed
+    launches all go back through the kernel."""
+    driver = _Driver()
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_driver", lambda: driver)
+    kernel = _Kernel()
+
+    def call(x, y):
+        launch.LAUNCHES.run(("direct-test",), ("X", "Y"), (x, y),
+                            lambda: [launch.Launch(kernel, (3, 1, 1), {"Y": y, "N": 7, "X": x, "BLOCK": 16})])
+        return kernel.log[-1]
+
+    x, y = torch.zeros(8), torch.zeros(8)
+    assert call(x, y) == ("run", (3, 1, 1), {"X": x, "Y": y, "N": 7, "BLOCK": 16}, None)
+    x2, y2 = torch.zeros(8), torch.zeros(8)
+    how, grid, args, stream = call(x2, y2)
+    assert (how, grid, stream) == ("direct", (3, 1, 1), 1000) and args[0] is x2 and args[1] is y2 and args[2:] == (7, 16)
+    shifted = torch.zeros(9)[1:]  # 4 bytes past an aligned start: Triton would pick another specialisation
+    assert shifted.data_ptr() % 16 != 0
+    assert call(shifted, y2)[0] == "run"
+    assert call(x2, y2)[0] == "run"  # the recapture takes the misaligned one's alignment...
+    assert call(x, y)[0] == "direct"  # ...and aligned tensors launch directly again after it
+    driver.device = 1
+    assert call(x, y)[0] == "run"
+    driver.device = 0
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
+    assert call(x, y)[0] == "run"
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", True)
+    n = len(kernel.log)
+    with launch.stub_launches():
+        call(x, y)
+    assert len(kernel.log) == n  # the stub took it
+
+
+def test_plans_pass_every_kernel_parameter_so_gpu_replays_can_launch_directly():
+    """Direct launches pass arguments by position, so every memoised attention and decode launch must name
+    each of its kernel's parameters (no defaults left to Triton's binder)."""
+    import flashtx.decode  # noqa: F401
+
+    B, H, S, D = 1, 2, 9, 16
+    q, k, v = (randn(B, H, S, D, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+    flashtx.attention(q, k, v, is_causal=True, backend="triton").sum().backward()
+    kc, vc = torch.zeros(B, 32, H, D, dtype=PRECISE_DTYPE, device=DEVICE), torch.zeros(B, 32, H, D, dtype=PRECISE_DTYPE,
+                                                                                    device=DEVICE)
+    flashtx.flash_attn_with_kvcache(randn(B, 1, H, D, dtype=PRECISE_DTYPE), kc, vc, k=randn(B, 1, H, D, dtype=PRECISE_DTYPE),
+                                    v=randn(B, 1, H, D, dtype=PRECISE_DTYPE),
+                                    cache_seqlens=torch.tensor([5], dtype=torch.int32, device=DEVICE))
+    replays = [r for entry in launch.LAUNCHES.entries.values() for r in entry]
+    kernels = {r.kernel.__name__ for r in replays}
+    assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= kernels and any("decode" in n for n in kernels), kernels
+    assert all(r.positional for r in replays), [r.kernel.__name__ for r in replays if not r.positional]
