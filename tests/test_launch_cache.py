@@ -228,8 +228,8 @@ def test_gpu_replays_launch_the_compiled_kernel_directly(monkeypatch):
 
 
 def test_plans_pass_every_kernel_parameter_so_gpu_replays_can_launch_directly():
-    """Direct launches pass arguments by position, so every memoised attention and decode launch must name
-    each of its kernel's parameters (no defaults left to Triton's binder)."""
+    """Direct launches pass arguments by position, so every memoised attention, decode, RoPE and SwiGLU launch
+    must name each of its kernel's parameters (no defaults left to Triton's binder)."""
     import flashtx.decode  # noqa: F401
 
     B, H, S, D = 1, 2, 9, 16
@@ -240,7 +240,11 @@ def test_plans_pass_every_kernel_parameter_so_gpu_replays_can_launch_directly():
     flashtx.flash_attn_with_kvcache(randn(B, 1, H, D, dtype=PRECISE_DTYPE), kc, vc, k=randn(B, 1, H, D, dtype=PRECISE_DTYPE),
                                     v=randn(B, 1, H, D, dtype=PRECISE_DTYPE),
                                     cache_seqlens=torch.tensor([5], dtype=torch.int32, device=DEVICE))
+    x = randn(2, 6, 2, 16, dtype=PRECISE_DTYPE, requires_grad=True)
+    cos, sin = torch.rand(6, 8, dtype=PRECISE_DTYPE, device=DEVICE), torch.rand(6, 8, dtype=PRECISE_DTYPE, device=DEVICE)
+    (flashtx.apply_rotary(x, cos, sin) + flashtx.swiglu(x, x * 2)).sum().backward()
     replays = [r for entry in launch.LAUNCHES.entries.values() for r in entry]
     kernels = {r.kernel.__name__ for r in replays}
-    assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"} <= kernels and any("decode" in n for n in kernels), kernels
+    assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_rotary_kernel", "_swiglu_kernel"} <= kernels, kernels
+    assert any("decode" in n for n in kernels), kernels
     assert all(r.positional for r in replays), [r.kernel.__name__ for r in replays if not r.positional]

@@ -204,14 +204,15 @@ def test_varlen(dtype, interleaved, kind):
 
 # ------------------------------------------------------------------------------- q and k, in place
 def count_launches(monkeypatch):
+    """Every kernel launch from here on (planned or replayed from the launch cache) appends its kernel."""
     calls = []
-    real = launch_mod.Launch.run
+    real = launch_mod.run_kernel
 
-    def run(self):
-        calls.append(self.kernel)
-        return real(self)
+    def run_kernel(kernel, grid, args, launch_kwargs):
+        calls.append(kernel)
+        return real(kernel, grid, args, launch_kwargs)
 
-    monkeypatch.setattr(launch_mod.Launch, "run", run)
+    monkeypatch.setattr(launch_mod, "run_kernel", run_kernel)
     return calls
 
 

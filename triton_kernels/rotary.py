@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .configs import Target, rotary_config
-from .launch import ACC_DTYPE, Launch, pow2_bucket, target_for
+from .launch import ACC_DTYPE, LAUNCHES, Launch, pow2_bucket, target_for
 
 MIN_BLOCK = 2  # smallest tl.arange width used for the pair and pass-through column blocks
 
@@ -310,15 +310,26 @@ def plan_rotary(q, qo, k, ko, cos, sin, *, offsets=None, offset: int = 0, positi
     return Launch(_rotary_kernel, grid, args, st.cfg_q)
 
 
+_ROLES = ("Q", "QO", "K", "KO", "COS", "SIN", "OFFSETS", "POS", "CU_SEQLENS")
+
+
 def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
                   conjugate, heads_first) -> None:
     """plan_rotary(...).run() with positional arguments (the per-call path); launches nothing for empty
     inputs (no rows, no heads, no sequences or no columns)."""
-    plan = _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
-                 conjugate, heads_first, None)
-    if plan is not None:
+    def build():
+        plan = _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
+                     conjugate, heads_first, None)
+        if plan is None:
+            return []
         args, grid, st = plan
-        Launch(_rotary_kernel, grid, args, st.cfg_q).run()
+        return [Launch(_rotary_kernel, grid, args, st.cfg_q)]
+
+    # replayed from the launch cache for a repeated signature (a GPU then launches the compiled kernel
+    # directly, see launch.DIRECT_LAUNCH); offset and max_seqlen stay as given (never int() of a SymInt:
+    # the cache is not consulted while tracing)
+    LAUNCHES.run(("rotary", q.device, offset, max_seqlen, interleaved, conjugate, heads_first), _ROLES,
+                 (q, qo, k, ko, cos, sin, offsets, position_ids, cu_seqlens), build)
 
 
 def rotary(q, qo, k=None, ko=None, cos=None, sin=None, *, offsets=None, offset: int = 0, position_ids=None,
