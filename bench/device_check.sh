@@ -6,6 +6,7 @@
 # timeout_s=590); the steps share DEVICE_CHECK_BUDGET_S (default 540 s), each under `timeout` (SIGINT
 # first, so pytest still writes its JSON and bench.tune its table), in order of priority:
 #   install -> [xformers wheel from .whl/, if carried]
+#   -> bisect: the split-head-dim / automatic-GQA-split crash, one path at a time (about 2 minutes cold)
 #   -> tests_gpu: the GPU-only tests and the torch.compile / graph-break tests (pytest -n 8), while
 #      prewarm compiles the quick benchmarks' kernels and the model's compiled graphs in parallel
 #      workers (BENCH_PREWARM=1 pytest ... -n 4 / -n 3 --benchmark-disable: nothing timed) into the caches
@@ -21,8 +22,8 @@
 # asked), report/{report.md, attention.png, attention_gqa.png, rope_swiglu.png}. A failing step is
 # recorded and the next one still runs; the exit status is the first failing step's (0 when all passed).
 #
-# Knobs: DEVICE_CHECK_STEPS, a comma list of install,xformers,tests_gpu,prewarm,bench,models,report,tune,
-# tests_rest,gpu_checks,flashtx (default: install,xformers,tests_gpu,prewarm,bench,models,report,tune);
+# Knobs: DEVICE_CHECK_STEPS, a comma list of install,xformers,bisect,tests_gpu,prewarm,bench,models,report,tune,
+# tests_rest,gpu_checks,flashtx (default: install,xformers,bisect,tests_gpu,prewarm,bench,models,report,tune);
 # DEVICE_CHECK_TIME_SCALE multiplies every limit and reserve and the budget (default 1).
 # tests/test_bench_smoke.py runs the bench,models,report steps of this script with BENCH_SMOKE=1
 # (bench/harness.py: CPU, tiny shapes, Triton's interpreter), so the script cannot rot unseen.
@@ -38,7 +39,7 @@ TEE_PID=$!
 
 SCALE=${DEVICE_CHECK_TIME_SCALE:-1}
 BUDGET=$(( ${DEVICE_CHECK_BUDGET_S:-540} * SCALE ))
-STEPS=${DEVICE_CHECK_STEPS:-install,xformers,tests_gpu,prewarm,bench,models,report,tune}
+STEPS=${DEVICE_CHECK_STEPS:-install,xformers,bisect,tests_gpu,prewarm,bench,models,report,tune}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 START=$(date +%s)
 PY=${PYTHON:-python3}
@@ -88,6 +89,19 @@ if want xformers && ls .whl/xformers-*.whl >/dev/null 2>&1; then
   step "xformers info" 20 460 bash -c "$PY -m xformers.info 2>&1 | grep -v '^build.env\|^source' | head -45"
 elif want xformers; then
   echo "(no .whl/xformers-*.whl carried: the xformers provider will be skipped)"
+fi
+
+# Bisect (issue 13): the first GPU run of split head dims + the automatic GQA dK/dV split hit "an illegal memory
+# access" (bench/RESULTS.md, second run of 2026-11-30); both are off by default since. One case, fp16, serial,
+# CUDA_LAUNCH_BLOCKING=1 (the traceback names the kernel that faulted), each path on its own process: both on
+# (the crash as seen), split head dims alone, the automatic GQA split alone (MQA cases, head dims padded).
+if want bisect; then
+  BISECT=(env CUDA_LAUNCH_BLOCKING=1 $PY -m pytest -x -q -rf -n 0 -p no:cacheprovider)
+  step "bisect: split head dims + automatic GQA split" 45 420 env FLASHTX_TEST_AUTO_GQA_SPLIT=1 "${BISECT[@]}" \
+    tests/test_attention_split.py -k "q70-k113 and float16"
+  step "bisect: split head dims alone" 45 390 "${BISECT[@]}" tests/test_attention_split.py -k "q70-k113 and float16"
+  step "bisect: automatic GQA split alone" 45 360 env FLASHTX_TEST_AUTO_GQA_SPLIT=1 "${BISECT[@]}" \
+    tests/test_attention.py tests/test_attention_gpu_large.py -k "h4x1 and float16 or large and float16"
 fi
 
 HAVE_XDIST=0
