@@ -24,7 +24,9 @@
 #
 # Knobs: DEVICE_CHECK_STEPS, a comma list of install,xformers,bisect,tests_gpu,prewarm,bench,models,report,tune,
 # tests_rest,gpu_checks,flashtx (default: install,xformers,bisect,tests_gpu,prewarm,bench,models,report,tune);
-# DEVICE_CHECK_TIME_SCALE multiplies every limit and reserve and the budget (default 1).
+# DEVICE_CHECK_TIME_SCALE multiplies every limit and reserve and the budget (default 1); DEVICE_CHECK_BENCH_K, a
+# pytest -k expression for the quick benchmarks and their prewarm (e.g. "not d128": skip the MHA D=128 cases already
+# measured on 2026-11-30, so GQA, D=64, the variants, RoPE/SwiGLU and the overhead rows fit the step's limit).
 # tests/test_bench_smoke.py runs the bench,models,report steps of this script with BENCH_SMOKE=1
 # (bench/harness.py: CPU, tiny shapes, Triton's interpreter), so the script cannot rot unseen.
 set -uo pipefail  # not -e: every step's status is recorded, and later steps still run
@@ -119,8 +121,10 @@ if want prewarm && ((HAVE_XDIST)); then
   echo "=== prewarm started in the background (limit ${PREWARM_LIMIT}s): BENCH_PREWARM=1 pytest bench --quick -n 4, bench/test_models.py -n 3"
   # eager and SDPA-MATH compile nothing and need the most memory (tens of GB at 8k): left out, so the
   # concurrent test step cannot run out of GPU memory because of the prewarm
+  PREWARM_K="not overhead and not eager and not sdpa-math"
+  [ -n "${DEVICE_CHECK_BENCH_K:-}" ] && PREWARM_K="($DEVICE_CHECK_BENCH_K) and $PREWARM_K"
   BENCH_PREWARM=1 timeout -s INT --kill-after=10 "$PREWARM_LIMIT" $PY -m pytest bench --quick -n 4 --benchmark-disable \
-    -q -p no:cacheprovider -k "not overhead and not eager and not sdpa-math" > "$PREWARM_LOG" 2>&1 &
+    -q -p no:cacheprovider -k "$PREWARM_K" > "$PREWARM_LOG" 2>&1 &
   PREWARM_PIDS+=($!)
   want models && { BENCH_PREWARM=1 timeout -s INT --kill-after=10 "$PREWARM_LIMIT" $PY -m pytest bench/test_models.py \
     -n 3 --benchmark-disable -q -p no:cacheprovider >> "$PREWARM_LOG" 2>&1 & PREWARM_PIDS+=($!); }
@@ -147,8 +151,11 @@ fi
 rm -f "$PREWARM_LOG"
 
 export BENCH_BUDGET_S=${BENCH_BUDGET_S:-0.12}  # seconds of timed rounds per case (10..200 rounds)
-want bench && step "pytest bench --quick" 150 200 $PY -m pytest bench --benchmark-only --quick -q -rs -p no:cacheprovider \
-  --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds --benchmark-sort=name
+BENCH_K=()
+[ -n "${DEVICE_CHECK_BENCH_K:-}" ] && BENCH_K=(-k "$DEVICE_CHECK_BENCH_K")
+want bench && step "pytest bench --quick${DEVICE_CHECK_BENCH_K:+ -k $DEVICE_CHECK_BENCH_K}" 150 200 $PY -m pytest bench --benchmark-only --quick -q -rs \
+  -p no:cacheprovider "${BENCH_K[@]}" --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds \
+  --benchmark-sort=name
 
 # The compiled GPT training step (issue 12's GPU check: flashtx tokens/s >= 1.0x SDPA with fullgraph=True).
 MODELS_JSON=$(mktemp "${TMPDIR:-/tmp}/flashtx_models.XXXXXX.json")

@@ -26,7 +26,7 @@ from bench import report  # noqa: E402
 
 # flashtx's quick cases: attention 3 passes x causal/full x N in {2k, 8k}; GQA 3 passes at 2k;
 # 4 variants x (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd); the model training step; bench/overhead.py's rows.
-FLASHTX_CASES = {("attention", "mha"): 12, ("attention", "gqa"): 3, ("attention-variant", ""): 8,
+FLASHTX_CASES = {("attention", "mha"): 15, ("attention", "gqa"): 3, ("attention-variant", ""): 8,
                  ("rope", ""): 2, ("swiglu", ""): 2, ("model-train", ""): 1, ("overhead", ""): 11}
 ATTENTION_PROVIDERS = ["flashtx", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex",
                        "xformers", "flash_attn"]
