@@ -97,6 +97,8 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # longest first: under a causal mask a q tile's work grows with its index (FA3's LPT order)
+        pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
     kvh = h // GROUP  # GQA/MQA: q heads [kvh*GROUP, (kvh+1)*GROUP) share K/V head kvh
