@@ -98,7 +98,7 @@ fi
 # CUDA_LAUNCH_BLOCKING=1 (the traceback names the kernel that faulted), each path on its own process: both on
 # (the crash as seen), split head dims alone, the automatic GQA split alone (MQA cases, head dims padded).
 if want bisect; then
-  BISECT=(env CUDA_LAUNCH_BLOCKING=1 $PY -m pytest -x -q -rf -n 0 -p no:cacheprovider)
+  BISECT=(env CUDA_LAUNCH_BLOCKING=1 $PY -m pytest -x -v -rf -n 0 -p no:cacheprovider)
   step "bisect: split head dims + automatic GQA split" 45 420 env FLASHTX_TEST_AUTO_GQA_SPLIT=1 "${BISECT[@]}" \
     tests/test_attention_split.py -k "q70-k113 and float16"
   step "bisect: split head dims alone" 45 390 "${BISECT[@]}" tests/test_attention_split.py -k "q70-k113 and float16"
@@ -136,7 +136,9 @@ fi
 if want tests_gpu; then
   XDIST=""
   ((HAVE_XDIST)) && XDIST="-n $(( NCPU < 8 ? NCPU : 8 ))"  # 8 here + 7 prewarm workers on 16 cores
-  step "pytest tests (GPU-only, compile and graph breaks)" 150 330 $PY -m pytest tests -q -rf --maxfail=40 $XDIST \
+  # -v: each result is streamed into log.txt as it happens (the second run of 2026-11-30 lost its failure list:
+  # the step hit its limit, and the end-of-run summary never printed)
+  step "pytest tests (GPU-only, compile and graph breaks)" 150 330 $PY -m pytest tests -v -rf --maxfail=40 $XDIST \
     -p no:cacheprovider --ignore=tests/test_compile.py --ignore=tests/test_bench_smoke.py \
     -k "gpu_large or test_memory or compile or trace or graph or readme"
 fi
