@@ -69,6 +69,8 @@ KEPT = "flashtx's previous compile-checked tile (no anchor fits our shared-memor
 FA2_192 = ("FlashAttention-2's hdim-192 forward tile (128x64, 8 warps, sm_80 and later; flash_fwd_launch_template.h "
            "run_mha_fwd_hdim192)")
 DERIVED_192 = "no anchor has an fp32 head dim 192 tile (FlexAttention pads it to 256): the "
+TUNE_H200 = ("bench.tune on an H200 (2026-11-30, second run, bench/RESULTS.md; Triton 3.6), the best of 6-7 timed "
+             "candidates at N = 4k (1k and 16k not yet timed): ")
 FA2_BWD_192 = ("FlashAttention-2's hdim-192 backward tile (64x64, 8 warps; flash_bwd_launch_template.h "
                "run_mha_bwd_hdim192, one kernel for dK/dV and dQ)")
 
@@ -81,8 +83,10 @@ FA2_BWD_192 = ("FlashAttention-2's hdim-192 backward tile (64x64, 8 warps; flash
 TABLES = {
     "sm90": {
         "attn_fwd": {
-            2: {64: C(128, 128, 4, 3, FLEX_H100),
-                128: C(128, 64, 8, 3, FLEX_H100 + " (bf16's; fp16's is 128x128)"),
+            2: {64: C(128, 64, 4, 3, TUNE_H200 + "D=64: 1.047x causal, 0.993x full (bf16) over the FlexAttention "
+                       "sm_90 default it replaced, 128x128 w4 s3; 128x64 w8 s4 was 1.043x full but 0.835x causal"),
+                128: C(64, 64, 4, 3, TUNE_H200 + "D=128: 1.052x / 1.034x causal, 1.032x / 0.997x full (bf16 / fp16) "
+                       "over the FlexAttention sm_90 default it replaced, 128x64 w8 s3"),
                 192: C(128, 64, 8, 3, FA2_192 + " with FlexAttention sm_90's 3 stages (its 128 entry's); no spills "
                        "without score modifiers, 104 bytes with every option"),
                 256: C(64, 32, 4, 3, FLEX_H100)},
