@@ -26,7 +26,8 @@
 # tests_rest,gpu_checks,flashtx (default: install,xformers,bisect,tests_gpu,prewarm,bench,models,report,tune);
 # DEVICE_CHECK_TIME_SCALE multiplies every limit and reserve and the budget (default 1); DEVICE_CHECK_BENCH_K, a
 # pytest -k expression for the quick benchmarks and their prewarm (e.g. "not d128": skip the MHA D=128 cases already
-# measured on 2026-11-30, so GQA, D=64, the variants, RoPE/SwiGLU and the overhead rows fit the step's limit).
+# measured on 2026-11-30, so GQA, D=64, the variants, RoPE/SwiGLU and the overhead rows fit the step's limit);
+# DEVICE_CHECK_TUNE_ARGS, extra arguments for bench.tune (--kernels, --seqlens, --quick).
 # tests/test_bench_smoke.py runs the bench,models,report steps of this script with BENCH_SMOKE=1
 # (bench/harness.py: CPU, tiny shapes, Triton's interpreter), so the script cannot rot unseen.
 set -uo pipefail  # not -e: every step's status is recorded, and later steps still run
@@ -191,7 +192,11 @@ if want tune; then
   TUNE_S=$(( $(left) - 30 * SCALE ))
   ((TUNE_S > 240 * SCALE)) && TUNE_S=$(( 240 * SCALE ))
   if ((TUNE_S >= 30)); then
-    step "bench.tune" $(( TUNE_S / SCALE + 15 )) 0 $PY -m bench.tune --budget-s "$TUNE_S" --json "$OUT/tune.json"
+    # DEVICE_CHECK_TUNE_ARGS, e.g. "--kernels attn_fwd --seqlens 2048,1024,16384": confirm the sm_90 forward tiles
+    # taken from the N = 4k sweep of 2026-11-30 at the lengths it did not reach
+    # shellcheck disable=SC2086
+    step "bench.tune ${DEVICE_CHECK_TUNE_ARGS:-}" $(( TUNE_S / SCALE + 15 )) 0 $PY -m bench.tune --budget-s "$TUNE_S" \
+      --json "$OUT/tune.json" ${DEVICE_CHECK_TUNE_ARGS:-}
   else
     echo "=== SKIP bench.tune: ${TUNE_S}s left"; SUMMARY+=("bench.tune: skipped, out of time")
   fi

@@ -1,6 +1,7 @@
 """Sweep the attention tile configs on this GPU and print a table ready to paste into configs.py.
 
-    python -m bench.tune [--budget-s 330] [--json FILE] [--write-cache] [--quick]
+    python -m bench.tune [--budget-s 330] [--json FILE] [--write-cache] [--quick] [--kernels attn_fwd,...]
+                         [--seqlens 4096,1024,16384]
 
 Kernels attn_fwd, attn_bwd_dkdv and attn_bwd_dq; head dims 64 and 128; causal and not; bf16 and
 fp16; N = 1k, 4k and 16k tokens per sequence at B*N = 16k tokens and H*D = 2048 (the shapes of
@@ -53,50 +54,53 @@ class Group:
         return f"{self.kernel} D={self.d} {'causal' if self.causal else 'full'} {self.dtype}"
 
 
-def groups(quick: bool = False) -> list[Group]:
+def groups(quick: bool = False, kernels: tuple = KERNELS) -> list[Group]:
     """Priority order: bf16 before fp16, D = 128 before 64, causal before full, fwd/dkdv/dq."""
     dtypes = DTYPES[:1] if quick else DTYPES
-    return [Group(k, d, c, dt) for dt in dtypes for d in HEADDIMS for c in CAUSAL for k in KERNELS]
+    return [Group(k, d, c, dt) for dt in dtypes for d in HEADDIMS for c in CAUSAL for k in KERNELS if k in kernels]
 
 
 def _ident(cfg) -> tuple:
     return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
 
 
-def sweep(target, time_fn, *, budget_s: float, quick: bool = False, clock=time.monotonic,
+def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tuple = KERNELS,
+          seqlens: tuple = (N_FIRST, *N_OTHERS), clock=time.monotonic,
           log=lambda *a: print(*a, file=sys.stderr, flush=True)) -> dict:
     """Run the plan. time_fn(group, cfg, seqlen) -> ms (raises when the candidate cannot run).
+    kernels: the KERNELS to tune; seqlens: step 1's N, then step 2's.
     Returns {"results": [{group fields, seqlen, config, ms | error}], "skipped": [...], "elapsed_s"}."""
+    n_first, n_others = seqlens[0], tuple(seqlens[1:])
     from flashtx.triton_kernels import autotune
 
     t0 = clock()
     results: list[dict] = []
     skipped: list[str] = []
     step1: dict[Group, dict] = {}
-    todo = groups(quick)
+    todo = groups(quick, kernels)
     try:
         for g in todo:
             if clock() - t0 > budget_s:
-                skipped.append(f"{g.name} N={N_FIRST}")
+                skipped.append(f"{g.name} N={n_first}")
                 continue
             cands = autotune.candidates(g.kernel, g.d, g.d, 2, target)
             timed = {}
             for cfg in cands:
                 if clock() - t0 > budget_s:
-                    skipped.append(f"{g.name} N={N_FIRST} {autotune.describe(cfg)}")
+                    skipped.append(f"{g.name} N={n_first} {autotune.describe(cfg)}")
                     continue
-                row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": N_FIRST,
+                row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": n_first,
                        "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": cfg is cands[0]}
                 try:
-                    row["ms"] = float(time_fn(g, cfg, N_FIRST))
+                    row["ms"] = float(time_fn(g, cfg, n_first))
                     timed[_ident(cfg)] = (cfg, row["ms"])
                 except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile or launch here
                     row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
                 results.append(row)
             step1[g] = {"default": cands[0] if cands else None, "timed": timed}
             summary = autotune.summarize({autotune.describe(c): ms for c, ms in timed.values()})
-            log(f"  {g.name} N={N_FIRST}: " + (summary if timed else "no candidate ran") + f" [{clock() - t0:.0f}s]")
-        for n in N_OTHERS:
+            log(f"  {g.name} N={n_first}: " + (summary if timed else "no candidate ran") + f" [{clock() - t0:.0f}s]")
+        for n in n_others:
             for g in todo:
                 s = step1.get(g)
                 if not s or not s["timed"]:
@@ -207,7 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="bf16 only")
     ap.add_argument("--json", default=None, help="write every timing here")
     ap.add_argument("--write-cache", action="store_true", help="store the winners in the autotune cache")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help=f"comma list of {', '.join(KERNELS)}")
+    ap.add_argument("--seqlens", default=",".join(map(str, (N_FIRST, *N_OTHERS))),
+                    help="comma list: every candidate at the first N, the default and the best two at the others")
     args = ap.parse_args(argv)
+    kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    bad = [k for k in kernels if k not in KERNELS]
+    if bad or not kernels:
+        ap.error(f"--kernels: got {args.kernels!r}; allowed: a comma list of {', '.join(KERNELS)}")
+    try:
+        seqlens = tuple(int(n) for n in args.seqlens.split(","))
+    except ValueError:
+        seqlens = ()
+    if not seqlens or min(seqlens) < 1:
+        ap.error(f"--seqlens: got {args.seqlens!r}; allowed: a comma list of positive ints (first: the full sweep)")
     import torch
     if not torch.cuda.is_available():
         print("bench.tune: no CUDA GPU here; nothing to tune (the tuner is tested on CPU with a fake timer: "
@@ -218,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashtx.triton_kernels.launch import target_for
     target = target_for(torch.empty(1, device="cuda"))
     gpu = torch.cuda.get_device_name()
-    out = sweep(target, gpu_time_fn(), budget_s=args.budget_s, quick=args.quick)
+    out = sweep(target, gpu_time_fn(), budget_s=args.budget_s, quick=args.quick, kernels=kernels, seqlens=seqlens)
     text = table(out, gpu, triton.__version__)
     print(text)
     if args.json:

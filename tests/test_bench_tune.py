@@ -81,3 +81,28 @@ def test_write_cache_stores_the_runtime_keys(tmp_path, monkeypatch):
 def test_main_without_a_gpu_says_so(capsys):
     assert tune.main([]) == 0
     assert "no CUDA GPU here" in capsys.readouterr().out
+
+
+def test_a_focused_sweep_times_only_the_kernels_and_lengths_asked_for():
+    """--kernels attn_fwd --seqlens 2048,1024,16384: every forward candidate at 2k, then the default and the
+    best two at 1k and 16k; no backward kernel is timed."""
+    clock = FakeClock()
+    out = tune.sweep(H100, fake_timer(clock), budget_s=1e9, clock=clock, log=lambda *a: None,
+                     kernels=("attn_fwd",), seqlens=(2048, 1024, 16384))
+    res = out["results"]
+    assert {r["kernel"] for r in res} == {"attn_fwd"}
+    assert {r["seqlen"] for r in res} == {1024, 2048, 16384}
+    for g in tune.groups(kernels=("attn_fwd",)):
+        at_2k = [r for r in res if (r["d"], r["causal"], r["dtype"], r["seqlen"]) == (g.d, g.causal, g.dtype, 2048)]
+        at_16k = [r for r in res if (r["d"], r["causal"], r["dtype"], r["seqlen"]) == (g.d, g.causal, g.dtype, 16384)]
+        assert len(at_2k) == len(autotune.candidates("attn_fwd", g.d, g.d, 2, H100))
+        assert 1 <= len(at_16k) <= 3 and any(r["default"] for r in at_16k)
+
+
+def test_cli_refuses_unknown_kernels_and_bad_seqlens(capsys):
+    import pytest
+    for argv, what in ((["--kernels", "attn_fwd,attn_bwd"], "--kernels"), (["--seqlens", "2048,x"], "--seqlens"),
+                       (["--seqlens", "0"], "--seqlens")):
+        with pytest.raises(SystemExit):
+            tune.main(argv)
+        assert what in capsys.readouterr().err
