@@ -15,6 +15,7 @@
 #   -> models: the compiled GPT training step (bench/test_models.py), torch.compile(fullgraph=True);
 #      a graph break is recorded as a FAILED fullgraph compile in the JSON and the report
 #   -> report: python -m bench.report (markdown + PNGs)
+#   -> hostprof: python -m bench.host_profile (one call from idle per provider and pass, profiled)
 #   -> tune: python -m bench.tune with what is left (at most 240 s)
 #   -> tests_rest, gpu_checks, flashtx: only when asked for (DEVICE_CHECK_STEPS), after the rest
 # Output under $OUT (at most 8 files, at most $OUT/a/b deep), each written as its step runs: log.txt
@@ -22,8 +23,9 @@
 # asked), report/{report.md, attention.png, attention_gqa.png, rope_swiglu.png}. A failing step is
 # recorded and the next one still runs; the exit status is the first failing step's (0 when all passed).
 #
-# Knobs: DEVICE_CHECK_STEPS, a comma list of install,xformers,bisect,tests_gpu,prewarm,bench,models,report,tune,
-# tests_rest,gpu_checks,flashtx (default: install,xformers,bisect,tests_gpu,prewarm,bench,models,report,tune);
+# Knobs: DEVICE_CHECK_STEPS, a comma list of install,xformers,bisect,tests_gpu,prewarm,bench,models,report,hostprof,
+# tune,tests_rest,gpu_checks,flashtx (default: install,xformers,bisect,tests_gpu,prewarm,bench,models,report,hostprof,
+# tune);
 # DEVICE_CHECK_TIME_SCALE multiplies every limit and reserve and the budget (default 1); DEVICE_CHECK_BENCH_K, a
 # pytest -k expression for the quick benchmarks and their prewarm (e.g. "not d128": skip the MHA D=128 cases already
 # measured on 2026-11-30, so GQA, D=64, the variants, RoPE/SwiGLU and the overhead rows fit the step's limit);
@@ -42,7 +44,7 @@ TEE_PID=$!
 
 SCALE=${DEVICE_CHECK_TIME_SCALE:-1}
 BUDGET=$(( ${DEVICE_CHECK_BUDGET_S:-540} * SCALE ))
-STEPS=${DEVICE_CHECK_STEPS:-install,xformers,bisect,tests_gpu,prewarm,bench,models,report,tune}
+STEPS=${DEVICE_CHECK_STEPS:-install,xformers,bisect,tests_gpu,prewarm,bench,models,report,hostprof,tune}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 START=$(date +%s)
 PY=${PYTHON:-python3}
@@ -186,6 +188,10 @@ else
   rm -f "$OUT/bench.json"
   SUMMARY+=("bench.report: not run, the benchmark steps wrote no results")
 fi
+
+# One call from idle per (provider, pass), profiled: when each launch was issued and each kernel ran (the
+# from-idle latency's host part; bench/host_profile.py). Its table goes to the log.
+want hostprof && step "bench.host_profile" 60 60 $PY -m bench.host_profile
 
 # Autotuning sweep with what is left (keeps 15 s for the summary); its table is in the log, the timings in tune.json.
 if want tune; then
