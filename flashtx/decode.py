@@ -183,6 +183,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                        for t in (q, k_cache, v_cache, k, v)):
         raise RuntimeError("flash_attn_with_kvcache is inference-only (no autograd): call it under torch.no_grad() "
                            "or torch.inference_mode(), or pass detached tensors")
+    if Snew and (k_cache.stride(0) == 0 or v_cache.stride(0) == 0) and k_cache.shape[0] > 1:
+        name_ = "k_cache" if k_cache.stride(0) == 0 else "v_cache"
+        raise ValueError(f"{name_} has stride 0 in its first dim ({'pages' if block_table is not None else 'batch'}: "
+                         f"an expanded view): appending k, v would write the same memory from several "
+                         f"{'pages' if block_table is not None else 'sequences'}; pass a cache with its own memory "
+                         "per row")
     _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew,
                   capacity, bool(causal) or window != (-1, -1))
 
@@ -283,6 +289,12 @@ def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Sne
             f"block_table[{_first_bad(ok.all(1))}, {int((~ok[_first_bad(ok.all(1))]).nonzero()[0])}] = "
             f"{int(bt[_first_bad(ok.all(1))][(~ok[_first_bad(ok.all(1))]).nonzero()[0]])} is not a page index in "
             f"[0, {k_cache.shape[0]}) (num_pages = k_cache.shape[0])"), "block_table")
+        if Snew and readable and lens.numel() > 1:  # host-only, as the repeated cache_batch_idx check
+            pos = lens[:, None] + torch.arange(Snew, device=lens.device)[None, :]  # (B, Snew) appended positions
+            slot = bt.gather(1, pos // page) * page + pos % page  # their physical rows in the page pool
+            if slot.unique().numel() != slot.numel():
+                raise ValueError("block_table: two sequences append k, v to the same page row (a page they share "
+                                 "must not receive new tokens); give each sequence its own page for its new tokens")
     if cos is not None:
         top = torch.maximum(end - 1, lens + (q.shape[1] - 1 if q_moves else 0))  # the last position rotated
         _check_values(top < cos.shape[0], readable,

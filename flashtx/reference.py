@@ -100,6 +100,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s, _ = _scores(q, k, scale=scale, causal=causal, bottom_right=bottom_right, vis=vis, bias=bias,
                    softcap=softcap, alibi=alibi)
+    if s.shape[-1] == 0:  # no keys: every row sees nothing (output 0, lse -inf), as the kernels give
+        out = torch.matmul(s, v)  # (B, H, Sq, Dv), zeros
+        return (out, s.new_full(s.shape[:-1], float("-inf"))) if return_lse else out
     empty = torch.isneginf(s).all(-1)  # (B, H, Sq) rows with no visible key
     # empty rows get finite dummies (zeroed below) so that autograd sees no NaN
     s = s.masked_fill(empty[..., None], 0.0)
