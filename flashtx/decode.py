@@ -86,7 +86,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             padding); positions (RoPE, causal, ALiBi) stay cache indices, as flash-attn's.
         block_table: (B, max_pages_per_seq) int32 page indices for a paged cache: position j of
             sequence b is row j % page_size of page block_table[b, j // page_size]. Entries past a
-            sequence's length are never read.
+            sequence's length are never read. Sequences may share pages they only read (a common
+            prefix), but no two may append into the same page row (refused for CPU tensors; on a GPU
+            the caller must ensure it, as with flash-attn). A cache with stride 0 in its first dim (an
+            expanded view) is refused when appending.
         softmax_scale: default 1 / sqrt(D).
         causal, window_size: aligned bottom-right: query i sits at position L_b - Sq + i, where
             L_b = cache_seqlens[b] + Snew, and sees keys j <= that + right (causal: right = 0) and
