@@ -43,16 +43,11 @@ def _tensor_ranges(args) -> list[tuple[int, int]]:
         if isinstance(a, (tuple, list)):
             for x in a:
                 visit(x)
-            return
-        base = getattr(a, "base", None)
-        if base is not None and hasattr(base, "data_ptr") and not hasattr(a, "data_ptr"):
-            visit(base)  # a TensorDescriptor
-            return
-        if hasattr(a, "untyped_storage"):
-            s = a.untyped_storage()
-            if s.nbytes():
-                out.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
-        elif hasattr(a, "base") and hasattr(a.base, "untyped_storage"):  # triton's TensorWrapper
+        elif hasattr(a, "untyped_storage"):  # a tensor
+            st = a.untyped_storage()
+            if st.nbytes():
+                out.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        elif getattr(a, "base", None) is not None:  # a TensorDescriptor or Triton's TensorWrapper
             visit(a.base)
 
     visit(args)

@@ -248,3 +248,17 @@ def test_plans_pass_every_kernel_parameter_so_gpu_replays_can_launch_directly():
     assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_rotary_kernel", "_swiglu_kernel"} <= kernels, kernels
     assert any("decode" in n for n in kernels), kernels
     assert all(r.positional for r in replays), [r.kernel.__name__ for r in replays if not r.positional]
+
+
+def test_rope_at_a_new_int_offset_each_step_keys_no_entries():
+    """Decoding rotates at seqlen_offsets = the cache length, a new int each step: planned every call, not an
+    entry per step (which would fill the cache and evict attention's entries); offset 0 replays."""
+    x = randn(1, 1, 2, 16, dtype=PRECISE_DTYPE)
+    cos, sin = torch.rand(40, 8, dtype=PRECISE_DTYPE, device=DEVICE), torch.rand(40, 8, dtype=PRECISE_DTYPE,
+                                                                                   device=DEVICE)
+    for step in range(1, 6):
+        got = flashtx.apply_rotary(x, cos, sin, seqlen_offsets=step)
+        want = flashtx.apply_rotary(x, cos[step:step + 20], sin[step:step + 20])  # offset 0, shifted tables
+        assert (got - want).abs().max() < precise_atol(1e-12)
+    kernels = [r.kernel.__name__ for entry in launch.LAUNCHES.entries.values() for r in entry]
+    assert kernels == ["_rotary_kernel"], kernels  # only the offset-0 calls' signature

@@ -356,7 +356,7 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
     broadcast over batch / heads: then this program owns that gradient tile and sums into it in a
     fixed order). With DBIAS, dS goes to DB (shaped like the attn_mask, or per-q-tile partials when
     it broadcasts over queries, DB_SUM_M); tiles the loop bounds skip get 0 there."""
-    pid_m = tl.program_id(0)  # not reversed as the forward's (longest first): that adds spills on sm_80/86 (8 -> 32 B)
+    pid_m = tl.program_id(0)  # not longest first as the forward: reversed, it spills more on sm_80/86
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)

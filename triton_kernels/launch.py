@@ -146,26 +146,22 @@ class _Replay:
         self.compiled = self.device = self.aligned = None
 
     def fire(self, tensors: tuple) -> None:
-        if self.compiled is not None and DIRECT_LAUNCH and _STUB is None and not _INTERPRET:
-            vals = self.values.copy()
-            for _, pos, i, view in self.slots:
-                t = tensors[i]
-                vals[pos] = t if view is None else t.view(view)
+        vals = self.values.copy()
+        for _, pos, i, view in self.slots:
+            t = tensors[i]
+            vals[pos] = t if view is None else t.view(view)
+        direct = DIRECT_LAUNCH and _STUB is None and not _INTERPRET
+        if direct and self.compiled is not None:
             drv = _driver()
             device = drv.get_current_device()
             if device == self.device and self._alignment(vals) == self.aligned:
                 self.compiled[self.grid](*vals, stream=drv.get_current_stream(device))
                 return
         args = self.template.copy()
-        for name, _, i, view in self.slots:
-            t = tensors[i]
-            args[name] = t if view is None else t.view(view)
+        for name, pos, _, _ in self.slots:
+            args[name] = vals[pos]
         compiled = run_kernel(self.kernel, self.grid, args, self.launch_kwargs)
-        if (compiled is not None and self.positional and DIRECT_LAUNCH and _STUB is None and not _INTERPRET
-                and hasattr(compiled, "packed_metadata")):  # a CompiledKernel (eager GPU launch)
-            vals = self.values.copy()
-            for name, pos, _, _ in self.slots:
-                vals[pos] = args[name]
+        if direct and self.positional and hasattr(compiled, "packed_metadata"):  # a CompiledKernel (eager GPU)
             self.compiled, self.device, self.aligned = compiled, _driver().get_current_device(), self._alignment(vals)
 
     def _alignment(self, vals: list) -> int:
@@ -178,9 +174,16 @@ class _Replay:
 
 
 def _driver():
-    from triton.runtime import driver
+    """Triton's active driver (imported on first use: flashtx works without triton)."""
+    global _DRIVER
+    if _DRIVER is None:
+        from triton.runtime import driver
 
-    return driver.active
+        _DRIVER = driver
+    return _DRIVER.active
+
+
+_DRIVER = None
 
 
 LAUNCHES = LaunchCache()  # every launcher's: keys start with the launcher's name
@@ -213,10 +216,11 @@ def _memo(steps: list, names: tuple, tensors: tuple):
         template, values, slots = {}, [], []
         for pos, name in enumerate(order if positional else step.args):
             a = step.args[name]
-            values.append(None if isinstance(a, torch.Tensor) else a)
             if not isinstance(a, torch.Tensor):
+                values.append(a)
                 template[name] = a
                 continue
+            values.append(None)  # rebound per call
             slot = _slot(name, a, names, tensors)
             if slot is None:
                 return None

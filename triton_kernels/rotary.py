@@ -325,9 +325,14 @@ def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seql
         args, grid, st = plan
         return [Launch(_rotary_kernel, grid, args, st.cfg_q)]
 
-    # replayed from the launch cache for a repeated signature (a GPU then launches the compiled kernel
-    # directly, see launch.DIRECT_LAUNCH); offset and max_seqlen stay as given (never int() of a SymInt:
-    # the cache is not consulted while tracing)
+    # Replayed from the launch cache for a repeated signature (a GPU then launches the compiled kernel
+    # directly, see launch.DIRECT_LAUNCH). An int offset other than 0 (decoding: the cache length, a new
+    # value each step) is planned every call instead of keying an entry per step; offset and max_seqlen
+    # are never int()'d (the cache is not consulted while tracing, so a SymInt stays symbolic).
+    if type(offset) is int and offset:
+        for step in build():
+            step.run()
+        return
     LAUNCHES.run(("rotary", q.device, offset, max_seqlen, interleaved, conjugate, heads_first), _ROLES,
                  (q, qo, k, ko, cos, sin, offsets, position_ids, cu_seqlens), build)
 
