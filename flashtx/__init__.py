@@ -15,6 +15,13 @@ __version__ = "0.1.0"
 __all__ = ["attention", "flash_attn_func", "flash_attn_varlen_func", "unpad_input", "pad_input", "BACKENDS",
            "BackendNotSupported", "__version__"]
 
+# flash-attn's packed-input forms (a fused QKV or KV projection's output)
+from .packed import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,  # noqa: E402
+                     flash_attn_varlen_qkvpacked_func)
+
+__all__ += ["flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+            "flash_attn_varlen_kvpacked_func"]
+
 # Fused RoPE and SwiGLU, and the layers built on them (flashtx.nn)
 from . import nn  # noqa: E402
 from .rotary import apply_rotary, apply_rotary_pos_emb, apply_rotary_qk  # noqa: E402

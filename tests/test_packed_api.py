@@ -1,0 +1,81 @@
+"""flash-attn's packed forms (flashtx/packed.py): the same results and gradients as the unpacked call on
+the slices, against the float64 reference, on fused-projection layouts (non-contiguous slices); bad
+packing gets an error naming the argument."""
+import pytest
+import torch
+from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn
+
+import flashtx
+from flashtx import reference
+
+
+def _ref(q, k, v, causal):  # (B, S, H, D) in, (B, Sq, Hq, D) out: the float64 reference, bottom-right causal
+    group = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.transpose(1, 2).to(PRECISE_DTYPE) for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    out = reference.attention(qh, kh, vh, scale=q.shape[-1] ** -0.5, causal=causal, bottom_right=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_qkvpacked_matches_the_reference_and_the_unpacked_call(causal):
+    torch.manual_seed(0)
+    B, S, H, D = 2, 37, 3, 16
+    w = randn(B, S, 3 * H * D + 5, dtype=PRECISE_DTYPE)[..., :3 * H * D]  # a fused projection, padded rows
+    qkv = w.view(B, S, 3, H, D).requires_grad_(True)
+    out = flashtx.flash_attn_qkvpacked_func(qkv, causal=causal)
+    q, k, v = qkv.unbind(2)
+    assert out.shape == (B, S, H, D)
+    torch.testing.assert_close(out, _ref(q, k, v, causal).to(out.dtype), atol=precise_atol(1e-12), rtol=0)
+    g = randn(*out.shape, dtype=out.dtype)
+    (dqkv,) = torch.autograd.grad(out, qkv, g)
+    q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out2 = flashtx.flash_attn_func(q2, k2, v2, causal=causal)
+    grads = torch.autograd.grad(out2, (q2, k2, v2), g)
+    same = dict(atol=precise_atol(0.0), rtol=0)  # the same kernels on the same values: bitwise on CPU
+    torch.testing.assert_close(out, out2, **same)
+    assert dqkv.shape == qkv.shape
+    torch.testing.assert_close(dqkv, torch.stack(grads, 2), **same)
+
+
+def test_kvpacked_gqa_cross_attention_matches_the_reference():
+    torch.manual_seed(1)
+    q = randn(2, 9, 4, 16, dtype=PRECISE_DTYPE, requires_grad=True)
+    kv = randn(2, 21, 2, 2, 16, dtype=PRECISE_DTYPE, requires_grad=True)  # (B, Sk, 2, Hkv, D): GQA 4/2
+    out = flashtx.flash_attn_kvpacked_func(q, kv, causal=True)
+    torch.testing.assert_close(out, _ref(q, kv[:, :, 0], kv[:, :, 1], True).to(out.dtype), atol=precise_atol(1e-12),
+                               rtol=0)
+    (dkv,) = torch.autograd.grad(out.sum(), kv)
+    assert dkv.shape == kv.shape and torch.isfinite(dkv).all() and dkv.abs().sum() > 0
+
+
+def test_varlen_packed_forms_match_the_unpacked_varlen_call():
+    torch.manual_seed(2)
+    lens = [5, 11, 1]
+    cu = torch.tensor([0, 5, 16, 17], dtype=torch.int32, device=DEVICE)
+    total, H, D = sum(lens), 2, 16
+    qkv = randn(total, 3, H, D, dtype=PRECISE_DTYPE)
+    out = flashtx.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True)
+    want = flashtx.flash_attn_varlen_func(*qkv.unbind(1), cu, cu, max(lens), max(lens), causal=True)
+    same = dict(atol=precise_atol(0.0), rtol=0)
+    assert out.shape == (total, H, D)
+    torch.testing.assert_close(out, want, **same)
+    q, kv = randn(total, 4, D, dtype=PRECISE_DTYPE), randn(total, 2, H, D, dtype=PRECISE_DTYPE)
+    out = flashtx.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, max(lens), max(lens))
+    want = flashtx.flash_attn_varlen_func(q, *kv.unbind(1), cu, cu, max(lens), max(lens))
+    assert out.shape == (total, 4, D)
+    torch.testing.assert_close(out, want, **same)
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: flashtx.flash_attn_qkvpacked_func(randn(2, 8, 2, 4, 16)), r"qkv must be 5-D \(B, S, 3, H, D\).*\(2, 8, 2, 4, 16\)"),
+    (lambda: flashtx.flash_attn_qkvpacked_func(randn(2, 8, 4, 16)), r"qkv must be 5-D"),
+    (lambda: flashtx.flash_attn_kvpacked_func(randn(2, 8, 4, 16), randn(2, 8, 3, 4, 16)),
+     r"kv must be 5-D \(B, S, 2, H, D\) with 2 at dim 2; got shape \(2, 8, 3, 4, 16\)"),
+    (lambda: flashtx.flash_attn_varlen_qkvpacked_func(randn(8, 4, 16), torch.tensor([0, 8], dtype=torch.int32), 8),
+     r"qkv must be 4-D \(total, 3, H, D\)"),
+    (lambda: flashtx.flash_attn_varlen_kvpacked_func(randn(8, 4, 16), [1, 2], None, None, 8, 8), r"kv must be a torch.Tensor; got list"),
+])
+def test_bad_packing_gets_a_clear_error(call, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        call()
