@@ -79,3 +79,20 @@ def test_varlen_packed_forms_match_the_unpacked_varlen_call():
 def test_bad_packing_gets_a_clear_error(call, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
         call()
+
+
+def test_qkvpacked_traces_without_graph_breaks():
+    """The packed forms add only views in front of flash_attn_func: Dynamo traces them in one graph."""
+    import torch._dynamo
+
+    def block(x, w):
+        qkv = (x @ w).view(2, 9, 3, 2, 8)  # a fused projection: (B, S, 3, H, D)
+        return flashtx.flash_attn_qkvpacked_func(qkv, causal=True).sum()
+
+    x = randn(2, 9, 16, dtype=torch.float32)
+    w = randn(16, 48, dtype=torch.float32, requires_grad=True)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(block)(x, w)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    loss = torch.compile(block, fullgraph=True, backend="aot_eager")(x, w)
+    torch.testing.assert_close(loss, block(x, w), atol=precise_atol(0.0), rtol=0)
