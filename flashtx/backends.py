@@ -171,7 +171,8 @@ class TritonBackend(Backend):
             # the register tile widths the launchers pass: forward and backward split head dims (head_split)
             bq, bv = sum(head_split(dq)), sum(head_split(dv))
             try:
-                select_config(kernel, bq, bv, inp.q.element_size(), target, inp.masks.modifies_scores)
+                select_config(kernel, bq, bv, inp.q.element_size(), target, inp.masks.modifies_scores,
+                              inp.masks.masks_visibility)
             except RuntimeError as exc:
                 reasons.append(str(exc))
         return reasons

@@ -55,7 +55,7 @@ def test_every_kernel_and_head_dim_is_covered(compile_results, arch):
 def test_every_table_entry_of_the_architecture_is_compiled(compile_results, arch):
     """Each (kernel, dtype size, head-dim bucket) entry of the architecture's table was compiled with
     its own tile (the compile cases span every kernel at head dims 64/128/256 in fp16 and fp32)."""
-    from flashtx.triton_kernels.configs import TABLES, family
+    from flashtx.triton_kernels.configs import MASKED, MODIFIED, TABLES, family
 
     _, results = compile_results
     seen = {tuple(r["label"].split()[:3]) + (r["config"],) for r in results if r["arch"] == arch and r["ok"]}
@@ -65,9 +65,41 @@ def test_every_table_entry_of_the_architecture_is_compiled(compile_results, arch
             for d, c in by_bucket.items():
                 cfg = f"M{c.block_m} N{c.block_n} w{c.num_warps} s{c.num_stages}"
                 assert any((kernel, f"D={d}", dt, cfg) in seen for dt in dtypes[elt]), (kernel, d, elt, cfg, arch)
+    for table in (MASKED, MODIFIED):  # the specialisation tables' entries, compiled by the masked / all-options cases
+        for kernel, by_elt in table[family(arch)].items():
+            for elt, by_bucket in by_elt.items():
+                for d, c in by_bucket.items():
+                    cfg = f"M{c.block_m} N{c.block_n} w{c.num_warps} s{c.num_stages}"
+                    assert any((kernel, f"D={d}", dt, cfg) in seen for dt in dtypes[elt]), (kernel, d, cfg, arch)
 
 
 def test_sm86_limit_is_the_rtx3090s():
     from flashtx.triton_kernels.configs import KNOWN_TARGETS
 
     assert KNOWN_TARGETS[86].max_shared == 101_376
+
+
+# What nobody here can time ships without register spills (configs.py): on sm_80 and sm_86/89, the fp16/bf16
+# forward, dK/dV and dQ kernels at head dims 64 and 128, plain (causal or not), with visibility masks (MASKED)
+# and with every score modifier at once (MODIFIED), and the bias-gradient dQ in both of its bias layouts.
+NO_SPILL_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window", "all-options")
+
+
+def _untimed_no_spill_case(label: str) -> bool:
+    tokens = label.split()
+    if len(tokens) < 4:  # e.g. "attn_probs D=128 float32": not in the set
+        return False
+    kernel, dims, dtype, spec = tokens[:4]
+    return (dims in ("D=64", "D=128") and dtype in ("float16", "bfloat16")
+            and (kernel == "attn_bwd_dq+dbias" or (kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+                                                   and spec in NO_SPILL_SPECS)))
+
+
+@pytest.mark.parametrize("arch", (80, 86), ids=lambda a: f"sm_{a}")
+def test_untimed_architectures_ship_no_spilling_tile_at_head_dims_64_and_128(compile_results, arch):
+    _, results = compile_results
+    checked = [r for r in results if r["arch"] == arch and _untimed_no_spill_case(r["label"])]
+    # 3 kernels x 2 head dims x (fp16: 5 specs, bf16: 4) + the bias-gradient dQ: 2 head dims x 2 dtypes x 2 layouts
+    assert len(checked) >= 3 * 2 * 9 + 8, len(checked)
+    spilling = [f"{r['label']} {r['config']}: {r['spill_bytes']} bytes" for r in checked if r["spill_bytes"]]
+    assert not spilling, "tiles that spill on an architecture nobody timed:\n" + "\n".join(spilling)

@@ -27,14 +27,44 @@ def test_every_family_has_every_kernel_dtype_and_head_dim():
                 assert set(TABLES[fam][kernel][elt]) == buckets, (fam, kernel, elt)
 
 
+def variant_entries(table):
+    for fam, kernels in table.items():
+        for kernel, by_elt in kernels.items():
+            for elt, by_bucket in by_elt.items():
+                for bucket, cfg in by_bucket.items():
+                    yield fam, kernel, elt, bucket, cfg
+
+
 @pytest.mark.parametrize("fam,kernel,elt,bucket,cfg", list(entries()),
                          ids=lambda x: "" if hasattr(x, "block_m") else str(x))
 def test_each_entry_names_its_source_and_is_what_its_architecture_selects(fam, kernel, elt, bucket, cfg):
+    """A plain launch (no score modifier, no visibility mask) gets its architecture's table entry; so does a
+    modified or masked one unless MODIFIED / MASKED has an entry for it."""
     assert cfg.reason, "every entry names its source"
     archs = [a for a in KNOWN_TARGETS if family(a) == fam]
     for arch in archs:
-        for plain in (False, True):
-            assert select_config(kernel, bucket, bucket, elt, KNOWN_TARGETS[arch], not plain) == cfg, (arch, plain)
+        for modified in (False, True):
+            for masked in (False, True):
+                override = ((modified and _entry(configs.MODIFIED, fam, kernel, elt, bucket))
+                            or (masked and _entry(configs.MASKED, fam, kernel, elt, bucket)))
+                want = override or cfg
+                got = select_config(kernel, bucket, bucket, elt, KNOWN_TARGETS[arch], modified, masked)
+                assert got == want, (arch, modified, masked)
+
+
+def _entry(table, fam, kernel, elt, bucket):
+    return table.get(fam, {}).get(kernel, {}).get(elt, {}).get(bucket)
+
+
+@pytest.mark.parametrize("table", ["MODIFIED", "MASKED"])
+def test_specialisation_entries_name_their_source_and_fit_their_architecture(table):
+    found = list(variant_entries(getattr(configs, table)))
+    assert found or table == "MASKED", f"{table} has entries for sm_80/86 (compile-swept, spill-free)"
+    for fam, kernel, elt, bucket, cfg in found:
+        assert cfg.reason, (table, fam, kernel, elt, bucket)
+        for arch in (a for a in KNOWN_TARGETS if family(a) == fam):
+            target = KNOWN_TARGETS[arch]
+            assert configs.estimate_shared_memory(kernel, cfg, bucket, bucket, elt, target) <= target.max_shared
 
 
 def test_sm89_shares_sm86s_tables_and_sm90_is_hopper():
@@ -48,15 +78,34 @@ def test_fp32_large_head_dims_have_backward_configs_on_sm90():
         assert select_config(kernel, 256, 256, 4, KNOWN_TARGETS[86]) is not None
 
 
-def test_a_modifier_entry_never_changes_the_plain_selection(monkeypatch):
-    small = configs.TileConfig(16, 16, 4, 1, "test: trimmed for score modifiers")
-    monkeypatch.setitem(configs.MODIFIED, "sm90", {"attn_fwd": {2: {128: small}}})
+@pytest.mark.parametrize("table,flags", [("MODIFIED", (True, False)), ("MASKED", (False, True))])
+def test_a_specialisation_entry_never_changes_the_plain_selection(monkeypatch, table, flags):
+    small = configs.TileConfig(16, 16, 4, 1, "test: trimmed for one specialisation")
+    monkeypatch.setitem(getattr(configs, table), "sm90", {"attn_fwd": {2: {128: small}}})
     configs._select.cache_clear()
     try:
-        assert select_config("attn_fwd", 128, 128, 2, KNOWN_TARGETS[90], True) == small
-        assert select_config("attn_fwd", 128, 128, 2, KNOWN_TARGETS[90], False) == TABLES["sm90"]["attn_fwd"][2][128]
+        assert select_config("attn_fwd", 128, 128, 2, KNOWN_TARGETS[90], *flags) == small
+        assert select_config("attn_fwd", 128, 128, 2, KNOWN_TARGETS[90], True, True) == small  # both: it applies
+        assert select_config("attn_fwd", 128, 128, 2, KNOWN_TARGETS[90]) == TABLES["sm90"]["attn_fwd"][2][128]
     finally:
         configs._select.cache_clear()
+
+
+def test_launchers_pass_the_specialisation_they_compile():
+    """The forward planner asks for MASKED's tile under a window and MODIFIED's under softcap (sm_86's tables)."""
+    import torch
+
+    from flashtx.triton_kernels.attention_fwd import plan_forward
+    from flashtx.triton_kernels.mask_spec import MaskSpec
+
+    q = torch.empty(1, 2, 128, 64, dtype=torch.float16)
+    m2 = torch.empty(1, 2, 128)
+    target = KNOWN_TARGETS[86]
+    for spec, table in ((MaskSpec(window=(32, 0)), configs.MASKED), (MaskSpec(softcap=5.0), configs.MODIFIED)):
+        want = table["sm86"]["attn_fwd"][2][64]
+        got = plan_forward(q, q, q, q, m2, m2, scale=0.125, causal=True, bottom_right=False, spec=spec,
+                           target=target).config
+        assert got == want, (spec.describe(), got, want)
 
 
 def test_an_unknown_small_part_falls_back_to_entries_that_fit():

@@ -71,7 +71,7 @@ def gqa_split_factor(q, k, v, spec: MaskSpec, gqa_split: bool | None) -> int:
     if gqa_split is None:
         target = target_for(q)
         c1 = select_config("attn_bwd_dkdv", sum(head_split(q.shape[3])), sum(head_split(v.shape[3])),
-                           q.element_size(), target, spec.modifies_scores)
+                           q.element_size(), target, spec.modifies_scores, spec.masks_visibility)
         B = spec.cu_seqlens_q.shape[0] - 1 if spec.varlen else q.shape[0]
         Sk = int(spec.max_seqlen_k) if spec.varlen else k.shape[2]
         if cdiv(Sk, c1.block_n) * k.shape[1] * B >= 2 * target.sm_count:
@@ -124,7 +124,8 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
                   **stride_args("do", do, spec), Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
                   BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2, ACC=acc, DOT_PREC=prec, **margs)
-    c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
+    c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
+                       spec.masks_visibility)
     group = H // Hkv
     tiles_n = cdiv(Sk, c1.block_n)
     dk_out, dv_out, split = dk, dv, 1
@@ -137,7 +138,8 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1,
         estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target))
     dq_kernel = "attn_bwd_dq" if dbias is None else "attn_bwd_dq_dbias"  # its own tile (configs.py)
-    c2 = select_config(dq_kernel, block_dqk, block_dv, q.element_size(), target, spec.modifies_scores)
+    c2 = select_config(dq_kernel, block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
+                       spec.masks_visibility)
     finish = None
     if dbias is not None:  # the attn_mask gradient is dS: written by the dQ kernel as it forms dS
         db_args, (grid_h, grid_b), finish = dbias_plan(dbias, B, H, Sq, Sk, c2.block_m, TORCH_ACC_DTYPE[q.dtype])

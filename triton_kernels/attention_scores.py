@@ -77,7 +77,8 @@ def plan_probs(q, k, m2, l2, out, *, scale: float, causal: bool, bottom_right: b
     H, D_QK = q.shape[1], q.shape[3]
     target = target if target is not None else target_for(q)
     block_dqk = head_block(D_QK)
-    cfg = select_config("attn_scores", block_dqk, block_dqk, q.element_size(), target, spec.modifies_scores)
+    cfg = select_config("attn_scores", block_dqk, block_dqk, q.element_size(), target, spec.modifies_scores,
+                        spec.masks_visibility)
     hi, lo = split_f32(scale * LOG2E)
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
     for name in ("drop_scale_hi", "drop_scale_lo"):

@@ -1,19 +1,25 @@
 """Tile configurations for every Triton kernel, in one place.
 
-Attention tiles come from per-architecture tables (sm_80; sm_86/89; sm_90). Nobody on this
-project has measured them yet, so every entry names its source: an anchor's published table
-(FlexAttention's defaults in PyTorch's inductor `flex_attention.py`, Triton's fused-attention
-tutorial, FlagAttention's RTX 3090 configs) and, where ours differs, why (almost always: our
-estimate of shared memory, which the compile check proves against the compiler, does not fit the
-anchor's stages on that target). Register spills no longer disqualify a tile: the anchors'
-tiles spill in some specialisations too, and only a GPU can weigh that; the compile check
-(tests/test_compile.py) compiles every entry for its architecture, proves it fits shared memory
-and reports spills. bench/RESULTS.md records every GPU run.
+Attention tiles come from per-architecture tables (sm_80; sm_86/89; sm_90), and every entry names
+its source: a timed sweep (bench.tune on an H200, sm_90's forward), an anchor's published table
+(FlashAttention-2's launch templates, FlexAttention's defaults in PyTorch's inductor, Triton's
+fused-attention tutorial, FlagAttention's RTX 3090 configs) and, where ours differs, why.
 
-Selection: the table of the target's family, the score-modifier table first when the launch
-modifies scores (empty today: a config trimmed for one specialisation must not slow the plain
-one), then, if nothing fits the target's shared memory (an unknown part), the smaller families'
-entries.
+Spills: a tile that spills registers should ship only where a GPU timed it faster (sm_90's 16-bit
+rows). On sm_80 and sm_86/89, which nobody here can time, the 16-bit forward, dK/dV and dQ tiles at head dims 64 and 128 compile
+without spills under Triton 3.6 and 3.9 in every specialisation the compile check covers: plain
+(causal or not), with visibility masks (MASKED below) and with every score modifier at once
+(MODIFIED). Where the anchor's tile spills, the entry is the nearest spill-free tile of a compile
+sweep (tile_sweep.py), usually the same tile with 8 warps. The compile check (tests/test_compile.py)
+compiles every entry for its architecture, proves it fits shared memory, reports every spill and
+fails on one in that set. Other head dims, fp32 and the bias-gradient dQ still spill in places (its
+table lists them): they wait for a sweep or a GPU. bench/RESULTS.md records every GPU run.
+
+Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
+the launch modifies scores and the visibility-mask table (MASKED) first when a window, key/query
+masks, lengths or varlen decide what each query sees (a tile trimmed for one specialisation never
+slows the plain one), then, if nothing fits the target's shared memory (an unknown part), the smaller
+families' entries.
 """
 from __future__ import annotations
 
@@ -71,6 +77,9 @@ FA2_192 = ("FlashAttention-2's hdim-192 forward tile (128x64, 8 warps, sm_80 and
 DERIVED_192 = "no anchor has an fp32 head dim 192 tile (FlexAttention pads it to 256): the "
 TUNE_H200 = ("bench.tune on an H200 (2026-11-30, second run, bench/RESULTS.md; Triton 3.6), the best of 6-7 timed "
              "candidates at N = 4k (1k and 16k not yet timed): ")
+SWEEP = ("compile sweep (python -m flashtx.triton_kernels.tile_sweep, Triton 3.6 and 3.9; no GPU here can time "
+         "this arch): ")
+FA2_BWD = "FlashAttention-2's backward tile for this arch and head dim (flash_bwd_launch_template.h run_mha_bwd_hdim*)"
 FA2_BWD_192 = ("FlashAttention-2's hdim-192 backward tile (64x64, 8 warps; flash_bwd_launch_template.h "
                "run_mha_bwd_hdim192, one kernel for dK/dV and dQ)")
 
@@ -133,8 +142,11 @@ TABLES = {
                 256: C(64, 16, 4, 3, FLEX_A100)},
         },
         "attn_bwd_dkdv": {
-            2: {64: C(32, 128, 4, 3, FLEX_A100 + "; also the tutorial's dK/dV tile"),
-                128: C(32, 128, 4, 3, FLEX_A100),
+            2: {64: C(32, 128, 8, 3, SWEEP + FLEX_A100 + " (also the tutorial's dK/dV tile) with 8 warps: 4 spill "
+                       "104-184 bytes; 8 keep its shared memory and resident warps, 255 registers, no spills"),
+                128: C(32, 64, 8, 3, SWEEP + FLEX_A100 + " 32x128 spills 6 KB (4 warps) or 144-160 bytes (8 warps), "
+                       + FA2_BWD + " 64x128 8 warps 6 KB, 64x64 8 warps 8 bytes without a causal mask (Triton 3.6); "
+                       "32x64 8 warps 3 stages spills none, with masks or every score modifier either"),
                 192: C(32, 32, 8, 2, "sm_86's 192 entry: " + FA2_BWD_192 + " fits sm_80 only with 1 stage by "
                        "our estimate, and ptxas gives it (and the 256 entry's 32x64 2 stages, split) 32 registers "
                        "and 5-10 KB of stack; 32x32 2 stages: 255 registers, no spills, with every option too"),
@@ -145,8 +157,10 @@ TABLES = {
                 256: C(16, 16, 4, 1, FLEX_A100 + " (fp32)")},
         },
         "attn_bwd_dq": {
-            2: {64: C(128, 32, 4, 3, FLEX_A100 + "; also the tutorial's dQ tile"),
-                128: C(128, 32, 4, 3, FLEX_A100),
+            2: {64: C(128, 32, 8, 3, SWEEP + FLEX_A100 + " (also the tutorial's dQ tile) with 8 warps: 4 spill 8 "
+                       "bytes without a causal mask"),
+                128: C(64, 128, 8, 2, SWEEP + FLEX_A100 + " 128x32 spills 632 bytes (4 warps) or 8 (8 warps); "
+                       + FA2_BWD + " 64x128 8 warps 2 stages spills none"),
                 192: C(64, 32, 8, 2, FA2_BWD_192 + " with half the K/V rows (the 256 entry's tile): its 64x64 "
                        "2 stages compiles to 128 registers and 1.8 KB of spills split; 64x32 spills 8 bytes "
                        "(624 with every option)"),
@@ -160,7 +174,8 @@ TABLES = {
     "sm86": {  # RTX 3090 / A10 / A40 / RTX 4090 / L4 / L40: 101,376 bytes a block
         "attn_fwd": {
             2: {64: C(128, 64, 4, 3, FLAG_3090),
-                128: C(128, 32, 4, 2, FLAG_3090),
+                128: C(128, 32, 8, 2, SWEEP + FLAG_3090 + " with 8 warps: 4 spill 16 bytes without a causal mask; "
+                       "8 keep its 48 KB (2 blocks an SM) and 8 resident warps an SM, ~192 registers"),
                 192: C(128, 32, 8, 2, FA2_192 + " with half the K/V rows and 2 stages, as FlagAttention's "
                        "RTX 3090 D=128 tile (128x32): 99,328 bytes by our estimate"),
                 256: C(64, 32, 8, 2, KEPT + "; 68 KB")},
@@ -170,7 +185,8 @@ TABLES = {
                 256: C(32, 32, 8, 1, KEPT + "; 96 KB")},
         },
         "attn_bwd_dkdv": {
-            2: {64: C(32, 128, 4, 3, FLEX_A100 + " (sm_8x); fits sm_86"),
+            2: {64: C(32, 128, 8, 3, SWEEP + FLEX_A100 + " (sm_8x) with 8 warps: 4 spill 128-184 bytes; 8 keep its "
+                       "shared memory, 255 registers, no spills (" + FA2_BWD + " is 8 warps too)"),
                 128: C(32, 64, 8, 2, "FlexAttention sm_86/89: 64x64 2 stages; q rows halved to fit our estimate"),
                 192: C(32, 32, 8, 2, "the 256 entry's tile with 2 stages (86,016 bytes by our estimate): "
                        + FA2_BWD_192 + " does not fit sm_86 by our estimate even with 1 stage"),
@@ -181,8 +197,9 @@ TABLES = {
                 256: C(16, 16, 4, 1, "FlexAttention fp32 backward (16x16, 4 warps, 1 stage)")},
         },
         "attn_bwd_dq": {
-            2: {64: C(128, 32, 4, 3, FLEX_A100 + " (sm_8x); fits sm_86"),
-                128: C(128, 32, 8, 2, FLEX_A100 + " with 2 stages, as FlexAttention does on sm_86/89"),
+            2: {64: C(128, 32, 8, 3, SWEEP + FLEX_A100 + " (sm_8x) with 8 warps: 4 spill 8 bytes; 8 spill none"),
+                128: C(64, 64, 8, 2, SWEEP + FA2_BWD + " (64x64 8 warps on sm_86): FlexAttention's 128x32 8 warps "
+                       "2 stages spills 8 bytes"),
                 192: C(64, 32, 8, 2, FA2_BWD_192 + " with half the K/V rows and 2 stages to fit sm_86: 98,304 "
                        "bytes by our estimate"),
                 256: C(32, 32, 8, 1, KEPT + "; 64 KB")},
@@ -197,10 +214,16 @@ TABLES = {
 # The dQ kernel writing the attn_mask gradient (attention_bwd.py, DBIAS) adds a (block_m, block_n) fp32
 # tile staged in shared memory for the read-modify-write of dS (measured: 8 KB more at 64x64 on sm_90),
 # so it is its own specialisation: dQ's tile where that still fits, else a smaller one just for it.
+_DB = (SWEEP + "the bias-gradient dQ holds dS and its partial sums too, with bias layouts (1, H, Sq, Sk) and "
+       "(B, 1, 1, Sk): ")
 for _fam, _overrides in {
-    "sm90": {}, "sm80": {},
-    "sm86": {2: {128: C(64, 32, 8, 2, "dQ's 128x32 with half the q rows: the dS tile's staging does not fit "
-                                      "sm_86 beside 128 rows"),
+    "sm90": {},
+    "sm80": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 176-304 bytes"),
+                 128: C(16, 64, 8, 2, _DB + "32x32 8 warps spills 48 bytes under Triton 3.6 (bias broadcast over "
+                                     "heads and queries), 64x32 168-376; 16 q rows, the dS tile's staging fits")}},
+    "sm86": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 8-120 bytes"),
+                 128: C(32, 32, 8, 2, _DB + "64x32 (what fits beside the dS tile's staging at dQ's rows) spills "
+                                     "24-232 bytes"),
                  192: C(32, 32, 8, 2, "dQ's 64x32 with half the q rows: the dS tile's staging does not fit "
                                       "sm_86 beside 64 rows at head dim 192 (73,728 + 4,096 bytes by our estimate)")}},
 }.items():
@@ -219,7 +242,41 @@ for _family in TABLES.values():
 # Score modifiers (attn_mask, softcap, ALiBi, dropout) add live registers per score tile. Entries
 # here are tried before TABLES for launches that modify scores, so a tile trimmed for them never
 # slows the plain launch. Empty: the anchors use their plain tiles with score/mask mods too.
-MODIFIED: dict = {"sm90": {}, "sm80": {}, "sm86": {}}
+# sm_80 and sm_86/89 (nobody here can time them): the tile_sweep's spill-free tile closest to the plain one
+# with every score modifier at once (the compile check's all-options case); where the plain tile spills
+# none there, no entry. sm_90's plain tiles were timed (bench.tune) with modifiers off: no entries yet.
+_MOD = SWEEP + "the plain tile spills with every score modifier at once ("
+MODIFIED: dict = {
+    "sm90": {},
+    "sm80": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "128x64 4 warps: 2 KB); 8 warps, half the K/V rows"),
+                              128: C(64, 64, 8, 2, _MOD + "128x64 8 warps: 552-608 bytes); half the q rows, 2 "
+                                     "stages (128x32 spills 8-16 bytes)")}},
+             "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "32x128 8 warps: 216-304 bytes); a quarter of the K/V "
+                                         "rows, twice the q rows (32x64 spills 176)")}},
+             "attn_bwd_dq": {2: {128: C(64, 32, 8, 3, _MOD + "64x128 8 warps: 568-616 bytes); a quarter of the K/V "
+                                       "rows, 3 stages")}}},
+    "sm86": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "128x64 4 warps: 1.9 KB); 8 warps, half the K/V rows")}},
+             "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "32x128 8 warps: 192-272 bytes); a quarter of the K/V "
+                                         "rows, twice the q rows (32x64 spills 96)")}}},
+}
+
+# Visibility masks (a window, key/query masks, lengths, varlen) add live registers for the row and
+# column predicates: tried before TABLES for launches that mask (MaskSpec.masks_visibility), after
+# MODIFIED when the launch also modifies scores.
+# sm_80 and sm_86/89: the spill-free tile closest to the plain one with a window, key/query masks and lengths,
+# and with varlen + window (the compile check's masked cases); no entry where the plain tile spills none.
+_MASK = SWEEP + "the plain tile spills with visibility masks ("
+MASKED: dict = {
+    "sm90": {},
+    "sm80": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MASK + "4 warps: 8 bytes); 8 warps, the same tile"),
+                              128: C(128, 32, 8, 3, _MASK + "128x64: 8-24 bytes with varlen + window); half the "
+                                     "K/V rows")}},
+             "attn_bwd_dkdv": {2: {64: C(128, 32, 8, 3, _MASK + "32x128: 16-40 bytes); a quarter of the K/V rows, "
+                                         "4x the q rows (64x32 spills 8 bytes with varlen under Triton 3.6)")}}},
+    "sm86": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MASK + "4 warps: 8-48 bytes); 8 warps, the same tile")}},
+             "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MASK + "32x128: 8-24 bytes); a quarter of the K/V rows, "
+                                         "twice the q rows")}}},
+}
 
 # Families in the order selection falls back through when the target's own entries do not fit.
 FALLBACK_ORDER = ("sm86",)
@@ -294,10 +351,12 @@ if os.environ.get("FLASHTX_AUTOTUNE", "0").strip().lower() not in ("", "0", "fal
 
 
 def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target,
-                  modified: bool = False) -> TileConfig:
+                  modified: bool = False, masked: bool = False) -> TileConfig:
     """First candidate that fits `target`'s shared memory (the interpreter has its own).
 
     modified: the launch uses score modifiers (attn_mask, softcap, ALiBi or dropout).
+    masked: a window, key/query masks, lengths or varlen decide visibility (MaskSpec.masks_visibility).
+    An autotuned config (FLASHTX_AUTOTUNE) is keyed by `modified` only: it was timed, so it serves both.
     """
     if _autotune_hook is not None and target is not INTERPRETER_TARGET:  # a tuned (cached) config, or None
         tuned = _autotune_hook(kernel, block_dqk, block_dv, elt, target, modified)
@@ -305,17 +364,18 @@ def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: 
             return tuned
     if target is INTERPRETER_TARGET:
         return _INTERPRETER[kernel]
-    return _select(kernel, block_dqk, block_dv, elt, target, modified)
+    return _select(kernel, block_dqk, block_dv, elt, target, modified, masked)
 
 
-def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool = False):
+def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool = False,
+               masked: bool = False):
     """The entries selection tries for `target`, best first (see the module docstring)."""
     size, width = 2 if elt <= 2 else 4, max(block_dqk, block_dv)
     head_dim_bucket(width)  # refuses widths above 256
     out = []
     fams = (family(target.arch),) + tuple(f for f in FALLBACK_ORDER if f != family(target.arch))
     for i, fam in enumerate(fams):
-        tables = ([MODIFIED[fam]] if modified else []) + [TABLES[fam]]
+        tables = ([MODIFIED[fam]] if modified else []) + ([MASKED[fam]] if masked else []) + [TABLES[fam]]
         for table in tables:
             cfg = _entry(table.get(kernel, {}).get(size, {}), width)
             if cfg is not None and cfg not in out:
@@ -333,8 +393,9 @@ def _entry(by_bucket: dict, width: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _select(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool) -> TileConfig:
-    for cfg in candidates(kernel, block_dqk, block_dv, elt, target, modified):
+def _select(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool,
+            masked: bool = False) -> TileConfig:
+    for cfg in candidates(kernel, block_dqk, block_dv, elt, target, modified, masked):
         if estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt, target) <= target.max_shared:
             return cfg
     raise RuntimeError(
