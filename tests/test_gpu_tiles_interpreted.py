@@ -1,7 +1,8 @@
-"""The sm_80 / sm_86 16-bit tiles, including the specialisation entries (configs.MASKED for windows, masks,
-lengths; configs.MODIFIED for score modifiers), run in Triton's interpreter with the GPU's own plan: fp16
-forward and backward against the float64 reference backend under the tolerance rule, with every access
-bounds-checked (conftest). The interpreter's own tiles are smaller, so no other CPU test runs these."""
+"""The sm_80, sm_86 and sm_90 16-bit tiles, including the specialisation entries (configs.MASKED for
+windows, masks, lengths; configs.MODIFIED for score modifiers; the bias-gradient dQ's), run in Triton's
+interpreter with the GPU's own plan: fp16 forward and backward against the float64 reference backend under
+the tolerance rule, with every access bounds-checked (conftest). The interpreter's own tiles are smaller,
+so no other CPU test runs these."""
 import sys
 
 import pytest
@@ -37,7 +38,7 @@ CASES = {  # name: (flash_attn_func keywords, (modified, masked), a learned bias
 }
 
 
-@pytest.mark.parametrize("gpu_target", [80, 86], indirect=True, ids=lambda a: f"sm_{a}")
+@pytest.mark.parametrize("gpu_target", [80, 86, 90], indirect=True, ids=lambda a: f"sm_{a}")
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_specialisation_tiles_compute_attention_and_its_gradients(gpu_target, d, case):

@@ -68,13 +68,15 @@ def test_varlen_packed_forms_match_the_unpacked_varlen_call():
 
 
 @pytest.mark.parametrize("call,pattern", [
-    (lambda: flashtx.flash_attn_qkvpacked_func(randn(2, 8, 2, 4, 16)), r"qkv must be 5-D \(B, S, 3, H, D\).*\(2, 8, 2, 4, 16\)"),
+    (lambda: flashtx.flash_attn_qkvpacked_func(randn(2, 8, 2, 4, 16)),
+     r"qkv must be 5-D \(B, S, 3, H, D\).*\(2, 8, 2, 4, 16\)"),
     (lambda: flashtx.flash_attn_qkvpacked_func(randn(2, 8, 4, 16)), r"qkv must be 5-D"),
     (lambda: flashtx.flash_attn_kvpacked_func(randn(2, 8, 4, 16), randn(2, 8, 3, 4, 16)),
      r"kv must be 5-D \(B, S, 2, H, D\) with 2 at dim 2; got shape \(2, 8, 3, 4, 16\)"),
     (lambda: flashtx.flash_attn_varlen_qkvpacked_func(randn(8, 4, 16), torch.tensor([0, 8], dtype=torch.int32), 8),
      r"qkv must be 4-D \(total, 3, H, D\)"),
-    (lambda: flashtx.flash_attn_varlen_kvpacked_func(randn(8, 4, 16), [1, 2], None, None, 8, 8), r"kv must be a torch.Tensor; got list"),
+    (lambda: flashtx.flash_attn_varlen_kvpacked_func(randn(8, 4, 16), [1, 2], None, None, 8, 8),
+     r"kv must be a torch.Tensor; got list"),
 ])
 def test_bad_packing_gets_a_clear_error(call, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):

@@ -5,15 +5,16 @@ its source: a timed sweep (bench.tune on an H200, sm_90's forward), an anchor's 
 (FlashAttention-2's launch templates, FlexAttention's defaults in PyTorch's inductor, Triton's
 fused-attention tutorial, FlagAttention's RTX 3090 configs) and, where ours differs, why.
 
-Spills: a tile that spills registers should ship only where a GPU timed it faster (sm_90's 16-bit
-rows). On sm_80 and sm_86/89, which nobody here can time, the 16-bit forward, dK/dV and dQ tiles at head dims 64 and 128 compile
-without spills under Triton 3.6 and 3.9 in every specialisation the compile check covers: plain
-(causal or not), with visibility masks (MASKED below) and with every score modifier at once
-(MODIFIED). Where the anchor's tile spills, the entry is the nearest spill-free tile of a compile
-sweep (tile_sweep.py), usually the same tile with 8 warps. The compile check (tests/test_compile.py)
-compiles every entry for its architecture, proves it fits shared memory, reports every spill and
-fails on one in that set. Other head dims, fp32 and the bias-gradient dQ still spill in places (its
-table lists them): they wait for a sweep or a GPU. bench/RESULTS.md records every GPU run.
+Spills: a tile that spills registers should ship only where a GPU timed it faster (sm_90's plain
+16-bit rows). On sm_80 and sm_86/89, which nobody here can time, the 16-bit forward, dK/dV and dQ
+tiles at head dims 64 and 128 compile without spills under Triton 3.6 and 3.9 in every
+specialisation the compile check covers: plain (causal or not), with visibility masks (MASKED
+below), with every score modifier at once (MODIFIED), and the bias-gradient dQ; on sm_90 the
+modifier and bias-gradient tiles do too. Where the anchor's tile spills, the entry is the nearest
+spill-free tile of a compile sweep (tile_sweep.py), often the same tile with 8 warps. The compile
+check (tests/test_compile.py) compiles every entry for its architecture, proves it fits shared
+memory, reports every spill and fails on one in that set. Other head dims and fp32 still spill in
+places (its table lists them): they wait for a sweep or a GPU. bench/RESULTS.md records every GPU run.
 
 Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
 the launch modifies scores and the visibility-mask table (MASKED) first when a window, key/query
@@ -217,7 +218,10 @@ TABLES = {
 _DB = (SWEEP + "the bias-gradient dQ holds dS and its partial sums too, with bias layouts (1, H, Sq, Sk) and "
        "(B, 1, 1, Sk): ")
 for _fam, _overrides in {
-    "sm90": {},
+    "sm90": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 64x64 4 warps spills 0.6-1.2 KB, 32x64 3 stages 8 bytes under "
+                                    "Triton 3.6 (untimed on the H200)"),
+                 128: C(16, 64, 8, 2, _DB + "dQ's 128x64 spills 1.1-1.4 KB, 32x64 and 32x32 16 bytes (untimed on "
+                                     "the H200)")}},
     "sm80": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 176-304 bytes"),
                  128: C(16, 64, 8, 2, _DB + "32x32 8 warps spills 48 bytes under Triton 3.6 (bias broadcast over "
                                      "heads and queries), 64x32 168-376; 16 q rows, the dS tile's staging fits")}},
@@ -242,12 +246,20 @@ for _family in TABLES.values():
 # Score modifiers (attn_mask, softcap, ALiBi, dropout) add live registers per score tile. Entries
 # here are tried before TABLES for launches that modify scores, so a tile trimmed for them never
 # slows the plain launch. Empty: the anchors use their plain tiles with score/mask mods too.
-# sm_80 and sm_86/89 (nobody here can time them): the tile_sweep's spill-free tile closest to the plain one
-# with every score modifier at once (the compile check's all-options case); where the plain tile spills
-# none there, no entry. sm_90's plain tiles were timed (bench.tune) with modifiers off: no entries yet.
+# The tile_sweep's spill-free tile closest to the plain one with every score modifier at once (the compile
+# check's all-options case); where the plain tile spills none there, no entry. sm_90's plain tiles were timed
+# (bench.tune) without modifiers; these were not (bench/test_attention_variants.py times them on a GPU).
 _MOD = SWEEP + "the plain tile spills with every score modifier at once ("
 MODIFIED: dict = {
-    "sm90": {},
+    "sm90": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MOD + "4 warps: 2.5 KB); 8 warps, the same tile"),
+                              128: C(64, 32, 4, 3, _MOD + "64x64: 16 bytes); half the K/V rows")}},
+             "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "64x64 4 warps: 288 bytes); half the K/V rows, 8 "
+                                         "warps (32x64 4 warps needs more shared memory than estimated under Triton "
+                                         "3.6)"),
+                                   128: C(32, 32, 8, 3, _MOD + "64x128: 904 bytes; 32x64 still 96-112); a quarter "
+                                          "of the K/V rows, half the q rows")}},
+             "attn_bwd_dq": {2: {64: C(64, 32, 4, 3, _MOD + "64x64: 624 bytes); half the K/V rows"),
+                                 128: C(128, 32, 8, 3, _MOD + "128x64: 976 bytes); half the K/V rows")}}},
     "sm80": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "128x64 4 warps: 2 KB); 8 warps, half the K/V rows"),
                               128: C(64, 64, 8, 2, _MOD + "128x64 8 warps: 552-608 bytes); half the q rows, 2 "
                                      "stages (128x32 spills 8-16 bytes)")}},
