@@ -176,19 +176,26 @@ def variants_table(groups: dict) -> list[str]:
     """flashtx's variants against its own full causal run on the same tokens (bench/test_attention_variants.py):
     a window or varlen that skips tiles takes a fraction of the time."""
     cases = {k: v.get("flashtx") for k, v in groups.items() if k[0] == "attention-variant"}
+    plain = {k: v.get("flashtx-plain-tiles") for k, v in groups.items() if k[0] == "attention-variant"}
     if not cases:
         return []
     rank = {v: i for i, v in enumerate(VARIANT_ORDER)}
     cases = dict(sorted(cases.items(), key=lambda kv: (PASSES.index(kv[0][1]) if kv[0][1] in PASSES else 9,
                                                        *kv[0][2:4], rank.get(kv[0][4], len(rank)), kv[0][4])))
-    lines = ["| pass | variant | dtype | flashtx ms | time / full causal | effective TFLOP/s | MB |", "|---" * 7 + "|"]
-    for (_, pass_, dtype, n, variant), r in cases.items():
+    # plain tiles / these: the same call with configs.py's specialisation tiles off (> 1: the trimmed tiles win)
+    lines = ["| pass | variant | dtype | flashtx ms | time / full causal | effective TFLOP/s | MB "
+             "| plain tiles / these |", "|---" * 8 + "|"]
+    for key, r in cases.items():
+        _, pass_, dtype, n, variant = key
         full = cases.get(("attention-variant", pass_, dtype, n, "full"))
-        rel = "-"
+        rel = vs_plain = "-"
         if r and full and r.get("status") == full.get("status") == "ok":
             rel = f"{r['median_ms'] / full['median_ms']:.2f}"
+        p = plain.get(key)
+        if r and p and r.get("status") == p.get("status") == "ok":
+            vs_plain = f"{p['median_ms'] / r['median_ms']:.2f}x"
         lines.append(f"| {pass_} | {variant} | {dtype} | {_num(r, 'median_ms', '{:.3f}')} | {rel} | "
-                     f"{_num(r, 'tflops')} | {_num(r, 'peak_mem_mb', '{:.0f}')} |")
+                     f"{_num(r, 'tflops')} | {_num(r, 'peak_mem_mb', '{:.0f}')} | {vs_plain} |")
     return lines
 
 

@@ -12,14 +12,22 @@ All at 16k tokens, H = 16, D = 128 (BENCH_DTYPE, bf16 by default), causal:
 - `softcap+alibi`, `dropout0.1`.
 The FLOP count is the causal one of the dense case for every variant (so TFLOP/s compare times
 directly: a variant that skips work shows a higher "effective" rate).
+Provider `flashtx-plain-tiles` (every variant but `full`) runs the same call with configs.py's
+specialisation tiles off (MASKED, MODIFIED and the bias-gradient dQ's own tiles: the plain table's
+instead), so the report can say whether the spill-free tiles trimmed for masks and score modifiers
+beat the plain ones on this GPU.
 A smoke run (BENCH_SMOKE=1) shrinks B, N and H, and with N the window and the document length.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 import flashtx
+from flashtx import _dispatch
+from flashtx.triton_kernels import configs, launch
 
 from . import gpus, harness
 
@@ -29,6 +37,32 @@ B, N, H = harness.smoke_dims(b=(4, 2), n=(4096, 32), h=(16, 8)).values()
 WINDOW = DOC = N // 4  # window1024 and varlen16x1k's document length at N = 4096: a quarter of the work
 VARIANTS = ("full", "window1024", "varlen16x1k", "bias", "boolmask", "softcap+alibi", "dropout0.1")
 QUICK = ("full", "window1024", "varlen16x1k", "bias")
+PLAIN_TILES = "flashtx-plain-tiles"
+
+
+@contextlib.contextmanager
+def plain_tiles():
+    """configs.select_config without its specialisation tables: MASKED / MODIFIED empty and the bias-gradient
+    dQ on dQ's plain tiles (what flashtx launched before they existed). Plans are rebuilt inside and after."""
+    saved = ({f: dict(t) for f, t in configs.MODIFIED.items()}, {f: dict(t) for f, t in configs.MASKED.items()},
+             {f: t["attn_bwd_dq_dbias"] for f, t in configs.TABLES.items()})
+
+    def reset():
+        configs._select.cache_clear()
+        launch.LAUNCHES.clear()
+        _dispatch.clear_plans()
+
+    try:
+        for fam, tables in configs.TABLES.items():
+            configs.MODIFIED[fam], configs.MASKED[fam] = {}, {}
+            tables["attn_bwd_dq_dbias"] = tables["attn_bwd_dq"]
+        reset()
+        yield
+    finally:
+        for fam, tables in configs.TABLES.items():
+            configs.MODIFIED[fam], configs.MASKED[fam] = saved[0][fam], saved[1][fam]
+            tables["attn_bwd_dq_dbias"] = saved[2][fam]
+        reset()
 
 
 def _build(variant: str, requires_grad: bool):
@@ -57,9 +91,10 @@ def _build(variant: str, requires_grad: bool):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=[pytest.mark.quick] if v in QUICK else [])
-                                     for v in VARIANTS])
-def test_attention_variant(benchmark, variant, pass_):
+@pytest.mark.parametrize("variant,provider", [
+    pytest.param(v, p, marks=[pytest.mark.quick] if v in QUICK and (p == "flashtx" or v == "bias") else [])
+    for v in VARIANTS for p in ("flashtx", PLAIN_TILES) if p == "flashtx" or v != "full"])
+def test_attention_variant(benchmark, variant, provider, pass_):
     benchmark.group = f"attention variants {pass_} causal B={B} N={N} H={H} D={D}"
 
     def build():
@@ -74,8 +109,14 @@ def test_attention_variant(benchmark, variant, pass_):
                 return torch.autograd.grad(out, leaves, torch.ones_like(out))
         return (lambda: None), step
 
-    prepare, step = harness.build_or_skip("flashtx", build, fail_fast=True)
-    info = {"op": "attention-variant", "variant": variant, "provider": "flashtx", "pass": pass_,
+    tiles = plain_tiles() if provider == PLAIN_TILES else contextlib.nullcontext()
+    with tiles:
+        _measure(benchmark, build, variant, provider, pass_)
+
+
+def _measure(benchmark, build, variant, provider, pass_):
+    prepare, step = harness.build_or_skip(provider, build, fail_fast=True)
+    info = {"op": "attention-variant", "variant": variant, "provider": provider, "pass": pass_,
             "batch": B, "heads": H, "kv_heads": H, "seqlen": N, "headdim": D, "causal": True,
             "dtype": str(DTYPE).replace("torch.", ""), "shape": f"B={B} H={H} S={N} D={D} {variant}"}
     flops = gpus.attention_flops(B, H, N, N, D, True, pass_)

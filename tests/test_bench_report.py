@@ -149,10 +149,11 @@ def test_report_variants_table_relative_to_full_causal(tmp_path):
                 "seqlen": 4096, "dtype": "bfloat16", "status": "ok", "median_ms": ms, "tflops": 100.0 / ms,
                 "peak_mem_mb": 50.0, "gpu": SYNTHETIC_GPU}
     data = {"benchmarks": [{"extra_info": var("full", 8.0)}, {"extra_info": var("window1024", 2.0)},
-                           {"extra_info": var("varlen16x1k", 2.4)}]}
+                           {"extra_info": var("varlen16x1k", 2.4)},
+                           {"extra_info": dict(var("window1024", 3.0), provider="flashtx-plain-tiles")}]}
     md = report.build_report(data, "synthetic.json", None)
-    assert "| fwd+bwd | window1024 | bfloat16 | 2.000 | 0.25 |" in md
-    assert "| fwd+bwd | varlen16x1k | bfloat16 | 2.400 | 0.30 |" in md
+    assert "| fwd+bwd | window1024 | bfloat16 | 2.000 | 0.25 | 50.0 | 50 | 1.50x |" in md  # plain tiles took 3.0
+    assert "| fwd+bwd | varlen16x1k | bfloat16 | 2.400 | 0.30 | 41.7 | 50 | - |" in md
     assert "| fwd+bwd | full | bfloat16 | 8.000 | 1.00 |" in md
 
 
