@@ -78,8 +78,7 @@ FA2_192 = ("FlashAttention-2's hdim-192 forward tile (128x64, 8 warps, sm_80 and
 DERIVED_192 = "no anchor has an fp32 head dim 192 tile (FlexAttention pads it to 256): the "
 TUNE_H200 = ("bench.tune on an H200 (2026-11-30, second run, bench/RESULTS.md; Triton 3.6), the best of 6-7 timed "
              "candidates at N = 4k (1k and 16k not yet timed): ")
-SWEEP = ("compile sweep (python -m flashtx.triton_kernels.tile_sweep, Triton 3.6 and 3.9; no GPU here can time "
-         "this arch): ")
+SWEEP = ("compile sweep (python -m flashtx.triton_kernels.tile_sweep, Triton 3.6 and 3.9; not timed on a GPU): ")
 FA2_BWD = "FlashAttention-2's backward tile for this arch and head dim (flash_bwd_launch_template.h run_mha_bwd_hdim*)"
 FA2_BWD_192 = ("FlashAttention-2's hdim-192 backward tile (64x64, 8 warps; flash_bwd_launch_template.h "
                "run_mha_bwd_hdim192, one kernel for dK/dV and dQ)")
@@ -219,9 +218,8 @@ _DB = (SWEEP + "the bias-gradient dQ holds dS and its partial sums too, with bia
        "(B, 1, 1, Sk): ")
 for _fam, _overrides in {
     "sm90": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 64x64 4 warps spills 0.6-1.2 KB, 32x64 3 stages 8 bytes under "
-                                    "Triton 3.6 (untimed on the H200)"),
-                 128: C(16, 64, 8, 2, _DB + "dQ's 128x64 spills 1.1-1.4 KB, 32x64 and 32x32 16 bytes (untimed on "
-                                     "the H200)")}},
+                                    "Triton 3.6"),
+                 128: C(16, 64, 8, 2, _DB + "dQ's 128x64 spills 1.1-1.4 KB, 32x64 and 32x32 16 bytes")}},
     "sm80": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 176-304 bytes"),
                  128: C(16, 64, 8, 2, _DB + "32x32 8 warps spills 48 bytes under Triton 3.6 (bias broadcast over "
                                      "heads and queries), 64x32 168-376; 16 q rows, the dS tile's staging fits")}},
@@ -245,10 +243,10 @@ for _family in TABLES.values():
 
 # Score modifiers (attn_mask, softcap, ALiBi, dropout) add live registers per score tile. Entries
 # here are tried before TABLES for launches that modify scores, so a tile trimmed for them never
-# slows the plain launch. Empty: the anchors use their plain tiles with score/mask mods too.
-# The tile_sweep's spill-free tile closest to the plain one with every score modifier at once (the compile
-# check's all-options case); where the plain tile spills none there, no entry. sm_90's plain tiles were timed
-# (bench.tune) without modifiers; these were not (bench/test_attention_variants.py times them on a GPU).
+# slows the plain launch. Each is the tile_sweep's spill-free tile closest to the plain one with
+# every score modifier at once (the compile check's all-options case); where the plain tile spills
+# none there, no entry. sm_90's plain tiles were timed (bench.tune) without modifiers; these were
+# not: bench/test_attention_variants.py's flashtx-plain-tiles provider times them against the plain.
 _MOD = SWEEP + "the plain tile spills with every score modifier at once ("
 MODIFIED: dict = {
     "sm90": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MOD + "4 warps: 2.5 KB); 8 warps, the same tile"),
