@@ -5,16 +5,18 @@ its source: a timed sweep (bench.tune on an H200, sm_90's forward), an anchor's 
 (FlashAttention-2's launch templates, FlexAttention's defaults in PyTorch's inductor, Triton's
 fused-attention tutorial, FlagAttention's RTX 3090 configs) and, where ours differs, why.
 
-Spills: a tile that spills registers should ship only where a GPU timed it faster (sm_90's plain
-16-bit rows). On sm_80 and sm_86/89, which nobody here can time, the 16-bit forward, dK/dV and dQ
-tiles at head dims 64 and 128 compile without spills under Triton 3.6 and 3.9 in every
-specialisation the compile check covers: plain (causal or not), with visibility masks (MASKED
-below), with every score modifier at once (MODIFIED), and the bias-gradient dQ; on sm_90 the
-modifier and bias-gradient tiles do too. Where the anchor's tile spills, the entry is the nearest
-spill-free tile of a compile sweep (tile_sweep.py), often the same tile with 8 warps. The compile
-check (tests/test_compile.py) compiles every entry for its architecture, proves it fits shared
-memory, reports every spill and fails on one in that set. Other head dims and fp32 still spill in
-places (its table lists them): they wait for a sweep or a GPU. bench/RESULTS.md records every GPU run.
+Spills: a tile that spills registers should ship only where a GPU timed it faster. On sm_80 and
+sm_86/89, which nobody here can time, the 16-bit forward, dK/dV and dQ tiles at head dims 64, 128
+and 256 compile without spills under Triton 3.6 and 3.9 in every specialisation the compile check
+covers: plain (causal or not), with visibility masks (MASKED below), with every score modifier at
+once (MODIFIED), and the bias-gradient dQ. On sm_90, whose plain 16-bit tiles at head dims 64 and
+128 were timed (bench.tune), the modifier and bias-gradient tiles at those head dims are spill-free
+too. Where the anchor's tile spills, the entry is the nearest spill-free tile of a compile sweep
+(tile_sweep.py), often the same tile with 8 warps. The compile check (tests/test_compile.py)
+compiles every entry for its architecture, proves it fits shared memory, reports every spill and
+fails on one in that set. Still spilling, and listed by the compile check: sm_90 at head dim 256
+(FlexAttention's tiles, untimed), fp32, and the split head dims (off by default); they wait for a
+sweep or a GPU. bench/RESULTS.md records every GPU run.
 
 Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
 the launch modifies scores and the visibility-mask table (MASKED) first when a window, key/query
@@ -222,12 +224,14 @@ for _fam, _overrides in {
                  128: C(16, 64, 8, 2, _DB + "dQ's 128x64 spills 1.1-1.4 KB, 32x64 and 32x32 16 bytes")}},
     "sm80": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 176-304 bytes"),
                  128: C(16, 64, 8, 2, _DB + "32x32 8 warps spills 48 bytes under Triton 3.6 (bias broadcast over "
-                                     "heads and queries), 64x32 168-376; 16 q rows, the dS tile's staging fits")}},
+                                     "heads and queries), 64x32 168-376; 16 q rows, the dS tile's staging fits"),
+                 256: C(16, 32, 8, 1, _DB + "dQ's 64x32 spills 296-560 bytes, 16x32 2 stages 8")}},
     "sm86": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 8-120 bytes"),
                  128: C(32, 32, 8, 2, _DB + "64x32 (what fits beside the dS tile's staging at dQ's rows) spills "
                                      "24-232 bytes"),
                  192: C(32, 32, 8, 2, "dQ's 64x32 with half the q rows: the dS tile's staging does not fit "
-                                      "sm_86 beside 64 rows at head dim 192 (73,728 + 4,096 bytes by our estimate)")}},
+                                      "sm_86 beside 64 rows at head dim 192 (73,728 + 4,096 bytes by our estimate)"),
+                 256: C(16, 64, 8, 1, _DB + "dQ's 32x32 spills 24 bytes")}},
 }.items():
     TABLES[_fam]["attn_bwd_dq_dbias"] = {elt: {**by_bucket, **_overrides.get(elt, {})}
                                          for elt, by_bucket in TABLES[_fam]["attn_bwd_dq"].items()}
@@ -262,9 +266,11 @@ MODIFIED: dict = {
                               128: C(64, 64, 8, 2, _MOD + "128x64 8 warps: 552-608 bytes); half the q rows, 2 "
                                      "stages (128x32 spills 8-16 bytes)")}},
              "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "32x128 8 warps: 216-304 bytes); a quarter of the K/V "
-                                         "rows, twice the q rows (32x64 spills 176)")}},
+                                         "rows, twice the q rows (32x64 spills 176)"),
+                                   256: C(32, 32, 8, 2, _MOD + "32x64: 344 bytes); half the K/V rows")}},
              "attn_bwd_dq": {2: {128: C(64, 32, 8, 3, _MOD + "64x128 8 warps: 568-616 bytes); a quarter of the K/V "
-                                       "rows, 3 stages")}}},
+                                       "rows, 3 stages"),
+                                 256: C(32, 32, 8, 2, _MOD + "64x32: 48 bytes); half the q rows")}}},
     "sm86": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "128x64 4 warps: 1.9 KB); 8 warps, half the K/V rows")}},
              "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "32x128 8 warps: 192-272 bytes); a quarter of the K/V "
                                          "rows, twice the q rows (32x64 spills 96)")}}},
@@ -280,9 +286,12 @@ MASKED: dict = {
     "sm90": {},
     "sm80": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MASK + "4 warps: 8 bytes); 8 warps, the same tile"),
                               128: C(128, 32, 8, 3, _MASK + "128x64: 8-24 bytes with varlen + window); half the "
-                                     "K/V rows")}},
+                                     "K/V rows"),
+                              256: C(32, 64, 8, 2, _MASK + "4 warps: 8 bytes under Triton 3.6); 8 warps, the same "
+                                     "tile")}},
              "attn_bwd_dkdv": {2: {64: C(128, 32, 8, 3, _MASK + "32x128: 16-40 bytes); a quarter of the K/V rows, "
-                                         "4x the q rows (64x32 spills 8 bytes with varlen under Triton 3.6)")}}},
+                                         "4x the q rows (64x32 spills 8 bytes with varlen under Triton 3.6)"),
+                                   256: C(32, 32, 8, 2, _MASK + "32x64: 128 bytes); half the K/V rows")}}},
     "sm86": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MASK + "4 warps: 8-48 bytes); 8 warps, the same tile")}},
              "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MASK + "32x128: 8-24 bytes); a quarter of the K/V rows, "
                                          "twice the q rows")}}},
@@ -384,10 +393,11 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Tar
     head_dim_bucket(width)  # refuses widths above 256
     out = []
     fams = (family(target.arch),) + tuple(f for f in FALLBACK_ORDER if f != family(target.arch))
-    for i, fam in enumerate(fams):
-        tables = ([MODIFIED[fam]] if modified else []) + ([MASKED[fam]] if masked else []) + [TABLES[fam]]
-        for table in tables:
-            cfg = _entry(table.get(kernel, {}).get(size, {}), width)
+    for fam in fams:
+        main = TABLES[fam].get(kernel, {}).get(size, {})
+        bucket = _bucket(main, width)  # a specialisation entry serves exactly the main table's bucket
+        tables = ([MODIFIED[fam]] if modified else []) + ([MASKED[fam]] if masked else [])
+        for cfg in [t.get(kernel, {}).get(size, {}).get(bucket) for t in tables] + [main.get(bucket)]:
             if cfg is not None and cfg not in out:
                 out.append(cfg)
     return out
@@ -396,10 +406,10 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Tar
 POW2_BUCKETS = (64, 128, 256)
 
 
-def _entry(by_bucket: dict, width: int):
-    """The entry for register tile width `width` (or None): the bucket is the smallest of 64/128/256 and the
-    table's own buckets (attn_fwd's 192 for split head dims) that holds the width."""
-    return by_bucket.get(head_dim_bucket(width, sorted(set(POW2_BUCKETS) | set(by_bucket))))
+def _bucket(by_bucket: dict, width: int) -> int:
+    """The bucket of register tile width `width`: the smallest of 64/128/256 and the table's own buckets
+    (the 192 of split head dims) that holds it."""
+    return head_dim_bucket(width, sorted(set(POW2_BUCKETS) | set(by_bucket)))
 
 
 @functools.lru_cache(maxsize=None)
