@@ -5,18 +5,18 @@ its source: a timed sweep (bench.tune on an H200, sm_90's forward), an anchor's 
 (FlashAttention-2's launch templates, FlexAttention's defaults in PyTorch's inductor, Triton's
 fused-attention tutorial, FlagAttention's RTX 3090 configs) and, where ours differs, why.
 
-Spills: a tile that spills registers should ship only where a GPU timed it faster. On sm_80 and
-sm_86/89, which nobody here can time, the 16-bit forward, dK/dV and dQ tiles at head dims 64, 128
-and 256 compile without spills under Triton 3.6 and 3.9 in every specialisation the compile check
-covers: plain (causal or not), with visibility masks (MASKED below), with every score modifier at
-once (MODIFIED), and the bias-gradient dQ. On sm_90, whose plain 16-bit tiles at head dims 64 and
-128 were timed (bench.tune), the modifier and bias-gradient tiles at those head dims are spill-free
-too. Where the anchor's tile spills, the entry is the nearest spill-free tile of a compile sweep
-(tile_sweep.py), often the same tile with 8 warps. The compile check (tests/test_compile.py)
-compiles every entry for its architecture, proves it fits shared memory, reports every spill and
-fails on one in that set. Still spilling, and listed by the compile check: sm_90 at head dim 256
-(FlexAttention's tiles, untimed), fp32, and the split head dims (off by default); they wait for a
-sweep or a GPU. bench/RESULTS.md records every GPU run.
+Spills: a tile that spills registers should ship only where a GPU timed it faster. Every 16-bit
+forward, dK/dV and dQ tile nobody has timed compiles without spills under Triton 3.6 and 3.9, at
+head dims 64, 128 and 256, in every specialisation the compile check covers: plain (causal or not),
+with visibility masks (MASKED below), with every score modifier at once (MODIFIED), and the
+bias-gradient dQ. That is all of sm_80 and sm_86/89, which nobody here can time, and sm_90 apart
+from its plain tiles at head dims 64 and 128 (masked launches use them too), which bench.tune timed
+on an H200 in plain launches (some spill: they were the fastest or within 2% of it). Where the anchor's tile spills, the entry is the nearest
+spill-free tile of a compile sweep (tile_sweep.py), often the same tile with 8 warps. The compile
+check (tests/test_compile.py) compiles every entry for its architecture, proves it fits shared
+memory, reports every spill and fails on one in that set. Still spilling, and listed by the
+compile check: fp32 and the split head dims (off by default); they wait for a sweep or a GPU.
+bench/RESULTS.md records every GPU run.
 
 Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
 the launch modifies scores and the visibility-mask table (MASKED) first when a window, key/query
@@ -111,8 +111,9 @@ TABLES = {
             2: {64: C(64, 64, 4, 3, FLEX_H100),
                 128: C(64, 128, 8, 3, FLEX_H100),
                 192: C(64, 64, 8, 2, FA2_BWD_192 + " with 2 stages: 180,224 bytes by our estimate"),
-                256: C(32, 64, 8, 2, FLEX_H100 + " is 64x64 4 warps 2 stages: q rows halved to fit our estimate, "
-                       "8 warps for the two 64x256 fp32 accumulators")},
+                256: C(32, 32, 8, 3, SWEEP + FLEX_H100 + " is 64x64 4 warps 2 stages (over our shared-memory "
+                       "estimate); our previous 32x64 8 warps spilled 328-624 bytes; 32x32 8 warps 3 stages "
+                       "spills none, masked or modified either")},
             4: {64: C(32, 32, 8, 1, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
                 128: C(16, 16, 4, 1, FLEX_H100 + " (fp32)"),
                 192: C(16, 16, 4, 1, DERIVED_192 + "128 and 256 entries' tile (FlexAttention's fp32 16x16)"),
@@ -122,7 +123,8 @@ TABLES = {
             2: {64: C(64, 64, 4, 3, FLEX_H100),
                 128: C(128, 64, 8, 3, FLEX_H100),
                 192: C(64, 64, 8, 3, FA2_BWD_192 + " with FlexAttention sm_90's 3 stages (its 128 entry's)"),
-                256: C(64, 64, 8, 2, FLEX_H100 + " with 8 warps for the 64x256 fp32 accumulator")},
+                256: C(32, 64, 8, 2, SWEEP + FLEX_H100 + " 64x64 8 warps spilled 176-632 bytes; 32x64 8 warps "
+                       "spills none, masked or modified either")},
             4: {64: C(64, 32, 8, 2, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
                 128: C(16, 16, 4, 1, FLEX_H100 + " (fp32)"),
                 192: C(16, 16, 4, 1, DERIVED_192 + "128 and 256 entries' tile (FlexAttention's fp32 16x16)"),
@@ -221,7 +223,8 @@ _DB = (SWEEP + "the bias-gradient dQ holds dS and its partial sums too, with bia
 for _fam, _overrides in {
     "sm90": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 64x64 4 warps spills 0.6-1.2 KB, 32x64 3 stages 8 bytes under "
                                     "Triton 3.6"),
-                 128: C(16, 64, 8, 2, _DB + "dQ's 128x64 spills 1.1-1.4 KB, 32x64 and 32x32 16 bytes")}},
+                 128: C(16, 64, 8, 2, _DB + "dQ's 128x64 spills 1.1-1.4 KB, 32x64 and 32x32 16 bytes"),
+                 256: C(16, 32, 8, 2, _DB + "dQ's 64x64 spilled 1.3-1.6 KB, 16x64 56 bytes under Triton 3.6")}},
     "sm80": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 176-304 bytes"),
                  128: C(16, 64, 8, 2, _DB + "32x32 8 warps spills 48 bytes under Triton 3.6 (bias broadcast over "
                                      "heads and queries), 64x32 168-376; 16 q rows, the dS tile's staging fits"),
@@ -254,7 +257,8 @@ for _family in TABLES.values():
 _MOD = SWEEP + "the plain tile spills with every score modifier at once ("
 MODIFIED: dict = {
     "sm90": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MOD + "4 warps: 2.5 KB); 8 warps, the same tile"),
-                              128: C(64, 32, 4, 3, _MOD + "64x64: 16 bytes); half the K/V rows")}},
+                              128: C(64, 32, 4, 3, _MOD + "64x64: 16 bytes); half the K/V rows"),
+                              256: C(64, 32, 8, 3, _MOD + "4 warps: 64 bytes); 8 warps, the same tile")}},
              "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "64x64 4 warps: 288 bytes); half the K/V rows, 8 "
                                          "warps (32x64 4 warps needs more shared memory than estimated under Triton "
                                          "3.6)"),
