@@ -27,7 +27,7 @@ import torch
 
 import flashtx
 from flashtx import _dispatch
-from flashtx.triton_kernels import configs, launch
+from flashtx.triton_kernels import configs
 
 from . import gpus, harness
 
@@ -47,9 +47,8 @@ def plain_tiles():
     saved = ({f: dict(t) for f, t in configs.MODIFIED.items()}, {f: dict(t) for f, t in configs.MASKED.items()},
              {f: t["attn_bwd_dq_dbias"] for f, t in configs.TABLES.items()})
 
-    def reset():
+    def reset():  # clear_plans forgets the launch cache too
         configs._select.cache_clear()
-        launch.LAUNCHES.clear()
         _dispatch.clear_plans()
 
     try:

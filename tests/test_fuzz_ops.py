@@ -13,7 +13,7 @@ from conftest import DEVICE, ON_GPU, PRECISE_DTYPE
 from fuzz_cases import DIMS, F64, assert_unchanged, check, grads, layout_view, snapshot
 
 import flashtx
-from flashtx import _dispatch, reference
+from flashtx import reference
 from flashtx.triton_kernels import attention_bwd_launch, launch
 
 
@@ -277,53 +277,37 @@ def test_swiglu_random_combination(seed):
 
 # ------------------------------------------------------------------------------ GPU tiles in the interpreter
 @pytest.mark.skipif(ON_GPU, reason="runs a GPU's tile configs in Triton's interpreter (the GPU runs them natively)")
-@pytest.mark.parametrize("arch", [90, 86])
-def test_gpu_tile_configs_stay_in_bounds(arch, monkeypatch):
+@pytest.mark.parametrize("gpu_target", [90, 86], indirect=True, ids=str)
+def test_gpu_tile_configs_stay_in_bounds(gpu_target, monkeypatch):
     """The sm_90 / sm_86 tiles (128-row blocks, the SM-count split heuristics) that the interpreter's own small
     tiles never exercise, with split head dims and the GQA dK/dV split on: the combination of the 2026-11-30
     GPU illegal memory access (MQA 4:1, head dims 96/160, strided inputs), float64 against the reference, and
     a decode with splits, paged."""
-    import sys
-
-    from flashtx.triton_kernels import configs
-
-    target = configs.KNOWN_TARGETS[arch]
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("flashtx") and hasattr(mod, "target_for"):
-            monkeypatch.setattr(mod, "target_for", lambda t: target)
+    arch = gpu_target.arch
     monkeypatch.setattr(launch, "SPLIT_HEAD_DIMS", True)
     monkeypatch.setattr(attention_bwd_launch, "AUTO_GQA_SPLIT", True)
-    _dispatch.clear_plans()
-    launch.LAUNCHES.clear()
-    try:
-        gen = torch.Generator().manual_seed(arch)
-        B, Hq, Hkv, Sq, Sk = 2, 4, 1, 70, 113
-        q, k, v = (torch.randn(B, h, s, d + 8, dtype=F64, generator=gen)[..., 4:4 + d].requires_grad_()
-                   for h, s, d in ((Hq, Sq, 96), (Hkv, Sk, 96), (Hkv, Sk, 160)))
-        out = flashtx.attention(q, k, v, enable_gqa=True, is_causal=arch == 86, backend="triton")
-        q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
-        ref = reference.attention(q64, k64, v64, causal=arch == 86)
-        check("out", out, ref)
-        dout = torch.randn(out.shape, dtype=F64, generator=gen)
-        for name, a, b in zip("qkv", grads((out * dout).sum(), [q, k, v]), grads((ref * dout).sum(), [q64, k64, v64])):
-            check("d" + name, a, b)
-        qd = torch.randn(3, 2, 8, 64, dtype=F64, generator=gen)
-        kc, vc = (torch.randn(10, 16, 2, 64, dtype=F64, generator=gen) for _ in range(2))
-        bt = torch.randperm(10, generator=gen)[:9].view(3, 3).to(torch.int32)
-        lens = torch.tensor([0, 17, 46], dtype=torch.int32)
-        ref = decode_reference(qd, kc, vc, None, None, lens, bt=bt, bidx=None, leftpad=None, cos=None, sin=None,
-                               interleaved=False, causal=True, window=(-1, -1), softcap=0.0, slopes=None,
-                               scale=1 / 8)
-        out, lse = flashtx.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, block_table=bt, causal=True,
-                                                   return_softmax_lse=True, backend="triton")
-        check("decode out", out, ref[0])
-        check("decode lse", lse, ref[1])
-    finally:  # forget what was planned for the stand-in GPU
-        from flashtx.triton_kernels import decode as decode_kernels
-
-        decode_kernels._SPLITS.clear()
-        _dispatch.clear_plans()
-        launch.LAUNCHES.clear()
+    gen = torch.Generator().manual_seed(arch)
+    B, Hq, Hkv, Sq, Sk = 2, 4, 1, 70, 113
+    q, k, v = (torch.randn(B, h, s, d + 8, dtype=F64, generator=gen)[..., 4:4 + d].requires_grad_()
+               for h, s, d in ((Hq, Sq, 96), (Hkv, Sk, 96), (Hkv, Sk, 160)))
+    out = flashtx.attention(q, k, v, enable_gqa=True, is_causal=arch == 86, backend="triton")
+    q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q64, k64, v64, causal=arch == 86)
+    check("out", out, ref)
+    dout = torch.randn(out.shape, dtype=F64, generator=gen)
+    for name, a, b in zip("qkv", grads((out * dout).sum(), [q, k, v]), grads((ref * dout).sum(), [q64, k64, v64])):
+        check("d" + name, a, b)
+    qd = torch.randn(3, 2, 8, 64, dtype=F64, generator=gen)
+    kc, vc = (torch.randn(10, 16, 2, 64, dtype=F64, generator=gen) for _ in range(2))
+    bt = torch.randperm(10, generator=gen)[:9].view(3, 3).to(torch.int32)
+    lens = torch.tensor([0, 17, 46], dtype=torch.int32)
+    ref = decode_reference(qd, kc, vc, None, None, lens, bt=bt, bidx=None, leftpad=None, cos=None, sin=None,
+                           interleaved=False, causal=True, window=(-1, -1), softcap=0.0, slopes=None,
+                           scale=1 / 8)
+    out, lse = flashtx.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, block_table=bt, causal=True,
+                                               return_softmax_lse=True, backend="triton")
+    check("decode out", out, ref[0])
+    check("decode lse", lse, ref[1])
 
 
 # ------------------------------------------------------ what the campaign found (fixed), as regressions

@@ -3,32 +3,15 @@ windows, masks, lengths; configs.MODIFIED for score modifiers; the bias-gradient
 interpreter with the GPU's own plan: fp16 forward and backward against the float64 reference backend under
 the tolerance rule, with every access bounds-checked (conftest). The interpreter's own tiles are smaller,
 so no other CPU test runs these."""
-import sys
-
 import pytest
 import torch
 from conftest import ON_GPU
 
 import flashtx
-from flashtx import _dispatch
 from flashtx.testing import tolerance_check
-from flashtx.triton_kernels import configs, launch
+from flashtx.triton_kernels import configs
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="runs a GPU's tiles in Triton's interpreter (a GPU runs them natively)")
-
-
-@pytest.fixture
-def gpu_target(monkeypatch, request):
-    """Plan every launch as for KNOWN_TARGETS[request.param] (target_for stood in)."""
-    target = configs.KNOWN_TARGETS[request.param]
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("flashtx") and hasattr(mod, "target_for"):
-            monkeypatch.setattr(mod, "target_for", lambda t: target)
-    _dispatch.clear_plans()
-    launch.LAUNCHES.clear()
-    yield target
-    _dispatch.clear_plans()
-    launch.LAUNCHES.clear()
 
 
 CASES = {  # name: (flash_attn_func keywords, (modified, masked), a learned bias's shape or None)

@@ -9,10 +9,8 @@ import flashtx
 from flashtx import reference
 
 
-def _ref(q, k, v, causal):  # (B, S, H, D) in, (B, Sq, Hq, D) out: the float64 reference, bottom-right causal
-    group = q.shape[2] // k.shape[2]
+def _ref(q, k, v, causal):  # (B, S, H, D) in, (B, Sq, Hq, D) out: the float64 reference (GQA too), bottom-right
     qh, kh, vh = (t.transpose(1, 2).to(PRECISE_DTYPE) for t in (q, k, v))
-    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
     out = reference.attention(qh, kh, vh, scale=q.shape[-1] ** -0.5, causal=causal, bottom_right=True)
     return out.transpose(1, 2)
 

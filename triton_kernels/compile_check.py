@@ -128,18 +128,24 @@ def _check_one(arch: int, index: int) -> Result:
 _PLAN_CACHE: dict = {}
 
 
+def launch_plans(target: Target) -> list:
+    """(label, Launch) of every kernel config `target` can launch, split head dims included (off by default,
+    but they stay compile-checked). Built afresh: tile_sweep calls it with a config forced."""
+    from . import launch
+
+    plans = []
+    was, launch.SPLIT_HEAD_DIMS = launch.SPLIT_HEAD_DIMS, True
+    try:
+        for mod in _plan_modules():
+            plans += mod.compile_plans(target)
+    finally:
+        launch.SPLIT_HEAD_DIMS = was
+    return plans
+
+
 def _all_plans(target: Target):
     if target.arch not in _PLAN_CACHE:
-        from . import launch
-
-        plans = []
-        was, launch.SPLIT_HEAD_DIMS = launch.SPLIT_HEAD_DIMS, True  # the split kernels stay compile-checked
-        try:
-            for mod in _plan_modules():
-                plans += mod.compile_plans(target)
-        finally:
-            launch.SPLIT_HEAD_DIMS = was
-        _PLAN_CACHE[target.arch] = plans
+        _PLAN_CACHE[target.arch] = launch_plans(target)
     return _PLAN_CACHE[target.arch]
 
 

@@ -394,7 +394,6 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Tar
                masked: bool = False):
     """The entries selection tries for `target`, best first (see the module docstring)."""
     size, width = 2 if elt <= 2 else 4, max(block_dqk, block_dv)
-    head_dim_bucket(width)  # refuses widths above 256
     out = []
     fams = (family(target.arch),) + tuple(f for f in FALLBACK_ORDER if f != family(target.arch))
     for fam in fams:

@@ -60,24 +60,21 @@ def grid(label: str, target) -> list[TileConfig]:
 
 
 def _one(arch: int, label: str, m: int, n: int, w: int, s: int) -> dict:
-    from . import autotune, launch
-    from .compile_check import _plan_modules, _resource_usage, compile_launch
+    from . import autotune
+    from .compile_check import _resource_usage, compile_launch, launch_plans
 
     target = KNOWN_TARGETS[arch]
     cfg = TileConfig(m, n, w, s, "tile_sweep")
     row = {"label": label, "arch": arch, "config": f"M{m} N{n} w{w} s{s}", "block_m": m, "block_n": n,
            "num_warps": w, "num_stages": s}
-    was, launch.SPLIT_HEAD_DIMS = launch.SPLIT_HEAD_DIMS, True
     try:
         with autotune.forced(kernel_of(label), cfg):
-            plans = dict(p for mod in _plan_modules() for p in mod.compile_plans(target))
+            plans = dict(launch_plans(target))
         compiled = compile_launch(plans[label], target)
         regs, spill = _resource_usage(compiled.asm["cubin"])
         row.update(shared=int(compiled.metadata.shared), registers=regs, spill=spill)
     except Exception as exc:  # noqa: BLE001 - report every failure in the table
         row.update(shared=-1, registers=-1, spill=-1, error=f"{type(exc).__name__}: {exc}"[:200])
-    finally:
-        launch.SPLIT_HEAD_DIMS = was
     return row
 
 
