@@ -60,6 +60,10 @@ class Row:
     target_us: float | None
     baseline: str  # what the flashtx call is compared with
     build: Callable[[str, torch.dtype], tuple[Callable[[], object], Callable[[], object]]]
+    # The same autograd structure through a no-op Python autograd.Function (same inputs and outputs, empty
+    # gradients): what any Python-defined op pays here before doing anything, so a row's target can be read
+    # against it. None for rows without autograd.
+    floor: Callable[[str, torch.dtype], Callable[[], object]] | None = None
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Result:
     base_spread_us: float = 0.0
     launches: int = 0
     extra: dict = field(default_factory=dict)
+    floor_us: float | None = None  # Row.floor's time, same rounds
 
     @property
     def ratio(self) -> float:
@@ -96,7 +101,8 @@ class Result:
                 "baseline": self.baseline, "baseline_us_per_call": self.base_us, "ratio": self.ratio,
                 "max_ratio": MAX_RATIO, "with_launch_us_per_call": self.launch_us, "iqr_us": self.ours_spread_us,
                 "baseline_iqr_us": self.base_spread_us, "launches_per_call": self.launches,
-                "met_target": self.met_target, "met_ratio": self.met_ratio, "met": self.met, **self.extra}
+                "met_target": self.met_target, "met_ratio": self.met_ratio, "met": self.met,
+                "floor_us_per_call": self.floor_us, **self.extra}
 
 
 # ------------------------------------------------------------------------------------------- rows
@@ -249,6 +255,50 @@ def _decode(dev, dtype):
     return ours, base
 
 
+class _Noop(torch.autograd.Function):
+    """n inputs -> one output like the first; the backward returns n empty gradients: no work at all."""
+
+    @staticmethod
+    def forward(ctx, *xs):
+        ctx.n = len(xs)
+        return torch.empty_like(xs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(torch.empty_like(g) for _ in range(ctx.n))
+
+
+class _Noop2(torch.autograd.Function):
+    """(a, b) -> two outputs like them (RoPE's q and k); the backward returns two empty gradients."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return torch.empty_like(a), torch.empty_like(b)
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        return torch.empty_like(ga), torch.empty_like(gb)
+
+
+def _floor_fwd(dev, dtype):
+    qkv = tuple(_rand(1, 2, 16, 64, dev=dev, dtype=dtype, grad=True) for _ in range(3))
+    return lambda: _Noop.apply(*qkv)
+
+
+def _floor_bwd(*shapes, fwd_too=False, two_outputs=False):
+    """torch.autograd.grad through a no-op Function of inputs `shapes` (retain_graph, as the rows), or through
+    a fresh forward each call (fwd_too); two_outputs: RoPE's (q, k) -> (q', k')."""
+    def build(dev, dtype):
+        ins = tuple(_rand(*s, dev=dev, dtype=dtype, grad=True) for s in shapes)
+        if fwd_too:
+            dout = torch.randn(*shapes[0], device=dev, dtype=dtype)
+            return lambda: torch.autograd.grad(_Noop.apply(*ins), ins, dout)
+        outs = _Noop2.apply(*ins) if two_outputs else (_Noop.apply(*ins),)
+        douts = tuple(torch.randn_like(o) for o in outs)
+        return lambda: torch.autograd.grad(outs, ins, douts, retain_graph=True)
+    return build
+
+
 def _stub(kernel, grid, args) -> None:
     """The no-op launch of the timed rounds; the decode index check's flag is written as the kernel would
     for in-range inputs (a device tensor that torch._assert_async reads)."""
@@ -260,15 +310,18 @@ def _stub(kernel, grid, args) -> None:
 SDPA = "F.scaled_dot_product_attention, same call"
 ROWS = [
     Row("attention fwd (no grad)", TARGET_FWD_US, SDPA, _fwd(_attention_fwd, _sdpa_fwd)),
-    Row("attention fwd (with grad)", TARGET_FWD_US, SDPA, _attention_grad_fwd),
-    Row("attention bwd", None, SDPA, _attention_bwd),
-    Row("attention fwd+bwd", TARGET_FWD_BWD_US, SDPA, _attention_fwd_bwd),
+    Row("attention fwd (with grad)", TARGET_FWD_US, SDPA, _attention_grad_fwd, _floor_fwd),
+    Row("attention bwd", None, SDPA, _attention_bwd, _floor_bwd(*[(1, 2, 16, 64)] * 3)),
+    Row("attention fwd+bwd", TARGET_FWD_BWD_US, SDPA, _attention_fwd_bwd, _floor_bwd(*[(1, 2, 16, 64)] * 3,
+                                                                                      fwd_too=True)),
     Row("flash_attn_func fwd (no grad)", TARGET_FWD_US, SDPA + " (B, H, S, D) views", _flash_attn_func),
     Row("patched SDPA fwd (no grad)", TARGET_FWD_US, "F.scaled_dot_product_attention unpatched", _patched_sdpa),
     Row("rope q+k fwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE (transformers)", _rope_fwd),
-    Row("rope q+k bwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE backward", _rope_bwd),
+    Row("rope q+k bwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE backward", _rope_bwd,
+        _floor_bwd((1, 4, 16, 64), (1, 2, 16, 64), two_outputs=True)),
     Row("swiglu fwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up", _swiglu_fwd),
-    Row("swiglu bwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up backward", _swiglu_bwd),
+    Row("swiglu bwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up backward", _swiglu_bwd,
+        _floor_bwd((16, 256), (16, 256))),
     Row("decode step (append + attend)", None, "SDPA over the cached keys (enable_gqa)", _decode),
 ]
 ROW_NAMES = [r.name for r in ROWS]
@@ -354,8 +407,10 @@ def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=No
         n_launch = len(launches)
         if n_launch == 0:
             raise RuntimeError(f"{row.name}: flashtx launched no kernel: it did not take its Triton backend")
+        floor = row.floor(dev, dtype) if row.floor is not None else None
         with stub_launches(_stub):
-            ours_t, base_t = time_pair([ours, base], dev, repeats, calls, warmup)
+            ours_t, base_t, *floor_t = time_pair([ours, base] + ([floor] if floor else []), dev, repeats, calls,
+                                                 warmup)
             if benchmark is not None:
                 was = gc.isenabled()
                 gc.disable()
@@ -380,7 +435,7 @@ def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=No
         extra["with_launch_via_jit_us_per_call"] = jit_launch_us
     ours_us, ours_iqr = _median_iqr(ours_t)
     return Result(row.name, row.target_us, row.baseline, ours_us, base_us, launch_us, ours_iqr, base_iqr, n_launch,
-                  extra)
+                  extra, statistics.median(floor_t[0]) if floor_t else None)
 
 
 def environment() -> dict:
@@ -429,7 +484,7 @@ def table(results: list[Result], env: dict | None = None) -> str:
     gpu = env["device"] == "cuda"
     head = ["row", "flashtx us/call", "target us", "baseline us/call", "ratio (<= 2x)"]
     head += ["with launch us/call", "launched via JITFunction.run us/call"] if gpu else []
-    head += ["launches", "verdict"]
+    head += ["no-op autograd floor us/call", "launches", "verdict"]
     lines = [f"Host overhead: {env['mode']}; {env['device']} {env.get('gpu') or env.get('cpu')}, {env['dtype']}, "
              f"torch {env['torch']}, triton {env['triton']}, flashtx {env['flashtx']} ({env.get('commit') or '?'}). "
              "Median of the rounds; nothing fails on a miss.", "",
@@ -437,16 +492,19 @@ def table(results: list[Result], env: dict | None = None) -> str:
     for r in results:
         misses = []
         if r.met_target is False:
-            misses.append(f"{r.ours_us / r.target_us:.1f}x the target")
+            below = r.floor_us is not None and r.target_us < r.floor_us
+            misses.append(f"{r.ours_us / r.target_us:.1f}x the target" + (" (the target is below the floor)"
+                                                                          if below else ""))
         if not r.met_ratio:
             misses.append(f"{r.ratio:.1f}x the baseline")
         verdict = "met" if not misses else "MISSED: " + ", ".join(misses)
         cells = [r.name, _fmt(r.ours_us), _fmt(r.target_us, "{:.0f}"), _fmt(r.base_us), f"{r.ratio:.2f}x"]
         cells += [_fmt(r.launch_us), _fmt(r.extra.get("with_launch_via_jit_us_per_call"))] if gpu else []
-        cells += [str(r.launches), verdict]
+        cells += [_fmt(r.floor_us), str(r.launches), verdict]
         lines.append("| " + " | ".join(cells) + " |")
     met = sum(r.met for r in results)
-    lines += ["", f"Met {met} of {len(results)} rows (target and <= {MAX_RATIO:.0f}x baseline)."]
+    lines += ["", f"Met {met} of {len(results)} rows (target and <= {MAX_RATIO:.0f}x baseline). The floor: the same "
+              "calls through a no-op Python autograd.Function (torch's own cost of a Python-defined op here)."]
     return "\n".join(lines)
 
 

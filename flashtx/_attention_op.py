@@ -24,7 +24,9 @@ from torch import Tensor
 from . import _dispatch
 from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
-from .backends import AttentionInputs, inputs_summary, within_limits
+from .backends import BACKENDS as _BACKENDS
+from .backends import AttentionInputs, inputs_summary
+from .triton_kernels.limits import LimitExceeded
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
@@ -64,17 +66,18 @@ class Floats(NamedTuple):
     dropout_p: float = 0.0
 
 
-def spec_of(bias, aux: list, ints: Ints, floats: Floats, no_aux: bool | None = None) -> MaskSpec:
-    """The MaskSpec of an op's arguments. no_aux: whether every aux entry is None, if already known."""
+def spec_of(bias, aux: list, ints: list, floats: list, no_aux: bool | None = None) -> MaskSpec:
+    """The MaskSpec of an op's arguments (its `ints` and `floats` lists, or Ints and Floats). no_aux: whether
+    every aux entry is None, if already known."""
     if no_aux is None:
-        no_aux = all(t is None for t in aux)
-    if (no_aux and bias is None and ints.window_left < 0 and ints.window_right < 0 and floats.softcap == 0.0
-            and floats.dropout_p == 0.0):
+        no_aux = aux.count(None) == len(aux)
+    # by position (no NamedTuple built in the common case): window_left/right; softcap, dropout_p
+    if no_aux and bias is None and ints[2] < 0 and ints[3] < 0 and floats[1] == 0.0 and floats[2] == 0.0:
         return NO_MASKS  # the common case: no MaskSpec built
-    a = Aux(*aux)
-    return MaskSpec((ints.window_left, ints.window_right), a.key_mask, a.query_mask, a.q_lens, a.kv_lens,
-                    a.cu_seqlens_q, a.cu_seqlens_k, ints.max_seqlen_q, ints.max_seqlen_k, bias, floats.softcap,
-                    a.alibi_slopes, floats.dropout_p, a.rng)
+    a, it, fl = Aux(*aux), Ints(*ints), Floats(*floats)
+    return MaskSpec((it.window_left, it.window_right), a.key_mask, a.query_mask, a.q_lens, a.kv_lens,
+                    a.cu_seqlens_q, a.cu_seqlens_k, it.max_seqlen_q, it.max_seqlen_k, bias, fl.softcap,
+                    a.alibi_slopes, fl.dropout_p, a.rng)
 
 
 def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
@@ -97,24 +100,49 @@ def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
     return buf.permute(inverse)
 
 
-def _plan(q, k, v, bias, aux, ints: Ints, floats: Floats, backend: str, no_aux: bool = False) -> str:
-    """The backend for these inputs: cached per key; shape limits are checked on every call. The
-    backward plans with the forward's arguments, so both take the same backend. no_aux: every aux is None."""
-    # head dims as ints: under dynamic shapes they are SymInts (unhashable); the kernels specialise on them anyway
-    key = (q.device, q.dtype, int(q.shape[-1]), int(v.shape[-1]), ints.causal, ints.window_left >= 0,
+_PLANS = _dispatch.plan_table("attention")  # _plan's key -> backend name (flashtx._dispatch.plan's answer)
+
+
+def _plan(q, k, v, bias, aux, ints: list, floats: list, backend: str, no_aux: bool = False) -> str:
+    """The backend for these inputs, cached per key (one dict lookup). The backward plans with the forward's
+    arguments, so both take the same backend. no_aux: every aux is None. Shape limits are not part of the
+    key: the Triton launchers check them per call signature and raise LimitExceeded (see _replan)."""
+    # Ints/Floats fields by position (no NamedTuple built per call): causal, window_left, needs_grad;
+    # softcap, dropout_p. Head dims as ints: under dynamic shapes they are SymInts (unhashable); the kernels
+    # specialise on them anyway.
+    key = (q.device, q.dtype, int(q.shape[3]), int(v.shape[3]), ints[0], ints[2] >= 0,
            None if no_aux else tuple(t is not None for t in aux), None if bias is None else bias.dtype,
-           floats.softcap > 0, floats.dropout_p > 0, ints.needs_grad)
+           floats[1] > 0, floats[2] > 0, ints[6], backend)
+    name = _PLANS.get(key)
+    if name is None:
+        inputs, summary = _describe(q, k, v, bias, aux, ints, floats)
+        name = _PLANS[key] = _dispatch.plan("attention", key, backend or None, inputs, summary)
+    return name
+
+
+def _describe(q, k, v, bias, aux, ints, floats) -> tuple:
+    """(inputs(), summary()): the AttentionInputs of an op's arguments and its description, built on demand."""
+    it, fl = Ints(*ints), Floats(*floats)
 
     def inputs():
-        return AttentionInputs(q, k, v, bool(ints.causal), bool(ints.bottom_right), spec_of(bias, aux, ints, floats),
-                               needs_grad=ints.needs_grad)
+        return AttentionInputs(q, k, v, bool(it.causal), bool(it.bottom_right), spec_of(bias, aux, it, fl),
+                               needs_grad=it.needs_grad)
 
     def summary():
         return inputs_summary(inputs())
 
-    if not within_limits(q, k, v, bias, aux[4]):  # aux[4]: Aux.cu_seqlens_q  # rare: let the reasons say which limit
-        return _dispatch.resolve("attention", backend or None, inputs(), summary)
-    return _dispatch.plan("attention", key, backend or None, inputs, summary)
+    return inputs, summary
+
+
+def _replan(q, k, v, bias, aux, ints, floats, backend: str) -> str:
+    """The backend after the planned one raised LimitExceeded: resolved again, uncached, with every
+    backend's reasons (a requested backend raises them; otherwise `reference` runs, with a warning)."""
+    inputs, summary = _describe(q, k, v, bias, aux, ints, floats)
+    name = _dispatch.resolve("attention", backend or None, inputs(), summary)
+    if name == "triton":  # the reasons missed a limit the launcher found: never loop
+        raise RuntimeError(f"flashtx: the Triton attention kernels refused {summary()} (a shape limit) although "
+                           "dispatch found no reason; please report this")
+    return name
 
 
 @triton_op("flashtx::attn_fwd", mutates_args=())
@@ -122,13 +150,16 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: list[
              floats: list[float], backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, Hq, Sq, Dv), m2 (B, Hq, Sq), l2 (B, Hq, Sq)) of q (B, Hq, Sq, D), k (B, Hkv, Sk, D),
     v (B, Hkv, Sk, Dv); see the module docstring."""
-    it, fl = Ints(*ints), Floats(*floats)
-    no_aux = all(t is None for t in aux)
-    name = _plan(q, k, v, bias, aux, it, fl, backend, no_aux)
+    no_aux = aux.count(None) == len(aux)
+    name = _plan(q, k, v, bias, aux, ints, floats, backend, no_aux)
     out = empty_like_layout(q, v.shape[-1])  # (B, Hq, Sq, Dv)
-    m2, l2 = _dispatch.IMPLS["attention"][name].forward(
-        q, k, v, out, scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
-        masks=spec_of(bias, aux, it, fl, no_aux))
+    masks = spec_of(bias, aux, ints, floats, no_aux)
+    try:
+        m2, l2 = _BACKENDS[name].forward(q, k, v, out, scale=floats[0], causal=bool(ints[0]),
+                                         bottom_right=bool(ints[1]), masks=masks)
+    except LimitExceeded:
+        m2, l2 = _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend)].forward(
+            q, k, v, out, scale=floats[0], causal=bool(ints[0]), bottom_right=bool(ints[1]), masks=masks)
     return out, m2, l2
 
 
@@ -139,14 +170,18 @@ def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, m2: Tenso
     """(dq, dk, dv, dbias); dbias is the bias's gradient (its shape) when bias_grad, else empty.
     dl2 is the cotangent of the lse (log2 units), or None. Arguments as the forward's."""
     it, fl = Ints(*ints), Floats(*floats)
-    no_aux = all(t is None for t in aux)
-    name = _plan(q, k, v, bias, aux, it, fl, backend, no_aux)
+    no_aux = aux.count(None) == len(aux)
+    name = _plan(q, k, v, bias, aux, ints, floats, backend, no_aux)
     dq, dk, dv = empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, v.shape[3])
     dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
-    _dispatch.IMPLS["attention"][name].backward(
-        do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
-        bottom_right=bool(it.bottom_right), masks=spec_of(bias, aux, it, fl, no_aux),
-        dbias=dbias if bias_grad else None)
+    masks = spec_of(bias, aux, it, fl, no_aux)
+    try:
+        _BACKENDS[name].backward(do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
+                                 bottom_right=bool(it.bottom_right), masks=masks, dbias=dbias if bias_grad else None)
+    except LimitExceeded:
+        _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend)].backward(
+            do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
+            bottom_right=bool(it.bottom_right), masks=masks, dbias=dbias if bias_grad else None)
     return dq, dk, dv, dbias
 
 
@@ -158,9 +193,13 @@ def attn_probs(q: Tensor, k: Tensor, v: Tensor, m2: Tensor, l2: Tensor, bias: Op
     """The probabilities of the forward that returned (m2, l2): (B, H, Sq, Sk) (varlen (nseq, H,
     max_seqlen_q, max_seqlen_k)) in m2's dtype, entries dropped by dropout negated."""
     it, fl = Ints(*ints), Floats(*floats)
-    return _dispatch.IMPLS["attention"][_plan(q, k, v, bias, aux, it, fl, backend)].probs(
-        q, k, v, m2, l2, scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
-        masks=spec_of(bias, aux, it, fl))
+    name = _plan(q, k, v, bias, aux, ints, floats, backend, aux.count(None) == len(aux))
+    kw = dict(scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
+              masks=spec_of(bias, aux, it, fl))
+    try:
+        return _BACKENDS[name].probs(q, k, v, m2, l2, **kw)
+    except LimitExceeded:
+        return _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend)].probs(q, k, v, m2, l2, **kw)
 
 
 @attn_probs.register_fake
@@ -177,7 +216,7 @@ def _setup_context(ctx, inputs, output):
     out, m2, l2 = output
     ctx.mark_non_differentiable(m2)  # lse = m2 + l2: its cotangent reaches l2 alone
     ctx.set_materialize_grads(False)
-    no_aux = all(t is None for t in aux)
+    no_aux = aux.count(None) == len(aux)
     if no_aux:
         ctx.save_for_backward(q, k, v, out, m2, l2, bias)  # fewer saved slots to unpack in the common case
     else:

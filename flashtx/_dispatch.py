@@ -95,9 +95,20 @@ def plan(op: str, key: tuple, requested: str | None, make_inputs, summary) -> st
     return name
 
 
+def plan_table(op: str) -> dict:
+    """A plain dict an op may keep its own plan keys in (its hot path then looks its backend up with one
+    `get` on a key it builds itself); cleared with every other plan by clear_plans()."""
+    return _TABLES.setdefault(op, {})
+
+
+_TABLES: dict[str, dict] = {}
+
+
 def clear_plans() -> None:
     """Forget every cached plan and fallback warning (tests; after changing environment switches)."""
     _PLANS.clear()
+    for table in _TABLES.values():
+        table.clear()
     _BY_DEVICE.clear()
     _WARNED.clear()
     launch = sys.modules.get("flashtx.triton_kernels.launch")  # loaded only with triton

@@ -16,12 +16,12 @@ import torch
 
 from . import _dispatch, _env, reference
 from ._dispatch import BackendNotSupported  # noqa: F401  (public: flashtx.BackendNotSupported)
+from .triton_kernels.limits import INT32_MAX, MAX_GRID_YZ
+from .triton_kernels.limits import mask_span as _mask_span
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256  # the largest head dim the Triton configs cover (configs.head_dim_bucket)
-INT32_MAX = 2**31 - 1  # kernels index within a (batch, head) slice with int32 offsets
-MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put heads and batch
 
 
 # The kernels' mask description, from a module that does not import triton (so the reference
@@ -230,23 +230,6 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 for _b in (TritonBackend(), ReferenceBackend()):
     _dispatch.register("attention", _b.name, _b)
 BACKENDS: dict[str, Backend] = _dispatch.IMPLS["attention"]  # name -> backend, in preference order
-
-
-def within_limits(q, k, v, bias, cu_seqlens_q) -> bool:
-    """The per-call shape limits of the Triton kernels (CUDA grid dims, int32 offsets), in ints.
-    False sends the call to an uncached resolve, whose reasons say which limit."""
-    B, H, Sq = q.shape[:3]
-    if B > MAX_GRID_YZ or H > MAX_GRID_YZ:
-        return False
-    if cu_seqlens_q is not None and cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ:
-        return False
-    if Sq * q.stride(2) > INT32_MAX or k.shape[2] * k.stride(2) > INT32_MAX or v.shape[2] * v.stride(2) > INT32_MAX:
-        return False  # strides are never negative; a stride of 0 spans nothing
-    return bias is None or _mask_span(bias) <= INT32_MAX
-
-
-def _mask_span(m: torch.Tensor) -> int:
-    return sum((n - 1) * abs(st) for n, st in zip(m.shape[2:], m.stride()[2:]))
 
 
 def inputs_summary(inp: AttentionInputs) -> str:

@@ -29,7 +29,7 @@ import torch
 
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
 from ._library import call
-from ._validate import (ALLOWED_DTYPES, check_alibi, check_attn_mask, check_cu_seqlens, check_cu_seqlens_values,
+from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens, check_cu_seqlens_values,
                         check_dropout, check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_softcap,
                         check_tensor, check_window, resolve_scale)
 
@@ -138,29 +138,16 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)
     """
-    if (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor  # common case:
+    if (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in ALLOWED_DTYPES
-            and key.dtype in ALLOWED_DTYPES and value.dtype in ALLOWED_DTYPES
-            and query.shape[0] == key.shape[0] == value.shape[0]):  # plain 4-D tensors, one batch size
-        q, k, v = query, key, value
+            and (backend is None or type(backend) is str) and _qkv_ok(query, key, value, bool(enable_gqa))):
+        q, k, v = query, key, value  # the common case (plain 4-D tensors that check_qkv passes), in ints and bools
     else:
-        for n, t in (("query", query), ("key", key), ("value", value)):
-            check_tensor(n, t)
-        if not (query.dim() == key.dim() == value.dim()) or query.dim() < 2:
-            raise ValueError(f"query, key, value must have the same rank, at least 2 ((..., H, S, D) or (S, D)); "
-                             f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-        lead = query.shape[:-3]
-        if key.shape[:-3] != lead or value.shape[:-3] != lead:
-            raise ValueError(f"query, key, value must have the same leading (batch) dims; got shapes "
-                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-        q, k, v = (_as4d(t) for t in (query, key, value))
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=bool(enable_gqa),
-              gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
+        q, k, v = _checked_4d(query, key, value, backend, enable_gqa)
     scale = resolve_scale("scale", scale, q.shape[-1])
-    bias = check_attn_mask("attn_mask", attn_mask, tuple(query.shape[:-3]), q.shape[1], q.shape[2], k.shape[2], q,
-                           lambda: f"query {tuple(query.shape)} and key {tuple(key.shape)}")
+    bias = None if attn_mask is None else check_attn_mask(
+        "attn_mask", attn_mask, tuple(query.shape[:-3]), q.shape[1], q.shape[2], k.shape[2], q,
+        lambda: f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     res = _run(q, k, v, scale=scale, causal=bool(is_causal), bottom_right=False, backend=backend,
                return_lse=return_lse, bias=bias,
                **_padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens),
@@ -172,6 +159,26 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         out, lse = res
         return out.reshape(*lead_shape, *out.shape[2:]), lse.reshape(*lead_shape, lse.shape[2])
     return res.reshape(*lead_shape, *res.shape[2:])
+
+
+def _checked_4d(query, key, value, backend, enable_gqa) -> tuple:
+    """attention's checks of query, key, value and backend, raising with a message that names the argument;
+    returns (B, H, S, D) views of query, key, value."""
+    for n, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(n, t)
+    if not (query.dim() == key.dim() == value.dim()) or query.dim() < 2:
+        raise ValueError(f"query, key, value must have the same rank, at least 2 ((..., H, S, D) or (S, D)); "
+                         f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    lead = query.shape[:-3]
+    if key.shape[:-3] != lead or value.shape[:-3] != lead:
+        raise ValueError(f"query, key, value must have the same leading (batch) dims; got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    q, k, v = _as4d(query), _as4d(key), _as4d(value)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
+    check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=bool(enable_gqa),
+              gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
+    return q, k, v
 
 
 def _as4d(t: torch.Tensor) -> torch.Tensor:
@@ -223,15 +230,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Example:
         >>> out = flashtx.flash_attn_func(q, k, v, causal=True)  # q, k, v: (B, S, H, D)
     """
-    for n, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(n, t)
-        if t.dim() != 4:
-            raise ValueError(f"{n} must be 4-D (B, S, H, D); got shape {tuple(t.shape)}")
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views, no copies
-    check_qkv(("q", "k", "v"), qh, kh, vh, "(B, S, H, D)", allow_gqa=True)
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor  # the common case
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype in ALLOWED_DTYPES):
+        for n, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(n, t)
+            if t.dim() != 4:
+                raise ValueError(f"{n} must be 4-D (B, S, H, D); got shape {tuple(t.shape)}")
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D) views, no copies
+    if not _qkv_ok(qh, kh, vh, True):
+        check_qkv(("q", "k", "v"), qh, kh, vh, "(B, S, H, D)", allow_gqa=True)  # raises, naming what is wrong
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
-    bias = check_attn_mask("attn_bias", attn_bias, (q.shape[0],), qh.shape[1], qh.shape[2], kh.shape[2], q,
-                           lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    bias = None if attn_bias is None else check_attn_mask(
+        "attn_bias", attn_bias, (q.shape[0],), qh.shape[1], qh.shape[2], kh.shape[2], q,
+        lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
     res = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
                return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), bias=bias,
                **_padding_masks(qh, kh, window_size, key_mask, query_mask, q_lens, kv_lens),

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import functional
+from ._validate import _qkv_ok, resolve_scale
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.mask_spec import MaskSpec
 
@@ -37,10 +38,37 @@ def _heads(t: torch.Tensor) -> int:
     return t.shape[-3] if t.dim() >= 3 else 1
 
 
+def _plain(query, key, value, attn_mask, dropout_p, enable_gqa) -> bool:
+    """The common call, checked in ints and bools: plain 4-D tensors of one allowed dtype and device that
+    flashtx.attention's checks pass, no attn_mask, no dropout, no empty sequence."""
+    return (attn_mask is None and type(query) is torch.Tensor and type(key) is torch.Tensor
+            and type(value) is torch.Tensor and not (query.is_nested or key.is_nested or value.is_nested)
+            and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in _DTYPES
+            and (dropout_p == 0.0 if type(dropout_p) is float or type(dropout_p) is int else False)
+            and _qkv_ok(query, key, value, bool(enable_gqa)) and query.shape[2] > 0 and key.shape[2] > 0)
+
+
+def _plain_reason(query, key, value) -> str | None:
+    """unsupported_reason of a _plain call: None on CPU; on a GPU, whether a kernel config serves it."""
+    kind = query.device.type
+    if kind == _GPU:  # first: flashtx.testing_gpu_trace stands CPU calls in for CUDA ones
+        needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        return _fast_reason(kind, query.device.index, query.dtype, query.shape[3], value.shape[3], False,
+                            int(needs_grad))
+    return None if kind == "cpu" else "query, key, value must be on one CUDA or CPU device"
+
+
 def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False) -> str | None:
     """Why flashtx should not run this SDPA call (None = it runs it). Reasons name no shapes, so
     each is warned about once."""
+    if _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
+        return _plain_reason(query, key, value)
+    return _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+
+
+def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
+    """unsupported_reason, every check in turn (the _plain shortcut agrees with it: tests/test_patch_sdpa.py)."""
     if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
         return "query, key and value must all be tensors"
     if query.is_nested or key.is_nested or value.is_nested:
@@ -110,7 +138,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False):
     """torch's ``scaled_dot_product_attention`` signature and semantics, computed by
     ``flashtx.attention`` when it supports the call, by the original SDPA otherwise."""
-    reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
+        reason = _plain_reason(query, key, value)
+        if reason is None:  # flashtx.attention's own path for this call, its checks already made here
+            return functional._run(query, key, value, scale=resolve_scale("scale", scale, query.shape[3]),
+                                   causal=bool(is_causal), bottom_right=False, backend=None, return_lse=False)
+    else:
+        reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is not None:
         if reason not in _warned and not reason.endswith(_TORCH_ERROR):  # torch's own error says it all
             _warned.add(reason)

@@ -32,23 +32,24 @@ GRAD_TOL = 1e-4  # max |g - g_sdpa| / max |g_sdpa| per parameter
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts calls that reach torch's SDPA unpatched (`sdpa`) and calls of flashtx.attention
-    through the patch (`flashtx`), with the query shapes."""
+    """Counts calls that reach torch's SDPA unpatched (`sdpa`) and calls of flashtx's attention op
+    through the patch (`flashtx`: functional._run, which the patch calls for a call it has checked), with
+    the query shapes."""
     seen = {"sdpa": [], "flashtx": []}
     with flashtx.patch_sdpa():  # any one-time setup of the patch (a probe of flashtx.attention) before counting
         pass
-    torch_sdpa, flashtx_attention = F.scaled_dot_product_attention, flashtx.functional.attention
+    torch_sdpa, flashtx_run = F.scaled_dot_product_attention, flashtx.functional._run
 
     def sdpa(q, *a, **kw):
         seen["sdpa"].append(tuple(q.shape))
         return torch_sdpa(q, *a, **kw)
 
-    def attention(q, *a, **kw):
+    def run(q, *a, **kw):
         seen["flashtx"].append(tuple(q.shape))
-        return flashtx_attention(q, *a, **kw)
+        return flashtx_run(q, *a, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
-    monkeypatch.setattr(flashtx.functional, "attention", attention)
+    monkeypatch.setattr(flashtx.functional, "_run", run)
     return seen
 
 

@@ -45,6 +45,10 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
     assert rows["attention bwd"]["launches_per_call"] == 3 and rows["attention fwd+bwd"]["launches_per_call"] == 4
     assert rows["decode step (append + attend)"]["launches_per_call"] == 2  # append, attend (CPU: host-checked)
     assert {r["target_us"] for r in rows.values()} == {25.0, 80.0, 15.0, None}
+    # the no-op autograd floor, timed in the same rounds, for the rows that go through autograd
+    floored = {"attention fwd (with grad)", "attention bwd", "attention fwd+bwd", "rope q+k bwd", "swiglu bwd"}
+    assert {n for n, r in rows.items() if r["floor_us_per_call"] is not None} == floored
+    assert all(rows[n]["floor_us_per_call"] > 0 for n in floored)
 
 
 def test_verdicts():
@@ -54,6 +58,9 @@ def test_verdicts():
     assert r.met_target is None and not r.met_ratio and not r.met
     r = overhead.Result("x", 25.0, "b", ours_us=20.0, base_us=10.0)
     assert r.met
+    env = {"device": "cpu", "mode": "m", "cpu": "c", "dtype": "f", "torch": "t", "triton": "t", "flashtx": "f"}
+    text = overhead.table([overhead.Result("x", 15.0, "b", 20.0, 20.0, floor_us=16.0)], env)
+    assert "MISSED: 1.3x the target (the target is below the floor)" in text and "| 16.0 |" in text
     assert "MISSED: 1.2x the target" in overhead.table([overhead.Result("x", 25.0, "b", 30.0, 20.0)],
                                                        {"device": "cpu", "mode": "m", "cpu": "c", "dtype": "f",
                                                         "torch": "t", "triton": "t", "flashtx": "f"})

@@ -263,6 +263,16 @@ def test_report_overhead_table():
     lines = [line for line in md[md.index("## Host overhead"):].splitlines() if line.startswith("| ")]
     assert "launched via JITFunction.run us/call" in lines[0]
     assert lines[2] == "| swiglu fwd | 10.0 | 15 | SDPA | 8.0 | 1.25x | 14.0 | 29.0 | met |", lines[2]
+    # the no-op autograd floor (rows through autograd): a target below it says so
+    data = {"benchmarks": [{"extra_info": {**row("swiglu bwd", 20.0, 15.0, 19.0, False, True),
+                                           "floor_us_per_call": 16.0}},
+                           {"extra_info": row("swiglu fwd", 10.0, 15.0, 8.0, True, True)}]}
+    md = report.build_report(data, "synthetic.json", None)
+    lines = [line for line in md[md.index("## Host overhead"):].splitlines() if line.startswith("| ")]
+    assert "no-op autograd floor us/call" in lines[0]
+    assert lines[1] == "| swiglu fwd | 10.0 | 15 | SDPA | 8.0 | 1.25x | - | met |", lines[1]
+    assert lines[2] == ("| swiglu bwd | 20.0 | 15 | SDPA | 19.0 | 1.05x | 16.0 | MISSED (target, below the floor) |"), \
+        lines[2]
 
 
 def test_report_models_fullgraph_failure_is_a_failure():

@@ -119,10 +119,10 @@ def test_plans_with_host_steps_are_not_stored_and_still_run():
 
 def test_not_consulted_while_tracing_or_when_disabled():
     q = randn(1, 2, 8, 16, dtype=PRECISE_DTYPE)
-    assert launch._signature((q, None)) is not None
+    assert launch._signature((q, None), 2) is not None
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
-        assert launch._signature((mode.from_tensor(q),)) is None
+        assert launch._signature((mode.from_tensor(q),), 1) is None
     calls = []
     launch.LAUNCHES.enabled = False
     try:

@@ -27,15 +27,16 @@ def unpatched():
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Records each call that reaches flashtx.attention through the patch."""
+    """Records each call that reaches flashtx's attention op through the patch (functional._run, which
+    flashtx.attention calls and the patch calls directly for a plain call it has checked itself)."""
     seen = []
-    real = flashtx.functional.attention
+    real = flashtx.functional._run
 
     def spy(*a, **kw):
         seen.append(tuple(a[0].shape))
         return real(*a, **kw)
 
-    monkeypatch.setattr(flashtx.functional, "attention", spy)
+    monkeypatch.setattr(flashtx.functional, "_run", spy)
     return seen
 
 
@@ -209,3 +210,30 @@ def test_patched_model_compiles_without_graph_breaks():
     assert ex.graph_break_count == 0, ex.break_reasons
     ops = {str(n.target) for g in ex.graphs for n in g.graph.nodes if n.op == "call_function"}
     assert "flashtx.attn_fwd.default" in ops
+
+
+PLAIN_CASES = {  # 4-D calls without attn_mask or dropout: the patch's shortcut decides them in ints and bools
+    "mha": lambda: (randn(2, 2, 5, 8), randn(2, 2, 7, 8), randn(2, 2, 7, 8), False),
+    "gqa": lambda: (randn(1, 4, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8), True),
+    "gqa-without-enable_gqa": lambda: (randn(1, 4, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8), False),
+    "dv-differs": lambda: (randn(1, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 16), False),
+    "d-mismatch": lambda: (randn(1, 2, 5, 8), randn(1, 2, 5, 4), randn(1, 2, 5, 4), False),
+    "dtype-mismatch": lambda: (randn(1, 2, 5, 8), randn(1, 2, 5, 8).double(), randn(1, 2, 5, 8), False),
+    "batch-mismatch": lambda: (randn(2, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8), False),
+    "empty-keys": lambda: (randn(1, 2, 5, 8), randn(1, 2, 0, 8), randn(1, 2, 0, 8), False),
+    "strided": lambda: (randn(1, 5, 2, 8).transpose(1, 2), randn(1, 7, 2, 8).transpose(1, 2),
+                        randn(1, 7, 2, 8).transpose(1, 2), False),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAIN_CASES))
+def test_plain_call_shortcut_agrees_with_every_check(case):
+    """Where the shortcut accepts a call, the full list of checks finds no reason either (the shortcut
+    runs flashtx without them); where it declines, the full checks decide, as before."""
+    q, k, v, gqa = PLAIN_CASES[case]()
+    full = sdpa_patch._full_reason(q, k, v, None, 0.0, True, gqa)
+    if sdpa_patch._plain(q, k, v, None, 0.0, gqa):
+        assert full is None and sdpa_patch._plain_reason(q, k, v) is None
+    assert sdpa_patch.unsupported_reason(q, k, v, None, 0.0, True, None, gqa) == full
+    expected_plain = case in ("mha", "gqa", "dv-differs", "strided")
+    assert sdpa_patch._plain(q, k, v, None, 0.0, gqa) == expected_plain

@@ -9,6 +9,7 @@ from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for)
+from .limits import check_limits
 
 
 class GqaReduce:
@@ -153,8 +154,10 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     return [pre, dkdv, dqk] + ([finish] if finish is not None else [])
 
 
-_ROLES = ("DO", "Q", "K", "V", "O", "M2", "L2", "DELTA", "DQ", "DK", "DV", "DLSE", "DB", "DK_PART", "DV_PART",
-          *MASK_ROLES)
+# the kernel argument of each launch-cache input; the last three are allocated by attention_backward itself
+_ROLES = ("DO", "Q", "K", "V", "O", "M2", "L2", "DQ", "DK", "DV", "DLSE", "DB", *MASK_ROLES, "DELTA", "DK_PART",
+          "DV_PART")
+_ROLES_PLAIN = _ROLES[:12] + _ROLES[-3:]  # without the mask tensors (MaskSpec.launch_key's)
 
 
 def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool = False, bottom_right: bool = False,
@@ -179,11 +182,17 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
     if split > 1:  # the partials are allocated here, so the plan has no host step and replays from the cache
         parts = gqa_partials(dk, dv, split, q.dtype)
     static, tensors = spec.launch_key()
+
+    def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
+        check_limits(q, k, v, spec.attn_mask, spec.cu_seqlens_q)
+        return plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, scale=scale, causal=causal,
+                             bottom_right=bottom_right, dlse2=dlse2, spec=spec, dbias=dbias,
+                             gqa_parts=parts if split > 1 else None)
+
     LAUNCHES.run(("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, split, static),
-                 _ROLES, (do, q, k, v, out, m2, l2, delta, dq, dk, dv, dlse2, dbias, *parts, *tensors),
-                 lambda: plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, scale=scale, causal=causal,
-                                       bottom_right=bottom_right, dlse2=dlse2, spec=spec, dbias=dbias,
-                                       gqa_parts=parts if split > 1 else None))
+                 _ROLES if tensors else _ROLES_PLAIN, (do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, *tensors,
+                                                       delta, *parts),
+                 build, derived=3)  # delta (m2's shape) and the GQA partials (dk, dv and split's): allocated above
     if split > 1:
         GqaReduce(*parts, dk, dv, split).run()
     return dq, dk, dv

@@ -16,6 +16,7 @@ from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_
 from .configs import estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for)
+from .limits import check_limits
 
 
 @triton.jit
@@ -197,7 +198,8 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
     return Launch(_attn_fwd, grid, args, cfg, est)
 
 
-_ROLES = ("Q", "K", "V", "O", "M2", "L2", *MASK_ROLES)  # the kernel argument of each launch-cache input
+# the kernel argument of each launch-cache input, with the mask tensors and without (MaskSpec.launch_key's)
+_ROLES, _ROLES_PLAIN = ("Q", "K", "V", "O", *MASK_ROLES, "M2", "L2"), ("Q", "K", "V", "O", "M2", "L2")
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_right: bool = False,
@@ -221,10 +223,14 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
     if k.shape[2] == 0:  # no keys: every row sees none, so 0 output and lse -inf (as fully masked rows; SDPA too)
         return out.zero_(), m2.fill_(float("-inf")), l2.zero_()
     static, tensors = spec.launch_key()
+
+    def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
+        check_limits(q, k, v, spec.attn_mask, spec.cu_seqlens_q)
+        return [plan_forward(q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec)]
+
     LAUNCHES.run(("attn_fwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, static),
-                 _ROLES, (q, k, v, out, m2, l2, *tensors),
-                 lambda: [plan_forward(q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
-                                       spec=spec)])
+                 _ROLES if tensors else _ROLES_PLAIN, (q, k, v, out, *tensors, m2, l2), build,
+                 derived=2)  # m2, l2: allocated above from q
     return out, m2, l2
 
 

@@ -15,6 +15,7 @@ from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, mask_args, modi
                                seq_bounds, stride_args, visible)
 from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32, target_for
+from .limits import check_limits
 
 
 @triton.jit
@@ -101,6 +102,7 @@ def attention_probs(q, k, v, m2, l2, *, scale: float, causal: bool = False, bott
     """The attention probabilities of attention_forward's run (m2, l2 from it): (B, Hq, Sq, Sk) in the
     accumulator dtype (varlen: (nseq, Hq, max_seqlen_q, max_seqlen_k)), entries dropped by dropout
     negated, invisible ones 0. O(Sq * Sk) memory: for tests and small sizes. v is unused."""
+    check_limits(q, k, v, spec.attn_mask, spec.cu_seqlens_q)
     B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
     if spec.varlen:
         B, Sq, Sk = spec.cu_seqlens_q.shape[0] - 1, int(spec.max_seqlen_q), int(spec.max_seqlen_k)

@@ -96,9 +96,11 @@ class LaunchCache:
     def clear(self) -> None:
         self.entries.clear()
 
-    def run(self, key: tuple, names: tuple, tensors: tuple, build) -> None:
-        """Run the launches build() returns for `tensors` (tensors or None; names[i] is tensors[i]'s role)."""
-        sig = self.enabled and _signature(tensors)
+    def run(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0) -> None:
+        """Run the launches build() returns for `tensors` (tensors or None; names[i] is tensors[i]'s role).
+        derived: how many of the last tensors the launcher allocated itself, with shapes, strides and dtypes
+        that follow from the other tensors and `key` alone: they are left out of the signature."""
+        sig = self.enabled and _signature(tensors, len(tensors) - derived)
         if not sig:  # off, tracing, or a tensor subclass: plan this call
             for step in build():
                 step.run()
@@ -189,13 +191,14 @@ _DRIVER = None
 LAUNCHES = LaunchCache()  # every launcher's: keys start with the launcher's name
 
 
-def _signature(tensors: tuple) -> tuple | None:
-    """(dtype, shape, strides) of each tensor (None for None) in eager calls on plain tensors; None
-    while anything traces or for a fake tensor or a subclass."""
+def _signature(tensors: tuple, n: int) -> tuple | None:
+    """(dtype, shape, strides) of each of the first n tensors (None for None) in eager calls on plain
+    tensors; None while anything traces or for a fake tensor or a subclass."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return None
     sig = []
-    for t in tensors:
+    for i in range(n):
+        t = tensors[i]
         if t is None:
             sig.append(None)
         elif type(t) is torch.Tensor:
@@ -289,9 +292,14 @@ def split_f32(x: float) -> tuple[float, float]:
 
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: fp32 inputs follow torch's TF32 switch, like torch.matmul does."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and _allow_tf32():
         return "tf32"
     return "ieee"
+
+
+# torch.backends.cuda.matmul.allow_tf32 reads this getter through a module __getattr__ (~0.5 us a call
+# against 0.06 us): read it directly when this torch has it.
+_allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
 
 
 def cdiv(a: int, b: int) -> int:

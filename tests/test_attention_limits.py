@@ -1,0 +1,72 @@
+"""The Triton kernels' shape limits (CUDA grid y/z, int32 offsets) hold per call, not per plan.
+
+The backend plan is cached by dtype, head dims and features (not shapes), and the limits are checked
+once per call signature by the launchers (triton_kernels/limits.py): a call past a limit, after the
+same kind of call planned Triton, must still go to the reference with the reasons (automatic), or
+raise them (backend="triton"); never launch a grid the GPU refuses.
+"""
+import warnings
+
+import pytest
+import torch
+
+import flashtx
+from flashtx import reference
+from flashtx._dispatch import clear_plans
+from flashtx.triton_kernels import launch
+from flashtx.triton_kernels.limits import INT32_MAX, MAX_GRID_YZ, LimitExceeded, check_limits, within_limits
+
+from conftest import DEVICE, ON_GPU
+
+
+class _Shape:
+    """Just the shape and strides within_limits reads (a real tensor this large would not fit in memory)."""
+
+    def __init__(self, shape, strides):
+        self.shape, self._strides = torch.Size(shape), strides
+
+    def stride(self, i=None):
+        return self._strides if i is None else self._strides[i]
+
+
+def test_within_limits_reads_grid_and_offsets():
+    ok = _Shape((2, 4, 128, 64), (32768, 8192, 64, 1))
+    assert within_limits(ok, ok, ok, None, None)
+    assert not within_limits(_Shape((MAX_GRID_YZ + 1, 1, 1, 64), (64, 64, 64, 1)), ok, ok, None, None)
+    assert not within_limits(_Shape((1, MAX_GRID_YZ + 1, 1, 64), (64, 64, 64, 1)), ok, ok, None, None)
+    wide = _Shape((1, 1, 2**16, 64), (0, 0, 2**15 + 1, 1))  # 2**16 rows x stride 2**15 + 1 > int32
+    assert 2**16 * (2**15 + 1) > INT32_MAX
+    assert not within_limits(ok, wide, ok, None, None) and not within_limits(ok, ok, wide, None, None)
+    assert not within_limits(wide, ok, ok, None, None)
+    assert within_limits(ok, ok, ok, None, torch.zeros(MAX_GRID_YZ + 1, dtype=torch.int32))  # nseq = 65535
+    assert not within_limits(ok, ok, ok, None, torch.zeros(MAX_GRID_YZ + 2, dtype=torch.int32))
+    with pytest.raises(LimitExceeded, match="limits"):
+        check_limits(wide, ok, ok, None, None)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU: the interpreter's Triton backend; a GPU run has the same path")
+def test_batch_past_the_grid_limit_goes_to_the_reference_after_a_cached_triton_plan():
+    clear_plans()
+    small = [torch.randn(2, 1, 3, 16, device=DEVICE, requires_grad=True) for _ in range(3)]
+    launches = []
+    with launch.stub_launches(lambda kernel, grid, args: launches.append(grid)):
+        flashtx.attention(*small, is_causal=True).sum().backward()  # plans `triton`: float32, D = 16, causal, grad
+    assert len(launches) == 4, "the small call should take the Triton backend (forward, 3 backward kernels)"
+    B = MAX_GRID_YZ + 1
+    q, k, v = (torch.randn(B, 1, 2, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    launches.clear()
+    with launch.stub_launches(lambda kernel, grid, args: launches.append(grid)):
+        with pytest.warns(UserWarning, match="grid y/z limit"):
+            out = flashtx.attention(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+    assert launches == []  # neither the forward nor the backward launched a kernel
+    ref = reference.attention(q.detach().double(), k.detach().double(), v.detach().double(), causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with pytest.raises(flashtx.BackendNotSupported, match="grid y/z limit"):
+        flashtx.attention(q.detach(), k.detach(), v.detach(), backend="triton")
+    launches.clear()
+    with warnings.catch_warnings(), launch.stub_launches(lambda kernel, grid, args: launches.append(grid)):
+        warnings.simplefilter("error")
+        flashtx.attention(*small, is_causal=True).sum().backward()  # the small signature still runs Triton
+    assert len(launches) == 4

@@ -1,0 +1,42 @@
+"""The attention kernels' shape limits, in ints (no triton import: dispatch's reasons use them too).
+
+The kernels put heads and batch (or sequences) on CUDA grid dims y and z, and index within one
+(batch, head) slice with int32 offsets. The launchers check these once per call signature, when a
+launch is planned (a replayed launch has the shapes and strides it was planned for), and raise
+LimitExceeded; the attention op then resolves its backend again, uncached, so the reasons say which
+limit (a requested `triton` raises them; automatic dispatch warns and runs `reference`).
+"""
+from __future__ import annotations
+
+INT32_MAX = 2**31 - 1  # kernels index within a (batch, head) slice with int32 offsets
+MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put heads and batch
+
+
+class LimitExceeded(RuntimeError):
+    """The inputs exceed a shape limit of the Triton attention kernels (see within_limits)."""
+
+
+def mask_span(m) -> int:
+    """Elements one (batch, head) slice of a 4-D attn_mask view spans (strides are never negative)."""
+    return sum((n - 1) * abs(st) for n, st in zip(m.shape[2:], m.stride()[2:]))
+
+
+def within_limits(q, k, v, bias, cu_seqlens_q) -> bool:
+    """Whether (B, H, S, D) views q, k, v (and a 4-D attn_mask view `bias`, varlen's cu_seqlens_q) fit
+    the grid and int32-offset limits."""
+    qs = q.shape
+    if qs[0] > MAX_GRID_YZ or qs[1] > MAX_GRID_YZ or (
+            cu_seqlens_q is not None and cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ):
+        return False
+    # strides are never negative; a stride of 0 spans nothing
+    if (qs[2] * q.stride(2) > INT32_MAX or k.shape[2] * k.stride(2) > INT32_MAX
+            or v.shape[2] * v.stride(2) > INT32_MAX):
+        return False
+    return bias is None or mask_span(bias) <= INT32_MAX
+
+
+def check_limits(q, k, v, bias, cu_seqlens_q) -> None:
+    """Raise LimitExceeded unless within_limits."""
+    if not within_limits(q, k, v, bias, cu_seqlens_q):
+        raise LimitExceeded(f"attention inputs {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} exceed the "
+                            "Triton kernels' grid or int32-offset limits")
