@@ -16,6 +16,8 @@ whose scores all sit at a huge finite value (a -1e9 mask) keep log2(l) exactly. 
 """
 from __future__ import annotations
 
+import operator
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -26,7 +28,7 @@ from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .backends import BACKENDS as _BACKENDS
 from .backends import AttentionInputs, inputs_summary
-from .triton_kernels.limits import LimitExceeded
+from .triton_kernels.limits import LimitExceeded, within_limits
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
@@ -66,11 +68,19 @@ class Floats(NamedTuple):
     dropout_p: float = 0.0
 
 
+_NONES = (None,) * len(Aux._fields)
+
+
+def _all_none(aux: list) -> bool:
+    """Whether every aux entry is None, by identity only (list.count would call a tensor's __eq__)."""
+    return all(map(operator.is_, aux, _NONES))
+
+
 def spec_of(bias, aux: list, ints: list, floats: list, no_aux: bool | None = None) -> MaskSpec:
     """The MaskSpec of an op's arguments (its `ints` and `floats` lists, or Ints and Floats). no_aux: whether
     every aux entry is None, if already known."""
     if no_aux is None:
-        no_aux = aux.count(None) == len(aux)
+        no_aux = _all_none(aux)
     # by position (no NamedTuple built in the common case): window_left/right; softcap, dropout_p
     if no_aux and bias is None and ints[2] < 0 and ints[3] < 0 and floats[1] == 0.0 and floats[2] == 0.0:
         return NO_MASKS  # the common case: no MaskSpec built
@@ -106,7 +116,8 @@ _PLANS = _dispatch.plan_table("attention")  # _plan's key -> backend name (flash
 def _plan(q, k, v, bias, aux, ints: list, floats: list, backend: str, no_aux: bool = False) -> str:
     """The backend for these inputs, cached per key (one dict lookup). The backward plans with the forward's
     arguments, so both take the same backend. no_aux: every aux is None. Shape limits are not part of the
-    key: the Triton launchers check them per call signature and raise LimitExceeded (see _replan)."""
+    key: a call past one is not cached, and the Triton launchers check them once per call signature (raising
+    LimitExceeded, see _replan), so a cached plan never launches a grid the GPU refuses."""
     # Ints/Floats fields by position (no NamedTuple built per call): causal, window_left, needs_grad;
     # softcap, dropout_p. Head dims as ints: under dynamic shapes they are SymInts (unhashable); the kernels
     # specialise on them anyway.
@@ -116,6 +127,10 @@ def _plan(q, k, v, bias, aux, ints: list, floats: list, backend: str, no_aux: bo
     name = _PLANS.get(key)
     if name is None:
         inputs, summary = _describe(q, k, v, bias, aux, ints, floats)
+        if not within_limits(q, k, v, bias, aux[4]):  # aux[4]: Aux.cu_seqlens_q
+            # past a shape limit: this call's answer, not the key's (a cached `reference` would serve every
+            # later call of this kind, however small)
+            return _dispatch.resolve("attention", backend or None, inputs(), summary)
         name = _PLANS[key] = _dispatch.plan("attention", key, backend or None, inputs, summary)
     return name
 
@@ -134,14 +149,16 @@ def _describe(q, k, v, bias, aux, ints, floats) -> tuple:
     return inputs, summary
 
 
-def _replan(q, k, v, bias, aux, ints, floats, backend: str) -> str:
+def _replan(q, k, v, bias, aux, ints, floats, backend: str, exc: LimitExceeded) -> str:
     """The backend after the planned one raised LimitExceeded: resolved again, uncached, with every
     backend's reasons (a requested backend raises them; otherwise `reference` runs, with a warning)."""
     inputs, summary = _describe(q, k, v, bias, aux, ints, floats)
     name = _dispatch.resolve("attention", backend or None, inputs(), summary)
-    if name == "triton":  # the reasons missed a limit the launcher found: never loop
-        raise RuntimeError(f"flashtx: the Triton attention kernels refused {summary()} (a shape limit) although "
-                           "dispatch found no reason; please report this")
+    if name == "triton":  # the reasons missed the limit the launcher found (a bug): never loop, never launch
+        if backend:
+            raise _dispatch.BackendNotSupported(f"attention: backend='triton' cannot run {summary()}: {exc}")
+        warnings.warn(f"flashtx.attention: {exc}; using the reference implementation", stacklevel=4)
+        return "reference"
     return name
 
 
@@ -150,15 +167,15 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: list[
              floats: list[float], backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, Hq, Sq, Dv), m2 (B, Hq, Sq), l2 (B, Hq, Sq)) of q (B, Hq, Sq, D), k (B, Hkv, Sk, D),
     v (B, Hkv, Sk, Dv); see the module docstring."""
-    no_aux = aux.count(None) == len(aux)
+    no_aux = _all_none(aux)
     name = _plan(q, k, v, bias, aux, ints, floats, backend, no_aux)
     out = empty_like_layout(q, v.shape[-1])  # (B, Hq, Sq, Dv)
     masks = spec_of(bias, aux, ints, floats, no_aux)
     try:
         m2, l2 = _BACKENDS[name].forward(q, k, v, out, scale=floats[0], causal=bool(ints[0]),
                                          bottom_right=bool(ints[1]), masks=masks)
-    except LimitExceeded:
-        m2, l2 = _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend)].forward(
+    except LimitExceeded as exc:
+        m2, l2 = _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend, exc)].forward(
             q, k, v, out, scale=floats[0], causal=bool(ints[0]), bottom_right=bool(ints[1]), masks=masks)
     return out, m2, l2
 
@@ -170,7 +187,7 @@ def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, m2: Tenso
     """(dq, dk, dv, dbias); dbias is the bias's gradient (its shape) when bias_grad, else empty.
     dl2 is the cotangent of the lse (log2 units), or None. Arguments as the forward's."""
     it, fl = Ints(*ints), Floats(*floats)
-    no_aux = aux.count(None) == len(aux)
+    no_aux = _all_none(aux)
     name = _plan(q, k, v, bias, aux, ints, floats, backend, no_aux)
     dq, dk, dv = empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, v.shape[3])
     dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
@@ -178,8 +195,8 @@ def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, m2: Tenso
     try:
         _BACKENDS[name].backward(do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
                                  bottom_right=bool(it.bottom_right), masks=masks, dbias=dbias if bias_grad else None)
-    except LimitExceeded:
-        _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend)].backward(
+    except LimitExceeded as exc:
+        _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend, exc)].backward(
             do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
             bottom_right=bool(it.bottom_right), masks=masks, dbias=dbias if bias_grad else None)
     return dq, dk, dv, dbias
@@ -193,13 +210,13 @@ def attn_probs(q: Tensor, k: Tensor, v: Tensor, m2: Tensor, l2: Tensor, bias: Op
     """The probabilities of the forward that returned (m2, l2): (B, H, Sq, Sk) (varlen (nseq, H,
     max_seqlen_q, max_seqlen_k)) in m2's dtype, entries dropped by dropout negated."""
     it, fl = Ints(*ints), Floats(*floats)
-    name = _plan(q, k, v, bias, aux, ints, floats, backend, aux.count(None) == len(aux))
+    name = _plan(q, k, v, bias, aux, ints, floats, backend, _all_none(aux))
     kw = dict(scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
               masks=spec_of(bias, aux, it, fl))
     try:
         return _BACKENDS[name].probs(q, k, v, m2, l2, **kw)
-    except LimitExceeded:
-        return _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend)].probs(q, k, v, m2, l2, **kw)
+    except LimitExceeded as exc:
+        return _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend, exc)].probs(q, k, v, m2, l2, **kw)
 
 
 @attn_probs.register_fake
@@ -216,7 +233,7 @@ def _setup_context(ctx, inputs, output):
     out, m2, l2 = output
     ctx.mark_non_differentiable(m2)  # lse = m2 + l2: its cotangent reaches l2 alone
     ctx.set_materialize_grads(False)
-    no_aux = aux.count(None) == len(aux)
+    no_aux = _all_none(aux)
     if no_aux:
         ctx.save_for_backward(q, k, v, out, m2, l2, bias)  # fewer saved slots to unpack in the common case
     else:

@@ -65,7 +65,7 @@ def register_autograd(op, backward, setup_context) -> None:
     name = "".join(w.capitalize() for w in op._name.split("::")[-1].split("_"))  # attn_fwd -> AttnFwd(Backward)
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
     _EAGER[op] = fn
-    if _C_APPLY is not None:
+    if _C_APPLY is not None and _unwrap_if_dead is not None:  # else `call` takes Function.apply
         _APPLY[op] = _C_APPLY.__get__(None, fn)
 
 
@@ -76,8 +76,6 @@ def register_autograd(op, backward, setup_context) -> None:
 _C_APPLY = getattr(torch._C, "_FunctionBase", object).__dict__.get("apply")
 _APPLY: dict = {}  # op -> its Function's C++ apply, bound to it
 _unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
-if _unwrap_if_dead is None:
-    _APPLY = {}  # an unknown torch: Function.apply
 
 
 def _requires_grad(op, args) -> bool:

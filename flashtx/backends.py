@@ -18,6 +18,7 @@ from . import _dispatch, _env, reference
 from ._dispatch import BackendNotSupported  # noqa: F401  (public: flashtx.BackendNotSupported)
 from .triton_kernels.limits import INT32_MAX, MAX_GRID_YZ
 from .triton_kernels.limits import mask_span as _mask_span
+from .triton_kernels.limits import seq_span
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -147,8 +148,9 @@ class TritonBackend(Backend):
             reasons.append(f"batch {inp.q.shape[0]} x heads {inp.q.shape[1]}: each must be <= {MAX_GRID_YZ} "
                            "(CUDA grid y/z limit)")
         for name, t in (("query", inp.q), ("key", inp.k), ("value", inp.v)):
-            if t.shape[2] * t.stride(2) > INT32_MAX:
-                reasons.append(f"{name}'s sequence span ({t.shape[2]} x stride {t.stride(2)}) overflows int32 offsets")
+            if seq_span(t) > INT32_MAX:  # the stride the kernels read (after _unit_last's copy)
+                reasons.append(f"{name}'s sequence span ({t.shape[2]} rows, {seq_span(t)} elements) overflows int32 "
+                               "offsets")
         m = inp.masks.attn_mask
         if m is not None and _mask_span(m) > INT32_MAX:
             reasons.append(f"attn_mask {tuple(m.shape)}: one (batch, head) slice spans more than int32 offsets")

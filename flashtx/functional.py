@@ -231,7 +231,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         >>> out = flashtx.flash_attn_func(q, k, v, causal=True)  # q, k, v: (B, S, H, D)
     """
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor  # the common case
-            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype in ALLOWED_DTYPES):
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype in ALLOWED_DTYPES
+            and k.dtype in ALLOWED_DTYPES and v.dtype in ALLOWED_DTYPES):
         for n, t in (("q", q), ("k", k), ("v", v)):
             check_tensor(n, t)
             if t.dim() != 4:

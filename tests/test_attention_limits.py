@@ -70,3 +70,36 @@ def test_batch_past_the_grid_limit_goes_to_the_reference_after_a_cached_triton_p
         warnings.simplefilter("error")
         flashtx.attention(*small, is_causal=True).sum().backward()  # the small signature still runs Triton
     assert len(launches) == 4
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU: the interpreter's Triton backend; a GPU run has the same path")
+def test_a_first_call_past_a_limit_does_not_send_later_small_calls_to_the_reference():
+    """The plan of a call past a limit is that call's alone: caching its `reference` would run every later
+    call of the same kind (dtype, head dims, features) on the O(N^2) reference."""
+    clear_plans()
+    big = [torch.randn(MAX_GRID_YZ + 1, 1, 2, 16, device=DEVICE) for _ in range(3)]
+    small = [torch.randn(2, 1, 3, 16, device=DEVICE) for _ in range(3)]
+    launches = []
+    with launch.stub_launches(lambda kernel, grid, args: launches.append(grid)):
+        with pytest.warns(UserWarning, match="grid y/z limit"):
+            flashtx.attention(*big, is_causal=True)
+        assert launches == []
+        flashtx.attention(*small, is_causal=True)
+    assert len(launches) == 1  # the small call runs the Triton kernel
+
+
+def test_the_int32_limit_reads_the_stride_the_kernels_see():
+    """A last dim with a stride other than 1 is copied contiguous before the kernels run: dispatch's
+    reasons and the launchers' check both count its sequence span as S x D, so they agree."""
+    from flashtx.backends import AttentionInputs, TritonBackend
+    from flashtx.triton_kernels.limits import seq_span
+
+    S = 2**24  # an expanded view: no memory; S x D = 2**31 elements once copied
+    q = torch.randn(1, 1, 1, 1, dtype=torch.float16).expand(1, 1, S, 128)
+    k, v = torch.randn(1, 1, 4, 128, dtype=torch.float16), torch.randn(1, 1, 4, 8, dtype=torch.float16)
+    assert q.stride()[2:] == (0, 0) and seq_span(q) == S * 128 > INT32_MAX and seq_span(k) == 4 * 128
+    assert not within_limits(q, k, v, None, None)
+    reasons = TritonBackend().not_supported_reasons(AttentionInputs(q, k, v))
+    assert any("query's sequence span" in r and "overflows int32" in r for r in reasons), reasons
+    with pytest.raises(LimitExceeded):
+        check_limits(q, k, v, None, None)

@@ -16,6 +16,13 @@ class LimitExceeded(RuntimeError):
     """The inputs exceed a shape limit of the Triton attention kernels (see within_limits)."""
 
 
+def seq_span(t) -> int:
+    """Elements the sequence dim of a (B, H, S, D) view spans as the kernels read it: S x its stride, or
+    S x D when the last stride is not 1 (the backend copies such a tensor contiguous first)."""
+    st = t.stride()
+    return t.shape[2] * (st[2] if st[3] == 1 or t.shape[3] == 1 else t.shape[3])
+
+
 def mask_span(m) -> int:
     """Elements one (batch, head) slice of a 4-D attn_mask view spans (strides are never negative)."""
     return sum((n - 1) * abs(st) for n, st in zip(m.shape[2:], m.stride()[2:]))
@@ -28,10 +35,8 @@ def within_limits(q, k, v, bias, cu_seqlens_q) -> bool:
     if qs[0] > MAX_GRID_YZ or qs[1] > MAX_GRID_YZ or (
             cu_seqlens_q is not None and cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ):
         return False
-    # strides are never negative; a stride of 0 spans nothing
-    if (qs[2] * q.stride(2) > INT32_MAX or k.shape[2] * k.stride(2) > INT32_MAX
-            or v.shape[2] * v.stride(2) > INT32_MAX):
-        return False
+    if seq_span(q) > INT32_MAX or seq_span(k) > INT32_MAX or seq_span(v) > INT32_MAX:
+        return False  # strides are never negative; a stride of 0 spans nothing
     return bias is None or mask_span(bias) <= INT32_MAX
 
 
