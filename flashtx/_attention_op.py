@@ -1,6 +1,8 @@
 """The attention ops: `flashtx::attn_fwd`, `flashtx::attn_bwd` (triton_ops) and `flashtx::attn_probs`.
 
-Each op takes (B, H, S, D) views with any strides and small grouped arguments:
+Each op takes (B, H, S, D) views with any strides, or, with `Ints.bshd`, (B, S, H, D) tensors (flash-attn's
+layout: the kernels read them through their strides, so no transposed views are made per call, nor
+transposes recorded by autograd), and small grouped arguments:
 
     bias    Optional[Tensor]: attn_mask as a 4-D view (the only differentiable optional input)
     aux     Tensor?[]: the other optional tensors, in `Aux`'s field order
@@ -56,6 +58,7 @@ class Ints(NamedTuple):
     max_seqlen_q: int = 0  # varlen: grid bound (at most total_q)
     max_seqlen_k: int = 0
     needs_grad: int = 0  # NO_GRAD, GRAD (the plan must fit the backward too) or BIAS_GRAD (and the bias's)
+    bshd: int = 0  # 1: q, k, v (and out, do, the gradients) are (B, S, H, D) tensors, not (B, H, S, D) views
 
 
 NO_GRAD, GRAD, BIAS_GRAD = 0, 1, 2
@@ -127,7 +130,7 @@ def _plan(q, k, v, bias, aux, ints: list, floats: list, backend: str, no_aux: bo
     name = _PLANS.get(key)
     if name is None:
         inputs, summary = _describe(q, k, v, bias, aux, ints, floats)
-        if not within_limits(q, k, v, bias, aux[4]):  # aux[4]: Aux.cu_seqlens_q
+        if not within_limits(*bhsd(ints, q, k, v), bias, aux[4]):  # aux[4]: Aux.cu_seqlens_q
             # past a shape limit: this call's answer, not the key's (a cached `reference` would serve every
             # later call of this kind, however small)
             return _dispatch.resolve("attention", backend or None, inputs(), summary)
@@ -135,9 +138,15 @@ def _plan(q, k, v, bias, aux, ints: list, floats: list, backend: str, no_aux: bo
     return name
 
 
+def bhsd(ints: list, *ts):
+    """ts as (B, H, S, D) views: themselves, or their transposes when the op's tensors are (B, S, H, D)."""
+    return tuple(t.transpose(1, 2) for t in ts) if ints[7] else ts
+
+
 def _describe(q, k, v, bias, aux, ints, floats) -> tuple:
     """(inputs(), summary()): the AttentionInputs of an op's arguments and its description, built on demand."""
     it, fl = Ints(*ints), Floats(*floats)
+    q, k, v = bhsd(ints, q, k, v)
 
     def inputs():
         return AttentionInputs(q, k, v, bool(it.causal), bool(it.bottom_right), spec_of(bias, aux, it, fl),
@@ -166,17 +175,18 @@ def _replan(q, k, v, bias, aux, ints, floats, backend: str, exc: LimitExceeded) 
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: list[Optional[Tensor]], ints: list[int],
              floats: list[float], backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, Hq, Sq, Dv), m2 (B, Hq, Sq), l2 (B, Hq, Sq)) of q (B, Hq, Sq, D), k (B, Hkv, Sk, D),
-    v (B, Hkv, Sk, Dv); see the module docstring."""
+    v (B, Hkv, Sk, Dv) (with Ints.bshd: out (B, Sq, Hq, Dv) of (B, S, H, D) q, k, v); see the module docstring."""
     no_aux = _all_none(aux)
     name = _plan(q, k, v, bias, aux, ints, floats, backend, no_aux)
-    out = empty_like_layout(q, v.shape[-1])  # (B, Hq, Sq, Dv)
+    out = empty_like_layout(q, v.shape[-1])  # like q: (B, Hq, Sq, Dv), or (B, Sq, Hq, Dv) with bshd
     masks = spec_of(bias, aux, ints, floats, no_aux)
     try:
         m2, l2 = _BACKENDS[name].forward(q, k, v, out, scale=floats[0], causal=bool(ints[0]),
-                                         bottom_right=bool(ints[1]), masks=masks)
+                                         bottom_right=bool(ints[1]), masks=masks, bshd=bool(ints[7]))
     except LimitExceeded as exc:
         m2, l2 = _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend, exc)].forward(
-            q, k, v, out, scale=floats[0], causal=bool(ints[0]), bottom_right=bool(ints[1]), masks=masks)
+            q, k, v, out, scale=floats[0], causal=bool(ints[0]), bottom_right=bool(ints[1]), masks=masks,
+            bshd=bool(ints[7]))
     return out, m2, l2
 
 
@@ -184,21 +194,21 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: list[
 def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, m2: Tensor, l2: Tensor, dl2: Optional[Tensor],
              bias: Optional[Tensor], aux: list[Optional[Tensor]], ints: list[int], floats: list[float], backend: str,
              bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias); dbias is the bias's gradient (its shape) when bias_grad, else empty.
-    dl2 is the cotangent of the lse (log2 units), or None. Arguments as the forward's."""
+    """(dq, dk, dv, dbias), each gradient laid out like its input; dbias is the bias's gradient (its shape)
+    when bias_grad, else empty. dl2 is the cotangent of the lse (log2 units), or None. Arguments as the
+    forward's."""
     it, fl = Ints(*ints), Floats(*floats)
     no_aux = _all_none(aux)
     name = _plan(q, k, v, bias, aux, ints, floats, backend, no_aux)
     dq, dk, dv = empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, v.shape[3])
     dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
-    masks = spec_of(bias, aux, it, fl, no_aux)
+    kw = dict(scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
+              masks=spec_of(bias, aux, it, fl, no_aux), dbias=dbias if bias_grad else None, bshd=bool(it.bshd))
     try:
-        _BACKENDS[name].backward(do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
-                                 bottom_right=bool(it.bottom_right), masks=masks, dbias=dbias if bias_grad else None)
+        _BACKENDS[name].backward(do, q, k, v, out, m2, l2, dl2, dq, dk, dv, **kw)
     except LimitExceeded as exc:
         _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend, exc)].backward(
-            do, q, k, v, out, m2, l2, dl2, dq, dk, dv, scale=fl.scale, causal=bool(it.causal),
-            bottom_right=bool(it.bottom_right), masks=masks, dbias=dbias if bias_grad else None)
+            do, q, k, v, out, m2, l2, dl2, dq, dk, dv, **kw)
     return dq, dk, dv, dbias
 
 
@@ -211,17 +221,20 @@ def attn_probs(q: Tensor, k: Tensor, v: Tensor, m2: Tensor, l2: Tensor, bias: Op
     max_seqlen_q, max_seqlen_k)) in m2's dtype, entries dropped by dropout negated."""
     it, fl = Ints(*ints), Floats(*floats)
     name = _plan(q, k, v, bias, aux, ints, floats, backend, _all_none(aux))
+    q, k, v = bhsd(ints, q, k, v)
     kw = dict(scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
               masks=spec_of(bias, aux, it, fl))
     try:
         return _BACKENDS[name].probs(q, k, v, m2, l2, **kw)
     except LimitExceeded as exc:
-        return _BACKENDS[_replan(q, k, v, bias, aux, ints, floats, backend, exc)].probs(q, k, v, m2, l2, **kw)
+        return _BACKENDS[_replan(q, k, v, bias, aux, [*ints[:7], 0], floats, backend, exc)].probs(q, k, v, m2, l2,
+                                                                                                **kw)
 
 
 @attn_probs.register_fake
 def _(q, k, v, m2, l2, bias, aux, ints, floats, backend):
     it, a = Ints(*ints), Aux(*aux)
+    q, k = bhsd(ints, q, k)
     B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
     if a.cu_seqlens_q is not None:
         B, Sq, Sk = a.cu_seqlens_q.shape[0] - 1, it.max_seqlen_q, it.max_seqlen_k

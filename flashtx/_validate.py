@@ -17,12 +17,14 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; allowed: {_ALLOWED}")
 
 
-def _qkv_ok(q, k, v, allow_gqa: bool) -> bool:
-    """True when check_qkv passes: its common case, decided with ints and bools before any message is built."""
+def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
+    """True when check_qkv passes: its common case, decided with ints and bools before any message is built.
+    heads: the heads dim, 1 for (B, H, S, D) tensors, 2 for (B, S, H, D) ones (check_qkv's views of them)."""
     qs, ks, vs = q.shape, k.shape, v.shape
+    h, s = heads, 3 - heads
     return (q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and ks[0] == qs[0] == vs[0]
-            and ks[1] == vs[1] and ks[2] == vs[2] and ks[3] == qs[3] and qs[3] > 0 and vs[3] > 0
-            and (qs[1] == ks[1] or (allow_gqa and ks[1] > 0 and qs[1] % ks[1] == 0)))
+            and ks[h] == vs[h] and ks[s] == vs[s] and ks[3] == qs[3] and qs[3] > 0 and vs[3] > 0
+            and (qs[h] == ks[h] or (allow_gqa and ks[h] > 0 and qs[h] % ks[h] == 0)))
 
 
 def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: bool, gqa_hint: str = "") -> None:

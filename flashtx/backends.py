@@ -52,15 +52,16 @@ class Backend:
     def not_supported_reasons(self, inp: AttentionInputs) -> list[str]:
         raise NotImplementedError
 
-    def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
+    def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS, bshd=False):
         """Write attention of (q, k, v) into `out`; return (m2, l2) (B, H, Sq): the row max of the
-        scores and log2 of the row sum of exp2(s2 - m2), log2 units (flashtx._attention_op)."""
+        scores and log2 of the row sum of exp2(s2 - m2), log2 units (flashtx._attention_op). bshd: q, k,
+        v and out are (B, S, H, D) tensors, not (B, H, S, D) views."""
         raise NotImplementedError
 
     def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right, masks=NO_MASKS,
-                 dbias=None):
+                 dbias=None, bshd=False):
         """Write the gradients of (q, k, v) into (dq, dk, dv), and of masks.attn_mask into dbias if given.
-        dl2: the cotangent of the lse (log2 units) or None."""
+        dl2: the cotangent of the lse (log2 units) or None. bshd: as forward's (do and the gradients too)."""
         raise NotImplementedError
 
     def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
@@ -110,14 +111,18 @@ class ReferenceBackend(Backend):
             return [f"dtype {inp.dtype} is not a floating type flashtx supports"]
         return []
 
-    def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
+    def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS, bshd=False):
+        if bshd:
+            q, k, v, out = _bhsd(q, k, v, out)
         o, m2, l2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
                                                 spec=masks)
         out.copy_(o)
         return m2, l2
 
     def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right,
-                 masks=NO_MASKS, dbias=None):
+                 masks=NO_MASKS, dbias=None, bshd=False):
+        if bshd:
+            do, q, k, v, out, dq, dk, dv = _bhsd(do, q, k, v, out, dq, dk, dv)
         grads = reference.attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal,
                                              bottom_right=bottom_right, dlse2=dl2, spec=masks, dbias=dbias)
         for buf, g in zip((dq, dk, dv), grads):
@@ -179,21 +184,21 @@ class TritonBackend(Backend):
                 reasons.append(str(exc))
         return reasons
 
-    def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS):
+    def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS, bshd=False):
         if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
             q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         _, m2, l2 = _kernels().attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
-                                      spec=masks, out=out)
+                                                 spec=masks, out=out, bshd=bshd)
         return m2, l2
 
     def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right,
-                 masks=NO_MASKS, dbias=None):
+                 masks=NO_MASKS, dbias=None, bshd=False):
         if do.stride(3) != 1 or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1 or out.stride(3) != 1:
             do, q, k, v, out = _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out)
         if dl2 is not None:
             dl2 = dl2.contiguous()
         _kernels().attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
-                           dlse2=dl2, spec=masks, grads=(dq, dk, dv), dbias=dbias)
+                                      dlse2=dl2, spec=masks, grads=(dq, dk, dv), dbias=dbias, bshd=bshd)
 
     def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
         q, k, v = (_unit_last(t) for t in (q, k, v))
@@ -222,6 +227,11 @@ def _kernels() -> _Kernels:
     if _KERNELS is None:
         _KERNELS = _Kernels()
     return _KERNELS
+
+
+def _bhsd(*ts) -> tuple:
+    """(B, H, S, D) views of (B, S, H, D) tensors."""
+    return tuple(t.transpose(1, 2) for t in ts)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

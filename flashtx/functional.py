@@ -44,11 +44,12 @@ def _new_rng(device) -> torch.Tensor:
 
 def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-1, -1), key_mask=None,
          query_mask=None, q_lens=None, kv_lens=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-         max_seqlen_k=0, bias=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, return_probs=False):
-    """q, k, v: validated (B, H, S, D) views (varlen: (1, H, total, D)); the rest validated too.
+         max_seqlen_k=0, bias=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, return_probs=False, bshd=False):
+    """q, k, v: validated (B, H, S, D) views (varlen: (1, H, total, D)), or with bshd (B, S, H, D) tensors
+    (varlen: (1, total, H, D)); the rest validated too.
 
-    Returns out (B, Hq, Sq, Dv) [, lse (B, Hq, Sq)] [, probs (B, Hq, Sq, Sk)]. Plain ints, bools and
-    lists only: this is what torch.compile traces around the op.
+    Returns out (B, Hq, Sq, Dv) (bshd: (B, Sq, Hq, Dv)) [, lse (B, Hq, Sq)] [, probs (B, Hq, Sq, Sk)]. Plain
+    ints, bools and lists only: this is what torch.compile traces around the op.
     """
     rng = _new_rng(q.device) if dropout_p > 0 else None
     needs_grad = NO_GRAD
@@ -58,7 +59,8 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
         elif q.requires_grad or k.requires_grad or v.requires_grad:
             needs_grad = GRAD
     aux = [key_mask, query_mask, q_lens, kv_lens, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng]  # _attention_op.Aux
-    ints = [int(causal), int(bottom_right), window[0], window[1], max_seqlen_q, max_seqlen_k, needs_grad]  # Ints
+    ints = [int(causal), int(bottom_right), window[0], window[1], max_seqlen_q, max_seqlen_k, needs_grad,
+            int(bshd)]  # _attention_op.Ints
     floats = [scale, softcap, dropout_p]  # _attention_op.Floats
     out, m2, l2 = call(attn_fwd, q, k, v, bias, aux, ints, floats, backend or "")
     if not (return_lse or return_probs):
@@ -72,25 +74,25 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     return tuple(res)
 
 
-def _padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens) -> dict:
-    """Validated padding/window keywords of _run for (B, H, S, D) views q, k."""
+def _padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens) -> dict:
+    """Validated padding/window keywords of _run for batch B, sequence lengths Sq, Sk and query q (its
+    device)."""
     if key_mask is None and query_mask is None and q_lens is None and kv_lens is None and (
             window_size is _NO_WINDOW or window_size == (-1, -1)):
         return {}
-    B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
     return dict(window=check_window("window_size", window_size),
                 key_mask=check_seq_mask("key_mask", key_mask, B, Sk, q),
                 query_mask=check_seq_mask("query_mask", query_mask, B, Sq, q),
                 q_lens=check_lens("q_lens", q_lens, B, q), kv_lens=check_lens("kv_lens", kv_lens, B, q))
 
 
-def _score_mods(batch, q, *, dropout_p=0.0, softcap=0.0, alibi_slopes=None) -> dict:
-    """Validated score-modifier keywords of _run."""
+def _score_mods(batch, heads, q, *, dropout_p=0.0, softcap=0.0, alibi_slopes=None) -> dict:
+    """Validated score-modifier keywords of _run (batch and query heads for ALiBi's slopes)."""
     if alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0 and type(softcap) is float and (
             softcap == 0.0):
         return {}
     return dict(dropout_p=check_dropout("dropout_p", dropout_p), softcap=check_softcap("softcap", softcap),
-                alibi_slopes=check_alibi("alibi_slopes", alibi_slopes, batch, q.shape[1], q))
+                alibi_slopes=check_alibi("alibi_slopes", alibi_slopes, batch, heads, q))
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
@@ -150,8 +152,10 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         lambda: f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     res = _run(q, k, v, scale=scale, causal=bool(is_causal), bottom_right=False, backend=backend,
                return_lse=return_lse, bias=bias,
-               **_padding_masks(q, k, window_size, key_mask, query_mask, q_lens, kv_lens),
-               **_score_mods(q.shape[0], q, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
+               **_padding_masks(q.shape[0], q.shape[2], k.shape[2], q, window_size, key_mask, query_mask, q_lens,
+                                kv_lens),
+               **_score_mods(q.shape[0], q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
+                             alibi_slopes=alibi_slopes))
     if query.dim() == 4:
         return res
     lead_shape = query.shape[:-2]  # (..., Hq)
@@ -237,21 +241,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             check_tensor(n, t)
             if t.dim() != 4:
                 raise ValueError(f"{n} must be 4-D (B, S, H, D); got shape {tuple(t.shape)}")
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D) views, no copies
-    if not _qkv_ok(qh, kh, vh, True):
-        check_qkv(("q", "k", "v"), qh, kh, vh, "(B, S, H, D)", allow_gqa=True)  # raises, naming what is wrong
-    scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
+    if not _qkv_ok(q, k, v, True, heads=2):  # (B, S, H, D): the op reads them as they are (bshd), no views
+        check_qkv(("q", "k", "v"), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "(B, S, H, D)",
+                  allow_gqa=True)  # raises, naming what is wrong
+    B, Sq, Hq, D = q.shape
+    Sk = k.shape[1]
+    scale = resolve_scale("softmax_scale", softmax_scale, D)
     bias = None if attn_bias is None else check_attn_mask(
-        "attn_bias", attn_bias, (q.shape[0],), qh.shape[1], qh.shape[2], kh.shape[2], q,
-        lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
-    res = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
-               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), bias=bias,
-               **_padding_masks(qh, kh, window_size, key_mask, query_mask, q_lens, kv_lens),
-               **_score_mods(q.shape[0], qh, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
-    if return_attn_probs:
-        out, lse, probs = res
-        return out.transpose(1, 2), lse, probs  # (B, Sq, Hq, Dv), (B, Hq, Sq), (B, Hq, Sq, Sk)
-    return res.transpose(1, 2)  # (B, Sq, Hq, Dv)
+        "attn_bias", attn_bias, (B,), Hq, Sq, Sk, q, lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    res = _run(q, k, v, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
+               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), bias=bias, bshd=True,
+               **_padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens),
+               **_score_mods(B, Hq, q, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
+    return res  # out (B, Sq, Hq, Dv) [, lse (B, Hq, Sq), probs (B, Hq, Sq, Sk)]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -286,8 +288,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         check_tensor(n, t)
         if t.dim() != 3:
             raise ValueError(f"{n} must be 3-D (total, H, D) for varlen; got shape {tuple(t.shape)}")
-    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, total, D) views, no copies
-    check_qkv(("q", "k", "v"), qh, kh, vh, "(total, H, D)", allow_gqa=True)
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, H, D): the op reads them as bshd
+    if not _qkv_ok(q4, k4, v4, True, heads=2):
+        check_qkv(("q", "k", "v"), *(t.transpose(0, 1)[None] for t in (q, k, v)), "(total, H, D)",
+                  allow_gqa=True)  # raises, naming what is wrong
     cuq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
     cuk = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
     if cuq.shape != cuk.shape:
@@ -302,15 +306,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     msq = q.shape[0] if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
     msk = k.shape[0] if isinstance(msk, torch.Tensor) else min(msk, k.shape[0])
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
-    res = _run(qh, kh, vh, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
+    res = _run(q4, k4, v4, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
                return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs),
                window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
-               max_seqlen_q=msq, max_seqlen_k=msk,
-               **_score_mods(cuq.shape[0] - 1, qh, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
+               max_seqlen_q=msq, max_seqlen_k=msk, bshd=True,
+               **_score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
+                             alibi_slopes=alibi_slopes))
     if return_attn_probs:
         out, lse, probs = res
-        return out[0].transpose(0, 1), lse[0], probs  # (total_q, Hq, Dv), (Hq, total_q), (nseq, Hq, Mq, Mk)
-    return res[0].transpose(0, 1)  # (total_q, Hq, Dv)
+        return out[0], lse[0], probs  # (total_q, Hq, Dv), (Hq, total_q), (nseq, Hq, Mq, Mk)
+    return res[0]  # (total_q, Hq, Dv)
 
 
 def unpad_input(hidden_states, attention_mask):

@@ -250,8 +250,16 @@ def test_custom_ops_opcheck():
     torch.manual_seed(21)
     q, k, v = (randn(1, 2, 9, 16, requires_grad=True) for _ in range(3))
     bias = randn(1, 2, 9, 9, requires_grad=True)
-    aux, ints, floats = [None] * 8, [1, 0, -1, -1, 0, 0, 2], [0.25, 0.0, 0.0]
+    aux, ints, floats = [None] * 8, [1, 0, -1, -1, 0, 0, 2, 0], [0.25, 0.0, 0.0]
     torch.library.opcheck(attn_fwd, (q, k, v, bias, aux, ints, floats, ""))
     out, m2, l2 = attn_fwd(q, k, v, bias, aux, ints, floats, "")
     d = [t.detach() for t in (q, k, v, out, m2, l2)]
+    torch.library.opcheck(attn_bwd, (randn(*out.shape), *d, None, bias.detach(), aux, ints, floats, "", True))
+    # (B, S, H, D) tensors (Ints.bshd, flash_attn_func's layout): out and the gradients come back in it
+    qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    ints = [1, 1, -1, -1, 0, 0, 2, 1]
+    torch.library.opcheck(attn_fwd, (qs, ks, vs, bias, aux, ints, floats, ""))
+    out, m2, l2 = attn_fwd(qs, ks, vs, bias, aux, ints, floats, "")
+    assert out.shape == qs.shape and out.is_contiguous()
+    d = [t.detach() for t in (qs, ks, vs, out, m2, l2)]
     torch.library.opcheck(attn_bwd, (randn(*out.shape), *d, None, bias.detach(), aux, ints, floats, "", True))

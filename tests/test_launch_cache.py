@@ -89,6 +89,42 @@ def test_replayed_calls_compute_with_their_own_tensors():
     assert len(launch.LAUNCHES.entries) == 2  # one forward and one backward signature
 
 
+@pytest.mark.parametrize("layout", ["dense", "packed-qkv"])
+def test_flash_layout_replays_bind_the_callers_tensors(layout, monkeypatch):
+    """flash_attn_func passes its (B, S, H, D) tensors to the op as they are (Ints.bshd): the launchers plan
+    on (B, H, S, D) views of them once per signature, and every replay binds the caller's tensors
+    themselves (the same memory), with fresh data each call, forward and backward; autograd records the
+    op alone (no transposes)."""
+    from flashtx import reference
+    from flashtx.triton_kernels import attention_bwd_launch
+
+    plans = []
+    for mod, name in ((attention_fwd, "plan_forward"), (attention_bwd_launch, "plan_backward")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **kw: plans.append(_n) or _real(*a, **kw))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        if layout == "dense":
+            q, k, v = (randn(2, 21, h, 16, dtype=PRECISE_DTYPE, requires_grad=True) for h in (4, 2, 2))
+            leaves = (q, k, v)
+        else:  # slices of one (B, S, 3, H, D) tensor: not dense, strides of the packed projection
+            qkv = randn(2, 21, 3, 2, 16, dtype=PRECISE_DTYPE, requires_grad=True)
+            q, k, v = qkv.unbind(2)
+            leaves = (qkv,)
+        out = flashtx.flash_attn_func(q, k, v, causal=True, backend="triton")
+        assert out.grad_fn.name() == "AttnFwdBackward"  # the op's node, no TransposeBackward around it
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        qr, kr, vr = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        ref = reference.attention(qr, kr, vr, causal=True, bottom_right=True).transpose(1, 2)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (qr, kr, vr))
+        assert (out - ref).abs().max() < precise_atol(1e-12)
+        got = grads if layout == "dense" else grads[0].unbind(2)
+        for g, r in zip(got, ref_grads):
+            assert (g - r.transpose(1, 2)).abs().max() < precise_atol(1e-11)
+    assert plans == ["plan_forward", "plan_backward"]  # planned once, replayed twice
+    assert len(launch.LAUNCHES.entries) == 2
+
+
 def test_split_gqa_backward_replays_with_fresh_partials():
     """A split GQA dK/dV (fp32 per-q-head partials summed afterwards) replays from the cache: its
     partials are allocated per call by attention_backward, not by the plan."""

@@ -65,7 +65,7 @@ def gqa_split_factor(q, k, v, spec: MaskSpec, gqa_split: bool | None) -> int:
     """Programs per K/V head of the dK/dV kernel: the GQA group size (one program per q head, fp32
     partials summed afterwards) when gqa_split, or when None (and AUTO_GQA_SPLIT) and the K/V-head grid
     fills under 2 waves of the GPU; else 1. The tile config and the GPU are looked up only for that
-    last decision."""
+    last decision. q, k, v: (B, H, S, D) views."""
     group = q.shape[1] // k.shape[1]
     if group == 1 or gqa_split is False or (gqa_split is None and not AUTO_GQA_SPLIT):
         return 1
@@ -162,9 +162,10 @@ _ROLES_PLAIN = _ROLES[:12] + _ROLES[-3:]  # without the mask tensors (MaskSpec.l
 
 def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool = False, bottom_right: bool = False,
                        dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS, grads=None, dbias=None,
-                       gqa_split: bool | None = None):
+                       gqa_split: bool | None = None, bshd: bool = False):
     """Gradients of attention_forward from its (out, m2, l2). do is dL/dout; dlse2 an optional
-    dL/dlse2, the cotangent of lse2 = m2 + l2 (log2 units).
+    dL/dlse2, the cotangent of lse2 = m2 + l2 (log2 units). bshd: do, q, k, v, out (and the gradients)
+    are (B, S, H, D) tensors, read through their strides, as attention_forward's.
 
     Returns (dq, dk, dv) shaped like (q, k, v), written into `grads` when given (any strides with
     a unit last stride). Padding rows/keys and rows that see no key get exactly zero gradient.
@@ -178,24 +179,31 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
             dbias.zero_()
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
-    parts, split = (None, None), gqa_split_factor(q, k, v, spec, gqa_split)
+    parts, split = (None, None), 1
+    if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):  # GQA: maybe split dK/dV
+        split = gqa_split_factor(*_bhsd(bshd, q, k, v), spec, gqa_split)
     if split > 1:  # the partials are allocated here, so the plan has no host step and replays from the cache
-        parts = gqa_partials(dk, dv, split, q.dtype)
+        parts = gqa_partials(*_bhsd(bshd, dk, dv), split, q.dtype)
     static, tensors = spec.launch_key()
 
     def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
-        check_limits(q, k, v, spec.attn_mask, spec.cu_seqlens_q)
-        return plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, scale=scale, causal=causal,
-                             bottom_right=bottom_right, dlse2=dlse2, spec=spec, dbias=dbias,
-                             gqa_parts=parts if split > 1 else None)
+        vs = _bhsd(bshd, do, q, k, v, out, dq, dk, dv)  # (B, H, S, D) views: a replay binds the tensors themselves
+        check_limits(vs[1], vs[2], vs[3], spec.attn_mask, spec.cu_seqlens_q)
+        return plan_backward(*vs[:5], m2, l2, delta, *vs[5:], scale=scale, causal=causal, bottom_right=bottom_right,
+                             dlse2=dlse2, spec=spec, dbias=dbias, gqa_parts=parts if split > 1 else None)
 
-    LAUNCHES.run(("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, split, static),
+    LAUNCHES.run(("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, split, bshd, static),
                  _ROLES if tensors else _ROLES_PLAIN, (do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, *tensors,
                                                        delta, *parts),
                  build, derived=3)  # delta (m2's shape) and the GQA partials (dk, dv and split's): allocated above
     if split > 1:
-        GqaReduce(*parts, dk, dv, split).run()
+        GqaReduce(*parts, *_bhsd(bshd, dk, dv), split).run()
     return dq, dk, dv
+
+
+def _bhsd(bshd: bool, *ts) -> tuple:
+    """ts as (B, H, S, D) views: their transposes when they are (B, S, H, D) tensors, else themselves."""
+    return tuple(t.transpose(1, 2) for t in ts) if bshd else ts
 
 
 def compile_plans(target) -> list:

@@ -203,32 +203,43 @@ _ROLES, _ROLES_PLAIN = ("Q", "K", "V", "O", *MASK_ROLES, "M2", "L2"), ("Q", "K",
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_right: bool = False,
-                      spec: MaskSpec = NO_MASKS, out: torch.Tensor | None = None):
-    """Flash attention forward on (B, H, S, D) views (any strides with a unit last stride).
+                      spec: MaskSpec = NO_MASKS, out: torch.Tensor | None = None, bshd: bool = False):
+    """Flash attention forward on (B, H, S, D) views (any strides with a unit last stride); bshd: q, k, v
+    (and out) are (B, S, H, D) tensors instead, read through their strides (no views made per call).
 
     q: (B, Hq, Sq, Dqk); k: (B, Hkv, Sk, Dqk); v: (B, Hkv, Sk, Dv), Hq a multiple of Hkv.
     spec: window / masks / lengths / varlen (see MaskSpec; varlen: (1, H, total, D) views).
-    Returns (out, m2, l2): out (B, Hq, Sq, Dv) in q's dtype (written into `out` if given); m2 and
+    Returns (out, m2, l2): out (B, Hq, Sq, Dv) (bshd: (B, Sq, Hq, Dv)) in q's dtype (written into `out`
+    if given); m2 and
     l2 (B, Hq, Sq) contiguous, fp32 (fp64 for fp64 inputs): m2 the row max of the scaled scores in
     log2 units, l2 = log2(sum exp2(s2 - m2)); rows that see no key have m2 = -inf, l2 = 0 (and
     output 0). The row log-sum-exp is (m2 + l2) * ln 2.
     """
-    B, H, Sq, _ = q.shape
+    if bshd:
+        B, Sq, H, _ = q.shape
+        Sk = k.shape[1]
+    else:
+        B, H, Sq, _ = q.shape
+        Sk = k.shape[2]
     if out is None:
-        out = torch.empty(B, H, Sq, v.shape[3], dtype=q.dtype, device=q.device)
+        shape = (B, Sq, H, v.shape[3]) if bshd else (B, H, Sq, v.shape[3])
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
     acc, dev = TORCH_ACC_DTYPE[q.dtype], q.device
     m2, l2 = torch.empty(B, H, Sq, dtype=acc, device=dev), torch.empty(B, H, Sq, dtype=acc, device=dev)
     if out.numel() == 0:
         return out, m2, l2
-    if k.shape[2] == 0:  # no keys: every row sees none, so 0 output and lse -inf (as fully masked rows; SDPA too)
+    if Sk == 0:  # no keys: every row sees none, so 0 output and lse -inf (as fully masked rows; SDPA too)
         return out.zero_(), m2.fill_(float("-inf")), l2.zero_()
     static, tensors = spec.launch_key()
 
     def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
-        check_limits(q, k, v, spec.attn_mask, spec.cu_seqlens_q)
-        return [plan_forward(q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec)]
+        qv, kv, vv, ov = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2)) if bshd \
+            else (q, k, v, out)  # (B, H, S, D) views: a replay binds q, k, v, out themselves (same data)
+        check_limits(qv, kv, vv, spec.attn_mask, spec.cu_seqlens_q)
+        return [plan_forward(qv, kv, vv, ov, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
+                             spec=spec)]
 
-    LAUNCHES.run(("attn_fwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, static),
+    LAUNCHES.run(("attn_fwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, bshd, static),
                  _ROLES if tensors else _ROLES_PLAIN, (q, k, v, out, *tensors, m2, l2), build,
                  derived=2)  # m2, l2: allocated above from q
     return out, m2, l2

@@ -248,9 +248,16 @@ def _slot(name: str, a: torch.Tensor, names: tuple, tensors: tuple):
     stand-in for an absent tensor); None when it is none or several of them."""
     i = names.index(name) if name in names else len(tensors)
     if i < len(tensors):  # (a MaskSpec without tensors gives none of the mask roles)
-        view = _same(a, tensors[i])
+        t = tensors[i]
+        view = _same(a, t)
         if view is not None:
             return (i, *view)
+        if t is not None and a.dtype == t.dtype and a.data_ptr() == t.data_ptr() and a._base is not None and (
+                a._base is t or a._base is t._base):
+            # a view the launcher made of its role's input (a (B, H, S, D) transpose of a (B, S, H, D)
+            # tensor): the kernel reads the same memory through the strides the plan recorded, which follow
+            # from the input's own (they are in the signature), so the input itself is bound
+            return (i, None)
     found = [(i, *view) for i, t in enumerate(tensors) if (view := _same(a, t)) is not None]
     return found[0] if len(found) == 1 else None
 
