@@ -186,7 +186,7 @@ class TritonBackend(Backend):
 
     def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS, bshd=False):
         if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
-            q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+            q, k, v = _unit_last(q, bshd), _unit_last(k, bshd), _unit_last(v, bshd)
         _, m2, l2 = _kernels().attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
                                                  spec=masks, out=out, bshd=bshd)
         return m2, l2
@@ -194,7 +194,7 @@ class TritonBackend(Backend):
     def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right,
                  masks=NO_MASKS, dbias=None, bshd=False):
         if do.stride(3) != 1 or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1 or out.stride(3) != 1:
-            do, q, k, v, out = _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out)
+            do, q, k, v, out = (_unit_last(t, bshd) for t in (do, q, k, v, out))
         if dl2 is not None:
             dl2 = dl2.contiguous()
         _kernels().attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
@@ -234,9 +234,13 @@ def _bhsd(*ts) -> tuple:
     return tuple(t.transpose(1, 2) for t in ts)
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    """Kernels take any strides, but a strided last dim would defeat vectorised loads: copy then."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+def _unit_last(t: torch.Tensor, bshd: bool = False) -> torch.Tensor:
+    """Kernels take any strides, but a strided last dim would defeat vectorised loads: copy then, (B, H, S, D)
+    contiguous (a (B, S, H, D) tensor through its view), so the sequence span is S x D, as dispatch's limits
+    count it (limits.seq_span)."""
+    if t.stride(-1) == 1 or t.shape[-1] == 1:
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2) if bshd else t.contiguous()
 
 
 for _b in (TritonBackend(), ReferenceBackend()):

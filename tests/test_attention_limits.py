@@ -16,7 +16,7 @@ from flashtx._dispatch import clear_plans
 from flashtx.triton_kernels import launch
 from flashtx.triton_kernels.limits import INT32_MAX, MAX_GRID_YZ, LimitExceeded, check_limits, within_limits
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, randn
 
 
 class _Shape:
@@ -103,3 +103,26 @@ def test_the_int32_limit_reads_the_stride_the_kernels_see():
     assert any("query's sequence span" in r and "overflows int32" in r for r in reasons), reasons
     with pytest.raises(LimitExceeded):
         check_limits(q, k, v, None, None)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU: the interpreter's Triton backend; a GPU run has the same path")
+def test_flash_layout_copies_of_a_strided_last_dim_keep_the_span_dispatch_counted(monkeypatch):
+    """flash_attn_func's (B, S, H, D) tensors with a last stride other than 1 are copied (B, H, S, D)
+    contiguous, so their sequence span is S x D as dispatch counted it, not S x H x D: with the int32 limit
+    shrunk between the two, the call runs on Triton instead of being refused."""
+    from flashtx import backends
+    from flashtx.triton_kernels import limits
+
+    monkeypatch.setattr(limits, "INT32_MAX", 300)
+    monkeypatch.setattr(backends, "INT32_MAX", 300)
+    clear_plans()
+    q, k, v = (randn(1, 8, 4, 32, dtype=torch.float64)[..., ::2] for _ in range(3))  # S x D = 128, S x H x D = 512
+    launches = []
+    with warnings.catch_warnings(), launch.stub_launches(lambda kernel, grid, args: launches.append(grid)):
+        warnings.simplefilter("error")
+        flashtx.flash_attn_func(q, k, v, causal=True, backend="triton")
+    assert len(launches) == 1
+    clear_plans()
+    out = flashtx.flash_attn_func(q, k, v, causal=True, backend="triton")
+    ref = reference.attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, bottom_right=True)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-12, rtol=1e-12)
