@@ -30,7 +30,7 @@ from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .backends import BACKENDS as _BACKENDS
 from .backends import AttentionInputs, inputs_summary
-from .triton_kernels.limits import LimitExceeded, within_limits
+from .triton_kernels.limits import LimitExceeded, bhsd, within_limits
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
@@ -130,23 +130,18 @@ def _plan(q, k, v, bias, aux, ints: list, floats: list, backend: str, no_aux: bo
     name = _PLANS.get(key)
     if name is None:
         inputs, summary = _describe(q, k, v, bias, aux, ints, floats)
-        if not within_limits(*bhsd(ints, q, k, v), bias, aux[4]):  # aux[4]: Aux.cu_seqlens_q
+        if not within_limits(*bhsd(ints[7], q, k, v), bias, aux[4]):  # aux[4]: Aux.cu_seqlens_q
             # past a shape limit: this call's answer, not the key's (a cached `reference` would serve every
             # later call of this kind, however small)
             return _dispatch.resolve("attention", backend or None, inputs(), summary)
-        name = _PLANS[key] = _dispatch.plan("attention", key, backend or None, inputs, summary)
+        name = _PLANS[key] = _dispatch.resolve("attention", backend or None, inputs(), summary)
     return name
-
-
-def bhsd(ints: list, *ts):
-    """ts as (B, H, S, D) views: themselves, or their transposes when the op's tensors are (B, S, H, D)."""
-    return tuple(t.transpose(1, 2) for t in ts) if ints[7] else ts
 
 
 def _describe(q, k, v, bias, aux, ints, floats) -> tuple:
     """(inputs(), summary()): the AttentionInputs of an op's arguments and its description, built on demand."""
     it, fl = Ints(*ints), Floats(*floats)
-    q, k, v = bhsd(ints, q, k, v)
+    q, k, v = bhsd(ints[7], q, k, v)
 
     def inputs():
         return AttentionInputs(q, k, v, bool(it.causal), bool(it.bottom_right), spec_of(bias, aux, it, fl),
@@ -221,7 +216,7 @@ def attn_probs(q: Tensor, k: Tensor, v: Tensor, m2: Tensor, l2: Tensor, bias: Op
     max_seqlen_q, max_seqlen_k)) in m2's dtype, entries dropped by dropout negated."""
     it, fl = Ints(*ints), Floats(*floats)
     name = _plan(q, k, v, bias, aux, ints, floats, backend, _all_none(aux))
-    q, k, v = bhsd(ints, q, k, v)
+    q, k, v = bhsd(ints[7], q, k, v)
     kw = dict(scale=fl.scale, causal=bool(it.causal), bottom_right=bool(it.bottom_right),
               masks=spec_of(bias, aux, it, fl))
     try:
@@ -234,7 +229,7 @@ def attn_probs(q: Tensor, k: Tensor, v: Tensor, m2: Tensor, l2: Tensor, bias: Op
 @attn_probs.register_fake
 def _(q, k, v, m2, l2, bias, aux, ints, floats, backend):
     it, a = Ints(*ints), Aux(*aux)
-    q, k = bhsd(ints, q, k)
+    q, k = bhsd(ints[7], q, k)
     B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
     if a.cu_seqlens_q is not None:
         B, Sq, Sk = a.cu_seqlens_q.shape[0] - 1, it.max_seqlen_q, it.max_seqlen_k

@@ -96,8 +96,8 @@ def plan(op: str, key: tuple, requested: str | None, make_inputs, summary) -> st
 
 
 def plan_table(op: str) -> dict:
-    """A plain dict an op may keep its own plan keys in (its hot path then looks its backend up with one
-    `get` on a key it builds itself); cleared with every other plan by clear_plans()."""
+    """A plain dict an op may keep its own plans in (its hot path looks its backend up with one `get` on a
+    key it builds itself, and calls resolve() on a miss); cleared with every other plan by clear_plans()."""
     return _TABLES.setdefault(op, {})
 
 

@@ -16,7 +16,7 @@ import torch
 
 from . import _dispatch, _env, reference
 from ._dispatch import BackendNotSupported  # noqa: F401  (public: flashtx.BackendNotSupported)
-from .triton_kernels.limits import INT32_MAX, MAX_GRID_YZ
+from .triton_kernels.limits import INT32_MAX, MAX_GRID_YZ, bhsd
 from .triton_kernels.limits import mask_span as _mask_span
 from .triton_kernels.limits import seq_span
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
@@ -113,7 +113,7 @@ class ReferenceBackend(Backend):
 
     def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS, bshd=False):
         if bshd:
-            q, k, v, out = _bhsd(q, k, v, out)
+            q, k, v, out = bhsd(True, q, k, v, out)
         o, m2, l2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
                                                 spec=masks)
         out.copy_(o)
@@ -122,7 +122,7 @@ class ReferenceBackend(Backend):
     def backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, *, scale, causal, bottom_right,
                  masks=NO_MASKS, dbias=None, bshd=False):
         if bshd:
-            do, q, k, v, out, dq, dk, dv = _bhsd(do, q, k, v, out, dq, dk, dv)
+            do, q, k, v, out, dq, dk, dv = bhsd(True, do, q, k, v, out, dq, dk, dv)
         grads = reference.attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal,
                                              bottom_right=bottom_right, dlse2=dl2, spec=masks, dbias=dbias)
         for buf, g in zip((dq, dk, dv), grads):
@@ -227,11 +227,6 @@ def _kernels() -> _Kernels:
     if _KERNELS is None:
         _KERNELS = _Kernels()
     return _KERNELS
-
-
-def _bhsd(*ts) -> tuple:
-    """(B, H, S, D) views of (B, S, H, D) tensors."""
-    return tuple(t.transpose(1, 2) for t in ts)
 
 
 def _unit_last(t: torch.Tensor, bshd: bool = False) -> torch.Tensor:

@@ -9,7 +9,7 @@ from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for)
-from .limits import check_limits
+from .limits import bhsd, check_limits
 
 
 class GqaReduce:
@@ -181,13 +181,13 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
     delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
     parts, split = (None, None), 1
     if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):  # GQA: maybe split dK/dV
-        split = gqa_split_factor(*_bhsd(bshd, q, k, v), spec, gqa_split)
+        split = gqa_split_factor(*bhsd(bshd, q, k, v), spec, gqa_split)
     if split > 1:  # the partials are allocated here, so the plan has no host step and replays from the cache
-        parts = gqa_partials(*_bhsd(bshd, dk, dv), split, q.dtype)
+        parts = gqa_partials(*bhsd(bshd, dk, dv), split, q.dtype)
     static, tensors = spec.launch_key()
 
     def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
-        vs = _bhsd(bshd, do, q, k, v, out, dq, dk, dv)  # (B, H, S, D) views: a replay binds the tensors themselves
+        vs = bhsd(bshd, do, q, k, v, out, dq, dk, dv)  # (B, H, S, D) views: a replay binds the tensors themselves
         check_limits(vs[1], vs[2], vs[3], spec.attn_mask, spec.cu_seqlens_q)
         return plan_backward(*vs[:5], m2, l2, delta, *vs[5:], scale=scale, causal=causal, bottom_right=bottom_right,
                              dlse2=dlse2, spec=spec, dbias=dbias, gqa_parts=parts if split > 1 else None)
@@ -197,13 +197,9 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
                                                        delta, *parts),
                  build, derived=3)  # delta (m2's shape) and the GQA partials (dk, dv and split's): allocated above
     if split > 1:
-        GqaReduce(*parts, *_bhsd(bshd, dk, dv), split).run()
+        GqaReduce(*parts, *bhsd(bshd, dk, dv), split).run()
     return dq, dk, dv
 
-
-def _bhsd(bshd: bool, *ts) -> tuple:
-    """ts as (B, H, S, D) views: their transposes when they are (B, S, H, D) tensors, else themselves."""
-    return tuple(t.transpose(1, 2) for t in ts) if bshd else ts
 
 
 def compile_plans(target) -> list:

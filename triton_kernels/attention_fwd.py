@@ -16,7 +16,7 @@ from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_
 from .configs import estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for)
-from .limits import check_limits
+from .limits import bhsd, check_limits
 
 
 @triton.jit
@@ -233,8 +233,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
     static, tensors = spec.launch_key()
 
     def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
-        qv, kv, vv, ov = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2)) if bshd \
-            else (q, k, v, out)  # (B, H, S, D) views: a replay binds q, k, v, out themselves (same data)
+        qv, kv, vv, ov = bhsd(bshd, q, k, v, out)  # (B, H, S, D) views: a replay binds q, k, v, out themselves
         check_limits(qv, kv, vv, spec.attn_mask, spec.cu_seqlens_q)
         return [plan_forward(qv, kv, vv, ov, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
                              spec=spec)]

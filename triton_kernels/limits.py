@@ -1,4 +1,5 @@
-"""The attention kernels' shape limits, in ints (no triton import: dispatch's reasons use them too).
+"""The attention kernels' shape rules, in ints (no triton import: dispatch's reasons use them too): the
+(B, H, S, D) views they plan on, and their limits.
 
 The kernels put heads and batch (or sequences) on CUDA grid dims y and z, and index within one
 (batch, head) slice with int32 offsets. The launchers check these once per call signature, when a
@@ -14,6 +15,12 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put 
 
 class LimitExceeded(RuntimeError):
     """The inputs exceed a shape limit of the Triton attention kernels (see within_limits)."""
+
+
+def bhsd(bshd: bool, *ts) -> tuple:
+    """ts as the (B, H, S, D) views the kernels plan on: their transposes when they are (B, S, H, D)
+    tensors (flash-attn's layout, the attention ops' Ints.bshd), else themselves."""
+    return tuple(t.transpose(1, 2) for t in ts) if bshd else ts
 
 
 def seq_span(t) -> int:
