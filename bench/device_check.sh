@@ -198,8 +198,9 @@ if want tune; then
   TUNE_S=$(( $(left) - 30 * SCALE ))
   ((TUNE_S > 240 * SCALE)) && TUNE_S=$(( 240 * SCALE ))
   if ((TUNE_S >= 30)); then
-    # DEVICE_CHECK_TUNE_ARGS, e.g. "--kernels attn_fwd --seqlens 2048,1024,16384": confirm the sm_90 forward tiles
-    # taken from the N = 4k sweep of 2026-11-30 at the lengths it did not reach
+    # DEVICE_CHECK_TUNE_ARGS, e.g. "--kernels attn_bwd_dkdv,attn_bwd_dq --seqlens 4096,2048,16384": the backward,
+    # never tuned (the 2026-11-30 sweep's backward times were void: bench/RESULTS.md), or "--kernels attn_fwd
+    # --seqlens 2048,1024,16384" to confirm the sm_90 forward tiles of the N = 4k sweep at other lengths
     # shellcheck disable=SC2086
     step "bench.tune ${DEVICE_CHECK_TUNE_ARGS:-}" $(( TUNE_S / SCALE + 15 )) 0 $PY -m bench.tune --budget-s "$TUNE_S" \
       --json "$OUT/tune.json" ${DEVICE_CHECK_TUNE_ARGS:-}

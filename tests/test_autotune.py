@@ -3,7 +3,9 @@
 Checked: off by default (no hook, select_config unchanged); the fastest candidate wins and is
 cached on disk under FLASHTX_CACHE_DIR; the cache round-trips and is used instead of re-tuning;
 corrupt or malformed cache files are ignored with a warning; candidates respect the target's
-shared memory; a candidate that fails is skipped; forced() restores what it changed.
+shared memory; a candidate that fails is skipped; forced() restores what it changed, and holds for
+launches on other threads (autograd's device thread on a GPU); a key that cannot be tuned is not retried;
+the backward kernels tune from inside a backward (real passes in the interpreter, sm_86's plan).
 """
 from __future__ import annotations
 
@@ -151,3 +153,88 @@ def test_forced_restores_the_hook():
         assert configs.select_config("attn_bwd_dq", 64, 64, 2, H100) is cfg
     assert configs._autotune_hook is None
     assert configs.select_config("attn_bwd_dq", 64, 64, 2, H100) is not cfg
+
+
+def test_forced_holds_for_launches_on_other_threads(cache_dir, monkeypatch):
+    """On a GPU the autograd engine runs a backward on its own device thread: while the tuner forces one
+    kernel, the other kernels of the pass it times (launched on that thread) keep their config and tune nothing."""
+    import threading
+
+    tuned = []
+    monkeypatch.setattr(autotune, "tune_now", lambda key, *a, **kw: tuned.append(key))
+    autotune.autotune()
+    got = []
+    with autotune.forced("attn_bwd_dkdv", TileConfig(16, 16, 4, 1, "forced")):
+        t = threading.Thread(target=lambda: got.append(configs.select_config("attn_bwd_dq", 64, 64, 2, H100)))
+        t.start()
+        t.join()
+    assert not tuned, "a launch on another thread started tuning while the tuner was timing"
+    assert _ident(got[0]) == _ident(configs._select("attn_bwd_dq", 64, 64, 2, H100, False))
+
+
+def test_a_key_that_cannot_be_tuned_is_not_retried_on_every_launch(cache_dir, monkeypatch):
+    calls = []
+
+    def failing(kernel, cfg, **kw):
+        calls.append(kernel)
+        raise RuntimeError("cannot run here")
+    monkeypatch.setattr(autotune, "time_candidate", failing)
+    autotune.autotune()
+    default = configs._select("attn_bwd_dq", 64, 64, 2, H100, False)
+    with pytest.warns(UserWarning, match="no candidate .* could be timed"):
+        assert _ident(configs.select_config("attn_bwd_dq", 64, 64, 2, H100)) == _ident(default)
+    n = len(calls)
+    assert n >= 2
+    for _ in range(3):
+        assert _ident(configs.select_config("attn_bwd_dq", 64, 64, 2, H100)) == _ident(default)
+    assert len(calls) == n
+
+
+@pytest.mark.parametrize("gpu_target", [86], indirect=True, ids=lambda a: f"sm_{a}")
+def test_backward_kernels_tune_from_inside_a_backward(cache_dir, monkeypatch, gpu_target):
+    """With autotuning on, the first backward tunes dK/dV and dQ from inside autograd's backward (grad mode
+    off there): each candidate's timed pass really runs (the interpreter, with sm_86's plan), the winners
+    are cached with a time each, the gradients are right, and the next step tunes nothing."""
+    import torch
+
+    import flashtx
+    from flashtx import reference
+
+    small = {kernel: {2: {64: [TileConfig(32, 32, 4, 1)]}} for kernel in autotune.TUNED_KERNELS}
+    monkeypatch.setattr(autotune, "CANDIDATES", small)
+    monkeypatch.setattr(autotune, "RUNTIME_SEQLEN", 48)
+    monkeypatch.setattr(autotune, "RUNTIME_TOKENS", 48)
+    monkeypatch.setattr(autotune, "RUNTIME_HIDDEN", 64)
+    monkeypatch.setattr(autotune, "RUNTIME_DTYPE_16", "float16")  # the interpreter computes bf16 wrongly
+    timed = []
+
+    def one_call(fn, warmup_ms, rep_ms):  # the pass runs once; its "time" ranks the forced config
+        fn()
+        cfg = next(iter(autotune._forced.values()))
+        timed.append(_ident(cfg))
+        return float(cfg.block_m * cfg.block_n)
+    monkeypatch.setattr(autotune, "bench", one_call)
+    autotune.autotune()
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=gen).to(torch.float16).requires_grad_() for _ in range(3))
+    dout = torch.randn(1, 2, 40, 64, generator=gen).to(torch.float16)
+    out = flashtx.attention(q, k, v, is_causal=True, backend="triton")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    entries = json.loads((cache_dir / "autotune.json").read_text())["entries"]
+    kernels = {key.split("|")[3]: e for key, e in entries.items()}
+    assert set(kernels) == {"attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"}, list(entries)
+    for name, e in kernels.items():
+        assert e["timings"] and all(isinstance(ms, float) for ms in e["timings"].values()), (name, e["timings"])
+        assert _ident(_config := autotune._config_from(e)) == (32, 32, 4, 1), (name, _config)  # the smallest tile won
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q64, k64, v64, causal=True)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    assert (out.double() - ref).abs().max() < 2e-2
+    for g, r in zip(grads, ref_grads):
+        assert (g.double() - r).abs().max() < 5e-2
+
+    n = len(timed)
+    torch.autograd.grad(flashtx.attention(q, k, v, is_causal=True, backend="triton"), (q, k, v), dout)
+    assert len(timed) == n  # tuned once per key

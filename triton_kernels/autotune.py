@@ -17,6 +17,11 @@ has dtype "16-bit" (fp16 and bf16, one element size) or "float32", and causal "a
 tuned on both causal and non-causal inputs and keeps the config with the smallest total time.
 `bench.tune` measures each (dtype, causal, N) on its own.
 
+The backward kernels are tuned from inside the first backward that launches them (each candidate's timed
+pass records its own forward with grad on). While a forced()/tune_now() block runs, in any thread, nothing
+else is tuned: on a GPU the backward runs on autograd's device thread. A key whose candidates all fail is
+warned about once and keeps select_config's choice for the rest of the process.
+
 A cache file that cannot be read or does not have the expected form is ignored with a warning (and
 rewritten on the next store). Under torch.compile tracing only the cache is read: tuning then would
 time fake tensors; tune eagerly first (one eager step, or `python -m bench.tune --write-cache`).
@@ -169,9 +174,10 @@ def cached(key: str) -> TileConfig | None:
 
 
 def reset_memory() -> None:
-    """Forget the loaded cache (tests, or after another process wrote it)."""
+    """Forget the loaded cache and the keys that failed to tune (tests, or after another process wrote it)."""
     global _memory
     _memory = None
+    _failed.clear()
 
 
 # ------------------------------------------------------------------------------------- candidates
@@ -223,7 +229,30 @@ def describe(cfg: TileConfig) -> str:
 
 # ------------------------------------------------------------------------------------ forcing, hook
 _forced: dict[str, TileConfig] = {}
-_tuning = threading.local()
+# How many forced()/tune_now() blocks are running, process-wide: while one is, the kernels it does not force keep
+# the cache's (or select_config's) choice and nothing else is tuned. Process-wide, not per thread: on a GPU the
+# autograd engine runs a backward on its own device thread, so a per-thread flag set by the tuner's thread
+# would not be seen by the backward launches it times.
+_active = 0
+_active_lock = threading.Lock()
+_failed: set[str] = set()  # keys whose tuning timed no candidate: not retried on every launch (reset_memory clears)
+
+
+def _enter() -> None:
+    global _active
+    with _active_lock:
+        _active += 1
+
+
+def _exit() -> None:
+    global _active
+    with _active_lock:
+        _active -= 1
+
+
+def tuning() -> bool:
+    """Whether a forced() or tune_now() block is running (in any thread)."""
+    return _active > 0
 
 
 @contextlib.contextmanager
@@ -235,15 +264,15 @@ def forced(kernel: str, cfg: TileConfig):
     prev_hook = configs_hook()
     if prev_hook is None:
         configs._autotune_hook = _hook
-    prev, was_tuning = _forced.get(kernel), getattr(_tuning, "active", False)
+    prev = _forced.get(kernel)
     _forced[kernel] = cfg
-    _tuning.active = True  # the other kernels of the pass keep select_config's (or the cache's) choice
+    _enter()  # the other kernels of the pass keep select_config's (or the cache's) choice
     was_caching, LAUNCHES.enabled = LAUNCHES.enabled, False  # every call inside plans afresh
     try:
         yield
     finally:
         LAUNCHES.enabled = was_caching
-        _tuning.active = was_tuning
+        _exit()
         if prev is None:
             _forced.pop(kernel, None)
         else:
@@ -260,15 +289,18 @@ def _hook(kernel, block_dqk, block_dv, elt, target, modified):
         return cfg
     if kernel not in TUNED_KERNELS:
         return None
+    key = None
     try:
         key = runtime_key(kernel, block_dqk, block_dv, elt, target, modified)
         hit = cached(key)
         if hit is not None:
             return hit
-        if getattr(_tuning, "active", False) or _compiling():
+        if tuning() or _compiling() or key in _failed:
             return None
         return tune_now(key, kernel, block_dqk, block_dv, elt, target, modified)
     except Exception as exc:  # noqa: BLE001 - tuning must never break a launch: fall back to the default
+        if key is not None:
+            _failed.add(key)
         warnings.warn(f"flashtx autotune: {kernel} not tuned ({type(exc).__name__}: {exc}); using the default",
                       stacklevel=3)
         return None
@@ -297,27 +329,36 @@ def runtime_key(kernel, block_dqk, block_dv, elt, target, modified) -> str:
 
 
 # Synthetic problem for tuning at run time: B*N = 16k tokens, H*D = 2048 (as bench/test_attention.py).
-RUNTIME_SEQLEN = 4096
+RUNTIME_SEQLEN, RUNTIME_TOKENS, RUNTIME_HIDDEN = 4096, 16384, 2048
+RUNTIME_DTYPE_16 = "bfloat16"  # the 16-bit keys are timed in bf16 (fp16 runs the same tiles)
 
 
 def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn=None) -> TileConfig | None:
     """Time the candidates for one key (both causal and not, summed), store and return the fastest."""
     cands = candidates(kernel, block_dqk, block_dv, elt, target, modified)
     if not cands:
+        _failed.add(key)
         return None
-    _tuning.active = True
+    _enter()
     try:
         if time_fn is None:
             import torch
-            dtype = torch.bfloat16 if elt == 2 else torch.float32
+            dtype = getattr(torch, RUNTIME_DTYPE_16) if elt == 2 else torch.float32
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter (tests)
 
             def time_fn(cfg):
                 return sum(time_candidate(kernel, cfg, d=block_dqk, dv=block_dv, causal=c, dtype=dtype,
-                                          seqlen=RUNTIME_SEQLEN) for c in (False, True))
+                                          seqlen=RUNTIME_SEQLEN, tokens=RUNTIME_TOKENS, hidden=RUNTIME_HIDDEN,
+                                          device=device) for c in (False, True))
         best, timings = best_of(cands, time_fn)
     finally:
-        _tuning.active = False
-    if best is None:
+        _exit()
+    if best is None:  # say so once, and keep select_config's choice for this key from now on
+        _failed.add(key)
+        why = next(iter(timings.values()), "no candidate fits")
+        warnings.warn(f"flashtx autotune: no candidate for {key} could be timed (first: {why}); using the "
+                      "default from now on", stacklevel=3)
         return None
     best = TileConfig(best.block_m, best.block_n, best.num_warps, best.num_stages,
                       f"autotuned: {timings[describe(best)]:.3f} ms")
@@ -326,18 +367,20 @@ def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn
 
 
 def time_candidate(kernel: str, cfg: TileConfig, *, d: int, dv: int | None = None, causal: bool, dtype, seqlen: int,
-                   tokens: int = 16384, hidden: int = 2048, warmup_ms: float = 10, rep_ms: float = 40) -> float:
+                   tokens: int = 16384, hidden: int = 2048, warmup_ms: float = 10, rep_ms: float = 40,
+                   device: str = "cuda") -> float:
     """Median ms of the pass that runs `kernel` (forward for attn_fwd, the backward for the others)
-    through flashtx.attention on CUDA tensors, with `kernel`'s config forced to `cfg` (GPU only)."""
+    through flashtx.attention on `device` tensors (B * seqlen = tokens, H * d = hidden), with `kernel`'s
+    config forced to `cfg`. The backward's forward is recorded with grad enabled whatever the caller's
+    mode: the hook tunes a backward kernel from inside a backward, where autograd has turned grad off."""
     import torch
-    import triton.testing
 
     import flashtx
 
     dv = dv or d
     b, h = max(1, tokens // seqlen), max(1, hidden // d)
-    q, k = (torch.randn(b, h, seqlen, d, device="cuda", dtype=dtype) for _ in range(2))
-    v = torch.randn(b, h, seqlen, dv, device="cuda", dtype=dtype)
+    q, k = (torch.randn(b, h, seqlen, d, device=device, dtype=dtype) for _ in range(2))
+    v = torch.randn(b, h, seqlen, dv, device=device, dtype=dtype)
     with forced(kernel, cfg):
         if kernel == "attn_fwd":
             def fn():
@@ -345,12 +388,20 @@ def time_candidate(kernel: str, cfg: TileConfig, *, d: int, dv: int | None = Non
                     return flashtx.attention(q, k, v, is_causal=causal, backend="triton")
         else:
             qkv = tuple(t.requires_grad_() for t in (q, k, v))
-            out = flashtx.attention(*qkv, is_causal=causal, backend="triton")
+            with torch.enable_grad():
+                out = flashtx.attention(*qkv, is_causal=causal, backend="triton")
             dout = torch.randn_like(out)
 
             def fn():
                 return torch.autograd.grad(out, qkv, dout, retain_graph=True)
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        return float(bench(fn, warmup_ms, rep_ms))
+
+
+def bench(fn, warmup_ms: float, rep_ms: float) -> float:
+    """Median ms of fn (triton.testing.do_bench: CUDA events, L2 flushed between calls)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
 def summarize(timings: dict) -> str:
