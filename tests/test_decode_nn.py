@@ -341,3 +341,25 @@ def test_cached_call_with_a_bad_key_mask_changes_nothing():
             layer(x, cache=cache)
             layer(x, cache=cache)  # 6 of 8 positions: the refused call claimed none
         assert (cache.seqlens if paged else cache.length.expand(2)).tolist() == [6, 6]
+
+
+def test_contiguous_cache_drops_its_host_length_in_a_captured_step(monkeypatch):
+    """A step captured in a CUDA graph advances `length` on the device at every replay, unseen by the host:
+    the contiguous cache, like the paged one, stops trusting its host mirror from the captured step on, and
+    checks fullness on the device (stand-in: CPU tensors with the CUDA capture queries stubbed)."""
+    layer = MultiheadAttention(E, H, HKV, causal=True).to(DEVICE).eval()
+    x = randn(2, 3, E)
+    cache = layer.new_cache(2, max_len=8)
+    with torch.no_grad():
+        layer(x, cache=cache)
+    assert cache._host_length == 3
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        cache._claim(1)  # what the captured step's append does first
+    assert cache._host_length is None
+    with torch.no_grad():
+        layer(x[:, :1], cache=cache)  # eager again: checked on the device, no stale mirror
+    assert cache._host_length is None and int(cache.length) == 4
+    cache.reset()
+    assert cache._host_length == 0

@@ -128,10 +128,15 @@ class KVCache:
         return self
 
     def _claim(self, S: int) -> None:
-        """Check (on the host mirror, no sync) that S more positions fit, and count them."""
-        if torch.compiler.is_compiling():
-            self._host_length = None  # the traced graph advances `length` on the device; no mirror
-        elif self._host_length is not None:
+        """Check that S more positions fit, and count them: on the host mirror (no sync) while there is one;
+        once a step was traced or captured in a CUDA graph (whose replays advance `length` on the device
+        unseen), by a device-side assert until reset()."""
+        if not _host_readable():
+            self._host_length = None
+        if self._host_length is None:
+            torch._assert_async(self.length + S <= self.max_len,
+                                "flashtx.nn.KVCache is full: more positions were given than max_len holds")
+        else:
             if self._host_length + S > self.max_len:
                 raise ValueError(f"KVCache is full: it holds {self._host_length} of max_len={self.max_len} positions "
                                  f"and {S} more were given; create it with a larger max_len")
