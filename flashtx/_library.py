@@ -92,6 +92,18 @@ def _requires_grad(op, args) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)  # absent from CPU-only builds (no CUDA tensor there)
+
+
+def _other_device(t) -> int | None:
+    """t's CUDA device index when it is not the current device, else None. Triton launches on the current
+    device and its current stream, so a call on tensors elsewhere (a model split over GPUs, e.g. transformers'
+    device_map="auto") must first switch to their device, as a native op's device guard does."""
+    if t.is_cuda:
+        i = t.get_device()
+        if i != _cuda_get_device():
+            return i
+    return None
 
 
 def call(op, *args):
@@ -99,9 +111,13 @@ def call(op, *args):
     traces or intercepts it (torch.compile, AOTAutograd or make_fx and their dispatch modes, tensor
     subclasses) and wherever autograd must record an op without an eager twin (a double backward,
     which it then refuses); otherwise its body, through its autograd.Function when a tensor
-    argument requires grad."""
+    argument requires grad, on the first argument's device (made current for the call if it is not)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(args[0]) not in _PLAIN):
         return op(*args)
+    other = _other_device(args[0])
+    if other is not None:
+        with torch.cuda.device(other):
+            return call(op, *args)
     if torch.is_grad_enabled() and _requires_grad(op, args):
         apply = _APPLY.get(op)
         if apply is not None and not torch._C._are_functorch_transforms_active():

@@ -34,3 +34,38 @@ def test_eager_launch_is_plain_and_traced_launch_is_wrapped(monkeypatch):
         fake = torch.empty(3)
         launch.run_kernel(kernel, (2, 1, 1), {"X": fake, "N": 3}, {"num_warps": 4})
     assert len(kernel.plain) == 1 and len(kernel.wrapped) == 1
+
+
+def test_a_call_on_another_gpus_tensors_launches_with_that_device_current(monkeypatch):
+    """Triton launches on the current device and stream: an op called on tensors of another GPU (a model
+    split over GPUs) launches every kernel, forward and backward, with their device made current. Stand-ins:
+    the tensors' "device" (CPU tensors) and torch.cuda.device (records what was made current)."""
+    import flashtx
+    from flashtx import _library
+
+    current = [0]
+
+    class Device:  # torch.cuda.device(i) stand-in
+        def __init__(self, i):
+            self.i = i
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.i
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(_library, "_other_device", lambda t: None if current[0] == 1 else 1)  # tensors "on cuda:1"
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    launched = []
+    g, u = torch.randn(4, 32, requires_grad=True), torch.randn(4, 32, requires_grad=True)
+    q, k = torch.randn(1, 8, 2, 16, requires_grad=True), torch.randn(1, 8, 2, 16, requires_grad=True)
+    with launch.stub_launches(lambda kernel, grid, args: launched.append(current[0])):
+        with torch.no_grad():
+            flashtx.swiglu(g, u, backend="triton")
+        out = flashtx.swiglu(g, u, backend="triton")
+        torch.autograd.grad(out, (g, u), torch.randn_like(out))
+        a = flashtx.attention(q, k, k, backend="triton")
+        torch.autograd.grad(a, (q, k), torch.randn_like(a))
+    assert len(launched) >= 6 and set(launched) == {1}, launched
+    assert current[0] == 0  # restored
