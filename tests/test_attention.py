@@ -4,6 +4,7 @@ Runs the real Triton kernels (Triton's interpreter on CPU without a GPU; CUDA wi
 them to the tolerance rule in conftest.assert_close_to_reference.
 """
 import dataclasses
+import zlib
 
 import pytest
 import torch
@@ -90,7 +91,12 @@ def reference_in_shell(case: Case, q, k, v):
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_forward_backward_match_reference(case, dtype):
-    torch.manual_seed(hash(case.id) % 2**31)
+    # A seed per case, the same in every process (str hash() is salted per process: a failure could not be
+    # replayed). fp32 note: S is recomputed in the backward with another summation order than the forward's
+    # (tile shapes, operand order), so P = exp2(s_bwd - m2_fwd) / l errs by ~sqrt(D) ulps of |q.k| * scale; where
+    # one P ~ 1 dominates a dV entry (a row that sees 1-2 keys) that reaches ~10 ulps of dV in about 1 draw of
+    # 1,500 here (flash-q113-k17-d112-h2x1 fp32), past the rule's 4-ulp floor. Inherent to recomputing P.
+    torch.manual_seed(zlib.crc32(case.id.encode()))
     q, k, v = make_qkv(case, dtype)
     with poisoned_allocations():
         out = run_shell(case, q, k, v, backend="triton")
