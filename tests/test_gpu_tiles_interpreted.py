@@ -1,4 +1,4 @@
-"""The sm_80, sm_86 and sm_90 16-bit tiles, including the specialisation entries (configs.MASKED for
+"""The sm_80, sm_86 and sm_90 16-bit tiles, the plain ones (causal or not) and the specialisation entries (configs.MASKED for
 windows, masks, lengths; configs.MODIFIED for score modifiers; the bias-gradient dQ's), run in Triton's
 interpreter with the GPU's own plan: fp16 forward and backward against the float64 reference backend under
 the tolerance rule, with every access bounds-checked (conftest). The interpreter's own tiles are smaller,
@@ -15,6 +15,8 @@ pytestmark = pytest.mark.skipif(ON_GPU, reason="runs a GPU's tiles in Triton's i
 
 
 CASES = {  # name: (flash_attn_func keywords, (modified, masked), a learned bias's shape or None)
+    "plain": (dict(causal=False), (False, False), None),  # the tiles every training step runs
+    "plain-causal": (dict(causal=True), (False, False), None),
     "masked": (dict(causal=True, window_size=(40, 0)), (False, True), None),
     "modified": (dict(causal=True, softcap=4.0), (True, False), None),
     "bias-grad": (dict(causal=False), (True, False), (1, 2, 70, 150)),  # the bias-gradient dQ's own tiles
@@ -48,3 +50,35 @@ def test_specialisation_tiles_compute_attention_and_its_gradients(gpu_target, d,
     for i, name in enumerate(("out", "dq", "dk", "dv", "dbias")[:len(got)]):
         err, bound = tolerance_check(got[i], ref64[i], eager[i], grad=i > 0)
         assert err <= bound, f"{case} D={d} sm_{gpu_target.arch} {name}: error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("gpu_target", [80, 86, 90], indirect=True, ids=lambda a: f"sm_{a}")
+@pytest.mark.parametrize("d,page", [(64, 16), (128, None)])
+def test_decode_tiles_compute_attention_over_the_cache(gpu_target, d, page):
+    """fp16 flash_attn_with_kvcache with the GPU's decode tiles and split count (from its SM count), paged
+    and contiguous, ragged lengths (one empty sequence), GQA 4, against the float64 reference."""
+    from flashtx.triton_kernels import decode as decode_kernels
+
+    gen = torch.Generator().manual_seed(d + gpu_target.arch)
+    B, Hq, Hkv, cap = 3, 8, 2, 160
+    q = torch.randn(B, 1, Hq, d, generator=gen, dtype=torch.float64)
+    if page:
+        kc, vc = (torch.randn(40, page, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        bt = torch.randperm(40, generator=gen)[:B * (cap // page)].view(B, cap // page).to(torch.int32)
+    else:
+        kc, vc = (torch.randn(B, cap, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        bt = None
+    lens = torch.tensor([0, 77, 159], dtype=torch.int32)
+
+    def run(dtype, backend):
+        with torch.no_grad():
+            return flashtx.flash_attn_with_kvcache(q.to(dtype), kc.to(dtype), vc.to(dtype), cache_seqlens=lens,
+                                                   block_table=bt, causal=True, return_softmax_lse=True,
+                                                   backend=backend)
+
+    assert decode_kernels.split_count(q.half(), kc.half(), vc.half(), bt, 0, gpu_target) > 1  # split-KV + combine
+    got = run(torch.float16, "triton")
+    ref64, eager = run(torch.float64, "reference"), run(torch.float16, "reference")
+    for i, name in enumerate(("out", "lse")):
+        err, bound = tolerance_check(got[i], ref64[i], eager[i])
+        assert err <= bound, f"decode D={d} page={page} sm_{gpu_target.arch} {name}: error {err:.3g} > {bound:.3g}"
