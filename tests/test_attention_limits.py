@@ -126,3 +126,45 @@ def test_flash_layout_copies_of_a_strided_last_dim_keep_the_span_dispatch_counte
     out = flashtx.flash_attn_func(q, k, v, causal=True, backend="triton")
     ref = reference.attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, bottom_right=True)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.skipif(ON_GPU, reason="stands a GPU target in for the interpreter's")
+def test_a_gpu_without_a_fitting_tile_goes_to_the_reference_or_raises(monkeypatch):
+    """Dispatch asks the GPU's tile tables whether a config fits its shared memory (an unknown part with
+    little of it): automatic dispatch warns and runs the reference, backend="triton" raises the reasons.
+    The same code path as on CUDA, with the launch target stood in (a 20 KB part)."""
+    import sys
+
+    from flashtx.triton_kernels.configs import Target
+
+    small = Target(90, 20_000, sm_count=8)
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("flashtx") and hasattr(mod, "target_for"):
+            monkeypatch.setattr(mod, "target_for", lambda t: small)
+    clear_plans()
+    try:
+        q, k, v = (randn(1, 2, 33, 128, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        with pytest.raises(flashtx.BackendNotSupported, match="shared memory"):
+            flashtx.attention(q, k, v, backend="triton")
+        with pytest.warns(UserWarning, match="shared memory"):
+            out = flashtx.attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(out, flashtx.attention(q, k, v, is_causal=True, backend="reference"), atol=0, rtol=0)
+    finally:
+        clear_plans()
+
+
+def test_gpus_before_ampere_and_interpreter_clashes_are_refused(monkeypatch):
+    """The CUDA branch of the device check, with the GPU's capability stood in: sm_75 is refused by name, sm_86
+    is not; with the interpreter on, CUDA tensors are refused; float64 only runs in the interpreter."""
+    from flashtx import _env
+    from flashtx.backends import triton_device_reasons
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(_env, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert any("sm_75" in r and "8.0" in r for r in triton_device_reasons(cuda, torch.float16))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert triton_device_reasons(cuda, torch.bfloat16) == []
+    assert any("float64" in r for r in triton_device_reasons(cuda, torch.float64))
+    monkeypatch.setattr(_env, "INTERPRET", True)
+    assert any("interpreter" in r for r in triton_device_reasons(cuda, torch.float16))
