@@ -12,8 +12,8 @@ import torch
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
-# The backends raise additive attn_mask values below this to it (-inf stays -inf), as the kernels do
-# (triton_kernels.attention_common.BIAS_FLOOR): bias * log2(e) stays finite in fp32.
+# The backends clamp additive attn_mask values to [BIAS_FLOOR, -BIAS_FLOOR] (infinities and NaN kept), as the
+# kernels do (triton_kernels.attention_common.BIAS_FLOOR/BIAS_CEIL): bias * log2(e) stays finite in fp32.
 BIAS_FLOOR = -2.0 ** 125
 
 
@@ -197,8 +197,9 @@ def _spec_kwargs(spec, causal, bottom_right, q, k) -> dict:
         return kw
     if spec.attn_mask is not None:
         m = spec.attn_mask
-        if m.is_floating_point():  # floored as the kernels do (-inf kept)
-            m = torch.where(torch.isneginf(m), m, m.clamp(min=max(BIAS_FLOOR, torch.finfo(m.dtype).min)))
+        if m.is_floating_point():  # clamped as the kernels do (infinities and NaN kept)
+            fi = torch.finfo(m.dtype)
+            m = torch.where(torch.isinf(m), m, m.clamp(min=max(BIAS_FLOOR, fi.min), max=min(-BIAS_FLOOR, fi.max)))
         kw["bias"] = m
     kw["softcap"] = float(spec.softcap)
     if spec.alibi_slopes is not None:

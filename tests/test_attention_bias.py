@@ -186,3 +186,23 @@ def test_reference_backend_gives_the_same_bias_gradient(shape):
         grads.append((out,) + torch.autograd.grad(out.square().sum(), ins))
     for a, b in zip(*grads):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 3e38, -3e38, float("inf"), float("-inf"),
+                                   torch.finfo(torch.float32).min], ids=lambda v: f"{v:g}")
+def test_extreme_bias_values_give_what_sdpa_gives(value):
+    """A NaN in the bias gives NaN (it is not dropped as masked), a huge finite bias wins its row (it does not
+    overflow to NaN once scaled by log2(e)), +inf gives NaN and -inf masks, as torch's SDPA: Triton and reference
+    backends, fp32, one column of the (Sq, Sk) bias set to the value."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=gen, device=DEVICE) for _ in range(3))
+    bias = torch.zeros(5, 7, device=DEVICE)
+    k, v = torch.cat([k, k[:, :, :2]], 2), torch.cat([v, v[:, :, :2]], 2)  # Sk = 7
+    bias[:, 2] = value
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias.double())
+    for backend in ("triton", "reference"):
+        got = flashtx.attention(q, k, v, attn_mask=bias, backend=backend)
+        assert torch.isnan(got).any() == torch.isnan(want).any(), (backend, got)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, equal_nan=True, msg=backend)

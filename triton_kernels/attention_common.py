@@ -163,10 +163,11 @@ def loop_part(part: tl.constexpr, lo, mid_lo, mid_hi, hi):
         return tl.maximum(mid_lo, mid_hi), hi
 
 
-# Additive attn_mask values below this are raised to it (-inf stays -inf), so that bias * log2(e)
+# Additive attn_mask values below this are raised to it (-inf stays -inf, NaN NaN), so that bias * log2(e)
 # stays finite in fp32: a row of torch.finfo(torch.float32).min (Hugging Face's masks) ties at a
 # huge finite score (uniform softmax, as fp32 SDPA) instead of becoming a fully masked row.
 BIAS_FLOOR = tl.constexpr(-2.0 ** 125)
+BIAS_CEIL = tl.constexpr(2.0 ** 125)  # and values above this lowered to it (+inf stays +inf)
 
 # MASK_KIND: how the kernels read attn_mask (constexprs, so jit code may name them)
 MASK_NONE = tl.constexpr(0)
@@ -210,8 +211,10 @@ def score_mods(s, q_idx, k_idx, in_bounds, mb_base, stride_mm, stride_mn, softca
         s = tl.where(keep != 0, s, float("-inf"))
     elif MASK_KIND == MASK_ADDITIVE:
         bias = tl.load(mb_base + q_idx * stride_mm + k_idx * stride_mn, mask=in_bounds, other=0.0).to(s.dtype)
-        # floored (-inf kept) so bias * log2(e) cannot overflow: finfo.min rows tie instead of becoming -inf
-        s = s + tl.where(bias == float("-inf"), bias, tl.maximum(bias, BIAS_FLOOR) * log2e)
+        # clamped to +-2**125 (infinities kept, NaN propagated, as SDPA's) so bias * log2(e) cannot overflow:
+        # finfo.min rows tie instead of becoming -inf, and a huge finite bias wins its row instead of giving NaN
+        fin = tl.clamp(bias, BIAS_FLOOR, BIAS_CEIL, propagate_nan=tl.PropagateNan.ALL) * log2e
+        s = s + tl.where((bias == float("-inf")) | (bias == float("inf")), bias, fin)
     return s, t
 
 
