@@ -13,8 +13,13 @@ _ALLOWED = "float16, bfloat16, float32 (float64 for tests)"
 def check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} has layout {t.layout}; allowed: torch.strided (a dense tensor: call .to_dense())")
     if t.dtype not in ALLOWED_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; allowed: {_ALLOWED}")
+
+
+_STRIDED = torch.strided
 
 
 def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
@@ -22,7 +27,7 @@ def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
     heads: the heads dim, 1 for (B, H, S, D) tensors, 2 for (B, S, H, D) ones (check_qkv's views of them)."""
     qs, ks, vs = q.shape, k.shape, v.shape
     h, s = heads, 3 - heads
-    return (q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and ks[0] == qs[0] == vs[0]
+    return (q.layout is _STRIDED and k.layout is _STRIDED and v.layout is _STRIDED and q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and ks[0] == qs[0] == vs[0]
             and ks[h] == vs[h] and ks[s] == vs[s] and ks[3] == qs[3] and qs[3] > 0 and vs[3] > 0
             and (qs[h] == ks[h] or (allow_gqa and ks[h] > 0 and qs[h] % ks[h] == 0)))
 
@@ -34,7 +39,10 @@ def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: b
     """
     if _qkv_ok(q, k, v, allow_gqa):
         return
-    nq, nk, nv = names  # q, k, v passed check_tensor already
+    nq, nk, nv = names  # q, k, v passed check_tensor already (but maybe not its layout check)
+    for n, t in zip(names, (q, k, v)):
+        if t.layout is not _STRIDED:
+            raise TypeError(f"{n} has layout {t.layout}; allowed: torch.strided (a dense tensor: call .to_dense())")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):

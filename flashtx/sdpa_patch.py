@@ -73,6 +73,8 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         return "query, key and value must all be tensors"
     if query.is_nested or key.is_nested or value.is_nested:
         return "nested (jagged) tensors are not supported"
+    if not (query.layout is key.layout is value.layout is torch.strided):
+        return "sparse layouts are not supported"
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _DTYPES:
         return "query, key, value must share one of float16, bfloat16, float32, float64"
     if not (query.device == key.device == value.device) or query.device.type not in ("cuda", "cpu"):

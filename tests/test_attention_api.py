@@ -84,6 +84,10 @@ ERROR_CASES = [
     ("alibi-dtype", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()),
                                                     alibi_slopes=torch.ones(4, dtype=torch.float64, device=DEVICE)),
      TypeError, r"alibi_slopes must be float32 .*got torch.float64"),
+    ("sparse-query", lambda: flashtx.attention(qkv()[0].to_sparse(), *qkv()[1:]), TypeError,
+     r"query has layout torch.sparse_coo; allowed: torch.strided"),
+    ("flash-sparse-k", lambda: flashtx.flash_attn_func(*(t.to_sparse() if i == 1 else t for i, t in enumerate(qkv()))),
+     TypeError, r"k has layout torch.sparse_coo; allowed: torch.strided"),
     ("alibi-shape", lambda: flashtx.attention(*qkv(), alibi_slopes=torch.ones(3, device=DEVICE)),
      ValueError, r"alibi_slopes must have shape \(nheads,\) = \(4,\) or \(batch, nheads\) = \(2, 4\); got \(3,\)"),
 ]
@@ -263,3 +267,21 @@ def test_custom_ops_opcheck():
     assert out.shape == qs.shape and out.is_contiguous()
     d = [t.detach() for t in (qs, ks, vs, out, m2, l2)]
     torch.library.opcheck(attn_bwd, (randn(*out.shape), *d, None, bias.detach(), aux, ints, floats, "", True))
+
+
+def test_tensor_subclass_inputs_compute_what_plain_tensors_do():
+    """A tensor subclass without __torch_dispatch__ (a user's marker class) has data: every kernel launches on
+    it and the results equal the plain tensors' (in the interpreter such launches used to be skipped as if
+    traced, returning uninitialised memory)."""
+    class Marked(torch.Tensor):
+        pass
+
+    q, k, v = (randn(1, 2, 9, 16) for _ in range(3))
+    g, u = randn(5, 24), randn(5, 24)
+    qm = q.clone().as_subclass(Marked).requires_grad_()
+    qp = q.clone().requires_grad_()
+    out_m, out_p = flashtx.attention(qm, k, v, is_causal=True), flashtx.attention(qp, k, v, is_causal=True)
+    assert torch.equal(out_m.as_subclass(torch.Tensor), out_p)
+    (gm,), (gp,) = torch.autograd.grad(out_m.sum(), qm), torch.autograd.grad(out_p.sum(), qp)
+    assert torch.equal(gm.as_subclass(torch.Tensor), gp)
+    assert torch.equal(flashtx.swiglu(g.as_subclass(Marked), u).as_subclass(torch.Tensor), flashtx.swiglu(g, u))

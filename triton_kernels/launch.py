@@ -263,9 +263,12 @@ def _slot(name: str, a: torch.Tensor, names: tuple, tensors: tuple):
 
 
 def _is_traced(t: torch.Tensor) -> bool:
+    """A tensor of a trace (fake, or functionalised by AOTAutograd), which has no data to launch on. A plain
+    tensor subclass (an nn.Parameter, a user's class without __torch_dispatch__) has data: it launches, as on a GPU."""
     from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.functional_tensor import FunctionalTensor
 
-    return is_fake(t) or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+    return is_fake(t) or isinstance(t, FunctionalTensor)
 
 
 @contextlib.contextmanager
