@@ -134,9 +134,9 @@ def _dims(name: str, x, layout: str, varlen: bool) -> tuple:
     return shape[0], shape[2], shape[1], shape[3]
 
 
-def _check_tables(cos, sin, x: Tensor, d: int, nb: int, name: str) -> None:
+def _check_tables(cos, sin, x: Tensor, d: int, nb: int, name: str, empty: bool) -> None:
     """cos/sin are (seqlen_ro, R2) or (Bc, seqlen_ro, R2) with Bc in {1, nb}; checks rotary_dim against
-    x's head dim d."""
+    x's head dim d. empty: nothing is rotated (so no position is read and seqlen_ro may be 0)."""
     for n, t in (("cos", cos), ("sin", sin)):
         check_tensor(n, t)
         if t.device != x.device:
@@ -151,7 +151,7 @@ def _check_tables(cos, sin, x: Tensor, d: int, nb: int, name: str) -> None:
     if dim != 2 and dim != 3:
         raise ValueError(f"cos/sin must be (seqlen_ro, rotary_dim / 2) or (B, seqlen_ro, rotary_dim / 2); "
                          f"got shape {tuple(shape)}")
-    if shape[-2] == 0:
+    if shape[-2] == 0 and not empty:
         raise ValueError(f"cos/sin must hold at least one position (seqlen_ro >= 1); got shape {tuple(shape)}")
     if dim == 3 and shape[0] != 1 and shape[0] != nb:
         raise ValueError(f"per-batch cos/sin must have batch size 1 or {nb}; got shape {tuple(shape)}")
@@ -161,10 +161,10 @@ def _check_tables(cos, sin, x: Tensor, d: int, nb: int, name: str) -> None:
                          f"{tuple(x.shape)} (cos/sin shape {tuple(shape)})")
 
 
-def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen):
+def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, empty: bool):
     """Validated position arguments for x of (B, S, H, D) (varlen: (1, total, H, D)): (index =
     [offsets | None, position_ids | None, cu_seqlens | None], offset int, max_seqlen int (0 without
-    cu_seqlens))."""
+    cu_seqlens), clamped to the total). empty: nothing is rotated, so the table needs no positions."""
     varlen = cu_seqlens is not None
     if varlen:
         _check_index_tensor("cu_seqlens", cu_seqlens, lambda s: len(s) == 1 and s[0] >= 1, "(nseq + 1,)", device)
@@ -174,7 +174,9 @@ def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if nb > 0 else 0
         max_seqlen = _check_int("max_seqlen", max_seqlen)
         check_cu_seqlens_values("cu_seqlens", cu_seqlens, S, "total (x.shape[0])", max_seqlen, "max_seqlen")
-        seq = max_seqlen
+        # an upper bound (flash-attn); no sequence is longer than the total, so clamping to it bounds the
+        # kernel's grid (max_seqlen rows per sequence) by the data, and looser bounds share a launch-cache entry
+        max_seqlen = seq = min(max_seqlen, S)
     else:
         if max_seqlen is not None:
             raise ValueError("max_seqlen is only meaningful with cu_seqlens (packed varlen input)")
@@ -200,7 +202,7 @@ def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_
             _check_index_tensor("position_ids", position_ids, lambda s: len(s) == 2 and s[0] in (1, B) and s[1] == S,
                                 f"({B}, {S}) or (1, {S})", device)
             position_ids = position_ids.expand(B, S)
-    elif offsets is None and seq + offset > seqlen_ro:
+    elif offsets is None and not empty and seq + offset > seqlen_ro:
         if not varlen:
             raise ValueError(f"cos/sin have {seqlen_ro} positions (shape {tuple(cos.shape)}) but positions up to "
                              f"{seq + offset - 1} are needed (sequence length {seq} + seqlen_offsets {offset})")
@@ -244,9 +246,10 @@ def _prepare(name: str, x, k, cos, sin, seqlen_offsets, position_ids, cu_seqlens
             raise ValueError(f"q {tuple(x.shape)} and k {tuple(k.shape)} must differ only in the number of heads "
                              f"(layout {layout!r})")
     nb = cu_seqlens.numel() - 1 if varlen and isinstance(cu_seqlens, torch.Tensor) else B
-    _check_tables(cos, sin, x, D, nb, name)
+    empty = x.numel() == 0 and (k is None or k.numel() == 0)  # e.g. S = 0: empty outputs, no position read
+    _check_tables(cos, sin, x, D, nb, name, empty)
     index, offset, max_seqlen = _positions(B, S, x.device, cos, seqlen_offsets, position_ids, cu_seqlens,
-                                           max_seqlen)
+                                           max_seqlen, empty)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
     chosen = _dispatch.plan_device("rotary", backend, x.device, x.dtype, cos.dtype)
@@ -265,7 +268,8 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
             bfloat16, float32 (float64 for tests); any strides.
         cos, sin: (seqlen_ro, rotary_dim / 2), or per-batch (B, seqlen_ro, rotary_dim / 2); any
             float dtype, read in fp32. rotary_dim = 2 * cos.shape[-1] <= D; columns past it
-            pass through unchanged (partial rotary). No gradient flows to them.
+            pass through unchanged (partial rotary). No gradient flows to them. seqlen_ro = 0
+            only for an empty x (e.g. S = 0), which gives an empty result.
         interleaved: False rotates the pairs (x[j], x[j + rotary_dim/2]) (NeoX/LLaMA,
             rotate_half); True rotates (x[2j], x[2j+1]) (GPT-J).
         seqlen_offsets: int, or (B,) int tensor (per sequence; KV-cache decoding): token s of
@@ -273,7 +277,8 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
         position_ids: (B, S) or (1, S) int tensor of absolute positions (packed: (total,));
             excludes seqlen_offsets. Positions outside [0, seqlen_ro) give NaN (no device sync).
         cu_seqlens: (nseq + 1,) int32/int64 cumulative sequence lengths of packed x, with
-            cu_seqlens[-1] == total; max_seqlen: longest sequence (computed, with a sync, if None).
+            cu_seqlens[-1] == total; max_seqlen: longest sequence or any bound above it (clamped to
+            total; computed, with a sync, if None).
         inplace: False (default): a new tensor. True: rotate x in place and return it; autograd
             still works unless x is a leaf that requires grad (when autograd records the call, the
             rotated values are computed out of place and written back with copy_, since

@@ -156,6 +156,20 @@ def test_cache_rejects_what_it_cannot_do():
         KVCache(1, 1, 0, 8)
 
 
+@pytest.mark.parametrize("rot", [None, 8, 4], ids=["norope", "rope", "partial-rope"])
+def test_empty_sequence_without_cache(rot):
+    """S = 0 and no cache: an empty output and gradients, with rotary as without (rotary raised "cos/sin must
+    hold at least one position"), in training and in inference (the in-place rotary path)."""
+    layer = make_layer(2, True, False, rot, torch.float32)
+    x = randn(2, 0, E, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (2, 0, E)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(layer.qkv.weight.grad, torch.zeros_like(layer.qkv.weight))
+    with torch.no_grad():
+        assert layer.eval()(x).shape == (2, 0, E)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(embed_dim=30, num_heads=4), r"embed_dim \(30\) must be divisible by num_heads \(4\)"),
     (dict(embed_dim=32, num_heads=4, num_kv_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),

@@ -11,8 +11,10 @@ from conftest import (DEVICE, KERNEL_DTYPES, PRECISE_DTYPE, assert_close_to_refe
 
 import flashtx
 from flashtx import BackendNotSupported
+from flashtx import reference
 from flashtx._rotary_op import rotary_inplace_op, rotary_op, rotary_qk_op
 from flashtx.triton_kernels import launch as launch_mod
+from flashtx.triton_kernels import rotary as rotary_kernels
 
 
 # ------------------------------------------------------------------------------- eager formulas
@@ -444,6 +446,62 @@ def test_varlen_max_seqlen_is_an_upper_bound(backend):
         with pytest.raises(ValueError, match=r"cos/sin have 16 positions .*sequence length 5 of sequence 0"):
             flashtx.apply_rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=40, seqlen_offsets=12, backend=backend)
 
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_empty_sequence_takes_empty_tables(backend):
+    """S = 0 reads no position, so the (0, R2) tables RotaryEmbedding.cos_sin(0) gives are accepted (they
+    raised "at least one position"): empty outputs and gradients, as every flashtx op; x with rows still
+    needs a position."""
+    cos, sin = tables(0, 4)
+    q, k = randn(2, 0, 3, 8, requires_grad=True), randn(2, 0, 1, 8, requires_grad=True)
+    out = flashtx.apply_rotary(q, cos, sin, backend=backend)
+    qo, ko = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=3, backend=backend)
+    assert out.shape == q.shape and qo.shape == q.shape and ko.shape == k.shape
+    (out.sum() + qo.sum() + ko.sum()).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    bhsd = randn(2, 3, 0, 8)
+    assert flashtx.apply_rotary(bhsd, cos, sin, layout="bhsd", inplace=True, backend=backend) is bhsd
+    cu = torch.zeros(3, dtype=torch.int32, device=DEVICE)  # two empty sequences
+    assert flashtx.apply_rotary(randn(0, 3, 8), cos, sin, cu_seqlens=cu, backend=backend).shape == (0, 3, 8)
+    hf = torch.empty(2, 0, 8, device=DEVICE)  # transformers' (B, S, rotary_dim) tables at S = 0
+    qh, kh = flashtx.apply_rotary_pos_emb(randn(2, 3, 0, 8), randn(2, 1, 0, 8), hf, hf)
+    assert qh.shape == (2, 3, 0, 8) and kh.shape == (2, 1, 0, 8)
+    no_position = r"at least one position \(seqlen_ro >= 1\); got shape \(0, 4\)"
+    with pytest.raises(ValueError, match=no_position):
+        flashtx.apply_rotary(randn(2, 1, 3, 8), cos, sin, backend=backend)
+    with pytest.raises(ValueError, match=no_position):  # no q heads, but k has rows
+        flashtx.apply_rotary_qk(randn(2, 1, 0, 8), randn(2, 1, 1, 8), cos, sin, backend=backend)
+
+
+def test_varlen_max_seqlen_beyond_the_total_is_clamped():
+    """max_seqlen is an upper bound: the grid is sized by the total instead (it was sized by max_seqlen:
+    10 tokens at max_seqlen 10**4 took seconds in the interpreter, 10**7 hung, and a GPU would pass CUDA's
+    grid limit), in the kernel layer too, and looser bounds share a launch-cache entry; same values."""
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32, device=DEVICE)
+    cos, sin = tables(16, 3)
+    x, k = randn(10, 2, 8, dtype=PRECISE_DTYPE), randn(10, 1, 8, dtype=PRECISE_DTYPE)  # (total, H, D)
+    grids = []
+    with launch_mod.stub_launches(lambda kernel, grid, args: grids.append(grid)):
+        for m in (2**40, 10):  # 10: the total
+            flashtx.apply_rotary_qk(x, k, cos, sin, cu_seqlens=cu, max_seqlen=m, backend="triton")
+    assert len(grids) == 2 and grids[0] == grids[1], grids
+    plan = rotary_kernels.plan_rotary(x, torch.empty_like(x), None, None, cos, sin, cu_seqlens=cu, max_seqlen=2**40)
+    assert plan.grid == rotary_kernels.plan_rotary(x, torch.empty_like(x), None, None, cos, sin, cu_seqlens=cu,
+                                                   max_seqlen=10).grid
+    launch_mod.LAUNCHES.clear()
+    with launch_mod.stub_launches():
+        for m in (2**40, 10**9, 10):  # the kernel layer's own entry point, past the front end's clamp
+            rotary_kernels.rotary(x, torch.empty_like(x), cos=cos, sin=sin, cu_seqlens=cu, max_seqlen=m)
+    assert len(launch_mod.LAUNCHES.entries) == 1
+    launch_mod.LAUNCHES.clear()
+    qo, ko = flashtx.apply_rotary_qk(x, k, cos, sin, cu_seqlens=cu, max_seqlen=10**7, seqlen_offsets=2,
+                                     backend="triton")
+    rows = torch.arange(10, device=DEVICE)
+    pos = rows - cu.long()[torch.searchsorted(cu[1:].long(), rows, right=True)] + 2  # (total,) positions
+    zero = torch.zeros_like(rows)
+    for got, t in ((qo, x), (ko, k)):
+        want = reference.rotary_tokens(t.double(), cos[None], sin[None], zero, pos)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=precise_atol(1e-13))
 
 def test_varlen_no_sequences():
     cos, sin = tables(4, 2)

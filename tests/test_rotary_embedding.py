@@ -113,6 +113,23 @@ def test_rotary_embedding_in_place_by_default_where_autograd_allows():
     assert torch.equal(both, torch.cat((q, q), 2)) and torch.equal(qo, expect[0])
 
 
+def test_rotary_embedding_empty_sequence():
+    """S = 0 (an empty prompt): empty outputs and gradients, out of place and in place (the (0, dim/2)
+    tables of cos_sin(0) raised "at least one position"); dim 2 without dynamic scaling still works."""
+    rope = flashtx.nn.RotaryEmbedding(8, device=DEVICE)
+    q, k = randn(2, 5, 3, 8, requires_grad=True), randn(2, 5, 1, 8, requires_grad=True)
+    qo, ko = rope(q[:, :0], k[:, :0])
+    assert qo.shape == (2, 0, 3, 8) and ko.shape == (2, 0, 1, 8)
+    (qo.sum() + ko.sum()).backward()
+    assert torch.equal(q.grad, torch.zeros_like(q)) and torch.equal(k.grad, torch.zeros_like(k))
+    with torch.no_grad():
+        x = randn(2, 3, 0, 8)
+        assert rope(x, layout="bhsd", seqlen_offsets=4) is x
+    two = flashtx.nn.RotaryEmbedding(2, max_seq_len=4, scaling={"type": "linear", "factor": 2.0}, device=DEVICE)
+    x = randn(1, 9, 1, 2, dtype=torch.float64)
+    assert torch.equal(two(x, inplace=False), flashtx.apply_rotary(x, *two.cos_sin(9)))
+
+
 RE_ERRORS = {
     "odd_dim": (dict(dim=7), ValueError, "even int"),
     "bad_base": (dict(dim=8, base=1.0), ValueError, "base must be a number > 1"),
@@ -124,6 +141,9 @@ RE_ERRORS = {
     "llama3_bands": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                                           "high_freq_factor": 1.0, "original_max_position_embeddings": 8}),
                      ValueError, "high_freq_factor > low_freq_factor"),
+    # the NTK base ** (dim / (dim - 2)) divided by zero in cos_sin past the original length
+    "dynamic_dim_2": (dict(dim=2, max_seq_len=4, scaling={"rope_type": "dynamic", "factor": 2.0}), ValueError,
+                      r"dynamic \(NTK\) scaling needs dim \(the rotary dim\) > 2, .*; got dim=2"),
 }
 
 

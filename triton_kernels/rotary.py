@@ -19,9 +19,11 @@ with its own tile shape; axis 1: batch). The NeoX halves are two contiguous load
 Addressing: x is a (B, S, H, D) tensor with any strides, or a (B, H, S, D) one (heads_first:
 its strides are read in that order, no view is made). Packed varlen x is (total, H, D) (or a
 (1, total, H, D) view) with VARLEN: grid row b then covers rows cu_seqlens[b] .. cu_seqlens[b+1]
-(tiles past the sequence's end, from max_seqlen being an upper bound, return at once). cos/sin
-are (seqlen_ro, R2) or (Bc, seqlen_ro, R2), with a batch stride that is 0 for a shared table. Math is fp32 (fp64 for fp64 inputs); positions
-outside [0, seqlen_ro) give NaN rows, since checking them on the host would need a device sync.
+(tiles past the sequence's end, from max_seqlen being an upper bound, return at once; max_seqlen is
+clamped to the total, so the grid never outgrows the data). cos/sin are (seqlen_ro, R2) or
+(Bc, seqlen_ro, R2), with a batch stride that is 0 for a shared table. Math is fp32 (fp64 for fp64
+inputs); positions outside [0, seqlen_ro) give NaN rows, since checking them on the host would need
+a device sync.
 """
 from __future__ import annotations
 
@@ -213,6 +215,11 @@ def _static(key: tuple, seq) -> _Static:
     return small
 
 
+def _total(q, heads_first: bool):
+    """The rows of q's sequence dim: S, or the total of packed (total, H, D) / (1, total, H, D) q."""
+    return q.shape[0] if q.dim() == 3 else q.shape[2 if heads_first else 1]
+
+
 def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved: bool,
           conjugate: bool, heads_first: bool, target: Target | None):
     """(kernel arguments, grid, _Static) of the launch plan_rotary describes; None when it would
@@ -251,7 +258,9 @@ def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max
         ksb, kss, ksh, ksd = k.stride()
         kosb, koss, kosh, kosd = ko.stride()
     nb = cu_seqlens.shape[0] - 1 if varlen else B
-    seq = max_seqlen if varlen else S
+    # rows per sequence the grid covers: max_seqlen is an upper bound, clamped to the total (no sequence is
+    # longer), so a loose one (10**9) cannot grow the grid past the data (or CUDA's grid limit)
+    seq = min(max_seqlen, S) if varlen else S
     if nb <= 0 or seq <= 0 or hq + hk == 0 or D == 0:
         return None
     r2 = cos.shape[-1]
@@ -297,7 +306,8 @@ def plan_rotary(q, qo, k, ko, cos, sin, *, offsets=None, offset: int = 0, positi
     q, qo: (B, S, Hq, D), any strides (qo may be q itself: in place), or (B, Hq, S, D) with
     heads_first. k, ko: (B, S, Hk, D) (heads_first: (B, Hk, S, D)) or None. Varlen: q is
     (total, Hq, D) (or a (1, total, Hq, D) view), cu_seqlens (nseq + 1,) int32/int64, max_seqlen >=
-    the longest sequence. cos, sin: (seqlen_ro, R2) or (Bc, seqlen_ro, R2) with Bc in {1, B}.
+    the longest sequence (clamped to total). cos, sin: (seqlen_ro, R2) or (Bc, seqlen_ro, R2) with Bc in
+    {1, B}.
     offsets: (B,) ints or None (then `offset`); position_ids: (B, S) ints, or (1, total) for varlen.
     Grid: (q tiles + k tiles, B or nseq); each tile is (positions, heads) of one tensor.
     Empty inputs must not be planned (see rotary).
@@ -317,6 +327,9 @@ def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seql
                   conjugate, heads_first) -> None:
     """plan_rotary(...).run() with positional arguments (the per-call path); launches nothing for empty
     inputs (no rows, no heads, no sequences or no columns)."""
+    if cu_seqlens is not None:  # the bound _plan uses, so that looser bounds share a launch-cache entry
+        max_seqlen = min(max_seqlen, _total(q, heads_first))
+
     def build():
         plan = _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
                      conjugate, heads_first, None)

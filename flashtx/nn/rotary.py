@@ -14,7 +14,7 @@ SCALING_TYPES = ("linear", "dynamic", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _parse_scaling(scaling, max_seq_len: int) -> dict | None:
+def _parse_scaling(scaling, max_seq_len: int, dim: int) -> dict | None:
     """Normalise a transformers-style rope_scaling dict ("type" or "rope_type" names the rule)."""
     if scaling is None:
         return None
@@ -35,6 +35,12 @@ def _parse_scaling(scaling, max_seq_len: int) -> dict | None:
         if out["high_freq_factor"] <= out["low_freq_factor"]:
             raise ValueError(f"llama3 scaling needs high_freq_factor > low_freq_factor; got {scaling}")
     elif kind == "dynamic":
+        # The NTK rule raises the base to dim / (dim - 2): undefined at dim 2, where the one frequency is
+        # base ** 0 = 1 whatever the base, so the scaling could only be a silent no-op. transformers fails there
+        # too (a ZeroDivisionError when the embedding is built): refuse it at construction, naming the cause.
+        if dim <= 2:
+            raise ValueError(f"dynamic (NTK) scaling needs dim (the rotary dim) > 2, as it raises the base to "
+                             f"dim / (dim - 2); got dim={dim} (use 'linear' scaling, or none, for dim 2)")
         out["original_max_position_embeddings"] = int(scaling.get("original_max_position_embeddings", max_seq_len))
     f = out["factor"]
     if isinstance(f, bool) or not isinstance(f, numbers.Real) or not f > 0:
@@ -68,7 +74,7 @@ class RotaryEmbedding(nn.Module):
             also the original context length unless scaling gives original_max_position_embeddings.
         scaling: None, or a transformers-style rope_scaling dict:
             {"type": "linear", "factor": f}: positions divided by f;
-            {"type": "dynamic", "factor": f[, "original_max_position_embeddings": L0]}: for
+            {"type": "dynamic", "factor": f[, "original_max_position_embeddings": L0]} (dim > 2): for
             sequences longer than L0, base *= (f * L / L0 - (f - 1)) ** (dim / (dim - 2)) with L
             the needed length (recomputed when L grows, reset when it drops to L0 or below, as in
             transformers);
@@ -96,7 +102,7 @@ class RotaryEmbedding(nn.Module):
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be an int >= 1; got {max_seq_len!r}")
         self.dim, self.base, self.max_seq_len = int(dim), float(base), int(max_seq_len)
-        self.scaling = _parse_scaling(scaling, self.max_seq_len)
+        self.scaling = _parse_scaling(scaling, self.max_seq_len, self.dim)
         self.interleaved = bool(interleaved)
         inv_freq = self._inv_freq(self.base, device)  # (dim/2,) fp32
         self.register_buffer("inv_freq", inv_freq, persistent=False)
