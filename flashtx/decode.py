@@ -11,7 +11,8 @@ from torch import Tensor
 from . import _decode_op, _env
 from ._library import call
 from .backends import triton_device_reasons
-from ._validate import _values_readable, check_alibi, check_softcap, check_tensor, check_window, resolve_scale
+from ._validate import (_values_readable, check_alibi, check_softcap, check_tensor, check_window, has_internal_overlap,
+                        resolve_scale, views_overlap)
 
 LN2 = math.log(2.0)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -50,6 +51,21 @@ def _check_values(ok: Tensor, readable: bool, message, name: str) -> None:
             raise ValueError(message(ok))
     else:
         torch._assert_async(ok.all(), f"flashtx.flash_attn_with_kvcache: {name} out of range")
+
+
+def _check_writable_caches(k_cache: Tensor, v_cache: Tensor, paged: bool) -> None:
+    """Appending writes every (row, position, head) slot once: refuse caches whose slots share memory (an expanded
+    view) or that share memory with each other (k_cache is v_cache), as torch refuses in-place writes there."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if has_internal_overlap(t):
+            dims = ("pages" if paged else "batch", "page rows" if paged else "positions", "heads", "head dim")
+            dup = ", ".join(d for d, n, st in zip(dims, t.shape, t.stride()) if n > 1 and st == 0)
+            raise ValueError(f"{name} has stride 0 along {dup} (an expanded view, shape {tuple(t.shape)}, strides "
+                             f"{t.stride()}): appending k, v would write one memory slot for several; pass a cache "
+                             "with its own memory per slot")
+    if views_overlap(k_cache, v_cache):
+        raise ValueError("k_cache and v_cache share memory: appending v would overwrite k; pass separate buffers "
+                         "(or non-overlapping slices of one)")
 
 
 def _first_bad(ok: Tensor) -> int:
@@ -168,6 +184,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if type(cache_seqlens) is Tensor:  # the common case first
         cache_seqlens = _check_index("cache_seqlens", cache_seqlens, (B,), q)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - Snew:
+            raise ValueError(f"cache_seqlens = {cache_seqlens}: with the {Snew} new tokens it must stay within the "
+                             f"cache's {capacity} positions (and be >= 0)")
         cache_seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     elif cache_seqlens is None:
         cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
@@ -186,12 +205,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                        for t in (q, k_cache, v_cache, k, v)):
         raise RuntimeError("flash_attn_with_kvcache is inference-only (no autograd): call it under torch.no_grad() "
                            "or torch.inference_mode(), or pass detached tensors")
-    if Snew and (k_cache.stride(0) == 0 or v_cache.stride(0) == 0) and k_cache.shape[0] > 1:
-        name_ = "k_cache" if k_cache.stride(0) == 0 else "v_cache"
-        raise ValueError(f"{name_} has stride 0 in its first dim ({'pages' if block_table is not None else 'batch'}: "
-                         f"an expanded view): appending k, v would write the same memory from several "
-                         f"{'pages' if block_table is not None else 'sequences'}; pass a cache with its own memory "
-                         "per row")
+    if Snew:
+        _check_writable_caches(k_cache, v_cache, block_table is not None)
     _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew,
                   capacity, bool(causal) or window != (-1, -1))
 

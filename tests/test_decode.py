@@ -273,3 +273,12 @@ def test_strided_index_tensors_are_read_by_value():
     assert torch.equal(big_k[:, cap:], torch.zeros_like(big_k[:, cap:]))  # nothing past the cache
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert torch.equal(out, want)
+
+
+def test_an_int_cache_seqlens_past_the_cache_names_the_argument():
+    q = torch.randn(2, 1, 2, 16, device=DEVICE)
+    kc, vc = torch.randn(2, 32, 2, 16, device=DEVICE), torch.randn(2, 32, 2, 16, device=DEVICE)
+    for bad in (2**40, -1, 32):
+        with pytest.raises(ValueError, match=rf"cache_seqlens = {bad}: with the 1 new tokens it must stay within "
+                                             r"the cache's 32 positions"):
+            flashtx.flash_attn_with_kvcache(q, kc, vc, kc[:, :1].clone(), vc[:, :1].clone(), cache_seqlens=bad)

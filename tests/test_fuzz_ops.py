@@ -320,15 +320,23 @@ def _aliased_append(kind):
         kc, vc = (torch.randn(1, 32, 1, 16, dtype=F64, generator=gen).to(DEVICE, PRECISE_DTYPE).expand(2, 32, 1, 16)
                   for _ in range(2))
         return dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, cache_seqlens=lens)
+    if kind == "expanded positions":  # one position viewed as all 32 (stride 0 along the sequence)
+        kc, vc = (torch.randn(2, 1, 1, 16, dtype=F64, generator=gen).to(DEVICE, PRECISE_DTYPE).expand(2, 32, 1, 16)
+                  for _ in range(2))
+        return dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, cache_seqlens=lens)
+    if kind == "k_cache is v_cache":  # v's append would overwrite k's
+        kc = torch.randn(2, 32, 1, 16, dtype=F64, generator=gen).to(DEVICE, PRECISE_DTYPE)
+        return dict(q=q, k_cache=kc, v_cache=kc, k=k, v=v, cache_seqlens=lens)
     kc, vc = (torch.randn(4, 16, 1, 16, dtype=F64, generator=gen).to(DEVICE, PRECISE_DTYPE) for _ in range(2))
     bt = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32, device=DEVICE)  # both append at row 3 of page 0
     return dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, cache_seqlens=lens, block_table=bt)
 
 
-@pytest.mark.parametrize("kind", ["expanded cache", "shared page"])
+@pytest.mark.parametrize("kind", ["expanded cache", "expanded positions", "k_cache is v_cache", "shared page"])
 def test_decode_append_into_one_slot_twice_is_refused(kind):
     """Two sequences whose appended tokens land in one cache slot would overwrite each other (one attending to
-    the other's new key; a race on a GPU): a stride-0 cache dim is refused from its strides (on every device),
+    the other's new key; a race on a GPU): a stride-0 cache dim (batch or positions) or k_cache sharing v_cache's
+    memory is refused from strides and storage (on every device),
     a block_table that shares a page at the append positions from its values (host-side, as the repeated
     cache_batch_idx check: on CPU tensors)."""
     if kind == "shared page" and ON_GPU:
