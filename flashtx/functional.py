@@ -326,8 +326,19 @@ def unpad_input(hidden_states, attention_mask):
     cu_seqlens (B + 1,) int32, max_seqlen int (one device sync), seqlens (B,) int32).
     Differentiable in hidden_states.
     """
-    seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)  # (B,)
-    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
+        raise ValueError(f"hidden_states must be a (B, S, ...) tensor; got "
+                         f"{tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__}")
+    B, S = hidden_states.shape[:2]
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, S):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a (B, S) = ({B}, {S}) tensor (nonzero = real token); got {got}")
+    if attention_mask.device != hidden_states.device:
+        raise ValueError(f"attention_mask must be on hidden_states' device {hidden_states.device}; got "
+                         f"{attention_mask.device}")
+    real = attention_mask != 0  # (B, S) bool: counts and positions agree for any mask dtype
+    seqlens = real.sum(dim=-1, dtype=torch.int32)  # (B,)
+    indices = torch.nonzero(real.flatten(), as_tuple=False).flatten()
     max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
     flat = hidden_states.reshape(-1, *hidden_states.shape[2:])  # (B * S, ...)

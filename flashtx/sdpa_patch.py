@@ -17,13 +17,14 @@ that names it. Nothing is decided by catching exceptions on the call path.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 from . import functional
-from ._validate import _qkv_ok, resolve_scale
+from ._validate import SCALAR_MAX, SCALAR_MIN, _qkv_ok, resolve_scale
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.mask_spec import MaskSpec
 
@@ -62,6 +63,8 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
                        enable_gqa=False) -> str | None:
     """Why flashtx should not run this SDPA call (None = it runs it). Reasons name no shapes, so
     each is warned about once."""
+    if scale is not None and not _scale_ok(scale):
+        return _SCALE_REASON
     if _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
         return _plain_reason(query, key, value)
     return _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
@@ -115,6 +118,15 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     return None
 
 
+_SCALE_REASON = "a scale outside flashtx's range (0, or a real number of magnitude in [2**-100, 2**100])"
+
+
+def _scale_ok(scale) -> bool:
+    """Whether flashtx takes this (non-None) scale; torch's SDPA takes any float (others go to it)."""
+    return (not isinstance(scale, bool) and isinstance(scale, numbers.Real)
+            and (scale == 0 or SCALAR_MIN <= abs(float(scale)) <= SCALAR_MAX))
+
+
 _GPU = "cuda"  # the device whose calls may lack a kernel config (flashtx.testing_gpu_trace stands in "cpu")
 _FAST_REASONS: dict = {}
 
@@ -140,7 +152,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False):
     """torch's ``scaled_dot_product_attention`` signature and semantics, computed by
     ``flashtx.attention`` when it supports the call, by the original SDPA otherwise."""
-    if _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
+    if scale is not None and not _scale_ok(scale):
+        reason = _SCALE_REASON
+    elif _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
         reason = _plain_reason(query, key, value)
         if reason is None:  # flashtx.attention's own path for this call, its checks already made here
             return functional._run(query, key, value, scale=resolve_scale("scale", scale, query.shape[3]),

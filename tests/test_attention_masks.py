@@ -312,6 +312,15 @@ def test_unpad_pad_round_trip_and_padded_equals_varlen():
     assert torch.allclose(flashtx.pad_input(packed_out, idx, B, S).float(), padded.float(), atol=2e-3)
 
 
+def test_unpad_input_reads_any_nonzero_as_real_and_checks_the_mask_shape():
+    x = randn(2, 4, 3)
+    xu, idx, cu, max_len, seqlens = flashtx.unpad_input(x, torch.tensor([[0, 2, 1, 1], [1, -1, 1, 0]], device=DEVICE))
+    assert seqlens.tolist() == [3, 3] and cu.tolist() == [0, 3, 6] and max_len == 3  # counts agree with the rows
+    assert idx.tolist() == [1, 2, 3, 4, 5, 6] and torch.equal(xu, x.reshape(8, 3)[idx])
+    with pytest.raises(ValueError, match=r"attention_mask must be a \(B, S\) = \(2, 4\) tensor .*got \(2, 3\)"):
+        flashtx.unpad_input(x, torch.ones(2, 3, dtype=torch.bool, device=DEVICE))
+
+
 def test_varlen_traces_under_torch_compile_with_tensor_max_seqlen():
     import torch._dynamo
 

@@ -138,6 +138,12 @@ FALLBACKS = {  # id: (make inputs -> (args, kwargs), reason the warning names)
     "rank-mismatch": (lambda: ((randn(2, 2, 5, 8), randn(5, 8), randn(5, 8)), {}), "query, key, value must have the same rank"),
     "unbatched-key": (lambda: ((randn(2, 2, 5, 8), randn(2, 5, 8), randn(2, 5, 8)), {}),
                       "query, key, value must have the same rank"),
+    # scales torch takes and flashtx's float32 kernels do not (a plain call, and one with a mask)
+    "scale-tiny": (lambda: ((randn(1, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)), dict(scale=1e-40)),
+                   r"a scale outside flashtx's range"),
+    "scale-huge-masked": (lambda: ((randn(1, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)),
+                                   dict(scale=1e35, attn_mask=torch.ones(5, 5, dtype=torch.bool, device=DEVICE))),
+                          r"a scale outside flashtx's range"),
 }
 
 

@@ -280,8 +280,9 @@ class PagedKVCache:
 
     def allocate(self, seq: int, num_tokens: int) -> None:
         """Give sequence `seq` pages for its first num_tokens positions (host-side; keeps existing ones)."""
-        if not 0 <= seq < self.batch_size:
-            raise IndexError(f"seq must be in [0, {self.batch_size}); got {seq}")
+        self._check_seq(seq)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0; got {num_tokens!r}")
         need = -(-num_tokens // self.page_size)
         if need > self.block_table.shape[1]:
             raise ValueError(f"PagedKVCache: sequence {seq} would need {need} pages for {num_tokens} tokens, more than "
@@ -295,6 +296,10 @@ class PagedKVCache:
             self.block_table[seq, len(have):need] = torch.tensor(new, dtype=torch.int32)
             have += new
 
+    def _check_seq(self, seq) -> None:
+        if isinstance(seq, bool) or not isinstance(seq, numbers.Integral) or not 0 <= seq < self.batch_size:
+            raise IndexError(f"seq must be an int in [0, {self.batch_size}) (the batch index); got {seq!r}")
+
     def allocate_all(self, num_tokens: int) -> "PagedKVCache":
         """allocate(b, num_tokens) for every sequence, e.g. before compiling or capturing a decode step."""
         for b in range(self.batch_size):
@@ -303,6 +308,7 @@ class PagedKVCache:
 
     def free(self, seq: int) -> None:
         """Return sequence `seq`'s pages to the pool and empty it."""
+        self._check_seq(seq)
         self._free.extend(reversed(self._pages[seq]))
         self._pages[seq] = []
         self.block_table[seq].fill_(-1)
