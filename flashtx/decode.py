@@ -63,7 +63,8 @@ def _check_writable_caches(k_cache: Tensor, v_cache: Tensor, paged: bool) -> Non
             raise ValueError(f"{name} has stride 0 along {dup} (an expanded view, shape {tuple(t.shape)}, strides "
                              f"{t.stride()}): appending k, v would write one memory slot for several; pass a cache "
                              "with its own memory per slot")
-    if views_overlap(k_cache, v_cache):
+    if k_cache is v_cache or (not torch.compiler.is_compiling() and views_overlap(k_cache, v_cache)):  # (storage
+        # addresses are not traceable: a compiled step checks identity only)
         raise ValueError("k_cache and v_cache share memory: appending v would overwrite k; pass separate buffers "
                          "(or non-overlapping slices of one)")
 
