@@ -78,18 +78,21 @@ def _capture(fn, args, backward: bool) -> dict:
     out = compiled(*args)
     if backward:
         out.backward()
-    kernels, scatters = [], []
+    kernels, scatters, written = [], [], {}
     for gm in graphs:
         names, copied = [], []
         for n in gm.graph.nodes:
             if "triton_kernel_wrapper" in str(n.target) or "TritonKernelWrapper" in type(n.target).__name__:
                 k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
                 names.append(getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", "?"))
+                # the arguments torch's analysis of the kernel's TTIR takes as written (functionalised: cloned)
+                written.setdefault(names[-1], set()).update(n.kwargs.get("tensors_to_clone", ()))
             elif "scatter" in str(n.target):  # a kernel that wrote through a view: copied back over its base
                 copied.append(str(n.target))
         kernels.append(names)
         scatters.append(copied)
-    return {"kernels": kernels, "scatters": scatters}  # fullgraph=True: a graph break would have raised
+    return {"kernels": kernels, "scatters": scatters,  # fullgraph=True: a graph break would have raised
+            "written": {k: sorted(v) for k, v in written.items()}}
 
 
 def cases() -> dict:
@@ -123,9 +126,27 @@ def cases() -> dict:
     def block_step(x):
         return block(x).float().sum()
 
-    def decode(q, k_new, v_new, k_cache, v_cache, seqlens):  # one step of generation, appending in place
+    def decode(q, k_new, v_new, k_cache, v_cache, seqlens, block_table=None):  # one generation step, appending
         return flashtx.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
-                                               causal=True).float().sum()
+                                               block_table=block_table, causal=True).float().sum()
+
+    def varlen(q, k, v, cu):  # packed sequences (lengths 40 + 24) with a tensor cu_seqlens
+        return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True).float().sum()
+
+    def dropout(q, k, v):  # the Philox seed drawn from torch's generator, the mask regenerated in the backward
+        return flashtx.attention(q, k, v, dropout_p=0.1, is_causal=True).float().sum()
+
+    def probs(q, k, v):
+        out, lse, p = flashtx.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        return out.float().sum() + lse.sum() + p.float().sum()
+
+    cos, sin = (torch.randn(64, 8) for _ in range(2))
+
+    def rope_varlen(x, cu):
+        return flashtx.apply_rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=40).float().sum()
+
+    def swiglu_packed(x):
+        return flashtx.swiglu_packed(x).float().sum()
 
     key_mask = torch.ones(2, 64, dtype=torch.bool)
     key_mask[1, 50:] = False
@@ -140,6 +161,17 @@ def cases() -> dict:
                                                                             for _ in range(2)),
                             *(torch.randn(2, 256, 2, 64, dtype=torch.float16) for _ in range(2)),
                             torch.tensor([100, 37], dtype=torch.int32)], False),
+        "decode-paged": (decode, [torch.randn(2, 1, 8, 64, dtype=torch.float16),
+                                  *(torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2)),
+                                  *(torch.randn(8, 64, 2, 64, dtype=torch.float16) for _ in range(2)),
+                                  torch.tensor([100, 37], dtype=torch.int32),
+                                  torch.arange(8, dtype=torch.int32).view(2, 4)], False),  # pages of 64
+        "varlen": (varlen, [*qkv(64, 4, 64), torch.tensor([0, 40, 64], dtype=torch.int32)], True),
+        "dropout": (dropout, qkv(2, 4, 64, 64), True),
+        "attn-probs": (probs, qkv(2, 64, 4, 64), True),
+        "rope-varlen": (rope_varlen, [torch.randn(64, 4, 16, dtype=torch.float16, requires_grad=True),
+                                      torch.tensor([0, 40, 64], dtype=torch.int32)], True),
+        "swiglu-packed": (swiglu_packed, [torch.randn(2, 64, 96, dtype=torch.float16, requires_grad=True)], True),
     }
 
 

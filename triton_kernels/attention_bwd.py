@@ -157,8 +157,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
     kvh = pid_h // SPLIT
     per_prog = GROUP // SPLIT
     g0 = (pid_h % SPLIT) * per_prog
+    lq, lk, cq0, cq1, ck0, ck1 = b, b, b, b, b, b  # read by seq_bounds only under LENS / VARLEN
+    if LENS:
+        lq, lk = tl.load(Q_LENS + b), tl.load(KV_LENS + b)
+    if VARLEN:
+        cq0, cq1, ck0, ck1 = tl.load(CU_Q + b), tl.load(CU_Q + b + 1), tl.load(CU_K + b), tl.load(CU_K + b + 1)
     q_start, k_start, Sq_b, Sk_b, Sq_mem, Sk_mem, causal_shift, window_shift = seq_bounds(
-        b, Sq, Sk, Q_LENS, KV_LENS, CU_Q, CU_K, bottom_right, right, left, LENS, VARLEN)
+        b, Sq, Sk, lq, lk, cq0, cq1, ck0, ck1, bottom_right, right, left, LENS, VARLEN)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -365,8 +370,13 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
     drop_scale = scalar_in(drop_scale_hi, drop_scale_lo, ACC)
     for bi in range(0, n_b):
         b = tl.program_id(2) + bi  # grid (q tiles, heads, batch); a summed axis has size 1
+        lq, lk, cq0, cq1, ck0, ck1 = b, b, b, b, b, b  # read by seq_bounds only under LENS / VARLEN
+        if LENS:
+            lq, lk = tl.load(Q_LENS + b), tl.load(KV_LENS + b)
+        if VARLEN:
+            cq0, cq1, ck0, ck1 = tl.load(CU_Q + b), tl.load(CU_Q + b + 1), tl.load(CU_K + b), tl.load(CU_K + b + 1)
         q_start, k_start, Sq_b, Sk_b, Sq_mem, Sk_mem, causal_shift, window_shift = seq_bounds(
-            b, Sq, Sk, Q_LENS, KV_LENS, CU_Q, CU_K, bottom_right, right, left, LENS, VARLEN)
+            b, Sq, Sk, lq, lk, cq0, cq1, ck0, ck1, bottom_right, right, left, LENS, VARLEN)
         row_ok = offs_m < Sq_b
         for hi_ in range(0, n_h):
             h = tl.program_id(1) + hi_

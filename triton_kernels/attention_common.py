@@ -43,13 +43,17 @@ def scalar_in(hi, lo, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def seq_bounds(b, Sq, Sk, Q_LENS, KV_LENS, CU_Q, CU_K, bottom_right, right, left,
+def seq_bounds(b, Sq, Sk, lq, lk, cq0, cq1, ck0, ck1, bottom_right, right, left,
                LENS: tl.constexpr, VARLEN: tl.constexpr):
     """Sequence b's (q_start, k_start, Sq_b, Sk_b, Sq_mem, Sk_mem, causal_shift, window_shift).
 
+    lq, lk: Q_LENS[b], KV_LENS[b] (read only when LENS); cq0, cq1, ck0, ck1: CU_Q[b], CU_Q[b + 1], CU_K[b],
+    CU_K[b + 1] (only when VARLEN). The kernels load them themselves, before the call: torch.compile's
+    analysis of a traced kernel counts a pointer passed to a helper whose result addresses a store as written,
+    which makes cu_seqlens a mutated input (a copy in every forward; a failed partition in training).
     q_start/k_start: row offsets of the sequence (0 unless VARLEN); see the module docstring.
     """
-    q_start = b * 0  # int32 scalars, as the loads below give
+    q_start = b * 0  # int32 scalars, as the loads give
     k_start = b * 0
     Sq_b = Sq
     Sk_b = Sk
@@ -57,13 +61,13 @@ def seq_bounds(b, Sq, Sk, Q_LENS, KV_LENS, CU_Q, CU_K, bottom_right, right, left
     Sk_mem = Sk
     if LENS:  # right padding: per-batch lengths, clamped to the padded length
         # clamp in the loaded dtype, then cast: an int64 2**32 + 3 is 'all rows', not 3
-        Sq_b = tl.minimum(tl.maximum(tl.load(Q_LENS + b), 0), Sq).to(tl.int32)
-        Sk_b = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), Sk).to(tl.int32)
+        Sq_b = tl.minimum(tl.maximum(lq, 0), Sq).to(tl.int32)
+        Sk_b = tl.minimum(tl.maximum(lk, 0), Sk).to(tl.int32)
     if VARLEN:  # packed: sequence b is rows [cu[b], cu[b+1]) of the (total, H, D) tensors
-        q_start = tl.load(CU_Q + b).to(tl.int32)
-        k_start = tl.load(CU_K + b).to(tl.int32)
-        Sq_b = tl.load(CU_Q + b + 1).to(tl.int32) - q_start
-        Sk_b = tl.load(CU_K + b + 1).to(tl.int32) - k_start
+        q_start = cq0.to(tl.int32)
+        k_start = ck0.to(tl.int32)
+        Sq_b = cq1.to(tl.int32) - q_start
+        Sk_b = ck1.to(tl.int32) - k_start
         Sq_mem = Sq_b
         Sk_mem = Sk_b
     align = (Sk_b - Sq_b) * bottom_right

@@ -104,8 +104,13 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
     b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
     kvh = h // GROUP  # GQA/MQA: q heads [kvh*GROUP, (kvh+1)*GROUP) share K/V head kvh
     m0 = pid_m * BLOCK_M
+    lq, lk, cq0, cq1, ck0, ck1 = b, b, b, b, b, b  # read by seq_bounds only under LENS / VARLEN
+    if LENS:
+        lq, lk = tl.load(Q_LENS + b), tl.load(KV_LENS + b)
+    if VARLEN:
+        cq0, cq1, ck0, ck1 = tl.load(CU_Q + b), tl.load(CU_Q + b + 1), tl.load(CU_K + b), tl.load(CU_K + b + 1)
     q_start, k_start, Sq_b, Sk_b, Sq_mem, Sk_mem, causal_shift, window_shift = seq_bounds(
-        b, Sq, Sk, Q_LENS, KV_LENS, CU_Q, CU_K, bottom_right, right, left, LENS, VARLEN)
+        b, Sq, Sk, lq, lk, cq0, cq1, ck0, ck1, bottom_right, right, left, LENS, VARLEN)
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
     v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn

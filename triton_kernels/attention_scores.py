@@ -39,8 +39,13 @@ def _attn_probs(Q, K, M2, L2, OUT, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, 
     offs_m = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
+    lq, lk, cq0, cq1, ck0, ck1 = b, b, b, b, b, b  # read by seq_bounds only under LENS / VARLEN
+    if LENS:
+        lq, lk = tl.load(Q_LENS + b), tl.load(KV_LENS + b)
+    if VARLEN:
+        cq0, cq1, ck0, ck1 = tl.load(CU_Q + b), tl.load(CU_Q + b + 1), tl.load(CU_K + b), tl.load(CU_K + b + 1)
     q_start, k_start, Sq_b, Sk_b, Sq_mem, Sk_mem, causal_shift, window_shift = seq_bounds(
-        b, Sq, Sk, Q_LENS, KV_LENS, CU_Q, CU_K, bottom_right, right, left, LENS, VARLEN)
+        b, Sq, Sk, lq, lk, cq0, cq1, ck0, ck1, bottom_right, right, left, LENS, VARLEN)
     softcap2, log2e, slope2, seed = modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo,
                                                      log2e_hi, log2e_lo, ALIBI, DROPOUT, ACC)
     row_ok = offs_m < Sq_b

@@ -36,11 +36,13 @@ from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, 
 
 
 @triton.jit
-def _cache_rows(pos, ok, b, cb, BT, stride_btb, stride_cb, stride_cn, PAGE, PAGED: tl.constexpr):
-    """int64 offsets of logical positions `pos` of sequence b (cache row cb) in a cache."""
+def _cache_rows(pos, page, cb, stride_cb, stride_cn, PAGE, PAGED: tl.constexpr):
+    """int64 offsets of logical positions `pos` of a sequence in a cache: paged, in the pages `page` (its
+    block_table entries at pos // PAGE, loaded by the caller: torch.compile's analysis of a traced kernel counts
+    a pointer passed to a helper whose result addresses a store as written, so block_table would be a mutated
+    input); else in cache row cb."""
     if PAGED:
-        page = tl.load(BT + b.to(tl.int64) * stride_btb + pos // PAGE, mask=ok, other=0).to(tl.int64)
-        return page * stride_cb + (pos % PAGE).to(tl.int64) * stride_cn
+        return page.to(tl.int64) * stride_cb + (pos % PAGE).to(tl.int64) * stride_cn
     else:
         return cb * stride_cb + pos.to(tl.int64) * stride_cn
 
@@ -108,8 +110,11 @@ def _kv_append(Q, QO, KN, VN, KC, VC, COS, SIN, SEQLENS, BIDX, BT,
         cb = b.to(tl.int64)
         if BATCH_IDX:
             cb = tl.load(BIDX + b).to(tl.int64)
-        row = _cache_rows(pos, ok, b, cb, BT, stride_btb, stride_kcb, stride_kcn, PAGE, PAGED)
-        vrow = _cache_rows(pos, ok, b, cb, BT, stride_btb, stride_vcb, stride_vcn, PAGE, PAGED)
+        page = pos  # block_table entries of the positions (paged only)
+        if PAGED:
+            page = tl.load(BT + b.to(tl.int64) * stride_btb + pos // PAGE, mask=ok, other=0)
+        row = _cache_rows(pos, page, cb, stride_kcb, stride_kcn, PAGE, PAGED)
+        vrow = _cache_rows(pos, page, cb, stride_vcb, stride_vcn, PAGE, PAGED)
         ck = j.to(ACC) * 0.0 + 1.0
         sk = j.to(ACC) * 0.0
         if ROTARY:
@@ -187,8 +192,11 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL,
     for n0 in range(s_lo, s_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n >= lo) & (offs_n < hi)  # never read outside [start, end): pages there may be unset
-        krow = _cache_rows(offs_n, n_ok, b, cb, BT, stride_btb, stride_kb, stride_kn, PAGE, PAGED)
-        vrow = _cache_rows(offs_n, n_ok, b, cb, BT, stride_btb, stride_vb, stride_vn, PAGE, PAGED)
+        page = offs_n  # block_table entries of the keys (paged only)
+        if PAGED:
+            page = tl.load(BT + b.to(tl.int64) * stride_btb + offs_n // PAGE, mask=n_ok, other=0)
+        krow = _cache_rows(offs_n, page, cb, stride_kb, stride_kn, PAGE, PAGED)
+        vrow = _cache_rows(offs_n, page, cb, stride_vb, stride_vn, PAGE, PAGED)
         kt = tl.load(KC + krow[None, :] + kvh.to(tl.int64) * stride_kh + offs_d[:, None] * stride_kd,
                      mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # (D, N)
         v = tl.load(VC + vrow[:, None] + kvh.to(tl.int64) * stride_vh + offs_dv[None, :] * stride_vd,
