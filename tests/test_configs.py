@@ -2,6 +2,7 @@
 selected on its own architecture, plain launches unaffected by modifier-specific entries.
 No compiling here (tests/test_compile.py compiles every entry)."""
 import pytest
+import torch
 
 from flashtx.triton_kernels import configs
 from flashtx.triton_kernels.configs import KNOWN_TARGETS, TABLES, family, select_config
@@ -115,3 +116,21 @@ def test_an_unknown_small_part_falls_back_to_entries_that_fit():
     assert select_config("attn_bwd_dkdv", 128, 128, 2, tiny) == TABLES["sm86"]["attn_bwd_dkdv"][2][128]
     with pytest.raises(RuntimeError, match="no attn_fwd config fits"):
         select_config("attn_fwd", 256, 256, 4, configs.Target(90, 10_000))
+
+
+def test_cuda_target_reads_the_device_properties(monkeypatch):
+    """The Target of a CUDA device (a stand-in for torch.cuda.get_device_properties): its arch, the opt-in shared
+    memory per block and the SM count; a torch without the opt-in field falls back to the arch's table value."""
+    import types
+
+    from flashtx.triton_kernels import configs as cfgs
+
+    props = {0: types.SimpleNamespace(major=8, minor=6, shared_memory_per_block_optin=101_376, multi_processor_count=82),
+             1: types.SimpleNamespace(major=9, minor=0, multi_processor_count=132)}  # no opt-in field
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    try:
+        cfgs.cuda_target.cache_clear()
+        assert cfgs.cuda_target(0) == cfgs.Target(86, 101_376, sm_count=82)
+        assert cfgs.cuda_target(1) == cfgs.Target(90, cfgs.KNOWN_TARGETS[90].max_shared, sm_count=132)
+    finally:
+        cfgs.cuda_target.cache_clear()
