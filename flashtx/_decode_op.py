@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Optional
 
 import torch
@@ -175,8 +176,10 @@ def select(q: Tensor, k_cache: Tensor, v_cache: Tensor, backend: str | None, cal
                                                                     v_cache.shape[-1])))
         if name is not None:
             return name
-    return _dispatch.plan_kinds("kvcache_attention", backend, dev.type, dev.index, q.dtype, int(q.shape[-1]),
-                                int(v_cache.shape[-1]))
+    # operator.index, not int(): under torch.compile with dynamic shapes it specializes a symbolic head dim (a
+    # guard), where int() keeps it symbolic and the constant-result call could not take it (a graph break)
+    return _dispatch.plan_kinds("kvcache_attention", backend, dev.type, dev.index, q.dtype,
+                                operator.index(q.shape[-1]), operator.index(v_cache.shape[-1]))
 
 
 def _standin(device, dtype, d: int, dv: int) -> DecodeInputs:

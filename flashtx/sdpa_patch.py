@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import operator
 import warnings
 
 import torch
@@ -54,8 +55,9 @@ def _plain_reason(query, key, value) -> str | None:
     kind = query.device.type
     if kind == _GPU:  # first: flashtx.testing_gpu_trace stands CPU calls in for CUDA ones
         needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-        return _fast_reason(kind, query.device.index, query.dtype, query.shape[3], value.shape[3], False,
-                            int(needs_grad))
+        # operator.index: a head dim that is symbolic under torch.compile (dynamic shapes) is specialized (a guard)
+        return _fast_reason(kind, query.device.index, query.dtype, operator.index(query.shape[3]),
+                            operator.index(value.shape[3]), False, int(needs_grad))
     return None if kind == "cpu" else "query, key, value must be on one CUDA or CPU device"
 
 
@@ -113,7 +115,8 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if query.device.type == _GPU:
         needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         bias_grad = needs_grad and attn_mask is not None and attn_mask.requires_grad
-        return _fast_reason(query.device.type, query.device.index, query.dtype, query.shape[-1], value.shape[-1],
+        return _fast_reason(query.device.type, query.device.index, query.dtype, operator.index(query.shape[-1]),
+                            operator.index(value.shape[-1]),
                             attn_mask is not None and attn_mask.dtype != torch.bool, 2 if bias_grad else int(needs_grad))
     return None
 

@@ -17,7 +17,7 @@ captured graph (forward, then backward) and its scatter ops (what functionalizat
 writes through a view of a tensor: a copy of the whole base), or the error (a graph break raises under
 fullgraph=True).
 
-    python -m flashtx.testing_gpu_trace [CASE ...]
+    python -m flashtx.testing_gpu_trace [--dynamic] [CASE ...]
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _install_standins() -> None:
     launch.target_for = lambda t: sm86
 
 
-def _capture(fn, args, backward: bool) -> dict:
+def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
     import torch
     import torch._dynamo
     from functorch.compile import make_boxed_func
@@ -64,17 +64,23 @@ def _capture(fn, args, backward: bool) -> dict:
         graphs.append(gm)
         outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
 
+        def concrete(sizes):  # a dynamic-shape trace's sizes at the example inputs'
+            return [int(s.node.hint) if isinstance(s, torch.SymInt) else s for s in sizes]
+
         def standin(*a):  # outputs of the right metadata: nothing can run here
             res = []
             for o in outs:
                 val = getattr(o, "meta", {}).get("val") if o is not None else None
-                res.append(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype)
-                           if isinstance(val, torch.Tensor) else None)
+                if isinstance(val, torch.Tensor):
+                    res.append(torch.empty_strided(concrete(val.shape), concrete(val.stride()), dtype=val.dtype))
+                else:  # a size saved for the backward (dynamic shapes), or nothing
+                    res.append(concrete([val])[0] if isinstance(val, (int, torch.SymInt)) else None)
             return res
         return make_boxed_func(standin)
 
     torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler))
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic or None,
+                             backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler))
     out = compiled(*args)
     if backward:
         out.backward()
@@ -182,12 +188,14 @@ def main(argv: list[str]) -> int:
     import flashtx.triton_kernels.attention_fwd  # noqa: F401
 
     _install_standins()
+    dynamic = "--dynamic" in argv  # every size symbolic (torch.compile(dynamic=True)), head dims included
+    argv = [a for a in argv if a != "--dynamic"]
     results = {}
     for name, (fn, args, backward) in cases().items():
         if argv and name not in argv:
             continue
         try:
-            results[name] = _capture(fn, args, backward)
+            results[name] = _capture(fn, args, backward, dynamic)
         except Exception as exc:  # reported, and the test fails on it
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
     print(json.dumps(results, indent=1))

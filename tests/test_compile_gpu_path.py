@@ -19,14 +19,23 @@ OUTPUTS = {"O", "M2", "L2", "DELTA", "DK", "DV", "DQ", "DB", "QO", "KO", "OUT1",
 BWD = ["_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
 
 
-@pytest.fixture(scope="module")
-def traced():
+def _trace(*flags) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "flashtx.testing_gpu_trace"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "flashtx.testing_gpu_trace", *flags], capture_output=True, text=True,
                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return _trace()
+
+
+@pytest.fixture(scope="module")
+def traced_dynamic():
+    return _trace("--dynamic")
 
 
 @pytest.mark.parametrize("case,fwd,bwd", [
@@ -60,3 +69,11 @@ def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):
     # every call, and in a backward kernel it fails AOTAutograd's partition ("was invalid, but is output")
     wrong = {k: sorted(set(w) - OUTPUTS) for k, w in res["written"].items() if set(w) - OUTPUTS}
     assert not wrong, wrong
+
+
+def test_every_case_traces_with_dynamic_shapes(traced_dynamic):
+    """torch.compile(dynamic=True): every size symbolic, head dims included (a dynamic head dim reaching a
+    constant-result dispatch call graph-broke the patched SDPA and the decode step until 2026-12-01)."""
+    errors = {case: res["error"][:500] for case, res in traced_dynamic.items() if "error" in res}
+    assert not errors, errors
+    assert len(traced_dynamic) >= 12
