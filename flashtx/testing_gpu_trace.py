@@ -101,6 +101,24 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
             "written": {k: sorted(v) for k, v in written.items()}}
 
 
+def _hf_llama():
+    """A two-layer fp16 LlamaForCausalLM on flashtx (attention, RoPE, SwiGLU); None without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    import torch
+
+    from flashtx.integrations import transformers as ftx
+
+    ftx.register()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   pad_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ftx.NAME).to(torch.float16)
+    return ftx.apply_flashtx(model)
+
+
 def cases() -> dict:
     """name -> (function, inputs, backward?)."""
     import torch
@@ -154,6 +172,14 @@ def cases() -> dict:
     def swiglu_packed(x):
         return flashtx.swiglu_packed(x).float().sum()
 
+    hf = _hf_llama()
+
+    def hf_llama(ids, mask):  # attn_implementation="ftx" plus apply_flashtx's RoPE and SwiGLU, left padding
+        return hf(input_ids=ids, attention_mask=mask, labels=ids).loss
+
+    left_padded = torch.ones(2, 32, dtype=torch.long)
+    left_padded[1, :5] = 0
+
     key_mask = torch.ones(2, 64, dtype=torch.bool)
     key_mask[1, 50:] = False
     bias = torch.randn(1, 4, 64, 64, dtype=torch.float16, requires_grad=True)
@@ -172,6 +198,7 @@ def cases() -> dict:
                                   *(torch.randn(8, 64, 2, 64, dtype=torch.float16) for _ in range(2)),
                                   torch.tensor([100, 37], dtype=torch.int32),
                                   torch.arange(8, dtype=torch.int32).view(2, 4)], False),  # pages of 64
+        **({} if hf is None else {"hf-llama": (hf_llama, [torch.randint(3, 64, (2, 32)), left_padded], True)}),
         "varlen": (varlen, [*qkv(64, 4, 64), torch.tensor([0, 40, 64], dtype=torch.int32)], True),
         "dropout": (dropout, qkv(2, 4, 64, 64), True),
         "attn-probs": (probs, qkv(2, 64, 4, 64), True),

@@ -53,8 +53,12 @@ def traced_dynamic():
     ("attn-probs", FWD, BWD),  # the probabilities themselves come from an opaque custom op (O(N^2), for tests)
     ("rope-varlen", ["_rotary_kernel"], ["_rotary_kernel"]),
     ("swiglu-packed", ["_swiglu_kernel"], ["_swiglu_kernel"]),
+    # a transformers LlamaForCausalLM (attn_implementation="ftx" + apply_flashtx), left-padded, loss backward
+    ("hf-llama", FWD + ["_rotary_kernel", "_swiglu_kernel"], BWD + ["_rotary_kernel", "_swiglu_kernel"]),
 ])
 def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):
+    if case == "hf-llama":
+        pytest.importorskip("transformers")
     res = traced[case]
     assert "error" not in res, res.get("error")
     graphs = res["kernels"]
