@@ -98,15 +98,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens: (B,) int32 (int64 accepted) or an int: tokens already in each sequence's
             cache (before the append); None = the whole cache is in use.
         cache_batch_idx: (B,) int32: sequence b uses cache row cache_batch_idx[b] (contiguous
-            caches only; distinct rows when appending). Default b.
+            caches only; distinct rows when appending: refused on every device). Default b.
         cache_leftpad: (B,) int32: sequence b's keys start at cache index cache_leftpad[b] (left
             padding); positions (RoPE, causal, ALiBi) stay cache indices, as flash-attn's.
         block_table: (B, max_pages_per_seq) int32 page indices for a paged cache: position j of
             sequence b is row j % page_size of page block_table[b, j // page_size]. Entries past a
             sequence's length are never read. Sequences may share pages they only read (a common
             prefix), but no two may append into the same page row (refused for CPU tensors; on a GPU
-            the caller must ensure it, as with flash-attn). A cache with stride 0 in its first dim (an
-            expanded view) is refused when appending.
+            the caller must ensure it, as with flash-attn). When appending, caches whose slots share
+            memory (stride 0: an expanded view) or that share memory with each other are refused.
         softmax_scale: default 1 / sqrt(D).
         causal, window_size: aligned bottom-right: query i sits at position L_b - Sq + i, where
             L_b = cache_seqlens[b] + Snew, and sees keys j <= that + right (causal: right = 0) and
@@ -236,7 +236,8 @@ def _assert_message(leftpad: bool, batch_idx: bool, paged: bool, rotary: bool) -
     if leftpad:
         conds.append("cache_leftpad must be in [0, cache_seqlens + Snew]")
     if batch_idx:
-        conds.append("cache_batch_idx must be in [0, k_cache.shape[0])")
+        conds.append("cache_batch_idx must be in [0, k_cache.shape[0]) (and name no row twice when k, v are "
+                     "appended)")
     if paged:
         conds.append("the block_table entries of the pages in use must be in [0, num_pages)")
     if rotary:
@@ -296,9 +297,10 @@ def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Sne
         _check_values((bi >= 0) & (bi < k_cache.shape[0]), readable,
                       lambda ok: f"cache_batch_idx[{_first_bad(ok)}] = {int(bi[_first_bad(ok)])} is out of range "
                                  f"for a cache of {k_cache.shape[0]} rows", "cache_batch_idx")
-        if Snew and readable and bi.unique().numel() != bi.numel():
-            raise ValueError("cache_batch_idx must not repeat a row when k, v are appended (two sequences would "
-                             "write the same cache row)")
+        if Snew and bi.numel() > 1:  # sorted neighbours differ: no row twice (no sync, unlike unique())
+            srt = bi.sort().values
+            _check_values(srt[1:] != srt[:-1], readable, lambda ok: "cache_batch_idx must not repeat a row when k, "
+                          "v are appended (two sequences would write the same cache row)", "cache_batch_idx")
     if block_table is not None:
         page = k_cache.shape[1]
         used = torch.arange(block_table.shape[1], device=q.device)[None, :] * page < end[:, None]  # (B, pages)

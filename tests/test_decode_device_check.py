@@ -113,6 +113,23 @@ def test_contiguous_cache_batch_idx_and_the_message(device_path):
         _run(a)
 
 
+@pytest.mark.parametrize("checker", ["triton", "torch ops"])
+def test_a_repeated_cache_row_is_refused_when_appending(device_path, monkeypatch, checker):
+    """Two sequences appending into one cache row would race on a GPU: the device check refuses a repeated
+    cache_batch_idx when k, v are appended (the check kernel, or the torch-ops check without Triton), and
+    lets it pass when nothing is appended (reading one row twice is fine)."""
+    if checker == "torch ops":
+        monkeypatch.setattr(fd, "_triton_checks", lambda *a: False)
+    a = _args(None)
+    a.update(cache_batch_idx=torch.tensor([2, 2], dtype=torch.int32, device=DEVICE))
+    kc0 = a["k_cache"].clone()
+    with pytest.raises(RuntimeError, match=MESSAGE if checker == "triton" else "cache_batch_idx"):
+        _run(a)
+    assert torch.equal(a["k_cache"], kc0)
+    a.update(k=None, v=None)
+    _run(a)
+
+
 def test_an_unused_out_of_range_page_passes(device_path):
     a = _args(16, lens=(3, 40))
     a["block_table"][0, 1:] = -7  # sequence 0 ends at 4 (page 0): its other entries are never read

@@ -337,8 +337,8 @@ def test_decode_append_into_one_slot_twice_is_refused(kind):
     """Two sequences whose appended tokens land in one cache slot would overwrite each other (one attending to
     the other's new key; a race on a GPU): a stride-0 cache dim (batch or positions) or k_cache sharing v_cache's
     memory is refused from strides and storage (on every device),
-    a block_table that shares a page at the append positions from its values (host-side, as the repeated
-    cache_batch_idx check: on CPU tensors)."""
+    a block_table that shares a page at the append positions from its values (host-side: on CPU tensors; a
+    repeated cache_batch_idx is refused on every device, tests/test_decode_device_check.py)."""
     if kind == "shared page" and ON_GPU:
         pytest.skip("the shared-page check reads block_table on the host: CPU tensors only (see the note)")
     try:

@@ -8,7 +8,8 @@ append and attention kernels run (a device-side assert stops every later kernel 
 
 - 0 <= cache_seqlens[b] and end_b = cache_seqlens[b] + Snew <= the cache's capacity;
 - 0 <= cache_leftpad[b] <= end_b;
-- 0 <= cache_batch_idx[b] < k_cache.shape[0];
+- 0 <= cache_batch_idx[b] < k_cache.shape[0], and, when k, v are appended, no row twice (two sequences would
+  write one cache row);
 - 0 <= block_table[b, p] < num_pages (= k_cache.shape[0]) for every page the sequence uses
   (p * page_size < end_b: entries past a sequence's length are never read, so they may hold anything);
 - the last rotated position, max(end_b - 1, cache_seqlens[b] + q_extra), is a row of the RoPE tables.
@@ -26,7 +27,7 @@ from .launch import LAUNCHES, Launch, target_for
 @triton.jit
 def _decode_check(FLAG, SEQLENS, LEFTPAD, BIDX, BT, B, SNEW, CAPACITY, ROWS, stride_btb, PAGES, PAGE, COS_ROWS,
                   Q_EXTRA, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, LEFTPAD_ON: tl.constexpr,
-                  BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, ROTARY: tl.constexpr):
+                  BATCH_IDX: tl.constexpr, DISTINCT: tl.constexpr, PAGED: tl.constexpr, ROTARY: tl.constexpr):
     """One program over the batch in BLOCK_B blocks (and each block's table in BLOCK_P columns)."""
     bad = tl.zeros([BLOCK_B], dtype=tl.int32)
     for b0 in range(0, B, BLOCK_B):
@@ -41,6 +42,12 @@ def _decode_check(FLAG, SEQLENS, LEFTPAD, BIDX, BT, B, SNEW, CAPACITY, ROWS, str
         if BATCH_IDX:
             bi = tl.load(BIDX + offs, mask=live, other=0).to(tl.int64)
             ok = ok & (bi >= 0) & (bi < ROWS)
+            if DISTINCT:  # appending: no two sequences may write one cache row
+                for c0 in range(0, B, BLOCK_B):
+                    offs2 = c0 + tl.arange(0, BLOCK_B)
+                    bi2 = tl.load(BIDX + offs2, mask=offs2 < B, other=0).to(tl.int64)
+                    same = (bi[:, None] == bi2[None, :]) & (offs[:, None] != offs2[None, :]) & (offs2[None, :] < B)
+                    ok = ok & (tl.max(same.to(tl.int32), 1) == 0)
         if ROTARY:
             ok = ok & (tl.maximum(end - 1, lens + Q_EXTRA) < COS_ROWS)
         if PAGED:
@@ -80,7 +87,8 @@ def plan_check(flag, seqlens, leftpad, batch_idx, block_table, *, snew: int, cap
                 stride_btb=block_table.stride(0) if paged else 0, PAGES=pages,
                 PAGE=int(page) if paged else 1, COS_ROWS=max(int(cos_rows), 0),
                 Q_EXTRA=int(q_extra), BLOCK_B=block_b, BLOCK_P=block_p, LEFTPAD_ON=leftpad is not None,
-                BATCH_IDX=batch_idx is not None, PAGED=paged, ROTARY=cos_rows >= 0)
+                BATCH_IDX=batch_idx is not None, DISTINCT=batch_idx is not None and snew > 0, PAGED=paged,
+                ROTARY=cos_rows >= 0)
     warps = 1 if (target or target_for(seqlens)) is INTERPRETER_TARGET else 4
     return Launch(_decode_check, (1,), args, ElementwiseConfig(block_b, block_p, warps, 1))
 
@@ -104,7 +112,8 @@ def compile_plans(target) -> list:
     caches, int32 and int64 indices."""
     plans = []
     for B, paged, opts, dtype in ((2, False, False, torch.int32), (2, False, True, torch.int32),
-                                  (4, True, True, torch.int32), (300, True, True, torch.int64)):
+                                  (4, True, True, torch.int32), (300, True, True, torch.int64),
+                                  (300, False, True, torch.int64)):
         lens = torch.zeros(B, dtype=dtype)
         flag = torch.empty(1, dtype=torch.int32)
         bt = torch.zeros(B, 64, dtype=dtype) if paged else None
