@@ -5,6 +5,7 @@ import torch
 from conftest import DEVICE, randn
 
 import flashtx
+from flashtx.nn import RotaryEmbedding
 
 
 def plain_tables(inv_freq, positions):
@@ -162,3 +163,27 @@ def test_rotary_embedding_call_errors():
         rope("q")
     with pytest.raises(ValueError, match=r"rotary_dim = 2 \* cos.shape\[-1\] = 8"):
         rope(randn(1, 3, 2, 6))  # head dim smaller than the rotary dim
+
+
+def test_tables_built_under_inference_mode_do_not_break_training():
+    """An eval pass under torch.inference_mode caches inference-tensor tables; the next training step rebuilds
+    them (inference tensors cannot be saved for backward) instead of failing."""
+    rope = RotaryEmbedding(8)
+    with torch.inference_mode():
+        rope(randn(1, 4, 2, 8))
+    q = randn(1, 4, 2, 8, requires_grad=True)
+    (g,) = torch.autograd.grad(rope(q).sum(), (q,))
+    assert g.shape == q.shape and torch.isfinite(g).all()
+
+
+def test_built_on_the_meta_device():
+    """`with torch.device("meta")` construction (meta init, FSDP): the tables' frequencies do not come from the
+    (valueless) meta buffer, so after to_empty the module rotates as one built on the device."""
+    from flashtx.nn import TransformerBlock
+
+    with torch.device("meta"):
+        meta = RotaryEmbedding(8)
+        TransformerBlock(32, 4, 2, rotary=RotaryEmbedding(8))
+    meta = meta.to_empty(device=DEVICE)
+    x = randn(1, 5, 2, 8)
+    torch.testing.assert_close(meta(x.clone(), inplace=False), RotaryEmbedding(8).to(DEVICE)(x.clone(), inplace=False))

@@ -63,6 +63,14 @@ def _llama3_inv_freq(inv_freq: Tensor, sc: dict) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _stale(cached, key, seq_len: int, device) -> bool:
+    """Whether the (key, length, cos, sin) table cache must be rebuilt: another rule, too short, another device,
+    or built under torch.inference_mode and now used outside it (inference tensors cannot be saved for backward)."""
+    if cached is None or cached[0] != key or cached[1] < seq_len or cached[2].device != device:
+        return True
+    return not torch.compiler.is_compiling() and cached[2].is_inference() and not torch.is_inference_mode_enabled()
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding with cached fp32 cos/sin tables, applied by the fused kernel.
 
@@ -104,9 +112,10 @@ class RotaryEmbedding(nn.Module):
         self.dim, self.base, self.max_seq_len = int(dim), float(base), int(max_seq_len)
         self.scaling = _parse_scaling(scaling, self.max_seq_len, self.dim)
         self.interleaved = bool(interleaved)
-        inv_freq = self._inv_freq(self.base, device)  # (dim/2,) fp32
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._inv_freq32 = inv_freq.cpu()  # what the tables use: immune to model.half() casting the buffer
+        self.register_buffer("inv_freq", self._inv_freq(self.base, device), persistent=False)  # (dim/2,) fp32
+        # what the tables use: immune to model.half() casting the buffer; computed on the CPU, not copied from the
+        # buffer (a meta-device buffer has no values: `with torch.device("meta")` model construction)
+        self._inv_freq32 = self._inv_freq(self.base, "cpu")
         self._cache: tuple | None = None  # (key, length, cos, sin)
 
     def _inv_freq(self, base: float, device=None) -> Tensor:
@@ -128,12 +137,12 @@ class RotaryEmbedding(nn.Module):
         if sc is not None and sc["type"] == "dynamic" and seq_len > sc["original_max_position_embeddings"]:
             key = ("ntk",)  # frequencies depend on the longest length seen: rebuild when it grows
             cached = self._cache
-            if cached is None or cached[0] != key or cached[1] < seq_len or cached[2].device != device:
+            if _stale(cached, key, seq_len, device):
                 self._cache = (key, seq_len, *self._tables(seq_len, self._ntk_inv_freq(seq_len, device), device))
         else:
             key = ("plain",)
             cached = self._cache
-            if cached is None or cached[0] != key or cached[1] < seq_len or cached[2].device != device:
+            if _stale(cached, key, seq_len, device):
                 length = max(seq_len, self.max_seq_len, 2 * cached[1] if cached and cached[0] == key else 0)
                 self._cache = (key, length, *self._tables(length, self._inv_freq32, device))
         _, _, cos, sin = self._cache
