@@ -42,6 +42,20 @@ def _new_rng(device) -> torch.Tensor:
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)  # out of place: traceable
 
 
+_AUTOCAST_ANY = torch._C._is_any_autocast_enabled  # ~0.1 us; torch.compile traces it (a constant per graph)
+
+
+def _autocast(device_type: str, *ts):
+    """ts with their floating tensors cast to the autocast dtype, as torch's autocast casts SDPA's inputs (it is
+    on autocast's lower-precision list, CUDA and CPU): mixed or fp32 inputs under autocast run the half kernels.
+    Call only when _AUTOCAST_ANY(); tensors on a device whose autocast is off pass unchanged."""
+    if not torch.is_autocast_enabled(device_type):
+        return ts
+    dt = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t
+                 for t in ts)
+
+
 def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-1, -1), key_mask=None,
          query_mask=None, q_lens=None, kv_lens=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
          max_seqlen_k=0, bias=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, return_probs=False, bshd=False):
@@ -140,6 +154,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)
     """
+    if _AUTOCAST_ANY() and isinstance(query, torch.Tensor):
+        query, key, value, attn_mask = _autocast(query.device.type, query, key, value, attn_mask)
     if (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in ALLOWED_DTYPES
             and (backend is None or type(backend) is str) and _qkv_ok(query, key, value, bool(enable_gqa))):
@@ -234,6 +250,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Example:
         >>> out = flashtx.flash_attn_func(q, k, v, causal=True)  # q, k, v: (B, S, H, D)
     """
+    if _AUTOCAST_ANY() and isinstance(q, torch.Tensor):
+        q, k, v, attn_bias = _autocast(q.device.type, q, k, v, attn_bias)
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor  # the common case
             and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype in ALLOWED_DTYPES
             and k.dtype in ALLOWED_DTYPES and v.dtype in ALLOWED_DTYPES):
@@ -284,6 +302,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Example:
         >>> out = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
     """
+    if _AUTOCAST_ANY() and isinstance(q, torch.Tensor):
+        q, k, v = _autocast(q.device.type, q, k, v)
     for n, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(n, t)
         if t.dim() != 3:

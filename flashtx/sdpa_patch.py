@@ -155,6 +155,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False):
     """torch's ``scaled_dot_product_attention`` signature and semantics, computed by
     ``flashtx.attention`` when it supports the call, by the original SDPA otherwise."""
+    if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):  # as autocast casts SDPA's inputs
+        query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
     if scale is not None and not _scale_ok(scale):
         reason = _SCALE_REASON
     elif _plain(query, key, value, attn_mask, dropout_p, enable_gqa):

@@ -285,3 +285,28 @@ def test_tensor_subclass_inputs_compute_what_plain_tensors_do():
     (gm,), (gp,) = torch.autograd.grad(out_m.sum(), qm), torch.autograd.grad(out_p.sum(), qp)
     assert torch.equal(gm.as_subclass(torch.Tensor), gp)
     assert torch.equal(flashtx.swiglu(g.as_subclass(Marked), u).as_subclass(torch.Tensor), flashtx.swiglu(g, u))
+
+
+def test_autocast_casts_the_inputs_as_it_casts_sdpas():
+    """Under torch.autocast (SDPA is on its lower-precision list) fp32 or mixed-dtype q/k/v run in the autocast
+    dtype and give its output, as torch's SDPA does; gradients reach the fp32 leaves in fp32. flash_attn_func and
+    the patched SDPA (which then runs flashtx, not torch's fallback) alike. (A transformers LLaMA under autocast
+    promotes q and k to fp32 for RoPE while v stays half: that used to raise 'must have one dtype'.)"""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    q, k, v = (randn(1, 2, 9, 16, requires_grad=True) for _ in range(3))
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        want = F.scaled_dot_product_attention(q, k, v.half(), is_causal=True)
+        got = flashtx.attention(q, k, v.half(), is_causal=True)
+        flash = flashtx.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        ran = []
+        real = flashtx.functional._run
+        with flashtx.patch_sdpa(), pytest.MonkeyPatch.context() as m:
+            m.setattr(flashtx.functional, "_run", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+            patched = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert want.dtype == got.dtype == flash.dtype == patched.dtype == torch.float16 and ran == [1]
+    for out in (got, flash.transpose(1, 2), patched):
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-3, rtol=2e-3)
+    grads = torch.autograd.grad(got.float().sum(), (q, k, v))
+    assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)

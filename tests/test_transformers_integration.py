@@ -12,6 +12,7 @@ from conftest import DEVICE, assert_close_to_reference
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")  # CI installs it through the test extra
 
+import flashtx  # noqa: E402
 import flashtx.integrations.transformers as ftx  # noqa: E402
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -186,3 +187,23 @@ def test_softcap_is_applied_as_transformers_eager_does():
     w = torch.tanh(w / 2.0) * 2.0
     w = w.masked_fill(~mask, float("-inf")).softmax(-1)
     assert torch.allclose(out, (w @ v).transpose(1, 2), atol=1e-12)
+
+
+def test_training_step_under_autocast_runs_on_flashtx(monkeypatch):
+    """fp32 weights under torch.autocast (mixed-precision training): transformers' RoPE hands fp32 q/k and a half v
+    to the attention function; flashtx casts them as autocast casts SDPA's, runs, and matches "sdpa" under the same
+    autocast (it used to raise 'query, key, value must have one dtype')."""
+    cfg = config()
+    eager, _, fused = models(cfg)
+    sdpa = copy.deepcopy(eager)
+    sdpa.set_attn_implementation("sdpa")
+    ids = torch.randint(3, SMALL["vocab_size"], (2, 9), device=DEVICE)
+    calls = []
+    real = flashtx.functional._run
+    monkeypatch.setattr(flashtx.functional, "_run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        loss = fused(input_ids=ids, labels=ids).loss
+        want = sdpa(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert calls and torch.isfinite(loss) and abs(float(loss) - float(want)) < 2e-2
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in fused.parameters())
