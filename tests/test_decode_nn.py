@@ -371,3 +371,17 @@ def test_contiguous_cache_drops_its_host_length_in_a_captured_step(monkeypatch):
     assert cache._host_length is None and int(cache.length) == 4
     cache.reset()
     assert cache._host_length == 0
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged", "cross"])
+def test_a_cache_of_another_dtype_than_the_step_is_refused_by_name(kind):
+    """Under autocast the projections give the autocast dtype while new_cache defaults to the parameters': every
+    cached path (decode, long prefill, cross-attention) refuses with the dtype to create the cache with."""
+    cross = kind == "cross"
+    layer = MultiheadAttention(E, H, HKV, causal=not cross, cross=cross).to(DEVICE).eval()
+    cache = layer.new_cache(2, max_len=32, paged=kind == "paged")
+    x = randn(2, 20, E)  # fp32, as the parameters; a prefill longer than the decode path's 16 tokens
+    with torch.no_grad(), pytest.raises(ValueError, match=r"KV cache holds torch.float32 but .* torch.float16 .* "
+                                                          r"new_cache\(..., dtype=torch.float16\)"):
+        with torch.autocast(DEVICE, dtype=torch.float16):
+            layer(x, memory=randn(2, 5, E) if cross else None, cache=cache)

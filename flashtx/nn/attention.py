@@ -47,6 +47,13 @@ from ..rotary import apply_rotary_qk
 from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int
 from .rotary import RotaryEmbedding
 
+def _check_cache_dtype(cache, q: Tensor) -> None:
+    if cache.k.dtype != q.dtype:
+        raise ValueError(f"the KV cache holds {cache.k.dtype} but this step's queries/keys are {q.dtype} (under "
+                         f"torch.autocast the projections give the autocast dtype): create the cache with "
+                         f"new_cache(..., dtype={q.dtype})")
+
+
 DECODE_MAX_S = 16  # cached calls of up to this many tokens use flash_attn_with_kvcache (see the module doc)
 
 
@@ -224,6 +231,7 @@ class MultiheadAttention(nn.Module):
         """Append k, v at the cache's length, attend bottom-right over the filled part -> (B, Hq, S, D)."""
         if not self.causal:
             raise ValueError("a KV cache needs causal=True self-attention: earlier tokens cannot see later ones")
+        _check_cache_dtype(cache, q)
         B, S = q.shape[:2]
         paged = isinstance(cache, PagedKVCache)
         start = cache.seqlens if paged else cache.length.expand(B)  # (B,) the new tokens' first position
@@ -273,6 +281,8 @@ class MultiheadAttention(nn.Module):
         """Queries from x, keys/values from memory (or the cache) -> (B, Hq, S, D)."""
         B, S, _ = x.shape
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # (B, Hq, S, D)
+        if cache is not None:
+            _check_cache_dtype(cache, q)
         if cache is None:
             if memory is None:
                 raise ValueError("cross-attention needs memory (B, Sm, kdim)")
