@@ -210,7 +210,7 @@ def test_backward_kernels_tune_from_inside_a_backward(cache_dir, monkeypatch, gp
 
     def one_call(fn, warmup_ms, rep_ms):  # the pass runs once; its "time" ranks the forced config
         fn()
-        cfg = next(iter(autotune._forced.values()))
+        cfg = next(iter(autotune._forced.values()))[0]
         timed.append(_ident(cfg))
         return float(cfg.block_m * cfg.block_n)
     monkeypatch.setattr(autotune, "bench", one_call)
@@ -238,3 +238,39 @@ def test_backward_kernels_tune_from_inside_a_backward(cache_dir, monkeypatch, gp
     n = len(timed)
     torch.autograd.grad(flashtx.attention(q, k, v, is_causal=True, backend="triton"), (q, k, v), dout)
     assert len(timed) == n  # tuned once per key
+
+
+def test_two_threads_missing_one_key_tune_it_once_and_other_widths_keep_their_config(cache_dir, monkeypatch):
+    """Concurrent first launches of one key (e.g. DataParallel replicas) time the candidates once; while a
+    candidate is forced for one head dim, a launch of another head dim keeps its own config."""
+    import threading
+    import time
+
+    timed = []
+
+    def slow_time(kernel, cfg, **kw):
+        timed.append(_ident(cfg))
+        time.sleep(0.01)
+        return float(cfg.block_m)
+    monkeypatch.setattr(autotune, "time_candidate", slow_time)
+    autotune.autotune()
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(configs.select_config("attn_fwd", 64, 64, 2, H100)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    n_cands = len(autotune.candidates("attn_fwd", 64, 64, 2, H100))
+    assert len(timed) == 2 * n_cands, (len(timed), n_cands)  # one tuning (causal and not per candidate)
+    tuned = configs.select_config("attn_fwd", 64, 64, 2, H100)
+    assert tuned.reason.startswith("autotuned") and len(got) == 4
+    default = configs._select("attn_fwd", 64, 64, 2, H100, False)
+    # a launch made while another thread tunes cannot wait for it (the tuner's own launches, on autograd's thread
+    # in a backward, come through here too): it takes select_config's choice
+    assert all(_ident(c) in (_ident(tuned), _ident(default)) for c in got)
+
+    cfg = TileConfig(16, 16, 4, 1, "forced")
+    with autotune.forced("attn_bwd_dq", cfg, (64, 64, 2)):
+        assert configs.select_config("attn_bwd_dq", 64, 64, 2, H100) is cfg
+        assert configs.select_config("attn_bwd_dq", 128, 128, 2, H100) is not cfg  # another width: not forced

@@ -18,8 +18,10 @@ tuned on both causal and non-causal inputs and keeps the config with the smalles
 `bench.tune` measures each (dtype, causal, N) on its own.
 
 The backward kernels are tuned from inside the first backward that launches them (each candidate's timed
-pass records its own forward with grad on). While a forced()/tune_now() block runs, in any thread, nothing
-else is tuned: on a GPU the backward runs on autograd's device thread. A key whose candidates all fail is
+pass records its own forward with grad on). One key is tuned at a time (a lock: threads that miss the same
+key tune it once). While a forced()/tune_now() block runs, in any thread, nothing else is tuned and other
+launches take select_config's choice (they cannot wait: on a GPU the tuner's own backward launches come from
+autograd's device thread); a forced candidate applies only to launches of the widths it is timed for. A key whose candidates all fail is
 warned about once and keeps select_config's choice for the rest of the process.
 
 A cache file that cannot be read or does not have the expected form is ignored with a warning (and
@@ -228,7 +230,8 @@ def describe(cfg: TileConfig) -> str:
 
 
 # ------------------------------------------------------------------------------------ forcing, hook
-_forced: dict[str, TileConfig] = {}
+_forced: dict[str, tuple[TileConfig, tuple | None]] = {}  # kernel -> (config, (block_dqk, block_dv, elt) or None)
+_tune_lock = threading.Lock()  # one tuning at a time: two threads missing one key tune it once
 # How many forced()/tune_now() blocks are running, process-wide: while one is, the kernels it does not force keep
 # the cache's (or select_config's) choice and nothing else is tuned. Process-wide, not per thread: on a GPU the
 # autograd engine runs a backward on its own device thread, so a per-thread flag set by the tuner's thread
@@ -256,16 +259,18 @@ def tuning() -> bool:
 
 
 @contextlib.contextmanager
-def forced(kernel: str, cfg: TileConfig):
+def forced(kernel: str, cfg: TileConfig, key: tuple | None = None):
     """Inside the block, select_config returns `cfg` for `kernel` (the tuner times candidates this
-    way, through the public ops). Needs the hook installed; installs it for the block if it is not."""
+    way, through the public ops): for every launch of it, or with key = (block_dqk, block_dv, elt) only for
+    launches of those register tile widths and element size (another thread's other shapes keep their
+    configs). Needs the hook installed; installs it for the block if it is not."""
     from .launch import LAUNCHES
 
     prev_hook = configs_hook()
     if prev_hook is None:
         configs._autotune_hook = _hook
     prev = _forced.get(kernel)
-    _forced[kernel] = cfg
+    _forced[kernel] = (cfg, key)
     _enter()  # the other kernels of the pass keep select_config's (or the cache's) choice
     was_caching, LAUNCHES.enabled = LAUNCHES.enabled, False  # every call inside plans afresh
     try:
@@ -284,9 +289,9 @@ def forced(kernel: str, cfg: TileConfig):
 def _hook(kernel, block_dqk, block_dv, elt, target, modified):
     """configs.select_config's hook while autotuning is on: a forced, cached or freshly tuned config,
     or None for select_config's own choice."""
-    cfg = _forced.get(kernel)
-    if cfg is not None:
-        return cfg
+    hit = _forced.get(kernel)
+    if hit is not None and (hit[1] is None or hit[1] == (block_dqk, block_dv, elt)):
+        return hit[0]
     if kernel not in TUNED_KERNELS:
         return None
     key = None
@@ -297,7 +302,11 @@ def _hook(kernel, block_dqk, block_dv, elt, target, modified):
             return hit
         if tuning() or _compiling() or key in _failed:
             return None
-        return tune_now(key, kernel, block_dqk, block_dv, elt, target, modified)
+        with _tune_lock:  # another thread may have tuned this key while this one waited
+            hit = cached(key)
+            if hit is not None or key in _failed:
+                return hit
+            return tune_now(key, kernel, block_dqk, block_dv, elt, target, modified)
     except Exception as exc:  # noqa: BLE001 - tuning must never break a launch: fall back to the default
         if key is not None:
             _failed.add(key)
@@ -381,7 +390,10 @@ def time_candidate(kernel: str, cfg: TileConfig, *, d: int, dv: int | None = Non
     b, h = max(1, tokens // seqlen), max(1, hidden // d)
     q, k = (torch.randn(b, h, seqlen, d, device=device, dtype=dtype) for _ in range(2))
     v = torch.randn(b, h, seqlen, dv, device=device, dtype=dtype)
-    with forced(kernel, cfg):
+    from .launch import head_split
+
+    widths = (sum(head_split(d)), sum(head_split(dv)), q.element_size())  # what select_config sees for them
+    with forced(kernel, cfg, widths):
         if kernel == "attn_fwd":
             def fn():
                 with torch.no_grad():
