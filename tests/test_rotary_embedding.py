@@ -187,3 +187,14 @@ def test_built_on_the_meta_device():
     meta = meta.to_empty(device=DEVICE)
     x = randn(1, 5, 2, 8)
     torch.testing.assert_close(meta(x.clone(), inplace=False), RotaryEmbedding(8).to(DEVICE)(x.clone(), inplace=False))
+
+
+def test_tables_built_under_inference_mode_are_rebuilt_in_a_compiled_training_step():
+    """As above, under torch.compile (which cannot read the inference mode: the flag is stored with the tables)."""
+    rope = RotaryEmbedding(8)
+    with torch.inference_mode():
+        rope(randn(1, 4, 2, 8))
+    step = torch.compile(lambda q: rope(q, inplace=False).sum(), backend="aot_eager", fullgraph=True)
+    q = randn(1, 4, 2, 8, requires_grad=True)
+    (g,) = torch.autograd.grad(step(q), (q,))
+    assert g.shape == q.shape and torch.isfinite(g).all()

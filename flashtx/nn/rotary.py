@@ -64,11 +64,17 @@ def _llama3_inv_freq(inv_freq: Tensor, sc: dict) -> Tensor:
 
 
 def _stale(cached, key, seq_len: int, device) -> bool:
-    """Whether the (key, length, cos, sin) table cache must be rebuilt: another rule, too short, another device,
-    or built under torch.inference_mode and now used outside it (inference tensors cannot be saved for backward)."""
+    """Whether the (key, length, cos, sin, built under inference mode) table cache must be rebuilt: another rule,
+    too short, another device, or built under torch.inference_mode and now used outside it (inference tensors
+    cannot be saved for backward; a traced step, where the mode cannot be read, rebuilds such tables)."""
     if cached is None or cached[0] != key or cached[1] < seq_len or cached[2].device != device:
         return True
-    return not torch.compiler.is_compiling() and cached[2].is_inference() and not torch.is_inference_mode_enabled()
+    return cached[4] and (torch.compiler.is_compiling() or not torch.is_inference_mode_enabled())
+
+
+def _inference() -> bool:
+    """Whether tables built now are inference tensors (a traced step builds ordinary ones)."""
+    return not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
 
 
 class RotaryEmbedding(nn.Module):
@@ -116,7 +122,7 @@ class RotaryEmbedding(nn.Module):
         # what the tables use: immune to model.half() casting the buffer; computed on the CPU, not copied from the
         # buffer (a meta-device buffer has no values: `with torch.device("meta")` model construction)
         self._inv_freq32 = self._inv_freq(self.base, "cpu")
-        self._cache: tuple | None = None  # (key, length, cos, sin)
+        self._cache: tuple | None = None  # (key, length, cos, sin, built under inference mode)
 
     def _inv_freq(self, base: float, device=None) -> Tensor:
         inv = base ** (-torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim)
@@ -138,14 +144,15 @@ class RotaryEmbedding(nn.Module):
             key = ("ntk",)  # frequencies depend on the longest length seen: rebuild when it grows
             cached = self._cache
             if _stale(cached, key, seq_len, device):
-                self._cache = (key, seq_len, *self._tables(seq_len, self._ntk_inv_freq(seq_len, device), device))
+                self._cache = (key, seq_len, *self._tables(seq_len, self._ntk_inv_freq(seq_len, device), device),
+                               _inference())
         else:
             key = ("plain",)
             cached = self._cache
             if _stale(cached, key, seq_len, device):
                 length = max(seq_len, self.max_seq_len, 2 * cached[1] if cached and cached[0] == key else 0)
-                self._cache = (key, length, *self._tables(length, self._inv_freq32, device))
-        _, _, cos, sin = self._cache
+                self._cache = (key, length, *self._tables(length, self._inv_freq32, device), _inference())
+        cos, sin = self._cache[2:4]
         return cos[:seq_len], sin[:seq_len]
 
     def _ntk_inv_freq(self, seq_len: int, device) -> Tensor:
