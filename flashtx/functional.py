@@ -45,14 +45,23 @@ def _new_rng(device) -> torch.Tensor:
 _AUTOCAST_ANY = torch._C._is_any_autocast_enabled  # ~0.1 us; torch.compile traces it (a constant per graph)
 
 
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # autocast leaves float64 alone
+
+
 def _autocast(device_type: str, *ts):
-    """ts with their floating tensors cast to the autocast dtype, as torch's autocast casts SDPA's inputs (it is
-    on autocast's lower-precision list, CUDA and CPU): mixed or fp32 inputs under autocast run the half kernels.
-    Call only when _AUTOCAST_ANY(); tensors on a device whose autocast is off pass unchanged."""
-    if not torch.is_autocast_enabled(device_type):
+    """ts with their fp16/bf16/fp32 tensors cast to the autocast dtype, as torch's autocast casts SDPA's inputs (it
+    is on autocast's lower-precision list, CUDA and CPU): mixed or fp32 inputs under autocast run the half kernels.
+    Call only when _AUTOCAST_ANY(); on other device types, or where autocast is off, ts pass unchanged."""
+    if (device_type != "cuda" and device_type != "cpu") or not torch.is_autocast_enabled(device_type):
         return ts
     dt = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dt else t
+    for t in ts:
+        d = getattr(t, "dtype", dt)
+        if d != dt and d in _CASTABLE:
+            break
+    else:
+        return ts  # the usual case in mixed-precision training: already in the autocast dtype
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.dtype in _CASTABLE and t.dtype != dt else t
                  for t in ts)
 
 
@@ -146,7 +155,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             aligned bottom-right as flash-attn's (per sequence with lengths).
 
     Returns:
-        out (..., Hq, Sq, Dv) in query's dtype; rows that see no key (all masked, or all -inf
+        out (..., Hq, Sq, Dv) in query's dtype (under torch.autocast the autocast dtype: fp16/bf16/fp32
+        inputs are cast as autocast casts SDPA's); rows that see no key (all masked, or all -inf
         bias; SDPA gives NaN there; or Sk = 0, where SDPA gives 0 too) are 0 with lse -inf; with return_lse, (out, lse) with lse
         (..., Hq, Sq) in float32 (float64 for float64 inputs), natural log. Differentiable in
         query, key, value, a float attn_mask (and through lse).
@@ -244,7 +254,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             attn_mask, including the gradient of a float bias that requires grad.
 
     Returns:
-        out (B, Sq, Hq, Dv) in q's dtype, laid out in memory like q (contiguous for contiguous q);
+        out (B, Sq, Hq, Dv) in q's dtype (under torch.autocast the autocast dtype, as attention's), laid out
+        like q (contiguous for contiguous q);
         with return_attn_probs, (out, softmax_lse, probs).
 
     Example:
@@ -297,7 +308,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             max_seqlen_k)), as flash-attn, for tests.
 
     Returns:
-        out (total_q, Hq, Dv) in q's dtype.
+        out (total_q, Hq, Dv) in q's dtype (under torch.autocast the autocast dtype, as attention's).
 
     Example:
         >>> out = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)

@@ -64,7 +64,9 @@ def _plain_reason(query, key, value) -> str | None:
 def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False) -> str | None:
     """Why flashtx should not run this SDPA call (None = it runs it). Reasons name no shapes, so
-    each is warned about once."""
+    each is warned about once. Under autocast, of the inputs as autocast would cast them."""
+    if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):
+        query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
     if scale is not None and not _scale_ok(scale):
         return _SCALE_REASON
     if _plain(query, key, value, attn_mask, dropout_p, enable_gqa):

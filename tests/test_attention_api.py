@@ -310,3 +310,13 @@ def test_autocast_casts_the_inputs_as_it_casts_sdpas():
         torch.testing.assert_close(out.float(), want.float(), atol=2e-3, rtol=2e-3)
     grads = torch.autograd.grad(got.float().sum(), (q, k, v))
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+def test_autocast_leaves_float64_and_other_devices_alone():
+    """As torch's autocast: float64 inputs are not cast, and tensors on a device autocast does not know (meta)
+    pass through (the check used to raise 'unknown device type for autocast')."""
+    q = randn(1, 2, 5, 16, dtype=torch.float64)
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        assert flashtx.attention(q, q, q, backend="reference").dtype == torch.float64
+        m = torch.empty(1, 2, 5, 16, device="meta")
+        assert flashtx.functional._autocast("meta", m, m, m, None)[0] is m
