@@ -112,12 +112,14 @@ def call(op, *args):
     subclasses) and wherever autograd must record an op without an eager twin (a double backward,
     which it then refuses); otherwise its body, through its autograd.Function when a tensor
     argument requires grad, on the first argument's device (made current for the call if it is not)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or type(args[0]) not in _PLAIN):
-        return op(*args)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return op(*args)  # traced: the compiled graph places each kernel itself
     other = _other_device(args[0])
     if other is not None:
         with torch.cuda.device(other):
             return call(op, *args)
+    if type(args[0]) not in _PLAIN:  # a tensor subclass: the registered op (its own dispatch)
+        return op(*args)
     if torch.is_grad_enabled() and _requires_grad(op, args):
         apply = _APPLY.get(op)
         if apply is not None and not torch._C._are_functorch_transforms_active():

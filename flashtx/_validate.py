@@ -153,7 +153,8 @@ def check_cu_seqlens(name: str, cu, q) -> torch.Tensor:
 def has_internal_overlap(t: torch.Tensor) -> bool:
     """Do two elements of t share memory? (A stride-0 dim of size > 1, e.g. from expand(): the case
     PyTorch's in-place ops refuse as definite overlap.)"""
-    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride()))
+    st = t.stride()
+    return 0 in st and any(size > 1 and stride == 0 for size, stride in zip(t.shape, st))  # (no 0 stride: fast)
 
 
 _OVERLAP_SEARCH_LIMIT = 10_000  # nodes of the exact search below before answering "may overlap"

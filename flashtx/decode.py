@@ -63,8 +63,8 @@ def _check_writable_caches(k_cache: Tensor, v_cache: Tensor, paged: bool) -> Non
             raise ValueError(f"{name} has stride 0 along {dup} (an expanded view, shape {tuple(t.shape)}, strides "
                              f"{t.stride()}): appending k, v would write one memory slot for several; pass a cache "
                              "with its own memory per slot")
-    if k_cache is v_cache or (not torch.compiler.is_compiling() and views_overlap(k_cache, v_cache)):  # (storage
-        # addresses are not traceable: a compiled step checks identity only)
+    # the storage check reads addresses (not traceable: a compiled step checks identity only)
+    if k_cache is v_cache or (not torch.compiler.is_compiling() and views_overlap(k_cache, v_cache)):
         raise ValueError("k_cache and v_cache share memory: appending v would overwrite k; pass separate buffers "
                          "(or non-overlapping slices of one)")
 
@@ -98,7 +98,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens: (B,) int32 (int64 accepted) or an int: tokens already in each sequence's
             cache (before the append); None = the whole cache is in use.
         cache_batch_idx: (B,) int32: sequence b uses cache row cache_batch_idx[b] (contiguous
-            caches only; distinct rows when appending: refused on every device). Default b.
+            caches only; distinct rows when appending: a repeat is refused on CPU, and on a GPU for
+            batches of up to 256). Default b.
         cache_leftpad: (B,) int32: sequence b's keys start at cache index cache_leftpad[b] (left
             padding); positions (RoPE, causal, ALiBi) stay cache indices, as flash-attn's.
         block_table: (B, max_pages_per_seq) int32 page indices for a paged cache: position j of
@@ -310,7 +311,7 @@ def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Sne
             f"block_table[{_first_bad(ok.all(1))}, {int((~ok[_first_bad(ok.all(1))]).nonzero()[0])}] = "
             f"{int(bt[_first_bad(ok.all(1))][(~ok[_first_bad(ok.all(1))]).nonzero()[0]])} is not a page index in "
             f"[0, {k_cache.shape[0]}) (num_pages = k_cache.shape[0])"), "block_table")
-        if Snew and readable and lens.numel() > 1:  # host-only, as the repeated cache_batch_idx check
+        if Snew and readable and lens.numel() > 1:  # host-only (CPU tensors): the GPU's caller must ensure it
             pos = lens[:, None] + torch.arange(Snew, device=lens.device)[None, :]  # (B, Snew) appended positions
             slot = bt.gather(1, pos // page) * page + pos % page  # their physical rows in the page pool
             if slot.unique().numel() != slot.numel():

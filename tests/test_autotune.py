@@ -274,3 +274,27 @@ def test_two_threads_missing_one_key_tune_it_once_and_other_widths_keep_their_co
     with autotune.forced("attn_bwd_dq", cfg, (64, 64, 2)):
         assert configs.select_config("attn_bwd_dq", 64, 64, 2, H100) is cfg
         assert configs.select_config("attn_bwd_dq", 128, 128, 2, H100) is not cfg  # another width: not forced
+
+
+def test_tuning_memoises_no_launch_plan_and_waits_out_a_graph_capture(cache_dir, monkeypatch):
+    """While a key is tuned no launch plan is memoised (another thread's launch meanwhile would keep its untuned
+    config for good); a launch inside a CUDA-graph capture (stood in) does not tune, and does not mark the key as
+    failed: the next eager launch tunes it."""
+    import torch
+
+    from flashtx.triton_kernels import launch
+
+    seen = []
+
+    def fake_time(kernel, cfg, **kw):
+        seen.append(launch.LAUNCHES.enabled)
+        return float(cfg.block_m)
+    monkeypatch.setattr(autotune, "time_candidate", fake_time)
+    autotune.autotune()
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert not configs.select_config("attn_fwd", 64, 64, 2, H100).reason.startswith("autotuned")
+    assert not seen
+    assert configs.select_config("attn_fwd", 64, 64, 2, H100).reason.startswith("autotuned")
+    assert seen and not any(seen) and launch.LAUNCHES.enabled

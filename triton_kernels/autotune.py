@@ -300,7 +300,7 @@ def _hook(kernel, block_dqk, block_dv, elt, target, modified):
         hit = cached(key)
         if hit is not None:
             return hit
-        if tuning() or _compiling() or key in _failed:
+        if tuning() or _compiling() or _capturing() or key in _failed:
             return None
         with _tune_lock:  # another thread may have tuned this key while this one waited
             hit = cached(key)
@@ -313,6 +313,15 @@ def _hook(kernel, block_dqk, block_dv, elt, target, modified):
         warnings.warn(f"flashtx autotune: {kernel} not tuned ({type(exc).__name__}: {exc}); using the default",
                       stacklevel=3)
         return None
+
+
+def _capturing() -> bool:
+    """Inside a CUDA-graph capture, where timing (syncs, allocations) cannot run: tune on a later eager launch."""
+    try:
+        import torch
+        return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _compiling() -> bool:
@@ -344,11 +353,16 @@ RUNTIME_DTYPE_16 = "bfloat16"  # the 16-bit keys are timed in bf16 (fp16 runs th
 
 def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn=None) -> TileConfig | None:
     """Time the candidates for one key (both causal and not, summed), store and return the fastest."""
+    from .launch import LAUNCHES
+
     cands = candidates(kernel, block_dqk, block_dv, elt, target, modified)
     if not cands:
         _failed.add(key)
         return None
     _enter()
+    # no launch plan is memoised while tuning runs: another thread's launches meanwhile take select_config's
+    # choice (or a forced candidate) for this call only, and plan again (tuned) afterwards
+    was_caching, LAUNCHES.enabled = LAUNCHES.enabled, False
     try:
         if time_fn is None:
             import torch
@@ -362,6 +376,7 @@ def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn
                                           device=device) for c in (False, True))
         best, timings = best_of(cands, time_fn)
     finally:
+        LAUNCHES.enabled = was_caching
         _exit()
     if best is None:  # say so once, and keep select_config's choice for this key from now on
         _failed.add(key)
