@@ -13,8 +13,7 @@ _ALLOWED = "float16, bfloat16, float32 (float64 for tests)"
 def check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.layout is not torch.strided:
-        raise TypeError(f"{name} has layout {t.layout}; allowed: torch.strided (a dense tensor: call .to_dense())")
+    _check_layout(name, t)
     if t.dtype not in ALLOWED_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; allowed: {_ALLOWED}")
 
@@ -22,12 +21,18 @@ def check_tensor(name: str, t) -> None:
 _STRIDED = torch.strided
 
 
+def _check_layout(name: str, t) -> None:
+    if t.layout is not _STRIDED:
+        raise TypeError(f"{name} has layout {t.layout}; allowed: torch.strided (a dense tensor: call .to_dense())")
+
+
 def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
     """True when check_qkv passes: its common case, decided with ints and bools before any message is built.
     heads: the heads dim, 1 for (B, H, S, D) tensors, 2 for (B, S, H, D) ones (check_qkv's views of them)."""
     qs, ks, vs = q.shape, k.shape, v.shape
     h, s = heads, 3 - heads
-    return (q.layout is _STRIDED and k.layout is _STRIDED and v.layout is _STRIDED and q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and ks[0] == qs[0] == vs[0]
+    return (q.layout is _STRIDED and k.layout is _STRIDED and v.layout is _STRIDED
+            and q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and ks[0] == qs[0] == vs[0]
             and ks[h] == vs[h] and ks[s] == vs[s] and ks[3] == qs[3] and qs[3] > 0 and vs[3] > 0
             and (qs[h] == ks[h] or (allow_gqa and ks[h] > 0 and qs[h] % ks[h] == 0)))
 
@@ -41,8 +46,7 @@ def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: b
         return
     nq, nk, nv = names  # q, k, v passed check_tensor already (but maybe not its layout check)
     for n, t in zip(names, (q, k, v)):
-        if t.layout is not _STRIDED:
-            raise TypeError(f"{n} has layout {t.layout}; allowed: torch.strided (a dense tensor: call .to_dense())")
+        _check_layout(n, t)
     if not (q.device == k.device == v.device):
         raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -72,16 +76,21 @@ def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: b
         raise ValueError(f"head dims must be >= 1: {shapes()}")
 
 
+def scale_ok(scale) -> bool:
+    """Whether resolve_scale takes this (non-None) scale: a real number, 0 or of magnitude in [2**-100, 2**100]."""
+    return (not isinstance(scale, bool) and isinstance(scale, numbers.Real)
+            and (scale == 0 or SCALAR_MIN <= abs(float(scale)) <= SCALAR_MAX))
+
+
 def resolve_scale(name: str, scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if scale_ok(scale):
+        return float(scale)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name} must be None or a real number; got {type(scale).__name__}")
-    scale = float(scale)
-    if not (scale == 0.0 or SCALAR_MIN <= abs(scale) <= SCALAR_MAX):
-        raise ValueError(f"{name} must be 0 or have a magnitude in [2**-100, 2**100] (the kernels compute in "
-                         f"float32, with headroom for the scores); got {scale!r}")
-    return scale
+    raise ValueError(f"{name} must be 0 or have a magnitude in [2**-100, 2**100] (the kernels compute in "
+                     f"float32, with headroom for the scores); got {float(scale)!r}")
 
 
 # Float arguments reach the kernels as float32 (hi + lo halves for float64 runs): within these

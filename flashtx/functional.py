@@ -29,9 +29,9 @@ import torch
 
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
 from ._library import call
-from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens, check_cu_seqlens_values,
-                        check_dropout, check_lens, check_max_seqlen, check_qkv, check_seq_mask, check_softcap,
-                        check_tensor, check_window, resolve_scale)
+from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
+                        check_cu_seqlens_values, check_dropout, check_lens, check_max_seqlen, check_qkv,
+                        check_seq_mask, check_softcap, check_tensor, check_window, resolve_scale)
 
 LN2 = math.log(2.0)
 _NO_WINDOW = (-1, -1)
@@ -157,9 +157,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     Returns:
         out (..., Hq, Sq, Dv) in query's dtype (under torch.autocast the autocast dtype: fp16/bf16/fp32
         inputs are cast as autocast casts SDPA's); rows that see no key (all masked, or all -inf
-        bias; SDPA gives NaN there; or Sk = 0, where SDPA gives 0 too) are 0 with lse -inf; with return_lse, (out, lse) with lse
-        (..., Hq, Sq) in float32 (float64 for float64 inputs), natural log. Differentiable in
-        query, key, value, a float attn_mask (and through lse).
+        bias; SDPA gives NaN there; or Sk = 0, where SDPA gives 0 too) are 0 with lse -inf; with
+        return_lse, (out, lse) with lse (..., Hq, Sq) in float32 (float64 for float64 inputs), natural
+        log. Differentiable in query, key, value, a float attn_mask (and through lse).
 
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)
@@ -358,8 +358,8 @@ def unpad_input(hidden_states, attention_mask):
     Differentiable in hidden_states.
     """
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
-        raise ValueError(f"hidden_states must be a (B, S, ...) tensor; got "
-                         f"{tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__}")
+        got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        raise ValueError(f"hidden_states must be a (B, S, ...) tensor; got {got}")
     B, S = hidden_states.shape[:2]
     if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, S):
         got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__

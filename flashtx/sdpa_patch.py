@@ -17,7 +17,6 @@ that names it. Nothing is decided by catching exceptions on the call path.
 from __future__ import annotations
 
 import contextlib
-import numbers
 import operator
 import warnings
 
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import functional
-from ._validate import SCALAR_MAX, SCALAR_MIN, _qkv_ok, resolve_scale
+from ._validate import _qkv_ok, resolve_scale, scale_ok
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.mask_spec import MaskSpec
 
@@ -67,7 +66,7 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     each is warned about once. Under autocast, of the inputs as autocast would cast them."""
     if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
-    if scale is not None and not _scale_ok(scale):
+    if scale is not None and not scale_ok(scale):
         return _SCALE_REASON
     if _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
         return _plain_reason(query, key, value)
@@ -118,18 +117,13 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         bias_grad = needs_grad and attn_mask is not None and attn_mask.requires_grad
         return _fast_reason(query.device.type, query.device.index, query.dtype, operator.index(query.shape[-1]),
-                            operator.index(value.shape[-1]),
-                            attn_mask is not None and attn_mask.dtype != torch.bool, 2 if bias_grad else int(needs_grad))
+                            operator.index(value.shape[-1]), attn_mask is not None and attn_mask.dtype != torch.bool,
+                            2 if bias_grad else int(needs_grad))
     return None
 
 
+# torch's SDPA takes any float scale: one flashtx refuses (_validate.scale_ok) goes to torch
 _SCALE_REASON = "a scale outside flashtx's range (0, or a real number of magnitude in [2**-100, 2**100])"
-
-
-def _scale_ok(scale) -> bool:
-    """Whether flashtx takes this (non-None) scale; torch's SDPA takes any float (others go to it)."""
-    return (not isinstance(scale, bool) and isinstance(scale, numbers.Real)
-            and (scale == 0 or SCALAR_MIN <= abs(float(scale)) <= SCALAR_MAX))
 
 
 _GPU = "cuda"  # the device whose calls may lack a kernel config (flashtx.testing_gpu_trace stands in "cpu")
@@ -159,15 +153,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``flashtx.attention`` when it supports the call, by the original SDPA otherwise."""
     if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):  # as autocast casts SDPA's inputs
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
-    if scale is not None and not _scale_ok(scale):
+    if scale is not None and not scale_ok(scale):
         reason = _SCALE_REASON
     elif _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
         reason = _plain_reason(query, key, value)
         if reason is None:  # flashtx.attention's own path for this call, its checks already made here
             return functional._run(query, key, value, scale=resolve_scale("scale", scale, query.shape[3]),
                                    causal=bool(is_causal), bottom_right=False, backend=None, return_lse=False)
-    else:
-        reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    else:  # (unsupported_reason's other checks, already made above)
+        reason = _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:
         if reason not in _warned and not reason.endswith(_TORCH_ERROR):  # torch's own error says it all
             _warned.add(reason)

@@ -201,7 +201,6 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
     return dq, dk, dv
 
 
-
 def compile_plans(target) -> list:
     """Every backward config `target` can launch (head dims 64/128/192/256, 192 split 128 + 64, and the
     forward's split head dims 96, 160 and 192/128; fp16, bf16, fp32; causal or not; fp16/bf16 also with a

@@ -21,8 +21,8 @@ The backward kernels are tuned from inside the first backward that launches them
 pass records its own forward with grad on). One key is tuned at a time (a lock: threads that miss the same
 key tune it once). While a forced()/tune_now() block runs, in any thread, nothing else is tuned and other
 launches take select_config's choice (they cannot wait: on a GPU the tuner's own backward launches come from
-autograd's device thread); a forced candidate applies only to launches of the widths it is timed for. A key whose candidates all fail is
-warned about once and keeps select_config's choice for the rest of the process.
+autograd's device thread); a forced candidate applies only to launches of the widths it is timed for. A key
+whose candidates all fail is warned about once and keeps select_config's choice for the rest of the process.
 
 A cache file that cannot be read or does not have the expected form is ignored with a warning (and
 rewritten on the next store). Under torch.compile tracing only the cache is read: tuning then would
@@ -232,25 +232,32 @@ def describe(cfg: TileConfig) -> str:
 # ------------------------------------------------------------------------------------ forcing, hook
 _forced: dict[str, tuple[TileConfig, tuple | None]] = {}  # kernel -> (config, (block_dqk, block_dv, elt) or None)
 _tune_lock = threading.Lock()  # one tuning at a time: two threads missing one key tune it once
-# How many forced()/tune_now() blocks are running, process-wide: while one is, the kernels it does not force keep
-# the cache's (or select_config's) choice and nothing else is tuned. Process-wide, not per thread: on a GPU the
-# autograd engine runs a backward on its own device thread, so a per-thread flag set by the tuner's thread
-# would not be seen by the backward launches it times.
+# How many forced()/tune_now() blocks are running (_tuning_block), process-wide: while one is, the kernels it does
+# not force keep the cache's (or select_config's) choice and nothing else is tuned. Process-wide, not per thread:
+# on a GPU the autograd engine runs a backward on its own device thread, so a per-thread flag set by the tuner's
+# thread would not be seen by the backward launches it times.
 _active = 0
 _active_lock = threading.Lock()
 _failed: set[str] = set()  # keys whose tuning timed no candidate: not retried on every launch (reset_memory clears)
 
 
-def _enter() -> None:
+@contextlib.contextmanager
+def _tuning_block():
+    """One forced()/tune_now() block: counted process-wide (tuning()), and while any runs no launch plan is
+    memoised (LAUNCHES.enabled follows the count: every call plans afresh, so no plan made with a candidate,
+    or with an untuned default in another thread, outlives the tuning)."""
+    from .launch import LAUNCHES
+
     global _active
     with _active_lock:
         _active += 1
-
-
-def _exit() -> None:
-    global _active
-    with _active_lock:
-        _active -= 1
+        LAUNCHES.enabled = False
+    try:
+        yield
+    finally:
+        with _active_lock:
+            _active -= 1
+            LAUNCHES.enabled = _active == 0
 
 
 def tuning() -> bool:
@@ -264,20 +271,15 @@ def forced(kernel: str, cfg: TileConfig, key: tuple | None = None):
     way, through the public ops): for every launch of it, or with key = (block_dqk, block_dv, elt) only for
     launches of those register tile widths and element size (another thread's other shapes keep their
     configs). Needs the hook installed; installs it for the block if it is not."""
-    from .launch import LAUNCHES
-
     prev_hook = configs_hook()
     if prev_hook is None:
         configs._autotune_hook = _hook
     prev = _forced.get(kernel)
     _forced[kernel] = (cfg, key)
-    _enter()  # the other kernels of the pass keep select_config's (or the cache's) choice
-    was_caching, LAUNCHES.enabled = LAUNCHES.enabled, False  # every call inside plans afresh
     try:
-        yield
+        with _tuning_block():  # the other kernels of the pass keep select_config's (or the cache's) choice
+            yield
     finally:
-        LAUNCHES.enabled = was_caching
-        _exit()
         if prev is None:
             _forced.pop(kernel, None)
         else:
@@ -353,17 +355,11 @@ RUNTIME_DTYPE_16 = "bfloat16"  # the 16-bit keys are timed in bf16 (fp16 runs th
 
 def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn=None) -> TileConfig | None:
     """Time the candidates for one key (both causal and not, summed), store and return the fastest."""
-    from .launch import LAUNCHES
-
     cands = candidates(kernel, block_dqk, block_dv, elt, target, modified)
     if not cands:
         _failed.add(key)
         return None
-    _enter()
-    # no launch plan is memoised while tuning runs: another thread's launches meanwhile take select_config's
-    # choice (or a forced candidate) for this call only, and plan again (tuned) afterwards
-    was_caching, LAUNCHES.enabled = LAUNCHES.enabled, False
-    try:
+    with _tuning_block():  # another thread's launches meanwhile: select_config's choice, planned afresh
         if time_fn is None:
             import torch
             dtype = getattr(torch, RUNTIME_DTYPE_16) if elt == 2 else torch.float32
@@ -375,9 +371,6 @@ def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn
                                           seqlen=RUNTIME_SEQLEN, tokens=RUNTIME_TOKENS, hidden=RUNTIME_HIDDEN,
                                           device=device) for c in (False, True))
         best, timings = best_of(cands, time_fn)
-    finally:
-        LAUNCHES.enabled = was_caching
-        _exit()
     if best is None:  # say so once, and keep select_config's choice for this key from now on
         _failed.add(key)
         why = next(iter(timings.values()), "no candidate fits")
