@@ -6,7 +6,8 @@
 # timeout_s=590); the steps share DEVICE_CHECK_BUDGET_S (default 540 s), each under `timeout` (SIGINT
 # first, so pytest still writes its JSON and bench.tune its table), in order of priority:
 #   install -> [xformers wheel from .whl/, if carried]
-#   -> bisect: the split-head-dim / automatic-GQA-split crash, one path at a time (about 2 minutes cold)
+#   -> bisect: the split-head-dim / automatic-GQA-split crash, one path at a time (about 2 minutes cold),
+#      then the sm_90 TMA forward (tests/test_attention_tma.py) natively
 #   -> tests_gpu: the GPU-only tests and the torch.compile / graph-break tests (pytest -n 8), while
 #      prewarm compiles the quick benchmarks' kernels and the model's compiled graphs in parallel
 #      workers (BENCH_PREWARM=1 pytest ... -n 4 / -n 3 --benchmark-disable: nothing timed) into the caches
@@ -107,6 +108,8 @@ if want bisect; then
   step "bisect: split head dims alone" 45 390 "${BISECT[@]}" tests/test_attention_split.py -k "q70-k113 and float16"
   step "bisect: automatic GQA split alone" 45 360 env FLASHTX_TEST_AUTO_GQA_SPLIT=1 "${BISECT[@]}" \
     tests/test_attention.py tests/test_attention_gpu_large.py -k "h4x1 and float16 or large and float16"
+  # the sm_90 forward through tensor descriptors (TMA tuning candidates, never run on a GPU before)
+  step "tma: forward through tensor descriptors" 60 330 "${BISECT[@]}" tests/test_attention_tma.py
 fi
 
 HAVE_XDIST=0
@@ -200,7 +203,8 @@ if want tune; then
   if ((TUNE_S >= 30)); then
     # DEVICE_CHECK_TUNE_ARGS, e.g. "--kernels attn_bwd_dkdv,attn_bwd_dq --seqlens 4096,2048,16384": the backward,
     # never tuned (the 2026-11-30 sweep's backward times were void: bench/RESULTS.md), or "--kernels attn_fwd
-    # --seqlens 2048,1024,16384" to confirm the sm_90 forward tiles of the N = 4k sweep at other lengths
+    # --seqlens 4096,2048,16384" to time sm_90's TMA forward candidates beside the pointer tiles (and confirm the
+    # N = 4k sweep's tiles at other lengths)
     # shellcheck disable=SC2086
     step "bench.tune ${DEVICE_CHECK_TUNE_ARGS:-}" $(( TUNE_S / SCALE + 15 )) 0 $PY -m bench.tune --budget-s "$TUNE_S" \
       --json "$OUT/tune.json" ${DEVICE_CHECK_TUNE_ARGS:-}

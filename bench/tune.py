@@ -61,7 +61,15 @@ def groups(quick: bool = False, kernels: tuple = KERNELS) -> list[Group]:
 
 
 def _ident(cfg) -> tuple:
-    return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    from flashtx.triton_kernels import autotune
+
+    return autotune.ident_of(cfg)  # (block_m, block_n, warps, stages, tma)
+
+
+def _config_args(ident) -> tuple[str, bool]:
+    """(TileConfig's positional arguments, tma) of an ident (4 entries in runs before the TMA candidates)."""
+    bm, bn, w, s, *tma = ident
+    return f"{bm}, {bn}, {w}, {s}", bool(tma and tma[0])
 
 
 def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tuple = KERNELS,
@@ -172,9 +180,9 @@ def table(sweep_out: dict, gpu: str, triton_version: str) -> str:
     for (kernel, d), ranked in sorted(rank(res).items()):
         lines.append(f"# {kernel}, head dim {d}")
         for ident, gm, cases in ranked[:3]:
-            bm, bn, w, s = ident
-            lines.append(f"TileConfig({bm}, {bn}, {w}, {s}, \"tuned on {gpu}, triton {triton_version}: "
-                         f"{gm:.2f}x the default's time over {cases} cases\"),")
+            args, tma = _config_args(ident)
+            lines.append(f"TileConfig({args}, \"tuned on {gpu}, triton {triton_version}: "
+                         f"{gm:.2f}x the default's time over {cases} cases\"{', tma=True' if tma else ''}),")
     return "\n".join(lines)
 
 
@@ -196,10 +204,11 @@ def write_cache(sweep_out: dict, target, gpu: str, triton_version: str) -> list[
     from flashtx.triton_kernels.configs import TileConfig
     keys = []
     for (kernel, d), ranked in rank(sweep_out["results"]).items():
-        (bm, bn, w, s), gm, cases = ranked[0]
+        (bm, bn, w, s, *tma), gm, cases = ranked[0]
         key = autotune.make_key(gpu=gpu, arch=target.arch, triton_version=triton_version, kernel=kernel,
                                 dtype=autotune.DTYPE_ANY_16, block_dqk=d, block_dv=d, causal="any", modified=False)
-        autotune.store(key, TileConfig(bm, bn, w, s, f"bench.tune: {gm:.2f}x the default's time over {cases} cases"),
+        autotune.store(key, TileConfig(bm, bn, w, s, f"bench.tune: {gm:.2f}x the default's time over {cases} cases",
+                                       bool(tma and tma[0])),
                        ms=None, timings={"geomean_vs_default": gm, "cases": cases})
         keys.append(key)
     return keys

@@ -17,7 +17,10 @@ captured graph (forward, then backward) and its scatter ops (what functionalizat
 writes through a view of a tensor: a copy of the whole base), or the error (a graph break raises under
 fullgraph=True).
 
-    python -m flashtx.testing_gpu_trace [--dynamic] [CASE ...]
+    python -m flashtx.testing_gpu_trace [--dynamic] [--tma] [CASE ...]
+
+--tma: the attention kernels' configs are TMA tiles (streamed tiles read through tensor descriptors, as
+sm_90's tuning candidates), so the trace covers the descriptor-making kernels.
 """
 from __future__ import annotations
 
@@ -84,7 +87,7 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
     out = compiled(*args)
     if backward:
         out.backward()
-    kernels, scatters, written = [], [], {}
+    kernels, scatters, written, tma = [], [], {}, set()
     for gm in graphs:
         names, copied = [], []
         for n in gm.graph.nodes:
@@ -93,12 +96,16 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
                 names.append(getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", "?"))
                 # the arguments torch's analysis of the kernel's TTIR takes as written (functionalised: cloned)
                 written.setdefault(names[-1], set()).update(n.kwargs.get("tensors_to_clone", ()))
+                const = {**n.kwargs.get("kwargs", {}),
+                         **kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])}
+                if const.get("TMA") is True:
+                    tma.add(names[-1])  # reads through tensor descriptors
             elif "scatter" in str(n.target):  # a kernel that wrote through a view: copied back over its base
                 copied.append(str(n.target))
         kernels.append(names)
         scatters.append(copied)
     return {"kernels": kernels, "scatters": scatters,  # fullgraph=True: a graph break would have raised
-            "written": {k: sorted(v) for k, v in written.items()}}
+            "written": {k: sorted(v) for k, v in written.items()}, "tma": sorted(tma)}
 
 
 def _hf_llama():
@@ -216,7 +223,12 @@ def main(argv: list[str]) -> int:
 
     _install_standins()
     dynamic = "--dynamic" in argv  # every size symbolic (torch.compile(dynamic=True)), head dims included
-    argv = [a for a in argv if a != "--dynamic"]
+    if "--tma" in argv:  # as the autotune cache would give a TMA tile for every attention kernel
+        from flashtx.triton_kernels import configs
+        tile = configs.TileConfig(64, 64, 4, 3, "testing_gpu_trace --tma", tma=True)
+        tma_kernels = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+        configs._autotune_hook = lambda kernel, *a: tile if kernel in tma_kernels else None
+    argv = [a for a in argv if a not in ("--dynamic", "--tma")]
     results = {}
     for name, (fn, args, backward) in cases().items():
         if argv and name not in argv:

@@ -35,7 +35,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _ident(cfg):
-    return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma)
 
 
 def test_off_by_default_in_a_fresh_process():
@@ -120,7 +120,7 @@ def test_malformed_entry_is_ignored_with_a_warning(cache_dir):
     with pytest.warns(UserWarning, match="malformed entry"):
         entries = autotune.load_cache()
     assert list(entries) == ["a"]
-    assert _ident(autotune.cached("a")) == (64, 32, 4, 2) and autotune.cached("b") is None
+    assert _ident(autotune.cached("a")) == (64, 32, 4, 2, False) and autotune.cached("b") is None
 
 
 def test_candidates_fit_shared_memory_and_failures_are_skipped():
@@ -142,7 +142,7 @@ def test_candidates_fit_shared_memory_and_failures_are_skipped():
             raise RuntimeError("OutOfResources: shared memory")
         return {64: 1.5, 32: 1.0}[cfg.block_m]
     best, timings = autotune.best_of(cands, time_fn)
-    assert _ident(best) == (32, 32, 4, 1)
+    assert _ident(best) == (32, 32, 4, 1, False)
     assert timings["128x64 w8 s3"].startswith("failed: RuntimeError") and timings["64x32 w4 s2"] == 1.5
 
 
@@ -227,7 +227,8 @@ def test_backward_kernels_tune_from_inside_a_backward(cache_dir, monkeypatch, gp
     assert set(kernels) == {"attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"}, list(entries)
     for name, e in kernels.items():
         assert e["timings"] and all(isinstance(ms, float) for ms in e["timings"].values()), (name, e["timings"])
-        assert _ident(_config := autotune._config_from(e)) == (32, 32, 4, 1), (name, _config)  # the smallest tile won
+        _config = autotune._config_from(e)
+        assert _ident(_config) == (32, 32, 4, 1, False), (name, _config)  # the smallest tile won
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference.attention(q64, k64, v64, causal=True)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())

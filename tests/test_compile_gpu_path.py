@@ -73,6 +73,7 @@ def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):
     # every call, and in a backward kernel it fails AOTAutograd's partition ("was invalid, but is output")
     wrong = {k: sorted(set(w) - OUTPUTS) for k, w in res["written"].items() if set(w) - OUTPUTS}
     assert not wrong, wrong
+    assert res["tma"] == [], res["tma"]  # no shipped sm_86 tile reads through descriptors
 
 
 def test_every_case_traces_with_dynamic_shapes(traced_dynamic):
@@ -81,3 +82,18 @@ def test_every_case_traces_with_dynamic_shapes(traced_dynamic):
     errors = {case: res["error"][:500] for case, res in traced_dynamic.items() if "error" in res}
     assert not errors, errors
     assert len(traced_dynamic) >= 12
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_tma_kernels_trace_with_only_their_outputs_written(dynamic):
+    """The attention kernels with TMA tiles (streamed tiles through device-side tensor descriptors, sm_90's
+    tuning candidates): the kernels are in the graphs, and torch's TTIR analysis takes only their outputs as
+    written (an input taken as written would be cloned every call)."""
+    res = _trace("--tma", *(["--dynamic"] if dynamic else []), "attention-causal", "flash-gqa", "varlen")
+    for case, out in res.items():
+        assert "error" not in out, (case, out.get("error"))
+        assert "_attn_fwd" in out["kernels"][0] and set(BWD) <= set(out["kernels"][1])
+        assert sorted(out["written"]["_attn_fwd"]) == ["L2", "M2", "O"], (case, out["written"])
+        assert out["written"]["_attn_bwd_dkdv"] == ["DK", "DV"] and out["written"]["_attn_bwd_dq"] == ["DQ"], case
+        assert out["tma"] == ["_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_fwd"], case  # the descriptor kernels
+    assert len(res) == 3

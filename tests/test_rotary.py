@@ -210,9 +210,9 @@ def count_launches(monkeypatch):
     calls = []
     real = launch_mod.run_kernel
 
-    def run_kernel(kernel, grid, args, launch_kwargs):
+    def run_kernel(kernel, grid, args, launch_kwargs, *rest):
         calls.append(kernel)
-        return real(kernel, grid, args, launch_kwargs)
+        return real(kernel, grid, args, launch_kwargs, *rest)
 
     monkeypatch.setattr(launch_mod, "run_kernel", run_kernel)
     return calls

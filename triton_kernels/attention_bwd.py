@@ -66,8 +66,9 @@ def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_base, do_base, m2_base
                 BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_DV2: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                DROPOUT: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+                DROPOUT: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     """Add the contributions of q rows [start, end) of one head to this K/V tile's dK, dV.
+    TMA: q_base / do_base are tensor descriptors of the head's Q / dO rows (rows past Sq_b read as 0).
 
     Split head dims (BLOCK_DQK2 / BLOCK_DV2 > 0): k2 / v2 hold K's / V's second column piece and dk2 / dv2
     accumulate the gradients' second pieces; unsplit they are placeholders, never read, returned unchanged."""
@@ -78,10 +79,14 @@ def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_base, do_base, m2_base
         offs_m = start_m + tl.arange(0, BLOCK_M)
         # rows past Sq_b read as zeros (q, dO, delta) and m2 -inf, so they add nothing
         row_ok = offs_m < Sq_b
-        qt = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
-                     mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)  # (BLOCK_DQK, BLOCK_M)
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV)
+        if TMA:
+            qt = q_base.load([start_m, 0]).T  # (BLOCK_DQK, BLOCK_M)
+            do = do_base.load([start_m, 0])  # (BLOCK_M, BLOCK_DV)
+        else:
+            qt = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
+                         mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)  # (BLOCK_DQK, BLOCK_M)
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV)
         m2 = tl.load(m2_base + offs_m, mask=row_ok, other=float("-inf"))
         inv_l = tl.exp2(-tl.load(l2_base + offs_m, mask=row_ok, other=0.0))  # 1 / row sum
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
@@ -144,13 +149,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
                    LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                   ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+                   ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     """dK/dV of one K/V tile from GROUP // SPLIT of the q heads sharing its K/V head. SPLIT = 1: the
     whole GQA group, reduced in registers, written to DK/DV at the K/V head. SPLIT = GROUP: one q head
     per program (a grid GROUP times larger), each writing its partial at head index program_id(1)
     of fp32 (B, Hkv * SPLIT, Sk, D) buffers that the host sums in a fixed order (deterministic).
     Split head dims (BLOCK_DQK2 / BLOCK_DV2 > 0, launch.head_split) keep each second column piece in
-    its own tiles and accumulators."""
+    its own tiles and accumulators. TMA (sm_90+, unsplit, 16-byte aligned rows: launch.tma_ok): the
+    streamed Q / dO tiles are read through device-side tensor descriptors."""
+    tl.static_assert(not TMA or (BLOCK_DQK2 == 0 and BLOCK_DV2 == 0), "TMA reads unsplit head dims only")
     pid_n = tl.program_id(0)
     pid_h = tl.program_id(1)  # kvh * SPLIT + the part of the group
     b = tl.program_id(2)
@@ -201,6 +208,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
         h = kvh * GROUP + g
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + q_start.to(tl.int64) * stride_dom
+        if TMA:  # descriptors of this head's rows: Q (Sq_b, D_QK), dO (Sq_b, D_V); one row at least
+            q_base = tl.make_tensor_descriptor(q_base, shape=[tl.maximum(Sq_b, 1), D_QK], strides=[stride_qm, 1],
+                                               block_shape=[BLOCK_M, BLOCK_DQK])
+            do_base = tl.make_tensor_descriptor(do_base, shape=[tl.maximum(Sq_b, 1), D_V], strides=[stride_dom, 1],
+                                                block_shape=[BLOCK_M, BLOCK_DV])
         row_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
         mb_base = MB + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
         softcap2, log2e, slope2, seed = modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo,
@@ -214,7 +226,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
                                  window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
                                  stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p,
                                  drop_scale, BLOCK_M, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_DV2, part != 1, CAUSAL,
-                                 WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
+                                 WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC, TMA)
 
     sm_scale = scalar_in(sm_scale_hi, sm_scale_lo, ACC)
     dk_base = DK + b.to(tl.int64) * stride_dkb + pid_h.to(tl.int64) * stride_dkh + k_start.to(tl.int64) * stride_dkn
@@ -244,9 +256,11 @@ def _dq_tiles(dq, dq2, db_row, q, q2, do, do2, m2, inv_l, delta, k_base, v_base,
               BLOCK_DV2: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
-              DB_SUM_M: tl.constexpr, DB_SUM_N: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+              DB_SUM_M: tl.constexpr, DB_SUM_N: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+              TMA: tl.constexpr):
     """Add the contributions of key tiles [start, end) to this q tile's dQ (unscaled), and with DBIAS
-    their dS to the attn_mask gradient (`_dbias_tile`).
+    their dS to the attn_mask gradient (`_dbias_tile`). TMA: k_base / v_base are tensor descriptors
+    of the sequence's K / V rows (rows past Sk_b read as 0).
 
     Split head dims (BLOCK_DQK2 / BLOCK_DV2 > 0): q2 / do2 hold Q's / dO's second column piece and dq2
     accumulates dQ's; unsplit they are placeholders, never read, dq2 returned unchanged."""
@@ -255,10 +269,14 @@ def _dq_tiles(dq, dq2, db_row, q, q2, do, do2, m2, inv_l, delta, k_base, v_base,
     alibi_shift = Sk_b - Sq_b
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
-                     mask=(offs_n[None, :] < Sk_b) & (offs_dqk[:, None] < D_QK), other=0.0)  # (BLOCK_DQK, BLOCK_N)
-        vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-                     mask=(offs_n[None, :] < Sk_b) & (offs_dv[:, None] < D_V), other=0.0)  # (BLOCK_DV, BLOCK_N)
+        if TMA:
+            kt = k_base.load([start_n, 0]).T  # (BLOCK_DQK, BLOCK_N)
+            vt = v_base.load([start_n, 0]).T  # (BLOCK_DV, BLOCK_N)
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+                         mask=(offs_n[None, :] < Sk_b) & (offs_dqk[:, None] < D_QK), other=0.0)  # (BLOCK_DQK, BLOCK_N)
+            vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                         mask=(offs_n[None, :] < Sk_b) & (offs_dv[:, None] < D_V), other=0.0)  # (BLOCK_DV, BLOCK_N)
         s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         kt2 = kt  # placeholder: read only when the head dim is split
         if BLOCK_DQK2 > 0:  # K^T's second column piece, (BLOCK_DQK2, BLOCK_N), accumulated into s
@@ -356,11 +374,13 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
                  LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                  DBIAS: tl.constexpr, DB_SUM_M: tl.constexpr, DB_SUM_N: tl.constexpr,
-                 ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+                 ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     """dQ of one q tile for n_b batches x n_h heads in turn (1 x 1 unless the attn_mask gradient is
     broadcast over batch / heads: then this program owns that gradient tile and sums into it in a
     fixed order). With DBIAS, dS goes to DB (shaped like the attn_mask, or per-q-tile partials when
-    it broadcasts over queries, DB_SUM_M); tiles the loop bounds skip get 0 there."""
+    it broadcasts over queries, DB_SUM_M); tiles the loop bounds skip get 0 there. TMA (sm_90+, unsplit,
+    16-byte aligned rows: launch.tma_ok): the streamed K / V tiles are read through tensor descriptors."""
+    tl.static_assert(not TMA or (BLOCK_DQK2 == 0 and BLOCK_DV2 == 0), "TMA reads unsplit head dims only")
     pid_m = tl.program_id(0)  # not longest first as the forward: reversed, it spills more on sm_80/86
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -409,6 +429,11 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
             db_row = tl.zeros([BLOCK_M], dtype=ACC)  # the bias gradient summed over keys (DB_SUM_N)
             k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
             v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+            if TMA:  # descriptors of this sequence's rows: K (Sk_b, D_QK), V (Sk_b, D_V); one row at least
+                k_base = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(Sk_b, 1), D_QK], strides=[stride_kn, 1],
+                                                   block_shape=[BLOCK_N, BLOCK_DQK])
+                v_base = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(Sk_b, 1), D_V], strides=[stride_vn, 1],
+                                                   block_shape=[BLOCK_N, BLOCK_DV])
             km_base = KM + b.to(tl.int64) * stride_kmb
             mb_base = MB + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
             db_base = DB + b.to(tl.int64) * stride_dbb + h.to(tl.int64) * stride_dbh
@@ -426,7 +451,7 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
                                        Sq, Sk, dropout_p, drop_scale, BLOCK_N, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
                                        BLOCK_DV2, part != 1, CAUSAL,
                                        WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, DBIAS, DB_SUM_M,
-                                       DB_SUM_N, ACC, DOT_PREC)
+                                       DB_SUM_N, ACC, DOT_PREC, TMA)
             if DBIAS:
                 if DB_SUM_N:  # the row sums are complete (tiles not visited add 0)
                     if DB_SUM_M:  # one value per q tile: stored by the tile's first row

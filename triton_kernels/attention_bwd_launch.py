@@ -8,7 +8,7 @@ import torch
 from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_args
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
-                     split_f32, target_for)
+                     split_f32, target_for, tma_ok)
 from .limits import bhsd, check_limits
 
 
@@ -133,11 +133,14 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     if gqa_parts is not None:  # per-q-head partials the caller allocated and sums
         dk_out, dv_out = gqa_parts
         split = dk_out.shape[1] // Hkv
+    unsplit = not (dqk2 or dv2)  # descriptors read whole head dims (TileConfig.tma)
+    tma1 = c1.tma and unsplit and tma_ok(q) and tma_ok(do)  # the streamed Q / dO tiles
     dkdv = Launch(_attn_bwd_dkdv, (tiles_n, Hkv * split, B), dict(
         common, DK=dk_out, DV=dv_out, **stride_args("dk", dk_out, spec), **stride_args("dv", dv_out, spec), H=H,
         GROUP=group, SPLIT=split,
-        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n), c1,
-        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target))
+        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, TMA=tma1), c1,
+        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target),
+        descriptors=("Q", "DO") if tma1 else ())
     dq_kernel = "attn_bwd_dq" if dbias is None else "attn_bwd_dq_dbias"  # its own tile (configs.py)
     c2 = select_config(dq_kernel, block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
                        spec.masks_visibility)
@@ -147,10 +150,12 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     else:
         db_args, (grid_h, grid_b) = dict(DB=delta, stride_dbb=0, stride_dbh=0, stride_dbm=0, stride_dbn=0, n_b=1,
                                          n_h=1, DBIAS=False, DB_SUM_M=False, DB_SUM_N=False), (H, B)
+    tma2 = c2.tma and unsplit and tma_ok(k) and tma_ok(v)  # the streamed K / V tiles
     dqk = Launch(_attn_bwd_dq, (cdiv(Sq, c2.block_m), grid_h, grid_b), dict(
         common, DQ=dq, **stride_args("dq", dq, spec), **db_args, H=H, GROUP=H // Hkv,
-        BLOCK_M=c2.block_m, BLOCK_N=c2.block_n), c2,
-        estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target))
+        BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, TMA=tma2), c2,
+        estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target),
+        descriptors=("K", "V") if tma2 else ())
     return [pre, dkdv, dqk] + ([finish] if finish is not None else [])
 
 
@@ -256,4 +261,31 @@ def _fused_compile_plans(target) -> list:
         except RuntimeError:
             continue
         plans.append((f"attn_bwd_dkdv+gqa-split D={d} float16 causal", launches[1]))
+    return plans + _tma_compile_plans(target)
+
+
+def _tma_compile_plans(target) -> list:
+    """sm_90 and later: each backward TMA tuning candidate (autotune.TMA_CANDIDATES), plain causal fp16; the
+    first per kernel and head dim also varlen + window in bf16 (descriptors of per-sequence rows)."""
+    from .attention_fwd import compile_cases
+    from .autotune import TMA_CANDIDATES, TMA_MIN_ARCH, describe, forced
+
+    if target.arch < TMA_MIN_ARCH:
+        return []
+    plans = []
+    cases = {name: (causal, spec) for _, _, name, causal, spec in compile_cases((64,))}
+    for kernel, index in (("attn_bwd_dkdv", 1), ("attn_bwd_dq", 2)):
+        for d, cands in TMA_CANDIDATES[kernel][2].items():
+            for i, cfg in enumerate(cands):
+                for dtype, name in [(torch.float16, "causal=True")] + ([(torch.bfloat16, "varlen+window")] if i == 0
+                                                                         else []):
+                    causal, spec = cases[name]
+                    q, k, v, o, do, dq, dk, dv = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(8))
+                    m2, l2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(3))
+                    with forced(kernel, cfg):
+                        launch = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5,
+                                               causal=causal, bottom_right=spec.varlen, spec=spec,
+                                               target=target)[index]
+                    assert launch.args["TMA"], "a TMA compile plan must read through descriptors"
+                    plans.append((f"{kernel}+tma D={d} {str(dtype)[6:]} {name} {describe(cfg)}", launch))
     return plans

@@ -15,7 +15,7 @@ from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_
                                mask_args, modifier_scalars, scalar_in, score_mods, seq_bounds, stride_args, visible)
 from .configs import estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
-                     split_f32, target_for)
+                     split_f32, target_for, tma_ok)
 from .limits import bhsd, check_limits
 
 
@@ -26,8 +26,10 @@ def _fwd_tiles(acc, acc2, m_i, l_i, q, q2, k_base, v_base, km_base, mb_base, off
                BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_DV2: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-               DROPOUT: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+               DROPOUT: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     """Fold key tiles [start, end) into the online-softmax state (acc, acc2, m_i, l_i).
+
+    TMA: k_base / v_base are tensor descriptors of this sequence's K / V rows (rows past Sk_b read as 0).
 
     Head dims split in two column pieces (launch.head_split) when BLOCK_DQK2 / BLOCK_DV2 > 0: q2 holds
     Q's columns [BLOCK_DQK, BLOCK_DQK + BLOCK_DQK2), acc2 the output's columns [BLOCK_DV, BLOCK_DV +
@@ -40,10 +42,14 @@ def _fwd_tiles(acc, acc2, m_i, l_i, q, q2, k_base, v_base, km_base, mb_base, off
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_in = offs_n < Sk_b  # keys past Sk_b (padding) read as 0
         # K^T tile (BLOCK_DQK, BLOCK_N) and V tile (BLOCK_N, BLOCK_DV)
-        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
-                     mask=key_in[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                    mask=key_in[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        if TMA:
+            kt = k_base.load([start_n, 0]).T
+            v = v_base.load([start_n, 0])
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+                         mask=key_in[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                        mask=key_in[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         if BLOCK_DQK2 > 0:  # the second column piece of K^T, (BLOCK_DQK2, BLOCK_N), accumulated into s
             offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
@@ -96,7 +102,11 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
               BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
               LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+              ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    """One BLOCK_M tile of one (batch, q head). TMA (sm_90+, unsplit head dims, 16-byte aligned K/V rows:
+    tma_ok): K/V tiles are read through device-side tensor descriptors, so the Tensor Memory Accelerator
+    copies them and zero-fills rows past the sequence; otherwise through masked pointer loads."""
+    tl.static_assert(not TMA or (BLOCK_DQK2 == 0 and BLOCK_DV2 == 0), "TMA reads unsplit head dims only")
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest first: under a causal mask a q tile's work grows with its index (FA3's LPT order)
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -115,6 +125,12 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
     k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
     v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + q_start.to(tl.int64) * stride_om
+    if TMA:  # descriptors of this sequence's rows: K (Sk_b, D_QK), V (Sk_b, D_V); one row at least
+        rows = tl.maximum(Sk_b, 1)
+        k_base = tl.make_tensor_descriptor(k_base, shape=[rows, D_QK], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DQK])
+        v_base = tl.make_tensor_descriptor(v_base, shape=[rows, D_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
     km_base = KM + b.to(tl.int64) * stride_kmb
     mb_base = MB + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
     softcap2, log2e, slope2, seed = modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo,
@@ -151,7 +167,7 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
                                          stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn, D_QK, D_V,
                                          softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
                                          BLOCK_N, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_DV2, part != 1, CAUSAL,
-                                         WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC)
+                                         WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC, TMA)
 
     # Rows that saw no key (masked out, padding, or before the causal diagonal) have l = 0 or are
     # past Sq_b / masked by query_mask: output 0, m2 = -inf, l2 = 0 (the backward gives them P = 0).
@@ -178,17 +194,19 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
 
 
 def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_right: bool,
-                 spec: MaskSpec = NO_MASKS, target=None) -> Launch:
-    """The launch that computes out, m2 and l2 from q, k, v ((B, H, S, D) views; varlen (1, H, total, D))."""
+                 spec: MaskSpec = NO_MASKS, target=None, config=None) -> Launch:
+    """The launch that computes out, m2 and l2 from q, k, v ((B, H, S, D) views; varlen (1, H, total, D)).
+    config: the tile config to use instead of select_config's (the compile check's TMA candidates)."""
     H, D_QK = q.shape[1], q.shape[3]
     Hkv, D_V = k.shape[1], v.shape[3]
     target = target if target is not None else target_for(q)
     (dqk1, dqk2), (dv1, dv2) = head_split(D_QK), head_split(D_V)
     block_dqk, block_dv = dqk1 + dqk2, dv1 + dv2  # the register tile widths configs see
-    cfg = select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
-                        spec.masks_visibility)
+    cfg = config or select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
+                                  spec.masks_visibility)
     hi, lo = split_f32(scale * LOG2E)
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
+    tma = cfg.tma and not (dqk2 or dv2) and tma_ok(k) and tma_ok(v)
     args = dict(
         Q=q, K=k, V=v, O=out, M2=m2, L2=l2,
         **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
@@ -196,11 +214,11 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
         H=H, GROUP=H // Hkv, Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
         qk_scale_hi=hi, qk_scale_lo=lo,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
-        ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **margs,
+        ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), TMA=tma, **margs,
     )
     grid = (cdiv(Sq, cfg.block_m), H, B)
     est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size(), target)
-    return Launch(_attn_fwd, grid, args, cfg, est)
+    return Launch(_attn_fwd, grid, args, cfg, est, descriptors=("K", "V") if tma else ())
 
 
 # the kernel argument of each launch-cache input, with the mask tensors and without (MaskSpec.launch_key's)
@@ -313,4 +331,28 @@ def compile_plans(target) -> list:
             continue
         dims = f"D={dqk}" if dqk == dv else f"D={dqk}/{dv}"
         plans.append((f"attn_fwd {dims} {str(dtype)[6:]} {name}", launch))
+    return plans + _tma_compile_plans(target)
+
+
+def _tma_compile_plans(target) -> list:
+    """sm_90 and later: each TMA tuning candidate (autotune.TMA_CANDIDATES), plain causal fp16 and with every
+    option in bf16; the first per head dim also varlen + window (descriptors of per-sequence rows)."""
+    from .autotune import TMA_CANDIDATES, TMA_MIN_ARCH, describe
+
+    if target.arch < TMA_MIN_ARCH:
+        return []
+    plans = []
+    cases = {name: (causal, spec) for _, _, name, causal, spec in compile_cases((64,))}
+    for d, cands in TMA_CANDIDATES["attn_fwd"][2].items():
+        for i, cfg in enumerate(cands):
+            runs = [(torch.float16, "causal=True"), (torch.bfloat16, "all-options")] + (
+                [(torch.float16, "varlen+window")] if i == 0 else [])
+            for dtype, name in runs:
+                causal, spec = cases[name]
+                q, k, v, o = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(4))
+                m2, l2 = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(2))
+                launch = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=causal, bottom_right=spec.varlen,
+                                      spec=spec, target=target, config=cfg)
+                assert launch.args["TMA"], "a TMA compile plan must read K/V through descriptors"
+                plans.append((f"attn_fwd+tma D={d} {str(dtype)[6:]} {name} {describe(cfg)}", launch))
     return plans

@@ -31,6 +31,7 @@ time fake tensors; tune eagerly first (one eager step, or `python -m bench.tune 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -75,6 +76,28 @@ CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
     },
 }
 TUNED_KERNELS = tuple(CANDIDATES)
+# sm_90 and later also time tiles that read the streamed operands through tensor descriptors (TMA, issue 13's
+# Hopper path). The forward's are the tiles of Triton's fused-attention tutorial, which reads K/V through
+# descriptors on Hopper, and the sm_90 table's own. No table entry uses TMA until a GPU run has timed it faster
+# (bench.tune).
+# The backward's are the sm_90 table's tiles and one neighbour each, streaming Q/dO (dK/dV) or K/V (dQ) that way.
+# Triton 3.6's ptxas crashes (error -11) on three 2-stage TMA tiles the compile check tried (forward 128x128 w8 at
+# D = 128, dQ 128x64 w8 at D = 64 and 128), which Triton 3.9 compiles: they are not candidates.
+TMA_CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
+    "attn_fwd": {
+        2: {64: [_T(128, 64, 4, 3, tma=True), _T(128, 128, 8, 3, tma=True), _T(128, 64, 8, 4, tma=True)],
+            128: [_T(128, 64, 8, 3, tma=True), _T(64, 64, 4, 3, tma=True), _T(128, 64, 4, 3, tma=True)]},
+    },
+    "attn_bwd_dkdv": {
+        2: {64: [_T(64, 64, 4, 3, tma=True), _T(32, 128, 8, 2, tma=True)],
+            128: [_T(64, 128, 8, 3, tma=True), _T(32, 128, 8, 2, tma=True)]},
+    },
+    "attn_bwd_dq": {
+        2: {64: [_T(64, 64, 4, 3, tma=True), _T(128, 64, 8, 3, tma=True)],
+            128: [_T(128, 64, 8, 3, tma=True), _T(64, 64, 4, 3, tma=True)]},
+    },
+}
+TMA_MIN_ARCH = 90
 
 
 def enabled() -> bool:
@@ -118,7 +141,7 @@ def _config_from(entry) -> TileConfig | None:
     try:
         c = entry["config"]
         cfg = TileConfig(int(c["block_m"]), int(c["block_n"]), int(c["num_warps"]), int(c["num_stages"]),
-                         str(c.get("reason", "autotuned")))
+                         str(c.get("reason", "autotuned")), bool(c.get("tma", False)))
     except (TypeError, KeyError, ValueError):
         return None
     if min(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) <= 0:
@@ -156,7 +179,7 @@ def store(key: str, cfg: TileConfig, *, ms: float | None = None, timings: dict |
     with _lock:
         entries = load_cache(path)
         entries[key] = {"config": {"block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-                                   "num_stages": cfg.num_stages, "reason": cfg.reason or "autotuned"},
+                                   "num_stages": cfg.num_stages, "tma": cfg.tma, "reason": cfg.reason or "autotuned"},
                         "ms": ms, "timings": timings or {}}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -185,8 +208,8 @@ def reset_memory() -> None:
 # ------------------------------------------------------------------------------------- candidates
 def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
                modified: bool = False) -> list[TileConfig]:
-    """configs.py's choice first, then this module's list; only those whose estimated shared memory
-    fits `target`; no duplicates (the reason is not part of the identity)."""
+    """configs.py's choice first, then this module's list (on sm_90 and later, then the TMA candidates); only
+    those whose estimated shared memory fits `target`; no duplicates (the reason is not part of the identity)."""
     size, bucket = (2 if elt <= 2 else 4), configs.head_dim_bucket(max(block_dqk, block_dv))
     out: list[TileConfig] = []
     seen = set()
@@ -194,8 +217,9 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
         default = [configs._select(kernel, block_dqk, block_dv, elt, target, modified)]
     except (RuntimeError, KeyError):
         default = []
-    for cfg in default + CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []):
-        ident = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    extra = TMA_CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []) if target.arch >= TMA_MIN_ARCH else []
+    for cfg in default + CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []) + extra:
+        ident = ident_of(cfg)
         if ident in seen:
             continue
         if configs.estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt, target) > target.max_shared:
@@ -226,7 +250,12 @@ def best_of(cands: Iterable[TileConfig], time_fn: Callable[[TileConfig], float])
 
 
 def describe(cfg: TileConfig) -> str:
-    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (" tma" if cfg.tma else "")
+
+
+def ident_of(cfg: TileConfig) -> tuple:
+    """What makes two configs the same launch (the reason is not part of it)."""
+    return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma)
 
 
 # ------------------------------------------------------------------------------------ forcing, hook
@@ -377,8 +406,7 @@ def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn
         warnings.warn(f"flashtx autotune: no candidate for {key} could be timed (first: {why}); using the "
                       "default from now on", stacklevel=3)
         return None
-    best = TileConfig(best.block_m, best.block_n, best.num_warps, best.num_stages,
-                      f"autotuned: {timings[describe(best)]:.3f} ms")
+    best = dataclasses.replace(best, reason=f"autotuned: {timings[describe(best)]:.3f} ms")
     store(key, best, ms=timings[describe(best)], timings=timings)
     return best
 

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from .configs import KNOWN_TARGETS, Target
+from .configs import KNOWN_TARGETS, Target, TileConfig
 
 
 @dataclasses.dataclass
@@ -113,8 +113,8 @@ def _check_one(arch: int, index: int) -> Result:
     target = KNOWN_TARGETS[arch]
     label, launch = _all_plans(target)[index]
     cfg = launch.config
-    cfg_s = (f"M{cfg.block_m} N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" if cfg is not None
-             and hasattr(cfg, "block_m") else (str(cfg.launch_kwargs) if cfg is not None else "-"))
+    cfg_s = (f"M{cfg.block_m} N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (" tma" if cfg.tma else "")
+             if isinstance(cfg, TileConfig) else (str(cfg.launch_kwargs) if cfg is not None else "-"))
     try:
         compiled = compile_launch(launch, target)
         regs, spill = _resource_usage(compiled.asm["cubin"])

@@ -63,6 +63,9 @@ class TileConfig:
     num_warps: int
     num_stages: int
     reason: str = ""  # the source of the entry, and why it differs from it
+    # attn_fwd on sm_90 and later: K/V tiles through device-side tensor descriptors (TMA) where the
+    # tensors allow it (attention_fwd.tma_ok); elsewhere, or for other inputs, the pointer loads
+    tma: bool = False
 
     @property
     def launch_kwargs(self) -> dict:

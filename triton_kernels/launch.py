@@ -36,16 +36,21 @@ class Launch:
     args: dict  # every kernel argument by name, constexprs included
     config: TileConfig | None = None
     shared_estimate: int | None = None  # what config selection assumed (configs.estimate_shared_memory)
+    # tensor arguments the kernel reads through device-side tensor descriptors (TMA): the plan relies on their
+    # 16-byte alignment (a cached plan replays only for inputs so aligned: LaunchCache), and the launch needs
+    # Triton's scratch allocator (ensure_scratch_allocator)
+    descriptors: tuple = ()
 
     def run(self):
-        run_kernel(self.kernel, self.grid, self.args, self.config.launch_kwargs if self.config is not None else {})
+        run_kernel(self.kernel, self.grid, self.args, self.config.launch_kwargs if self.config is not None else {},
+                   bool(self.descriptors))
 
 
 _INTERPRET = interpreter_active()  # read once: Triton itself reads the switch only at import
 _STUB = None  # see stub_launches
 
 
-def run_kernel(kernel, grid, args: dict, launch_kwargs: dict):
+def run_kernel(kernel, grid, args: dict, launch_kwargs: dict, scratch: bool = False):
     """Every flashtx kernel launch goes through here.
 
     On a GPU, while anything traces (torch.compile's fake tensors, AOTAutograd's functional
@@ -58,6 +63,8 @@ def run_kernel(kernel, grid, args: dict, launch_kwargs: dict):
     torch.compile (flashtx._library) and a traced launch is skipped; real CPU tensors launch as
     usual. tests/test_launch.py checks the GPU branch with a stand-in kernel. Returns what an eager GPU
     launch returns (Triton's compiled kernel, which LaunchCache launches directly from then on), else None.
+    scratch: the kernel makes tensor descriptors on the device (global scratch memory, from Triton's allocator;
+    Inductor sets its own in compiled code).
     """
     if _STUB is not None:
         _STUB(kernel, grid, args)
@@ -69,8 +76,25 @@ def run_kernel(kernel, grid, args: dict, launch_kwargs: dict):
 
         wrap_triton(kernel)[grid](**args, **launch_kwargs)
     else:  # eager: the plain launch (wrap_triton would route it through a higher-order op, ~1 ms)
+        if scratch:
+            ensure_scratch_allocator()
         return kernel[grid](**args, **launch_kwargs)
     return None
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Triton's allocator for a launch's global scratch (device-side tensor descriptors, 128 bytes a program):
+    the caching allocator's memory on the current device and stream (512-byte aligned)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Install _scratch as Triton's allocator in this context (a contextvar: each thread, autograd's device
+    thread included, starts without one) unless something (the user, Inductor) has set one."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        _allocation._allocator.set(_scratch)
 
 
 class LaunchCache:
@@ -107,6 +131,10 @@ class LaunchCache:
             return
         sig = (key, sig)
         entry = self.entries.get(sig)
+        if type(entry) is _AlignedEntry and not entry.holds(tensors):  # planned for aligned inputs: plan this call
+            for step in build():
+                step.run()
+            return
         if entry is None:
             steps = build()
             entry = _memo(steps, names, tensors)
@@ -139,13 +167,14 @@ class _Replay:
     compiled kernel (see DIRECT_LAUNCH)."""
 
     __slots__ = ("kernel", "grid", "launch_kwargs", "template", "values", "slots", "positional", "compiled",
-                 "device", "aligned")
+                 "device", "aligned", "scratch")
 
-    def __init__(self, kernel, grid, launch_kwargs, template, values, slots, positional):
+    def __init__(self, kernel, grid, launch_kwargs, template, values, slots, positional, scratch=False):
         self.kernel, self.grid, self.launch_kwargs = kernel, grid, launch_kwargs
         self.template, self.values, self.slots = template, values, slots
         self.positional = positional  # values are exactly the kernel's parameters, in order
         self.compiled = self.device = self.aligned = None
+        self.scratch = scratch  # Launch.descriptors: Triton's allocator is needed
 
     def fire(self, tensors: tuple) -> None:
         vals = self.values.copy()
@@ -157,12 +186,14 @@ class _Replay:
             drv = _driver()
             device = drv.get_current_device()
             if device == self.device and self._alignment(vals) == self.aligned:
+                if self.scratch:
+                    ensure_scratch_allocator()
                 self.compiled[self.grid](*vals, stream=drv.get_current_stream(device))
                 return
         args = self.template.copy()
         for name, pos, _, _ in self.slots:
             args[name] = vals[pos]
-        compiled = run_kernel(self.kernel, self.grid, args, self.launch_kwargs)
+        compiled = run_kernel(self.kernel, self.grid, args, self.launch_kwargs, self.scratch)
         if direct and self.positional and hasattr(compiled, "packed_metadata"):  # a CompiledKernel (eager GPU)
             self.compiled, self.device, self.aligned = compiled, _driver().get_current_device(), self._alignment(vals)
 
@@ -208,9 +239,19 @@ def _signature(tensors: tuple, n: int) -> tuple | None:
     return tuple(sig)
 
 
+class _AlignedEntry(list):
+    """A cache entry whose launches rely on some inputs' 16-byte alignment (Launch.descriptors): `need`, the
+    indices of those inputs."""
+
+    need: tuple = ()
+
+    def holds(self, tensors: tuple) -> bool:
+        return all(tensors[i].data_ptr() % _ALIGN == 0 for i in self.need)
+
+
 def _memo(steps: list, names: tuple, tensors: tuple):
     """A _Replay per launch, or None when the plan cannot be replayed from `tensors` alone."""
-    entry = []
+    entry, need = [], set()
     for step in steps:
         if type(step) is not Launch:
             return None
@@ -228,8 +269,13 @@ def _memo(steps: list, names: tuple, tensors: tuple):
             if slot is None:
                 return None
             slots.append((name, pos, *slot))
+            if name in step.descriptors:
+                need.add(slot[0])
         entry.append(_Replay(step.kernel, step.grid, step.config.launch_kwargs if step.config is not None else {},
-                             template, values, tuple(slots), positional))
+                             template, values, tuple(slots), positional, bool(step.descriptors)))
+    if need:
+        entry = _AlignedEntry(entry)
+        entry.need = tuple(sorted(need))
     return entry
 
 
@@ -269,6 +315,25 @@ def _is_traced(t: torch.Tensor) -> bool:
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     return is_fake(t) or isinstance(t, FunctionalTensor)
+
+
+TMA_ALIGN = 16  # bytes: a tensor descriptor's base address and row strides (CUDA's cuTensorMap rule)
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """Whether a kernel may read (B, H, S, D) view `t` through tensor descriptors of (S, D) rows: a unit
+    last stride, and every stride that moves the base (those of dims longer than 1) and the row stride
+    a multiple of 16 bytes, from a 16-byte aligned address. Traced tensors (torch.compile) have no
+    address: their storage offset is judged, with the storage assumed aligned, as Inductor assumes (and
+    copies graph inputs that are not)."""
+    elt = t.element_size()
+    if t.stride(3) != 1 or (t.stride(2) * elt) % TMA_ALIGN:
+        return False
+    if any((st * elt) % TMA_ALIGN for n, st in zip(t.shape[:2], t.stride()[:2]) if n > 1):
+        return False
+    if _is_traced(t):
+        return (t.storage_offset() * elt) % TMA_ALIGN == 0
+    return t.data_ptr() % TMA_ALIGN == 0
 
 
 @contextlib.contextmanager
