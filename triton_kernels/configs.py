@@ -6,7 +6,7 @@ its source: a timed sweep (bench.tune on an H200, sm_90's forward), an anchor's 
 fused-attention tutorial, FlagAttention's RTX 3090 configs) and, where ours differs, why.
 
 Spills: a tile that spills registers should ship only where a GPU timed it faster. Every 16-bit
-forward, dK/dV and dQ tile nobody has timed compiles without spills under Triton 3.6 and 3.9, at
+forward, dK/dV and dQ tile nobody has timed compiles without spills under Triton 3.6, 3.8 and 3.9, at
 head dims 64, 128 and 256, in every specialisation the compile check covers: plain (causal or not),
 with visibility masks (MASKED below), with every score modifier at once (MODIFIED), and the
 bias-gradient dQ. That is all of sm_80 and sm_86/89, which nobody here can time, and sm_90 apart
@@ -227,14 +227,16 @@ for _fam, _overrides in {
     "sm90": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 64x64 4 warps spills 0.6-1.2 KB, 32x64 3 stages 8 bytes under "
                                     "Triton 3.6"),
                  128: C(16, 64, 8, 2, _DB + "dQ's 128x64 spills 1.1-1.4 KB, 32x64 and 32x32 16 bytes"),
-                 256: C(16, 32, 8, 2, _DB + "dQ's 64x64 spilled 1.3-1.6 KB, 16x64 56 bytes under Triton 3.6")}},
+                 256: C(16, 64, 8, 1, _DB + "dQ's 64x64 spilled 1.3-1.6 KB, 16x64 2 stages 56 bytes under Triton "
+                                     "3.6, 16x32 2 stages 32 bytes under 3.8; 16x64 1 stage none under 3.6-3.9")}},
     "sm80": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 176-304 bytes"),
                  128: C(16, 64, 8, 2, _DB + "32x32 8 warps spills 48 bytes under Triton 3.6 (bias broadcast over "
                                      "heads and queries), 64x32 168-376; 16 q rows, the dS tile's staging fits"),
                  256: C(16, 32, 8, 1, _DB + "dQ's 64x32 spills 296-560 bytes, 16x32 2 stages 8")}},
     "sm86": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 8-120 bytes"),
-                 128: C(32, 32, 8, 2, _DB + "64x32 (what fits beside the dS tile's staging at dQ's rows) spills "
-                                     "24-232 bytes"),
+                 128: C(16, 64, 8, 2, _DB + "64x32 (what fits beside the dS tile's staging at dQ's rows) spills "
+                                     "24-232 bytes, 32x32 16 bytes under Triton 3.8 (bias (B, 1, 1, Sk)); "
+                                     "sm_80's 16x64 none under 3.6-3.9"),
                  192: C(32, 32, 8, 2, "dQ's 64x32 with half the q rows: the dS tile's staging does not fit "
                                       "sm_86 beside 64 rows at head dim 192 (73,728 + 4,096 bytes by our estimate)"),
                  256: C(16, 64, 8, 1, _DB + "dQ's 32x32 spills 24 bytes")}},
@@ -259,7 +261,8 @@ for _family in TABLES.values():
 # not: bench/test_attention_variants.py's flashtx-plain-tiles provider times them against the plain.
 _MOD = SWEEP + "the plain tile spills with every score modifier at once ("
 MODIFIED: dict = {
-    "sm90": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MOD + "4 warps: 2.5 KB); 8 warps, the same tile"),
+    "sm90": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "4 warps: 2.5 KB; 8 warps 24 bytes under Triton "
+                                     "3.8); 8 warps, half the K/V rows, as sm_80/86's"),
                               128: C(64, 32, 4, 3, _MOD + "64x64: 16 bytes); half the K/V rows"),
                               256: C(64, 32, 8, 3, _MOD + "4 warps: 64 bytes); 8 warps, the same tile")}},
              "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "64x64 4 warps: 288 bytes); half the K/V rows, 8 "
