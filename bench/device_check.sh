@@ -141,7 +141,7 @@ fi
 # CPU compile check, minutes, no GPU needed).
 if want tests_gpu; then
   XDIST=""
-  ((HAVE_XDIST)) && XDIST="-n $(( NCPU < 8 ? NCPU : 8 ))"  # 8 here + 7 prewarm workers on 16 cores
+  ((HAVE_XDIST)) && XDIST="-n $(( NCPU < 8 ? NCPU : 8 )) --dist loadgroup"  # 8 here + 7 prewarm workers on 16 cores
   # -v: each result is streamed into log.txt as it happens (the second run of 2026-11-30 lost its failure list:
   # the step hit its limit, and the end-of-run summary never printed)
   step "pytest tests (GPU-only, compile and graph breaks)" 150 330 $PY -m pytest tests -v -rf --maxfail=40 $XDIST \
@@ -215,7 +215,7 @@ fi
 
 if want tests_rest; then
   XDIST=""
-  ((HAVE_XDIST)) && XDIST="-n $(( NCPU < 12 ? NCPU : 12 ))"
+  ((HAVE_XDIST)) && XDIST="-n $(( NCPU < 12 ? NCPU : 12 )) --dist loadgroup"
   step "pytest tests (the rest, on GPU)" 110 0 $PY -m pytest tests -q --maxfail=40 $XDIST -p no:cacheprovider \
     --ignore=tests/test_compile.py --ignore=tests/test_bench_smoke.py --ignore=tests/test_examples.py \
     --ignore=tests/test_translate_example.py --ignore=tests/test_main.py \

@@ -269,3 +269,19 @@ def _opt_in_paths(monkeypatch):
     _dispatch.clear_plans()
     yield
     _dispatch.clear_plans()
+
+
+# xdist groups whose module fixture runs a long subprocess (the compile check alone is most of CI's time on
+# 2 cores): collected first, so under `pytest -n auto --dist loadgroup` a worker starts them while the other
+# workers take the rest, instead of the slowest group starting late and ending last.
+_LONG_GROUPS = ("compile-check", "bench-smoke", "gpu-trace", "cuda-ext-build")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        marker = item.get_closest_marker("xdist_group")
+        name = marker.args[0] if marker and marker.args else marker.kwargs.get("name") if marker else None
+        return _LONG_GROUPS.index(name) if name in _LONG_GROUPS else len(_LONG_GROUPS)
+
+    items.sort(key=rank)  # stable: the order within a group and among the rest is kept
+

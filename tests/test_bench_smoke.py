@@ -32,9 +32,10 @@ ATTENTION_PROVIDERS = ["flashtx", "eager", "sdpa-flash", "sdpa-efficient", "sdpa
                        "xformers", "flash_attn"]
 
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     __import__("torch").cuda.is_available(),
-    reason="a GPU is here: bench/device_check.sh runs the real benchmarks; the smoke run is for machines without one")
+    reason="a GPU is here: bench/device_check.sh runs the real benchmarks; the smoke run is for machines without one"),
+    pytest.mark.xdist_group("bench-smoke")]  # the module fixture runs once: one xdist worker (--dist loadgroup)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import sys
 import pytest
 
 ARCHS = (80, 86, 90)
+# the module fixture runs once: its tests share one xdist worker (pytest -n auto --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("compile-check")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ FWD = ["_attn_fwd"]
 # every kernel's output arguments (what its stores may write)
 OUTPUTS = {"O", "M2", "L2", "DELTA", "DK", "DV", "DQ", "DB", "QO", "KO", "OUT1", "OUT2", "FLAG", "KC", "VC", "LSE"}
 BWD = ["_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
+# the module fixture runs once: its tests share one xdist worker (pytest -n auto --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("gpu-trace")
 
 
 def _trace(*flags) -> dict:

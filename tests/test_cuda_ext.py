@@ -24,6 +24,8 @@ from flashtx.cuda_ext_reference import cache_rows, decode_attention_ref, rotary_
 NVCC = B.find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH): the "
                                                      "CUDA compile checks cannot run")
+# the module fixture runs once: its tests share one xdist worker (pytest -n auto --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("cuda-ext-build")
 
 
 @pytest.fixture(scope="module")
