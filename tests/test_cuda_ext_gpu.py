@@ -19,12 +19,12 @@ import torch
 from flashtx import cuda_ext
 from flashtx.cuda_ext_reference import decode_attention_ref, rotary_append_ref
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs the CUDA extension")
 
 ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}  # outputs are O(1)
 CAP = 320  # cache capacity (positions): 5 pages of 64, 20 of 16
 # the module fixture builds once: its tests share one xdist worker (pytest -n auto --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("cuda-ext-gpu")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs the CUDA extension"),
+              pytest.mark.xdist_group("cuda-ext-gpu")]
 
 
 @pytest.fixture(scope="module", autouse=True)
