@@ -271,17 +271,9 @@ def _opt_in_paths(monkeypatch):
     _dispatch.clear_plans()
 
 
-# xdist groups whose module fixture runs a long subprocess (the compile check alone is most of CI's time on
-# 2 cores): collected first, so under `pytest -n auto --dist loadgroup` a worker starts them while the other
-# workers take the rest, instead of the slowest group starting late and ending last.
-_LONG_GROUPS = ("compile-check", "bench-smoke", "gpu-trace", "cuda-ext-build")
-
-
+# The xdist groups (test_compile, test_bench_smoke, test_compile_gpu_path, the CUDA extension's files) are the
+# modules whose fixture runs a long subprocess once (the compile check alone is most of CI's time on 2 cores):
+# collected first, so under `pytest -n auto --dist loadgroup` workers start them while the others take the
+# rest, instead of the slowest group starting late and ending last.
 def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        marker = item.get_closest_marker("xdist_group")
-        name = marker.args[0] if marker and marker.args else marker.kwargs.get("name") if marker else None
-        return _LONG_GROUPS.index(name) if name in _LONG_GROUPS else len(_LONG_GROUPS)
-
-    items.sort(key=rank)  # stable: the order within a group and among the rest is kept
-
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: the order is kept
