@@ -250,6 +250,19 @@ def throughput(median_ms: float, *, flops: float | None = None, nbytes: float | 
     return out
 
 
+def copy_case(nbytes: float, dtype: torch.dtype):
+    """(prepare, step) of a device-to-device copy moving `nbytes` in all (read + write): the bandwidth
+    reference the memory-bound benchmarks (RoPE, SwiGLU, decoding) are compared with in the same run."""
+    n = int(nbytes // (2 * torch.empty((), dtype=dtype).element_size()))
+
+    def prepare():
+        return torch.randn(n, device=DEVICE, dtype=dtype), torch.empty(n, device=DEVICE, dtype=dtype)
+
+    def step(s):
+        s[1].copy_(s[0])
+    return prepare, step
+
+
 def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = False):
     """build() (the provider's setup: imports, masks, compiled functions), or skip with the reason."""
     try:

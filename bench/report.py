@@ -69,6 +69,8 @@ def _key(r: dict) -> tuple:
         return ("model-train", r.get("pass", "train"), r["model"], r["dtype"], r["batch"], r["seqlen"])
     if r["op"] == "attention-variant":
         return ("attention-variant", r["pass"], r["dtype"], r["seqlen"], r["variant"])
+    if r["op"] == "decode":
+        return ("decode", r.get("pass", "fwd"), r["batch"], r["heads"], r["kv_heads"], r["seqlen"], r["dtype"])
     if r["op"] == "attention":
         return ("attention", r["pass"], r["headdim"], bool(r["causal"]), r["heads"], r["kv_heads"], r["dtype"],
                 r["seqlen"])
@@ -249,24 +251,51 @@ def memory_table(groups: dict) -> list[str]:
     return lines
 
 
+def _pct_of_copy(ours: dict | None, copy: dict | None) -> tuple[str, str]:
+    """flashtx's GB/s as a share of the same run's copy of as many bytes: (from idle, back to back)."""
+    pct = pct_steady = "-"
+    if ours and copy and ours["status"] == copy["status"] == "ok":
+        pct = f"{100 * ours['gbs'] / copy['gbs']:.0f}%"
+        if ours.get("gbs_steady") and copy.get("gbs_steady"):
+            pct_steady = f"{100 * ours['gbs_steady'] / copy['gbs_steady']:.0f}%"
+    return pct, pct_steady
+
+
+def _bandwidth_cells(c: dict) -> str:
+    ours = c.get("flashtx")
+    pct, pct_steady = _pct_of_copy(ours, c.get("copy"))
+    return (f"{_num(ours, 'median_ms', '{:.3f}')} | {_steady(ours)} | {_num(ours, 'gbs', '{:.0f}')} | "
+            f"{_num(ours, 'gbs_steady', '{:.0f}')} | {pct} | {pct_steady} | {_num(ours, 'pct_peak_gbs')}")
+
+
+BANDWIDTH_HEAD = "flashtx ms | steady ms | GB/s | steady GB/s | % of copy | steady % of copy | % peak BW"
+
+
 def memory_bound_table(groups: dict) -> list[str]:
     cases = {k: v for k, v in groups.items() if k[0] in ("rope", "swiglu")}
     if not cases:
         return []
     others = [p for p in ("eager", "compiled", "liger") if any(p in c for c in cases.values())]
-    lines = ["| op | pass | model | tokens | flashtx ms | steady ms | GB/s | steady GB/s | % of copy | "
-             "steady % of copy | % peak BW | " + " | ".join(f"vs {p}" for p in others) + " |",
+    lines = ["| op | pass | model | tokens | " + BANDWIDTH_HEAD + " | " + " | ".join(f"vs {p}" for p in others) + " |",
              "|" + "---|" * (11 + len(others))]
     for (op, pass_, model, _, tokens), c in cases.items():
-        ours, copy = c.get("flashtx"), c.get("copy")
-        pct_copy = pct_steady = "-"
-        if ours and copy and ours["status"] == copy["status"] == "ok":
-            pct_copy = f"{100 * ours['gbs'] / copy['gbs']:.0f}%"
-            if ours.get("gbs_steady") and copy.get("gbs_steady"):
-                pct_steady = f"{100 * ours['gbs_steady'] / copy['gbs_steady']:.0f}%"
-        lines.append(f"| {op} | {pass_} | {model} | {tokens} | {_num(ours, 'median_ms', '{:.3f}')} | {_steady(ours)} | "
-                     f"{_num(ours, 'gbs', '{:.0f}')} | {_num(ours, 'gbs_steady', '{:.0f}')} | {pct_copy} | "
-                     f"{pct_steady} | {_num(ours, 'pct_peak_gbs')} | "
+        lines.append(f"| {op} | {pass_} | {model} | {tokens} | {_bandwidth_cells(c)} | "
+                     + " | ".join(_pair(c, p) for p in others) + " |")
+    return lines
+
+
+def decode_table(groups: dict) -> list[str]:
+    """Decoding (bench/test_decode.py): GB/s of K/V read against the same run's copy, and each provider's
+    time over flashtx's."""
+    cases = {k: v for k, v in groups.items() if k[0] == "decode"}
+    if not cases:
+        return []
+    others = [p for p in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "xformers-splitk", "flashtx-train")
+              if any(p in c for c in cases.values())]
+    lines = ["| B | Hq/Hkv | context | dtype | " + BANDWIDTH_HEAD + " | " + " | ".join(f"vs {p}" for p in others)
+             + " |", "|" + "---|" * (11 + len(others))]
+    for (_, _, batch, hq, hkv, ctx, dtype), c in cases.items():
+        lines.append(f"| {batch} | {hq}/{hkv} | {ctx} | {dtype} | {_bandwidth_cells(c)} | "
                      + " | ".join(_pair(c, p) for p in others) + " |")
     return lines
 
@@ -303,13 +332,13 @@ def overhead_table(groups: dict) -> list[str]:
     return lines
 
 
-def _verdict(values: list[float], minimum: float, what: str) -> str:
+def _verdict(values: list[float], minimum: float, what: str, fmt: str = "{:.2f}x") -> str:
     if not values:
         return f"- {what}: not measured in this run"
     missed = sum(v < minimum for v in values)
     state = f"**MET** in all {len(values)}" if not missed else f"**MISSED** in {missed} of {len(values)}"
-    return (f"- {what}: {state} cases (min {min(values):.2f}x, "
-            f"median {statistics.median(values):.2f}x, max {max(values):.2f}x)")
+    return (f"- {what}: {state} cases (min {fmt.format(min(values))}, "
+            f"median {fmt.format(statistics.median(values))}, max {fmt.format(max(values))})")
 
 
 def targets(groups: dict) -> list[str]:
@@ -368,6 +397,29 @@ def targets(groups: dict) -> list[str]:
                          f"(min {min(vals):.0f}%, max {max(vals):.0f}%)")
         else:
             lines.append(f"- {op} >= 80% of the measured copy bandwidth: not measured in this run")
+    return lines + decode_targets(groups)
+
+
+def decode_targets(groups: dict) -> list[str]:
+    """Issue 15's targets at context >= 8k: K/V read at >= 80% of copy for batch >= 8 (>= 60% at batch 1),
+    >= 1.5x the best SDPA backend, >= 1.0x xformers' triton_splitKF."""
+    cases = {k: c for k, c in groups.items() if k[0] == "decode" and k[5] >= 8192 and "flashtx" in c}
+    if not cases:
+        return ["- decoding (issue 15): not measured in this run"]
+    lines = []
+    for label, floor, pick in (("batch >= 8", 80, lambda b: b >= 8), ("batch 1", 60, lambda b: b == 1)):
+        vals = [c["flashtx"]["gbs"] / c["copy"]["gbs"] for k, c in cases.items() if pick(k[2]) and "copy" in c
+                and c["flashtx"]["status"] == c["copy"]["status"] == "ok"]
+        lines.append(_verdict(vals, floor / 100, f"decoding at context >= 8k, {label}: K/V read >= {floor}% of the "
+                              "measured copy bandwidth (issue 15)", fmt="{:.0%}"))
+    best_sdpa = []
+    for c in cases.values():
+        rs = [r for p in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn") for r in [ratio(c, p)] if isinstance(r, float)]
+        if rs:
+            best_sdpa.append(min(rs))  # the fastest SDPA backend has the smallest time ratio
+    lines.append(_verdict(best_sdpa, 1.5, "decoding at context >= 8k >= 1.5x the best SDPA backend (issue 15)"))
+    xf = [r for c in cases.values() for r in [ratio(c, "xformers-splitk")] if isinstance(r, float)]
+    lines.append(_verdict(xf, 1.0, "decoding at context >= 8k >= 1.0x xformers triton_splitKF (issue 15)"))
     return lines
 
 
@@ -485,6 +537,7 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
                           variants_table(groups)),
                          ("Peak extra memory, attention fwd+bwd (MB)", memory_table(groups)),
                          ("RoPE and SwiGLU (memory-bound: GB/s of the fewest bytes)", memory_bound_table(groups)),
+                         ("Decoding, Sq = 1 over a KV cache (GB/s of K/V read)", decode_table(groups)),
                          ("Model training step (tokens/s)", models_table(groups)),
                          ("Host overhead (Python us per call to the kernel launch, launches stubbed)",
                           overhead_table(groups))):

@@ -5,8 +5,9 @@ figure of merit is GB/s of K/V read (batch x context x Hkv x D x 2 tensors x ele
 
 Providers: flashtx.flash_attn_with_kvcache (split-KV kernels, num_splits heuristic); SDPA's
 backends given q (B, Hq, 1, D) and the whole cache as k/v (enable_gqa for GQA); xformers'
-Triton split-K kernel (`triton_splitKF`, passed explicitly with op=); and flashtx's training
-forward (flash_attn_func over the cache), to show what the split-KV path buys. GPU only: without
+Triton split-K kernel (`triton_splitKF`, passed explicitly with op=); flashtx's training
+forward (flash_attn_func over the cache), to show what the split-KV path buys; and `copy`, a
+device-to-device copy of as many bytes, the bandwidth a read of the cache can reach. GPU only: without
 one every case is skipped (bench/conftest.py); none is in the quick subset.
 """
 from __future__ import annotations
@@ -31,10 +32,15 @@ PROVIDERS = {
     "sdpa-cudnn": "SDPA CUDNN_ATTENTION backend, q (B, Hq, 1, D) over the cache",
     "xformers-splitk": "xformers memory_efficient_attention_forward with op=triton_splitKF",
     "flashtx-train": "flashtx.flash_attn_func (the training forward) over the cache",
+    "copy": "device-to-device copy moving as many bytes as K/V read (bandwidth reference)",
 }
 
 
 def _build(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype):
+    if provider == "copy":  # half read, half written: its GB/s is the ceiling a read of the cache can reach
+        prepare, step = harness.copy_case(2 * batch * ctx * hkv * D * torch.finfo(dtype).bits // 8, dtype)
+        state = prepare()
+        return lambda: step(state)
     q = torch.randn(batch, 1, hq, D, device=DEVICE, dtype=dtype)  # (B, 1, Hq, D)
     kc = torch.randn(batch, ctx, hkv, D, device=DEVICE, dtype=dtype)  # (B, ctx, Hkv, D)
     vc = torch.randn_like(kc)
@@ -86,7 +92,7 @@ def test_decode(benchmark, batch, hq, hkv, ctx, provider):
         pytest.skip("decode benchmarks are not part of the smoke run (no quick cases)")
     benchmark.group = f"decode Sq=1 D={D} Hq/Hkv={hq}/{hkv} B={batch} ctx={ctx}"
     dtype = harness.DTYPE
-    info = {"op": "decode", "batch": batch, "heads": hq, "kv_heads": hkv, "seqlen": ctx, "headdim": D,
+    info = {"op": "decode", "pass": "fwd", "batch": batch, "heads": hq, "kv_heads": hkv, "seqlen": ctx, "headdim": D,
             "dtype": str(dtype).replace("torch.", ""), "provider": provider, "provider_desc": PROVIDERS[provider],
             "shape": f"B={batch} Hq={hq} Hkv={hkv} ctx={ctx} D={D} Sq=1"}
     is_ours = provider == "flashtx"

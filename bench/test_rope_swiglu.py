@@ -131,18 +131,6 @@ def _fwd_bwd(fn, make_inputs, pass_):
     return prepare, step
 
 
-def _copy_case(nbytes: float):
-    """A copy that moves `nbytes` (read + write), in the benchmark's dtype."""
-    n = int(nbytes // (2 * torch.empty((), dtype=DTYPE).element_size()))
-
-    def prepare():
-        return torch.randn(n, device=providers.DEVICE, dtype=DTYPE), torch.empty(n, device=providers.DEVICE, dtype=DTYPE)
-
-    def step(s):
-        s[1].copy_(s[0])
-    return prepare, step
-
-
 def _record(benchmark, op, provider, pass_, model, tokens, shape, nbytes, build):
     benchmark.group = f"{op} {pass_} {model} tokens={tokens}"
     info = {"op": op, "provider": provider, "provider_desc": DESCRIPTION[provider], "pass": pass_,
@@ -169,7 +157,7 @@ def test_rope(benchmark, pass_, model, tokens, provider):
 
     def build():
         if provider == "copy":
-            return _copy_case(nbytes)
+            return harness.copy_case(nbytes, DTYPE)
         return _fwd_bwd(_rope_fn(provider, d, tokens), make_inputs, pass_)
 
     _record(benchmark, "rope", provider, pass_, model, tokens,
@@ -188,7 +176,7 @@ def test_swiglu(benchmark, pass_, model, tokens, provider):
 
     def build():
         if provider == "copy":
-            return _copy_case(nbytes)
+            return harness.copy_case(nbytes, DTYPE)
         return _fwd_bwd(_swiglu_fn(provider), make_inputs, pass_)
 
     _record(benchmark, "swiglu", provider, pass_, model, tokens, f"gate, up ({tokens}, {inter})", nbytes, build)

@@ -322,3 +322,31 @@ def test_report_gives_steady_state_ratios_beside_the_idle_ones():
     assert ("attention forward >= 0.75x SDPA-CUDNN at N >= 2k, back to back (issue 13): **MISSED** in 2 of 4 cases "
             "(min 0.70x") in md
     assert "attention backward >= 1.0x SDPA-FLASH at N >= 2k, back to back (issue 13): **MET** in all 4" in md
+
+
+def _decode(provider, batch, ctx, ms, gbs):
+    """A synthetic bench/test_decode.py record (bench.test_decode's extra_info keys)."""
+    return {"op": "decode", "pass": "fwd", "provider": provider, "batch": batch, "heads": 32, "kv_heads": 8,
+            "seqlen": ctx, "headdim": 128, "dtype": "bfloat16", "status": "ok", "median_ms": ms, "gbs": gbs,
+            "steady_ms": ms / 2, "gbs_steady": 2 * gbs}
+
+
+def test_report_decode_table_and_targets():
+    """Decode records get their own table (GB/s of K/V read against the same run's copy) and issue 15's targets;
+    before, a JSON with decode records crashed the report (KeyError: 'pass')."""
+    recs = [_decode("flashtx", 8, 8192, 1.0, 900.0), _decode("copy", 8, 8192, 0.9, 1000.0),
+            _decode("sdpa-flash", 8, 8192, 2.0, 450.0), _decode("sdpa-cudnn", 8, 8192, 1.2, 750.0),
+            _decode("flashtx", 1, 8192, 1.0, 500.0), _decode("copy", 1, 8192, 0.5, 1000.0),
+            _decode("xformers-splitk", 1, 8192, 0.9, 550.0),
+            _decode("flashtx", 8, 1024, 1.0, 100.0)]  # context < 8k: tabled, not judged
+    data = {"machine_info": {}, "benchmarks": [{"name": f"d{i}", "extra_info": r, "stats": {}}
+                                               for i, r in enumerate(recs)]}
+    md = report.build_report(data, "synthetic", None)
+    assert "| 8 | 32/8 | 8192 | bfloat16 | 1.000 | 0.500 | 900 | 1800 | 90% | 90% | - | 2.00x / 2.00x | " \
+           "1.20x / 1.20x | - |" in md
+    assert "| 8 | 32/8 | 1024 | bfloat16 |" in md
+    assert "batch >= 8: K/V read >= 80% of the measured copy bandwidth (issue 15): **MET** in all 1 cases (min 90%" in md
+    assert "batch 1: K/V read >= 60% of the measured copy bandwidth (issue 15): **MISSED** in 1 of 1 cases (min 50%" in md
+    # the best SDPA backend is cuDNN (1.2 ms): 1.2x, short of 1.5x; batch 1 has no SDPA record
+    assert "1.5x the best SDPA backend (issue 15): **MISSED** in 1 of 1 cases (min 1.20x" in md
+    assert "xformers triton_splitKF (issue 15): **MISSED** in 1 of 1 cases (min 0.90x" in md
