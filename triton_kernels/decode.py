@@ -245,10 +245,12 @@ def _decode_combine(OP, LP, O, LSE, stride_ps, stride_pb, stride_pm, stride_ph, 
     m = tl.full([BLOCK_R], float("-inf"), dtype=ACC)
     l = tl.zeros([BLOCK_R], dtype=ACC)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=ACC)
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)  # the partials span splits x B x Sq x Hq x Dv: past int32
     for s in range(0, NUM_SPLITS):
-        lse_s = tl.load(LP + s * stride_lps + b * stride_lpb + h * stride_lph + rows * stride_lpm, mask=r_ok,
+        s64 = tl.full([], s, tl.int64)
+        lse_s = tl.load(LP + s64 * stride_lps + b64 * stride_lpb + h64 * stride_lph + rows * stride_lpm, mask=r_ok,
                         other=float("-inf")).to(ACC)
-        o_s = tl.load(OP + s * stride_ps + b * stride_pb + rows[:, None] * stride_pm + h * stride_ph
+        o_s = tl.load(OP + s64 * stride_ps + b64 * stride_pb + rows[:, None] * stride_pm + h64 * stride_ph
                       + offs_dv[None, :] * stride_pd, mask=r_ok[:, None] & (offs_dv[None, :] < DV),
                       other=0.0).to(ACC)
         m_new = tl.maximum(m, lse_s)
@@ -261,9 +263,9 @@ def _decode_combine(OP, LP, O, LSE, stride_ps, stride_pb, stride_pm, stride_ph, 
     empty = l == 0.0
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
     lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
-    tl.store(O + b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + h.to(tl.int64) * stride_oh
+    tl.store(O + b64 * stride_ob + rows[:, None] * stride_om + h64 * stride_oh
              + offs_dv[None, :] * stride_od, o.to(O.dtype.element_ty), mask=r_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + rows * stride_lm, lse, mask=r_ok)
+    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, lse, mask=r_ok)
 
 
 # ------------------------------------------------------------------------------------------- host side
