@@ -134,3 +134,27 @@ def test_cuda_target_reads_the_device_properties(monkeypatch):
         assert cfgs.cuda_target(1) == cfgs.Target(90, cfgs.KNOWN_TARGETS[90].max_shared, sm_count=132)
     finally:
         cfgs.cuda_target.cache_clear()
+
+
+@pytest.mark.parametrize("arch", (80, 86, 90))
+def test_elementwise_compile_plans_compile_the_full_tiles(arch):
+    """The compile check compiles the tallest RoPE and SwiGLU tiles real shapes launch, not tiles clipped to the
+    plans' own small shapes: every width's SwiGLU tile at many rows (16 x 256 at 256 and 11008 columns: plans
+    of 8 rows compiled 8 x 256 only), every q and k RoPE tile at long sequences (32 positions x 2 heads at D=64),
+    and the Hugging Face call."""
+    from flashtx.triton_kernels import rotary, swiglu
+
+    target = KNOWN_TARGETS[arch]
+    sw = {(label, (l.config.block_rows, l.config.block_cols)) for label, l in swiglu.compile_plans(target)}
+    for h in (256, 5000, 11008, 14336, 28672):
+        full = configs.swiglu_config(h, 1 << 20, target)
+        assert (f"swiglu_fwd_h{h}_torch.float16", (full.block_rows, full.block_cols)) in sw, (h, full)
+    plans = dict(rotary.compile_plans(target))
+    for d in (64, 128, 256):
+        for hq, hk in ((32, 8), (8, 2)):
+            launch = plans[f"rotary_qk_fwd_half_h{hq}x{hk}_d{d}_torch.float16"]
+            for heads, prefix in ((hq, "q"), (hk, "k")):
+                full = configs.rotary_config(d // 2, heads, 1 << 20, target)
+                got = (launch.args[f"BLOCK_S{prefix.upper()}"], launch.args[f"BLOCK_H{prefix.upper()}"])
+                assert got == (full.block_rows, full.block_cols), (d, hq, hk, prefix, got, full)
+        assert f"rotary_hf_qk_bhsd_d{d}_torch.bfloat16" in plans

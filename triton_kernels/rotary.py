@@ -365,15 +365,17 @@ def compile_plans(target: Target) -> list[tuple[str, Launch]]:
     """Representative launches for the compile check: fp16/bf16 (and fp32 at D=128), head dims
     64/128/256, half and interleaved, forward and backward (conjugate), q+k at LLaMA-3-8B's
     32/8 heads (so q and k get different tiles) and 8/2, full and partial rotary, varlen with
-    offsets in place, position ids with per-batch tables in the (B, H, S, D) layout, and decoding."""
+    offsets in place, position ids with per-batch tables in the (B, H, S, D) layout, the Hugging Face
+    call (per-batch half-precision tables, no position ids), and decoding."""
     plans = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for d in ((64, 128, 256) if dtype != torch.float32 else (128,)):
             for interleaved in (False, True):
                 style = "interleaved" if interleaved else "half"
                 for hq, hk in ((32, 8), (8, 2)):
-                    q = torch.empty(2, 16, hq, d, dtype=dtype)  # (B, S, Hq, D)
-                    k = torch.empty(2, 16, hk, d, dtype=dtype)  # (B, S, Hk, D): GQA
+                    # S = 64: every tile is as tall as rotary_config makes it (32 positions for 2 heads at D=64)
+                    q = torch.empty(2, 64, hq, d, dtype=dtype)  # (B, S, Hq, D)
+                    k = torch.empty(2, 64, hk, d, dtype=dtype)  # (B, S, Hk, D): GQA
                     cos = torch.empty(1, 64, d // 2, dtype=torch.float32)  # (1, seqlen_ro, R2)
                     for conj in (False, True):
                         plans.append((f"rotary_qk_{'bwd' if conj else 'fwd'}_{style}_h{hq}x{hk}_d{d}_{dtype}",
@@ -401,6 +403,13 @@ def compile_plans(target: Target) -> list[tuple[str, Launch]]:
             plans.append((f"rotary_posids_bhsd_d{d}_{dtype}",
                           plan_rotary(q, torch.empty_like(q), None, None, cos, cos, position_ids=pos,
                                       target=target)))
+            # the HF call (integrations.transformers.apply_rotary_pos_emb): q and k (B, H, S, D) at 32/8 heads,
+            # per-batch tables in the activations' dtype read as the first half of each (B, S, D) row
+            q = torch.empty(2, 32, 64, d, dtype=dtype).transpose(1, 2)  # (B, S, H, D) view of (B, H, S, D)
+            k = torch.empty(2, 8, 64, d, dtype=dtype).transpose(1, 2)
+            tab = torch.empty(2, 64, d, dtype=dtype)[..., : d // 2]  # (B, S, R2), row stride D
+            plans.append((f"rotary_hf_qk_bhsd_d{d}_{dtype}",
+                          plan_rotary(q, torch.empty_like(q), k, torch.empty_like(k), tab, tab, target=target)))
             # decoding: one token, q and k in place, per-sequence offsets
             q = torch.empty(4, 1, 32, d, dtype=dtype)
             k = torch.empty(4, 1, 8, d, dtype=dtype)

@@ -194,21 +194,22 @@ def compile_plans(target: Target) -> list[tuple[str, Launch]]:
     hidden sizes (256; 11008 = LLaMA-7B, 256-column tiles; 14336 = LLaMA-3-8B and 28672 = LLaMA-3-70B,
     2048-column tiles; 5000, a width with a partial last tile), plus fp32 at 14336."""
     plans = []
+    m = 64  # rows: enough for every width's full tile (16 x 256 at 256 and 11008 columns)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for h in ((256, 5000, 11008, 14336, 28672) if dtype != torch.float32 else (14336,)):
-            g = torch.empty(8, h, dtype=dtype)
-            u = torch.empty(8, h, dtype=dtype)
-            x = torch.empty(8, 2 * h, dtype=dtype)  # packed [gate | up]
+            g = torch.empty(m, h, dtype=dtype)
+            u = torch.empty(m, h, dtype=dtype)
+            x = torch.empty(m, 2 * h, dtype=dtype)  # packed [gate | up]
             gp, up = x[:, :h], x[:, h:]  # the forward reads the halves as views
             plans.append((f"swiglu_fwd_h{h}_{dtype}", plan_swiglu(g, u, torch.empty_like(g), target=target)))
             plans.append((f"swiglu_fwd_packed_h{h}_{dtype}",
-                          plan_swiglu(gp, up, torch.empty(8, h, dtype=dtype), target=target)))
+                          plan_swiglu(gp, up, torch.empty(m, h, dtype=dtype), target=target)))
             plans.append((f"swiglu_bwd_h{h}_{dtype}",
                           plan_swiglu(g, u, torch.empty_like(g), do=torch.empty_like(g), out2=torch.empty_like(u),
                                       target=target)))
             plans.append((f"swiglu_bwd_packed_h{h}_{dtype}",
-                          plan_swiglu_backward_packed(torch.empty(8, h, dtype=dtype), x, torch.empty_like(x),
+                          plan_swiglu_backward_packed(torch.empty(m, h, dtype=dtype), x, torch.empty_like(x),
                                                       target=target)))
             plans.append((f"swiglu_bwd_packed_inplace_h{h}_{dtype}",
-                          plan_swiglu_backward_packed(torch.empty(8, h, dtype=dtype), x, x, target=target)))
+                          plan_swiglu_backward_packed(torch.empty(m, h, dtype=dtype), x, x, target=target)))
     return plans
