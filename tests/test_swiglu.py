@@ -257,8 +257,9 @@ def test_module_matches_eager_llama_mlp(dtype, packed, bias):
     eager = EagerLlamaMLP(dim, hidden, bias, dtype)
     ref = EagerLlamaMLP(dim, hidden, bias, torch.float64)
     ref.load_state_dict({k: v.double() for k, v in eager.state_dict().items()})
-    mlp = flashtx.nn.SwiGLU(dim, hidden, bias=bias, packed=packed, inplace_backward=packed, dtype=dtype,
-                            device=DEVICE)
+    # packed: the default (in-place activation gradient); separate: out of place
+    mlp = flashtx.nn.SwiGLU(dim, hidden, bias=bias, packed=packed, **({} if packed else {"inplace_backward": False}),
+                            dtype=dtype, device=DEVICE)
     mlp.load_state_dict(eager.state_dict())  # transformers' names, converted by the pre-hook
     x = randn(2, 5, dim, dtype=dtype, requires_grad=True)
     x64, xe = x.detach().double().requires_grad_(True), x.detach().clone().requires_grad_(True)
@@ -275,6 +276,27 @@ def test_module_matches_eager_llama_mlp(dtype, packed, bias):
         assert f"{name}.weight" in grads
         assert_close_to_reference(f"d{name}", gk, getattr(ref, name).weight.grad, getattr(eager, name).weight.grad,
                                   grad=True)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
+def test_module_backward_is_in_place_by_default(packed):
+    """nn.SwiGLU's activation backward writes its gradient over the projection outputs (Liger's MLP does the
+    same): after backward the captured outputs hold the gradient the projections received."""
+    mlp = flashtx.nn.SwiGLU(6, 10, packed=packed, device=DEVICE)
+    assert mlp.inplace_backward and "inplace_backward=True" in repr(mlp)
+    projections = [mlp.w13] if packed else [mlp.w1, mlp.w3]
+    outs, grads = {}, {}
+    for lin in projections:
+        lin.register_forward_hook(lambda m, i, o: outs.__setitem__(m, (o, o.detach().clone())))
+        lin.register_full_backward_hook(lambda m, gi, go: grads.__setitem__(m, go[0]))
+    mlp(randn(3, 6, requires_grad=True)).sum().backward()
+    for lin in projections:
+        buf, value = outs[lin]
+        assert not torch.equal(buf, value)  # overwritten...
+        assert torch.equal(buf, grads[lin])  # ...with the gradient handed to the projection
+    mlp.inplace_backward = False
+    mlp(randn(3, 6, requires_grad=True)).sum().backward()
+    assert all(torch.equal(buf, value) for buf, value in outs.values())
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])

@@ -168,10 +168,12 @@ def register(name: str = NAME) -> None:
 
 
 class _FusedMLPMixin:
-    """forward of a LLaMA-style gated MLP with flashtx's fused SwiGLU; same parameters and names."""
+    """forward of a LLaMA-style gated MLP with flashtx's fused SwiGLU; same parameters and names. The
+    activation's backward writes its gradients over the projections' fresh outputs (nothing else reads
+    them), as flashtx.nn.SwiGLU and Liger-Kernel's MLP do."""
 
     def forward(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
 _fused_classes: dict = {}
@@ -200,7 +202,8 @@ def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool
             fp32 inside; in place when autograd records nothing, see apply_rotary_pos_emb here). Like Liger-Kernel, this patches the modeling module, so it applies to
             every model of that family in the process; ``restore_rope()`` undoes it.
         mlp: give each gated MLP (gate_proj/up_proj/down_proj with SiLU) a forward that uses
-            flashtx.swiglu. Parameters, their names and checkpoints are unchanged.
+            flashtx.swiglu, its backward in place over the projections' outputs. Parameters, their
+            names and checkpoints are unchanged.
 
     Returns:
         the model (modified in place).

@@ -26,7 +26,9 @@ class SwiGLU(nn.Module):
             and the fused activation takes the packed (…, 2H) output; otherwise separate `w1`,
             `w3`. `w2` is the down projection either way.
         inplace_backward: the activation's backward overwrites the projection output with its
-            gradient (saves one activation; safe here since nothing else reads it).
+            gradient (on by default, as in Liger-Kernel's MLP: it saves the activation gradient's
+            memory and a write of it, and is safe here since nothing else reads that output; a second
+            backward through the same graph raises). False: the out-of-place backward.
         device, dtype: for the parameters.
 
     Checkpoints: ``load_state_dict`` accepts this module's own keys, Meta's ``w1/w2/w3`` and
@@ -40,7 +42,7 @@ class SwiGLU(nn.Module):
     """
 
     def __init__(self, dim: int, hidden_dim: int, bias: bool = False, packed: bool = True, *,
-                 inplace_backward: bool = False, device=None, dtype=None):
+                 inplace_backward: bool = True, device=None, dtype=None):
         super().__init__()
         for n, v in (("dim", dim), ("hidden_dim", hidden_dim)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
