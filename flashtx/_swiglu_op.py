@@ -151,11 +151,19 @@ def swiglu_bwd_inplace_op(dout: Tensor, gate: Tensor, up: Tensor, backend: str) 
 
 
 
+def _no_saved_tensor_hooks() -> bool:
+    """Whether saved tensors are kept as they are. Saved-tensor hooks (non-reentrant activation checkpointing,
+    CPU offloading) bypass autograd's check that a saved tensor was not modified, and checkpointing hands every
+    saver of a recomputed tensor the same storage: an in-place backward would then corrupt another op's saved
+    input without an error, so it runs out of place."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
 def _setup(ctx, inputs, output):
     gate, up, inplace_backward, backend = inputs
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(gate, up)  # the only state kept for backward
-    ctx.args = (inplace_backward, backend)
+    ctx.args = (inplace_backward and _no_saved_tensor_hooks(), backend)
 
 
 def _backward(ctx, dout):
@@ -209,7 +217,7 @@ def _setup_packed(ctx, inputs, output):
     x, inplace_backward, backend = inputs
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x)
-    ctx.args = (inplace_backward, backend)
+    ctx.args = (inplace_backward and _no_saved_tensor_hooks(), backend)
 
 
 def _backward_packed(ctx, dout):

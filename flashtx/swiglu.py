@@ -42,7 +42,8 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
             gradients; use it only when nothing else reads them (e.g. fresh projection outputs).
             gate and up must share no element (the halves of one [gate | up] tensor are fine).
             Under torch.compile the backward is out of place (the overlap cannot be checked
-            while tracing).
+            while tracing), and so it is under saved-tensor hooks (non-reentrant activation
+            checkpointing, offloading), which skip autograd's check that saved tensors are unchanged.
         backend: None (automatic), "triton" or "reference".
 
     Returns:
@@ -80,7 +81,8 @@ def swiglu_packed(x, *, inplace_backward=False, backend=None):
         x: (..., 2H) holding [gate | up], e.g. the output of one fused (W1 | W3) linear layer.
             float16, bfloat16, float32 (float64 for tests); any strides.
         inplace_backward: write dx = [dgate | dup] over x in backward and return x's buffer as
-            its gradient (opt-in; x then holds its gradient, not its value).
+            its gradient (opt-in; x then holds its gradient, not its value). Out of place under
+            saved-tensor hooks (non-reentrant activation checkpointing, offloading), as swiglu.
         backend: None (automatic), "triton" or "reference".
 
     Returns:

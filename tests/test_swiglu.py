@@ -286,8 +286,9 @@ def test_module_backward_is_in_place_by_default(packed):
     assert mlp.inplace_backward and "inplace_backward=True" in repr(mlp)
     projections = [mlp.w13] if packed else [mlp.w1, mlp.w3]
     outs, grads = {}, {}
-    for lin in projections:
-        lin.register_forward_hook(lambda m, i, o: outs.__setitem__(m, (o, o.detach().clone())))
+    for lin in projections:  # outputs recorded by a wrapped forward: a forward hook turns in-place off (below)
+        lin.forward = lambda x, lin=lin, f=lin.forward: (lambda o: outs.__setitem__(lin, (o, o.detach().clone()))
+                                                         or o)(f(x))
         lin.register_full_backward_hook(lambda m, gi, go: grads.__setitem__(m, go[0]))
     mlp(randn(3, 6, requires_grad=True)).sum().backward()
     for lin in projections:
@@ -297,6 +298,54 @@ def test_module_backward_is_in_place_by_default(packed):
     mlp.inplace_backward = False
     mlp(randn(3, 6, requires_grad=True)).sum().backward()
     assert all(torch.equal(buf, value) for buf, value in outs.values())
+
+
+def test_module_keeps_hooked_projection_outputs():
+    """A forward hook on the projection (or a global one) may keep its output (captum-style attributions): the
+    default module's backward then runs out of place, and the kept output still holds the activation."""
+    mlp = flashtx.nn.SwiGLU(6, 10, device=DEVICE)
+    kept = []
+    handle = mlp.w13.register_forward_hook(lambda m, i, o: kept.append((o, o.detach().clone())))
+    mlp(randn(3, 6, requires_grad=True)).sum().backward()
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: kept.append((o, o.detach().clone())) if m is mlp.w13 else None)
+    try:
+        mlp(randn(3, 6, requires_grad=True)).sum().backward()
+    finally:
+        handle.remove()
+    assert len(kept) == 2 and all(torch.equal(buf, value) for buf, value in kept)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
+def test_inplace_backward_is_out_of_place_under_saved_tensor_hooks(packed):
+    """Saved-tensor hooks skip autograd's unchanged-saved-tensor check, and non-reentrant checkpointing hands every
+    saver of a recomputed tensor one storage: an in-place backward corrupted another op's saved copy of the input
+    with no error (a wrong gradient, seen before the fix). The backward runs out of place there."""
+    from torch.utils.checkpoint import checkpoint
+
+    x0 = randn(4, 20)
+
+    def loss(x, inplace):
+        h = flashtx.swiglu_packed(x, inplace_backward=inplace) if packed else \
+            flashtx.swiglu(x[:, :10], x[:, 10:], inplace_backward=inplace)
+        return h.sum() + (x ** 2).sum()  # pow saves x too
+
+    def grad(inplace, wrap):
+        w = x0.clone().requires_grad_(True)
+        out = wrap(lambda t: loss(t * 1, inplace), w)  # t * 1: a fresh tensor inside, recomputed by checkpoint
+        return torch.autograd.grad(out, w)[0]
+
+    want = grad(False, lambda f, w: f(w))
+    got = grad(True, lambda f, w: checkpoint(f, w, use_reentrant=False))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        w = x0.clone().requires_grad_(True)
+        out = loss(w * 1, True)
+        first = torch.autograd.grad(out, w, retain_graph=True)[0]
+        second = torch.autograd.grad(out, w)[0]  # the saved inputs are intact: the same gradient again
+    torch.testing.assert_close(first, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(second, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])

@@ -164,6 +164,23 @@ def test_apply_flashtx_keeps_parameters_and_undoes():
     assert type(fused.model.layers[0].mlp) is ml.LlamaMLP
 
 
+@pytest.mark.parametrize("inplace", [True, False])
+def test_fused_mlp_backward_in_place_unless_turned_off(inplace, monkeypatch):
+    """apply_flashtx's fused MLPs write the activation gradient over the projections' outputs by default;
+    apply_flashtx(inplace_backward=False) keeps them."""
+    _, _, fused = models(config("llama"))
+    ftx.apply_flashtx(fused, attention=False, rope=False, inplace_backward=inplace)
+    mlp = fused.model.layers[0].mlp
+    seen = []
+    real = ftx.swiglu
+    monkeypatch.setattr(ftx, "swiglu", lambda g, u, **kw: seen.append(kw["inplace_backward"]) or real(g, u, **kw))
+    x = torch.randn(2, 3, fused.config.hidden_size, device=DEVICE, requires_grad=True)
+    mlp(x).sum().backward()
+    assert seen == [inplace] and x.grad is not None
+    ftx.remove_fused_mlp(fused)
+    assert "_flashtx_inplace_backward" not in vars(mlp)
+
+
 def test_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="without 'flash'"):
         ftx.register("flashtx")  # transformers would take it for a flash-attn kernel

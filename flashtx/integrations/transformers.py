@@ -29,6 +29,7 @@ import torch
 
 from ..functional import attention
 from ..rotary import apply_rotary_pos_emb as _fused_rotary_pos_emb
+from ..nn.swiglu import forward_hooked
 from ..swiglu import swiglu
 
 # The name models use: attn_implementation="ftx". Not "flashtx": transformers treats every name that
@@ -169,11 +170,15 @@ def register(name: str = NAME) -> None:
 
 class _FusedMLPMixin:
     """forward of a LLaMA-style gated MLP with flashtx's fused SwiGLU; same parameters and names. The
-    activation's backward writes its gradients over the projections' fresh outputs (nothing else reads
-    them), as flashtx.nn.SwiGLU and Liger-Kernel's MLP do."""
+    activation's backward writes its gradients over the projections' outputs (apply_flashtx's
+    inplace_backward), as flashtx.nn.SwiGLU and Liger-Kernel's MLP do: out of place wherever a forward
+    hook sees those outputs, and under saved-tensor hooks (flashtx.nn.SwiGLU's rule)."""
+
+    _flashtx_inplace_backward = True
 
     def forward(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+        inplace = self._flashtx_inplace_backward and not forward_hooked(self.gate_proj, self.up_proj)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=inplace))
 
 
 _fused_classes: dict = {}
@@ -191,7 +196,8 @@ def _is_silu_mlp(m) -> bool:
              or type(getattr(m, "act_fn", None)).__name__ == "SiLUActivation")  # transformers' ACT2FN["silu"]
 
 
-def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool = True):
+def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool = True,
+                  inplace_backward: bool = True):
     """Make a transformers LLaMA-family model (Llama, Mistral, Qwen2) use flashtx's kernels.
 
     Args:
@@ -202,8 +208,11 @@ def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool
             fp32 inside; in place when autograd records nothing, see apply_rotary_pos_emb here). Like Liger-Kernel, this patches the modeling module, so it applies to
             every model of that family in the process; ``restore_rope()`` undoes it.
         mlp: give each gated MLP (gate_proj/up_proj/down_proj with SiLU) a forward that uses
-            flashtx.swiglu, its backward in place over the projections' outputs. Parameters, their
-            names and checkpoints are unchanged.
+            flashtx.swiglu. Parameters, their names and checkpoints are unchanged.
+        inplace_backward: the fused MLPs' activation gradient is written over the projections'
+            outputs (no buffer allocated; out of place wherever a forward hook sees those outputs or
+            saved-tensor hooks are active, as in flashtx.nn.SwiGLU). False: out of place, e.g. for
+            several backwards through one graph (retain_graph).
 
     Returns:
         the model (modified in place).
@@ -223,6 +232,8 @@ def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool
         if mlp and _is_silu_mlp(m) and not isinstance(m, _FusedMLPMixin):
             m.__class__ = _fused_mlp_class(type(m))
             n_mlp += 1
+        if mlp and isinstance(m, _FusedMLPMixin):
+            m._flashtx_inplace_backward = bool(inplace_backward)
         if rope and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
             modules.add(sys.modules[type(m).__module__])
     if mlp and n_mlp == 0 and not any(isinstance(m, _FusedMLPMixin) for m in model.modules()):
@@ -248,4 +259,5 @@ def remove_fused_mlp(model):
     for m in model.modules():
         if isinstance(m, _FusedMLPMixin):
             m.__class__ = m._flashtx_original_class
+            m.__dict__.pop("_flashtx_inplace_backward", None)
     return model

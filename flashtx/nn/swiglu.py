@@ -5,6 +5,7 @@ import numbers
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_hooks
 
 from ..swiglu import swiglu, swiglu_packed
 
@@ -13,6 +14,12 @@ STYLES = {
     "meta": ("w1", "w3", "w2"),  # Meta's LLaMA reference code (gate, up, down)
     "hf": ("gate_proj", "up_proj", "down_proj"),  # Hugging Face transformers' LlamaMLP
 }
+
+
+def forward_hooked(*modules: nn.Module) -> bool:
+    """Whether a forward hook (the modules' own or a global one) sees these modules' outputs: it may keep them,
+    so an in-place backward must not overwrite them with gradients (captum-style attributions, statistics)."""
+    return bool(_global_forward_hooks) or any(m._forward_hooks for m in modules)
 
 
 class SwiGLU(nn.Module):
@@ -25,10 +32,12 @@ class SwiGLU(nn.Module):
         packed: hold W1 and W3 as one (2H, dim) linear `w13` (rows [W1; W3]), so x is read once
             and the fused activation takes the packed (…, 2H) output; otherwise separate `w1`,
             `w3`. `w2` is the down projection either way.
-        inplace_backward: the activation's backward overwrites the projection output with its
-            gradient (on by default, as in Liger-Kernel's MLP: it saves the activation gradient's
-            memory and a write of it, and is safe here since nothing else reads that output; a second
-            backward through the same graph raises). False: the out-of-place backward.
+        inplace_backward: the activation's backward writes its gradient over the projection
+            output (on by default, as in Liger-Kernel's MLP: no buffer is allocated for it). It runs
+            out of place by itself wherever something else could read that output: a forward hook
+            on the projection (or a global one), saved-tensor hooks (non-reentrant activation
+            checkpointing, offloading) and torch.compile of the separate projections. A second
+            backward through the same graph (retain_graph) raises; pass False for that.
         device, dtype: for the parameters.
 
     Checkpoints: ``load_state_dict`` accepts this module's own keys, Meta's ``w1/w2/w3`` and
@@ -64,9 +73,11 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., dim) -> (..., dim)."""
         if self.packed:
-            h = swiglu_packed(self.w13(x), inplace_backward=self.inplace_backward)  # (..., H)
+            inplace = self.inplace_backward and not forward_hooked(self.w13)
+            h = swiglu_packed(self.w13(x), inplace_backward=inplace)  # (..., H)
         else:
-            h = swiglu(self.w1(x), self.w3(x), inplace_backward=self.inplace_backward)
+            inplace = self.inplace_backward and not forward_hooked(self.w1, self.w3)
+            h = swiglu(self.w1(x), self.w3(x), inplace_backward=inplace)
         return self.w2(h)
 
     def _gate_up(self) -> dict[str, Tensor | None]:
