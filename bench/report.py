@@ -411,7 +411,7 @@ def decode_targets(groups: dict) -> list[str]:
         vals = [c["flashtx"]["gbs"] / c["copy"]["gbs"] for k, c in cases.items() if pick(k[2]) and "copy" in c
                 and c["flashtx"]["status"] == c["copy"]["status"] == "ok"]
         lines.append(_verdict(vals, floor / 100, f"decoding at context >= 8k, {label}: K/V read >= {floor}% of the "
-                              "measured copy bandwidth (issue 15)", fmt="{:.0%}"))
+                              "measured copy bandwidth (issue 15)", fmt="{:.1%}"))
     best_sdpa = []
     for c in cases.values():
         rs = [r for p in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn") for r in [ratio(c, p)] if isinstance(r, float)]
