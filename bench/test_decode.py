@@ -8,7 +8,8 @@ backends given q (B, Hq, 1, D) and the whole cache as k/v (enable_gqa for GQA); 
 Triton split-K kernel (`triton_splitKF`, passed explicitly with op=); flashtx's training
 forward (flash_attn_func over the cache), to show what the split-KV path buys; and `copy`, a
 device-to-device copy of as many bytes, the bandwidth a read of the cache can reach. GPU only: without
-one every case is skipped (bench/conftest.py); none is in the quick subset.
+one every case is skipped (bench/conftest.py). The quick subset is batch 8 at 8k context, GQA 32/8; a
+smoke run (BENCH_SMOKE=1) runs it at 1/4 of the batch, 1/8 of the heads and 1/64 of the context.
 """
 from __future__ import annotations
 
@@ -76,20 +77,24 @@ def _build(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype):
     raise KeyError(provider)
 
 
+QUICK = (8, 32, 8, 8192)  # (batch, Hq, Hkv, context) in the quick subset: bench/device_check.sh's bench step
+
+
 def _params():
     for hq, hkv in HEADS:
         for batch in BATCHES:
             for ctx in CONTEXTS:
                 for provider in PROVIDERS:
-                    yield pytest.param(batch, hq, hkv, ctx, provider,
+                    marks = [pytest.mark.quick] if (batch, hq, hkv, ctx) == QUICK else []
+                    yield pytest.param(batch, hq, hkv, ctx, provider, marks=marks,
                                        id=f"b{batch}-hq{hq}-hkv{hkv}-ctx{ctx}-{provider}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, hq, hkv, ctx, provider", list(_params()))
 def test_decode(benchmark, batch, hq, hkv, ctx, provider):
-    if harness.SMOKE:
-        pytest.skip("decode benchmarks are not part of the smoke run (no quick cases)")
+    # a smoke run (BENCH_SMOKE=1): batch / 4, heads / 8, context / 64 (B=2, Hq/Hkv=4/1, 128 keys for the quick case)
+    batch, hq, hkv, ctx = harness.smoke_dims(batch=(batch, 4), hq=(hq, 8), hkv=(hkv, 8), ctx=(ctx, 64)).values()
     benchmark.group = f"decode Sq=1 D={D} Hq/Hkv={hq}/{hkv} B={batch} ctx={ctx}"
     dtype = harness.DTYPE
     info = {"op": "decode", "pass": "fwd", "batch": batch, "heads": hq, "kv_heads": hkv, "seqlen": ctx, "headdim": D,

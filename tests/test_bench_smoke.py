@@ -25,9 +25,10 @@ sys.path.insert(0, str(ROOT))  # the repo root, for `import bench`
 from bench import report  # noqa: E402
 
 # flashtx's quick cases: attention 3 passes x causal/full x N in {2k, 8k}; GQA 3 passes at 2k;
-# 4 variants x (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd); the model training step; bench/overhead.py's rows.
+# 4 variants x (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd); one decode case; the model training step;
+# bench/overhead.py's rows.
 FLASHTX_CASES = {("attention", "mha"): 15, ("attention", "gqa"): 3, ("attention-variant", ""): 8,
-                 ("rope", ""): 2, ("swiglu", ""): 2, ("model-train", ""): 1, ("overhead", ""): 11}
+                 ("rope", ""): 2, ("swiglu", ""): 2, ("decode", ""): 1, ("model-train", ""): 1, ("overhead", ""): 11}
 ATTENTION_PROVIDERS = ["flashtx", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex",
                        "xformers", "flash_attn"]
 
@@ -95,6 +96,7 @@ def test_no_provider_is_dropped_silently(smoke):
         assert re.search(rf"SKIPPED \[\d+\] \S+: {re.escape(p)}(:| cannot)", log), f"{p}: neither ran nor skipped"
     for op in ("rope", "swiglu"):
         assert {"flashtx", "eager", "copy"} <= {r["provider"] for r in _records(out) if r["op"] == op}
+    assert {"flashtx", "flashtx-train", "copy"} <= {r["provider"] for r in _records(out) if r["op"] == "decode"}
 
 
 def test_extra_info_fields_and_arithmetic(smoke):
@@ -129,7 +131,7 @@ def test_report_tables_and_plots(smoke):
     _, log, out = smoke
     md = (out / "report" / "report.md").read_text()
     assert md.startswith("# flashtx benchmark report\n\n" + report.SMOKE_BANNER)
-    for section in ("## Attention\n", "## Attention, GQA", "## Attention variants", "## RoPE and SwiGLU",
+    for section in ("## Attention\n", "## Attention, GQA", "## Attention variants", "## RoPE and SwiGLU", "## Decoding",
                     "## Model training step", "## Host overhead", "## Targets"):
         assert section in md, section
     assert "- not evaluated: this is a smoke run" in md and "MET" not in md
