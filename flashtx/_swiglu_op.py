@@ -151,12 +151,15 @@ def swiglu_bwd_inplace_op(dout: Tensor, gate: Tensor, up: Tensor, backend: str) 
 
 
 
+_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # private
+
+
 def _no_saved_tensor_hooks() -> bool:
     """Whether saved tensors are kept as they are. Saved-tensor hooks (non-reentrant activation checkpointing,
     CPU offloading) bypass autograd's check that a saved tensor was not modified, and checkpointing hands every
     saver of a recomputed tensor the same storage: an in-place backward would then corrupt another op's saved
-    input without an error, so it runs out of place."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    input without an error, so it runs out of place (also where this torch cannot tell)."""
+    return _TOP_SAVED_TENSOR_HOOKS is not None and _TOP_SAVED_TENSOR_HOOKS(False) is None
 
 
 def _setup(ctx, inputs, output):
