@@ -251,19 +251,19 @@ def memory_table(groups: dict) -> list[str]:
     return lines
 
 
-def _pct_of_copy(ours: dict | None, copy: dict | None) -> tuple[str, str]:
-    """flashtx's GB/s as a share of the same run's copy of as many bytes: (from idle, back to back)."""
-    pct = pct_steady = "-"
-    if ours and copy and ours["status"] == copy["status"] == "ok":
-        pct = f"{100 * ours['gbs'] / copy['gbs']:.0f}%"
-        if ours.get("gbs_steady") and copy.get("gbs_steady"):
-            pct_steady = f"{100 * ours['gbs_steady'] / copy['gbs_steady']:.0f}%"
-    return pct, pct_steady
+def _copy_share(c: dict, field: str = "gbs") -> float | None:
+    """flashtx's GB/s over the same run's copy of as many bytes (field "gbs": from idle, "gbs_steady": back to
+    back); None when either did not run or has no such figure."""
+    ours, copy = c.get("flashtx"), c.get("copy")
+    if not (ours and copy and ours["status"] == copy["status"] == "ok" and ours.get(field) and copy.get(field)):
+        return None
+    return ours[field] / copy[field]
 
 
 def _bandwidth_cells(c: dict) -> str:
     ours = c.get("flashtx")
-    pct, pct_steady = _pct_of_copy(ours, c.get("copy"))
+    pct, pct_steady = (f"{100 * x:.0f}%" if x is not None else "-"
+                       for x in (_copy_share(c), _copy_share(c, "gbs_steady")))
     return (f"{_num(ours, 'median_ms', '{:.3f}')} | {_steady(ours)} | {_num(ours, 'gbs', '{:.0f}')} | "
             f"{_num(ours, 'gbs_steady', '{:.0f}')} | {pct} | {pct_steady} | {_num(ours, 'pct_peak_gbs')}")
 
@@ -388,8 +388,7 @@ def targets(groups: dict) -> list[str]:
         lines.append(f"- host overhead (issue 12: attention fwd <= 25 us, fwd+bwd <= 80 us, RoPE/SwiGLU <= 15 us, "
                      f"each <= 2x the baseline): {state} calls" + (f" ({', '.join(missed)})" if missed else ""))
     for op in ("rope", "swiglu"):
-        vals = [100 * c["flashtx"]["gbs"] / c["copy"]["gbs"] for k, c in groups.items()
-                if k[0] == op and "flashtx" in c and "copy" in c and c["flashtx"]["status"] == c["copy"]["status"] == "ok"]
+        vals = [100 * x for k, c in groups.items() if k[0] == op for x in [_copy_share(c)] if x is not None]
         if vals:
             missed = sum(v < 80 for v in vals)
             state = f"**MET** in all {len(vals)}" if not missed else f"**MISSED** in {missed} of {len(vals)}"
@@ -408,8 +407,7 @@ def decode_targets(groups: dict) -> list[str]:
         return ["- decoding (issue 15): not measured in this run"]
     lines = []
     for label, floor, pick in (("batch >= 8", 80, lambda b: b >= 8), ("batch 1", 60, lambda b: b == 1)):
-        vals = [c["flashtx"]["gbs"] / c["copy"]["gbs"] for k, c in cases.items() if pick(k[2]) and "copy" in c
-                and c["flashtx"]["status"] == c["copy"]["status"] == "ok"]
+        vals = [x for k, c in cases.items() if pick(k[2]) for x in [_copy_share(c)] if x is not None]
         lines.append(_verdict(vals, floor / 100, f"decoding at context >= 8k, {label}: K/V read >= {floor}% of the "
                               "measured copy bandwidth (issue 15)", fmt="{:.1%}"))
     best_sdpa = []

@@ -37,9 +37,14 @@ PROVIDERS = {
 }
 
 
+def _kv_bytes(batch: int, hkv: int, ctx: int, dtype) -> int:
+    """The bytes a decode step must read: K and V of every cached position, once."""
+    return 2 * batch * ctx * hkv * D * torch.finfo(dtype).bits // 8
+
+
 def _build(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype):
     if provider == "copy":  # half read, half written: its GB/s is the ceiling a read of the cache can reach
-        prepare, step = harness.copy_case(2 * batch * ctx * hkv * D * torch.finfo(dtype).bits // 8, dtype)
+        prepare, step = harness.copy_case(_kv_bytes(batch, hkv, ctx, dtype), dtype)
         state = prepare()
         return lambda: step(state)
     q = torch.randn(batch, 1, hq, D, device=DEVICE, dtype=dtype)  # (B, 1, Hq, D)
@@ -101,7 +106,7 @@ def test_decode(benchmark, batch, hq, hkv, ctx, provider):
             "dtype": str(dtype).replace("torch.", ""), "provider": provider, "provider_desc": PROVIDERS[provider],
             "shape": f"B={batch} Hq={hq} Hkv={hkv} ctx={ctx} D={D} Sq=1"}
     is_ours = provider == "flashtx"
-    nbytes = 2 * batch * ctx * hkv * D * torch.finfo(dtype).bits // 8  # K and V read once
+    nbytes = _kv_bytes(batch, hkv, ctx, dtype)
 
     def prepare():
         step = harness.build_or_skip(provider, lambda: _build(provider, batch, hq, hkv, ctx, dtype),
