@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashtx
+from flashtx import reference
 from flashtx.triton_kernels import attention_bwd, attention_fwd, autotune, launch
 from flashtx.triton_kernels.mask_spec import MaskSpec
 
@@ -286,15 +287,34 @@ def test_plans_pass_every_kernel_parameter_so_gpu_replays_can_launch_directly():
     assert all(r.positional for r in replays), [r.kernel.__name__ for r in replays if not r.positional]
 
 
-def test_rope_at_a_new_int_offset_each_step_keys_no_entries():
-    """Decoding rotates at seqlen_offsets = the cache length, a new int each step: planned every call, not an
-    entry per step (which would fill the cache and evict attention's entries); offset 0 replays."""
-    x = randn(1, 1, 2, 16, dtype=PRECISE_DTYPE)
+def test_rope_at_a_new_int_offset_each_step_replays_one_entry():
+    """Decoding rotates at seqlen_offsets = the cache length, a new int each step: every step replays one
+    launch-cache entry per direction (the tables narrowed to [offset, offset + S)), not an entry per step
+    (which would fill the cache and evict attention's entries), nor a plan per call; values and gradients
+    are those of the reference at positions s + offset. A varlen call at an int offset keys no entry."""
     cos, sin = torch.rand(40, 8, dtype=PRECISE_DTYPE, device=DEVICE), torch.rand(40, 8, dtype=PRECISE_DTYPE,
                                                                                    device=DEVICE)
-    for step in range(1, 6):
+    zeros = torch.zeros(6, dtype=torch.long, device=DEVICE)
+
+    def want(x, positions, conjugate=False):  # x: (N, H, D) tokens at `positions`
+        return reference.rotary_tokens(x, cos[None], sin[None], zeros[:x.shape[0]], positions, conjugate=conjugate)
+
+    for step in range(1, 7):
+        x = randn(2, 1, 3, 16, dtype=PRECISE_DTYPE, requires_grad=True)
         got = flashtx.apply_rotary(x, cos, sin, seqlen_offsets=step)
-        want = flashtx.apply_rotary(x, cos[step:step + 20], sin[step:step + 20])  # offset 0, shifted tables
-        assert (got - want).abs().max() < precise_atol(1e-12)
-    kernels = [r.kernel.__name__ for entry in launch.LAUNCHES.entries.values() for r in entry]
-    assert kernels == ["_rotary_kernel"], kernels  # only the offset-0 calls' signature
+        got.backward(torch.ones_like(got))
+        if step == 1:
+            signatures = set(launch.LAUNCHES.entries)
+            assert len(signatures) == 2, signatures  # the forward and the conjugate backward
+        assert set(launch.LAUNCHES.entries) == signatures  # replayed, nothing added
+        pos = zeros[:2] + step
+        assert (got.reshape(2, 3, 16) - want(x.detach().reshape(2, 3, 16), pos)).abs().max() < precise_atol(1e-12)
+        grad = want(torch.ones(2, 3, 16, dtype=PRECISE_DTYPE, device=DEVICE), pos, conjugate=True)
+        assert (x.grad.reshape(2, 3, 16) - grad).abs().max() < precise_atol(1e-12)
+    x = randn(5, 3, 16, dtype=PRECISE_DTYPE)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    for step in range(1, 4):
+        got = flashtx.apply_rotary(x, cos, sin, seqlen_offsets=step, cu_seqlens=cu, max_seqlen=3)
+        assert set(launch.LAUNCHES.entries) == signatures
+        pos = torch.tensor([0, 1, 0, 1, 2], device=DEVICE) + step
+        assert (got - want(x, pos)).abs().max() < precise_atol(1e-12)

@@ -340,12 +340,18 @@ def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seql
 
     # Replayed from the launch cache for a repeated signature (a GPU then launches the compiled kernel
     # directly, see launch.DIRECT_LAUNCH). An int offset other than 0 (decoding: the cache length, a new
-    # value each step) is planned every call instead of keying an entry per step; offset and max_seqlen
-    # are never int()'d (the cache is not consulted while tracing, so a SymInt stays symbolic).
+    # value each step) would key an entry per step: the tables are narrowed to the rows [offset, offset + S)
+    # instead (views: same positions, same values), so every step replays one entry at offset 0. Where the
+    # tables are too short for that (varlen, or a direct call that relies on the kernel's NaN for positions
+    # past the table) it is planned every call. offset and max_seqlen are never int()'d (the cache is not
+    # consulted while tracing, so a SymInt stays symbolic).
     if type(offset) is int and offset:
-        for step in build():
-            step.run()
-        return
+        seq = _total(q, heads_first)
+        if cu_seqlens is not None or offset + seq > cos.shape[-2]:
+            for step in build():
+                step.run()
+            return
+        cos, sin, offset = cos.narrow(-2, offset, seq), sin.narrow(-2, offset, seq), 0
     LAUNCHES.run(("rotary", q.device, offset, max_seqlen, interleaved, conjugate, heads_first), _ROLES,
                  (q, qo, k, ko, cos, sin, offsets, position_ids, cu_seqlens), build)
 
