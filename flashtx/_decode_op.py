@@ -158,18 +158,30 @@ for _op in ("kvcache_append", "kvcache_attention"):
     _dispatch.register(_op, "reference", DecodeReference())
 from . import cuda_ext  # noqa: E402,F401  registers the CUDA extension as "cuda", explicit only until measured
 IMPLS = _dispatch.IMPLS["kvcache_attention"]
+CALL_JUDGED = frozenset(n for n, impl in IMPLS.items() if hasattr(impl, "call_key"))  # see select
 
 
 def select(q: Tensor, k_cache: Tensor, v_cache: Tensor, backend: str | None, call: dict | None = None) -> str:
     """The backend name for these inputs (cached per device, dtype and head dims, plus the call_key of
-    a requested backend that has one)."""
-    if call is not None and hasattr(IMPLS.get(backend), "call_key"):  # a backend whose reasons read the call
-        key = (q.device.type, q.dtype, q.shape[-1], v_cache.shape[-1]) + IMPLS[backend].call_key(
-            q, k_cache, v_cache, call)
+    a backend whose reasons read the call: the one requested, or with backend=None and `call` given,
+    the automatic choice when it is one of CALL_JUDGED).
+
+    backend=None picks on kinds alone without `call`; where that pick is in CALL_JUDGED, the caller asks
+    again with the call's features (flash_attn_with_kvcache does), so a feature that backend lacks (softcap,
+    ALiBi, ...) sends the call to the next backend that can run it."""
+    judged = IMPLS.get(backend) if backend is not None else (IMPLS[_select_kinds(q, v_cache, None)]
+                                                            if call is not None else None)
+    if call is not None and hasattr(judged, "call_key"):  # a backend whose reasons read the call
+        key = (q.device.type, q.dtype, q.shape[-1], v_cache.shape[-1]) + judged.call_key(q, k_cache, v_cache, call)
         return _dispatch.plan("kvcache_attention", key, backend,
                               lambda: DecodeInputs(q, k_cache, v_cache, call, automatic=backend is None),
                               lambda: f"q {tuple(q.shape)} {q.dtype} on {q.device}, k_cache {tuple(k_cache.shape)}")
-    # the common case: the choice depends only on the device, dtype and head dims (a constant under compile)
+    return _select_kinds(q, v_cache, backend)
+
+
+def _select_kinds(q: Tensor, v_cache: Tensor, backend: str | None) -> str:
+    """select's common case: the choice depends only on the device, dtype and head dims (a constant under
+    compile)."""
     dev = q.device
     if not torch.compiler.is_compiling():  # eager: plan_kinds's own cache entry, read directly
         name = _dispatch._PLANS.get(("kvcache_attention", backend, (dev.type, dev.index, q.dtype, q.shape[-1],

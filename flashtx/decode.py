@@ -212,9 +212,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew,
                   capacity, bool(causal) or window != (-1, -1))
 
-    name = _decode_op.select(q, k_cache, v_cache, backend, None if backend is None else dict(
-        k=k, rotary_cos=rotary_cos, cache_leftpad=cache_leftpad, alibi=alibi, window=window, softcap=softcap,
-        capacity=capacity))
+    def features() -> dict:  # what a backend whose reasons read the call (DecodeCUDA.call_key) is judged on
+        return dict(k=k, rotary_cos=rotary_cos, cache_leftpad=cache_leftpad, alibi=alibi, window=window,
+                    softcap=softcap, capacity=capacity)
+
+    name = _decode_op.select(q, k_cache, v_cache, backend, None if backend is None else features())
+    if backend is None and name in _decode_op.CALL_JUDGED:  # picked on kinds alone: judge this call's features
+        name = _decode_op.select(q, k_cache, v_cache, None, features())
     if Snew or rotary_cos is not None:
         q_rot = call(_decode_op.kvcache_append, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                      cache_batch_idx, block_table, bool(rotary_interleaved), not (bool(causal) or window != (-1, -1)),

@@ -128,6 +128,32 @@ def test_automatic_dispatch_never_picks_cuda(standin, monkeypatch):
     assert calls == []
 
 
+def test_automatic_cuda_pick_is_judged_on_the_call(standin, monkeypatch):
+    """Once MEASURED_FASTER is set, with Triton unable to run, automatic dispatch picks the extension on kinds
+    alone (device, dtype, head dims); a call with a feature its kernels lack (softcap, ALiBi, a window,
+    cache_leftpad) must then go to the next backend that can run it, not to the kernels that would ignore
+    it."""
+    monkeypatch.setattr(cuda_ext, "MEASURED_FASTER", True)
+    monkeypatch.setattr(_decode_op.DecodeTriton, "not_supported_reasons", lambda self, inp: ["(test) no Triton"])
+    calls = []
+    real = _cuda_ext_api.DecodeCUDA.attention
+    monkeypatch.setattr(_cuda_ext_api.DecodeCUDA, "attention", lambda self, *a, **k: (calls.append(1),
+                                                                                      real(self, *a, **k)))
+    q, kc, vc, _ = _kv_case()
+    lens = torch.tensor([5, 30], dtype=torch.int32)
+    want = flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, backend="reference")
+    got = flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    assert calls == [1]  # the plain call runs the extension
+    assert (got - want).abs().max() < 1e-5
+    for kw in (dict(softcap=5.0), dict(alibi_slopes=torch.rand(4)), dict(window_size=(3, 0)),
+               dict(cache_leftpad=torch.tensor([1, 2], dtype=torch.int32))):
+        with pytest.warns(UserWarning, match="no fast backend"):
+            got = flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **kw)
+        assert calls == [1], kw  # not the extension
+        want = flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, backend="reference", **kw)
+        assert (got - want).abs().max() < 1e-5, kw
+
+
 @pytest.mark.parametrize("case", [
     dict(name="contiguous Sq=1 GQA", Sq=1, Hq=4, Hkv=2, lens=[5, 0], causal=False),
     dict(name="contiguous Sq=4 causal empty rows", Sq=4, Hq=4, Hkv=1, lens=[2, 0], causal=True, int64=True),
