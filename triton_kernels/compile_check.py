@@ -7,7 +7,8 @@ For each module of flashtx.triton_kernels that defines `compile_plans(target)`, 
 it builds the launches the launchers would make on that GPU, specialises their arguments the
 way `JITFunction.run` does (unit strides, 16-byte alignment), compiles them to cubin with
 Triton's bundled ptxas (no driver needed), and reports shared memory (against the target's
-per-block limit), registers and spills. Exits non-zero if any config fails to compile, exceeds
+per-block limit), registers, spills and the share of global-memory bytes moved by 16-byte accesses
+(vector_shares). Exits non-zero if any config fails to compile, exceeds
 shared memory, or needs more than config selection estimated. Spills are reported, not failed:
 only a GPU run can say whether a spilling tile is slower than a smaller one (configs.py).
 Needs TRITON_INTERPRET unset (it compiles; it does not interpret).
@@ -40,6 +41,11 @@ class Result:
     config: str
     estimate: int | None = None  # the shared memory config selection assumed, if it assumes any
     error: str = ""
+    # share of the bytes of the PTX's global load / store instructions that are 16-byte (vector) accesses: a
+    # bandwidth-bound kernel whose loads compile to 2- or 4-byte accesses reaches a fraction of the memory
+    # bandwidth (static instruction counts, not executed bytes; None without any such instruction)
+    ld16: float | None = None
+    st16: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -88,6 +94,22 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     return (int(regs.group(1)) if regs else -1), spill
 
 
+_GLOBAL_ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?(?:\.v(\d))?\.[bufs](\d+)\b")
+
+
+def vector_shares(ptx: str) -> tuple[float | None, float | None]:
+    """(ld16, st16) of Result: the share of global load and store bytes moved by 16-byte instructions
+    (ld.global.v4.b32, ld.global.v2.b64, ...; cp.async copies are not ld.global and are not counted)."""
+    total = {"ld": 0, "st": 0}
+    wide = {"ld": 0, "st": 0}
+    for op, vec, bits in _GLOBAL_ACCESS.findall(ptx):
+        width = int(bits) // 8 * (int(vec) if vec else 1)
+        total[op] += width
+        if width == 16:
+            wide[op] += width
+    return tuple(wide[op] / total[op] if total[op] else None for op in ("ld", "st"))
+
+
 def compile_launch(launch, target: Target):
     """Compile one Launch for `target` exactly as JITFunction.run would; return the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -118,8 +140,9 @@ def _check_one(arch: int, index: int) -> Result:
     try:
         compiled = compile_launch(launch, target)
         regs, spill = _resource_usage(compiled.asm["cubin"])
+        ld16, st16 = vector_shares(compiled.asm["ptx"])
         return Result(label, arch, int(compiled.metadata.shared), target.max_shared, regs, spill, cfg_s,
-                      launch.shared_estimate)
+                      launch.shared_estimate, ld16=ld16, st16=st16)
     except Exception as exc:  # report, don't stop: the table shows every failure
         return Result(label, arch, -1, target.max_shared, -1, -1, cfg_s, launch.shared_estimate,
                       f"{type(exc).__name__}: {exc}"[:300])
@@ -159,11 +182,12 @@ def run(archs, jobs: int, only: str = "") -> list[Result]:
 
 def format_table(results: list[Result]) -> str:
     rows = [f"{'kernel':<48} {'config':<18} {'target':<7} {'shared':>8} {'estim.':>8} {'limit':>8} {'regs':>5} "
-            f"{'spill':>6}  status"]
+            f"{'spill':>6} {'16B ld/st':>9}  status"]
+    share = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     for r in results:
         est = "-" if r.estimate is None else str(r.estimate)
         rows.append(f"{r.label:<48} {r.config:<18} sm_{r.arch:<4} {r.shared:>8} {est:>8} {r.limit:>8} "
-                    f"{r.registers:>5} {r.spill_bytes:>6}  {r.status}")
+                    f"{r.registers:>5} {r.spill_bytes:>6} {share(r.ld16) + '/' + share(r.st16):>9}  {r.status}")
     return "\n".join(rows)
 
 
