@@ -5,8 +5,10 @@ figure of merit is GB/s of K/V read (batch x context x Hkv x D x 2 tensors x ele
 
 Providers: flashtx.flash_attn_with_kvcache (split-KV kernels, num_splits heuristic); SDPA's
 backends given q (B, Hq, 1, D) and the whole cache as k/v (enable_gqa for GQA); xformers'
-Triton split-K kernel (`triton_splitKF`, passed explicitly with op=); flashtx's training
-forward (flash_attn_func over the cache), to show what the split-KV path buys; and `copy`, a
+Triton split-K kernel (`triton_splitKF`, passed explicitly with op=); flashtx.attention over the
+cache (what transformers' attn_implementation="ftx" and the patched SDPA call: the same decode kernels,
+through flashtx._small_q); flashtx's training forward (flash_attn_func with flashtx._small_q off), to
+show what the split-KV path buys; and `copy`, a
 device-to-device copy of as many bytes, the bandwidth a read of the cache can reach. GPU only: without
 one every case is skipped (bench/conftest.py). The quick subset is batch 8 at 8k context, GQA 32/8; a
 smoke run (BENCH_SMOKE=1) runs it at 1/4 of the batch, 1/8 of the heads and 1/64 of the context.
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import flashtx
+from flashtx import _small_q
 
 from . import harness
 from .harness import DEVICE, Unavailable
@@ -32,7 +35,8 @@ PROVIDERS = {
     "sdpa-efficient": "SDPA EFFICIENT_ATTENTION backend, q (B, Hq, 1, D) over the cache",
     "sdpa-cudnn": "SDPA CUDNN_ATTENTION backend, q (B, Hq, 1, D) over the cache",
     "xformers-splitk": "xformers memory_efficient_attention_forward with op=triton_splitKF",
-    "flashtx-train": "flashtx.flash_attn_func (the training forward) over the cache",
+    "flashtx-attention": "flashtx.attention, q (B, Hq, 1, D) over the cache (the decode kernels via flashtx._small_q)",
+    "flashtx-train": "flashtx.flash_attn_func over the cache, on the training forward (flashtx._small_q off)",
     "copy": "device-to-device copy moving as many bytes as K/V read (bandwidth reference)",
 }
 
@@ -53,8 +57,17 @@ def _build(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype):
     if provider == "flashtx":
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
         return lambda: flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
-    if provider == "flashtx-train":
-        return lambda: flashtx.flash_attn_func(q, kc, vc, causal=True)
+    if provider == "flashtx-attention":  # transformers' attn_implementation="ftx" and the patched SDPA call this
+        qh, kh, vh = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)  # (B, H, S, D) views
+        return lambda: flashtx.attention(qh, kh, vh, enable_gqa=hq != hkv)
+    if provider == "flashtx-train":  # the training forward: flashtx._small_q would give Sq = 1 to the decode kernels
+        def step():
+            was, _small_q.SMALL_Q_DECODE = _small_q.SMALL_Q_DECODE, False
+            try:
+                return flashtx.flash_attn_func(q, kc, vc, causal=True)
+            finally:
+                _small_q.SMALL_Q_DECODE = was
+        return step
     if provider.startswith("sdpa-"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

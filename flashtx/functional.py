@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from . import _small_q
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
 from ._library import call
 from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
@@ -85,6 +86,12 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     ints = [int(causal), int(bottom_right), window[0], window[1], max_seqlen_q, max_seqlen_k, needs_grad,
             int(bshd)]  # _attention_op.Ints
     floats = [scale, softcap, dropout_p]  # _attention_op.Floats
+    if (needs_grad == NO_GRAD and _small_q.SMALL_Q_DECODE and bias is None and rng is None and not return_probs
+            and key_mask is None and query_mask is None and q_lens is None and kv_lens is None
+            and cu_seqlens_q is None):  # decoding: see flashtx._small_q
+        res = _small_q.attention(q, k, v, aux, ints, floats, backend or "", return_lse)
+        if res is not None:
+            return res
     out, m2, l2 = call(attn_fwd, q, k, v, bias, aux, ints, floats, backend or "")
     if not (return_lse or return_probs):
         return out
@@ -160,6 +167,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         bias; SDPA gives NaN there; or Sk = 0, where SDPA gives 0 too) are 0 with lse -inf; with
         return_lse, (out, lse) with lse (..., Hq, Sq) in float32 (float64 for float64 inputs), natural
         log. Differentiable in query, key, value, a float attn_mask (and through lse).
+
+    Decoding: without autograd, up to 16 queries with no mask, lengths, bias or dropout run the split-KV decode
+    kernels of flash_attn_with_kvcache (flashtx._small_q says when), the same result.
 
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)
@@ -257,6 +267,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         out (B, Sq, Hq, Dv) in q's dtype (under torch.autocast the autocast dtype, as attention's), laid out
         like q (contiguous for contiguous q);
         with return_attn_probs, (out, softmax_lse, probs).
+
+    Decoding: as flashtx.attention's, up to 16 queries without autograd run the split-KV decode kernels.
 
     Example:
         >>> out = flashtx.flash_attn_func(q, k, v, causal=True)  # q, k, v: (B, S, H, D)

@@ -161,6 +161,10 @@ def cases() -> dict:
         return flashtx.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
                                                block_table=block_table, causal=True).float().sum()
 
+    def attention_decode(q, k, v):  # one query over a cache, no grad: the decode kernels (flashtx._small_q)
+        with torch.no_grad():
+            return flashtx.attention(q, k, v, enable_gqa=True).float().sum()
+
     def varlen(q, k, v, cu):  # packed sequences (lengths 40 + 24) with a tensor cu_seqlens
         return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True).float().sum()
 
@@ -206,6 +210,9 @@ def cases() -> dict:
                                   torch.tensor([100, 37], dtype=torch.int32),
                                   torch.arange(8, dtype=torch.int32).view(2, 4)], False),  # pages of 64
         **({} if hf is None else {"hf-llama": (hf_llama, [torch.randint(3, 64, (2, 32)), left_padded], True)}),
+        "attention-decode": (attention_decode, [torch.randn(2, 8, 1, 64, dtype=torch.float16),
+                                                *(torch.randn(2, 2, 100, 64, dtype=torch.float16) for _ in range(2))],
+                             False),
         "varlen": (varlen, [*qkv(64, 4, 64), torch.tensor([0, 40, 64], dtype=torch.int32)], True),
         "dropout": (dropout, qkv(2, 4, 64, 64), True),
         "attn-probs": (probs, qkv(2, 64, 4, 64), True),

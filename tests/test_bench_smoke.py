@@ -96,7 +96,8 @@ def test_no_provider_is_dropped_silently(smoke):
         assert re.search(rf"SKIPPED \[\d+\] \S+: {re.escape(p)}(:| cannot)", log), f"{p}: neither ran nor skipped"
     for op in ("rope", "swiglu"):
         assert {"flashtx", "eager", "copy"} <= {r["provider"] for r in _records(out) if r["op"] == op}
-    assert {"flashtx", "flashtx-train", "copy"} <= {r["provider"] for r in _records(out) if r["op"] == "decode"}
+    decode_providers = {r["provider"] for r in _records(out) if r["op"] == "decode"}
+    assert {"flashtx", "flashtx-attention", "flashtx-train", "copy"} <= decode_providers, decode_providers
 
 
 def test_extra_info_fields_and_arithmetic(smoke):

@@ -50,6 +50,8 @@ def traced_dynamic():
     # flash_attn_with_kvcache: the index check (its flag asserted on the device), append in place, then attend
     ("decode", ["_decode_check", "_kv_append", "_decode_fwd"], None),
     ("decode-paged", ["_decode_check", "_kv_append", "_decode_fwd"], None),
+    # flashtx.attention with one query and no grad (generation through attn_implementation="ftx"): decode kernels
+    ("attention-decode", ["_decode_fwd"], None),
     ("varlen", FWD, BWD),  # packed sequences: cu_seqlens must not look written (2026-12-01: the partition failed)
     ("dropout", FWD, BWD),
     ("attn-probs", FWD, BWD),  # the probabilities themselves come from an opaque custom op (O(N^2), for tests)
@@ -76,6 +78,11 @@ def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):
     wrong = {k: sorted(set(w) - OUTPUTS) for k, w in res["written"].items() if set(w) - OUTPUTS}
     assert not wrong, wrong
     assert res["tma"] == [], res["tma"]  # no shipped sm_86 tile reads through descriptors
+
+
+def test_decoding_through_attention_compiles_to_the_decode_kernels_only(traced):
+    """Not the training forward as well (flashtx._small_q decides in the traced Python, on static sizes)."""
+    assert "_attn_fwd" not in traced["attention-decode"]["kernels"][0], traced["attention-decode"]["kernels"]
 
 
 def test_every_case_traces_with_dynamic_shapes(traced_dynamic):

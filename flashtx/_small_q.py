@@ -1,0 +1,105 @@
+"""Attention of a few queries over many keys (decoding through `flashtx.attention` / `flash_attn_func` /
+the patched SDPA, e.g. Hugging Face generation with attn_implementation="ftx"), run by the split-KV decode
+kernels of flashtx.flash_attn_with_kvcache instead of the training forward.
+
+The training forward gives each (q head, batch) one program with a BLOCK_M-row query tile: for Sq = 1 it
+fills one row of 64-128, reads K/V once per q head (a GQA group reads them GROUP times), and launches B x Hq
+programs, too few to fill the GPU at small batch over a long context. The decode kernel packs a KV group's
+query heads into one tile (K/V read once per group) and splits the keys across programs (an LSE combine
+merges them). flash-attn 2 does the same inside its own forward for Sq = 1 (mha_fwd's seqlenq_ngroups_swapped
+and its split-KV heuristic), which SDPA's FLASH backend inherits; bench/test_decode.py's `flashtx-train`
+provider (the training forward, SMALL_Q_DECODE off) times the two against each other.
+
+Taken only where the two compute the same thing: no autograd (the decode op has no backward), at most
+SMALL_Q_MAX queries, no mask, lengths, bias or dropout (softcap, ALiBi and bottom-right windows are the
+decode kernel's too), causal/windows bottom-right aligned (or Sq = Sk, where both alignments agree), unit
+last strides, q laid out (B, Sq, Hq, D) in memory when Sq > 1 (flash-attn's layout, and transformers' q
+views: attention's output keeps q's memory order, the decode kernels write (B, Sq, Hq, Dv)), and the
+attention dispatch choosing Triton's kernels. Everything else returns None: the caller
+runs the training forward.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import Tensor
+
+from . import _decode_op, _dispatch, _env
+from ._library import call
+from .backends import BACKENDS, AttentionInputs
+from .triton_kernels.limits import MAX_GRID_YZ
+
+LN2 = math.log(2.0)
+SMALL_Q_DECODE = True  # False: every call runs the training forward (bench/test_decode.py's flashtx-train)
+SMALL_Q_MAX = 16  # the most queries per sequence the decode kernels take here (as flashtx.nn's DECODE_MAX_S)
+
+_ZERO_LENS: dict = {}  # (device, B) -> (B,) int32 zeros: the keys end at 0 + snew = Sk (never written)
+
+
+def _zero_lens(B: int, device) -> Tensor:
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return torch.zeros(B, dtype=torch.int32, device=device)  # traced: a buffer of the graph, not a global
+    lens = _ZERO_LENS.get((device, B))
+    if lens is None:
+        if len(_ZERO_LENS) >= 64:
+            _ZERO_LENS.clear()
+        lens = _ZERO_LENS[device, B] = torch.zeros(B, dtype=torch.int32, device=device)
+    return lens
+
+
+# (device type, index, dtype, D, Dv) -> whether attention's Triton backend runs those kinds (cleared with the plans)
+_TAKES = _dispatch.plan_table("small_q")
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it while tracing and keeps the answer
+def _triton_takes(device_type: str, index, dtype, d_qk: int, d_v: int) -> bool:
+    """Whether attention's Triton backend runs inputs of these kinds without grad (then the decode kernels,
+    whose reasons are a subset: device, dtype, head dims, can too), from tiny stand-ins once per key. Not the
+    decode dispatch's own choice: its fallback would warn, about a call that attention then runs itself."""
+    key = (device_type, index, dtype, d_qk, d_v)
+    ok = _TAKES.get(key)
+    if ok is None:
+        dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
+        q = torch.empty(1, 1, 1, d_qk, dtype=dtype, device=dev)
+        v = torch.empty(1, 1, 1, d_v, dtype=dtype, device=dev)
+        if device_type == "cpu" and not _env.INTERPRET:
+            ok = False  # CPU tensors run the reference there (flashtx._dispatch)
+        else:
+            ok = not BACKENDS["triton"].not_supported_reasons(AttentionInputs(q, q, v, needs_grad=0))
+        _TAKES[key] = ok
+    return ok
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, aux: list, ints: list, floats: list, backend: str, return_lse: bool):
+    """out [, lse] of attention over validated q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) views
+    (bshd: (B, S, H, D) tensors), as functional._run returns them (out in q's layout: (B, Hq, Sq, Dv), or
+    (B, Sq, Hq, Dv) with bshd; lse (B, Hq, Sq) natural log), through the decode kernels; None where they must
+    not take the call (module docstring). aux, ints, floats, backend: the attention op's arguments; the caller
+    has checked that nothing needs grad and that no mask, lengths, bias or dropout is given (ALiBi may be)."""
+    causal, bottom_right, window, bshd = ints[0], ints[1], (ints[2], ints[3]), ints[7]
+    if bshd:
+        B, Sq, Hq, _ = q.shape
+        Sk = k.shape[1]
+        qd, kc, vc = q, k, v
+    else:
+        B, Hq, Sq, _ = q.shape
+        Sk = k.shape[2]
+        qd, kc, vc = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D) views
+    if not 0 < Sq <= SMALL_Q_MAX or B > MAX_GRID_YZ or Hq * Sq > MAX_GRID_YZ:
+        return None
+    if (causal or window[0] >= 0 or window[1] >= 0) and not bottom_right and Sq != Sk:
+        return None  # top-left alignment: the decode kernels align bottom-right
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return None
+    if Sq > 1 and qd.stride(1) < qd.stride(2):
+        return None  # q laid out (B, Hq, Sq): attention's output would be too, the decode kernels' is (B, Sq, Hq)
+    if backend not in ("", "triton") or not _triton_takes(q.device.type, q.device.index, q.dtype,
+                                                          operator.index(q.shape[3]), operator.index(v.shape[3])):
+        return None
+    out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, _zero_lens(B, q.device), None, None, None, aux[6],
+                     floats[0], bool(causal), window[0], window[1], floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)
+    if not bshd:
+        out = out.transpose(1, 2)  # (B, Hq, Sq, Dv), laid out (B, Sq, Hq, Dv) as q (checked above)
+    return (out, lse2 * LN2) if return_lse else out
