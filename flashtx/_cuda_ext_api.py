@@ -257,6 +257,8 @@ class DecodeCUDA:
                   scale, causal, window=(-1, -1), softcap=0.0, num_splits=0, snew=0):
         self._refuse_unimplemented(cache_leftpad=leftpad is not None, alibi_slopes=alibi is not None,
                                    window_size=tuple(window) != (-1, -1), softcap=softcap > 0)
+        if seqlens is None:  # the keys are the cache's first snew positions (kvcache_attention without lengths)
+            seqlens = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
         if snew:  # the keys end after the tokens just appended
             seqlens = seqlens + snew
         o, lse = decode_attention(_vec(q), k_cache, v_cache, _int32(seqlens), block_table=_int32(block_table),

@@ -7,7 +7,8 @@ mutation and the attention a pure function of the written cache:
   when given) and v at positions cache_seqlens[b] + t, and returns q rotated (an empty tensor when
   there are no tables: use q itself).
 - `flashtx::kvcache_attention`: attention of q over each sequence's keys [cache_leftpad[b],
-  cache_seqlens[b] + snew) of the (contiguous or paged) cache (snew: the tokens just appended);
+  cache_seqlens[b] + snew) of the (contiguous or paged) cache (snew: the tokens just appended; without
+  cache_seqlens, the first snew positions: flashtx._small_q's attention over a whole K/V tensor);
   returns (out, lse2) with lse2 in log2 units.
 - `flashtx::kvcache_check`: the index check on the device (triton_kernels/decode_check.py): a (1,)
   int32 flag, 1 when every index the other two would follow is in range, for torch._assert_async.
@@ -132,7 +133,8 @@ class DecodeReference:
         k = k_cache[i0, i1].to(acc).transpose(1, 2)  # (B, Hkv, cap, D)
         v = v_cache[i0, i1].to(acc).transpose(1, 2)
         qh = q.to(acc).transpose(1, 2)  # (B, Hq, Sq, D)
-        end = seqlens.long()[:, None, None] + snew  # (B, 1, 1)
+        end = (seqlens.long()[:, None, None] if seqlens is not None else torch.zeros(
+            B, 1, 1, dtype=torch.long, device=dev)) + snew  # (B, 1, 1)
         start = leftpad.long()[:, None, None] if leftpad is not None else torch.zeros_like(end)
         qpos = end - Sq + torch.arange(Sq, device=dev)[None, :, None]  # (B, Sq, 1) bottom-right
         jj = j[None, None, :]
@@ -216,7 +218,7 @@ def kvcache_append(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tens
 
 
 @triton_op("flashtx::kvcache_attention", mutates_args=())
-def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
                       cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
                       block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: float, causal: bool,
                       window_left: int, window_right: int, softcap: float, num_splits: int, snew: int,

@@ -13,9 +13,10 @@ provider (the training forward, SMALL_Q_DECODE off) times the two against each o
 Taken only where the two compute the same thing: no autograd (the decode op has no backward), at most
 SMALL_Q_MAX queries, no mask, lengths, bias or dropout (softcap, ALiBi and bottom-right windows are the
 decode kernel's too), causal/windows bottom-right aligned (or Sq = Sk, where both alignments agree), unit
-last strides, q laid out (B, Sq, Hq, D) in memory when Sq > 1 (flash-attn's layout, and transformers' q
-views: attention's output keeps q's memory order, the decode kernels write (B, Sq, Hq, Dv)), and the
-attention dispatch choosing Triton's kernels. Everything else returns None: the caller
+last strides, q laid out (B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views:
+attention's output keeps q's memory order, the decode kernels write (B, Sq, Hq, Dv)), and the attention
+dispatch choosing Triton's kernels. Under torch.compile a growing K/V (dynamic Sk) compiles once: nothing
+here or in the decode launcher guards on Sk. Everything else returns None: the caller
 runs the training forward.
 """
 from __future__ import annotations
@@ -34,20 +35,6 @@ from .triton_kernels.limits import MAX_GRID_YZ
 LN2 = math.log(2.0)
 SMALL_Q_DECODE = True  # False: every call runs the training forward (bench/test_decode.py's flashtx-train)
 SMALL_Q_MAX = 16  # the most queries per sequence the decode kernels take here (as flashtx.nn's DECODE_MAX_S)
-
-_ZERO_LENS: dict = {}  # (device, B) -> (B,) int32 zeros: the keys end at 0 + snew = Sk (never written)
-
-
-def _zero_lens(B: int, device) -> Tensor:
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return torch.zeros(B, dtype=torch.int32, device=device)  # traced: a buffer of the graph, not a global
-    lens = _ZERO_LENS.get((device, B))
-    if lens is None:
-        if len(_ZERO_LENS) >= 64:
-            _ZERO_LENS.clear()
-        lens = _ZERO_LENS[device, B] = torch.zeros(B, dtype=torch.int32, device=device)
-    return lens
-
 
 # (device type, index, dtype, D, Dv) -> whether attention's Triton backend runs those kinds (cleared with the plans)
 _TAKES = _dispatch.plan_table("small_q")
@@ -72,6 +59,12 @@ def _triton_takes(device_type: str, index, dtype, d_qk: int, d_v: int) -> bool:
     return ok
 
 
+def _bsh_ordered(t: Tensor) -> bool:
+    """Whether (B, S, H, D) t lies in memory as (B, S, H) (dims of size 1 aside, whose strides mean nothing)."""
+    strides = [t.stride(i) for i in range(3) if t.shape[i] != 1]
+    return all(a >= b for a, b in zip(strides, strides[1:]))
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, aux: list, ints: list, floats: list, backend: str, return_lse: bool):
     """out [, lse] of attention over validated q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) views
     (bshd: (B, S, H, D) tensors), as functional._run returns them (out in q's layout: (B, Hq, Sq, Dv), or
@@ -93,13 +86,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, aux: list, ints: list, floats: li
         return None  # top-left alignment: the decode kernels align bottom-right
     if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return None
-    if Sq > 1 and qd.stride(1) < qd.stride(2):
-        return None  # q laid out (B, Hq, Sq): attention's output would be too, the decode kernels' is (B, Sq, Hq)
+    if not _bsh_ordered(qd):
+        return None  # attention's output keeps q's memory order; the decode kernels write (B, Sq, Hq, Dv)
     if backend not in ("", "triton") or not _triton_takes(q.device.type, q.device.index, q.dtype,
                                                           operator.index(q.shape[3]), operator.index(v.shape[3])):
         return None
-    out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, _zero_lens(B, q.device), None, None, None, aux[6],
-                     floats[0], bool(causal), window[0], window[1], floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)
+    alibi = aux[6].detach() if aux[6] is not None else None  # slopes get no gradient (as the training forward)
+    # no cache_seqlens: every sequence's keys are k's first snew = Sk rows
+    out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, None, None, None, None, alibi, floats[0], bool(causal),
+                     window[0], window[1], floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)
     if not bshd:
         out = out.transpose(1, 2)  # (B, Hq, Sq, Dv), laid out (B, Sq, Hq, Dv) as q (checked above)
     return (out, lse2 * LN2) if return_lse else out

@@ -18,6 +18,7 @@ writes through a view of a tensor: a copy of the whole base), or the error (a gr
 fullgraph=True).
 
     python -m flashtx.testing_gpu_trace [--dynamic] [--tma] [CASE ...]
+    python -m flashtx.testing_gpu_trace --growing   # a compiled decode loop over growing K/V: graphs compiled
 
 --tma: the attention kernels' configs are TMA tiles (streamed tiles read through tensor descriptors, as
 sm_90's tuning candidates), so the trace covers the descriptor-making kernels.
@@ -93,7 +94,7 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
         for n in gm.graph.nodes:
             if "triton_kernel_wrapper" in str(n.target) or "TritonKernelWrapper" in type(n.target).__name__:
                 k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
-                names.append(getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", "?"))
+                names.append(_kernel_name(k))
                 # the arguments torch's analysis of the kernel's TTIR takes as written (functionalised: cloned)
                 written.setdefault(names[-1], set()).update(n.kwargs.get("tensors_to_clone", ()))
                 const = {**n.kwargs.get("kwargs", {}),
@@ -106,6 +107,45 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
         scatters.append(copied)
     return {"kernels": kernels, "scatters": scatters,  # fullgraph=True: a graph break would have raised
             "written": {k: sorted(v) for k, v in written.items()}, "tma": sorted(tma)}
+
+
+def _kernel_name(k) -> str:
+    return getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", "?")
+
+
+def growing_cache(dynamic) -> dict:
+    """A compiled decode loop whose K/V grow by one token a step (transformers' DynamicCache), torch.compile's
+    dynamic=`dynamic` (None: automatic): how many graphs it compiled over 8 steps, and each graph's kernels."""
+    import torch
+    import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    import flashtx
+
+    graphs = []
+
+    def compiler(gm, example_inputs):
+        graphs.append([_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
+                       for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)])
+        outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+        def standin(*a):  # nothing runs here: outputs of the right metadata
+            vals = [getattr(o, "meta", {}).get("val") for o in outs]
+            return [torch.empty([int(s.node.hint) if isinstance(s, torch.SymInt) else s for s in v.shape],
+                                dtype=v.dtype) if isinstance(v, torch.Tensor) else None for v in vals]
+        return make_boxed_func(standin)
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v: flashtx.attention(q, k, v, enable_gqa=True), fullgraph=True, dynamic=dynamic,
+                         backend=aot_autograd(fw_compiler=compiler))
+    q = torch.randn(2, 8, 1, 64, dtype=torch.float16)
+    with torch.no_grad():
+        for sk in range(100, 108):
+            k, v = (torch.randn(2, 2, sk, 64, dtype=torch.float16) for _ in range(2))
+            step(q, k, v)
+    return {"graphs": graphs}
 
 
 def _hf_llama():
@@ -235,6 +275,15 @@ def main(argv: list[str]) -> int:
         tile = configs.TileConfig(64, 64, 4, 3, "testing_gpu_trace --tma", tma=True)
         tma_kernels = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
         configs._autotune_hook = lambda kernel, *a: tile if kernel in tma_kernels else None
+    if "--growing" in argv:  # growing_cache for automatic and dynamic shapes
+        out = {}
+        for mode, dyn in (("automatic", None), ("dynamic", True)):
+            try:
+                out[mode] = growing_cache(dyn)
+            except Exception as exc:
+                out[mode] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+        print(json.dumps(out, indent=1))
+        return 0
     argv = [a for a in argv if a not in ("--dynamic", "--tma")]
     results = {}
     for name, (fn, args, backward) in cases().items():

@@ -85,6 +85,19 @@ def test_decoding_through_attention_compiles_to_the_decode_kernels_only(traced):
     assert "_attn_fwd" not in traced["attention-decode"]["kernels"][0], traced["attention-decode"]["kernels"]
 
 
+def test_a_compiled_decode_loop_over_growing_kv_compiles_once():
+    """transformers' DynamicCache under torch.compile: K/V one token longer each step. Nothing on the decode path
+    may guard on the key length (until 2026-12-02 the launcher's int(snew) and its split heuristic did: a new graph
+    every step, and fullgraph's recompile limit after eight): automatic dynamic shapes compile twice (static,
+    then dynamic), dynamic=True once, each graph with the decode kernels only."""
+    res = _trace("--growing")
+    for mode, most in (("automatic", 2), ("dynamic", 1)):
+        assert "error" not in res[mode], res[mode].get("error")
+        graphs = res[mode]["graphs"]
+        assert 1 <= len(graphs) <= most, (mode, graphs)
+        assert all("_decode_fwd" in g and "_attn_fwd" not in g for g in graphs), (mode, graphs)
+
+
 def test_every_case_traces_with_dynamic_shapes(traced_dynamic):
     """torch.compile(dynamic=True): every size symbolic, head dims included (a dynamic head dim reaching a
     constant-result dispatch call graph-broke the patched SDPA and the decode step until 2026-12-01)."""

@@ -4,7 +4,8 @@ every layout; the calls the decode kernels must not take run the training forwar
 memory order; SMALL_Q_DECODE turns it off."""
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, poisoned_allocations, randn
+from conftest import (DEVICE, KERNEL_DTYPES, PRECISE_DTYPE, assert_close_to_reference, dtype_id, poisoned_allocations,
+                      precise_atol, randn)
 
 import flashtx
 from flashtx import _small_q, reference
@@ -95,40 +96,93 @@ def test_score_modifiers_and_bottom_right_windows_are_the_decode_kernels_too(rou
 
 
 def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes):
+    """Each call is a routed one (q laid out (B, Sq, Hq, D), as transformers' views) with one thing changed."""
     dt = torch.float32
-    q, k, v = randn(2, 4, 3, 16, dtype=dt), randn(2, 4, 40, 16, dtype=dt), randn(2, 4, 40, 16, dtype=dt)
-    grad_q = q.clone().requires_grad_()
+    q = randn(2, 3, 4, 16, dtype=dt).transpose(1, 2)  # (B, Hq, Sq, D) view of a (B, Sq, Hq, D) tensor
+    k, v = (randn(2, 40, 4, 16, dtype=dt).transpose(1, 2) for _ in range(2))
+    with torch.no_grad():
+        flashtx.attention(q, k, v)
+    assert routes == ["decode"], routes
+    grad_q = q.detach().clone().requires_grad_()
     calls = {
         "autograd": lambda: flashtx.attention(grad_q, k, v),
         "top-left causal, Sq < Sk": lambda: flashtx.attention(q, k, v, is_causal=True),
         "top-left window, Sq < Sk": lambda: flashtx.attention(q, k, v, window_size=(8, 0)),
         "key_mask": lambda: flashtx.attention(q, k, v, key_mask=torch.ones(2, 40, dtype=torch.bool, device=DEVICE)),
+        "query_mask": lambda: flashtx.attention(q, k, v, query_mask=torch.ones(2, 3, dtype=torch.bool, device=DEVICE)),
         "kv_lens": lambda: flashtx.attention(q, k, v, kv_lens=torch.tensor([40, 7], device=DEVICE)),
         "attn_mask": lambda: flashtx.attention(q, k, v, attn_mask=torch.zeros(3, 40, device=DEVICE)),
         "dropout": lambda: flashtx.attention(q, k, v, dropout_p=0.5),
         "17 queries": lambda: flashtx.attention(randn(2, 17, 4, 16, dtype=dt).transpose(1, 2), k, v),
-        "3 queries laid out (B, Hq, Sq, D)": lambda: flashtx.attention(q, k, v),
-        "flash_attn_func, 3 queries laid out (B, Hq, Sq, D)": lambda: flashtx.flash_attn_func(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
-        "strided last dim": lambda: flashtx.attention(randn(2, 4, 3, 32, dtype=dt)[..., ::2], k, v),
+        "q laid out (B, Hq, Sq, D)": lambda: flashtx.attention(q.contiguous(), k, v),
+        "flash_attn_func, q laid out (B, Hq, Sq, D)": lambda: flashtx.flash_attn_func(
+            q.contiguous().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+        "flash_attn_func, q laid out (Sq, B, Hq, D)": lambda: flashtx.flash_attn_func(
+            randn(3, 2, 4, 16, dtype=dt).transpose(0, 1), k.transpose(1, 2), v.transpose(1, 2)),
+        "strided last dim": lambda: flashtx.attention(randn(2, 3, 4, 32, dtype=dt)[..., ::2].transpose(1, 2), k, v),
         "backend='reference'": lambda: flashtx.attention(q, k, v, backend="reference"),
+        "SMALL_Q_MAX lowered": lambda: _with_max(2, lambda: flashtx.attention(q, k, v)),
     }
     for name, fn in calls.items():
         routes.clear()
         with torch.no_grad() if name != "autograd" else torch.enable_grad():
             fn()
         assert "decode" not in routes and routes[:1] in (["train"], []), (name, routes)
-    calls = {  # the same, one query: the decode kernels
+    calls = {  # the same with one query, or laid out as the decode kernels write: the decode kernels
         "backend='triton'": lambda: flashtx.attention(q[:, :, :1], k, v, backend="triton"),
-        "top-left causal, Sq = 1": lambda: flashtx.attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], is_causal=True),
-        "3 queries laid out (B, Sq, Hq, D)": lambda: flashtx.attention(q.transpose(1, 2).contiguous().transpose(1, 2),
-                                                                       k, v),
+        "top-left causal, Sq = Sk = 1": lambda: flashtx.attention(q[:, :, :1], k[:, :, :1], v[:, :, :1],
+                                                                  is_causal=True),
+        "one query laid out (B, Hq, Sq, D)": lambda: flashtx.attention(q[:, :, :1].contiguous(), k, v),
+        "16 queries": lambda: flashtx.attention(randn(2, 16, 4, 16, dtype=dt).transpose(1, 2), k, v),
     }
     for name, fn in calls.items():
         routes.clear()
         with torch.no_grad():
             fn()
         assert routes == ["decode"], (name, routes)
+
+
+def _with_max(n, fn):
+    was, _small_q.SMALL_Q_MAX = _small_q.SMALL_Q_MAX, n
+    try:
+        return fn()
+    finally:
+        _small_q.SMALL_Q_MAX = was
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+def test_more_routed_calls_match_the_reference(routes, dtype):
+    """Causal with more queries than keys (the first rows see none), ALiBi (H,) slopes and a window through
+    attention at Sq = Sk (top-left = bottom-right there), 3-D and 5-D inputs, slopes that require grad."""
+    B, Hq, Hkv, D = 2, 4, 2, 32
+    q, k, v = randn(B, 8, Hq, D, dtype=dtype), randn(B, 5, Hkv, D, dtype=dtype), randn(B, 5, Hkv, D, dtype=dtype)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    with torch.no_grad():
+        out = flashtx.flash_attn_func(q, k, v, causal=True)  # Sq = 8 > Sk = 5: rows 0-2 see no key
+    want = _ref(qh, kh, vh, causal=True, bottom_right=True)[0]
+    eager = _ref(qh, kh, vh, causal=True, bottom_right=True, dtype=dtype)[0]
+    assert_close_to_reference("out, Sq > Sk", out.transpose(1, 2), want, eager)
+    assert (out[:, :3] == 0).all()
+
+    q, k, v = randn(B, 6, Hq, D, dtype=dtype), randn(B, 6, Hkv, D, dtype=dtype), randn(B, 6, Hkv, D, dtype=dtype)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    slopes = (torch.rand(Hq, device=DEVICE) * 0.5).requires_grad_()
+    out = flashtx.attention(qh, kh, vh, is_causal=True, window_size=(2, 0), alibi_slopes=slopes, enable_gqa=True)
+    assert out.grad_fn is None  # slopes get no gradient, as on the training forward
+    kw = dict(causal=True, window=(2, 0), alibi=slopes.detach())
+    want, eager = _ref(qh, kh, vh, **kw)[0], _ref(qh, kh, vh, dtype=dtype, **kw)[0]
+    assert_close_to_reference("out, ALiBi + window", out, want, eager)
+
+    q3, k3 = randn(Hq, 1, D, dtype=dtype), randn(Hq, 9, D, dtype=dtype)
+    with torch.no_grad():  # (H, S, D) and (B1, B2, H, S, D) inputs
+        out3 = flashtx.attention(q3, k3, k3)
+        out5 = flashtx.attention(qh[None, :, :, :1], kh[None].repeat_interleave(2, 2), vh[None].repeat_interleave(2, 2))
+    want3, eager3 = _ref(q3[None], k3[None], k3[None])[0], _ref(q3[None], k3[None], k3[None], dtype=dtype)[0]
+    assert_close_to_reference("out, 3-D", out3, want3[0], eager3[0])
+    ke, ve = kh.repeat_interleave(2, 1), vh.repeat_interleave(2, 1)
+    want5, eager5 = _ref(qh[:, :, :1], ke, ve), _ref(qh[:, :, :1], ke, ve, dtype=dtype)
+    assert_close_to_reference("out, 5-D", out5[0], want5[0], eager5[0])
+    assert routes == ["decode"] * 4, routes
 
 
 def test_small_q_decode_off_runs_the_training_forward(routes, monkeypatch):
@@ -149,3 +203,16 @@ def test_patched_sdpa_decodes_through_the_decode_kernels(routes):
             got = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert routes == ["decode"]
     assert (got - want).abs().max() < 1e-5
+
+
+def test_kvcache_attention_without_lengths_is_attention_over_the_first_snew_keys():
+    """The op flashtx._small_q calls: cache_seqlens None, snew = 11 of a 20-row cache; Triton and the reference
+    backend against the float64 reference over those 11 keys."""
+    q = randn(2, 1, 4, 32, dtype=PRECISE_DTYPE)
+    kc, vc = (randn(2, 20, 2, 32, dtype=PRECISE_DTYPE) for _ in range(2))
+    want, want_lse = _ref(q.transpose(1, 2), kc[:, :11].transpose(1, 2), vc[:, :11].transpose(1, 2))
+    for backend in ("triton", "reference"):
+        out, lse2 = torch.ops.flashtx.kvcache_attention(q, kc, vc, None, None, None, None, None, 32 ** -0.5, False,
+                                                        -1, -1, 0.0, 0, 11, backend)
+        assert (out.transpose(1, 2) - want).abs().max() < precise_atol(1e-12), backend
+        assert (lse2 * _small_q.LN2 - want_lse).abs().max() < precise_atol(1e-12), backend

@@ -10,7 +10,8 @@ viewed as (B, S, H, D) run without copies):
 
 Positions are cache indices: sequence b's keys are [start_b, end_b) with start_b = cache_leftpad[b]
 (0 without) and end_b = cache_seqlens[b] + SNEW (the tokens just appended: the attention reads the
-lengths from before the append, so no device op adds them). Queries are aligned bottom-right:
+lengths from before the append, so no device op adds them), or SNEW alone without lengths (LENS_ON off:
+attention over a whole K/V tensor, flashtx._small_q). Queries are aligned bottom-right:
 query i sits at position end_b - Sq + i, sees keys j <= end_b - Sq + i + right (causal: right = 0)
 and j >= end_b - Sq + i - left (window), and ALiBi adds -slope * |end_b - Sq + i - j|, as flash-attn.
 
@@ -141,12 +142,14 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, LEFTPAD_ON: tl.constexpr, PAGED: tl.constexpr,
                 BATCH_IDX: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ACC: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, LENS_ON: tl.constexpr = True):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1) // M_TILES
     mt = tl.program_id(1) % M_TILES
     b = tl.program_id(2)
-    end = tl.load(SEQLENS + b).to(tl.int32) + SNEW  # keys [start, end) of this sequence
+    end = SNEW + b * 0  # keys [start, end) of this sequence: without lengths, the first SNEW of the cache
+    if LENS_ON:
+        end = tl.load(SEQLENS + b).to(tl.int32) + SNEW
     start = end * 0
     if LEFTPAD_ON:
         start = tl.load(LEFTPAD + b).to(tl.int32)
@@ -290,7 +293,8 @@ _DECODE = {
         128: DecodeConfig(64, 64, 4, 2, "K+V tiles 32 KB a stage"),
         256: DecodeConfig(32, 32, 4, 2, "K+V tiles 32 KB a stage")},
     4: {64: DecodeConfig(32, 32, 4, 2, "fp32: half the rows of fp16"),
-        128: DecodeConfig(16, 16, 4, 2, "fp32 at D = 128: 32-key tiles spilled on sm_86/90"),
+        128: DecodeConfig(16, 16, 4, 1, "fp32 at D = 128: 32-key tiles spilled on sm_86/90;"
+                            " 2 stages without lengths spilled on sm_86 (Triton 3.8)"),
         256: DecodeConfig(16, 16, 4, 1, "fp32 at D = 256")},
 }
 # Interpreter: 16-key tiles so test caches span many tiles, splits and pages.
@@ -331,7 +335,10 @@ def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Targe
     cfg = decode_config(D, DV, q.element_size(), target)
     m_tiles = cdiv(Hq // Hkv * Sq, max(16, min(cfg.max_block_m, _pow2(Hq // Hkv * Sq))))
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    key_tiles = cdiv(capacity, cfg.block_n)
+    if not isinstance(capacity, int):  # symbolic (torch.compile, dynamic shapes: a growing K/V): a choice that
+        key_tiles = MAX_SPLITS  # does not guard on it, as for a long one (splits past the keys see none: lse -inf)
+    else:
+        key_tiles = cdiv(capacity, cfg.block_n)
     if num_splits <= 0:
         num_splits = num_splits_heuristic(B * Hkv * m_tiles, key_tiles, target.sm_count or 4)
     return max(1, min(num_splits, key_tiles, MAX_SPLITS))
@@ -377,7 +384,8 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                 partials=None) -> list[Launch]:
     """Launches for attention of q (B, Sq, Hq, D) over the cache; see the module docstring.
 
-    seqlens: (B,) int32 (or int64) lengths before the append of snew tokens (the keys end at seqlens + snew);
+    seqlens: (B,) int32 (or int64) lengths before the append of snew tokens (the keys end at seqlens + snew), or
+    None: every sequence's keys are the cache's first snew positions (attention over a whole K/V tensor);
     leftpad/batch_idx/block_table/alibi: optional. out (B, Sq, Hq, Dv), lse2 (B, Hq, Sq) in log2 units.
     partials: (o (S, B, Sq, Hq, Dv), lse (S, B, Hq, Sq)) in the accumulator dtype for S = split_count(...) > 1
     splits, or None to allocate them.
@@ -403,11 +411,11 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
     else:
         o_dst, l_dst = out, lse2
         o_st, l_st = (0, *out.stride()), (0, *lse2.stride())
-    dummy = seqlens
+    dummy = seqlens if seqlens is not None else q  # never read (its flag is off)
     sc_hi, sc_lo = split_f32(scale * LOG2E)
     cap_hi, cap_lo = split_f32(float(softcap) * LOG2E)
     l2_hi, l2_lo = split_f32(LOG2E)
-    args = dict(Q=q, KC=k_cache, VC=v_cache, O=o_dst, LSE=l_dst, SEQLENS=seqlens,
+    args = dict(Q=q, KC=k_cache, VC=v_cache, O=o_dst, LSE=l_dst, SEQLENS=dummy,
                 LEFTPAD=leftpad if leftpad is not None else dummy, BIDX=batch_idx if batch_idx is not None else dummy,
                 BT=block_table if paged else dummy, AL=alibi if alibi is not None else dummy,
                 **dict(zip(("stride_qb", "stride_qm", "stride_qh", "stride_qd"), q.stride())),
@@ -417,13 +425,13 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                 **dict(zip(("stride_ls", "stride_lb", "stride_lh", "stride_lm"), l_st)),
                 stride_btb=block_table.stride(0) if paged else 0,
                 stride_alb=alibi.stride(0) if alibi is not None and alibi.shape[0] > 1 else 0,
-                Sq=Sq, SNEW=int(snew), GROUP=group, M_TILES=m_tiles, NUM_SPLITS=num_splits, D=D, DV=DV,
+                Sq=Sq, SNEW=snew, GROUP=group, M_TILES=m_tiles, NUM_SPLITS=num_splits, D=D, DV=DV,
                 PAGE=k_cache.shape[1] if paged else 1, right=(0 if causal else right) if has_right else 0,
                 left=max(left, 0), qk_scale_hi=sc_hi, qk_scale_lo=sc_lo, softcap_hi=cap_hi, softcap_lo=cap_lo,
                 log2e_hi=l2_hi, log2e_lo=l2_lo, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_block(D),
                 BLOCK_DV=head_block(DV), CAUSAL=has_right, WINDOW=left >= 0, LEFTPAD_ON=leftpad is not None,
                 PAGED=paged, BATCH_IDX=batch_idx is not None, SOFTCAP=bool(softcap), ALIBI=alibi is not None,
-                ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype))
+                ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), LENS_ON=seqlens is not None)
     launches = [Launch(_decode_fwd, (num_splits, Hkv * m_tiles, B), args, cfg)]
     if num_splits > 1:
         block_r = min(_pow2(Sq), 16)
@@ -485,7 +493,7 @@ def decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx
         l_part = torch.empty(splits, B, Hq, Sq, dtype=acc, device=q.device)
     window = (int(window[0]), int(window[1]))
     LAUNCHES.run(("decode", q.device, dot_precision(q.dtype), float(scale), bool(causal), window, float(softcap),
-                  splits, int(snew)), _DECODE_ROLES,
+                  splits, snew), _DECODE_ROLES,
                  (q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, o_part, l_part),
                  lambda: plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi,
                                      scale=scale, causal=causal, window=window, softcap=softcap, num_splits=splits,
@@ -523,6 +531,10 @@ def compile_plans(target) -> list:
                     plans.append((f"{name} splits={splits}", launches[0]))
                     if splits > 1 and not opts:
                         plans.append((f"decode_combine D={d} {str(dtype)[6:]} Sq={sq}", launches[1]))
+                if group > 1 and not paged:  # without lengths: attention over a whole K/V (flashtx._small_q)
+                    launches = plan_decode(q, kc, vc, out, lse, None, None, None, None, None, scale=d ** -0.5,
+                                           causal=False, num_splits=4, snew=S, target=target)
+                    plans.append((f"{name} no-lengths splits=4", launches[0]))
             cos = torch.empty(S, d // 4, dtype=torch.float32)
             kn = torch.empty(B, 1, Hkv, d, dtype=dtype)
             q = torch.empty(B, 1, 4 * Hkv, d, dtype=dtype)
