@@ -254,9 +254,10 @@ class DecodeCUDA:
             q_out.copy_(q_rot)
 
     def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *,
-                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0, snew=0):
+                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0, snew=0, key_mask=None):
         self._refuse_unimplemented(cache_leftpad=leftpad is not None, alibi_slopes=alibi is not None,
-                                   window_size=tuple(window) != (-1, -1), softcap=softcap > 0)
+                                   window_size=tuple(window) != (-1, -1), softcap=softcap > 0,
+                                   key_mask=key_mask is not None)
         if seqlens is None:  # the keys are the cache's first snew positions (kvcache_attention without lengths)
             seqlens = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
         if snew:  # the keys end after the tokens just appended

@@ -8,7 +8,8 @@ mutation and the attention a pure function of the written cache:
   there are no tables: use q itself).
 - `flashtx::kvcache_attention`: attention of q over each sequence's keys [cache_leftpad[b],
   cache_seqlens[b] + snew) of the (contiguous or paged) cache (snew: the tokens just appended; without
-  cache_seqlens, the first snew positions: flashtx._small_q's attention over a whole K/V tensor);
+  cache_seqlens, the first snew positions: flashtx._small_q's attention over a whole K/V tensor), the
+  keys where key_mask (B, capacity) uint8 is nonzero when given (contiguous caches; flashtx._small_q);
   returns (out, lse2) with lse2 in log2 units.
 - `flashtx::kvcache_check`: the index check on the device (triton_kernels/decode_check.py): a (1,)
   int32 flag, 1 when every index the other two would follow is in range, for torch._assert_async.
@@ -120,7 +121,7 @@ class DecodeReference:
         v_cache.index_put_((i0, i1), v)
 
     def attention(self, q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *,
-                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0, snew=0):
+                  scale, causal, window=(-1, -1), softcap=0.0, num_splits=0, snew=0, key_mask=None):
         B, Sq, Hq, D = q.shape
         dev = q.device
         page = k_cache.shape[1]
@@ -139,6 +140,8 @@ class DecodeReference:
         qpos = end - Sq + torch.arange(Sq, device=dev)[None, :, None]  # (B, Sq, 1) bottom-right
         jj = j[None, None, :]
         vis = (jj >= start) & (jj < end)  # (B, Sq, cap)
+        if key_mask is not None:  # (B, cap), nonzero = a real key
+            vis = vis & (key_mask[:, None, :] != 0)
         left, right = (int(x) for x in window)
         if causal:
             right = 0
@@ -220,15 +223,17 @@ def kvcache_append(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tens
 @triton_op("flashtx::kvcache_attention", mutates_args=())
 def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
                       cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
-                      block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], scale: float, causal: bool,
-                      window_left: int, window_right: int, softcap: float, num_splits: int, snew: int,
-                      backend: str) -> tuple[Tensor, Tensor]:
+                      block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], key_mask: Optional[Tensor],
+                      scale: float, causal: bool, window_left: int, window_right: int, softcap: float, num_splits: int,
+                      snew: int, backend: str) -> tuple[Tensor, Tensor]:
     B, Sq, Hq, _ = q.shape
     out = q.new_empty((B, Sq, Hq, v_cache.shape[-1]))
     lse2 = q.new_empty((B, Hq, Sq), dtype=_ACC[q.dtype])
+    kw = {} if key_mask is None else {"key_mask": key_mask}
     IMPLS[backend].attention(q, k_cache, v_cache, out, lse2, cache_seqlens, cache_leftpad, cache_batch_idx,
                              block_table, alibi_slopes, scale=scale, causal=causal,
-                             window=(window_left, window_right), softcap=softcap, num_splits=num_splits, snew=snew)
+                             window=(window_left, window_right), softcap=softcap, num_splits=num_splits, snew=snew,
+                             **kw)
     return out, lse2
 
 

@@ -11,8 +11,10 @@ and its split-KV heuristic), which SDPA's FLASH backend inherits; bench/test_dec
 provider (the training forward, SMALL_Q_DECODE off) times the two against each other.
 
 Taken only where the two compute the same thing: no autograd (the decode op has no backward), at most
-SMALL_Q_MAX queries, no mask, lengths, bias or dropout (softcap, ALiBi and bottom-right windows are the
-decode kernel's too), causal/windows bottom-right aligned (or Sq = Sk, where both alignments agree), unit
+SMALL_Q_MAX queries, no query mask, lengths, bias or dropout (a key mask, softcap, ALiBi and windows are the
+decode kernel's too: transformers' padded batches pass a key mask and a top-left window (-1, Sk - Sq), the
+bottom-right causal mask), causal bottom-right aligned (or Sq = Sk, where both alignments agree), windows
+either way where the bounds translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit
 last strides, q laid out (B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views:
 attention's output keeps q's memory order, the decode kernels write (B, Sq, Hq, Dv)), and the attention
 dispatch choosing Triton's kernels. Under torch.compile a growing K/V (dynamic Sk) compiles once: nothing
@@ -70,7 +72,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, aux: list, ints: list, floats: li
     (bshd: (B, S, H, D) tensors), as functional._run returns them (out in q's layout: (B, Hq, Sq, Dv), or
     (B, Sq, Hq, Dv) with bshd; lse (B, Hq, Sq) natural log), through the decode kernels; None where they must
     not take the call (module docstring). aux, ints, floats, backend: the attention op's arguments; the caller
-    has checked that nothing needs grad and that no mask, lengths, bias or dropout is given (ALiBi may be)."""
+    has checked that nothing needs grad and that no query mask, lengths, bias or dropout is given (a key mask and
+    ALiBi may be)."""
     causal, bottom_right, window, bshd = ints[0], ints[1], (ints[2], ints[3]), ints[7]
     if bshd:
         B, Sq, Hq, _ = q.shape
@@ -82,8 +85,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, aux: list, ints: list, floats: li
         qd, kc, vc = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D) views
     if not 0 < Sq <= SMALL_Q_MAX or B > MAX_GRID_YZ or Hq * Sq > MAX_GRID_YZ:
         return None
-    if (causal or window[0] >= 0 or window[1] >= 0) and not bottom_right and Sq != Sk:
-        return None  # top-left alignment: the decode kernels align bottom-right
+    left, right = window
+    if not bottom_right and Sq != Sk and (causal or left >= 0 or right >= 0):
+        # top-left bounds i - left <= j <= i + right, as the decode kernels' bottom-right ones (query i at Sk - Sq + i)
+        shift = Sk - Sq
+        if causal or (right >= 0 and right < shift) or (left >= 0 and left + shift < 0):
+            return None  # not expressible bottom-right (top-left causal with Sq < Sk sees fewer keys than any window)
+        right = right - shift if right >= 0 else -1
+        left = left + shift if left >= 0 else -1
     if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return None
     if not _bsh_ordered(qd):
@@ -92,9 +101,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, aux: list, ints: list, floats: li
                                                           operator.index(q.shape[3]), operator.index(v.shape[3])):
         return None
     alibi = aux[6].detach() if aux[6] is not None else None  # slopes get no gradient (as the training forward)
+    key_mask = aux[0].view(torch.uint8) if aux[0] is not None else None  # (B, Sk), nonzero = a real key
     # no cache_seqlens: every sequence's keys are k's first snew = Sk rows
-    out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, None, None, None, None, alibi, floats[0], bool(causal),
-                     window[0], window[1], floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)
+    out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, None, None, None, None, alibi, key_mask, floats[0],
+                     bool(causal), left, right, floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)
     if not bshd:
         out = out.transpose(1, 2)  # (B, Hq, Sq, Dv), laid out (B, Sq, Hq, Dv) as q (checked above)
     return (out, lse2 * LN2) if return_lse else out

@@ -227,7 +227,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             q = q_rot
     # the keys end at cache_seqlens + Snew: the kernels add Snew themselves (no device op here)
     out, lse2 = call(_decode_op.kvcache_attention, q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
-                     block_table, alibi, scale, bool(causal), window[0], window[1], float(softcap), int(num_splits),
+                     block_table, alibi, None, scale, bool(causal), window[0], window[1], float(softcap), int(num_splits),
                      Snew, name)
     if return_softmax_lse:
         return out, lse2 * LN2

@@ -87,7 +87,7 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
             int(bshd)]  # _attention_op.Ints
     floats = [scale, softcap, dropout_p]  # _attention_op.Floats
     if (needs_grad == NO_GRAD and _small_q.SMALL_Q_DECODE and bias is None and rng is None and not return_probs
-            and key_mask is None and query_mask is None and q_lens is None and kv_lens is None
+            and query_mask is None and q_lens is None and kv_lens is None
             and cu_seqlens_q is None):  # decoding: see flashtx._small_q
         res = _small_q.attention(q, k, v, aux, ints, floats, backend or "", return_lse)
         if res is not None:
@@ -168,8 +168,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return_lse, (out, lse) with lse (..., Hq, Sq) in float32 (float64 for float64 inputs), natural
         log. Differentiable in query, key, value, a float attn_mask (and through lse).
 
-    Decoding: without autograd, up to 16 queries with no mask, lengths, bias or dropout run the split-KV decode
-    kernels of flash_attn_with_kvcache (flashtx._small_q says when), the same result.
+    Decoding: without autograd, up to 16 queries with no query mask, lengths, bias or dropout run the split-KV
+    decode kernels of flash_attn_with_kvcache (flashtx._small_q says when), the same result.
 
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)

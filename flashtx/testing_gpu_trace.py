@@ -201,9 +201,10 @@ def cases() -> dict:
         return flashtx.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
                                                block_table=block_table, causal=True).float().sum()
 
-    def attention_decode(q, k, v):  # one query over a cache, no grad: the decode kernels (flashtx._small_q)
-        with torch.no_grad():
-            return flashtx.attention(q, k, v, enable_gqa=True).float().sum()
+    def attention_decode(q, k, v, key_mask=None):  # one query over a cache, no grad: the decode kernels
+        with torch.no_grad():  # (flashtx._small_q); with a key mask, transformers' padded batch (window: causal)
+            window = (-1, k.shape[2] - q.shape[2]) if key_mask is not None else (-1, -1)
+            return flashtx.attention(q, k, v, enable_gqa=True, key_mask=key_mask, window_size=window).float().sum()
 
     def varlen(q, k, v, cu):  # packed sequences (lengths 40 + 24) with a tensor cu_seqlens
         return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True).float().sum()
@@ -231,6 +232,8 @@ def cases() -> dict:
     left_padded = torch.ones(2, 32, dtype=torch.long)
     left_padded[1, :5] = 0
 
+    left_pad = torch.ones(2, 100, dtype=torch.bool)  # (B, Sk): sequence 1 left-padded by 9
+    left_pad[1, :9] = False
     key_mask = torch.ones(2, 64, dtype=torch.bool)
     key_mask[1, 50:] = False
     bias = torch.randn(1, 4, 64, 64, dtype=torch.float16, requires_grad=True)
@@ -253,6 +256,9 @@ def cases() -> dict:
         "attention-decode": (attention_decode, [torch.randn(2, 8, 1, 64, dtype=torch.float16),
                                                 *(torch.randn(2, 2, 100, 64, dtype=torch.float16) for _ in range(2))],
                              False),
+        "attention-decode-padded": (attention_decode, [torch.randn(2, 8, 1, 64, dtype=torch.float16),
+                                                       *(torch.randn(2, 2, 100, 64, dtype=torch.float16)
+                                                         for _ in range(2)), left_pad], False),
         "varlen": (varlen, [*qkv(64, 4, 64), torch.tensor([0, 40, 64], dtype=torch.int32)], True),
         "dropout": (dropout, qkv(2, 4, 64, 64), True),
         "attn-probs": (probs, qkv(2, 64, 4, 64), True),

@@ -52,6 +52,7 @@ def traced_dynamic():
     ("decode-paged", ["_decode_check", "_kv_append", "_decode_fwd"], None),
     # flashtx.attention with one query and no grad (generation through attn_implementation="ftx"): decode kernels
     ("attention-decode", ["_decode_fwd"], None),
+    ("attention-decode-padded", ["_decode_fwd"], None),  # a key mask and a window (transformers' padded batch)
     ("varlen", FWD, BWD),  # packed sequences: cu_seqlens must not look written (2026-12-01: the partition failed)
     ("dropout", FWD, BWD),
     ("attn-probs", FWD, BWD),  # the probabilities themselves come from an opaque custom op (O(N^2), for tests)
@@ -82,7 +83,8 @@ def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):
 
 def test_decoding_through_attention_compiles_to_the_decode_kernels_only(traced):
     """Not the training forward as well (flashtx._small_q decides in the traced Python, on static sizes)."""
-    assert "_attn_fwd" not in traced["attention-decode"]["kernels"][0], traced["attention-decode"]["kernels"]
+    for case in ("attention-decode", "attention-decode-padded"):
+        assert "_attn_fwd" not in traced[case]["kernels"][0], traced[case]["kernels"]
 
 
 def test_a_compiled_decode_loop_over_growing_kv_compiles_once():

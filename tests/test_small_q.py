@@ -108,7 +108,9 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         "autograd": lambda: flashtx.attention(grad_q, k, v),
         "top-left causal, Sq < Sk": lambda: flashtx.attention(q, k, v, is_causal=True),
         "top-left window, Sq < Sk": lambda: flashtx.attention(q, k, v, window_size=(8, 0)),
-        "key_mask": lambda: flashtx.attention(q, k, v, key_mask=torch.ones(2, 40, dtype=torch.bool, device=DEVICE)),
+        "top-left window (2, 36), Sq < Sk": lambda: flashtx.attention(q, k, v, window_size=(2, 36)),
+        "top-left window (-1, 3) with 4 queries over 2 keys": lambda: flashtx.attention(
+            randn(2, 4, 4, 16, dtype=dt).transpose(1, 2), k[:, :, :2], v[:, :, :2], window_size=(0, 3)),
         "query_mask": lambda: flashtx.attention(q, k, v, query_mask=torch.ones(2, 3, dtype=torch.bool, device=DEVICE)),
         "kv_lens": lambda: flashtx.attention(q, k, v, kv_lens=torch.tensor([40, 7], device=DEVICE)),
         "attn_mask": lambda: flashtx.attention(q, k, v, attn_mask=torch.zeros(3, 40, device=DEVICE)),
@@ -134,6 +136,8 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
                                                                   is_causal=True),
         "one query laid out (B, Hq, Sq, D)": lambda: flashtx.attention(q[:, :, :1].contiguous(), k, v),
         "16 queries": lambda: flashtx.attention(randn(2, 16, 4, 16, dtype=dt).transpose(1, 2), k, v),
+        "key_mask": lambda: flashtx.attention(q, k, v, key_mask=torch.ones(2, 40, dtype=torch.bool, device=DEVICE)),
+        "top-left window (2, 37), Sq < Sk": lambda: flashtx.attention(q, k, v, window_size=(2, 37)),
     }
     for name, fn in calls.items():
         routes.clear()
@@ -205,6 +209,32 @@ def test_patched_sdpa_decodes_through_the_decode_kernels(routes):
     assert (got - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("Sq", [1, 3])
+def test_padded_batches_as_transformers_decodes_them(routes, dtype, Sq):
+    """A (B, Sk) key mask (left padding, a hole, a row with no real key) with transformers' top-left window
+    (-1, Sk - Sq) (the bottom-right causal mask), and a top-left window with a left bound, through attention."""
+    B, Hq, Hkv, Sk, D = 3, 4, 2, 50, 32
+    q = randn(B, Sq, Hq, D, dtype=dtype).transpose(1, 2)  # (B, Hq, Sq, D) views, as transformers makes them
+    k, v = (randn(B, Sk, Hkv, D, dtype=dtype).transpose(1, 2) for _ in range(2))
+    key_mask = torch.ones(B, Sk, dtype=torch.bool, device=DEVICE)
+    key_mask[0, :7] = False  # left padding
+    key_mask[1, 20:23] = False  # a hole
+    key_mask[2] = False  # no real key: 0 output, lse -inf
+    for window in ((-1, Sk - Sq), (5, Sk - Sq)):
+        routes.clear()
+        with torch.no_grad():
+            out, lse = flashtx.attention(q, k, v, key_mask=key_mask, window_size=window, enable_gqa=True,
+                                         return_lse=True)
+        assert routes == ["decode"], (window, routes)
+        vis = reference.visibility(Sq, Sk, batch=B, window=window, key_mask=key_mask, device=DEVICE)
+        want, want_lse = reference.attention(q.double(), k.double(), v.double(), vis=vis, return_lse=True)
+        eager = reference.attention(q, k, v, vis=vis)
+        assert_close_to_reference(f"out, window {window}", out[:2], want[:2], eager[:2])
+        assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+        assert (lse[:2].double() - want_lse[:2]).abs().max() < 1e-2
+
+
 def test_kvcache_attention_without_lengths_is_attention_over_the_first_snew_keys():
     """The op flashtx._small_q calls: cache_seqlens None, snew = 11 of a 20-row cache; Triton and the reference
     backend against the float64 reference over those 11 keys."""
@@ -212,7 +242,7 @@ def test_kvcache_attention_without_lengths_is_attention_over_the_first_snew_keys
     kc, vc = (randn(2, 20, 2, 32, dtype=PRECISE_DTYPE) for _ in range(2))
     want, want_lse = _ref(q.transpose(1, 2), kc[:, :11].transpose(1, 2), vc[:, :11].transpose(1, 2))
     for backend in ("triton", "reference"):
-        out, lse2 = torch.ops.flashtx.kvcache_attention(q, kc, vc, None, None, None, None, None, 32 ** -0.5, False,
-                                                        -1, -1, 0.0, 0, 11, backend)
+        out, lse2 = torch.ops.flashtx.kvcache_attention(q, kc, vc, None, None, None, None, None, None, 32 ** -0.5,
+                                                        False, -1, -1, 0.0, 0, 11, backend)
         assert (out.transpose(1, 2) - want).abs().max() < precise_atol(1e-12), backend
         assert (lse2 * _small_q.LN2 - want_lse).abs().max() < precise_atol(1e-12), backend

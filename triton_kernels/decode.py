@@ -131,18 +131,18 @@ def _kv_append(Q, QO, KN, VN, KC, VC, COS, SIN, SEQLENS, BIDX, BT,
 
 
 @triton.jit
-def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL,
+def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
                 stride_qb, stride_qm, stride_qh, stride_qd,
                 stride_kb, stride_kn, stride_kh, stride_kd,
                 stride_vb, stride_vn, stride_vh, stride_vd,
                 stride_os, stride_ob, stride_om, stride_oh, stride_od,
-                stride_ls, stride_lb, stride_lh, stride_lm, stride_btb, stride_alb,
+                stride_ls, stride_lb, stride_lh, stride_lm, stride_btb, stride_alb, stride_kmb, stride_kmn,
                 Sq, SNEW, GROUP, M_TILES, NUM_SPLITS, D, DV, PAGE, right, left, qk_scale_hi, qk_scale_lo,
                 softcap_hi, softcap_lo, log2e_hi, log2e_lo,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, LEFTPAD_ON: tl.constexpr, PAGED: tl.constexpr,
                 BATCH_IDX: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ACC: tl.constexpr,
-                DOT_PREC: tl.constexpr, LENS_ON: tl.constexpr = True):
+                DOT_PREC: tl.constexpr, LENS_ON: tl.constexpr = True, KEY_MASK: tl.constexpr = False):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1) // M_TILES
     mt = tl.program_id(1) % M_TILES
@@ -211,6 +211,10 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL,
         if ALIBI:
             s = s - slope2[:, None] * tl.abs(qpos - offs_n[None, :]).to(ACC)
         vis = row_ok[:, None] & n_ok[None, :]
+        if KEY_MASK:  # (B, capacity) uint8, nonzero = a real key (flashtx._small_q's key_mask). The scores only: K/V
+            # of padding keys are in bounds, and loads whose masks waited on this one would not pipeline
+            real = tl.load(KM + b.to(tl.int64) * stride_kmb + offs_n.to(tl.int64) * stride_kmn, mask=n_ok, other=0)
+            vis = vis & (real != 0)[None, :]
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= qpos + right)
         if WINDOW:
@@ -293,8 +297,8 @@ _DECODE = {
         128: DecodeConfig(64, 64, 4, 2, "K+V tiles 32 KB a stage"),
         256: DecodeConfig(32, 32, 4, 2, "K+V tiles 32 KB a stage")},
     4: {64: DecodeConfig(32, 32, 4, 2, "fp32: half the rows of fp16"),
-        128: DecodeConfig(16, 16, 4, 1, "fp32 at D = 128: 32-key tiles spilled on sm_86/90;"
-                            " 2 stages without lengths spilled on sm_86 (Triton 3.8)"),
+        128: DecodeConfig(16, 16, 8, 2, "fp32 at D = 128: 32-key tiles spilled on sm_86/90; 4 warps spilled"
+                            " without lengths or with a key mask, as 8 warps at 1 stage on Triton 3.6"),
         256: DecodeConfig(16, 16, 4, 1, "fp32 at D = 256")},
 }
 # Interpreter: 16-key tiles so test caches span many tiles, splits and pages.
@@ -381,14 +385,15 @@ def plan_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, 
 
 def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *, scale: float,
                 causal: bool, window=(-1, -1), softcap: float = 0.0, num_splits: int = 0, snew: int = 0, target=None,
-                partials=None) -> list[Launch]:
+                partials=None, key_mask=None) -> list[Launch]:
     """Launches for attention of q (B, Sq, Hq, D) over the cache; see the module docstring.
 
     seqlens: (B,) int32 (or int64) lengths before the append of snew tokens (the keys end at seqlens + snew), or
     None: every sequence's keys are the cache's first snew positions (attention over a whole K/V tensor);
     leftpad/batch_idx/block_table/alibi: optional. out (B, Sq, Hq, Dv), lse2 (B, Hq, Sq) in log2 units.
     partials: (o (S, B, Sq, Hq, Dv), lse (S, B, Hq, Sq)) in the accumulator dtype for S = split_count(...) > 1
-    splits, or None to allocate them.
+    splits, or None to allocate them. key_mask: (B, capacity) uint8 (a bool mask's view), nonzero = a real key, or
+    None (contiguous caches only: indexed by position).
     """
     B, Sq, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
@@ -418,6 +423,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
     args = dict(Q=q, KC=k_cache, VC=v_cache, O=o_dst, LSE=l_dst, SEQLENS=dummy,
                 LEFTPAD=leftpad if leftpad is not None else dummy, BIDX=batch_idx if batch_idx is not None else dummy,
                 BT=block_table if paged else dummy, AL=alibi if alibi is not None else dummy,
+                KM=key_mask if key_mask is not None else dummy,
                 **dict(zip(("stride_qb", "stride_qm", "stride_qh", "stride_qd"), q.stride())),
                 **dict(zip(("stride_kb", "stride_kn", "stride_kh", "stride_kd"), k_cache.stride())),
                 **dict(zip(("stride_vb", "stride_vn", "stride_vh", "stride_vd"), v_cache.stride())),
@@ -425,13 +431,16 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                 **dict(zip(("stride_ls", "stride_lb", "stride_lh", "stride_lm"), l_st)),
                 stride_btb=block_table.stride(0) if paged else 0,
                 stride_alb=alibi.stride(0) if alibi is not None and alibi.shape[0] > 1 else 0,
+                stride_kmb=key_mask.stride(0) if key_mask is not None else 0,
+                stride_kmn=key_mask.stride(1) if key_mask is not None else 0,
                 Sq=Sq, SNEW=snew, GROUP=group, M_TILES=m_tiles, NUM_SPLITS=num_splits, D=D, DV=DV,
                 PAGE=k_cache.shape[1] if paged else 1, right=(0 if causal else right) if has_right else 0,
                 left=max(left, 0), qk_scale_hi=sc_hi, qk_scale_lo=sc_lo, softcap_hi=cap_hi, softcap_lo=cap_lo,
                 log2e_hi=l2_hi, log2e_lo=l2_lo, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_block(D),
                 BLOCK_DV=head_block(DV), CAUSAL=has_right, WINDOW=left >= 0, LEFTPAD_ON=leftpad is not None,
                 PAGED=paged, BATCH_IDX=batch_idx is not None, SOFTCAP=bool(softcap), ALIBI=alibi is not None,
-                ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), LENS_ON=seqlens is not None)
+                ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), LENS_ON=seqlens is not None,
+                KEY_MASK=key_mask is not None)
     launches = [Launch(_decode_fwd, (num_splits, Hkv * m_tiles, B), args, cfg)]
     if num_splits > 1:
         block_r = min(_pow2(Sq), 16)
@@ -450,7 +459,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
 
 # the kernel argument each launch-cache input is passed as (the split partials: "OP"/"LP" of the combine)
 _APPEND_ROLES = ("Q", "QO", "KN", "VN", "KC", "VC", "COS", "SIN", "SEQLENS", "BIDX", "BT")
-_DECODE_ROLES = ("Q", "KC", "VC", "O", "LSE", "SEQLENS", "LEFTPAD", "BIDX", "BT", "AL", "OP", "LP")
+_DECODE_ROLES = ("Q", "KC", "VC", "O", "LSE", "SEQLENS", "LEFTPAD", "BIDX", "BT", "AL", "KM", "OP", "LP")
 
 
 def kv_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *, interleaved: bool,
@@ -470,7 +479,7 @@ _SPLITS: dict = {}  # split_count per (shapes, dtype, device, num_splits) of eag
 
 def decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *,
                      scale: float, causal: bool, window=(-1, -1), softcap: float = 0.0, num_splits: int = 0,
-                     snew: int = 0) -> None:
+                     snew: int = 0, key_mask=None) -> None:
     """Run plan_decode's launches (nothing for an empty q), replayed per call signature; the split
     partials are allocated here, so that a replay rebinds them like every other tensor."""
     if out.numel() == 0 and lse2.numel() == 0:
@@ -494,10 +503,11 @@ def decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx
     window = (int(window[0]), int(window[1]))
     LAUNCHES.run(("decode", q.device, dot_precision(q.dtype), float(scale), bool(causal), window, float(softcap),
                   splits, snew), _DECODE_ROLES,
-                 (q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, o_part, l_part),
+                 (q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, key_mask, o_part,
+                  l_part),
                  lambda: plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi,
                                      scale=scale, causal=causal, window=window, softcap=softcap, num_splits=splits,
-                                     snew=snew, partials=(o_part, l_part) if splits > 1 else None))
+                                     snew=snew, partials=(o_part, l_part) if splits > 1 else None, key_mask=key_mask))
 
 
 def compile_plans(target) -> list:
@@ -531,10 +541,13 @@ def compile_plans(target) -> list:
                     plans.append((f"{name} splits={splits}", launches[0]))
                     if splits > 1 and not opts:
                         plans.append((f"decode_combine D={d} {str(dtype)[6:]} Sq={sq}", launches[1]))
-                if group > 1 and not paged:  # without lengths: attention over a whole K/V (flashtx._small_q)
-                    launches = plan_decode(q, kc, vc, out, lse, None, None, None, None, None, scale=d ** -0.5,
-                                           causal=False, num_splits=4, snew=S, target=target)
-                    plans.append((f"{name} no-lengths splits=4", launches[0]))
+                if group > 1 and not paged:  # without lengths: attention over a whole K/V (flashtx._small_q), with
+                    # and without a key mask (transformers' padded batches: and a window's right bound)
+                    for km in (None, torch.empty(B, S, dtype=torch.uint8)):
+                        launches = plan_decode(q, kc, vc, out, lse, None, None, None, None, None, scale=d ** -0.5,
+                                               causal=False, window=(-1, -1) if km is None else (-1, 0), num_splits=4,
+                                               snew=S, target=target, key_mask=km)
+                        plans.append((f"{name} no-lengths{'' if km is None else ' key-mask'} splits=4", launches[0]))
             cos = torch.empty(S, d // 4, dtype=torch.float32)
             kn = torch.empty(B, 1, Hkv, d, dtype=dtype)
             q = torch.empty(B, 1, 4 * Hkv, d, dtype=dtype)
