@@ -11,9 +11,10 @@ and its split-KV heuristic), which SDPA's FLASH backend inherits; bench/test_dec
 provider (the training forward, SMALL_Q_DECODE off) times the two against each other.
 
 Taken only where the two compute the same thing: no autograd (the decode op has no backward), at most
-SMALL_Q_MAX queries, no query mask, lengths, bias or dropout (a key mask, softcap, ALiBi and windows are the
-decode kernel's too: transformers' padded batches pass a key mask and a top-left window (-1, Sk - Sq), the
-bottom-right causal mask), causal bottom-right aligned (or Sq = Sk, where both alignments agree), windows
+SMALL_Q_MAX queries, no query mask, lengths, float bias or dropout (a key mask, softcap, ALiBi and windows are
+the decode kernel's too: transformers' padded batches pass a key mask and a top-left window (-1, Sk - Sq), the
+bottom-right causal mask; a bool attn_mask that broadcasts over heads and queries, (B | 1, 1, 1, Sk), is a key
+mask: transformers' static-cache decoding step passes one), causal bottom-right aligned (or Sq = Sk, where both alignments agree), windows
 either way where the bounds translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit
 last strides, q laid out (B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views:
 attention's output keeps q's memory order, the decode kernels write (B, Sq, Hq, Dv)), and the attention
@@ -67,13 +68,14 @@ def _bsh_ordered(t: Tensor) -> bool:
     return all(a >= b for a, b in zip(strides, strides[1:]))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, aux: list, ints: list, floats: list, backend: str, return_lse: bool):
+def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floats: list, backend: str,
+              return_lse: bool):
     """out [, lse] of attention over validated q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) views
     (bshd: (B, S, H, D) tensors), as functional._run returns them (out in q's layout: (B, Hq, Sq, Dv), or
     (B, Sq, Hq, Dv) with bshd; lse (B, Hq, Sq) natural log), through the decode kernels; None where they must
-    not take the call (module docstring). aux, ints, floats, backend: the attention op's arguments; the caller
-    has checked that nothing needs grad and that no query mask, lengths, bias or dropout is given (a key mask and
-    ALiBi may be)."""
+    not take the call (module docstring). bias, aux, ints, floats, backend: the attention op's arguments; the
+    caller has checked that nothing needs grad and that no query mask, lengths or dropout is given (a key mask,
+    a bias and ALiBi may be)."""
     causal, bottom_right, window, bshd = ints[0], ints[1], (ints[2], ints[3]), ints[7]
     if bshd:
         B, Sq, Hq, _ = q.shape
@@ -85,6 +87,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, aux: list, ints: list, floats: li
         qd, kc, vc = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D) views
     if not 0 < Sq <= SMALL_Q_MAX or B > MAX_GRID_YZ or Hq * Sq > MAX_GRID_YZ:
         return None
+    key_mask = aux[0]  # (B, Sk) bool, True = a real key
+    if bias is not None:  # a 4-D (B | 1, Hq | 1, Sq | 1, Sk | 1) view
+        if bias.dtype != torch.bool or bias.shape[1] != 1 or bias.shape[2] != 1 or key_mask is not None:
+            return None  # additive, or differing per head or query (or beside a key mask)
+        key_mask = bias[:, 0, 0].expand(B, Sk)  # (B, Sk) view, True = attend (SDPA's polarity, the key mask's)
     left, right = window
     if not bottom_right and Sq != Sk and (causal or left >= 0 or right >= 0):
         # top-left bounds i - left <= j <= i + right, as the decode kernels' bottom-right ones (query i at Sk - Sq + i)
@@ -101,7 +108,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, aux: list, ints: list, floats: li
                                                           operator.index(q.shape[3]), operator.index(v.shape[3])):
         return None
     alibi = aux[6].detach() if aux[6] is not None else None  # slopes get no gradient (as the training forward)
-    key_mask = aux[0].view(torch.uint8) if aux[0] is not None else None  # (B, Sk), nonzero = a real key
+    key_mask = key_mask.view(torch.uint8) if key_mask is not None else None  # (B, Sk), nonzero = a real key
     # no cache_seqlens: every sequence's keys are k's first snew = Sk rows
     out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, None, None, None, None, alibi, key_mask, floats[0],
                      bool(causal), left, right, floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)

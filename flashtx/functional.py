@@ -86,10 +86,10 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     ints = [int(causal), int(bottom_right), window[0], window[1], max_seqlen_q, max_seqlen_k, needs_grad,
             int(bshd)]  # _attention_op.Ints
     floats = [scale, softcap, dropout_p]  # _attention_op.Floats
-    if (needs_grad == NO_GRAD and _small_q.SMALL_Q_DECODE and bias is None and rng is None and not return_probs
+    if (needs_grad == NO_GRAD and _small_q.SMALL_Q_DECODE and rng is None and not return_probs
             and query_mask is None and q_lens is None and kv_lens is None
             and cu_seqlens_q is None):  # decoding: see flashtx._small_q
-        res = _small_q.attention(q, k, v, aux, ints, floats, backend or "", return_lse)
+        res = _small_q.attention(q, k, v, bias, aux, ints, floats, backend or "", return_lse)
         if res is not None:
             return res
     out, m2, l2 = call(attn_fwd, q, k, v, bias, aux, ints, floats, backend or "")

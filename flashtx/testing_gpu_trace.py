@@ -206,6 +206,10 @@ def cases() -> dict:
             window = (-1, k.shape[2] - q.shape[2]) if key_mask is not None else (-1, -1)
             return flashtx.attention(q, k, v, enable_gqa=True, key_mask=key_mask, window_size=window).float().sum()
 
+    def attention_decode_static(q, k, v, mask):  # a static cache's step: a (B, 1, 1, max_len) bool attn_mask
+        with torch.no_grad():
+            return flashtx.attention(q, k, v, attn_mask=mask, enable_gqa=True).float().sum()
+
     def varlen(q, k, v, cu):  # packed sequences (lengths 40 + 24) with a tensor cu_seqlens
         return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True).float().sum()
 
@@ -259,6 +263,9 @@ def cases() -> dict:
         "attention-decode-padded": (attention_decode, [torch.randn(2, 8, 1, 64, dtype=torch.float16),
                                                        *(torch.randn(2, 2, 100, 64, dtype=torch.float16)
                                                          for _ in range(2)), left_pad], False),
+        "attention-decode-static": (attention_decode_static, [torch.randn(2, 8, 1, 64, dtype=torch.float16),
+                                                              *(torch.randn(2, 2, 100, 64, dtype=torch.float16)
+                                                                for _ in range(2)), left_pad[:, None, None]], False),
         "varlen": (varlen, [*qkv(64, 4, 64), torch.tensor([0, 40, 64], dtype=torch.int32)], True),
         "dropout": (dropout, qkv(2, 4, 64, 64), True),
         "attn-probs": (probs, qkv(2, 64, 4, 64), True),

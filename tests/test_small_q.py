@@ -114,6 +114,12 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         "query_mask": lambda: flashtx.attention(q, k, v, query_mask=torch.ones(2, 3, dtype=torch.bool, device=DEVICE)),
         "kv_lens": lambda: flashtx.attention(q, k, v, kv_lens=torch.tensor([40, 7], device=DEVICE)),
         "attn_mask": lambda: flashtx.attention(q, k, v, attn_mask=torch.zeros(3, 40, device=DEVICE)),
+        "float attn_mask over keys": lambda: flashtx.attention(q, k, v, attn_mask=torch.zeros(2, 1, 1, 40,
+                                                                                              device=DEVICE)),
+        "bool attn_mask per query": lambda: flashtx.attention(q, k, v, attn_mask=_keys_seen(2, 1, 3, 40)),
+        "bool attn_mask per head": lambda: flashtx.attention(q, k, v, attn_mask=_keys_seen(2, 4, 1, 40)),
+        "bool attn_mask and key_mask": lambda: flashtx.attention(
+            q, k, v, attn_mask=_keys_seen(2, 1, 1, 40), key_mask=torch.ones(2, 40, dtype=torch.bool, device=DEVICE)),
         "dropout": lambda: flashtx.attention(q, k, v, dropout_p=0.5),
         "17 queries": lambda: flashtx.attention(randn(2, 17, 4, 16, dtype=dt).transpose(1, 2), k, v),
         "q laid out (B, Hq, Sq, D)": lambda: flashtx.attention(q.contiguous(), k, v),
@@ -137,6 +143,7 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         "one query laid out (B, Hq, Sq, D)": lambda: flashtx.attention(q[:, :, :1].contiguous(), k, v),
         "16 queries": lambda: flashtx.attention(randn(2, 16, 4, 16, dtype=dt).transpose(1, 2), k, v),
         "key_mask": lambda: flashtx.attention(q, k, v, key_mask=torch.ones(2, 40, dtype=torch.bool, device=DEVICE)),
+        "bool attn_mask over keys": lambda: flashtx.attention(q, k, v, attn_mask=_keys_seen(2, 1, 1, 40)),
         "top-left window (2, 37), Sq < Sk": lambda: flashtx.attention(q, k, v, window_size=(2, 37)),
     }
     for name, fn in calls.items():
@@ -144,6 +151,13 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         with torch.no_grad():
             fn()
         assert routes == ["decode"], (name, routes)
+
+
+def _keys_seen(*shape):
+    """A bool attn_mask of `shape`, True = attend, every row seeing some key."""
+    m = torch.rand(shape, device=DEVICE) < 0.7
+    m[..., 0] = True
+    return m
 
 
 def _with_max(n, fn):
@@ -246,3 +260,30 @@ def test_kvcache_attention_without_lengths_is_attention_over_the_first_snew_keys
                                                         False, -1, -1, 0.0, 0, 11, backend)
         assert (out.transpose(1, 2) - want).abs().max() < precise_atol(1e-12), backend
         assert (lse2 * _small_q.LN2 - want_lse).abs().max() < precise_atol(1e-12), backend
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", [(3, 1, 1, 50), (1, 1, 1, 50), (50,), (3, 1, 1, 1)], ids=str)
+@pytest.mark.parametrize("Sq", [1, 3])
+def test_bool_masks_over_keys_are_key_masks(routes, dtype, shape, Sq):
+    """A bool attn_mask broadcast over heads and queries (transformers' static-cache decoding step passes
+    (B, 1, 1, Sk)) runs the decode kernels as a key mask: per batch row or for all, over keys or all-or-none,
+    with a row that sees no key (0, lse -inf), against the float64 reference."""
+    B, Hq, Hkv, Sk, D = 3, 4, 2, 50, 32
+    q = randn(B, Sq, Hq, D, dtype=dtype).transpose(1, 2)  # (B, Hq, Sq, D) views, as transformers makes them
+    k, v = (randn(B, Sk, Hkv, D, dtype=dtype).transpose(1, 2) for _ in range(2))
+    mask = torch.rand(shape, device=DEVICE) < 0.6
+    mask.view(-1)[-1] = True  # the last batch row sees a key
+    if mask.dim() == 4 and mask.shape[0] == B:
+        mask[0] = False  # a batch row that sees no key
+    with torch.no_grad():
+        out, lse = flashtx.attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True)
+    assert routes == ["decode"], routes
+    key_mask = torch.broadcast_to(mask, (B, 1, 1, Sk))[:, 0, 0]  # (B, Sk)
+    vis = reference.visibility(Sq, Sk, batch=B, key_mask=key_mask, device=DEVICE)
+    want, want_lse = reference.attention(q.double(), k.double(), v.double(), vis=vis, return_lse=True)
+    eager = reference.attention(q, k, v, vis=vis)
+    seen = key_mask.any(1)  # (B,) rows with a key
+    assert_close_to_reference("out", out[seen], want[seen], eager[seen])
+    assert (out[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
+    assert (lse[seen].double() - want_lse[seen]).abs().max() < 1e-2

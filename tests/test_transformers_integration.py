@@ -108,23 +108,32 @@ def test_logits_and_gradients_match_eager(family, side, mask_kind):
         assert_close_to_reference(f"d {name}", grads_f[name], grads_r[name], grads_e[name], grad=True)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_generation_gives_the_eager_tokens(family):
+@pytest.mark.parametrize("family, cache", [("llama", "dynamic"), ("qwen2", "dynamic"), ("llama", "static")])
+def test_greedy_generation_gives_the_eager_tokens(family, cache, monkeypatch):
+    """Static caches decode with a (B, 1, 1, max_len) bool mask: the decode kernels take it as a key mask
+    (flashtx._small_q), as they take the dynamic cache's steps."""
     eager, _, fused = models(config(family))
     ids, mask = padded_batch("left")
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation=cache)
+    decoded = []
+    real_call = flashtx._small_q.call
+    monkeypatch.setattr(flashtx._small_q, "call", lambda *a: decoded.append(1) or real_call(*a))
     with torch.no_grad():
-        want = eager.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        want = eager.generate(ids, **kw)
         ftx.apply_flashtx(fused)
         seen = []
         real_fwd = ftx.flashtx_attention_forward
         ftx.flashtx_attention_forward = lambda m, q, *a, **k: seen.append(q.shape[2]) or real_fwd(m, q, *a, **k)
         ftx.register()
         try:
-            got = fused.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+            got = fused.generate(ids, **kw)
         finally:
             ftx.flashtx_attention_forward = real_fwd
             ftx.register()
     assert seen == [9, 9] + [1, 1] * 4  # prefill, then one new token a step: the cache is used
+    # each step's attention ran the decode kernels; so did the 9-token prefill with the dynamic cache's (B, Sk)
+    # key mask (at most SMALL_Q_MAX queries), not the static cache's (B, 1, 9, 13) per-query one
+    assert len(decoded) == (10 if cache == "dynamic" else 8)
     assert torch.equal(got, want), f"flashtx {got[:, 9:].tolist()} vs eager {want[:, 9:].tolist()}"
 
 
