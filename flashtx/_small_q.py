@@ -10,17 +10,18 @@ merges them). flash-attn 2 does the same inside its own forward for Sq = 1 (mha_
 and its split-KV heuristic), which SDPA's FLASH backend inherits; bench/test_decode.py's `flashtx-train`
 provider (the training forward, SMALL_Q_DECODE off) times the two against each other.
 
-Taken only where the two compute the same thing: no autograd (the decode op has no backward), at most
-SMALL_Q_MAX queries, no query mask, lengths, float bias or dropout (a key mask, softcap, ALiBi and windows are
-the decode kernel's too: transformers' padded batches pass a key mask and a top-left window (-1, Sk - Sq), the
-bottom-right causal mask; a bool attn_mask that broadcasts over heads and queries, (B | 1, 1, 1, Sk), is a key
-mask: transformers' static-cache decoding step passes one), causal bottom-right aligned (or Sq = Sk, where both alignments agree), windows
-either way where the bounds translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit
-last strides, q laid out (B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views:
-attention's output keeps q's memory order, the decode kernels write (B, Sq, Hq, Dv)), and the attention
-dispatch choosing Triton's kernels. Under torch.compile a growing K/V (dynamic Sk) compiles once: nothing
-here or in the decode launcher guards on Sk. Everything else returns None: the caller
-runs the training forward.
+Taken where the decode kernels pay, more keys than queries (a cache plus new tokens: with Sk <= Sq the
+training forward's one tile per head already holds every key, and there is nothing to split), and only where
+the two compute the same thing: no autograd (the decode op has no backward), at most SMALL_Q_MAX queries, no
+query mask, lengths, float bias or dropout (a key mask, softcap, ALiBi and windows are the decode kernel's too:
+transformers' padded batches pass a key mask and a top-left window (-1, Sk - Sq), the bottom-right causal mask;
+a bool attn_mask that broadcasts over heads and queries, (B | 1, 1, 1, Sk), is a key mask: transformers'
+static-cache decoding step passes one), causal bottom-right aligned, windows either way where the bounds
+translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit last strides, q laid out
+(B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views: attention's output keeps q's memory
+order, the decode kernels write (B, Sq, Hq, Dv)), and the attention dispatch choosing Triton's kernels. Under
+torch.compile a growing K/V (dynamic Sk) compiles once: the one guard on Sk is Sk > Sq, which growing keeps
+true, and the decode launcher has none. Everything else returns None: the caller runs the training forward.
 """
 from __future__ import annotations
 
@@ -62,10 +63,12 @@ def _triton_takes(device_type: str, index, dtype, d_qk: int, d_v: int) -> bool:
     return ok
 
 
-def _bsh_ordered(t: Tensor) -> bool:
-    """Whether (B, S, H, D) t lies in memory as (B, S, H) (dims of size 1 aside, whose strides mean nothing)."""
-    strides = [t.stride(i) for i in range(3) if t.shape[i] != 1]
-    return all(a >= b for a, b in zip(strides, strides[1:]))
+def _bsh_ordered(B, S, H, sB, sS, sH) -> bool:
+    """Whether a (B, S, H, D) tensor of strides (sB, sS, sH, 1) lies in memory as (B, S, H): each stride at least
+    the next one's, dims of size 1 aside (their strides mean nothing). Ints only: this runs on every small call."""
+    if S != 1:
+        return (H == 1 or sS >= sH) and (B == 1 or sB >= sS)
+    return B == 1 or H == 1 or sB >= sH
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floats: list, backend: str,
@@ -74,39 +77,45 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
     (bshd: (B, S, H, D) tensors), as functional._run returns them (out in q's layout: (B, Hq, Sq, Dv), or
     (B, Sq, Hq, Dv) with bshd; lse (B, Hq, Sq) natural log), through the decode kernels; None where they must
     not take the call (module docstring). bias, aux, ints, floats, backend: the attention op's arguments; the
-    caller has checked that nothing needs grad and that no query mask, lengths or dropout is given (a key mask,
-    a bias and ALiBi may be)."""
-    causal, bottom_right, window, bshd = ints[0], ints[1], (ints[2], ints[3]), ints[7]
+    caller has checked that nothing needs grad, that there are more keys than queries and that no query mask,
+    lengths or dropout is given (a key mask, a bias and ALiBi may be)."""
+    causal, bottom_right, left, right, bshd = ints[0], ints[1], ints[2], ints[3], ints[7]
+    shape, st = q.shape, q.stride()
     if bshd:
-        B, Sq, Hq, _ = q.shape
+        B, Sq, Hq = shape[0], shape[1], shape[2]
+        sB, sS, sH = st[0], st[1], st[2]
         Sk = k.shape[1]
-        qd, kc, vc = q, k, v
     else:
-        B, Hq, Sq, _ = q.shape
+        B, Hq, Sq = shape[0], shape[1], shape[2]
+        sB, sH, sS = st[0], st[1], st[2]
         Sk = k.shape[2]
-        qd, kc, vc = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D) views
+    # the cheapest refusals first: every no-grad call of at most SMALL_Q_MAX queries pays for them
     if not 0 < Sq <= SMALL_Q_MAX or B > MAX_GRID_YZ or Hq * Sq > MAX_GRID_YZ:
         return None
+    if st[3] != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return None
+    if not _bsh_ordered(B, Sq, Hq, sB, sS, sH):
+        return None  # attention's output keeps q's memory order; the decode kernels write (B, Sq, Hq, Dv)
     key_mask = aux[0]  # (B, Sk) bool, True = a real key
-    if bias is not None:  # a 4-D (B | 1, Hq | 1, Sq | 1, Sk | 1) view
-        if bias.dtype != torch.bool or bias.shape[1] != 1 or bias.shape[2] != 1 or key_mask is not None:
-            return None  # additive, or differing per head or query (or beside a key mask)
-        key_mask = bias[:, 0, 0].expand(B, Sk)  # (B, Sk) view, True = attend (SDPA's polarity, the key mask's)
-    left, right = window
-    if not bottom_right and Sq != Sk and (causal or left >= 0 or right >= 0):
+    if bias is not None and (bias.dtype != torch.bool or bias.shape[1] != 1 or bias.shape[2] != 1
+                             or key_mask is not None):
+        return None  # additive, or differing per head or query (or beside a key mask)
+    if not bottom_right and (causal or left >= 0 or right >= 0):
         # top-left bounds i - left <= j <= i + right, as the decode kernels' bottom-right ones (query i at Sk - Sq + i)
         shift = Sk - Sq
-        if causal or (right >= 0 and right < shift) or (left >= 0 and left + shift < 0):
+        if causal or (right >= 0 and right < shift):
             return None  # not expressible bottom-right (top-left causal with Sq < Sk sees fewer keys than any window)
         right = right - shift if right >= 0 else -1
         left = left + shift if left >= 0 else -1
-    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
-        return None
-    if not _bsh_ordered(qd):
-        return None  # attention's output keeps q's memory order; the decode kernels write (B, Sq, Hq, Dv)
     if backend not in ("", "triton") or not _triton_takes(q.device.type, q.device.index, q.dtype,
-                                                          operator.index(q.shape[3]), operator.index(v.shape[3])):
+                                                          operator.index(shape[3]), operator.index(v.shape[3])):
         return None
+    if bshd:
+        qd, kc, vc = q, k, v
+    else:
+        qd, kc, vc = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D) views
+    if bias is not None:  # a 4-D (B | 1, 1, 1, Sk | 1) bool view: True = attend (SDPA's polarity, the key mask's)
+        key_mask = bias[:, 0, 0].expand(B, Sk)  # (B, Sk) view
     alibi = aux[6].detach() if aux[6] is not None else None  # slopes get no gradient (as the training forward)
     key_mask = key_mask.view(torch.uint8) if key_mask is not None else None  # (B, Sk), nonzero = a real key
     # no cache_seqlens: every sequence's keys are k's first snew = Sk rows

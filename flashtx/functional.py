@@ -87,8 +87,8 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
             int(bshd)]  # _attention_op.Ints
     floats = [scale, softcap, dropout_p]  # _attention_op.Floats
     if (needs_grad == NO_GRAD and _small_q.SMALL_Q_DECODE and rng is None and not return_probs
-            and query_mask is None and q_lens is None and kv_lens is None
-            and cu_seqlens_q is None):  # decoding: see flashtx._small_q
+            and query_mask is None and q_lens is None and kv_lens is None and cu_seqlens_q is None
+            and (k.shape[1] > q.shape[1] if bshd else k.shape[2] > q.shape[2])):  # decoding: see flashtx._small_q
         res = _small_q.attention(q, k, v, bias, aux, ints, floats, backend or "", return_lse)
         if res is not None:
             return res
@@ -168,8 +168,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return_lse, (out, lse) with lse (..., Hq, Sq) in float32 (float64 for float64 inputs), natural
         log. Differentiable in query, key, value, a float attn_mask (and through lse).
 
-    Decoding: without autograd, up to 16 queries with no query mask, lengths, bias or dropout run the split-KV
-    decode kernels of flash_attn_with_kvcache (flashtx._small_q says when), the same result.
+    Decoding: without autograd, up to 16 queries over more keys, with no query mask, lengths, float bias or
+    dropout, run the split-KV decode kernels of flash_attn_with_kvcache (flashtx._small_q says when), the same
+    result.
 
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)
@@ -268,7 +269,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         like q (contiguous for contiguous q);
         with return_attn_probs, (out, softmax_lse, probs).
 
-    Decoding: as flashtx.attention's, up to 16 queries without autograd run the split-KV decode kernels.
+    Decoding: as flashtx.attention's, up to 16 queries over more keys without autograd run the split-KV decode
+    kernels.
 
     Example:
         >>> out = flashtx.flash_attn_func(q, k, v, causal=True)  # q, k, v: (B, S, H, D)
