@@ -77,10 +77,54 @@ ATTENTION_SEEDS = [1003, 1009, 1016, 1024, 1031, 1042, 1050, 1066, 1078, 1090, 1
                    1458, 1507, 1561, 1599]
 
 
+def inference_case(rng):
+    """attention_case without autograd and with at most 16 queries (decoding: flashtx._small_q routes these calls
+    to the split-KV decode kernels when they qualify), query masks and lengths rarer, layouts mostly routable."""
+    p = attention_case(rng)
+    p["requires_grad"], p["mask_grad"], p["packed"] = [False] * 3, False, False
+    p["split_head_dims"] = p["gqa_split"] = False
+    p["Sq"] = rng.choice([1, 1, 2, 3, 5, 16])
+    for key in ("query_mask", "q_lens", "kv_lens"):
+        p[key] = p[key] and rng.random() < 0.3
+    if p["mask"] == "bool" and rng.random() < 0.7:
+        p["mask_full"][1] = p["mask_full"][2] = False  # (B | 1, 1, 1, Sk | 1): a key mask
+    if rng.random() < 0.7:
+        p["layouts"] = [rng.choice(["contig", "slice", "expand"]) for _ in range(3)]
+    return p
+
+
 @pytest.mark.parametrize("seed", ATTENTION_SEEDS)
 def test_attention_random_combination(seed, kernel_paths):
+    _attention_combination(seed, kernel_paths, attention_case)
+
+
+INFERENCE_SEEDS = [5008, 5011, 5025, 5033, 5034, 5044, 5051, 5003, 5020, 5032, 5047, 5069]  # the first 7 route
+
+
+def test_inference_seeds_take_the_decode_kernels(monkeypatch):
+    """Guard on INFERENCE_SEEDS: the first 7 run the decode kernels and the last 5 the training forward, so that
+    the sample tests both (a routing change that moves them: pick seeds again, e.g. by printing `counts`)."""
+    routed = []
+    real = flashtx._small_q.call
+    monkeypatch.setattr(flashtx._small_q, "call", lambda *a: routed.append(1) or real(*a))
+    counts = []
+    for seed in INFERENCE_SEEDS:
+        routed.clear()
+        with torch.no_grad():
+            _attention_combination(seed, lambda *a: None, inference_case)
+        counts.append(len(routed))
+    assert [c > 0 for c in counts] == [True] * 7 + [False] * 5, counts
+
+
+@pytest.mark.parametrize("seed", INFERENCE_SEEDS)
+def test_attention_inference_random_combination(seed, kernel_paths):
+    with torch.no_grad():  # the views are made from leaves: without it they would record autograd
+        _attention_combination(seed, kernel_paths, inference_case)
+
+
+def _attention_combination(seed, kernel_paths, make_case):
     rng = random.Random(seed)
-    p = attention_case(rng)
+    p = make_case(rng)
     kernel_paths(p["split_head_dims"], p["gqa_split"])
     gen = torch.Generator().manual_seed(seed)
     B, Hkv, G, Sq, Sk, D, Dv = (p[n] for n in ("B", "Hkv", "group", "Sq", "Sk", "D", "Dv"))
