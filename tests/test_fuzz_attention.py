@@ -3,8 +3,9 @@
 options far wider than one test's parameter grid: odd sizes (1, 3, 17, 33, 65, 129), head dims 1..256 incl.
 non-powers of two, GQA ratios, Sq != Sk both ways, both causal alignments, windows, key/query masks and
 lengths (out-of-range lengths too: clamped), bias with broadcast dims and gradient, softcap, ALiBi,
-non-contiguous inputs (permuted, sliced with a storage offset, stepped, expanded); varlen with empty
-sequences; dropout checked against its own returned probabilities.
+non-contiguous inputs (permuted, sliced with a storage offset, stepped, expanded); inference calls (no
+autograd, few queries: the decode kernels' route); varlen with empty sequences; dropout checked against its own
+returned probabilities.
 
 Every case runs under conftest's bounds checker (no masked-in access outside the kernels' tensor arguments),
 in PRECISE_DTYPE against the float64 references (flashtx.reference, or an independent formula), at ~1e-10
