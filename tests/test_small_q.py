@@ -45,7 +45,7 @@ CASES = [  # (B, Hq, Hkv, Sq, Sk, D, Dv)
     (3, 4, 4, 1, 37, 32, 48),  # MHA, Dv != D
     (1, 6, 1, 3, 70, 64, 64),  # MQA, speculative decoding
     (2, 4, 2, 16, 300, 16, 16),  # the most queries routed
-    (1, 4, 2, 5, 6, 32, 32),  # one key more than queries (Sk <= Sq: the training forward)
+    (1, 4, 2, 5, 6, 32, 32),  # one key more than queries (routed; Sk <= Sq runs the training forward)
 ]
 
 
