@@ -22,7 +22,8 @@ translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit last 
 order, the decode kernels write (B, Sq, Hq, Dv)), and the attention dispatch choosing Triton's kernels. Under
 torch.compile a growing K/V (dynamic Sk) compiles once without a window or with transformers' (-1, Sk - Sq): the
 guard Sk > Sq stays true as it grows. A top-left window with a fixed bound shifts by Sk - Sq, and the decode
-launcher's int() of it pins Sk: a graph per step (a known gap: route those to the training forward). Everything else returns None: the caller runs the training forward.
+launcher's int() of it pins Sk: a graph per step (a known gap: route those to the training forward). Everything
+else returns None: the caller runs the training forward.
 """
 from __future__ import annotations
 
