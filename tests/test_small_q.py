@@ -133,6 +133,9 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         "Sq > Sk, bottom-right causal": lambda: flashtx.flash_attn_func(q.transpose(1, 2), k[:, :, :2].transpose(1, 2),
                                                                         v[:, :, :2].transpose(1, 2), causal=True),
         "no keys": lambda: flashtx.attention(q, k[:, :, :0], v[:, :, :0]),
+        "one query laid out (Hq, B, D)": lambda: flashtx.attention(  # batch innermost: its output keeps that order
+            randn(4, 3, 16, dtype=dt).permute(1, 0, 2)[:, :, None], randn(3, 4, 20, 16, dtype=dt),
+            randn(3, 4, 20, 16, dtype=dt)),
     }
     for name, fn in calls.items():
         routes.clear()
