@@ -21,9 +21,9 @@ translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit last 
 (B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views: attention's output keeps q's memory
 order, the decode kernels write (B, Sq, Hq, Dv)), and the attention dispatch choosing Triton's kernels. Under
 torch.compile a growing K/V (dynamic Sk) compiles once without a window or with transformers' (-1, Sk - Sq): the
-guard Sk > Sq stays true as it grows. A top-left window with a fixed bound shifts by Sk - Sq, and the decode
-launcher's int() of it pins Sk: a graph per step (a known gap: route those to the training forward). Everything
-else returns None: the caller runs the training forward.
+guard Sk > Sq stays true as it grows. A top-left window with a fixed bound shifts by Sk - Sq, which would
+pin Sk (the decode launcher takes int bounds: a graph per step), so with a symbolic Sk those run the training
+forward, whose bounds do not shift. Everything else returns None: the caller runs the training forward.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import operator
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from . import _decode_op, _dispatch, _env
 from ._library import call
@@ -109,6 +110,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
             return None  # not expressible bottom-right (top-left causal with Sq < Sk sees fewer keys than any window)
         right = right - shift if right >= 0 else -1
         left = left + shift if left >= 0 else -1
+        if not (has_static_value(left) and has_static_value(right)):  # (type() is int for SymInts under Dynamo)
+            return None  # with a symbolic Sk a fixed top-left bound moves with it: the launcher's int() would pin Sk
+        # (transformers' (-1, Sk - Sq), computed from the shapes, shifts to the constant (-1, 0))
     if backend not in ("", "triton") or not _triton_takes(q.device.type, q.device.index, q.dtype,
                                                           operator.index(shape[3]), operator.index(v.shape[3])):
         return None

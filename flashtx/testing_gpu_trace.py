@@ -113,9 +113,15 @@ def _kernel_name(k) -> str:
     return getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", "?")
 
 
-def growing_cache(dynamic) -> dict:
+# plain; padded: transformers' padded batches, a key mask and the bottom-right causal mask as a top-left window
+# (-1, Sk - Sq); top-left-window: a fixed top-left bound (20, -1), which the decode kernels' would move with Sk
+GROWING = ("plain", "padded", "top-left-window")
+
+
+def growing_cache(dynamic, case: str = "plain") -> dict:
     """A compiled decode loop whose K/V grow by one token a step (transformers' DynamicCache), torch.compile's
-    dynamic=`dynamic` (None: automatic): how many graphs it compiled over 8 steps, and each graph's kernels."""
+    dynamic=`dynamic` (None: automatic), with the arguments of `case` (GROWING): how many graphs it compiled over 8
+    steps, and each graph's kernels."""
     import torch
     import torch._dynamo
     from functorch.compile import make_boxed_func
@@ -138,13 +144,20 @@ def growing_cache(dynamic) -> dict:
         return make_boxed_func(standin)
 
     torch._dynamo.reset()
-    step = torch.compile(lambda q, k, v: flashtx.attention(q, k, v, enable_gqa=True), fullgraph=True, dynamic=dynamic,
-                         backend=aot_autograd(fw_compiler=compiler))
+    def attend(q, k, v, key_mask):  # (B, H, S, D); the window from the shapes, as transformers computes it
+        if case == "plain":
+            return flashtx.attention(q, k, v, enable_gqa=True)
+        if case == "padded":
+            return flashtx.attention(q, k, v, enable_gqa=True, window_size=(-1, k.shape[2] - q.shape[2]),
+                                     key_mask=key_mask)
+        return flashtx.attention(q, k, v, enable_gqa=True, window_size=(20, -1))
+
+    step = torch.compile(attend, fullgraph=True, dynamic=dynamic, backend=aot_autograd(fw_compiler=compiler))
     q = torch.randn(2, 8, 1, 64, dtype=torch.float16)
     with torch.no_grad():
         for sk in range(100, 108):
             k, v = (torch.randn(2, 2, sk, 64, dtype=torch.float16) for _ in range(2))
-            step(q, k, v)
+            step(q, k, v, torch.ones(2, sk, dtype=torch.bool))
     return {"graphs": graphs}
 
 
@@ -288,13 +301,14 @@ def main(argv: list[str]) -> int:
         tile = configs.TileConfig(64, 64, 4, 3, "testing_gpu_trace --tma", tma=True)
         tma_kernels = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
         configs._autotune_hook = lambda kernel, *a: tile if kernel in tma_kernels else None
-    if "--growing" in argv:  # growing_cache for automatic and dynamic shapes
+    if "--growing" in argv:  # growing_cache for automatic and dynamic shapes, each case
         out = {}
-        for mode, dyn in (("automatic", None), ("dynamic", True)):
-            try:
-                out[mode] = growing_cache(dyn)
-            except Exception as exc:
-                out[mode] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+        for case in GROWING:
+            for mode, dyn in (("automatic", None), ("dynamic", True)):
+                try:
+                    out[f"{case}/{mode}"] = growing_cache(dyn, case)
+                except Exception as exc:
+                    out[f"{case}/{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
         print(json.dumps(out, indent=1))
         return 0
     argv = [a for a in argv if a not in ("--dynamic", "--tma")]

@@ -106,8 +106,6 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         "top-left causal, Sq < Sk": lambda: flashtx.attention(q, k, v, is_causal=True),
         "top-left window, Sq < Sk": lambda: flashtx.attention(q, k, v, window_size=(8, 0)),
         "top-left window (2, 36), Sq < Sk": lambda: flashtx.attention(q, k, v, window_size=(2, 36)),
-        "4 queries over 2 keys, top-left window (0, 3)": lambda: flashtx.attention(
-            randn(2, 4, 4, 16, dtype=dt).transpose(1, 2), k[:, :, :2], v[:, :, :2], window_size=(0, 3)),
         "query_mask": lambda: flashtx.attention(q, k, v, query_mask=torch.ones(2, 3, dtype=torch.bool, device=DEVICE)),
         "kv_lens": lambda: flashtx.attention(q, k, v, kv_lens=torch.tensor([40, 7], device=DEVICE)),
         "attn_mask": lambda: flashtx.attention(q, k, v, attn_mask=torch.zeros(3, 40, device=DEVICE)),
