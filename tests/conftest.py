@@ -198,6 +198,29 @@ def split_head_dims(monkeypatch):
 
 
 @pytest.fixture
+def routes(monkeypatch):
+    """The ops each attention call ran, in order: 'decode' (the split-KV decode kernels, through
+    flashtx._small_q) or 'train' (the training forward; another op of functional's: its name)."""
+    import flashtx
+    from flashtx import _small_q
+
+    seen = []
+    real_decode, real_run = _small_q.call, flashtx.functional.call
+
+    def decode(op, *args):
+        seen.append("decode")
+        return real_decode(op, *args)
+
+    def train(op, *args):
+        seen.append("train" if op is flashtx._attention_op.attn_fwd else op._name)
+        return real_run(op, *args)
+
+    monkeypatch.setattr(_small_q, "call", decode)
+    monkeypatch.setattr(flashtx.functional, "call", train)
+    return seen
+
+
+@pytest.fixture
 def gpu_target(monkeypatch, request):
     """Plan every launch as for configs.KNOWN_TARGETS[request.param] (use with indirect parametrization): each
     flashtx module's target_for is stood in, so the interpreter runs that GPU's tiles and SM-count heuristics.

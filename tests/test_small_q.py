@@ -11,25 +11,6 @@ import flashtx
 from flashtx import _small_q, reference
 
 
-@pytest.fixture
-def routes(monkeypatch):
-    """The ops each call ran: 'decode' (the decode kernels) or 'train' (the training forward)."""
-    seen = []
-    real_decode, real_run = _small_q.call, flashtx.functional.call
-
-    def decode(op, *args):
-        seen.append("decode")
-        return real_decode(op, *args)
-
-    def train(op, *args):
-        seen.append("train" if op is flashtx._attention_op.attn_fwd else op._name)
-        return real_run(op, *args)
-
-    monkeypatch.setattr(_small_q, "call", decode)
-    monkeypatch.setattr(flashtx.functional, "call", train)
-    return seen
-
-
 def _ref(q, k, v, *, causal=False, bottom_right=False, window=(-1, -1), softcap=0.0, alibi=None, dtype=None):
     """out, lse of the reference in `dtype` (float64: the ground truth; q's dtype: the eager baseline)."""
     dtype = dtype or torch.float64
