@@ -15,8 +15,8 @@ training forward's one tile per head already holds every key, and there is nothi
 the two compute the same thing: no autograd (the decode op has no backward), at most SMALL_Q_MAX queries, no
 query mask, lengths, float bias or dropout (a key mask, softcap, ALiBi and windows are the decode kernel's too:
 transformers' padded batches pass a key mask and a top-left window (-1, Sk - Sq), the bottom-right causal mask;
-a bool attn_mask that broadcasts over heads and queries, (B | 1, 1, 1, Sk), is a key mask: transformers'
-static-cache decoding step passes one), causal bottom-right aligned, windows either way where the bounds
+a bool attn_mask that broadcasts over heads, (B | 1, 1, Sq | 1, Sk | 1), is a key mask, a row per query when it
+differs by query: transformers' static-cache steps pass one, (B, 1, Sq, max_len)), causal bottom-right aligned, windows either way where the bounds
 translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit last strides, q laid out
 (B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views: attention's output keeps q's memory
 order, the decode kernels write (B, Sq, Hq, Dv)), and the attention dispatch choosing Triton's kernels. Under
@@ -100,9 +100,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
     if not _bsh_ordered(B, Sq, Hq, sB, sS, sH):
         return None  # attention's output keeps q's memory order; the decode kernels write (B, Sq, Hq, Dv)
     key_mask = aux[0]  # (B, Sk) bool, True = a real key
-    if bias is not None and (bias.dtype != torch.bool or bias.shape[1] != 1 or bias.shape[2] != 1
-                             or key_mask is not None):
-        return None  # additive, or differing per head or query (or beside a key mask)
+    if bias is not None and (bias.dtype != torch.bool or bias.shape[1] != 1 or key_mask is not None):
+        return None  # additive, or differing per head (or beside a key mask)
     if not bottom_right and (causal or left >= 0 or right >= 0):
         # top-left bounds i - left <= j <= i + right, as the decode kernels' bottom-right ones (query i at Sk - Sq + i)
         shift = Sk - Sq
@@ -120,10 +119,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
         qd, kc, vc = q, k, v
     else:
         qd, kc, vc = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D) views
-    if bias is not None:  # a 4-D (B | 1, 1, 1, Sk | 1) bool view: True = attend (SDPA's polarity, the key mask's)
-        key_mask = bias[:, 0, 0].expand(B, Sk)  # (B, Sk) view
+    if bias is not None:  # a 4-D (B | 1, 1, Sq | 1, Sk | 1) bool view: True = attend (SDPA's polarity, the key mask's)
+        key_mask = bias[:, 0].expand(B, bias.shape[2], Sk)  # (B, Sq | 1, Sk) view
+    elif key_mask is not None:
+        key_mask = key_mask[:, None]  # (B, 1, Sk): every query's
     alibi = aux[6].detach() if aux[6] is not None else None  # slopes get no gradient (as the training forward)
-    key_mask = key_mask.view(torch.uint8) if key_mask is not None else None  # (B, Sk), nonzero = a real key
+    key_mask = key_mask.view(torch.uint8) if key_mask is not None else None  # (B, Sq | 1, Sk), nonzero = visible
     # no cache_seqlens: every sequence's keys are k's first snew = Sk rows
     out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, None, None, None, None, alibi, key_mask, floats[0],
                      bool(causal), left, right, floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)

@@ -169,7 +169,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         log. Differentiable in query, key, value, a float attn_mask (and through lse).
 
     Decoding: without autograd, up to 16 queries over more keys, with no query mask, lengths, dropout or bias
-    (a bool attn_mask the same for every head and query aside), run the split-KV decode kernels of
+    (a bool attn_mask the same for every head aside), run the split-KV decode kernels of
     flash_attn_with_kvcache (flashtx._small_q says when), the same result.
 
     Example:

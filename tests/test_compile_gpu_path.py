@@ -54,6 +54,7 @@ def traced_dynamic():
     ("attention-decode", ["_decode_fwd"], None),
     ("attention-decode-padded", ["_decode_fwd"], None),  # a key mask and a window (transformers' padded batch)
     ("attention-decode-static", ["_decode_fwd"], None),  # a (B, 1, 1, Sk) bool attn_mask (a static cache's step)
+    ("attention-decode-tree", ["_decode_fwd"], None),  # a (B, 1, Sq, Sk) bool attn_mask: a row per query
     ("varlen", FWD, BWD),  # packed sequences: cu_seqlens must not look written (2026-12-01: the partition failed)
     ("dropout", FWD, BWD),
     ("attn-probs", FWD, BWD),  # the probabilities themselves come from an opaque custom op (O(N^2), for tests)
@@ -84,7 +85,7 @@ def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):
 
 def test_decoding_through_attention_compiles_to_the_decode_kernels_only(traced):
     """Not the training forward as well (flashtx._small_q decides in the traced Python, on static sizes)."""
-    for case in ("attention-decode", "attention-decode-padded", "attention-decode-static"):
+    for case in ("attention-decode", "attention-decode-padded", "attention-decode-static", "attention-decode-tree"):
         assert "_attn_fwd" not in traced[case]["kernels"][0], traced[case]["kernels"]
 
 

@@ -92,7 +92,6 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         "attn_mask": lambda: flashtx.attention(q, k, v, attn_mask=torch.zeros(3, 40, device=DEVICE)),
         "float attn_mask over keys": lambda: flashtx.attention(q, k, v, attn_mask=torch.zeros(2, 1, 1, 40,
                                                                                               device=DEVICE)),
-        "bool attn_mask per query": lambda: flashtx.attention(q, k, v, attn_mask=_keys_seen(2, 1, 3, 40)),
         "bool attn_mask per head": lambda: flashtx.attention(q, k, v, attn_mask=_keys_seen(2, 4, 1, 40)),
         "bool attn_mask and key_mask": lambda: flashtx.attention(
             q, k, v, attn_mask=_keys_seen(2, 1, 1, 40), key_mask=torch.ones(2, 40, dtype=torch.bool, device=DEVICE)),
@@ -128,6 +127,7 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         "16 queries": lambda: flashtx.attention(randn(2, 16, 4, 16, dtype=dt).transpose(1, 2), k, v),
         "key_mask": lambda: flashtx.attention(q, k, v, key_mask=torch.ones(2, 40, dtype=torch.bool, device=DEVICE)),
         "bool attn_mask over keys": lambda: flashtx.attention(q, k, v, attn_mask=_keys_seen(2, 1, 1, 40)),
+        "bool attn_mask per query": lambda: flashtx.attention(q, k, v, attn_mask=_keys_seen(2, 1, 3, 40)),
         "top-left window (2, 37), Sq < Sk": lambda: flashtx.attention(q, k, v, window_size=(2, 37)),
     }
     for name, fn in calls.items():
@@ -259,6 +259,39 @@ def test_bool_masks_over_keys_are_key_masks(routes, dtype, shape, Sq):
     want, want_lse = reference.attention(q.double(), k.double(), v.double(), vis=vis, return_lse=True)
     eager = reference.attention(q, k, v, vis=vis)
     seen = key_mask.any(1)  # (B,) rows with a key
+    assert_close_to_reference("out", out[seen], want[seen], eager[seen])
+    assert (out[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
+    assert (lse[seen].double() - want_lse[seen]).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", ["B1QK", "11QK", "B1Q1", "QK"])
+@pytest.mark.parametrize("Sq", [2, 5])
+def test_bool_masks_per_query_are_rows_of_the_key_mask(routes, dtype, shape, Sq):
+    """A bool attn_mask over queries and keys, the same for every head (transformers' static-cache step with
+    several new tokens, speculative decoding's tree masks: (B, 1, Sq, max_len)), runs the decode kernels with a
+    mask row per query: a static cache's causal rows behind left padding, random rows, a query that sees no key
+    (0, lse -inf), a batch row that sees none, against the float64 reference."""
+    B, Hq, Hkv, Sk, D = 3, 4, 2, 50, 32
+    q = randn(B, Sq, Hq, D, dtype=dtype).transpose(1, 2)  # (B, Hq, Sq, D) views, as transformers makes them
+    k, v = (randn(B, Sk, Hkv, D, dtype=dtype).transpose(1, 2) for _ in range(2))
+    j, i = torch.arange(Sk, device=DEVICE), torch.arange(Sq, device=DEVICE)
+    lead = torch.tensor([0, 7, 3], device=DEVICE)[:, None, None]  # (B, 1, 1) left padding
+    full = (j <= 30 + i[:, None]) & (j >= lead)  # (B, Sq, Sk): Sq new tokens at 30.. of a static cache
+    full[1] &= torch.rand(Sq, Sk, device=DEVICE) < 0.7  # random rows (a tree's)
+    full[1, 0] = False  # a query that sees no key
+    full[2] = False  # a batch row that sees none
+    mask = {"B1QK": full[:, None], "11QK": full[1:2, None], "B1Q1": full[:, None, :, :1].expand(B, 1, Sq, 1).clone(),
+            "QK": full[1]}[shape]
+    if shape == "B1Q1":
+        mask[0, 0, 1:] = False  # all-or-none per query
+    with torch.no_grad():
+        out, lse = flashtx.attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True)
+    assert routes == ["decode"], routes
+    vis = torch.broadcast_to(mask, (B, 1, Sq, Sk))[:, 0]  # (B, Sq, Sk)
+    want, want_lse = reference.attention(q.double(), k.double(), v.double(), vis=vis, return_lse=True)
+    eager = reference.attention(q, k, v, vis=vis)
+    seen = vis.any(-1)[:, None, :].expand(B, Hq, Sq)  # (B, Hq, Sq) rows with a key
     assert_close_to_reference("out", out[seen], want[seen], eager[seen])
     assert (out[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
     assert (lse[seen].double() - want_lse[seen]).abs().max() < 1e-2

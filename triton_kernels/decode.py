@@ -136,13 +136,14 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
                 stride_kb, stride_kn, stride_kh, stride_kd,
                 stride_vb, stride_vn, stride_vh, stride_vd,
                 stride_os, stride_ob, stride_om, stride_oh, stride_od,
-                stride_ls, stride_lb, stride_lh, stride_lm, stride_btb, stride_alb, stride_kmb, stride_kmn,
+                stride_ls, stride_lb, stride_lh, stride_lm, stride_btb, stride_alb, stride_kmb, stride_kmm, stride_kmn,
                 Sq, SNEW, GROUP, M_TILES, NUM_SPLITS, D, DV, PAGE, right, left, qk_scale_hi, qk_scale_lo,
                 softcap_hi, softcap_lo, log2e_hi, log2e_lo,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, LEFTPAD_ON: tl.constexpr, PAGED: tl.constexpr,
                 BATCH_IDX: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ACC: tl.constexpr,
-                DOT_PREC: tl.constexpr, LENS_ON: tl.constexpr = True, KEY_MASK: tl.constexpr = False):
+                DOT_PREC: tl.constexpr, LENS_ON: tl.constexpr = True, KEY_MASK: tl.constexpr = False,
+                QUERY_MASK: tl.constexpr = False):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1) // M_TILES
     mt = tl.program_id(1) % M_TILES
@@ -211,10 +212,16 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
         if ALIBI:
             s = s - slope2[:, None] * tl.abs(qpos - offs_n[None, :]).to(ACC)
         vis = row_ok[:, None] & n_ok[None, :]
-        if KEY_MASK:  # (B, capacity) uint8, nonzero = a real key (flashtx._small_q's key_mask). The scores only: K/V
-            # of padding keys are in bounds, and loads whose masks waited on this one would not pipeline
-            real = tl.load(KM + b.to(tl.int64) * stride_kmb + offs_n.to(tl.int64) * stride_kmn, mask=n_ok, other=0)
-            vis = vis & (real != 0)[None, :]
+        if KEY_MASK:  # (B, Sq | 1, capacity) uint8, nonzero = visible (flashtx._small_q's key_mask). The scores only:
+            # K/V of padding keys are in bounds, and loads whose masks waited on this one would not pipeline
+            km = KM + b.to(tl.int64) * stride_kmb
+            if QUERY_MASK:  # a row per query (a bool attn_mask over queries and keys: speculative decoding's)
+                seen = tl.load(km + i[:, None].to(tl.int64) * stride_kmm + offs_n[None, :].to(tl.int64) * stride_kmn,
+                               mask=row_ok[:, None] & n_ok[None, :], other=0)  # (M, N)
+                vis = vis & (seen != 0)
+            else:  # one row for every query
+                real = tl.load(km + offs_n.to(tl.int64) * stride_kmn, mask=n_ok, other=0)
+                vis = vis & (real != 0)[None, :]
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= qpos + right)
         if WINDOW:
@@ -392,8 +399,8 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
     None: every sequence's keys are the cache's first snew positions (attention over a whole K/V tensor);
     leftpad/batch_idx/block_table/alibi: optional. out (B, Sq, Hq, Dv), lse2 (B, Hq, Sq) in log2 units.
     partials: (o (S, B, Sq, Hq, Dv), lse (S, B, Hq, Sq)) in the accumulator dtype for S = split_count(...) > 1
-    splits, or None to allocate them. key_mask: (B, capacity) uint8 (a bool mask's view), nonzero = a real key, or
-    None (contiguous caches only: indexed by position).
+    splits, or None to allocate them. key_mask: (B, capacity) or (B, Sq | 1, capacity) uint8 (a bool mask's view),
+    nonzero = visible (to every query, or to query i: row i), or None (contiguous caches only: indexed by position).
     """
     B, Sq, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
@@ -417,6 +424,8 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
         o_dst, l_dst = out, lse2
         o_st, l_st = (0, *out.stride()), (0, *lse2.stride())
     dummy = seqlens if seqlens is not None else q  # never read (its flag is off)
+    # a key mask's query stride: 0 for one row for every query (2-D, or a row broadcast over the queries)
+    km_query = key_mask.stride(1) if key_mask is not None and key_mask.dim() == 3 and key_mask.shape[1] > 1 else 0
     sc_hi, sc_lo = split_f32(scale * LOG2E)
     cap_hi, cap_lo = split_f32(float(softcap) * LOG2E)
     l2_hi, l2_lo = split_f32(LOG2E)
@@ -431,8 +440,8 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                 **dict(zip(("stride_ls", "stride_lb", "stride_lh", "stride_lm"), l_st)),
                 stride_btb=block_table.stride(0) if paged else 0,
                 stride_alb=alibi.stride(0) if alibi is not None and alibi.shape[0] > 1 else 0,
-                stride_kmb=key_mask.stride(0) if key_mask is not None else 0,
-                stride_kmn=key_mask.stride(1) if key_mask is not None else 0,
+                stride_kmb=key_mask.stride(0) if key_mask is not None else 0, stride_kmm=km_query,
+                stride_kmn=key_mask.stride(-1) if key_mask is not None else 0,
                 Sq=Sq, SNEW=snew, GROUP=group, M_TILES=m_tiles, NUM_SPLITS=num_splits, D=D, DV=DV,
                 PAGE=k_cache.shape[1] if paged else 1, right=(0 if causal else right) if has_right else 0,
                 left=max(left, 0), qk_scale_hi=sc_hi, qk_scale_lo=sc_lo, softcap_hi=cap_hi, softcap_lo=cap_lo,
@@ -440,7 +449,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                 BLOCK_DV=head_block(DV), CAUSAL=has_right, WINDOW=left >= 0, LEFTPAD_ON=leftpad is not None,
                 PAGED=paged, BATCH_IDX=batch_idx is not None, SOFTCAP=bool(softcap), ALIBI=alibi is not None,
                 ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), LENS_ON=seqlens is not None,
-                KEY_MASK=key_mask is not None)
+                KEY_MASK=key_mask is not None, QUERY_MASK=km_query != 0)
     launches = [Launch(_decode_fwd, (num_splits, Hkv * m_tiles, B), args, cfg)]
     if num_splits > 1:
         block_r = min(_pow2(Sq), 16)
@@ -548,6 +557,11 @@ def compile_plans(target) -> list:
                                                causal=False, window=(-1, -1) if km is None else (-1, 0), num_splits=4,
                                                snew=S, target=target, key_mask=km)
                         plans.append((f"{name} no-lengths{'' if km is None else ' key-mask'} splits=4", launches[0]))
+                    q4, o4 = (torch.empty(B, 4, Hkv * group, d, dtype=dtype) for _ in range(2))  # a mask per query
+                    launches = plan_decode(q4, kc, vc, o4, torch.empty(B, Hkv * group, 4), None, None, None, None, None,
+                                           scale=d ** -0.5, causal=False, num_splits=4, snew=S, target=target,
+                                           key_mask=torch.empty(B, 4, S, dtype=torch.uint8))
+                    plans.append((name.replace(f"Sq={sq}", "Sq=4") + " no-lengths query-mask splits=4", launches[0]))
             cos = torch.empty(S, d // 4, dtype=torch.float32)
             kn = torch.empty(B, 1, Hkv, d, dtype=dtype)
             q = torch.empty(B, 1, 4 * Hkv, d, dtype=dtype)
