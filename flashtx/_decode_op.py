@@ -9,7 +9,7 @@ mutation and the attention a pure function of the written cache:
 - `flashtx::kvcache_attention`: attention of q over each sequence's keys [cache_leftpad[b],
   cache_seqlens[b] + snew) of the (contiguous or paged) cache (snew: the tokens just appended; without
   cache_seqlens, the first snew positions: flashtx._small_q's attention over a whole K/V tensor), the
-  keys where key_mask (B, capacity) or (B, Sq | 1, capacity) uint8 (a row per query) is nonzero when given
+  keys where key_mask (B, Sq | 1, capacity) uint8 (a row per query, or one for all) is nonzero when given
   (contiguous caches; flashtx._small_q);
   returns (out, lse2) with lse2 in log2 units.
 - `flashtx::kvcache_check`: the index check on the device (triton_kernels/decode_check.py): a (1,)
@@ -141,8 +141,8 @@ class DecodeReference:
         qpos = end - Sq + torch.arange(Sq, device=dev)[None, :, None]  # (B, Sq, 1) bottom-right
         jj = j[None, None, :]
         vis = (jj >= start) & (jj < end)  # (B, Sq, cap)
-        if key_mask is not None:  # (B, cap) or (B, Sq | 1, cap), nonzero = visible
-            vis = vis & ((key_mask[:, None, :] if key_mask.dim() == 2 else key_mask) != 0)
+        if key_mask is not None:  # (B, Sq | 1, cap), nonzero = visible
+            vis = vis & (key_mask != 0)
         left, right = (int(x) for x in window)
         if causal:
             right = 0

@@ -16,10 +16,11 @@ the two compute the same thing: no autograd (the decode op has no backward), at 
 query mask, lengths, float bias or dropout (a key mask, softcap, ALiBi and windows are the decode kernel's too:
 transformers' padded batches pass a key mask and a top-left window (-1, Sk - Sq), the bottom-right causal mask;
 a bool attn_mask that broadcasts over heads, (B | 1, 1, Sq | 1, Sk | 1), is a key mask, a row per query when it
-differs by query: transformers' static-cache steps pass one, (B, 1, Sq, max_len)), causal bottom-right aligned, windows either way where the bounds
-translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit last strides, q laid out
-(B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views: attention's output keeps q's memory
-order, the decode kernels write (B, Sq, Hq, Dv)), and the attention dispatch choosing Triton's kernels. Under
+differs by query: transformers' static-cache steps pass one, (B, 1, Sq, max_len)), causal bottom-right aligned,
+windows either way where the bounds translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit
+last strides, q laid out (B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views: attention's
+output keeps q's memory order, the decode kernels write (B, Sq, Hq, Dv)), and the attention dispatch choosing
+Triton's kernels. Under
 torch.compile a growing K/V (dynamic Sk) compiles once without a window or with transformers' (-1, Sk - Sq): the
 guard Sk > Sq stays true as it grows. A top-left window with a fixed bound shifts by Sk - Sq, which would
 pin Sk (the decode launcher takes int bounds: a graph per step), so with a symbolic Sk those run the training

@@ -281,9 +281,10 @@ def cases() -> dict:
                                                                 for _ in range(2)), left_pad[:, None, None]], False),
         # 4 queries with a mask row each (a static cache's step with 4 new tokens, a speculative tree), q laid out
         # (B, Sq, H, D) as transformers' views
-        "attention-decode-tree": (attention_decode_static, [torch.randn(2, 4, 8, 64, dtype=torch.float16).transpose(1, 2),
-                                                            *(torch.randn(2, 2, 100, 64, dtype=torch.float16)
-                                                              for _ in range(2)), torch.rand(2, 1, 4, 100) < 0.8], False),
+        "attention-decode-tree": (attention_decode_static,
+                                  [torch.randn(2, 4, 8, 64, dtype=torch.float16).transpose(1, 2),
+                                   *(torch.randn(2, 2, 100, 64, dtype=torch.float16) for _ in range(2)),
+                                   torch.rand(2, 1, 4, 100) < 0.8], False),
         "varlen": (varlen, [*qkv(64, 4, 64), torch.tensor([0, 40, 64], dtype=torch.int32)], True),
         "dropout": (dropout, qkv(2, 4, 64, 64), True),
         "attn-probs": (probs, qkv(2, 64, 4, 64), True),

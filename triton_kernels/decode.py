@@ -399,8 +399,8 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
     None: every sequence's keys are the cache's first snew positions (attention over a whole K/V tensor);
     leftpad/batch_idx/block_table/alibi: optional. out (B, Sq, Hq, Dv), lse2 (B, Hq, Sq) in log2 units.
     partials: (o (S, B, Sq, Hq, Dv), lse (S, B, Hq, Sq)) in the accumulator dtype for S = split_count(...) > 1
-    splits, or None to allocate them. key_mask: (B, capacity) or (B, Sq | 1, capacity) uint8 (a bool mask's view),
-    nonzero = visible (to every query, or to query i: row i), or None (contiguous caches only: indexed by position).
+    splits, or None to allocate them. key_mask: (B, Sq | 1, capacity) uint8 (a bool mask's view), nonzero = visible
+    (to query i: row i, or to every query: one row), or None (contiguous caches only: indexed by position).
     """
     B, Sq, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
@@ -424,8 +424,8 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
         o_dst, l_dst = out, lse2
         o_st, l_st = (0, *out.stride()), (0, *lse2.stride())
     dummy = seqlens if seqlens is not None else q  # never read (its flag is off)
-    # a key mask's query stride: 0 for one row for every query (2-D, or a row broadcast over the queries)
-    km_query = key_mask.stride(1) if key_mask is not None and key_mask.dim() == 3 and key_mask.shape[1] > 1 else 0
+    # a key mask's query stride: 0 for one row for every query (or a row broadcast over the queries)
+    km_query = key_mask.stride(1) if key_mask is not None and key_mask.shape[1] > 1 else 0
     sc_hi, sc_lo = split_f32(scale * LOG2E)
     cap_hi, cap_lo = split_f32(float(softcap) * LOG2E)
     l2_hi, l2_lo = split_f32(LOG2E)
@@ -441,7 +441,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                 stride_btb=block_table.stride(0) if paged else 0,
                 stride_alb=alibi.stride(0) if alibi is not None and alibi.shape[0] > 1 else 0,
                 stride_kmb=key_mask.stride(0) if key_mask is not None else 0, stride_kmm=km_query,
-                stride_kmn=key_mask.stride(-1) if key_mask is not None else 0,
+                stride_kmn=key_mask.stride(2) if key_mask is not None else 0,
                 Sq=Sq, SNEW=snew, GROUP=group, M_TILES=m_tiles, NUM_SPLITS=num_splits, D=D, DV=DV,
                 PAGE=k_cache.shape[1] if paged else 1, right=(0 if causal else right) if has_right else 0,
                 left=max(left, 0), qk_scale_hi=sc_hi, qk_scale_lo=sc_lo, softcap_hi=cap_hi, softcap_lo=cap_lo,
@@ -552,14 +552,14 @@ def compile_plans(target) -> list:
                         plans.append((f"decode_combine D={d} {str(dtype)[6:]} Sq={sq}", launches[1]))
                 if group > 1 and not paged:  # without lengths: attention over a whole K/V (flashtx._small_q), with
                     # and without a key mask (transformers' padded batches: and a window's right bound)
-                    for km in (None, torch.empty(B, S, dtype=torch.uint8)):
+                    for km in (None, torch.empty(B, 1, S, dtype=torch.uint8)):
                         launches = plan_decode(q, kc, vc, out, lse, None, None, None, None, None, scale=d ** -0.5,
                                                causal=False, window=(-1, -1) if km is None else (-1, 0), num_splits=4,
                                                snew=S, target=target, key_mask=km)
                         plans.append((f"{name} no-lengths{'' if km is None else ' key-mask'} splits=4", launches[0]))
                     q4, o4 = (torch.empty(B, 4, Hkv * group, d, dtype=dtype) for _ in range(2))  # a mask per query
-                    launches = plan_decode(q4, kc, vc, o4, torch.empty(B, Hkv * group, 4), None, None, None, None, None,
-                                           scale=d ** -0.5, causal=False, num_splits=4, snew=S, target=target,
+                    launches = plan_decode(q4, kc, vc, o4, torch.empty(B, Hkv * group, 4), None, None, None, None,
+                                           None, scale=d ** -0.5, causal=False, num_splits=4, snew=S, target=target,
                                            key_mask=torch.empty(B, 4, S, dtype=torch.uint8))
                     plans.append((name.replace(f"Sq={sq}", "Sq=4") + " no-lengths query-mask splits=4", launches[0]))
             cos = torch.empty(S, d // 4, dtype=torch.float32)
