@@ -6,6 +6,8 @@ import numbers
 
 import torch
 
+from .triton_kernels.limits import MAX_SEQ
+
 ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ALLOWED = "float16, bfloat16, float32 (float64 for tests)"
 
@@ -102,7 +104,8 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 def check_window(name: str, window) -> tuple[int, int]:
-    """(left, right) ints >= -1, as flash-attn's window_size."""
+    """(left, right) ints >= -1, as flash-attn's window_size; a bound >= MAX_SEQ (2**30, longer than any
+    sequence the kernels take) becomes -1, which it equals: the kernels add bounds to positions in int32."""
     try:
         left, right = window
     except (TypeError, ValueError):
@@ -110,7 +113,7 @@ def check_window(name: str, window) -> tuple[int, int]:
     for x in (left, right):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < -1:
             raise ValueError(f"{name} must be a pair (left, right) of ints >= -1 (-1 = unbounded); got {window!r}")
-    return int(left), int(right)
+    return (-1 if left >= MAX_SEQ else int(left)), (-1 if right >= MAX_SEQ else int(right))
 
 
 def check_seq_mask(name: str, m, batch: int, seqlen: int, q) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ from torch import Tensor
 from . import _decode_op, _env
 from ._library import call
 from .backends import triton_device_reasons
+from .triton_kernels.limits import MAX_SEQ
 from ._validate import (_values_readable, check_alibi, check_softcap, check_tensor, check_window, has_internal_overlap,
                         resolve_scale, views_overlap)
 
@@ -168,6 +169,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_batch_idx is None and k_cache.shape[0] != B:
             raise ValueError(f"k_cache's batch ({k_cache.shape[0]}) must equal q's ({B}) unless cache_batch_idx "
                              "picks the rows")
+    if capacity > MAX_SEQ:
+        raise ValueError(f"the cache holds {capacity} positions per sequence; the kernels take at most {MAX_SEQ}")
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None:
             raise ValueError("pass rotary_cos and rotary_sin together (or neither)")

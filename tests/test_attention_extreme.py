@@ -100,3 +100,70 @@ def test_probs_and_eager_reference_of_tied_rows_are_uniform(backend):
     ref = flashtx.reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias=_bias(-1e9, False))
     torch.testing.assert_close(ref[:, :, 3:7], v.transpose(1, 2).mean(2, keepdim=True).expand(B, H, 4, D),
                                atol=2e-6, rtol=1e-5)
+
+
+
+# Window bounds near and past int32 (audit of 2026-12-02): the kernels add bounds to positions in int32,
+# so (0, 2**31 - 1) wrapped to zeros, (2**31 - 1, 0) gave a wrong dK/dV, Sq > Sk with (2**31 - 1, -1)
+# looped over ~2**31 keys, and 2**64 raised Triton's OverflowError. A bound >= MAX_SEQ is unbounded.
+HUGE = [2**31 - 1, 2**31 + 5, 2**64]
+EDGE_WINDOWS = [(0, h) for h in HUGE] + [(h, 0) for h in HUGE] + [(h, -1) for h in HUGE] + [(-1, h) for h in HUGE] \
+    + [(2**30 - 1, 3), (5, 2**30 - 1), (2**30, 2**30)]
+
+
+def _meaning(w):
+    """w with each bound that reaches past these short sequences as -1 (what it means)."""
+    return tuple(-1 if x >= 64 else x for x in w)
+
+
+@pytest.mark.parametrize("window", EDGE_WINDOWS, ids=str)
+@pytest.mark.parametrize("sq,sk", [(SQ, SK), (SK, SQ)], ids=["sq<sk", "sq>sk"])
+def test_window_bounds_past_int32_mean_unbounded(window, sq, sk):
+    """flash_attn_func (bottom-right) forward and backward, against the reference with the bounds' meaning."""
+    q, k, v = (randn(1, s, H, D, requires_grad=True) for s in (sq, sk, sk))  # (B, S, H, D)
+    out = flashtx.flash_attn_func(q, k, v, window_size=window, backend="triton")
+    r64 = tuple(t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = flashtx.flash_attn_func(*r64, window_size=_meaning(window), backend="reference")
+    torch.testing.assert_close(out.double(), ref.detach(), atol=2e-6, rtol=1e-5)
+    do = randn(1, sq, H, D)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, r64, do.double())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("window", [(0, 2**31 - 1), (-1, 2**31 + 5), (2**31 - 1, -1), (2**64, 2**64)], ids=str)
+@pytest.mark.parametrize("sq", [1, 3, SK + 2], ids=lambda n: f"sq{n}")
+def test_top_left_window_bounds_past_int32_without_grad(window, sq):
+    """flashtx.attention (top-left) without grad: a few queries take the split-KV decode kernels, whose
+    shifted bounds (right - (Sk - Sq)) wrapped back into range; more queries the training forward."""
+    q, k, v = (randn(2, H, s, D) for s in (sq, SK, SK))
+    with torch.no_grad():
+        out = flashtx.attention(q, k, v, window_size=window, backend="triton")
+    ref = flashtx.attention(q.double(), k.double(), v.double(), window_size=_meaning(window), backend="reference")
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [(-1, 2**31 - 1), (2**31 - 1, 2**31 - 1), (2**40, 0)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_kvcache_window_bounds_past_int32(window, causal):
+    """flash_attn_with_kvcache: (-1, 2**31 - 1) over 8 cached keys returned zeros with lse -inf."""
+    kc, vc = (randn(2, 32, H, D) for _ in range(2))
+    q = randn(2, 3, H, D)
+    lens = torch.tensor([8, 20], dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():
+        out, lse = flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, window_size=window, causal=causal,
+                                                   return_softmax_lse=True)
+        ref, ref_lse = flashtx.flash_attn_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=lens,
+                                                       window_size=_meaning(window), causal=causal,
+                                                       return_softmax_lse=True, backend="reference")
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=1e-5)
+
+
+def test_window_bound_at_max_seq_is_unbounded():
+    from flashtx._validate import check_window
+    from flashtx.triton_kernels.limits import MAX_SEQ
+
+    assert check_window("w", (MAX_SEQ, MAX_SEQ - 1)) == (-1, MAX_SEQ - 1)
+    assert check_window("w", (2**64, 7)) == (-1, 7)

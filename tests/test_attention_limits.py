@@ -14,7 +14,7 @@ import flashtx
 from flashtx import reference
 from flashtx._dispatch import clear_plans
 from flashtx.triton_kernels import launch
-from flashtx.triton_kernels.limits import INT32_MAX, MAX_GRID_YZ, LimitExceeded, check_limits, within_limits
+from flashtx.triton_kernels.limits import INT32_MAX, MAX_GRID_YZ, MAX_SEQ, LimitExceeded, check_limits, within_limits
 
 from conftest import DEVICE, ON_GPU, randn
 
@@ -42,6 +42,21 @@ def test_within_limits_reads_grid_and_offsets():
     assert not within_limits(ok, ok, ok, None, torch.zeros(MAX_GRID_YZ + 2, dtype=torch.int32))
     with pytest.raises(LimitExceeded, match="limits"):
         check_limits(wide, ok, ok, None, None)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_sequences_past_max_seq_are_refused(grad):
+    """Window bounds >= MAX_SEQ mean unbounded (check_window), which holds only for sequences of at most MAX_SEQ
+    positions: longer ones (a stride-0 view costs no memory) are refused, by the training forward's limits and the
+    small-query route (no grad: it would run the decode kernels), and by flash_attn_with_kvcache."""
+    q = randn(1, 1, 2, 16, requires_grad=grad)
+    long = torch.randn(1, 1, 1, 16, device=DEVICE).expand(1, 1, MAX_SEQ + 1, 16)  # (B, H, S, D), stride 0
+    assert not within_limits(q, long, long, None, None) and within_limits(q, long[:, :, :MAX_SEQ], q, None, None)
+    with pytest.raises(flashtx.BackendNotSupported, match="int32-offset limits"):
+        flashtx.attention(q, long, long, backend="triton")
+    cache = long.transpose(1, 2)  # (B, S, H, D)
+    with pytest.raises(ValueError, match=f"the kernels take at most {MAX_SEQ}"):
+        flashtx.flash_attn_with_kvcache(q.detach().transpose(1, 2), cache, cache, cache_seqlens=3)
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU: the interpreter's Triton backend; a GPU run has the same path")

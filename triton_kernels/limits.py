@@ -11,6 +11,10 @@ from __future__ import annotations
 
 INT32_MAX = 2**31 - 1  # kernels index within a (batch, head) slice with int32 offsets
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put heads and batch
+# The longest sequence the kernels take (queries or keys, a decode cache's capacity). Window bounds are
+# int32 in the kernels, added to positions: a bound at or past MAX_SEQ sees every key of such a sequence,
+# so the host takes it as -1 (unbounded, flashtx._validate.check_window) and the sums stay below 2**31.
+MAX_SEQ = 2**30
 
 
 class LimitExceeded(RuntimeError):
@@ -44,6 +48,8 @@ def within_limits(q, k, v, bias, cu_seqlens_q) -> bool:
         return False
     if seq_span(q) > INT32_MAX or seq_span(k) > INT32_MAX or seq_span(v) > INT32_MAX:
         return False  # strides are never negative; a stride of 0 spans nothing
+    if qs[2] > MAX_SEQ or k.shape[2] > MAX_SEQ:
+        return False  # (a stride-0 view can be that long: window bounds would reach 2**31)
     return bias is None or mask_span(bias) <= INT32_MAX
 
 
