@@ -7,7 +7,7 @@ import torch._dynamo
 from conftest import DEVICE, ON_GPU, randn
 from torch._dynamo.testing import CompileCounter
 
-from flashtx.nn import MultiheadAttention, PagedKVCache, RotaryEmbedding, TransformerBlock
+from flashtx.nn import KVCache, MultiheadAttention, PagedKVCache, RotaryEmbedding, TransformerBlock
 
 E, H, HKV = 32, 4, 2
 
@@ -385,3 +385,90 @@ def test_a_cache_of_another_dtype_than_the_step_is_refused_by_name(kind):
                                                           r"new_cache\(..., dtype=torch.float16\)"):
         with torch.autocast(DEVICE, dtype=torch.float16):
             layer(x, memory=randn(2, 5, E) if cross else None, cache=cache)
+
+
+def _cache_state(cache) -> tuple:
+    """Everything a cached call's bookkeeping changes, as plain values."""
+    if isinstance(cache, PagedKVCache):
+        return (cache.seqlens.tolist(), cache.leftpad.tolist(), cache.block_table.tolist(), list(cache._free),
+                [list(p) for p in cache._pages], None if cache._host_lens is None else list(cache._host_lens))
+    return (int(cache.length), cache.leftpad.tolist(), cache.key_mask.tolist(), cache.padded, cache.holes,
+            cache._host_length)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("S", [1, 3, 20], ids=lambda s: f"S{s}")  # 20 > DECODE_MAX_S: the prefill path
+def test_a_call_that_fails_after_the_bookkeeping_leaves_the_cache_as_it_was(paged, S, monkeypatch):
+    """Audit of 2026-12-02: the caches advanced lengths, leftpad, the stored mask and pages before the attention
+    call raised, so the next call hid a real token (off by 0.65 from a fresh cache). Now a failed call is undone;
+    the retry matches a cache that never saw it. The failure is raised where the attention runs (a stand-in for
+    any refusal there: a backend, a device, autograd)."""
+    torch.manual_seed(0)
+    layer = MultiheadAttention(E, H, HKV, causal=True, rotary=RotaryEmbedding(8), dtype=torch.float64).to(DEVICE)
+    layer.eval()
+    x = randn(2, 4 + S, E, dtype=torch.float64)
+    prompt_mask = torch.tensor([[False, True, True, True], [True] * 4], device=DEVICE)  # left padding
+    step_mask = torch.ones(2, S, dtype=torch.bool, device=DEVICE)  # a contiguous cache stores it (padded)
+    if paged and S > 1:
+        step_mask[1, -1] = False  # trailing padding: sequence 1 keeps S - 1 tokens
+    import flashtx.nn.attention as nn_attention
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("refused")
+
+    caches = [layer.new_cache(2, max_len=64, paged=paged, **(dict(page_size=16) if paged else {})) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            layer(x[:, :4], key_mask=prompt_mask, cache=cache)
+        before = _cache_state(caches[0])
+        name = "flash_attn_with_kvcache" if paged or S <= 16 else "flash_attn_func"  # the path this call takes
+        with monkeypatch.context() as m, pytest.raises(RuntimeError, match="refused"):
+            m.setattr(nn_attention, name, fail)
+            layer(x[:, 4:], key_mask=step_mask, cache=caches[0])
+        assert _cache_state(caches[0]) == before
+        got, want = (layer(x[:, 4:], key_mask=step_mask, cache=c) for c in caches)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert _cache_state(caches[0]) == _cache_state(caches[1])
+
+
+def test_paged_layer_with_grad_is_refused_and_the_retry_is_right():
+    """The audit's repro: a paged cache used with grad enabled raised "inference-only" but kept the call's leftpad,
+    and the retry under no_grad hid a real token."""
+    torch.manual_seed(0)
+    layer = MultiheadAttention(E, H, HKV, causal=True, dtype=torch.float64).to(DEVICE).eval()
+    x = randn(2, 3, E, dtype=torch.float64)
+    mask = torch.tensor([[False, True, True], [True] * 3], device=DEVICE)
+    cache, fresh = (layer.new_cache(2, max_len=32, paged=True) for _ in range(2))
+    with pytest.raises(RuntimeError, match="inference-only"):
+        layer(x, key_mask=mask, cache=cache)
+    assert _cache_state(cache) == _cache_state(fresh)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, key_mask=mask, cache=cache), layer(x, key_mask=mask, cache=fresh),
+                                   atol=0, rtol=0)
+
+
+def test_paged_claim_checks_every_sequence_before_changing_any():
+    """A refusal on a later sequence ("full", "out of pages") used to leave the earlier ones with new pages and
+    host lengths ahead of seqlens."""
+    cache = PagedKVCache(2, 1, 8, num_pages=3, page_size=16, max_pages_per_seq=2)
+    cache.allocate(1, 20)  # sequence 1: two pages, sequence 0 none; one page free
+    cache._host_lens = [0, 20]
+    state = _cache_state(cache)
+    with pytest.raises(ValueError, match="PagedKVCache is full: sequence 1 holds 20 of max_len=32"):
+        cache._claim(13)
+    assert _cache_state(cache) == state
+    cache._host_lens = [16, 0]  # sequence 0 needs 2 pages for 16 + 5 tokens, the pool holds 1
+    state = _cache_state(cache)
+    with pytest.raises(ValueError, match="out of pages: the batch needs 2 more for 5 tokens each, 1 are free"):
+        cache._claim(5)
+    assert _cache_state(cache) == state
+
+
+def test_kv_cache_append_with_a_bad_key_mask_counts_nothing():
+    cache = KVCache(2, 1, 8, 4)
+    k = torch.zeros(2, 1, 3, 4)
+    with pytest.raises(ValueError, match="key_mask must have shape"):
+        cache.append(k, k, key_mask=torch.ones(2, 2, dtype=torch.bool))
+    assert cache._host_length == 0
+    cache.append(k, k)
+    assert cache._host_length == 3 and int(cache.length) == 3

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from ..decode import flash_attn_with_kvcache
 from ..functional import attention, flash_attn_func
 from ..rotary import apply_rotary_qk
-from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int
+from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int, _host_readable
 from .rotary import RotaryEmbedding
 
 def _check_cache_dtype(cache, q: Tensor) -> None:
@@ -228,7 +228,20 @@ class MultiheadAttention(nn.Module):
                          is_causal=self.causal, enable_gqa=True, key_mask=key_mask, backend=self.backend)
 
     def _self_cached(self, q, k, v, key_mask, cache) -> Tensor:
-        """Append k, v at the cache's length, attend bottom-right over the filled part -> (B, Hq, S, D)."""
+        """Append k, v at the cache's length, attend bottom-right over the filled part -> (B, Hq, S, D). All or
+        nothing in eager mode: a call that raises leaves the cache as it was (its lengths, leftpad, pages and
+        mask), so a retried call sees no trace of it. A traced or captured step cannot be undone this way."""
+        if not _host_readable():
+            return self._cached_step(q, k, v, key_mask, cache)
+        mark = cache._mark(key_mask is not None)
+        try:
+            return self._cached_step(q, k, v, key_mask, cache)
+        except BaseException:
+            cache._undo(mark, q.shape[1])
+            raise
+
+    def _cached_step(self, q, k, v, key_mask, cache) -> Tensor:
+        """_self_cached's work: the cache's bookkeeping, then the attention; the lengths advance last."""
         if not self.causal:
             raise ValueError("a KV cache needs causal=True self-attention: earlier tokens cannot see later ones")
         _check_cache_dtype(cache, q)
@@ -269,12 +282,12 @@ class MultiheadAttention(nn.Module):
         idx = cache.length + torch.arange(S, device=q.device)  # (S,) positions (KVCache.append, checked above)
         cache.k.index_copy_(2, idx, k.transpose(1, 2))
         cache.v.index_copy_(2, idx, v.transpose(1, 2))
-        cache.length.add_(S)
-        kv_lens = cache.length.expand(B).contiguous()  # (B,) filled positions, including the new ones
+        kv_lens = (cache.length + S).expand(B).contiguous()  # (B,) filled positions, including the new ones
         q_lens = torch.full((B,), S, dtype=torch.int64, device=q.device)
         out = flash_attn_func(q, cache.k.transpose(1, 2), cache.v.transpose(1, 2), causal=True,
                               key_mask=cache.key_mask if cache.padded else None, kv_lens=kv_lens, q_lens=q_lens,
                               backend=self.backend)  # (B, S, Hq, D), bottom-right per sequence
+        cache.length.add_(S)
         return out.transpose(1, 2)
 
     def _cross(self, x, memory, key_mask, attn_mask, cache, p) -> Tensor:

@@ -150,12 +150,26 @@ class KVCache:
             if tuple(t.shape) != want or t.dtype != buf.dtype or t.device != buf.device:
                 raise ValueError(f"KVCache.append: {name} must be {want} (B, Hkv, S, D), {buf.dtype} on {buf.device}; "
                                  f"got {tuple(t.shape)}, {t.dtype} on {t.device}")
+        _check_mask("key_mask", key_mask, self.batch_size, S, self.k.device)  # before _claim counts the tokens
         self._claim(S)
         self._store_mask(key_mask, S)
         idx = self.length + torch.arange(S, device=self.k.device)  # (S,) positions
         self.k.index_copy_(2, idx, k)
         self.v.index_copy_(2, idx, v)
         self.length.add_(S)
+
+    def _mark(self, masked: bool) -> tuple:
+        """What a call's bookkeeping (_claim, _store_mask) changes, before it: for _undo if the call fails.
+        Eager only (flashtx.nn.attention); the leftpad copy only when the call has a key mask."""
+        return self._host_length, self.padded, self.holes, self.leftpad.clone() if masked else None
+
+    def _undo(self, mark: tuple, S: int) -> None:
+        """Put back what _mark saw, after a failed call of S tokens (`length` advances only on success):
+        positions past `length` hold True again, as since reset()."""
+        self._host_length, self.padded, self.holes, leftpad = mark
+        if leftpad is not None:
+            self.leftpad.copy_(leftpad)
+            self.key_mask.index_fill_(1, self.length + torch.arange(S, device=self.k.device), True)
 
     def _store_mask(self, key_mask: Tensor | None, S: int) -> None:
         """Store the key mask (B, S) of S tokens about to be written at [length, length + S) and
@@ -332,12 +346,39 @@ class PagedKVCache:
             return
         if self._host_lens is None:
             return  # lengths were advanced by a compiled step: the device asserts check the pages
+        need = 0  # every sequence is checked before any is changed: a refusal leaves the cache as it was
+        for b, n in enumerate(self._host_lens):
+            if n + S > self.max_len:
+                raise ValueError(f"PagedKVCache is full: sequence {b} holds {n} of max_len={self.max_len} positions "
+                                 f"and {S} more were given")
+            need += max(0, -(-(n + S) // self.page_size) - len(self._pages[b]))
+        if need > len(self._free):
+            raise ValueError(f"PagedKVCache is out of pages: the batch needs {need} more for {S} tokens each, "
+                             f"{len(self._free)} are free; free finished sequences or create more pages")
         for b in range(self.batch_size):
-            if self._host_lens[b] + S > self.max_len:
-                raise ValueError(f"PagedKVCache is full: sequence {b} holds {self._host_lens[b]} of max_len="
-                                 f"{self.max_len} positions and {S} more were given")
             self.allocate(b, self._host_lens[b] + S)
             self._host_lens[b] += S if keep is None else keep[b]
+
+    def _mark(self, masked: bool) -> tuple:
+        """What a call's bookkeeping (_take) changes, before it: for _undo if the call fails. Eager only
+        (flashtx.nn.attention); the leftpad copy only when the call has a key mask."""
+        lens = None if self._host_lens is None else list(self._host_lens)
+        return lens, [len(p) for p in self._pages], self.leftpad.clone() if masked else None
+
+    def _undo(self, mark: tuple, S: int) -> None:
+        """Put back what _mark saw, after a failed call (`seqlens` advances only on success): the pages the
+        call was given go back to the pool."""
+        lens, counts, leftpad = mark
+        for b in reversed(range(len(counts))):  # last given, first back: the pool's order as before
+            n = counts[b]
+            extra = self._pages[b][n:]
+            if extra:
+                self._free.extend(reversed(extra))
+                del self._pages[b][n:]
+                self.block_table[b, n:n + len(extra)] = -1
+        self._host_lens = lens
+        if leftpad is not None:
+            self.leftpad.copy_(leftpad)
 
     def _take(self, key_mask: Tensor | None, S: int) -> Tensor | None:
         """Before a call of S tokens: allocate pages and move leftpad past new leading padding; returns
