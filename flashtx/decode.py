@@ -19,14 +19,16 @@ LN2 = math.log(2.0)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _check_index(name: str, t, shape: tuple, q: Tensor) -> Tensor | None:
+def _check_index(name: str, t, shape: tuple, q: Tensor, doc: str = "") -> Tensor | None:
+    """t: None, or an int32/int64 tensor of `shape` (-1: any size) on q's device; doc names the dims."""
     if t is None:
         return None
+    want = doc + " = " + str(shape).replace("-1", "any") if doc else str(shape)
     if not isinstance(t, Tensor) or t.dtype not in _INDEX_DTYPES:
         got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
-        raise TypeError(f"{name} must be an int32 tensor of shape {shape}; got {got}")
-    if t.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
+        raise TypeError(f"{name} must be an int32 (or int64) tensor of shape {want}; got {got}")
+    if t.dim() != len(shape) or any(n != w and w != -1 for n, w in zip(t.shape, shape)):
+        raise ValueError(f"{name} must have shape {want}; got {tuple(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
     return t.contiguous()  # the kernels index it flat: a strided view would be read past its values
@@ -138,6 +140,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_like("k_cache", k_cache, 4, q, layout)
     _check_like("v_cache", v_cache, 4, q, layout)
     B, Sq, Hq, D = q.shape
+    if D == 0 or v_cache.shape[3] == 0:
+        raise ValueError(f"q, k_cache and v_cache need a head dim >= 1; got {D} and {v_cache.shape[3]}")
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != D:
         raise ValueError(f"k_cache must be {layout} with D = q's {D} and v_cache must match its first three dims; "
                          f"got k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
@@ -155,8 +159,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"k and v must be (B, Snew, Hkv, D) = ({B}, Snew, {Hkv}, {D}) and (..., {Dv}); "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
     if paged:
-        block_table = _check_index("block_table", block_table, (B, block_table.shape[-1] if isinstance(
-            block_table, Tensor) and block_table.dim() == 2 else -1), q)
+        block_table = _check_index("block_table", block_table, (B, -1), q, "(B, max_pages_per_seq)")
         page = k_cache.shape[1]
         if page % 16 or page == 0:
             raise ValueError(f"the paged cache's page size (k_cache.shape[1]) must be a multiple of 16; got {page}")
@@ -318,12 +321,13 @@ def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Sne
             f"block_table[{_first_bad(ok.all(1))}, {int((~ok[_first_bad(ok.all(1))]).nonzero()[0])}] = "
             f"{int(bt[_first_bad(ok.all(1))][(~ok[_first_bad(ok.all(1))]).nonzero()[0]])} is not a page index in "
             f"[0, {k_cache.shape[0]}) (num_pages = k_cache.shape[0])"), "block_table")
-        if Snew and readable and lens.numel() > 1:  # host-only (CPU tensors): the GPU's caller must ensure it
+        if Snew and readable:  # host-only (CPU tensors): the GPU's caller must ensure it
             pos = lens[:, None] + torch.arange(Snew, device=lens.device)[None, :]  # (B, Snew) appended positions
             slot = bt.gather(1, pos // page) * page + pos % page  # their physical rows in the page pool
             if slot.unique().numel() != slot.numel():
-                raise ValueError("block_table: two sequences append k, v to the same page row (a page they share "
-                                 "must not receive new tokens); give each sequence its own page for its new tokens")
+                raise ValueError("block_table: two new tokens would be appended to the same page row (a page that "
+                                 "two sequences share, or that one sequence lists twice, must not receive new "
+                                 "tokens); give each sequence its own pages for its new tokens")
     if cos is not None:
         top = torch.maximum(end - 1, lens + (q.shape[1] - 1 if q_moves else 0))  # the last position rotated
         _check_values(top < cos.shape[0], readable,

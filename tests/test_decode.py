@@ -223,6 +223,11 @@ def _args(B=2, page=16):
     (lambda a: a.update(rotary_cos=torch.ones(5, 4), rotary_sin=torch.ones(5, 4)), ValueError,
      "rotary_cos/rotary_sin have 5 positions"),
     (lambda a: a.update(num_splits=-1), ValueError, "num_splits"),
+    (lambda a: a.update(block_table=a["block_table"][0]), ValueError,
+     r"block_table must have shape \(B, max_pages_per_seq\) = \(2, any\); got \(4,\)"),
+    (lambda a: a.update(block_table=a["block_table"].short()), TypeError, r"block_table must be an int32 \(or int64\)"),
+    (lambda a: a.update(q=a["q"][..., :0], k_cache=a["k_cache"][..., :0], k=a["k"][..., :0]), ValueError,
+     "head dim >= 1; got 0"),
 ])
 def test_bad_input_names_the_argument(change, error, match):
     a = _args()
@@ -232,6 +237,18 @@ def test_bad_input_names_the_argument(change, error, match):
         flashtx.flash_attn_with_kvcache(**a)
     if a["k_cache"].device.type != "meta":
         assert torch.equal(a["k_cache"], kc0), "a refused call must not write"
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_a_page_listed_twice_cannot_receive_two_new_tokens_in_one_row(B):
+    """Host-side (CPU tensors; a GPU caller must ensure it): a sequence whose block table lists one page twice
+    would append two tokens to one row; refused for one sequence too (it was checked only when B > 1)."""
+    a = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in _args(B=B).items()}
+    a["block_table"][0, 1] = a["block_table"][0, 0]
+    a.update(cache_seqlens=torch.zeros(B, dtype=torch.int32), k=a["k"].expand(B, 17, 2, 16),
+             v=a["v"].expand(B, 17, 2, 16))  # positions 0..16 of sequence 0: rows 0..15 of the page, then row 0
+    with pytest.raises(ValueError, match="two new tokens would be appended to the same page row"):
+        flashtx.flash_attn_with_kvcache(**a)
 
 
 def test_contiguous_errors():

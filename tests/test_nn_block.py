@@ -127,3 +127,12 @@ def test_rms_norm(dtype):
         norm(randn(2, 16))
     with pytest.raises(ValueError, match="dim must be an int >= 1"):
         RMSNorm(0)
+
+
+def test_a_bare_layer_cache_is_refused_by_name():
+    """A TransformerBlock takes the BlockCache of its new_cache; a bare KVCache gave an AttributeError."""
+    block = TransformerBlock(32, 4, 2, hidden_dim=48).eval()
+    cache = block.attn.new_cache(1, max_len=8)
+    with torch.no_grad(), pytest.raises(TypeError, match="cache must be a BlockCache from TransformerBlock.new_cache"
+                                                         ".*got KVCache"):
+        block(torch.randn(1, 2, 32), cache=cache)

@@ -114,6 +114,9 @@ class TransformerBlock(nn.Module):
         attn_mask: the self-attention's SDPA-style mask (see MultiheadAttention); not with a cache.
         cache: from ``new_cache``.
         """
+        if cache is not None and not isinstance(cache, BlockCache):
+            raise TypeError(f"cache must be a BlockCache from TransformerBlock.new_cache (it holds the self- and "
+                            f"cross-attention caches); got {type(cache).__name__}")
         if self.cross_attn is None and (memory is not None or memory_mask is not None):
             raise ValueError("memory/memory_mask given to a TransformerBlock built with cross=False")
         h = self.attn(self.attn_norm(x), key_mask=key_mask, attn_mask=attn_mask,
