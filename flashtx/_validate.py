@@ -103,6 +103,14 @@ SCALAR_MIN, SCALAR_MAX = 2.0 ** -100, 2.0 ** 100
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
+def check_flag(name: str, v) -> bool:
+    """A bool argument, as torch's bool parameters take it: SDPA raises a TypeError for is_causal="no" (truthy)
+    or 1, and so does this (a SymBool, a traced comparison of sizes, passes)."""
+    if type(v) is bool or isinstance(v, torch.SymBool):
+        return v
+    raise TypeError(f"{name} must be a bool; got {type(v).__name__} {v!r}")
+
+
 def check_window(name: str, window) -> tuple[int, int]:
     """(left, right) ints >= -1, as flash-attn's window_size; a bound >= MAX_SEQ (2**30, longer than any
     sequence the kernels take) becomes -1, which it equals: the kernels add bounds to positions in int32."""
@@ -257,12 +265,15 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name:
                              f"{longest} rows); it must be at least {longest}")
 
 
-def check_max_seqlen(name: str, m):
-    """An int >= 0 or a 0-dim integer tensor (checked on the device, never read on the host)."""
+def check_max_seqlen(name: str, m, device: torch.device):
+    """An int >= 0 or a 0-dim integer tensor on `device` or the CPU (checked on the device, never read on the
+    host)."""
     if isinstance(m, torch.Tensor):
         if m.dim() != 0 or m.is_floating_point() or m.is_complex() or m.dtype == torch.bool:
             raise TypeError(f"{name} must be an int or a 0-dim integer tensor; got a {m.dtype} tensor of shape "
                             f"{tuple(m.shape)}")
+        if m.device != device and m.device.type != "cpu":
+            raise ValueError(f"{name} must be on the inputs' device {device} (or the CPU); got {m.device}")
         return m
     if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
         raise ValueError(f"{name} must be an int >= 0 or a 0-dim integer tensor; got {m!r}")

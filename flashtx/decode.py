@@ -10,10 +10,10 @@ from torch import Tensor
 
 from . import _decode_op, _env
 from ._library import call
+from ._validate import (_values_readable, check_alibi, check_flag, check_softcap, check_tensor, check_window,
+                        has_internal_overlap, resolve_scale, views_overlap)
 from .backends import triton_device_reasons
 from .triton_kernels.limits import MAX_SEQ
-from ._validate import (_values_readable, check_alibi, check_softcap, check_tensor, check_window, has_internal_overlap,
-                        resolve_scale, views_overlap)
 
 LN2 = math.log(2.0)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -202,6 +202,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = _check_index("cache_seqlens", cache_seqlens, (B,), q)
     cache_batch_idx = _check_index("cache_batch_idx", cache_batch_idx, (B,), q)
     cache_leftpad = _check_index("cache_leftpad", cache_leftpad, (B,), q)
+    causal = check_flag("causal", causal)
     if type(window_size) is tuple and window_size == (-1, -1):  # the default, without the generic checks
         window = (-1, -1)
     else:

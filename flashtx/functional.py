@@ -24,6 +24,7 @@ regenerated in backward) and, in the flash shells, `return_attn_probs`.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -32,7 +33,7 @@ from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
 from ._library import call
 from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
                         check_cu_seqlens_values, check_dropout, check_lens, check_max_seqlen, check_qkv,
-                        check_seq_mask, check_softcap, check_tensor, check_window, resolve_scale)
+                        check_flag, check_seq_mask, check_softcap, check_tensor, check_window, resolve_scale)
 
 LN2 = math.log(2.0)
 _NO_WINDOW = (-1, -1)
@@ -187,7 +188,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     bias = None if attn_mask is None else check_attn_mask(
         "attn_mask", attn_mask, tuple(query.shape[:-3]), q.shape[1], q.shape[2], k.shape[2], q,
         lambda: f"query {tuple(query.shape)} and key {tuple(key.shape)}")
-    res = _run(q, k, v, scale=scale, causal=bool(is_causal), bottom_right=False, backend=backend,
+    res = _run(q, k, v, scale=scale, causal=check_flag("is_causal", is_causal), bottom_right=False, backend=backend,
                return_lse=return_lse, bias=bias,
                **_padding_masks(q.shape[0], q.shape[2], k.shape[2], q, window_size, key_mask, query_mask, q_lens,
                                 kv_lens),
@@ -292,7 +293,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     scale = resolve_scale("softmax_scale", softmax_scale, D)
     bias = None if attn_bias is None else check_attn_mask(
         "attn_bias", attn_bias, (B,), Hq, Sq, Sk, q, lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
-    res = _run(q, k, v, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
+    res = _run(q, k, v, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
                return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), bias=bias, bshd=True,
                **_padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens),
                **_score_mods(B, Hq, q, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
@@ -319,7 +320,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         dropout_p, softcap, alibi_slopes ((Hq,) or (nseq, Hq)), softmax_scale, deterministic,
             backend: as flash_attn_func, per sequence.
         return_attn_probs: also return (softmax_lse (Hq, total_q), probs (nseq, Hq, max_seqlen_q,
-            max_seqlen_k)), as flash-attn, for tests.
+            max_seqlen_k)), as flash-attn, for tests (tensor max_seqlens are then read: a host sync).
 
     Returns:
         out (total_q, Hq, Dv) in q's dtype (under torch.autocast the autocast dtype, as attention's).
@@ -342,16 +343,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cuq.shape != cuk.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences; got shapes "
                          f"{tuple(cuq.shape)} and {tuple(cuk.shape)}")
-    msq, msk = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    msq, msk = (check_max_seqlen("max_seqlen_q", max_seqlen_q, q.device),
+                check_max_seqlen("max_seqlen_k", max_seqlen_k, q.device))
     check_cu_seqlens_values("cu_seqlens_q", cuq, q.shape[0], "total_q (q.shape[0])", msq, "max_seqlen_q")
     check_cu_seqlens_values("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])", msk, "max_seqlen_k")
+    if return_attn_probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
+        msq, msk = int(msq), int(msk)
     # The kernels' grids span max_seqlen rows per sequence: bounded by the total (a larger bound only adds
     # empty programs); a 0-dim tensor max_seqlen (checked above, on the device) uses the total, so no
     # host sync and nothing data-dependent for torch.compile.
     msq = q.shape[0] if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
     msk = k.shape[0] if isinstance(msk, torch.Tensor) else min(msk, k.shape[0])
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
-    res = _run(q4, k4, v4, scale=scale, causal=bool(causal), bottom_right=True, backend=backend,
+    res = _run(q4, k4, v4, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
                return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs),
                window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
                max_seqlen_q=msq, max_seqlen_k=msk, bshd=True,
@@ -392,7 +396,26 @@ def unpad_input(hidden_states, attention_mask):
 
 def pad_input(hidden_states, indices, batch, seqlen):
     """flash-attn's ``bert_padding.pad_input``: packed (total, ...) -> padded (batch, seqlen, ...),
-    zeros at padding positions. Inverse of unpad_input; differentiable in hidden_states."""
+    zeros at padding positions. Inverse of unpad_input; differentiable in hidden_states.
+
+    hidden_states (total, ...); indices (total,) int64 into the flattened (batch * seqlen) positions (unpad_input's),
+    each in range (an out-of-range index raises on CPU, a device-side assert on a GPU, as torch's indexing)."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
+        got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        raise ValueError(f"hidden_states must be a (total, ...) tensor; got {got}")
+    for name, n in (("batch", batch), ("seqlen", seqlen)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0; got {n!r}")
+    total = hidden_states.shape[0]
+    if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int64, torch.int32) or \
+            tuple(indices.shape) != (total,):
+        got = f"{indices.dtype} of shape {tuple(indices.shape)}" if isinstance(indices, torch.Tensor) else \
+            type(indices).__name__
+        raise ValueError(f"indices must be a (total,) = ({total},) int64 tensor (unpad_input's); got {got}")
+    if indices.device != hidden_states.device:
+        raise ValueError(f"indices must be on hidden_states' device {hidden_states.device}; got {indices.device}")
+    if total > batch * seqlen:
+        raise ValueError(f"hidden_states holds {total} tokens, more than batch * seqlen = {batch} * {seqlen} positions")
     out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
     out = out.index_put((indices,), hidden_states)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])

@@ -88,6 +88,14 @@ ERROR_CASES = [
      r"query has layout torch.sparse_coo; allowed: torch.strided"),
     ("flash-sparse-k", lambda: flashtx.flash_attn_func(*(t.to_sparse() if i == 1 else t for i, t in enumerate(qkv()))),
      TypeError, r"k has layout torch.sparse_coo; allowed: torch.strided"),
+    # truthy non-bools ran causal; SDPA raises a TypeError (audit of 2026-12-02, F9)
+    ("is-causal-str", lambda: flashtx.attention(*qkv(), is_causal="no"), TypeError,
+     r"is_causal must be a bool; got str 'no'"),
+    ("is-causal-int", lambda: flashtx.attention(*qkv(), is_causal=1), TypeError, r"is_causal must be a bool; got int"),
+    ("causal-none", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()), causal=None), TypeError,
+     r"causal must be a bool; got NoneType"),
+    ("kvcache-causal", lambda: flashtx.flash_attn_with_kvcache(*(t.transpose(1, 2) for t in qkv()), causal="yes"),
+     TypeError, r"causal must be a bool; got str"),
     ("alibi-shape", lambda: flashtx.attention(*qkv(), alibi_slopes=torch.ones(3, device=DEVICE)),
      ValueError, r"alibi_slopes must have shape \(nheads,\) = \(4,\) or \(batch, nheads\) = \(2, 4\); got \(3,\)"),
 ]

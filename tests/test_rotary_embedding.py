@@ -1,5 +1,7 @@
 """flashtx.nn.RotaryEmbedding: fp32 tables against the formulas (including transformers' dynamic-NTK
 and Llama 3 rules, written out), growth on demand, and forward against apply_rotary(_qk)."""
+import math
+
 import pytest
 import torch
 from conftest import DEVICE, randn
@@ -137,7 +139,22 @@ RE_ERRORS = {
     "bad_max_seq_len": (dict(dim=8, max_seq_len=0), ValueError, "max_seq_len must be an int >= 1"),
     "scaling_not_dict": (dict(dim=8, scaling="linear"), TypeError, "scaling must be None or a dict"),
     "scaling_unknown": (dict(dim=8, scaling={"type": "yarn", "factor": 2.0}), ValueError, "scaling type must be"),
-    "scaling_factor": (dict(dim=8, scaling={"type": "linear", "factor": 0}), ValueError, "positive number"),
+    "scaling_factor": (dict(dim=8, scaling={"type": "linear", "factor": 0}), ValueError,
+                       "scaling factor must be a finite number > 0; got 0"),
+    "scaling_factor_inf": (dict(dim=8, scaling={"type": "linear", "factor": math.inf}), ValueError, "got inf"),
+    "scaling_factor_nan": (dict(dim=8, scaling={"type": "dynamic", "factor": math.nan}), ValueError, "got nan"),
+    # these divided by zero (ZeroDivisionError) or gave NaN frequencies (audit of 2026-12-02, F7)
+    "llama3_zero_low": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+                        ValueError, "llama3 scaling's low_freq_factor must be a finite number > 0; got 0"),
+    "llama3_zero_len": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 0}),
+                        ValueError, "original_max_position_embeddings must be a finite number > 0; got 0"),
+    "llama3_nan_high": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": math.nan, "original_max_position_embeddings": 8}),
+                        ValueError, "high_freq_factor must be a finite number > 0; got nan"),
+    "dynamic_zero_len": (dict(dim=8, scaling={"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 0}),
+                         ValueError, "original_max_position_embeddings must be an int >= 1; got 0"),
     "llama3_missing": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0}), ValueError, "missing"),
     "llama3_bands": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                                           "high_freq_factor": 1.0, "original_max_position_embeddings": 8}),
@@ -163,6 +180,23 @@ def test_rotary_embedding_call_errors():
         rope("q")
     with pytest.raises(ValueError, match=r"rotary_dim = 2 \* cos.shape\[-1\] = 8"):
         rope(randn(1, 3, 2, 6))  # head dim smaller than the rotary dim
+    # audit of 2026-12-02 (F5, F6): lists gave AttributeErrors, a negative offset named seq_len, and one huge
+    # position id allocated a table of that many rows (8 TB for 2**40)
+    q = randn(1, 3, 2, 8)
+    with pytest.raises(TypeError, match="position_ids must be None or an int tensor; got list"):
+        rope(q, position_ids=[[0, 1, 2]])
+    with pytest.raises(TypeError, match="cu_seqlens must be None or an int tensor; got list"):
+        rope(q[0], cu_seqlens=[0, 3])
+    with pytest.raises(ValueError, match="seqlen_offsets must be >= 0; got -5"):
+        rope(q, seqlen_offsets=-5)
+    with pytest.raises(TypeError, match="seqlen_offsets must be an int; got list"):
+        rope(q, seqlen_offsets=[1])
+    with pytest.raises(ValueError, match=r"position_ids reach position 1099511627776; RotaryEmbedding builds tables "
+                                         r"of at most 1073741824 positions"):
+        rope(q, position_ids=torch.tensor([[0, 1, 2**40]], device=DEVICE))
+    with pytest.raises(ValueError, match=r"the sequence length plus seqlen_offsets reach position 1073741826"):
+        rope(q, seqlen_offsets=2**30)
+    assert rope._cache is None or rope._cache[1] <= 2048  # nothing was built for them
 
 
 def test_tables_built_under_inference_mode_do_not_break_training():

@@ -75,7 +75,7 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
     if kwargs.get("output_attentions", False):
         warnings.warn("attn_implementation='ftx' never forms the attention weights: they are returned as None",
                       stacklevel=2)
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     Sq, Sk = query.shape[2], key.shape[2]
     common = dict(dropout_p=float(dropout), scale=scaling, enable_gqa=True)
     if not common["dropout_p"]:

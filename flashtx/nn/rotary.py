@@ -8,7 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from .._validate import check_tensor
-from ..rotary import apply_rotary, apply_rotary_qk
+from ..rotary import _check_int, apply_rotary, apply_rotary_qk
+from ..triton_kernels.limits import MAX_SEQ
 
 SCALING_TYPES = ("linear", "dynamic", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -26,12 +27,12 @@ def _parse_scaling(scaling, max_seq_len: int, dim: int) -> dict | None:
         return None
     if kind not in SCALING_TYPES:
         raise ValueError(f"scaling type must be one of {SCALING_TYPES} (or 'default'); got {kind!r}")
-    out = {"type": kind, "factor": scaling.get("factor")}
+    out = {"type": kind, "factor": _positive("scaling factor", scaling.get("factor"))}
     if kind == "llama3":
         missing = [k for k in _LLAMA3_KEYS if k not in scaling]
         if missing:
             raise ValueError(f"llama3 scaling needs {_LLAMA3_KEYS}; missing {missing}")
-        out.update({k: float(scaling[k]) for k in _LLAMA3_KEYS})
+        out.update({k: _positive(f"llama3 scaling's {k}", scaling[k]) for k in _LLAMA3_KEYS})
         if out["high_freq_factor"] <= out["low_freq_factor"]:
             raise ValueError(f"llama3 scaling needs high_freq_factor > low_freq_factor; got {scaling}")
     elif kind == "dynamic":
@@ -41,12 +42,18 @@ def _parse_scaling(scaling, max_seq_len: int, dim: int) -> dict | None:
         if dim <= 2:
             raise ValueError(f"dynamic (NTK) scaling needs dim (the rotary dim) > 2, as it raises the base to "
                              f"dim / (dim - 2); got dim={dim} (use 'linear' scaling, or none, for dim 2)")
-        out["original_max_position_embeddings"] = int(scaling.get("original_max_position_embeddings", max_seq_len))
-    f = out["factor"]
-    if isinstance(f, bool) or not isinstance(f, numbers.Real) or not f > 0:
-        raise ValueError(f"scaling factor must be a positive number; got {f!r}")
-    out["factor"] = float(f)
+        old = scaling.get("original_max_position_embeddings", max_seq_len)
+        if isinstance(old, bool) or not isinstance(old, numbers.Integral) or old < 1:
+            raise ValueError(f"dynamic scaling's original_max_position_embeddings must be an int >= 1; got {old!r}")
+        out["original_max_position_embeddings"] = int(old)
     return out
+
+
+def _positive(name: str, v) -> float:
+    """A finite number > 0 as a float (a zero or infinite factor divides by zero or gives NaN frequencies)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0; got {v!r}")
+    return float(v)
 
 
 def _llama3_inv_freq(inv_freq: Tensor, sc: dict) -> Tensor:
@@ -191,14 +198,26 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def _needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout) -> int:
+        """The table length the call's positions need (apply_rotary checks the arguments' shapes and values
+        further; their types are checked here, where they are first read)."""
+        for name, t in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens)):
+            if t is not None and not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be None or an int tensor; got {type(t).__name__}")
         if position_ids is not None:
             # at least 1 row: negative ids are out of range (NaN rows), not a reason for an empty table
-            return max(int(position_ids.max()) + 1, 1) if position_ids.numel() else 1
-        if cu_seqlens is not None:
-            seq = max_seqlen if max_seqlen is not None else (
-                int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0)
+            need, what = (max(int(position_ids.max()) + 1, 1) if position_ids.numel() else 1), "position_ids"
         else:
-            seq = q.shape[1] if layout == "bshd" else q.shape[2]
-        if isinstance(seqlen_offsets, Tensor):
-            return seq + (int(seqlen_offsets.max()) if seqlen_offsets.numel() else 0)
-        return seq + int(seqlen_offsets)
+            if cu_seqlens is not None:
+                seq = _check_int("max_seqlen", max_seqlen) if max_seqlen is not None else (
+                    int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0)
+            else:
+                seq = q.shape[1] if layout == "bshd" else q.shape[2]
+            if isinstance(seqlen_offsets, Tensor):
+                need = seq + (int(seqlen_offsets.max()) if seqlen_offsets.numel() else 0)
+            else:
+                need = seq + _check_int("seqlen_offsets", seqlen_offsets)
+            need, what = max(need, 0), "the sequence length plus seqlen_offsets"
+        if need > MAX_SEQ:
+            raise ValueError(f"{what} reach position {need - 1}; RotaryEmbedding builds tables of at most "
+                             f"{MAX_SEQ} positions")
+        return need
