@@ -108,11 +108,13 @@ def check_flag(name: str, v) -> bool:
     or 1, and so does this (a SymBool, a traced comparison of sizes, passes)."""
     if type(v) is bool or isinstance(v, torch.SymBool):
         return v
-    raise TypeError(f"{name} must be a bool; got {type(v).__name__} {v!r}")
+    t = type(v)
+    kind = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"  # numpy.bool
+    raise TypeError(f"{name} must be a bool; got {kind} {v!r}")
 
 
 def check_window(name: str, window) -> tuple[int, int]:
-    """(left, right) ints >= -1, as flash-attn's window_size; a bound >= MAX_SEQ (2**30, longer than any
+    """(left, right) ints >= -1, as flash-attn's window_size; a bound >= MAX_SEQ (2**29, longer than any
     sequence the kernels take) becomes -1, which it equals: the kernels add bounds to positions in int32."""
     try:
         left, right = window

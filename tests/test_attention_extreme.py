@@ -8,9 +8,12 @@ flashtx's documented 0 output and -inf lse.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import DEVICE, randn
 
 import flashtx
+from flashtx.triton_kernels.attention_common import kv_loop_bounds, q_loop_bounds, seq_bounds
 
 B, H, SQ, SK, D = 1, 2, 21, 37, 16
 BACKENDS = ["reference", "triton"]
@@ -108,7 +111,7 @@ def test_probs_and_eager_reference_of_tied_rows_are_uniform(backend):
 # looped over ~2**31 keys, and 2**64 raised Triton's OverflowError. A bound >= MAX_SEQ is unbounded.
 HUGE = [2**31 - 1, 2**31 + 5, 2**64]
 EDGE_WINDOWS = [(0, h) for h in HUGE] + [(h, 0) for h in HUGE] + [(h, -1) for h in HUGE] + [(-1, h) for h in HUGE] \
-    + [(2**30 - 1, 3), (5, 2**30 - 1), (2**30, 2**30)]
+    + [(2**29 - 1, 3), (5, 2**29 - 1), (2**29, 2**29)]
 
 
 def _meaning(w):
@@ -167,3 +170,61 @@ def test_window_bound_at_max_seq_is_unbounded():
 
     assert check_window("w", (MAX_SEQ, MAX_SEQ - 1)) == (-1, MAX_SEQ - 1)
     assert check_window("w", (2**64, 7)) == (-1, 7)
+
+
+@triton.jit
+def _bounds(OUT, Sq, Sk, bottom_right, right, left, m0, n0, BM: tl.constexpr, BN: tl.constexpr):
+    """The attention kernels' loop bounds for one tile pair: kv_loop_bounds' then q_loop_bounds' four values."""
+    _, _, Sq_b, Sk_b, _, _, cs, ws = seq_bounds(0, Sq, Sk, 0, 0, 0, 0, 0, 0, bottom_right, right, left, False, False)
+    a, b, c, d = kv_loop_bounds(m0, Sq_b, Sk_b, cs, ws, BM, BN, True, True, False)
+    e, f, g, h = q_loop_bounds(n0, Sq_b, Sk_b, cs, ws, BM, BN, True, True, False)
+    tl.store(OUT + 0, a)
+    tl.store(OUT + 1, b)
+    tl.store(OUT + 2, c)
+    tl.store(OUT + 3, d)
+    tl.store(OUT + 4, e)
+    tl.store(OUT + 5, f)
+    tl.store(OUT + 6, g)
+    tl.store(OUT + 7, h)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _exact_bounds(Sq, Sk, bottom_right, right, left, m0, n0, BM, BN):
+    """kv_loop_bounds and q_loop_bounds (CAUSAL and WINDOW, no key mask) in Python ints, which never wrap."""
+    align = (Sk - Sq) * bottom_right
+    cs, ws = align + right, align - left
+    last = min(m0 + BM, Sq) - 1
+    hi = min(Sk, max(last + 1 + cs, 0))
+    full = min(Sk, max(m0 + 1 + cs, 0))
+    lo = max(m0 + ws, 0) // BN * BN
+    full_lo = _cdiv(max(last + ws, 0), BN) * BN
+    hi = lo if last < m0 else max(hi, lo)
+    kv = (lo, full_lo, min(full // BN * BN, hi), hi)
+    qhi, free_hi = _cdiv(Sq, BM) * BM, Sq // BM * BM
+    qlo = max(n0 - cs, 0) // BM * BM
+    free_lo = _cdiv(max(n0 + BN - 1 - cs, qlo), BM) * BM
+    qhi = min(qhi, _cdiv(min(Sq, max(n0 + BN - ws, 0)), BM) * BM)
+    free_hi = min(free_hi, max(n0 - ws + 1, 0) // BM * BM)
+    free_hi = free_lo if n0 + BN > Sk else free_hi
+    qhi = 0 if n0 >= Sk else qhi
+    return kv + (min(qlo, qhi), free_lo, free_hi, qhi)
+
+
+@pytest.mark.parametrize("bottom_right", [0, 1], ids=["top-left", "bottom-right"])
+def test_loop_bounds_do_not_wrap_at_max_seq(bottom_right):
+    """The kernels' int32 loop bounds (seq_bounds, kv_loop_bounds, q_loop_bounds) at sequences of MAX_SEQ and
+    the largest bounds check_window keeps (MAX_SEQ - 1), against the same arithmetic in Python ints. At MAX_SEQ
+    = 2**30 the backward's n0 + BLOCK_N - window_shift wrapped (a key tile's dK/dV got no query)."""
+    from flashtx.triton_kernels.limits import MAX_SEQ
+
+    big, BM, BN = MAX_SEQ, 128, 128
+    for Sq, Sk in ((big, big), (big, 100), (100, big)):
+        for right, left in ((big - 1, big - 1), (0, big - 1), (big - 1, 0), (3, 5)):
+            for m0, n0 in ((0, 0), (Sq - Sq % BM or Sq - BM, Sk - Sk % BN or Sk - BN), (Sq // 2, 64)):
+                out = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+                _bounds[(1,)](out, Sq, Sk, bottom_right, right, left, m0, n0, BM=BM, BN=BN)
+                want = _exact_bounds(Sq, Sk, bottom_right, right, left, m0, n0, BM, BN)
+                assert out.tolist() == list(want), (Sq, Sk, right, left, m0, n0)

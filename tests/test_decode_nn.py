@@ -472,3 +472,34 @@ def test_kv_cache_append_with_a_bad_key_mask_counts_nothing():
     assert cache._host_length == 0
     cache.append(k, k)
     assert cache._host_length == 3 and int(cache.length) == 3
+
+
+def test_a_full_cache_refuses_a_masked_call_by_name_and_stays_usable():
+    """Review of the undo: a masked call to a full KVCache raised an IndexError from the undo's fill past max_len
+    instead of "KVCache is full"."""
+    layer = MultiheadAttention(E, H, HKV, causal=True).to(DEVICE).eval()
+    cache = layer.new_cache(2, max_len=4)
+    x, m = randn(2, 3, E), torch.ones(2, 3, dtype=torch.bool, device=DEVICE)
+    with torch.no_grad():
+        layer(x, key_mask=m, cache=cache)
+        state = _cache_state(cache)
+        with pytest.raises(ValueError, match="KVCache is full: it holds 3 of max_len=4 positions and 2 more"):
+            layer(x[:, :2], key_mask=m[:, :2], cache=cache)
+        assert _cache_state(cache) == state
+        layer(x[:, :1], key_mask=m[:, :1], cache=cache)
+    assert int(cache.length) == 4
+
+
+def test_cross_block_without_memory_refuses_before_the_self_attention_appends():
+    """A cross TransformerBlock's first cached call without memory raised after its self-attention had appended
+    the tokens: the retry stored them twice."""
+    block = TransformerBlock(E, H, HKV, hidden_dim=48, cross=True, kdim=E, dtype=torch.float64).to(DEVICE).eval()
+    x, mem = randn(2, 3, E, dtype=torch.float64), randn(2, 4, E, dtype=torch.float64)
+    cache, fresh = (block.new_cache(2, 8, memory_len=4) for _ in range(2))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="cross-attention cache is empty, pass memory on the first call"):
+            block(x, cache=cache)
+        assert int(cache.self_attn.length) == 0
+        torch.testing.assert_close(block(x, mem, cache=cache), block(x, mem, cache=fresh), atol=0, rtol=0)
+        with pytest.raises(ValueError, match=r"cross-attention needs memory \(B, Sm, kdim\)$"):
+            block(x)

@@ -192,11 +192,15 @@ def test_rotary_embedding_call_errors():
     with pytest.raises(TypeError, match="seqlen_offsets must be an int; got list"):
         rope(q, seqlen_offsets=[1])
     with pytest.raises(ValueError, match=r"position_ids reach position 1099511627776; RotaryEmbedding builds tables "
-                                         r"of at most 1073741824 positions"):
+                                         r"of at most 536870912 positions"):
         rope(q, position_ids=torch.tensor([[0, 1, 2**40]], device=DEVICE))
-    with pytest.raises(ValueError, match=r"the sequence length plus seqlen_offsets reach position 1073741826"):
-        rope(q, seqlen_offsets=2**30)
+    with pytest.raises(ValueError, match=r"the sequence length plus seqlen_offsets reach position 536870914"):
+        rope(q, seqlen_offsets=2**29)
     assert rope._cache is None or rope._cache[1] <= 2048  # nothing was built for them
+    # an integral float (as some configs hold it) is an int, as before the checks
+    sc = flashtx.nn.RotaryEmbedding(8, scaling={"type": "dynamic", "factor": 2.0,
+                                                "original_max_position_embeddings": 16.0}).scaling
+    assert sc["original_max_position_embeddings"] == 16 and type(sc["original_max_position_embeddings"]) is int
 
 
 def test_tables_built_under_inference_mode_do_not_break_training():

@@ -230,3 +230,27 @@ def test_training_step_under_autocast_runs_on_flashtx(monkeypatch):
     loss.backward()
     assert calls and torch.isfinite(loss) and abs(float(loss.detach()) - float(want.detach())) < 2e-2
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in fused.parameters())
+
+
+
+def test_is_causal_is_a_bool_under_torch_jit_trace(monkeypatch):
+    """Under torch.jit.trace a size comparison is a Tensor: the integration hands flashtx.attention a bool
+    is_causal (attention refuses anything else, as SDPA does; the diff review found `Sq > 1` passed on)."""
+    seen = []
+
+    def recorder(q, k, v, **kw):
+        seen.append(kw["is_causal"])
+        return flashtx.reference.attention(q, k, v, causal=kw["is_causal"])
+
+    monkeypatch.setattr(ftx, "attention", recorder)
+
+    class Attn(torch.nn.Module):
+        is_causal = True
+
+        def forward(self, q, k, v):
+            return ftx.flashtx_attention_forward(self, q, k, v, None)[0]
+
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    with pytest.warns(torch.jit.TracerWarning):  # the traced comparison is read as a Python bool
+        torch.jit.trace(Attn(), (q, q, q), check_trace=False)
+    assert seen and all(type(c) is bool and c for c in seen)

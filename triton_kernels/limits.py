@@ -12,9 +12,10 @@ from __future__ import annotations
 INT32_MAX = 2**31 - 1  # kernels index within a (batch, head) slice with int32 offsets
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put heads and batch
 # The longest sequence the kernels take (queries or keys, a decode cache's capacity). Window bounds are
-# int32 in the kernels, added to positions: a bound at or past MAX_SEQ sees every key of such a sequence,
-# so the host takes it as -1 (unbounded, flashtx._validate.check_window) and the sums stay below 2**31.
-MAX_SEQ = 2**30
+# int32 in the kernels, added to positions and tile offsets: a bound at or past MAX_SEQ sees every key of
+# such a sequence, so the host takes it as -1 (unbounded, flashtx._validate.check_window), and a sum of three
+# such terms (e.g. the backward's key tile + BLOCK_N + Sq - Sk + left) stays below 2**31.
+MAX_SEQ = 2**29
 
 
 class LimitExceeded(RuntimeError):

@@ -85,7 +85,7 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
     if attention_mask is None:
         # SDPA's reading of a missing mask: causal for Sq > 1, top-left; an empty static cache's
         # unused tail (Sk > Sq) is cut off, as transformers' sdpa_attention_forward does.
-        causal = causal and Sq > 1
+        causal = causal and bool(Sq > 1)  # (a traced size under torch.jit.trace: a Tensor)
         if causal and Sk > Sq:
             key, value = key[:, :, :Sq], value[:, :, :Sq]
         out = attention(query, key, value, is_causal=causal, **common)  # (B, Hq, Sq, D)

@@ -165,11 +165,14 @@ class KVCache:
 
     def _undo(self, mark: tuple, S: int) -> None:
         """Put back what _mark saw, after a failed call of S tokens (`length` advances only on success):
-        positions past `length` hold True again, as since reset()."""
+        positions past `length` hold True again, as since reset() (only if _claim let the call store its
+        mask there: a refused, full cache has no positions past max_len)."""
+        stored = self._host_length is None or self._host_length != mark[0]  # _claim counted the tokens
         self._host_length, self.padded, self.holes, leftpad = mark
         if leftpad is not None:
             self.leftpad.copy_(leftpad)
-            self.key_mask.index_fill_(1, self.length + torch.arange(S, device=self.k.device), True)
+            if stored:
+                self.key_mask.index_fill_(1, self.length + torch.arange(S, device=self.k.device), True)
 
     def _store_mask(self, key_mask: Tensor | None, S: int) -> None:
         """Store the key mask (B, S) of S tokens about to be written at [length, length + S) and

@@ -43,7 +43,7 @@ def _parse_scaling(scaling, max_seq_len: int, dim: int) -> dict | None:
             raise ValueError(f"dynamic (NTK) scaling needs dim (the rotary dim) > 2, as it raises the base to "
                              f"dim / (dim - 2); got dim={dim} (use 'linear' scaling, or none, for dim 2)")
         old = scaling.get("original_max_position_embeddings", max_seq_len)
-        if isinstance(old, bool) or not isinstance(old, numbers.Integral) or old < 1:
+        if isinstance(old, bool) or not isinstance(old, numbers.Real) or not 1 <= old < math.inf or old != int(old):
             raise ValueError(f"dynamic scaling's original_max_position_embeddings must be an int >= 1; got {old!r}")
         out["original_max_position_embeddings"] = int(old)
     return out
