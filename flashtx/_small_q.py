@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from . import _decode_op, _dispatch, _env
 from ._library import call
 from .backends import BACKENDS, AttentionInputs
-from .triton_kernels.limits import MAX_GRID_YZ, MAX_SEQ
+from .triton_kernels.limits import MAX_GRID_YZ
 
 LN2 = math.log(2.0)
 SMALL_Q_DECODE = True  # False: every call runs the training forward (bench/test_decode.py's flashtx-train)
@@ -94,7 +94,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
         sB, sH, sS = st[0], st[1], st[2]
         Sk = k.shape[2]
     # the cheapest refusals first: every no-grad call of at most SMALL_Q_MAX queries pays for them
-    if not 0 < Sq <= SMALL_Q_MAX or B > MAX_GRID_YZ or Hq * Sq > MAX_GRID_YZ or Sk > MAX_SEQ:
+    if not 0 < Sq <= SMALL_Q_MAX or B > MAX_GRID_YZ or Hq * Sq > MAX_GRID_YZ:
         return None
     if st[3] != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return None

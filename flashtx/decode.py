@@ -23,12 +23,15 @@ def _check_index(name: str, t, shape: tuple, q: Tensor, doc: str = "") -> Tensor
     """t: None, or an int32/int64 tensor of `shape` (-1: any size) on q's device; doc names the dims."""
     if t is None:
         return None
-    want = doc + " = " + str(shape).replace("-1", "any") if doc else str(shape)
+
+    def want() -> str:  # messages only: a string built on every call would cost time (and break a trace)
+        return doc + " = " + str(shape).replace("-1", "any") if doc else str(shape)
+
     if not isinstance(t, Tensor) or t.dtype not in _INDEX_DTYPES:
         got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
-        raise TypeError(f"{name} must be an int32 (or int64) tensor of shape {want}; got {got}")
-    if t.dim() != len(shape) or any(n != w and w != -1 for n, w in zip(t.shape, shape)):
-        raise ValueError(f"{name} must have shape {want}; got {tuple(t.shape)}")
+        raise TypeError(f"{name} must be an int32 (or int64) tensor of shape {want()}; got {got}")
+    if t.shape != shape and (t.dim() != len(shape) or any(n != w and w != -1 for n, w in zip(t.shape, shape))):
+        raise ValueError(f"{name} must have shape {want()}; got {tuple(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
     return t.contiguous()  # the kernels index it flat: a strided view would be read past its values

@@ -31,6 +31,7 @@ import torch
 from . import _small_q
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
 from ._library import call
+from .triton_kernels.limits import MAX_SEQ
 from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
                         check_cu_seqlens_values, check_dropout, check_lens, check_max_seqlen, check_qkv,
                         check_flag, check_seq_mask, check_softcap, check_tensor, check_window, resolve_scale)
@@ -76,6 +77,10 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     Returns out (B, Hq, Sq, Dv) (bshd: (B, Sq, Hq, Dv)) [, lse (B, Hq, Sq)] [, probs (B, Hq, Sq, Sk)]. Plain
     ints, bools and lists only: this is what torch.compile traces around the op.
     """
+    Sq, Sk = (q.shape[1], k.shape[1]) if bshd else (q.shape[2], k.shape[2])
+    if Sq > MAX_SEQ or Sk > MAX_SEQ:  # every backend: window bounds >= MAX_SEQ were taken as unbounded
+        raise ValueError(f"flashtx takes sequences of at most {MAX_SEQ} tokens (queries, keys, a varlen batch's "
+                         f"total); got {Sq} queries and {Sk} keys")
     rng = _new_rng(q.device) if dropout_p > 0 else None
     needs_grad = NO_GRAD
     if torch.is_grad_enabled():
@@ -89,7 +94,7 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     floats = [scale, softcap, dropout_p]  # _attention_op.Floats
     if (needs_grad == NO_GRAD and _small_q.SMALL_Q_DECODE and rng is None and not return_probs
             and query_mask is None and q_lens is None and kv_lens is None and cu_seqlens_q is None
-            and (k.shape[1] > q.shape[1] if bshd else k.shape[2] > q.shape[2])):  # decoding: see flashtx._small_q
+            and Sk > Sq):  # decoding: see flashtx._small_q
         res = _small_q.attention(q, k, v, bias, aux, ints, floats, backend or "", return_lse)
         if res is not None:
             return res

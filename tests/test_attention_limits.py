@@ -45,15 +45,19 @@ def test_within_limits_reads_grid_and_offsets():
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
-def test_sequences_past_max_seq_are_refused(grad):
+@pytest.mark.parametrize("backend", [None, "reference", "triton"])
+def test_sequences_past_max_seq_are_refused(grad, backend):
     """Window bounds >= MAX_SEQ mean unbounded (check_window), which holds only for sequences of at most MAX_SEQ
-    positions: longer ones (a stride-0 view costs no memory) are refused, by the training forward's limits and the
-    small-query route (no grad: it would run the decode kernels), and by flash_attn_with_kvcache."""
+    positions: longer ones (a stride-0 view costs no memory) are refused by every backend (the reference too, where
+    the mapped bound would be wrong) and route (no grad: the small-query decode kernels), by the Triton kernels'
+    limits, and by flash_attn_with_kvcache."""
     q = randn(1, 1, 2, 16, requires_grad=grad)
     long = torch.randn(1, 1, 1, 16, device=DEVICE).expand(1, 1, MAX_SEQ + 1, 16)  # (B, H, S, D), stride 0
     assert not within_limits(q, long, long, None, None) and within_limits(q, long[:, :, :MAX_SEQ], q, None, None)
-    with pytest.raises(flashtx.BackendNotSupported, match="int32-offset limits"):
-        flashtx.attention(q, long, long, backend="triton")
+    with pytest.raises(ValueError, match=f"sequences of at most {MAX_SEQ} tokens .*got 2 queries and {MAX_SEQ + 1}"):
+        flashtx.attention(q, long, long, backend=backend, window_size=(2**40, -1))
+    with pytest.raises(ValueError, match=f"got {MAX_SEQ + 1} queries and 2 keys"):
+        flashtx.flash_attn_func(long.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), backend=backend)
     cache = long.transpose(1, 2)  # (B, S, H, D)
     with pytest.raises(ValueError, match=f"the kernels take at most {MAX_SEQ}"):
         flashtx.flash_attn_with_kvcache(q.detach().transpose(1, 2), cache, cache, cache_seqlens=3)
