@@ -1,6 +1,6 @@
 """flash-attn's packed forms (flashtx/packed.py): the same results and gradients as the unpacked call on
 the slices, against the float64 reference, on fused-projection layouts (non-contiguous slices); bad
-packing gets an error naming the argument."""
+packing gets an error naming the argument, and so do bad arguments to pad_input (bert_padding's)."""
 import pytest
 import torch
 from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn
@@ -96,3 +96,33 @@ def test_qkvpacked_traces_without_graph_breaks():
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
     loss = torch.compile(block, fullgraph=True, backend="aot_eager")(x, w)
     torch.testing.assert_close(loss, block(x, w), atol=precise_atol(0.0), rtol=0)
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: flashtx.pad_input(randn(5, 2), [0, 1, 2, 3, 4], 2, 4),
+     r"indices must be a \(total,\) = \(5,\) int64 tensor \(unpad_input's\); got list"),
+    (lambda: flashtx.pad_input(randn(5, 2), torch.arange(4, device=DEVICE), 2, 4),
+     r"indices must be a \(total,\) = \(5,\) int64 tensor .*got torch.int64 of shape \(4,\)"),
+    (lambda: flashtx.pad_input(randn(5, 2), torch.arange(5, device=DEVICE), -1, 4),
+     r"batch must be an int >= 0; got -1"),
+    (lambda: flashtx.pad_input(randn(5, 2), torch.arange(5, device=DEVICE), 1, 4),
+     r"hidden_states holds 5 tokens, more than batch \* seqlen = 1 \* 4 positions"),
+    (lambda: flashtx.pad_input("x", torch.arange(5, device=DEVICE), 2, 4),
+     r"hidden_states must be a \(total, ...\) tensor; got str"),
+], ids=["indices-list", "indices-shape", "batch", "too-many", "states"])
+def test_pad_input_checks_its_arguments(call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call()
+
+
+def test_varlen_probs_with_tensor_max_seqlen_span_max_seqlen():
+    """return_attn_probs gives (nseq, Hq, max_seqlen_q, max_seqlen_k) with a 0-dim tensor max_seqlen too (it was
+    (nseq, Hq, total, total)): the tensor is read there (a test path; the grids never read it)."""
+    q, k, v = (randn(10, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    m = torch.tensor(6, device=DEVICE)
+    out, _, probs = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, m, m, return_attn_probs=True)
+    ref, _, ref_probs = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, return_attn_probs=True)
+    assert probs.shape == ref_probs.shape == (2, 2, 6, 6)
+    torch.testing.assert_close(probs, ref_probs, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
