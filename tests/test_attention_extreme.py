@@ -5,6 +5,9 @@ A float attn_mask of -1e9 or torch.finfo(torch.float32).min (as Hugging Face bui
 whole row makes every score of that row the same huge number: fp32 SDPA gives the uniform softmax
 (the mean of V) there, and so must both backends, forward and backward. Rows masked with -inf keep
 flashtx's documented 0 output and -inf lse.
+
+Window bounds near and past int32 mean unbounded (a bound >= MAX_SEQ), through every path, and the kernels'
+int32 loop bounds do not wrap at sequences of MAX_SEQ.
 """
 import pytest
 import torch
@@ -103,7 +106,6 @@ def test_probs_and_eager_reference_of_tied_rows_are_uniform(backend):
     ref = flashtx.reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias=_bias(-1e9, False))
     torch.testing.assert_close(ref[:, :, 3:7], v.transpose(1, 2).mean(2, keepdim=True).expand(B, H, 4, D),
                                atol=2e-6, rtol=1e-5)
-
 
 
 # Window bounds near and past int32 (audit of 2026-12-02): the kernels add bounds to positions in int32,
