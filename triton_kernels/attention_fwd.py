@@ -253,6 +253,19 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
         return out, m2, l2
     if Sk == 0:  # no keys: every row sees none, so 0 output and lse -inf (as fully masked rows; SDPA too)
         return out.zero_(), m2.fill_(float("-inf")), l2.zero_()
+    LAUNCHES.run(*_cache_args(q, k, v, out, m2, l2, scale, causal, bottom_right, spec, bshd))
+    return out, m2, l2
+
+
+def forward_entry(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_right: bool, bshd: bool):
+    """The memoised launches (LaunchCache.entry) attention_forward would replay for these tensors without masks
+    (out, m2, l2 allocated as it allocates them), or None where it plans every call. flashtx._attention_lane
+    keeps them per call signature and fires them itself. Raises LimitExceeded as attention_forward does."""
+    return LAUNCHES.entry(*_cache_args(q, k, v, out, m2, l2, scale, causal, bottom_right, NO_MASKS, bshd))
+
+
+def _cache_args(q, k, v, out, m2, l2, scale, causal, bottom_right, spec, bshd) -> tuple:
+    """LaunchCache.run's / entry's arguments for a forward: key, roles, tensors, build, derived."""
     static, tensors = spec.launch_key()
 
     def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
@@ -261,10 +274,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
         return [plan_forward(qv, kv, vv, ov, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
                              spec=spec)]
 
-    LAUNCHES.run(("attn_fwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, bshd, static),
-                 _ROLES if tensors else _ROLES_PLAIN, (q, k, v, out, *tensors, m2, l2), build,
-                 derived=2)  # m2, l2: allocated above from q
-    return out, m2, l2
+    return (("attn_fwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, bshd, static),
+            _ROLES if tensors else _ROLES_PLAIN, (q, k, v, out, *tensors, m2, l2), build,
+            2)  # derived: m2, l2, allocated from q
 
 
 def all_options_spec(B: int, S: int, H: int = 2, bias_shape=None, dtype=torch.float16) -> MaskSpec:

@@ -281,6 +281,7 @@ def _tuning_block():
     with _active_lock:
         _active += 1
         LAUNCHES.enabled = False
+        LAUNCHES.lanes.clear()  # per-signature plans (flashtx._attention_lane) are not made while this is off
     try:
         yield
     finally:

@@ -116,9 +116,12 @@ class LaunchCache:
     def __init__(self):
         self.entries: dict = {}
         self.enabled = True  # off while the autotuner forces configs (triton_kernels/autotune.py)
+        # callers' own memos of entries (flashtx._attention_lane's per-signature plans), forgotten with them
+        self.lanes: dict = {}
 
     def clear(self) -> None:
         self.entries.clear()
+        self.lanes.clear()
 
     def run(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0) -> None:
         """Run the launches build() returns for `tensors` (tensors or None; names[i] is tensors[i]'s role).
@@ -129,24 +132,47 @@ class LaunchCache:
             for step in build():
                 step.run()
             return
-        sig = (key, sig)
-        entry = self.entries.get(sig)
-        if type(entry) is _AlignedEntry and not entry.holds(tensors):  # planned for aligned inputs: plan this call
-            for step in build():
-                step.run()
-            return
-        if entry is None:
-            steps = build()
-            entry = _memo(steps, names, tensors)
-            if entry is None:  # not cacheable: run what was built
-                for step in steps:
-                    step.run()
+        entry = self.entries.get((key, sig))
+        if entry is None or (type(entry) is _AlignedEntry and not entry.holds(tensors)):
+            entry = self._miss((key, sig), names, tensors, build)
+            if entry is None:  # not cacheable, or planned for aligned inputs that these are not: already run
                 return
-            if len(self.entries) >= self.MAX_ENTRIES:
-                self.entries.clear()
-            self.entries[sig] = entry
         for replay in entry:
             replay.fire(tensors)
+
+    def entry(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0):
+        """The memoised launches run() would replay for `tensors` (planned now on a miss, not run), or None where
+        run() would plan the call afresh (cache off, tracing, a tensor subclass, a plan that cannot be replayed).
+        For a caller that keeps the entry itself (flashtx._attention_lane) and calls fire(tensors) on each launch;
+        an _AlignedEntry replays only for tensors it holds()."""
+        sig = self.enabled and _signature(tensors, len(tensors) - derived)
+        if not sig:
+            return None
+        sig = (key, sig)
+        entry = self.entries.get(sig)
+        if entry is None:
+            entry = _memo(build(), names, tensors)
+            if entry is not None:
+                self._store(sig, entry)
+        return entry
+
+    def _miss(self, sig: tuple, names: tuple, tensors: tuple, build):
+        """Plan a call whose signature has no usable entry: the new entry (stored, not yet run), or None after
+        running the plan itself (not cacheable, or an aligned entry that these tensors do not fit)."""
+        steps = build()
+        entry = None if sig in self.entries else _memo(steps, names, tensors)
+        if entry is None:
+            for step in steps:
+                step.run()
+            return None
+        self._store(sig, entry)
+        return entry
+
+    def _store(self, sig: tuple, entry) -> None:
+        if len(self.entries) >= self.MAX_ENTRIES:
+            self.entries.clear()
+            self.lanes.clear()
+        self.entries[sig] = entry
 
 
 # Eager GPU replays launch Triton's compiled kernel directly (CompiledKernel[grid](*args), the call
