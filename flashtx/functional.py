@@ -28,7 +28,7 @@ import numbers
 
 import torch
 
-from . import _small_q
+from . import _attention_lane, _small_q
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
 from ._library import call
 from .triton_kernels.limits import MAX_SEQ
@@ -110,11 +110,17 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     return tuple(res)
 
 
+def _no_window(window) -> bool:
+    """Whether `window` is the default (-1, -1), by identity or as a tuple (a tensor or an array would compare
+    elementwise: check_window takes those)."""
+    return window is _NO_WINDOW or (type(window) is tuple and window == _NO_WINDOW)
+
+
 def _padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens) -> dict:
     """Validated padding/window keywords of _run for batch B, sequence lengths Sq, Sk and query q (its
     device)."""
     if key_mask is None and query_mask is None and q_lens is None and kv_lens is None and (
-            window_size is _NO_WINDOW or window_size == (-1, -1)):
+            _no_window(window_size)):
         return {}
     return dict(window=check_window("window_size", window_size),
                 key_mask=check_seq_mask("key_mask", key_mask, B, Sk, q),
@@ -187,6 +193,14 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in ALLOWED_DTYPES
             and (backend is None or type(backend) is str) and _qkv_ok(query, key, value, bool(enable_gqa))):
         q, k, v = query, key, value  # the common case (plain 4-D tensors that check_qkv passes), in ints and bools
+        if (attn_mask is None and type(is_causal) is bool and not return_lse and key_mask is None
+                and query_mask is None and kv_lens is None and q_lens is None and alibi_slopes is None
+                and type(dropout_p) is float and dropout_p == 0.0 and type(softcap) is float and softcap == 0.0
+                and _no_window(window_size)):
+            out = _attention_lane.forward(q, k, v, resolve_scale("scale", scale, q.shape[3]), is_causal, False,
+                                          False, backend)  # the plain call, planned once per signature
+            if out is not None:
+                return out
     else:
         q, k, v = _checked_4d(query, key, value, backend, enable_gqa)
     scale = resolve_scale("scale", scale, q.shape[-1])
@@ -239,7 +253,7 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])  # not -1: a size-0 dim makes -1 ambiguous
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=_NO_WINDOW, softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend=None,
                     key_mask=None, query_mask=None, kv_lens=None, q_lens=None, attn_bias=None):
     """Drop-in for flash-attn 2's ``flash_attn_func``.
@@ -296,6 +310,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
     scale = resolve_scale("softmax_scale", softmax_scale, D)
+    if (attn_bias is None and (backend is None or type(backend) is str) and type(causal) is bool
+            and not return_attn_probs and key_mask is None and query_mask is None and kv_lens is None
+            and q_lens is None and alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0
+            and type(softcap) is float and softcap == 0.0 and _no_window(window_size)):
+        out = _attention_lane.forward(q, k, v, scale, causal, True, True, backend)  # planned once per signature
+        if out is not None:
+            return out
     bias = None if attn_bias is None else check_attn_mask(
         "attn_bias", attn_bias, (B,), Hq, Sq, Sk, q, lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
     res = _run(q, k, v, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,

@@ -23,7 +23,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import functional
+from . import _attention_lane, functional
 from ._validate import _qkv_ok, resolve_scale, scale_ok
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.mask_spec import MaskSpec
@@ -157,9 +157,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         reason = _SCALE_REASON
     elif _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
         reason = _plain_reason(query, key, value)
-        if reason is None:  # flashtx.attention's own path for this call, its checks already made here
-            return functional._run(query, key, value, scale=resolve_scale("scale", scale, query.shape[3]),
-                                   causal=bool(is_causal), bottom_right=False, backend=None, return_lse=False)
+        if reason is None:  # flashtx.attention's own paths for this call, its checks already made here
+            scale, is_causal = resolve_scale("scale", scale, query.shape[3]), bool(is_causal)
+            out = _attention_lane.forward(query, key, value, scale, is_causal, False, False)
+            if out is not None:
+                return out
+            return functional._run(query, key, value, scale=scale, causal=is_causal, bottom_right=False, backend=None,
+                                   return_lse=False)
     else:  # (unsupported_reason's other checks, already made above)
         reason = _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:

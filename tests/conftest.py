@@ -200,12 +200,13 @@ def split_head_dims(monkeypatch):
 @pytest.fixture
 def routes(monkeypatch):
     """The ops each attention call ran, in order: 'decode' (the split-KV decode kernels, through
-    flashtx._small_q) or 'train' (the training forward; another op of functional's: its name)."""
+    flashtx._small_q) or 'train' (the training forward, through the op or a plain call's lane; another op of
+    functional's: its name)."""
     import flashtx
-    from flashtx import _small_q
+    from flashtx import _attention_lane, _small_q
 
     seen = []
-    real_decode, real_run = _small_q.call, flashtx.functional.call
+    real_decode, real_run, real_lane = _small_q.call, flashtx.functional.call, _attention_lane._Lane.run
 
     def decode(op, *args):
         seen.append("decode")
@@ -215,9 +216,37 @@ def routes(monkeypatch):
         seen.append("train" if op is flashtx._attention_op.attn_fwd else op._name)
         return real_run(op, *args)
 
+    def lane(self, q, k, v):
+        seen.append("train")
+        return real_lane(self, q, k, v)
+
     monkeypatch.setattr(_small_q, "call", decode)
     monkeypatch.setattr(flashtx.functional, "call", train)
+    monkeypatch.setattr(_attention_lane._Lane, "run", lane)
     return seen
+
+
+def spy_attention_calls(monkeypatch, record) -> None:
+    """Call record(q) for each call that reaches flashtx's attention forward: the op's general path
+    (functional._run, which the shells and the SDPA patch call) or a plain call's lane (flashtx._attention_lane,
+    which they try first; it returns None for a call it leaves to the general path)."""
+    import flashtx
+    from flashtx import _attention_lane
+
+    real_run, real_lane = flashtx.functional._run, _attention_lane.forward
+
+    def run(q, *a, **kw):
+        record(q)
+        return real_run(q, *a, **kw)
+
+    def lane(q, *a, **kw):
+        out = real_lane(q, *a, **kw)
+        if out is not None:
+            record(q)
+        return out
+
+    monkeypatch.setattr(flashtx.functional, "_run", run)
+    monkeypatch.setattr(_attention_lane, "forward", lane)
 
 
 @pytest.fixture

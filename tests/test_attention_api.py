@@ -308,12 +308,12 @@ def test_autocast_casts_the_inputs_as_it_casts_sdpas():
         want = F.scaled_dot_product_attention(q, k, v.half(), is_causal=True)
         got = flashtx.attention(q, k, v.half(), is_causal=True)
         flash = flashtx.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-        ran = []
-        real = flashtx.functional._run
+        fell_back = []
+        real = flashtx.sdpa_patch._ORIGINAL
         with flashtx.patch_sdpa(), pytest.MonkeyPatch.context() as m:
-            m.setattr(flashtx.functional, "_run", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+            m.setattr(flashtx.sdpa_patch, "_ORIGINAL", lambda *a, **kw: fell_back.append(1) or real(*a, **kw))
             patched = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert want.dtype == got.dtype == flash.dtype == patched.dtype == torch.float16 and ran == [1]
+    assert want.dtype == got.dtype == flash.dtype == patched.dtype == torch.float16 and fell_back == []
     for out in (got, flash.transpose(1, 2), patched):
         torch.testing.assert_close(out.float(), want.float(), atol=2e-3, rtol=2e-3)
     grads = torch.autograd.grad(got.float().sum(), (q, k, v))

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 
 import flashtx  # noqa: E402
 from bench import test_models as tm  # noqa: E402
+from conftest import spy_attention_calls  # noqa: E402
 
 CFG = tm.GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
 BATCH, SEQ = 2, 32
@@ -32,24 +33,19 @@ GRAD_TOL = 1e-4  # max |g - g_sdpa| / max |g_sdpa| per parameter
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts calls that reach torch's SDPA unpatched (`sdpa`) and calls of flashtx's attention op
-    through the patch (`flashtx`: functional._run, which the patch calls for a call it has checked), with
-    the query shapes."""
+    """Counts calls that reach torch's SDPA unpatched (`sdpa`) and calls of flashtx's attention through the
+    patch (`flashtx`: the op or a plain call's lane, conftest.spy_attention_calls), with the query shapes."""
     seen = {"sdpa": [], "flashtx": []}
     with flashtx.patch_sdpa():  # any one-time setup of the patch (a probe of flashtx.attention) before counting
         pass
-    torch_sdpa, flashtx_run = F.scaled_dot_product_attention, flashtx.functional._run
+    torch_sdpa = F.scaled_dot_product_attention
 
     def sdpa(q, *a, **kw):
         seen["sdpa"].append(tuple(q.shape))
         return torch_sdpa(q, *a, **kw)
 
-    def run(q, *a, **kw):
-        seen["flashtx"].append(tuple(q.shape))
-        return flashtx_run(q, *a, **kw)
-
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
-    monkeypatch.setattr(flashtx.functional, "_run", run)
+    spy_attention_calls(monkeypatch, lambda q: seen["flashtx"].append(tuple(q.shape)))
     return seen
 
 

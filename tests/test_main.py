@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from flashtx import selfcheck
+from flashtx import _attention_lane, selfcheck
 from flashtx.backends import TritonBackend
 
 
@@ -21,14 +21,21 @@ def test_main_job_runs_every_check_and_exits_zero():
 
 
 def test_self_check_fails_on_a_wrong_kernel(monkeypatch):
-    real = TritonBackend.forward
+    """A Triton attention forward 1% off is caught by every attention check, whichever path a check's call
+    takes: the op's (TritonBackend.forward) or a plain call's lane (flashtx._attention_lane)."""
+    real, real_lane = TritonBackend.forward, _attention_lane._Lane.run
 
     def planted(self, q, k, v, out, **kw):
         stats = real(self, q, k, v, out, **kw)
         out.mul_(1.01)
         return stats
 
+    def planted_lane(self, q, k, v):
+        out, m2, l2 = real_lane(self, q, k, v)
+        return out.mul_(1.01), m2, l2
+
     monkeypatch.setattr(TritonBackend, "forward", planted)
+    monkeypatch.setattr(_attention_lane._Lane, "run", planted_lane)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = selfcheck.run_all(device, [torch.float32], report=lambda line: None)
     bad = [r for r in results if not r.skipped and not r.passed]

@@ -8,7 +8,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from conftest import DEVICE, assert_close_to_reference, randn
+from conftest import DEVICE, assert_close_to_reference, randn, spy_attention_calls
 from torch import nn
 
 import flashtx
@@ -27,16 +27,11 @@ def unpatched():
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Records each call that reaches flashtx's attention op through the patch (functional._run, which
-    flashtx.attention calls and the patch calls directly for a plain call it has checked itself)."""
+    """Records each call that reaches flashtx's attention through the patch: the op (functional._run, which
+    flashtx.attention calls and the patch calls directly for a plain call it has checked itself), or a plain
+    call's lane (flashtx._attention_lane, which either calls first; it returns None where it does not take it)."""
     seen = []
-    real = flashtx.functional._run
-
-    def spy(*a, **kw):
-        seen.append(tuple(a[0].shape))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(flashtx.functional, "_run", spy)
+    spy_attention_calls(monkeypatch, lambda q: seen.append(tuple(q.shape)))
     return seen
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import DEVICE, assert_close_to_reference
+from conftest import DEVICE, assert_close_to_reference, spy_attention_calls
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")  # CI installs it through the test extra
@@ -222,8 +222,7 @@ def test_training_step_under_autocast_runs_on_flashtx(monkeypatch):
     sdpa.set_attn_implementation("sdpa")
     ids = torch.randint(3, SMALL["vocab_size"], (2, 9), device=DEVICE)
     calls = []
-    real = flashtx.functional._run
-    monkeypatch.setattr(flashtx.functional, "_run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    spy_attention_calls(monkeypatch, lambda q: calls.append(1))
     with torch.autocast(DEVICE, dtype=torch.float16):
         loss = fused(input_ids=ids, labels=ids).loss
         want = sdpa(input_ids=ids, labels=ids).loss

@@ -1,0 +1,161 @@
+"""The plain attention call, planned once per call signature: from the public shell to the kernel launch in
+one dict lookup.
+
+A model calls attention with the same few signatures over and over, and most of them are plain: no mask,
+bias, window, lengths, score modifier, dropout or lse, the automatic backend or `triton`. For those, `flashtx.attention`
+and `flash_attn_func` hand their validated q, k, v to `forward` here. It keys the call on what decides its
+plan: dtype, device, shapes and strides, scale, causal alignment, layout, whether autograd records it and
+torch's TF32 switch. The entry ("lane") holds the attention forward's memoised launches (the LaunchCache
+entry that attention_forward itself would replay) and the op's arguments for the backward. A call then
+allocates out and the row statistics and fires the launches: no argument lists, no op dispatch, no planning.
+
+Nothing here decides anything the general path (functional._run -> the flashtx::attn_fwd op) does not: a
+lane is made from that path's own plan (`_attention_op._plan`, which must choose `triton`) and launch
+entry, its autograd node saves what the op's saves and runs the op's backward (`_attention_op._backward`,
+through flashtx::attn_bwd), and the lanes are forgotten whenever plans or launch entries are
+(`_dispatch.clear_plans`, `LaunchCache.clear`). Every other call returns None, and the caller takes the
+general path: while anything traces (torch.compile sees the op, not this), under functorch transforms, on
+a CUDA device that is not the current one, with the launch cache off (the autotuner), strided last dims,
+empty tensors, sequences past MAX_SEQ, the small-query decode route's calls (flashtx._small_q), and
+wherever the plan is not Triton's.
+
+`LANE = False` turns it off (bench/overhead.py compares the two; tests run both).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _library, _small_q
+from ._attention_op import GRAD, NO_GRAD, _backward, _plan, empty_like_layout
+from ._library import _C_APPLY, _unwrap_if_dead
+from .triton_kernels.limits import MAX_SEQ, LimitExceeded
+
+LANE = True
+
+_COMPILING = torch.compiler.is_compiling
+_DISPATCH_STACK = torch._C._len_torch_dispatch_stack
+_FUNCTORCH = torch._C._are_functorch_transforms_active
+_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+        torch.float64: torch.float64}
+_NO_AUX = [None] * 8  # _attention_op.Aux, every entry None
+_allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
+
+_LANES: dict = {}  # key -> _Lane, or False (the general path's call); LaunchCache.lanes once triton is loaded
+
+
+class _Lane:
+    """One call signature's plan: the forward's launch entry (a list of launch.LaunchCache replays), the row
+    statistics' shape and dtype, and the op's (aux, ints, floats, backend) for its backward."""
+
+    __slots__ = ("entry", "aligned", "lse_shape", "acc", "dv", "args")
+
+    def __init__(self, entry, aligned, lse_shape, acc, dv, args):
+        self.entry, self.aligned, self.lse_shape, self.acc, self.dv, self.args = (entry, aligned, lse_shape, acc,
+                                                                                  dv, args)
+
+    def run(self, q, k, v):
+        """(out, m2, l2) of the forward, allocated as the op allocates them."""
+        out = empty_like_layout(q, self.dv)  # like q: (B, Hq, Sq, Dv), or (B, Sq, Hq, Dv) with bshd
+        dev = q.device
+        m2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)  # (B, Hq, Sq)
+        l2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)
+        tensors = (q, k, v, out, m2, l2)  # attention_fwd's roles, in order
+        for replay in self.entry:
+            replay.fire(tensors)
+        return out, m2, l2
+
+
+class AttnFwd(torch.autograd.Function):
+    """The autograd node of a lane's forward: the flashtx::attn_fwd op's (its name, saved tensors and arguments,
+    its backward), with out alone as output (m2, l2 are saved, not returned: the lane's callers return no
+    lse, so their cotangent is always None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lane):
+        out, m2, l2 = lane.run(q, k, v)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, m2, l2, None)
+        ctx.args = lane.args
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = _backward(ctx, dout, None, None)[:3]
+        return dq, dk, dv, None
+
+
+_apply = _C_APPLY.__get__(None, AttnFwd) if _C_APPLY is not None and _unwrap_if_dead else AttnFwd.apply
+
+
+def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool, backend: str | None = None):
+    """out of attention over validated 4-D q, k, v (plain tensors: (B, H, S, D), or (B, S, H, D) with bshd) with
+    no mask, bias, window, lengths, score modifier, dropout or lse, as the general path (functional._run)
+    returns it, or None where the lane does not take the call (module docstring): the caller runs the general
+    path. backend: the caller's, None or a name (the lane serves the calls planned for `triton`)."""
+    if not LANE or _COMPILING() or _DISPATCH_STACK() or _FUNCTORCH():
+        return None
+    if _library._other_device(q) is not None:
+        return None  # the general path makes q's device current first (flashtx._library.call)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), scale, causal,
+           bottom_right, bshd, grad, _allow_tf32(), backend)
+    lane = _LANES.get(key)
+    if lane is None:
+        lane = _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend or "")
+    if not lane:
+        return None
+    if lane.aligned and not lane.entry.holds((q, k, v)):
+        return None  # planned for 16-byte aligned K, V (TMA descriptors) that these are not
+    if not grad:
+        return lane.run(q, k, v)[0]
+    return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane)
+
+
+def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str):
+    """The lane for `key` (stored), False where the general path must take these calls (stored too), or None
+    where this call cannot tell (not stored)."""
+    global _LANES
+    from .triton_kernels.attention_fwd import forward_entry
+    from .triton_kernels.launch import LAUNCHES, _AlignedEntry
+
+    if not LAUNCHES.enabled:
+        return None  # the autotuner is forcing configs: every call plans afresh
+    _LANES = LAUNCHES.lanes  # forgotten with the launch entries (and so with the plans)
+    lane = _build(q, k, v, scale, causal, bottom_right, bshd, grad, backend, forward_entry, _AlignedEntry)
+    if lane is not None:
+        if len(_LANES) >= LAUNCHES.MAX_ENTRIES:
+            _LANES.clear()
+        _LANES[key] = lane
+    return lane
+
+
+def _build(q, k, v, scale, causal, bottom_right, bshd, grad, backend, forward_entry, aligned_type):
+    B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if bshd else (q.shape[0], q.shape[2], q.shape[1])
+    Sk = k.shape[1] if bshd else k.shape[2]
+    dv = v.shape[3]
+    if not (0 < Sq <= MAX_SEQ and 0 < Sk <= MAX_SEQ and B > 0 and Hq > 0 and dv > 0):
+        return False  # refused past MAX_SEQ, or the launcher's early returns: the general path's
+    if not grad and Sk > Sq and Sq <= _small_q.SMALL_Q_MAX:
+        return False  # the small-query decode route's (whether or not it takes them)
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return False  # the backend copies them first
+    ints = [int(causal), int(bottom_right), -1, -1, 0, 0, GRAD if grad else NO_GRAD, int(bshd)]  # _attention_op.Ints
+    floats = [scale, 0.0, 0.0]  # _attention_op.Floats
+    if _plan(q, k, v, None, _NO_AUX, ints, floats, backend, True) != "triton":  # raises as the op would
+        return False
+    out = empty_like_layout(q, dv)
+    acc = _ACC[q.dtype]
+    m2 = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
+    try:
+        entry = forward_entry(q, k, v, out, m2, torch.empty_like(m2), scale=scale, causal=causal,
+                              bottom_right=bottom_right, bshd=bshd)
+    except LimitExceeded:
+        return False  # the general path re-plans it (and says why)
+    if entry is None:
+        return False  # not replayable: the general path plans each call
+    aligned = type(entry) is aligned_type
+    if aligned and not all(i < 3 for i in entry.need):
+        return False  # (only K and V are read through descriptors today)
+    if aligned and not entry.holds((q, k, v)):
+        return None  # planned for aligned inputs that these are not
+    return _Lane(entry, aligned, (B, Hq, Sq), acc, dv, (ints, floats, backend, len(_NO_AUX)))

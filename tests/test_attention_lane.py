@@ -1,0 +1,225 @@
+"""flashtx._attention_lane: a plain attention call (no mask, bias, window, lengths, modifier, dropout or lse)
+planned once per call signature. It must compute exactly what the general path (functional._run -> the
+flashtx::attn_fwd op) computes, with the same launches and the same backward, for every shell that uses it
+(attention, flash_attn_func, the patched SDPA); take only the calls it may; and be forgotten with the plans."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashtx
+from flashtx import _attention_lane, _dispatch, reference
+from flashtx.triton_kernels import autotune, launch
+from flashtx.triton_kernels.configs import TileConfig
+
+from conftest import DEVICE, PRECISE_DTYPE, poisoned_allocations, precise_atol, randn
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    _dispatch.clear_plans()
+    yield
+    _dispatch.clear_plans()
+
+
+@pytest.fixture
+def lane_runs(monkeypatch):
+    """How many forwards ran through a lane."""
+    runs = []
+    real = _attention_lane._Lane.run
+    monkeypatch.setattr(_attention_lane._Lane, "run", lambda self, q, k, v: runs.append(1) or real(self, q, k, v))
+    return runs
+
+
+def _shell(name):
+    """(call(q, k, v, causal, backend) on (B, H, S, D) views -> (B, H, S, Dv), the reference's bottom_right)."""
+    if name == "attention":
+        return (lambda q, k, v, causal, backend: flashtx.attention(q, k, v, is_causal=causal, enable_gqa=True,
+                                                                    backend=backend)), False
+    if name == "flash_attn_func":
+        def flash(q, k, v, causal, backend):
+            t = (x.transpose(1, 2) for x in (q, k, v))  # the (B, S, H, D) tensors the views came from
+            return flashtx.flash_attn_func(*t, causal=causal, backend=backend).transpose(1, 2)
+        return flash, True
+
+    def patched(q, k, v, causal, backend):  # the patched SDPA has no backend argument: the automatic one
+        with flashtx.patch_sdpa():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    return patched, False
+
+
+def _inputs(shell, B, Hq, Hkv, Sq, Sk, D, Dv, grad):
+    """(B, H, S, D) views: of (B, S, H, D) tensors for flash_attn_func, else of (B, S, H, D) memory too
+    (non-contiguous views, as a model's q.transpose(1, 2))."""
+    q = randn(B, Sq, Hq, D, dtype=PRECISE_DTYPE).transpose(1, 2)
+    k = randn(B, Sk, Hkv, D, dtype=PRECISE_DTYPE).transpose(1, 2)
+    v = randn(B, Sk, Hkv, Dv, dtype=PRECISE_DTYPE).transpose(1, 2)
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+CASES = {  # name: (B, Hq, Hkv, Sq, Sk, D, Dv)
+    "self": (2, 2, 2, 23, 23, 16, 16),
+    "gqa-cross-long-q": (1, 4, 2, 37, 19, 32, 16),
+    "cross-long-k": (2, 2, 1, 21, 45, 16, 32),  # Sq > 16: not the small-query route's
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("shell", ["attention", "flash_attn_func", "patched-sdpa"])
+def test_the_lane_computes_what_the_general_path_computes(shell, case, causal, grad, lane_runs, monkeypatch):
+    """Three calls of one signature with fresh data each: the lane's outputs and gradients equal the general
+    path's bit for bit (the same kernels and launches) and the float64 reference's; the lane ran them all."""
+    call, bottom_right = _shell(shell)
+    B, Hq, Hkv, Sq, Sk, D, Dv = CASES[case]
+    backend = "triton" if shell == "flash_attn_func" else None  # both: a named backend takes the lane too
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q, k, v = _inputs(shell, B, Hq, Hkv, Sq, Sk, D, Dv, grad)
+        with torch.set_grad_enabled(grad):
+            got = call(q, k, v, causal, backend)
+            monkeypatch.setattr(_attention_lane, "LANE", False)
+            want = call(q, k, v, causal, backend)
+            monkeypatch.setattr(_attention_lane, "LANE", True)
+        assert torch.equal(got, want) and got.stride() == want.stride()
+        ref = reference.attention(q.detach(), k.detach(), v.detach(), causal=causal, bottom_right=bottom_right)
+        assert (got - ref).abs().max() < precise_atol(1e-12)
+        if grad:
+            assert got.grad_fn.name() == want.grad_fn.name()  # the op's node (AttnFwdBackward), or a transpose of it
+            assert shell == "flash_attn_func" or got.grad_fn.name() == "AttnFwdBackward"
+            dout = torch.randn_like(got)
+            g_lane = torch.autograd.grad(got, (q, k, v), dout)
+            g_op = torch.autograd.grad(want, (q, k, v), dout)
+            for a, b in zip(g_lane, g_op):
+                assert torch.equal(a, b) and a.stride() == b.stride()
+        else:
+            assert got.grad_fn is None
+    assert len(lane_runs) == 3
+
+
+def _launches(fn):
+    calls = []
+    with launch.stub_launches(lambda kernel, grid, args: calls.append((kernel, grid, dict(args)))):
+        fn()
+    return calls
+
+
+def test_the_lane_launches_what_the_op_launches(monkeypatch):
+    """Recorded launches (stubbed): the same kernel, grid and arguments; tensors alike (dtype, shape, strides),
+    the inputs themselves (same memory), outputs freshly allocated. And torch's TF32 switch is part of the
+    signature: an fp32 call planned with TF32 off is planned again when it is turned on."""
+    q, k, v = (randn(1, 2, 20, 16) for _ in range(3))  # float32
+
+    def run():
+        return flashtx.attention(q, k, v, is_causal=True)
+
+    monkeypatch.setattr(_attention_lane, "LANE", False)
+    want = _launches(run)  # the op's, TF32 off (torch's default)
+    monkeypatch.setattr(_attention_lane, "LANE", True)
+    for tf32 in (False, True, False):
+        monkeypatch.setattr(launch, "_allow_tf32", lambda: tf32)
+        monkeypatch.setattr(_attention_lane, "_allow_tf32", lambda: tf32)
+        _launches(run)  # makes the lane (a miss)
+        got = _launches(run)
+        assert len(got) == len(want) == 1
+        (kg, gg, ag), (kw, gw, aw) = got[0], want[0]
+        assert kg is kw and gg == gw and ag.keys() == aw.keys()
+        for name, a in ag.items():
+            b = aw[name]
+            if name == "DOT_PREC":
+                assert a == ("tf32" if tf32 else "ieee")
+            elif isinstance(a, torch.Tensor):
+                assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), name
+                if name in ("Q", "K", "V"):
+                    assert a.data_ptr() == b.data_ptr()
+            else:
+                assert a == b, name
+
+
+def test_lane_outputs_are_written_in_full():
+    """Allocations filled with NaN (poisoned): every output and gradient element is written."""
+    q, k, v = (randn(2, 3, 19, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+    with poisoned_allocations():
+        for _ in range(2):  # a miss, then a hit
+            out = flashtx.attention(q, k, v, is_causal=True)
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert len(_attention_lane._LANES) == 1
+    ref = reference.attention(q.detach(), k.detach(), v.detach(), causal=True)
+    assert (out - ref).abs().max() < precise_atol(1e-12)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_the_lane_gradient_refuses_double_backward_as_the_op_does(monkeypatch):
+    q, k, v = (randn(1, 2, 18, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+    for lane in (True, False):
+        monkeypatch.setattr(_attention_lane, "LANE", lane)
+        out = flashtx.attention(q, k, v, is_causal=True)
+        (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+        with pytest.raises(NotImplementedError, match="no double backward"):
+            dq.sum().backward()
+    # and a saved input changed in place before the backward is caught, as for any saved tensor
+    out = flashtx.attention(q, k, v, is_causal=True)
+    with torch.no_grad():
+        k.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_the_lane_gradient_reaches_only_what_requires_grad():
+    q = randn(1, 2, 18, 16, dtype=PRECISE_DTYPE)
+    k, v = (randn(1, 2, 18, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(2))
+    for _ in range(2):
+        out = flashtx.attention(q, k, v)
+        dk, dv = torch.autograd.grad(out.square().sum(), (k, v))
+    kr, vr = (t.detach().requires_grad_() for t in (k, v))
+    ref = reference.attention(q, kr, vr)
+    rk, rv = torch.autograd.grad(ref.square().sum(), (kr, vr))
+    assert (dk - rk).abs().max() < precise_atol(1e-11) and (dv - rv).abs().max() < precise_atol(1e-11)
+    assert q.grad is None and len(_attention_lane._LANES) == 1
+
+
+def test_calls_the_lane_must_not_take(lane_runs, routes):
+    """The small-query decode route's calls, strided last dims, masks and options, the reference backend: the
+    general path runs them (and no lane is made for them), with the right result."""
+    q1 = randn(2, 3, 2, 16, dtype=PRECISE_DTYPE).transpose(1, 2)  # laid out (B, S, H, D), as the route wants
+    k1 = randn(2, 2, 40, 16, dtype=PRECISE_DTYPE)
+    for _ in range(2):
+        out = flashtx.attention(q1, k1, k1)  # Sq = 3 over 40 keys, no grad: the decode kernels
+    assert routes == ["decode", "decode"]
+    assert (out - reference.attention(q1, k1, k1)).abs().max() < precise_atol(1e-12)
+
+    x = randn(1, 2, 20, 32, dtype=PRECISE_DTYPE)[..., ::2]  # last stride 2: the backend copies it
+    keep = torch.ones(1, 20, dtype=torch.bool, device=DEVICE)
+    for _ in range(2):
+        strided = flashtx.attention(x, x, x, is_causal=True)
+        masked = flashtx.attention(x, x, x, is_causal=True, key_mask=keep)
+        lse = flashtx.attention(x, x, x, is_causal=True, return_lse=True)[0]
+        named = flashtx.attention(x, x, x, is_causal=True, backend="reference")
+    assert lane_runs == [] and not any(_attention_lane._LANES.values())
+    want = reference.attention(x, x, x, causal=True)
+    for got in (strided, masked, lse, named):
+        assert (got - want).abs().max() < precise_atol(1e-12)
+
+
+@pytest.mark.parametrize("gpu_target", [86], indirect=True, ids=lambda a: f"sm_{a}")
+def test_lanes_are_forgotten_with_the_plans_and_made_by_no_tuner(gpu_target, lane_runs):
+    """clear_plans (and LaunchCache.clear) drop every lane; while a tuner forces configs (LaunchCache off) a
+    lane is neither used nor made, so the forced tile is what runs (sm_86's plans: the tuner's hook serves GPU
+    targets)."""
+    q = randn(1, 2, 24, 16, dtype=PRECISE_DTYPE)
+    flashtx.attention(q, q, q, is_causal=True)
+    assert len(_attention_lane._LANES) == 1 and len(lane_runs) == 1
+    _dispatch.clear_plans()
+    assert len(_attention_lane._LANES) == 0
+    flashtx.attention(q, q, q, is_causal=True)
+    assert len(_attention_lane._LANES) == 1
+
+    tile = TileConfig(16, 16, 1, 1, "test: a forced tile")
+    blocks = []
+    with autotune.forced("attn_fwd", tile), launch.stub_launches(
+            lambda kernel, grid, args: blocks.append((args["BLOCK_M"], args["BLOCK_N"]))):
+        assert len(_attention_lane._LANES) == 0  # dropped when the tuner starts
+        flashtx.attention(q, q, q, is_causal=True)
+        flashtx.attention(q, q, q, is_causal=True)
+        assert len(_attention_lane._LANES) == 0
+    assert blocks == [(16, 16), (16, 16)] and len(lane_runs) == 2
