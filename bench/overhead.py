@@ -21,6 +21,8 @@ Method: gc disabled; each row warms up (untimed calls) first; then `repeats` rou
 `calls` back-to-back calls with time.thread_time_ns (the calling thread's CPU time: Python work is
 what is measured, and a shared machine's preemption is not) and dividing; flashtx's and the baseline's
 rounds alternate so drift on a shared machine hits both alike; the median round is reported.
+Plain attention rows also time the same call with flashtx._attention_lane off ("general path": the
+flashtx::attn_fwd op's path), in the same rounds.
 Targets (issue 12): attention forward <= 25 us and forward+backward <= 80 us of Python; RoPE and
 SwiGLU <= 15 us per direction; each <= 2x the baseline's time at the same call, same machine and
 run. A miss is printed as such; nothing here fails on a miss (timing tests must not fail from
@@ -64,6 +66,8 @@ class Row:
     # gradients): what any Python-defined op pays here before doing anything, so a row's target can be read
     # against it. None for rows without autograd.
     floor: Callable[[str, torch.dtype], Callable[[], object]] | None = None
+    # plain attention calls: also timed with flashtx._attention_lane off (the op's general path), same rounds
+    lane: bool = False
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Result:
     launches: int = 0
     extra: dict = field(default_factory=dict)
     floor_us: float | None = None  # Row.floor's time, same rounds
+    general_us: float | None = None  # Row.lane: the same call with the lane off, same rounds
 
     @property
     def ratio(self) -> float:
@@ -102,7 +107,7 @@ class Result:
                 "max_ratio": MAX_RATIO, "with_launch_us_per_call": self.launch_us, "iqr_us": self.ours_spread_us,
                 "baseline_iqr_us": self.base_spread_us, "launches_per_call": self.launches,
                 "met_target": self.met_target, "met_ratio": self.met_ratio, "met": self.met,
-                "floor_us_per_call": self.floor_us, **self.extra}
+                "floor_us_per_call": self.floor_us, "general_path_us_per_call": self.general_us, **self.extra}
 
 
 # ------------------------------------------------------------------------------------------- rows
@@ -309,13 +314,14 @@ def _stub(kernel, grid, args) -> None:
 
 SDPA = "F.scaled_dot_product_attention, same call"
 ROWS = [
-    Row("attention fwd (no grad)", TARGET_FWD_US, SDPA, _fwd(_attention_fwd, _sdpa_fwd)),
-    Row("attention fwd (with grad)", TARGET_FWD_US, SDPA, _attention_grad_fwd, _floor_fwd),
+    Row("attention fwd (no grad)", TARGET_FWD_US, SDPA, _fwd(_attention_fwd, _sdpa_fwd), lane=True),
+    Row("attention fwd (with grad)", TARGET_FWD_US, SDPA, _attention_grad_fwd, _floor_fwd, lane=True),
     Row("attention bwd", None, SDPA, _attention_bwd, _floor_bwd(*[(1, 2, 16, 64)] * 3)),
     Row("attention fwd+bwd", TARGET_FWD_BWD_US, SDPA, _attention_fwd_bwd, _floor_bwd(*[(1, 2, 16, 64)] * 3,
-                                                                                      fwd_too=True)),
-    Row("flash_attn_func fwd (no grad)", TARGET_FWD_US, SDPA + " (B, H, S, D) views", _flash_attn_func),
-    Row("patched SDPA fwd (no grad)", TARGET_FWD_US, "F.scaled_dot_product_attention unpatched", _patched_sdpa),
+                                                                                      fwd_too=True), lane=True),
+    Row("flash_attn_func fwd (no grad)", TARGET_FWD_US, SDPA + " (B, H, S, D) views", _flash_attn_func, lane=True),
+    Row("patched SDPA fwd (no grad)", TARGET_FWD_US, "F.scaled_dot_product_attention unpatched", _patched_sdpa,
+        lane=True),
     Row("rope q+k fwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE (transformers)", _rope_fwd),
     Row("rope q+k bwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE backward", _rope_bwd,
         _floor_bwd((1, 4, 16, 64), (1, 2, 16, 64), two_outputs=True)),
@@ -408,9 +414,11 @@ def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=No
         if n_launch == 0:
             raise RuntimeError(f"{row.name}: flashtx launched no kernel: it did not take its Triton backend")
         floor = row.floor(dev, dtype) if row.floor is not None else None
+        extra_fns = ([floor] if floor else []) + ([_without_lane(ours)] if row.lane else [])
         with stub_launches(_stub):
-            ours_t, base_t, *floor_t = time_pair([ours, base] + ([floor] if floor else []), dev, repeats, calls,
-                                                 warmup)
+            ours_t, base_t, *extra_t = time_pair([ours, base] + extra_fns, dev, repeats, calls, warmup)
+            floor_t = extra_t[:1] if floor else []
+            general_t = extra_t[-1] if row.lane else None
             if benchmark is not None:
                 was = gc.isenabled()
                 gc.disable()
@@ -435,7 +443,21 @@ def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=No
         extra["with_launch_via_jit_us_per_call"] = jit_launch_us
     ours_us, ours_iqr = _median_iqr(ours_t)
     return Result(row.name, row.target_us, row.baseline, ours_us, base_us, launch_us, ours_iqr, base_iqr, n_launch,
-                  extra, statistics.median(floor_t[0]) if floor_t else None)
+                  extra, statistics.median(floor_t[0]) if floor_t else None,
+                  statistics.median(general_t) if general_t else None)
+
+
+def _without_lane(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with flashtx._attention_lane off for the call: the op's general path (the switch costs ~0.1 us)."""
+    from flashtx import _attention_lane
+
+    def general():
+        _attention_lane.LANE = False
+        try:
+            return fn()
+        finally:
+            _attention_lane.LANE = True
+    return general
 
 
 def environment() -> dict:
@@ -484,7 +506,7 @@ def table(results: list[Result], env: dict | None = None) -> str:
     gpu = env["device"] == "cuda"
     head = ["row", "flashtx us/call", "target us", "baseline us/call", "ratio (<= 2x)"]
     head += ["with launch us/call", "launched via JITFunction.run us/call"] if gpu else []
-    head += ["no-op autograd floor us/call", "launches", "verdict"]
+    head += ["no-op autograd floor us/call", "general path us/call", "launches", "verdict"]
     lines = [f"Host overhead: {env['mode']}; {env['device']} {env.get('gpu') or env.get('cpu')}, {env['dtype']}, "
              f"torch {env['torch']}, triton {env['triton']}, flashtx {env['flashtx']} ({env.get('commit') or '?'}). "
              "Median of the rounds; nothing fails on a miss.", "",
@@ -500,11 +522,12 @@ def table(results: list[Result], env: dict | None = None) -> str:
         verdict = "met" if not misses else "MISSED: " + ", ".join(misses)
         cells = [r.name, _fmt(r.ours_us), _fmt(r.target_us, "{:.0f}"), _fmt(r.base_us), f"{r.ratio:.2f}x"]
         cells += [_fmt(r.launch_us), _fmt(r.extra.get("with_launch_via_jit_us_per_call"))] if gpu else []
-        cells += [_fmt(r.floor_us), str(r.launches), verdict]
+        cells += [_fmt(r.floor_us), _fmt(r.general_us), str(r.launches), verdict]
         lines.append("| " + " | ".join(cells) + " |")
     met = sum(r.met for r in results)
     lines += ["", f"Met {met} of {len(results)} rows (target and <= {MAX_RATIO:.0f}x baseline). The floor: the same "
-              "calls through a no-op Python autograd.Function (torch's own cost of a Python-defined op here)."]
+              "calls through a no-op Python autograd.Function (torch's own cost of a Python-defined op here). The general "
+              "path: a plain attention call with flashtx._attention_lane off (the flashtx::attn_fwd op's path)."]
     return "\n".join(lines)
 
 
