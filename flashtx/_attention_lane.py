@@ -2,24 +2,28 @@
 one dict lookup.
 
 A model calls attention with the same few signatures over and over, and most of them are plain: no mask,
-bias, window, lengths, score modifier, dropout or lse, the automatic backend or `triton`. For those, `flashtx.attention`
-and `flash_attn_func` hand their validated q, k, v to `forward` here. It keys the call on what decides its
-plan: dtype, device, shapes and strides, scale, causal alignment, layout, whether autograd records it and
-torch's TF32 switch. The entry ("lane") holds the attention forward's memoised launches (the LaunchCache
-entry that attention_forward itself would replay) and the op's arguments for the backward. A call then
-allocates out and the row statistics and fires the launches: no argument lists, no op dispatch, no planning.
+bias, window, lengths, score modifier, dropout or lse, the automatic backend or `triton`. For those,
+`flashtx.attention`, `flash_attn_func` and the patched SDPA hand their validated q, k, v to `forward` here.
+It keys the call on what decides its plan: dtype, device, shapes and strides, scale, causal alignment,
+layout, whether autograd records it, torch's TF32 switch (fp32) and the small-query route's bound. The entry
+("lane") holds the attention forward's memoised launches (the LaunchCache entry that attention_forward
+itself would replay) and the op's arguments for the backward. A call then allocates out and the row
+statistics and fires the launches: no argument lists, no op dispatch, no planning.
 
 Nothing here decides anything the general path (functional._run -> the flashtx::attn_fwd op) does not: a
 lane is made from that path's own plan (`_attention_op._plan`, which must choose `triton`) and launch
-entry, its autograd node saves what the op's saves and runs the op's backward (`_attention_op._backward`,
-through flashtx::attn_bwd), and the lanes are forgotten whenever plans or launch entries are
-(`_dispatch.clear_plans`, `LaunchCache.clear`). Every other call returns None, and the caller takes the
-general path: while anything traces (torch.compile sees the op, not this), under functorch transforms, on
-a CUDA device that is not the current one, with the launch cache off (the autotuner), strided last dims,
-empty tensors, sequences past MAX_SEQ, the small-query decode route's calls (flashtx._small_q), and
-wherever the plan is not Triton's.
+entry; its autograd node (named as the op's, AttnFwd) saves what the op's saves and runs the op's backward
+(`_attention_op._backward`, through flashtx::attn_bwd), with out as its one output (a hook on the node sees
+one gradient, not the op's three: m2 and l2 are saved, not returned); and the lanes are dropped whenever
+plans or launch entries are (`_dispatch.clear_plans`, `LaunchCache.clear`, a tuner starting), a lane made
+across a drop (another thread) included. Every other call returns None, and the caller takes the general
+path: while anything traces (torch.compile sees the op, not this), under functorch transforms, tensor
+subclasses (Parameters too), on a CUDA device that is not the current one, with the launch cache off (a
+tuner), strided last dims, empty tensors, sequences past MAX_SEQ, the small-query decode route's calls
+(flashtx._small_q), and wherever the plan is not Triton's. Refusals that the inputs alone show are not
+stored (a decode loop's growing key count would fill the table).
 
-`LANE = False` turns it off (bench/overhead.py compares the two; tests run both).
+`LANE = False` turns it off (bench/overhead.py times both; tests compare them).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 from . import _library, _small_q
 from ._attention_op import GRAD, NO_GRAD, _backward, _plan, empty_like_layout
 from ._library import _C_APPLY, _unwrap_if_dead
+from .triton_kernels import precision
 from .triton_kernels.limits import MAX_SEQ, LimitExceeded
 
 LANE = True
@@ -38,7 +43,7 @@ _FUNCTORCH = torch._C._are_functorch_transforms_active
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
         torch.float64: torch.float64}
 _NO_AUX = [None] * 8  # _attention_op.Aux, every entry None
-_allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
+_TENSOR, _F32 = torch.Tensor, torch.float32
 
 _LANES: dict = {}  # key -> _Lane, or False (the general path's call); LaunchCache.lanes once triton is loaded
 
@@ -94,11 +99,14 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
     path. backend: the caller's, None or a name (the lane serves the calls planned for `triton`)."""
     if not LANE or _COMPILING() or _DISPATCH_STACK() or _FUNCTORCH():
         return None
+    if type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR:
+        return None  # a subclass (a Parameter too) goes through the registered op
     if _library._other_device(q) is not None:
         return None  # the general path makes q's device current first (flashtx._library.call)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    key = (q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), scale, causal,
-           bottom_right, bshd, grad, _allow_tf32(), backend)
+    dtype = q.dtype
+    key = (dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), scale, causal,
+           bottom_right, bshd, grad, dtype is _F32 and precision.allow_tf32(), backend, _small_q.SMALL_Q_MAX)
     lane = _LANES.get(key)
     if lane is None:
         lane = _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend or "")
@@ -112,33 +120,39 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
 
 
 def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str):
-    """The lane for `key` (stored), False where the general path must take these calls (stored too), or None
-    where this call cannot tell (not stored)."""
+    """The lane for `key` (stored), False where the general path must take these calls after planning them
+    (stored too), or None where it must take them for what the inputs alone show, or this call cannot tell
+    (not stored: a decode loop's growing keys would fill the table)."""
     global _LANES
+    B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if bshd else (q.shape[0], q.shape[2], q.shape[1])
+    Sk = k.shape[1] if bshd else k.shape[2]
+    if not (0 < Sq <= MAX_SEQ and 0 < Sk <= MAX_SEQ and B > 0 and Hq > 0 and v.shape[3] > 0):
+        return None  # refused past MAX_SEQ, or the launcher's early returns: the general path's
+    if not grad and Sk > Sq and Sq <= _small_q.SMALL_Q_MAX:
+        return None  # the small-query decode route's (whether or not it takes them)
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return None  # the backend copies them first
     from .triton_kernels.attention_fwd import forward_entry
     from .triton_kernels.launch import LAUNCHES, _AlignedEntry
 
     if not LAUNCHES.enabled:
         return None  # the autotuner is forcing configs: every call plans afresh
+    generation = LAUNCHES.generation
     _LANES = LAUNCHES.lanes  # forgotten with the launch entries (and so with the plans)
-    lane = _build(q, k, v, scale, causal, bottom_right, bshd, grad, backend, forward_entry, _AlignedEntry)
+    lane = _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry,
+                  _AlignedEntry)
     if lane is not None:
         if len(_LANES) >= LAUNCHES.MAX_ENTRIES:
             _LANES.clear()
         _LANES[key] = lane
+        if LAUNCHES.generation != generation or not LAUNCHES.enabled:  # dropped meanwhile (another thread):
+            _LANES.pop(key, None)  # made from what may be stale now
+            return None
     return lane
 
 
-def _build(q, k, v, scale, causal, bottom_right, bshd, grad, backend, forward_entry, aligned_type):
-    B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if bshd else (q.shape[0], q.shape[2], q.shape[1])
-    Sk = k.shape[1] if bshd else k.shape[2]
+def _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry, aligned_type):
     dv = v.shape[3]
-    if not (0 < Sq <= MAX_SEQ and 0 < Sk <= MAX_SEQ and B > 0 and Hq > 0 and dv > 0):
-        return False  # refused past MAX_SEQ, or the launcher's early returns: the general path's
-    if not grad and Sk > Sq and Sq <= _small_q.SMALL_Q_MAX:
-        return False  # the small-query decode route's (whether or not it takes them)
-    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
-        return False  # the backend copies them first
     ints = [int(causal), int(bottom_right), -1, -1, 0, 0, GRAD if grad else NO_GRAD, int(bshd)]  # _attention_op.Ints
     floats = [scale, 0.0, 0.0]  # _attention_op.Floats
     if _plan(q, k, v, None, _NO_AUX, ints, floats, backend, True) != "triton":  # raises as the op would

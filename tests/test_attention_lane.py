@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import flashtx
-from flashtx import _attention_lane, _dispatch, reference
-from flashtx.triton_kernels import autotune, launch
+from flashtx import _attention_lane, _dispatch, _small_q, reference
+from flashtx.triton_kernels import autotune, launch, precision
 from flashtx.triton_kernels.configs import TileConfig
 
 from conftest import DEVICE, PRECISE_DTYPE, poisoned_allocations, precise_atol, randn
@@ -117,8 +117,7 @@ def test_the_lane_launches_what_the_op_launches(monkeypatch):
     want = _launches(run)  # the op's, TF32 off (torch's default)
     monkeypatch.setattr(_attention_lane, "LANE", True)
     for tf32 in (False, True, False):
-        monkeypatch.setattr(launch, "_allow_tf32", lambda: tf32)
-        monkeypatch.setattr(_attention_lane, "_allow_tf32", lambda: tf32)
+        monkeypatch.setattr(precision, "allow_tf32", lambda: tf32)
         _launches(run)  # makes the lane (a miss)
         got = _launches(run)
         assert len(got) == len(want) == 1
@@ -223,3 +222,96 @@ def test_lanes_are_forgotten_with_the_plans_and_made_by_no_tuner(gpu_target, lan
         flashtx.attention(q, q, q, is_causal=True)
         assert len(_attention_lane._LANES) == 0
     assert blocks == [(16, 16), (16, 16)] and len(lane_runs) == 2
+
+
+class _Logged(torch.Tensor):
+    """A __torch_function__ subclass that records what it sees."""
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_tensor_subclasses_go_through_the_registered_op(lane_runs):
+    """flash_attn_func takes subclasses (isinstance checks): they run the op (its own dispatch, which a subclass
+    sees), never a lane a plain call of that signature made; and a call with Parameters leaves the signature's
+    lane to plain calls (review: the first made a stored refusal that kept every later plain call out)."""
+    x = [randn(1, 20, 2, 16, dtype=PRECISE_DTYPE) for _ in range(3)]
+    flashtx.flash_attn_func(*x)  # makes the lane
+    _Logged.seen.clear()
+    out = flashtx.flash_attn_func(*(t.as_subclass(_Logged) for t in x))
+    assert any("attn_fwd" in s for s in _Logged.seen) and type(out) is _Logged and len(lane_runs) == 1
+    _dispatch.clear_plans()
+    params = [torch.nn.Parameter(t.clone()) for t in x]
+    flashtx.flash_attn_func(*params).sum().backward()
+    assert len(lane_runs) == 1 and all(p.grad is not None for p in params)
+    for t in x:
+        t.requires_grad_()
+    flashtx.flash_attn_func(*x)
+    assert len(lane_runs) == 2
+
+
+def test_torchs_newer_tf32_api_is_read(monkeypatch, lane_runs):
+    """torch.backends.cuda.matmul.fp32_precision = "tf32" (torch >= 2.9's API) makes torch's old allow_tf32
+    getter raise: fp16/fp64 calls must not read it (review: the lane's key did, for every dtype), and fp32
+    calls follow the new switch."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has only allow_tf32")
+    prev = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        q = randn(1, 2, 20, 16, dtype=PRECISE_DTYPE)
+        for _ in range(2):
+            out = flashtx.attention(q, q, q)
+        assert (out - reference.attention(q, q, q)).abs().max() < precise_atol(1e-12) and len(lane_runs) == 2
+        x = randn(1, 2, 20, 16)  # float32
+        assert precision.dot_precision(torch.float32) == "tf32"
+        flashtx.attention(x, x, x)
+        precs = []
+        with launch.stub_launches(lambda kernel, grid, args: precs.append(args["DOT_PREC"])):
+            flashtx.attention(x, x, x)
+        assert precs == ["tf32"] and len(lane_runs) == 4
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = prev
+    assert precision.dot_precision(torch.float32) == ("tf32" if prev == "tf32" else "ieee")
+
+
+def test_the_small_query_bound_is_read_per_call(monkeypatch, routes):
+    """A no-grad call of 20 queries over 30 keys takes a lane; with the small-query route's bound raised past 20,
+    the same signature goes to the decode kernels, as the general path sends it."""
+    q = randn(1, 20, 2, 16, dtype=PRECISE_DTYPE).transpose(1, 2)  # (B, S, H, D) memory: the route's layout
+    k = randn(1, 2, 30, 16, dtype=PRECISE_DTYPE)
+    flashtx.attention(q, k, k)
+    monkeypatch.setattr(_small_q, "SMALL_Q_MAX", 32)
+    out = flashtx.attention(q, k, k)
+    assert routes == ["train", "decode"]
+    assert (out - reference.attention(q, k, k)).abs().max() < precise_atol(1e-12)
+
+
+def test_a_lane_made_across_a_clear_is_not_kept(monkeypatch, lane_runs):
+    """Another thread's clear_plans (here inside the lane's making, after it read the launch entry) drops what
+    the lane was made from: the lane is not kept, and later calls are planned afresh (a flag that clear_plans
+    made effective, split head dims, is what they launch)."""
+    from flashtx.triton_kernels import attention_fwd
+
+    q = randn(1, 2, 20, 48, dtype=PRECISE_DTYPE)  # head dim 48: one tile of 64, or (32, 16) split
+    real = attention_fwd.forward_entry
+
+    def entry_then_another_thread_clears(*a, **kw):
+        e = real(*a, **kw)
+        monkeypatch.setattr(launch, "SPLIT_HEAD_DIMS", True)
+        _dispatch.clear_plans()
+        return e
+
+    monkeypatch.setattr(attention_fwd, "forward_entry", entry_then_another_thread_clears)
+    out = flashtx.attention(q, q, q)
+    monkeypatch.setattr(attention_fwd, "forward_entry", real)
+    assert len(_attention_lane._LANES) == 0 and lane_runs == []
+    assert (out - reference.attention(q, q, q)).abs().max() < precise_atol(1e-12)
+    blocks = []
+    with launch.stub_launches(lambda kernel, grid, args: blocks.append((args["BLOCK_DQK"], args["BLOCK_DQK2"]))):
+        flashtx.attention(q, q, q)
+        flashtx.attention(q, q, q)
+    assert blocks == [(32, 16), (32, 16)] and len(lane_runs) == 2  # a new lane, made now

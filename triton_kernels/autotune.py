@@ -281,7 +281,7 @@ def _tuning_block():
     with _active_lock:
         _active += 1
         LAUNCHES.enabled = False
-        LAUNCHES.lanes.clear()  # per-signature plans (flashtx._attention_lane) are not made while this is off
+        LAUNCHES.drop_lanes()  # per-signature plans (flashtx._attention_lane) are neither used nor made meanwhile
     try:
         yield
     finally:

@@ -15,6 +15,7 @@ import torch
 import triton.language as tl
 
 from .configs import INTERPRETER_TARGET, Target, TileConfig, cuda_target, interpreter_active
+from .precision import dot_precision  # noqa: F401 (the launchers import it from here)
 
 # Accumulator dtype per input dtype: fp32 for the half types and fp32, fp64 for fp64 (tests).
 ACC_DTYPE = {
@@ -118,9 +119,14 @@ class LaunchCache:
         self.enabled = True  # off while the autotuner forces configs (triton_kernels/autotune.py)
         # callers' own memos of entries (flashtx._attention_lane's per-signature plans), forgotten with them
         self.lanes: dict = {}
+        self.generation = 0  # counts drop_lanes(): a memo made from entries read before one is not kept
 
     def clear(self) -> None:
+        self.drop_lanes()
         self.entries.clear()
+
+    def drop_lanes(self) -> None:
+        self.generation += 1  # first: a lane being made now (another thread) sees it after it stores itself
         self.lanes.clear()
 
     def run(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0) -> None:
@@ -170,8 +176,8 @@ class LaunchCache:
 
     def _store(self, sig: tuple, entry) -> None:
         if len(self.entries) >= self.MAX_ENTRIES:
+            self.drop_lanes()
             self.entries.clear()
-            self.lanes.clear()
         self.entries[sig] = entry
 
 
@@ -389,18 +395,6 @@ def split_f32(x: float) -> tuple[float, float]:
     need lo, the rest use hi alone. x must be within float32's range (validation refuses others)."""
     hi = _F32.unpack(_F32.pack(x))[0]
     return hi, _F32.unpack(_F32.pack(x - hi))[0]
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot input precision: fp32 inputs follow torch's TF32 switch, like torch.matmul does."""
-    if dtype == torch.float32 and _allow_tf32():
-        return "tf32"
-    return "ieee"
-
-
-# torch.backends.cuda.matmul.allow_tf32 reads this getter through a module __getattr__ (~0.5 us a call
-# against 0.06 us): read it directly when this torch has it.
-_allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
 
 
 def cdiv(a: int, b: int) -> int:
