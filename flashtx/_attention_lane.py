@@ -40,8 +40,6 @@ LANE = True
 _COMPILING = torch.compiler.is_compiling
 _DISPATCH_STACK = torch._C._len_torch_dispatch_stack
 _FUNCTORCH = torch._C._are_functorch_transforms_active
-_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
-        torch.float64: torch.float64}
 _NO_AUX = [None] * 8  # _attention_op.Aux, every entry None
 _TENSOR, _F32 = torch.Tensor, torch.float32
 
@@ -133,14 +131,14 @@ def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str):
     if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return None  # the backend copies them first
     from .triton_kernels.attention_fwd import forward_entry
-    from .triton_kernels.launch import LAUNCHES, _AlignedEntry
+    from .triton_kernels.launch import LAUNCHES, TORCH_ACC_DTYPE, _AlignedEntry
 
     if not LAUNCHES.enabled:
         return None  # the autotuner is forcing configs: every call plans afresh
     generation = LAUNCHES.generation
     _LANES = LAUNCHES.lanes  # forgotten with the launch entries (and so with the plans)
     lane = _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry,
-                  _AlignedEntry)
+                  _AlignedEntry, TORCH_ACC_DTYPE[q.dtype])
     if lane is not None:
         if len(_LANES) >= LAUNCHES.MAX_ENTRIES:
             _LANES.clear()
@@ -151,14 +149,13 @@ def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str):
     return lane
 
 
-def _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry, aligned_type):
+def _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry, aligned_type, acc):
     dv = v.shape[3]
     ints = [int(causal), int(bottom_right), -1, -1, 0, 0, GRAD if grad else NO_GRAD, int(bshd)]  # _attention_op.Ints
     floats = [scale, 0.0, 0.0]  # _attention_op.Floats
     if _plan(q, k, v, None, _NO_AUX, ints, floats, backend, True) != "triton":  # raises as the op would
         return False
     out = empty_like_layout(q, dv)
-    acc = _ACC[q.dtype]
     m2 = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
     try:
         entry = forward_entry(q, k, v, out, m2, torch.empty_like(m2), scale=scale, causal=causal,

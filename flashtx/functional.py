@@ -116,6 +116,15 @@ def _no_window(window) -> bool:
     return window is _NO_WINDOW or (type(window) is tuple and window == _NO_WINDOW)
 
 
+def _plain(mask, causal, extra_outputs, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p, softcap,
+           window) -> bool:
+    """Whether a padded shell's call has only default options (no mask or bias, a bool causal, no lse or probs,
+    none of the keyword masks, lengths, ALiBi, dropout, softcap or window): flashtx._attention_lane's calls."""
+    return (mask is None and type(causal) is bool and not extra_outputs and key_mask is None and query_mask is None
+            and kv_lens is None and q_lens is None and alibi_slopes is None and type(dropout_p) is float
+            and dropout_p == 0.0 and type(softcap) is float and softcap == 0.0 and _no_window(window))
+
+
 def _padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens) -> dict:
     """Validated padding/window keywords of _run for batch B, sequence lengths Sq, Sk and query q (its
     device)."""
@@ -193,10 +202,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in ALLOWED_DTYPES
             and (backend is None or type(backend) is str) and _qkv_ok(query, key, value, bool(enable_gqa))):
         q, k, v = query, key, value  # the common case (plain 4-D tensors that check_qkv passes), in ints and bools
-        if (attn_mask is None and type(is_causal) is bool and not return_lse and key_mask is None
-                and query_mask is None and kv_lens is None and q_lens is None and alibi_slopes is None
-                and type(dropout_p) is float and dropout_p == 0.0 and type(softcap) is float and softcap == 0.0
-                and _no_window(window_size)):
+        if _plain(attn_mask, is_causal, return_lse, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p,
+                  softcap, window_size):
             out = _attention_lane.forward(q, k, v, resolve_scale("scale", scale, q.shape[3]), is_causal, False,
                                           False, backend)  # the plain call, planned once per signature
             if out is not None:
@@ -310,10 +317,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
     scale = resolve_scale("softmax_scale", softmax_scale, D)
-    if (attn_bias is None and (backend is None or type(backend) is str) and type(causal) is bool
-            and not return_attn_probs and key_mask is None and query_mask is None and kv_lens is None
-            and q_lens is None and alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0
-            and type(softcap) is float and softcap == 0.0 and _no_window(window_size)):
+    if (backend is None or type(backend) is str) and _plain(attn_bias, causal, return_attn_probs, key_mask, query_mask,
+                                                            kv_lens, q_lens, alibi_slopes, dropout_p, softcap,
+                                                            window_size):
         out = _attention_lane.forward(q, k, v, scale, causal, True, True, backend)  # planned once per signature
         if out is not None:
             return out
