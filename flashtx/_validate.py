@@ -30,13 +30,14 @@ def _check_layout(name: str, t) -> None:
 
 def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
     """True when check_qkv passes: its common case, decided with ints and bools before any message is built.
-    heads: the heads dim, 1 for (B, H, S, D) tensors, 2 for (B, S, H, D) ones (check_qkv's views of them)."""
+    heads: the heads dim, 1 for (B, H, S, D) tensors, 2 for (B, S, H, D) ones (check_qkv's views of them).
+    One K/V head serves every query head without allow_gqa too: SDPA broadcasts it so."""
     qs, ks, vs = q.shape, k.shape, v.shape
     h, s = heads, 3 - heads
     return (q.layout is _STRIDED and k.layout is _STRIDED and v.layout is _STRIDED
             and q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and ks[0] == qs[0] == vs[0]
             and ks[h] == vs[h] and ks[s] == vs[s] and ks[3] == qs[3] and qs[3] > 0 and vs[3] > 0
-            and (qs[h] == ks[h] or (allow_gqa and ks[h] > 0 and qs[h] % ks[h] == 0)))
+            and (qs[h] == ks[h] or ks[h] == 1 or (allow_gqa and ks[h] > 0 and qs[h] % ks[h] == 0)))
 
 
 def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: bool, gqa_hint: str = "") -> None:
@@ -71,7 +72,7 @@ def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: b
         if Hkv == 0 or Hq % Hkv != 0:
             raise ValueError(f"the number of {nq} heads ({Hq}) must be a multiple of the number of {nk}/{nv} "
                              f"heads ({Hkv}): {shapes()}, layout {layout}")
-        if not allow_gqa:
+        if not allow_gqa and Hkv != 1:  # one K/V head broadcasts over the query heads, as in SDPA
             raise ValueError(f"{nq} has {Hq} heads but {nk}/{nv} have {Hkv}: {shapes()}, layout {layout}. "
                              f"{gqa_hint}")
     if D == 0 or v.shape[3] == 0:
@@ -115,15 +116,32 @@ def check_flag(name: str, v) -> bool:
 
 def check_window(name: str, window) -> tuple[int, int]:
     """(left, right) ints >= -1, as flash-attn's window_size; a bound >= MAX_SEQ (2**29, longer than any
-    sequence the kernels take) becomes -1, which it equals: the kernels add bounds to positions in int32."""
+    sequence the kernels take) becomes -1, which it equals: the kernels add bounds to positions in int32.
+    A (2,) integer tensor, or a pair of one-element ones, is read as its values (flash-attn's own tests pass
+    window sizes so; a device tensor costs a host sync)."""
+    if isinstance(window, torch.Tensor):
+        if window.dtype.is_floating_point or window.dtype.is_complex or window.dtype == torch.bool or (
+                window.shape != (2,)):
+            raise TypeError(f"{name} must be a pair (left, right) of ints >= -1; got a {window.dtype} tensor of "
+                            f"shape {tuple(window.shape)}")
+        window = window.tolist()
     try:
         left, right = window
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a pair (left, right) of ints >= -1; got {window!r}") from None
+    left, right = _int_item(left), _int_item(right)
     for x in (left, right):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < -1:
             raise ValueError(f"{name} must be a pair (left, right) of ints >= -1 (-1 = unbounded); got {window!r}")
     return (-1 if left >= MAX_SEQ else int(left)), (-1 if right >= MAX_SEQ else int(right))
+
+
+def _int_item(x):
+    """A one-element integer tensor as its Python int; anything else as it is (check_window judges it)."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not (
+            x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
+        return x.item()
+    return x
 
 
 def check_seq_mask(name: str, m, batch: int, seqlen: int, q) -> torch.Tensor | None:
@@ -227,10 +245,10 @@ def _values_readable(t: torch.Tensor) -> bool:
 
 
 def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name: str, max_seqlen,
-                            max_name: str | None) -> None:
-    """cu (nseq + 1,) starts at 0, never decreases, ends at `total`, and no sequence is longer than
-    max_seqlen (when max_name is given). A wrong value would make the kernels read or write out of
-    bounds, or leave rows unwritten.
+                            max_name: str | None, exact: bool = True) -> None:
+    """cu (nseq + 1,) starts at 0, never decreases, ends at `total` (at most `total` when not exact: rows
+    gathered for a paged cache), and no sequence is longer than max_seqlen (when max_name is given). A wrong
+    value would make the kernels read or write out of bounds, or leave rows unwritten.
 
     CPU tensors are checked here, with an error naming the first bad entry. On a GPU the check
     runs on the device without a host sync, through torch._assert_async: a bad value stops the
@@ -241,21 +259,23 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name:
     if cu.device.type == "meta":
         return
     if not _values_readable(cu):
-        ok = (cu[0] == 0) & (cu[-1] == total) & (lens >= 0).all()
+        ok = (cu[0] == 0) & ((cu[-1] == total) if exact else (cu[-1] <= total)) & (lens >= 0).all()
         if max_name is not None and lens.numel():
             ok = ok & (lens.max() <= max_seqlen)
-        torch._assert_async(ok, f"flashtx: {name} must start at 0, never decrease and end at {total_name} = "
-                                f"{total}" + (f", with no sequence longer than {max_name}" if max_name else ""))
+        torch._assert_async(ok, f"flashtx: {name} must start at 0, never decrease and end at "
+                                f"{'' if exact else 'most '}{total_name} = {total}" + (f", with no sequence longer than {max_name}" if max_name else ""))
         return
-    allowed = f"cumulative sequence lengths starting at 0, non-decreasing, ending at {total_name} = {total}"
+    allowed = (f"cumulative sequence lengths starting at 0, non-decreasing, ending at {'' if exact else 'most '}"
+               f"{total_name} = {total}")
     if int(cu[0]) != 0:
         raise ValueError(f"{name}[0] must be 0 ({allowed}); got {int(cu[0])}")
     if lens.numel() and int(lens.min()) < 0:
         i = int((lens < 0).nonzero()[0])
         raise ValueError(f"{name} must be non-decreasing ({allowed}); got {name}[{i}] = {int(cu[i])} > "
                          f"{name}[{i + 1}] = {int(cu[i + 1])}")
-    if int(cu[-1]) != total:
-        raise ValueError(f"{name}[-1] must equal {total_name} = {total} ({allowed}); got {int(cu[-1])}")
+    if (int(cu[-1]) != total) if exact else (int(cu[-1]) > total):
+        raise ValueError(f"{name}[-1] must {'equal' if exact else 'be at most'} {total_name} = {total} ({allowed}); "
+                         f"got {int(cu[-1])}")
     if max_name is not None and lens.numel():
         longest = int(lens.max())
         m = int(max_seqlen) if not isinstance(max_seqlen, torch.Tensor) or _values_readable(max_seqlen) else None

@@ -49,14 +49,14 @@ def _check_like(name: str, t, dims: int, q: Tensor, shape_doc: str) -> None:
         raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
 
 
-def _check_values(ok: Tensor, readable: bool, message, name: str) -> None:
-    """Raise ValueError(message()) where `ok` (a bool tensor) has a False; on a GPU or while tracing,
-    a device-side assert (torch._assert_async) instead of a host sync."""
+def _check_values(ok: Tensor, readable: bool, message, name: str, where: str = "flash_attn_with_kvcache") -> None:
+    """Raise ValueError(message(ok)) where `ok` (a bool tensor) has a False; on a GPU or while tracing,
+    a device-side assert (torch._assert_async) naming flashtx.<where> and `name` instead of a host sync."""
     if readable:
         if not bool(ok.all()):
             raise ValueError(message(ok))
     else:
-        torch._assert_async(ok.all(), f"flashtx.flash_attn_with_kvcache: {name} out of range")
+        torch._assert_async(ok.all(), f"flashtx.{where}: {name} out of range")
 
 
 def _check_writable_caches(k_cache: Tensor, v_cache: Tensor, paged: bool) -> None:

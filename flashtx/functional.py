@@ -272,8 +272,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             in eval). Philox in the kernel, seeded from torch's generator; regenerated in backward.
         softmax_scale: default 1/sqrt(D).
         causal: causal mask aligned bottom-right, as flash-attn >= 2.1: query i sees keys
-            j <= i + Sk - Sq. When Sq > Sk, the first Sq - Sk rows see no key: their output is 0
-            (and their lse -inf), as in flash-attn.
+            j <= i + Sk - Sq. When Sq > Sk, the first Sq - Sk rows see no key: their output is 0, as
+            in flash-attn, and their lse -inf (flash-attn 2 writes +inf; -inf merges by lse correctly).
         window_size: (left, right) sliding window as flash-attn, -1 = unbounded: query i sees
             keys i + Sk - Sq - left <= j <= i + Sk - Sq + right; causal sets right = 0. Key tiles
             outside the window are skipped, so the cost scales with the window.
@@ -334,7 +334,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, *, backend=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, backend=None):
     """Drop-in for flash-attn 2's ``flash_attn_varlen_func``: packed variable-length sequences.
 
     Args:
@@ -353,6 +353,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             backend: as flash_attn_func, per sequence.
         return_attn_probs: also return (softmax_lse (Hq, total_q), probs (nseq, Hq, max_seqlen_q,
             max_seqlen_k)), as flash-attn, for tests (tensor max_seqlens are then read: a host sync).
+        block_table: None, or (nseq, max_pages_per_seq) int32 for keys and values in a paged cache, as
+            flash-attn >= 2.6: k, v are then (num_blocks, page_block_size, Hkv, D|Dv) and position j of
+            sequence b (cu_seqlens_k[b+1] - cu_seqlens_k[b] keys) is row j % page_block_size of page
+            block_table[b, j // page_block_size]; any page size. The pages in use are gathered into
+            packed rows first (flashtx._paged_varlen: one gather of nseq * max_pages_per_seq *
+            page_block_size rows, no host sync), then the call runs as an unpaged one.
 
     Returns:
         out (total_q, Hq, Dv) in q's dtype (under torch.autocast the autocast dtype, as attention's).
@@ -362,6 +368,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if _AUTOCAST_ANY() and isinstance(q, torch.Tensor):
         q, k, v = _autocast(q.device.type, q, k, v)
+    if block_table is not None:  # keys and values from a paged cache: gathered into packed rows
+        from ._paged_varlen import unpage
+        check_tensor("q", q)
+        k, v = unpage(k, v, block_table, check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q), q)
     for n, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(n, t)
         if t.dim() != 3:
@@ -378,7 +388,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     msq, msk = (check_max_seqlen("max_seqlen_q", max_seqlen_q, q.device),
                 check_max_seqlen("max_seqlen_k", max_seqlen_k, q.device))
     check_cu_seqlens_values("cu_seqlens_q", cuq, q.shape[0], "total_q (q.shape[0])", msq, "max_seqlen_q")
-    check_cu_seqlens_values("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])", msk, "max_seqlen_k")
+    check_cu_seqlens_values("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])" if block_table is None else
+                            "the rows block_table can hold", msk, "max_seqlen_k", exact=block_table is None)
     if return_attn_probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
         msq, msk = int(msq), int(msk)
     # The kernels' grids span max_seqlen rows per sequence: bounded by the total (a larger bound only adds
@@ -399,13 +410,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return res[0]  # (total_q, Hq, Dv)
 
 
-def unpad_input(hidden_states, attention_mask):
+def unpad_input(hidden_states, attention_mask, unused_mask=None):
     """flash-attn's ``bert_padding.unpad_input``: padded (B, S, ...) -> packed (total, ...).
 
     attention_mask: (B, S) bool or int, nonzero = real token (any position: left padding too).
+    unused_mask: None or (B, S) bool or int, nonzero = a slot that is allocated but unused: packed too
+        (as flash-attn's), and counted in cu_seqlens and max_seqlen but not in seqused.
     Returns (packed (total, ...), indices (total,) int64 into the flattened (B * S) positions,
-    cu_seqlens (B + 1,) int32, max_seqlen int (one device sync), seqlens (B,) int32).
-    Differentiable in hidden_states.
+    cu_seqlens (B + 1,) int32, max_seqlen int (one device sync), seqused (B,) int32: the tokens
+    attention_mask selects). Differentiable in hidden_states.
     """
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
         got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
@@ -418,12 +431,23 @@ def unpad_input(hidden_states, attention_mask):
         raise ValueError(f"attention_mask must be on hidden_states' device {hidden_states.device}; got "
                          f"{attention_mask.device}")
     real = attention_mask != 0  # (B, S) bool: counts and positions agree for any mask dtype
-    seqlens = real.sum(dim=-1, dtype=torch.int32)  # (B,)
+    seqused = real.sum(dim=-1, dtype=torch.int32)  # (B,)
+    seqlens = seqused
+    if unused_mask is not None:
+        if not isinstance(unused_mask, torch.Tensor) or tuple(unused_mask.shape) != (B, S):
+            got = tuple(unused_mask.shape) if isinstance(unused_mask, torch.Tensor) else type(unused_mask).__name__
+            raise ValueError(f"unused_mask must be None or a (B, S) = ({B}, {S}) tensor (nonzero = allocated but "
+                             f"unused); got {got}")
+        if unused_mask.device != hidden_states.device:
+            raise ValueError(f"unused_mask must be on hidden_states' device {hidden_states.device}; got "
+                             f"{unused_mask.device}")
+        real = real | (unused_mask != 0)  # (B, S)
+        seqlens = real.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(real.flatten(), as_tuple=False).flatten()
     max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
     flat = hidden_states.reshape(-1, *hidden_states.shape[2:])  # (B * S, ...)
-    return flat[indices], indices, cu_seqlens, max_seqlen, seqlens
+    return flat[indices], indices, cu_seqlens, max_seqlen, seqused
 
 
 def pad_input(hidden_states, indices, batch, seqlen):

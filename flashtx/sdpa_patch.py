@@ -39,10 +39,10 @@ def _heads(t: torch.Tensor) -> int:
     return t.shape[-3] if t.dim() >= 3 else 1
 
 
-def _plain(query, key, value, attn_mask, dropout_p, enable_gqa) -> bool:
+def _plain(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
     """The common call, checked in ints and bools: plain 4-D tensors of one allowed dtype and device that
-    flashtx.attention's checks pass, no attn_mask, no dropout, no empty sequence."""
-    return (attn_mask is None and type(query) is torch.Tensor and type(key) is torch.Tensor
+    flashtx.attention's checks pass, no attn_mask, no dropout, a bool is_causal, no empty sequence."""
+    return (attn_mask is None and type(is_causal) is bool and type(query) is torch.Tensor and type(key) is torch.Tensor
             and type(value) is torch.Tensor and not (query.is_nested or key.is_nested or value.is_nested)
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in _DTYPES
             and (dropout_p == 0.0 if type(dropout_p) is float or type(dropout_p) is int else False)
@@ -68,7 +68,7 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
     if scale is not None and not scale_ok(scale):
         return _SCALE_REASON
-    if _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
+    if _plain(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         return _plain_reason(query, key, value)
     return _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
 
@@ -77,6 +77,8 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     """unsupported_reason, every check in turn (the _plain shortcut agrees with it: tests/test_patch_sdpa.py)."""
     if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
         return "query, key and value must all be tensors"
+    if not (type(is_causal) is bool or isinstance(is_causal, torch.SymBool)):  # torch raises for "no", 1, None
+        return "is_causal must be a bool" + _TORCH_ERROR
     if query.is_nested or key.is_nested or value.is_nested:
         return "nested (jagged) tensors are not supported"
     if not (query.layout is key.layout is value.layout is torch.strided):
@@ -94,7 +96,9 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if min(query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]) == 0:
         return "empty sequence or head dim"
     hq, hkv = _heads(query), _heads(key)
-    if hq != hkv and not (enable_gqa and hq % hkv == 0):
+    if hkv == 0:
+        return "key/value have no heads"
+    if hq != hkv and hkv != 1 and not (enable_gqa and hq % hkv == 0):  # one K/V head broadcasts, as in torch
         return "query and key/value head counts differ without enable_gqa" + _TORCH_ERROR
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         return "dropout_p must be a number in [0, 1)"
@@ -155,10 +159,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
     if scale is not None and not scale_ok(scale):
         reason = _SCALE_REASON
-    elif _plain(query, key, value, attn_mask, dropout_p, enable_gqa):
+    elif _plain(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         reason = _plain_reason(query, key, value)
         if reason is None:  # flashtx.attention's own paths for this call, its checks already made here
-            scale, is_causal = resolve_scale("scale", scale, query.shape[3]), bool(is_causal)
+            scale = resolve_scale("scale", scale, query.shape[3])
             out = _attention_lane.forward(query, key, value, scale, is_causal, False, False)
             if out is not None:
                 return out
@@ -178,7 +182,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         kw["attn_mask"] = attn_mask
     if dropout_p > 0:
         kw["dropout_p"] = dropout_p
-    return functional.attention(query, key, value, is_causal=bool(is_causal), scale=scale,
+    return functional.attention(query, key, value, is_causal=is_causal, scale=scale,
                                 enable_gqa=bool(enable_gqa), **kw)
 
 

@@ -107,6 +107,19 @@ def test_bad_input_gets_a_clear_error(make_call, exc, pattern):
         make_call()
 
 
+def test_one_key_value_head_broadcasts_without_enable_gqa():
+    """SDPA broadcasts K/V with one head over every query head, enable_gqa or not: so does flashtx.attention (the
+    same kernels as the MQA call, bit for bit), through its general path and a plain call's lane alike."""
+    q, k, v = (randn(2, h, 7, 16, requires_grad=True) for h in (4, 1, 1))
+    for kw in (dict(is_causal=True), dict(attn_mask=torch.rand(7, 7, device=DEVICE) > 0.3)):
+        want = flashtx.attention(q, k, v, enable_gqa=True, **kw)
+        got = flashtx.attention(q, k, v, **kw)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        g = torch.randn_like(got)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_mixed_devices_error():
     q, k, v = qkv(device="cpu")
     meta = torch.empty(k.shape, device="meta")

@@ -127,12 +127,46 @@ def test_gqa_and_scale_are_passed(calls):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_one_key_value_head_broadcasts_without_enable_gqa(calls):
+    """SDPA broadcasts K/V with one head over the query heads (no enable_gqa needed): flashtx runs it as MQA."""
+    q, k, v = randn(2, 4, 6, 8, requires_grad=True), randn(2, 1, 7, 8, requires_grad=True), randn(2, 1, 7, 8,
+                                                                                                   requires_grad=True)
+    want = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=True)
+    eager = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with flashtx.patch_sdpa():
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert calls == [(2, 4, 6, 8)]
+    assert_close_to_reference("out", got, want, eager)
+    g = torch.randn_like(got)
+    for name, a, w, e in zip("qkv", torch.autograd.grad(got, (q, k, v), g),
+                             torch.autograd.grad(want, (q, k, v), g.double()), torch.autograd.grad(eager, (q, k, v), g)):
+        assert_close_to_reference(f"d{name}", a, w, e, grad=True)
+
+
+@pytest.mark.parametrize("is_causal", ["no", "False", 1, 0, None])
+def test_a_non_bool_is_causal_gets_torchs_error(is_causal, calls):
+    """torch's SDPA refuses is_causal="no" (truthy) with a TypeError; the patch must not run it as causal."""
+    q = randn(1, 2, 5, 8)
+    with pytest.raises(TypeError):
+        F.scaled_dot_product_attention(q, q, q, is_causal=is_causal)
+    with flashtx.patch_sdpa(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(TypeError):
+            F.scaled_dot_product_attention(q, q, q, is_causal=is_causal)
+        with pytest.raises(TypeError):  # with a mask too
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool, device=DEVICE),
+                                           is_causal=is_causal)
+    assert calls == []
+
+
 FALLBACKS = {  # id: (make inputs -> (args, kwargs), reason the warning names)
     "broadcast-batch": (lambda: ((randn(2, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)), {}),
                         "broadcasting batch dims"),
     "rank-mismatch": (lambda: ((randn(2, 2, 5, 8), randn(5, 8), randn(5, 8)), {}), "query, key, value must have the same rank"),
     "unbatched-key": (lambda: ((randn(2, 2, 5, 8), randn(2, 5, 8), randn(2, 5, 8)), {}),
                       "query, key, value must have the same rank"),
+    "no-kv-heads": (lambda: ((randn(1, 2, 4, 8), randn(1, 0, 4, 8), randn(1, 0, 4, 8)), dict(enable_gqa=True)),
+                    "key/value have no heads"),
     # scales torch takes and flashtx's float32 kernels do not (a plain call, and one with a mask)
     "scale-tiny": (lambda: ((randn(1, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)), dict(scale=1e-40)),
                    r"a scale outside flashtx's range"),
@@ -217,6 +251,8 @@ PLAIN_CASES = {  # 4-D calls without attn_mask or dropout: the patch's shortcut 
     "mha": lambda: (randn(2, 2, 5, 8), randn(2, 2, 7, 8), randn(2, 2, 7, 8), False),
     "gqa": lambda: (randn(1, 4, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8), True),
     "gqa-without-enable_gqa": lambda: (randn(1, 4, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8), False),
+    "one-kv-head": lambda: (randn(1, 4, 5, 8), randn(1, 1, 5, 8), randn(1, 1, 5, 8), False),  # broadcast, as SDPA
+    "no-kv-heads": lambda: (randn(1, 4, 5, 8), randn(1, 0, 5, 8), randn(1, 0, 5, 8), True),
     "dv-differs": lambda: (randn(1, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 16), False),
     "d-mismatch": lambda: (randn(1, 2, 5, 8), randn(1, 2, 5, 4), randn(1, 2, 5, 4), False),
     "dtype-mismatch": lambda: (randn(1, 2, 5, 8), randn(1, 2, 5, 8).double(), randn(1, 2, 5, 8), False),
@@ -233,8 +269,9 @@ def test_plain_call_shortcut_agrees_with_every_check(case):
     runs flashtx without them); where it declines, the full checks decide, as before."""
     q, k, v, gqa = PLAIN_CASES[case]()
     full = sdpa_patch._full_reason(q, k, v, None, 0.0, True, gqa)
-    if sdpa_patch._plain(q, k, v, None, 0.0, gqa):
+    if sdpa_patch._plain(q, k, v, None, 0.0, True, gqa):
         assert full is None and sdpa_patch._plain_reason(q, k, v) is None
     assert sdpa_patch.unsupported_reason(q, k, v, None, 0.0, True, None, gqa) == full
-    expected_plain = case in ("mha", "gqa", "dv-differs", "strided")
-    assert sdpa_patch._plain(q, k, v, None, 0.0, gqa) == expected_plain
+    expected_plain = case in ("mha", "gqa", "one-kv-head", "dv-differs", "strided")
+    assert sdpa_patch._plain(q, k, v, None, 0.0, True, gqa) == expected_plain
+    assert not sdpa_patch._plain(q, k, v, None, 0.0, 1, gqa)  # a non-bool is_causal: torch's error

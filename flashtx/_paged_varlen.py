@@ -1,0 +1,79 @@
+"""flash_attn_varlen_func's `block_table`: keys and values read from a paged cache, as flash-attn >= 2.6 does.
+
+The pages a call uses are gathered into packed (rows, Hkv, D) keys and values laid out as cu_seqlens_k says,
+and the varlen kernels run on those: the same kernels, masks and checks as an unpaged call. That costs one
+gather (O(B * max_pages * page_size) rows: never an Sq x Sk tensor) and no host sync. Decoding over a paged
+cache has its own kernels, which read the pages in place: flashtx.flash_attn_with_kvcache(block_table=...).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._validate import _values_readable, check_tensor
+from .decode import _check_values
+
+
+def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.Tensor):
+    """(k, v) packed (B * capacity, Hkv, D|Dv) from paged caches (num_blocks, page_block_size, Hkv, D|Dv): row
+    cu_seqlens_k[b] + j holds position j of sequence b, i.e. row j % page_block_size of page
+    block_table[b, j // page_block_size]. capacity = max_pages_per_seq * page_block_size. Rows past
+    cu_seqlens_k[-1] are filler (row 0 of page 0) that no sequence reads.
+
+    block_table: (B, max_pages_per_seq) int32 (or int64) on q's device, B = cu_seqlens_k.shape[0] - 1; entries
+    past a sequence's last page are never read. Checked: every sequence fits its table, and the pages in use
+    are in [0, num_blocks): on CPU with a ValueError naming the entry, on a GPU by a device-side assert.
+    cu_seqlens_k: already checked by check_cu_seqlens (dtype, shape, device); its values are checked against
+    the returned rows by the caller."""
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (num_blocks, page_block_size, Hkv, D) with block_table; got shape "
+                             f"{tuple(t.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k and v must have the same (num_blocks, page_block_size, Hkv); got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    nseq = cu_seqlens_k.shape[0] - 1
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
+        got = f"dtype {block_table.dtype}" if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+        raise TypeError(f"block_table must be None or an int32 (or int64) tensor of shape (nseq, max_pages_per_seq) "
+                        f"= ({nseq}, any); got {got}")
+    if block_table.dim() != 2 or block_table.shape[0] != nseq:
+        raise ValueError(f"block_table must have shape (nseq, max_pages_per_seq) = ({nseq}, any) (nseq from "
+                         f"cu_seqlens_k); got {tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table must be on q's device {q.device}; got {block_table.device}")
+    nb, page = k_cache.shape[:2]
+    cap = block_table.shape[1] * page  # keys a sequence's table can hold
+    rows = nseq * cap  # >= cu_seqlens_k[-1] once every sequence fits its table (checked below)
+    if nseq == 0 or cap == 0 or nb == 0:
+        if nseq:
+            _check_values(cu_seqlens_k[-1:] == 0, _values_readable(cu_seqlens_k),
+                          lambda ok: f"cu_seqlens_k: the sequences have keys but block_table "
+                                     f"{tuple(block_table.shape)} and k {tuple(k_cache.shape)} hold none",
+                          "block_table / cu_seqlens_k", "flash_attn_varlen_func")
+        empty = (0, *k_cache.shape[2:]), (0, *v_cache.shape[2:])
+        return k_cache.new_empty(empty[0]), v_cache.new_empty(empty[1])
+    cu = cu_seqlens_k.long()
+    lens = cu[1:] - cu[:-1]  # (nseq,)
+    r = torch.arange(rows, device=q.device)  # (rows,) packed key rows
+    seq = torch.searchsorted(cu[1:], r, right=True).clamp_(max=nseq - 1)  # the sequence of row r
+    pos = r - cu[seq]  # position within it
+    used = (r < cu[-1]) & (pos >= 0) & (pos < cap)  # (rows,) a real key that the table can hold
+    pos = torch.where(used, pos, 0)
+    pid = block_table.long()[seq, pos // page]  # (rows,) its page
+    page_ok = (pid >= 0) & (pid < nb)
+    ok = torch.cat([lens <= cap, page_ok | ~used])
+
+    def message(ok: torch.Tensor) -> str:
+        bad = int((~ok).nonzero()[0])
+        if bad < nseq:
+            return (f"cu_seqlens_k: sequence {bad} has {int(lens[bad])} keys but its block_table row holds "
+                    f"{block_table.shape[1]} pages of {page} = {cap}")
+        b, j = int(seq[bad - nseq]), int(pos[bad - nseq])
+        return (f"block_table[{b}, {j // page}] = {int(block_table[b, j // page])} is out of range: pages in use "
+                f"must be in [0, {nb}) (num_blocks = k.shape[0])")
+
+    _check_values(ok, _values_readable(cu_seqlens_k), message, "block_table / cu_seqlens_k", "flash_attn_varlen_func")
+    flat = torch.where(used & page_ok, pid, 0) * page + pos % page  # (rows,) into the (nb * page) cache rows
+    return (k_cache.reshape(nb * page, *k_cache.shape[2:])[flat],  # (rows, Hkv, D)
+            v_cache.reshape(nb * page, *v_cache.shape[2:])[flat])  # (rows, Hkv, Dv)

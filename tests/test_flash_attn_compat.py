@@ -1,0 +1,176 @@
+"""flash-attn 2 calls as its own code and tests make them: window sizes as tensors, unpad_input's unused_mask,
+and flash_attn_varlen_func over a paged cache (block_table), each against the unpaged / untensored call (the same
+kernels on the same values: equal bit for bit) and the float64 reference; bad tables get errors naming them."""
+import pytest
+import torch
+from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn
+
+import flashtx
+from flashtx import reference
+
+SAME = dict(atol=0.0, rtol=0.0)
+
+
+def test_window_size_as_a_tensor_is_read_as_its_values():
+    """flash-attn's tests pass window_size = torch.randint(0, seqlen_k, (2,)) to every entry point."""
+    torch.manual_seed(0)
+    q, k, v = randn(2, 9, 4, 16), randn(2, 13, 2, 16), randn(2, 13, 2, 16)
+    want = flashtx.flash_attn_func(q, k, v, window_size=(3, 2))
+    for w in (torch.tensor([3, 2]), torch.tensor([3, 2], dtype=torch.int32, device=DEVICE),
+              (torch.tensor(3), torch.tensor([2]))):
+        torch.testing.assert_close(flashtx.flash_attn_func(q, k, v, window_size=w), want, **SAME)
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32, device=DEVICE)
+    cuk = torch.tensor([0, 13, 26], dtype=torch.int32, device=DEVICE)
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    torch.testing.assert_close(flashtx.flash_attn_varlen_func(*flat, cu, cuk, 9, 13, window_size=torch.tensor([3, 2])),
+                               flashtx.flash_attn_varlen_func(*flat, cu, cuk, 9, 13, window_size=(3, 2)), **SAME)
+    with torch.no_grad():
+        kc, vc = torch.zeros_like(k), torch.zeros_like(v)
+        args = dict(k=k[:, :4], v=v[:, :4], cache_seqlens=9)
+        got = flashtx.flash_attn_with_kvcache(q[:, :4], kc, vc, window_size=torch.tensor([3, 2]), **args)
+        kc.zero_(), vc.zero_()
+        torch.testing.assert_close(got, flashtx.flash_attn_with_kvcache(q[:, :4], kc, vc, window_size=(3, 2), **args),
+                                   **SAME)
+
+
+@pytest.mark.parametrize("window,error,pattern", [
+    (torch.tensor([1.0, 2.0]), TypeError, r"window_size must be a pair .*got a torch.float32 tensor of shape \(2,\)"),
+    (torch.tensor([1, 2, 3]), TypeError, r"window_size must be a pair .*got a torch.int64 tensor of shape \(3,\)"),
+    (torch.tensor([4, -2]), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
+    ((torch.tensor(True), 1), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
+], ids=["float", "three", "below-minus-one", "bool"])
+def test_bad_window_tensors_get_a_clear_error(window, error, pattern):
+    q = randn(1, 4, 2, 16)
+    with pytest.raises(error, match=pattern):
+        flashtx.flash_attn_func(q, q, q, window_size=window)
+
+
+def test_unpad_input_packs_unused_slots_and_counts_only_used_ones():
+    """flash-attn's bert_padding.unpad_input(hidden, attention_mask, unused_mask): unused slots are packed and
+    counted in cu_seqlens / max_seqlen, and the fifth value (seqused) counts attention_mask's tokens only."""
+    x = randn(2, 5, 3)
+    used = torch.tensor([[1, 1, 0, 0, 0], [0, 1, 1, 1, 0]], device=DEVICE)
+    unused = torch.tensor([[0, 0, 1, 0, 0], [0, 0, 0, 0, 1]], dtype=torch.bool, device=DEVICE)
+    packed, idx, cu, max_len, seqused = flashtx.unpad_input(x, used, unused)
+    assert idx.tolist() == [0, 1, 2, 6, 7, 8, 9]
+    assert cu.tolist() == [0, 3, 7] and cu.dtype == torch.int32 and max_len == 4
+    assert seqused.tolist() == [2, 3] and seqused.dtype == torch.int32
+    torch.testing.assert_close(packed, x.reshape(10, 3)[idx], **SAME)
+    no_unused = flashtx.unpad_input(x, used)
+    assert no_unused[2].tolist() == [0, 2, 5] and no_unused[4].tolist() == [2, 3]
+    with pytest.raises(ValueError, match=r"unused_mask must be None or a \(B, S\) = \(2, 5\) tensor.*got \(5,\)"):
+        flashtx.unpad_input(x, used, unused[0])
+
+
+def _paged(k, cuk, page: int, pages_per_seq: int, num_blocks: int, shared_first_page: bool = False):
+    """k (total_k, Hkv, D) split into a shuffled paged cache (num_blocks, page, Hkv, D) with its block_table
+    (nseq, pages_per_seq) int32; table entries past a sequence's last page hold garbage (never read). With
+    shared_first_page, sequence 1's first page is sequence 0's (a shared prefix: its keys must agree)."""
+    nseq = cuk.shape[0] - 1
+    cache = torch.full((num_blocks, page, *k.shape[1:]), float("nan"), dtype=k.dtype, device=k.device)
+    table = torch.full((nseq, pages_per_seq), 10**6, dtype=torch.int32, device=k.device)
+    free = torch.randperm(num_blocks).tolist()
+    for b in range(nseq):
+        s, e = int(cuk[b]), int(cuk[b + 1])
+        for p in range(-(-(e - s) // page)):
+            if shared_first_page and b == 1 and p == 0:
+                table[1, 0] = table[0, 0]
+                continue
+            table[b, p] = free.pop()
+            rows = k[s + p * page:min(e, s + (p + 1) * page)]
+            cache[int(table[b, p]), :rows.shape[0]] = rows
+    return cache, table
+
+
+@pytest.mark.parametrize("page", [16, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_over_a_paged_cache_equals_the_packed_call(page, causal):
+    """flash_attn_varlen_func(..., block_table=...) as flash-attn >= 2.6: k, v (num_blocks, page, Hkv, D), sequence
+    b's key j at block_table[b, j // page], row j % page. Ragged lengths (one empty), GQA 4/2, pages shuffled."""
+    torch.manual_seed(page)
+    lq, lk = [3, 0, 7, 1], [5, 0, 19, 33]
+    cuq = torch.tensor([0, 3, 3, 10, 11], dtype=torch.int32, device=DEVICE)
+    cuk = torch.tensor([0, 5, 5, 24, 57], dtype=torch.int32, device=DEVICE)
+    q, k, v = randn(sum(lq), 4, 16), randn(sum(lk), 2, 16), randn(sum(lk), 2, 24)
+    pages = -(-max(lk) // page)
+    kc, table = _paged(k, cuk, page, pages + 1, 4 * pages + 3)
+    vc = _place(v, cuk, table, torch.full((4 * pages + 3, page, 2, 24), float("nan"), device=DEVICE))
+    want = flashtx.flash_attn_varlen_func(q, k, v, cuq, cuk, max(lq), max(lk), causal=causal)
+    got = flashtx.flash_attn_varlen_func(q, kc, vc, cuq, cuk, max(lq), max(lk), causal=causal, block_table=table)
+    torch.testing.assert_close(got, want, **SAME)
+    for b in range(4):  # and the float64 reference, per sequence (bottom-right causal)
+        qs, ks, vs = (t[int(c[b]):int(c[b + 1])] for t, c in ((q, cuq), (k, cuk), (v, cuk)))
+        if qs.shape[0] == 0:
+            continue
+        ref = reference.attention(*(t.transpose(0, 1)[None].to(PRECISE_DTYPE) for t in (qs, ks, vs)),
+                                  scale=16 ** -0.5, causal=causal, bottom_right=True)[0].transpose(0, 1)
+        torch.testing.assert_close(got[int(cuq[b]):int(cuq[b + 1])].to(PRECISE_DTYPE), ref,
+                                   atol=precise_atol(2e-5), rtol=0)
+
+
+def _place(x, cuk, table, cache):
+    """cache with sequence b's rows of x at its block_table pages (the layout _paged builds)."""
+    cache = cache.clone()
+    page = cache.shape[1]
+    for b in range(table.shape[0]):
+        for j in range(int(cuk[b + 1] - cuk[b])):
+            cache[int(table[b, j // page]), j % page] = x[int(cuk[b]) + j]
+    return cache
+
+
+def test_varlen_paged_shared_prefix_pages_and_gradients():
+    """Two sequences may share a page (a cached prefix); gradients flow to the cache rows that were read."""
+    torch.manual_seed(3)
+    cuq = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
+    cuk = torch.tensor([0, 20, 40], dtype=torch.int32, device=DEVICE)
+    k, v = randn(40, 2, 16, dtype=PRECISE_DTYPE), randn(40, 2, 16, dtype=PRECISE_DTYPE)
+    k[20:28], v[20:28] = k[:8], v[:8]  # sequence 1 starts with sequence 0's first page (page = 8)
+    kc, table = _paged(k, cuk, 8, 3, 8, shared_first_page=True)
+    vc = _place(v, cuk, table, torch.zeros_like(kc))
+    q = randn(9, 2, 16, dtype=PRECISE_DTYPE, requires_grad=True)
+    kc.requires_grad_(True)
+    got = flashtx.flash_attn_varlen_func(q, kc, vc, cuq, cuk, 5, 20, causal=True, block_table=table)
+    k2 = k.clone().requires_grad_(True)
+    want = flashtx.flash_attn_varlen_func(q, k2, v, cuq, cuk, 5, 20, causal=True)
+    torch.testing.assert_close(got, want, **SAME)
+    g = torch.randn_like(got)
+    (dkc,) = torch.autograd.grad(got, kc, g)
+    (dk,) = torch.autograd.grad(want, k2, g)
+    want_dkc = torch.zeros_like(dkc)
+    for b in range(2):  # each key's gradient lands on its page row; the shared page sums both sequences'
+        for j in range(20):
+            want_dkc[int(table[b, j // 8]), j % 8] += dk[int(cuk[b]) + j]
+    torch.testing.assert_close(dkc, want_dkc, atol=precise_atol(1e-12), rtol=0)
+
+
+@pytest.mark.parametrize("case,error,pattern", [
+    ("page-out-of-range", ValueError, r"block_table\[1, 1\] = 6 is out of range: pages in use must be in \[0, 6\)"),
+    ("negative-page", ValueError, r"block_table\[0, 0\] = -1 is out of range"),
+    ("too-long", ValueError, r"cu_seqlens_k: sequence 1 has 12 keys but its block_table row holds 2 pages of 4 = 8"),
+    ("table-rows", ValueError, r"block_table must have shape \(nseq, max_pages_per_seq\) = \(2, any\).*got \(3, 3\)"),
+    ("table-dtype", TypeError, r"block_table must be None or an int32 \(or int64\) tensor.*got dtype torch.float32"),
+    ("cache-rank", ValueError, r"k must be 4-D \(num_blocks, page_block_size, Hkv, D\) with block_table"),
+    ("cu-decreasing", ValueError, r"cu_seqlens_k must be non-decreasing"),
+])
+def test_bad_paged_varlen_calls_name_the_argument(case, error, pattern):
+    q = randn(6, 2, 16)
+    kc, vc = randn(6, 4, 2, 16), randn(6, 4, 2, 16)
+    cuq = torch.tensor([0, 3, 6], dtype=torch.int32, device=DEVICE)
+    cuk = torch.tensor([0, 5, 17 if case == "too-long" else 11], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=DEVICE)
+    if case == "page-out-of-range":
+        table[1, 1] = 6
+    if case == "negative-page":
+        table[0, 0] = -1
+    if case == "too-long":
+        table = table[:, :2]
+    if case == "table-rows":
+        table = torch.zeros(3, 3, dtype=torch.int32, device=DEVICE)
+    if case == "table-dtype":
+        table = table.float()
+    if case == "cache-rank":
+        kc = kc.flatten(0, 1)
+    if case == "cu-decreasing":  # every sequence fits its table: the values' own check names the entry
+        cuk = torch.tensor([0, 9, 5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(error, match=pattern):
+        flashtx.flash_attn_varlen_func(q, kc, vc, cuq, cuk, 3, 12, block_table=table)
