@@ -54,7 +54,25 @@ def test_rotary_embedding_dynamic_ntk_like_transformers():
     torch.testing.assert_close(cos, ref_c, rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, ref_s, rtol=0, atol=1e-6)
     assert torch.equal(rope.cos_sin(30)[0], cos[:30]), "a shorter (still long) sequence keeps the grown frequencies"
-    assert torch.equal(rope.cos_sin(10)[0], short), "back within the original length: reset, as transformers"
+    # transformers' dynamic_rope_update resets only below the original length: at it, the grown ones stay
+    assert torch.equal(rope.cos_sin(orig)[0], cos[:orig]), "exactly the original length: still the grown frequencies"
+    assert torch.equal(rope.cos_sin(orig + 1)[0], cos[:orig + 1]), "and past it again: the same (no regrowth)"
+    assert torch.equal(rope.cos_sin(10)[0], short), "below the original length: reset, as transformers"
+    assert torch.equal(rope.cos_sin(orig)[0][:10], short), "and at it after a reset: unscaled"
+
+
+def test_rotary_embedding_reads_rope_theta_from_transformers_rope_parameters():
+    """transformers 5's config.rope_parameters carries rope_theta: it is the base (it was ignored: base 10000)."""
+    params = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}
+    rope = flashtx.nn.RotaryEmbedding(8, scaling=params)
+    assert rope.base == 500000.0
+    assert torch.equal(rope.cos_sin(12)[0], flashtx.nn.RotaryEmbedding(8, 500000.0, scaling=params).cos_sin(12)[0])
+    ref_c, _ = plain_tables(rope.inv_freq, torch.arange(12) / 2.0)
+    assert torch.equal(rope.cos_sin(12)[0], ref_c)
+    assert flashtx.nn.RotaryEmbedding(8, scaling={"rope_type": "default", "rope_theta": 1e6}).base == 1e6
+    assert flashtx.nn.RotaryEmbedding(8).base == 10000.0
+    with pytest.raises(ValueError, match=r"base \(10000.0\) and scaling's rope_theta \(500000.0\) disagree"):
+        flashtx.nn.RotaryEmbedding(8, 10000.0, scaling=params)
 
 
 def test_rotary_embedding_llama3_like_transformers():

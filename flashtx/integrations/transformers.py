@@ -16,9 +16,13 @@ How masks reach flashtx (``flashtx_mask``, registered with transformers' Attenti
   None) is passed to flashtx.attention as ``attn_mask`` with SDPA's semantics. So is a 4-D mask
   a caller passes to the model.
 
-``softcap`` (Gemma 2) is applied in the kernel, as in transformers' eager attention.
+``softcap`` (Gemma 2) is applied in the kernel, as in transformers' eager attention; T5's
+``position_bias`` is added to the scores as an additive (learned) mask.
 Not supported (clear errors): attention sinks (``s_aux``/``sinks``),
-``output_attentions`` (flashtx never forms the attention weights; a warning, weights None).
+``output_attentions`` (flashtx never forms the attention weights; a warning, weights None), and model
+families whose modeling code computes attention itself instead of calling transformers'
+AttentionInterface (Bloom, MPT: the mask function refuses them; Falcon, GPT-Neo: transformers itself
+raises a KeyError for any registered name).
 """
 from __future__ import annotations
 
@@ -66,6 +70,8 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
         sliding_window: ignored, as by transformers' sdpa: windowed layers' masks carry the window.
         softcap: Gemma 2's logit softcap (None or 0: off).
         is_causal: overrides ``module.is_causal``.
+        position_bias (keyword): T5-family relative position bias (1 or B, Hq, Sq, Sk), added to the
+            scores before the mask, as their eager attention does; its gradient flows (a learned bias).
 
     Returns:
         (out (B, Sq, Hq, D) contiguous, None).
@@ -82,13 +88,26 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
         del common["dropout_p"]
     if softcap:  # scores -> softcap * tanh(scores / softcap) before the mask, as transformers' eager
         common["softcap"] = float(softcap)
+    bias = kwargs.get("position_bias")  # T5's relative position bias: an additive float attn_mask
+    if bias is not None:
+        bias = bias[..., :Sk]  # (1 or B, Hq, Sq, Sk), as transformers' sdpa crops it
+        if attention_mask is not None and attention_mask.dim() == 4:  # one additive mask, as transformers' sdpa
+            mask = attention_mask[..., :Sk]
+            attention_mask = (torch.where(mask, bias, torch.finfo(bias.dtype).min) if mask.dtype == torch.bool
+                              else bias + mask)
+            bias = None
+        else:
+            common["attn_mask"] = bias
     if attention_mask is None:
         # SDPA's reading of a missing mask: causal for Sq > 1, top-left; an empty static cache's
         # unused tail (Sk > Sq) is cut off, as transformers' sdpa_attention_forward does.
         causal = causal and bool(Sq > 1)  # (a traced size under torch.jit.trace: a Tensor)
         if causal and Sk > Sq:
             key, value = key[:, :, :Sq], value[:, :, :Sq]
-        out = attention(query, key, value, is_causal=causal, **common)  # (B, Hq, Sq, D)
+            if bias is not None:
+                common["attn_mask"] = bias[..., :Sq]
+        # (B, Hq, Sq, D); with a bias, causal is top-left too (flashtx.attention's is_causal with attn_mask)
+        out = attention(query, key, value, is_causal=causal, **common)
     elif attention_mask.dim() == 2:
         if tuple(attention_mask.shape) != (query.shape[0], Sk):
             raise ValueError(f"a 2-D attention_mask must be (B, Sk) = ({query.shape[0]}, {Sk}); "
@@ -130,6 +149,11 @@ def flashtx_mask(**kwargs):
     """
     from transformers import masking_utils as mu
 
+    config = kwargs.get("config")
+    if config is not None and not _calls_attention_interface(getattr(config, "model_type", None)):
+        raise ValueError(f"attn_implementation={NAME!r} cannot serve model_type {config.model_type!r}: its modeling "
+                         "code computes attention itself rather than through transformers' AttentionInterface, so "
+                         "flashtx would only build its masks (wrongly, for that code); use attn_implementation='eager'")
     geometry = _mask_geometry(kwargs)
     padding = kwargs.get("attention_mask")
     simple = (kwargs.get("mask_function", mu.causal_mask_function) is mu.causal_mask_function and geometry is not None
@@ -151,6 +175,30 @@ def flashtx_mask(**kwargs):
                 padding = torch.ones(batch, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))
             return padding.expand(batch, kv_length)
     return mu.sdpa_mask(**kwargs)
+
+
+_INTERFACE_FAMILIES: dict = {}  # model_type -> whether its modeling code calls the attention interface
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it while tracing and keeps the answer
+def _calls_attention_interface(model_type) -> bool:
+    """Whether a model family's attention goes through transformers' AttentionInterface (so flashtx's attention
+    function runs, not only its mask function). Families such as Bloom and MPT compute attention in their own
+    modeling code and would get flashtx's compact masks. Read once per model_type from the modeling module:
+    it imports ALL_ATTENTION_FUNCTIONS, or one of its classes declares _supports_attention_backend. A family
+    whose module is not transformers' own (remote code) is assumed to (nothing to read)."""
+    if model_type not in _INTERFACE_FAMILIES:
+        import importlib
+
+        name = str(model_type).replace("-", "_")
+        try:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except Exception:  # not a transformers family (or no such module): nothing to read
+            module = None
+        _INTERFACE_FAMILIES[model_type] = module is None or hasattr(module, "ALL_ATTENTION_FUNCTIONS") or any(
+            getattr(c, "_supports_attention_backend", False) is True for c in vars(module).values()
+            if isinstance(c, type))
+    return _INTERFACE_FAMILIES[model_type]
 
 
 def register(name: str = NAME) -> None:

@@ -91,17 +91,18 @@ class RotaryEmbedding(nn.Module):
         dim: rotary dim (even); the tables are (seq_len, dim/2). dim < head dim gives partial
             rotary (the remaining columns pass through).
         base: theta base; inv_freq = base ** (-arange(0, dim, 2) / dim), kept as an fp32 buffer.
+            Default: scaling's "rope_theta" when it has one (transformers 5's rope_parameters), else 10000.
         max_seq_len: initial table length; tables grow on demand beyond it. For dynamic NTK it is
             also the original context length unless scaling gives original_max_position_embeddings.
         scaling: None, or a transformers-style rope_scaling dict:
             {"type": "linear", "factor": f}: positions divided by f;
             {"type": "dynamic", "factor": f[, "original_max_position_embeddings": L0]} (dim > 2): for
             sequences longer than L0, base *= (f * L / L0 - (f - 1)) ** (dim / (dim - 2)) with L
-            the needed length (recomputed when L grows, reset when it drops to L0 or below, as in
-            transformers);
+            the needed length (recomputed when L grows, reset when it drops below L0, as in
+            transformers' dynamic_rope_update);
             {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
             "original_max_position_embeddings"}: Llama 3.1's frequency rule.
-            ("rope_type" works as the key too.)
+            ("rope_type" works as the key too; a "rope_theta" entry is the base.)
         interleaved: GPT-J pairs (x[2j], x[2j+1]) instead of NeoX/LLaMA halves.
 
     Angles are fl32(inv_freq) * position computed in float64 and rounded once to fp32.
@@ -113,11 +114,16 @@ class RotaryEmbedding(nn.Module):
         >>> cos, sin = rope.cos_sin(4096)                   # (4096, 64) fp32 each
     """
 
-    def __init__(self, dim: int, base: float = 10000.0, max_seq_len: int = 2048, scaling: dict | None = None, *,
-                 interleaved: bool = False, device=None):
+    def __init__(self, dim: int, base: float | None = None, max_seq_len: int = 2048, scaling: dict | None = None,
+                 *, interleaved: bool = False, device=None):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 2 or dim % 2:
             raise ValueError(f"dim (the rotary dim) must be an even int >= 2; got {dim!r}")
+        theta = scaling.get("rope_theta") if isinstance(scaling, dict) else None
+        if base is None:
+            base = 10000.0 if theta is None else theta
+        elif theta is not None and theta != base:
+            raise ValueError(f"base ({base!r}) and scaling's rope_theta ({theta!r}) disagree: pass one of them")
         if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 1:
             raise ValueError(f"base must be a number > 1; got {base!r}")
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len < 1:
@@ -147,15 +153,16 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
         device = torch.device(device) if device is not None else self.inv_freq.device  # follows module.to()
         sc = self.scaling
-        if sc is not None and sc["type"] == "dynamic" and seq_len > sc["original_max_position_embeddings"]:
+        cached = self._cache
+        # NTK past L0, and at L0 after it (transformers resets only below L0: dynamic_rope_update)
+        if sc is not None and sc["type"] == "dynamic" and (seq_len > sc["original_max_position_embeddings"] or (
+                seq_len == sc["original_max_position_embeddings"] and cached is not None and cached[0] == ("ntk",))):
             key = ("ntk",)  # frequencies depend on the longest length seen: rebuild when it grows
-            cached = self._cache
             if _stale(cached, key, seq_len, device):
                 self._cache = (key, seq_len, *self._tables(seq_len, self._ntk_inv_freq(seq_len, device), device),
                                _inference())
         else:
             key = ("plain",)
-            cached = self._cache
             if _stale(cached, key, seq_len, device):
                 length = max(seq_len, self.max_seq_len, 2 * cached[1] if cached and cached[0] == key else 0)
                 self._cache = (key, length, *self._tables(length, self._inv_freq32, device), _inference())
