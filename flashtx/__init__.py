@@ -24,10 +24,10 @@ __all__ += ["flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn
 
 # Fused RoPE and SwiGLU, and the layers built on them (flashtx.nn)
 from . import nn  # noqa: E402
-from .rotary import apply_rotary, apply_rotary_pos_emb, apply_rotary_qk  # noqa: E402
+from .rotary import apply_rotary, apply_rotary_emb, apply_rotary_pos_emb, apply_rotary_qk  # noqa: E402
 from .swiglu import swiglu, swiglu_packed  # noqa: E402
 
-__all__ += ["apply_rotary", "apply_rotary_qk", "apply_rotary_pos_emb", "swiglu", "swiglu_packed", "nn"]
+__all__ += ["apply_rotary", "apply_rotary_emb", "apply_rotary_qk", "apply_rotary_pos_emb", "swiglu", "swiglu_packed", "nn"]
 
 # Drop-in paths for existing models: F.scaled_dot_product_attention -> flashtx (flashtx.sdpa_patch)
 from . import sdpa_patch  # noqa: E402

@@ -304,6 +304,21 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
     return call(rotary_op, x, cos, sin, index, spec, name)
 
 
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                     max_seqlen=None):
+    """Drop-in for flash-attn's ``flash_attn.layers.rotary.apply_rotary_emb``: its signature, positional order
+    and defaults (out of place, NeoX halves), computed by apply_rotary.
+
+    x: (B, S, H, D), or packed (total, H, D) with cu_seqlens / max_seqlen; cos, sin: (seqlen_ro, rotary_dim / 2);
+    seqlen_offsets: int or (B,) int tensor. Returns x rotated (x itself when inplace), as apply_rotary.
+
+    Example:
+        >>> q = flashtx.apply_rotary_emb(q, cos, sin, False, False, cache_len)   # flash-attn's positional call
+    """
+    return apply_rotary(x, cos, sin, interleaved=interleaved, inplace=inplace, seqlen_offsets=seqlen_offsets,
+                        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+
 def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, position_ids=None, cu_seqlens=None,
                     max_seqlen=None, inplace=False, layout="bshd", backend=None):
     """Rotate q and k in one kernel launch; they may have different head counts (GQA/MQA).

@@ -174,3 +174,44 @@ def test_bad_paged_varlen_calls_name_the_argument(case, error, pattern):
         cuk = torch.tensor([0, 9, 5], dtype=torch.int32, device=DEVICE)
     with pytest.raises(error, match=pattern):
         flashtx.flash_attn_varlen_func(q, kc, vc, cuq, cuk, 3, 12, block_table=table)
+
+
+def _rotary_ref(x, cos, sin, pos, interleaved):
+    """flash-attn's apply_rotary_emb_torch in float64: x (B, S, H, D) at positions pos (B, S)."""
+    r2 = cos.shape[-1]
+    c, s = cos.double()[pos][:, :, None], sin.double()[pos][:, :, None]  # (B, S, 1, r2)
+    xr, rest = x.double()[..., :2 * r2], x.double()[..., 2 * r2:]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :r2], xr[..., r2:]
+        out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+    return torch.cat([out, rest], -1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_rotary_emb_takes_flash_attns_positional_call(interleaved):
+    """flash_attn.layers.rotary.apply_rotary_emb(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens,
+    max_seqlen): the same positional order and defaults, the same values as apply_rotary (bit for bit) and as
+    flash-attn's torch formula (float64), partial rotary and per-sequence offsets included."""
+    torch.manual_seed(4)
+    x = randn(2, 7, 3, 40)
+    angles = torch.rand(20, 12, device=DEVICE) * 6.28  # rotary_dim 24 of 40
+    cos, sin = angles.cos(), angles.sin()
+    offsets = torch.tensor([3, 11], dtype=torch.int32, device=DEVICE)
+    got = flashtx.apply_rotary_emb(x, cos, sin, interleaved, False, offsets)
+    torch.testing.assert_close(got, flashtx.apply_rotary(x, cos, sin, interleaved=interleaved, seqlen_offsets=offsets),
+                               **SAME)
+    pos = offsets.long()[:, None] + torch.arange(7, device=DEVICE)[None]
+    torch.testing.assert_close(got.double(), _rotary_ref(x, cos, sin, pos, interleaved), atol=1e-5, rtol=0)
+    assert torch.equal(flashtx.apply_rotary_emb(x, cos, sin), flashtx.apply_rotary(x, cos, sin))  # the defaults
+    y = x.clone()
+    assert flashtx.apply_rotary_emb(y, cos, sin, interleaved, True, 2) is y  # inplace, positionally
+    torch.testing.assert_close(y, flashtx.apply_rotary(x, cos, sin, interleaved=interleaved, seqlen_offsets=2), **SAME)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    packed = x[0]  # (total = 7, H, D): sequences of 3 and 4 tokens
+    got = flashtx.apply_rotary_emb(packed, cos, sin, interleaved, False, 1, cu, 4)
+    want = torch.cat([flashtx.apply_rotary(packed[None, :3], cos, sin, interleaved=interleaved, seqlen_offsets=1)[0],
+                      flashtx.apply_rotary(packed[None, 3:], cos, sin, interleaved=interleaved, seqlen_offsets=1)[0]])
+    torch.testing.assert_close(got, want, **SAME)
