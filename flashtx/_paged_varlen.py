@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import _values_readable, check_tensor
+from ._validate import _values_readable, check_cu_seqlens_values, check_tensor
 from .decode import _check_values
 
 
@@ -29,6 +29,8 @@ def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.T
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (num_blocks, page_block_size, Hkv, D) with block_table; got shape "
                              f"{tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k and v must have the same (num_blocks, page_block_size, Hkv); got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
@@ -45,6 +47,8 @@ def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.T
     nb, page = k_cache.shape[:2]
     cap = block_table.shape[1] * page  # keys a sequence's table can hold
     rows = nseq * cap  # >= cu_seqlens_k[-1] once every sequence fits its table (checked below)
+    if _values_readable(cu_seqlens_k):  # its start and order first, so that a bad one is named as such (on CPU)
+        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, int(cu_seqlens_k[-1]), "its last entry", None, None)
     if nseq == 0 or cap == 0 or nb == 0:
         if nseq:
             _check_values(cu_seqlens_k[-1:] == 0, _values_readable(cu_seqlens_k),
@@ -68,12 +72,18 @@ def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.T
         bad = int((~ok).nonzero()[0])
         if bad < nseq:
             return (f"cu_seqlens_k: sequence {bad} has {int(lens[bad])} keys but its block_table row holds "
-                    f"{block_table.shape[1]} pages of {page} = {cap}")
+                    f"{block_table.shape[1]} page(s) of {page} rows = {cap}")
         b, j = int(seq[bad - nseq]), int(pos[bad - nseq])
         return (f"block_table[{b}, {j // page}] = {int(block_table[b, j // page])} is out of range: pages in use "
                 f"must be in [0, {nb}) (num_blocks = k.shape[0])")
 
     _check_values(ok, _values_readable(cu_seqlens_k), message, "block_table / cu_seqlens_k", "flash_attn_varlen_func")
     flat = torch.where(used & page_ok, pid, 0) * page + pos % page  # (rows,) into the (nb * page) cache rows
-    return (k_cache.reshape(nb * page, *k_cache.shape[2:])[flat],  # (rows, Hkv, D)
-            v_cache.reshape(nb * page, *v_cache.shape[2:])[flat])  # (rows, Hkv, Dv)
+    k = k_cache.reshape(nb * page, *k_cache.shape[2:])[flat]  # (rows, Hkv, D)
+    v = v_cache.reshape(nb * page, *v_cache.shape[2:])[flat]  # (rows, Hkv, Dv)
+    if torch.is_grad_enabled() and (k_cache.requires_grad or v_cache.requires_grad):
+        # the varlen backward writes dK/dV rows of sequences only: the filler rows' gradients are never written
+        # (whatever memory held), so cut them off before the gather's backward adds them to the cache's row 0
+        keep = used[:, None, None]  # (rows, 1, 1)
+        k, v = torch.where(keep, k, 0), torch.where(keep, v, 0)
+    return k, v

@@ -111,9 +111,10 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
 
 
 def _no_window(window) -> bool:
-    """Whether `window` is the default (-1, -1), by identity or as a tuple (a tensor or an array would compare
-    elementwise: check_window takes those)."""
-    return window is _NO_WINDOW or (type(window) is tuple and window == _NO_WINDOW)
+    """Whether `window` is the default (-1, -1), by identity or as a tuple of two ints (a tensor, an array or a
+    tuple of tensors would compare elementwise: check_window takes those)."""
+    return window is _NO_WINDOW or (type(window) is tuple and len(window) == 2 and type(window[0]) is int
+                                    and type(window[1]) is int and window == _NO_WINDOW)
 
 
 def _plain(mask, causal, extra_outputs, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p, softcap,
@@ -166,7 +167,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             Sq > Sk every row still sees key 0; with Sq < Sk the last keys are never seen.
         scale: softmax scale; default 1/sqrt(D).
         enable_gqa: allow Hq to be a multiple of Hkv (GQA/MQA). Q head h uses K/V head
-            h // (Hq // Hkv); K/V are never expanded. Without it Hq must equal Hkv, as in SDPA.
+            h // (Hq // Hkv); K/V are never expanded. Without it Hq must equal Hkv unless Hkv == 1,
+            which broadcasts over the query heads, as in SDPA.
         backend: None (automatic), "triton", "reference" or "cuda" (see flashtx.backends).
         return_lse: also return the log-sum-exp of each row's scaled scores.
         window_size: (left, right) sliding window, -1 = unbounded: query i sees keys

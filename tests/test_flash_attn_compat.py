@@ -3,7 +3,7 @@ and flash_attn_varlen_func over a paged cache (block_table), each against the un
 kernels on the same values: equal bit for bit) and the float64 reference; bad tables get errors naming them."""
 import pytest
 import torch
-from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn
+from conftest import DEVICE, PRECISE_DTYPE, poisoned_allocations, precise_atol, randn
 
 import flashtx
 from flashtx import reference
@@ -17,7 +17,11 @@ def test_window_size_as_a_tensor_is_read_as_its_values():
     q, k, v = randn(2, 9, 4, 16), randn(2, 13, 2, 16), randn(2, 13, 2, 16)
     want = flashtx.flash_attn_func(q, k, v, window_size=(3, 2))
     for w in (torch.tensor([3, 2]), torch.tensor([3, 2], dtype=torch.int32, device=DEVICE),
-              (torch.tensor(3), torch.tensor([2]))):
+              (torch.tensor(3), torch.tensor([2])), (torch.tensor(-1), torch.tensor(-1))):
+        if w[0].item() == -1:  # the default as tensors (the default check compared them elementwise and raised)
+            torch.testing.assert_close(flashtx.flash_attn_func(q, k, v, window_size=w), flashtx.flash_attn_func(q, k, v),
+                                       **SAME)
+            continue
         torch.testing.assert_close(flashtx.flash_attn_func(q, k, v, window_size=w), want, **SAME)
     cu = torch.tensor([0, 9, 18], dtype=torch.int32, device=DEVICE)
     cuk = torch.tensor([0, 13, 26], dtype=torch.int32, device=DEVICE)
@@ -38,7 +42,8 @@ def test_window_size_as_a_tensor_is_read_as_its_values():
     (torch.tensor([1, 2, 3]), TypeError, r"window_size must be a pair .*got a torch.int64 tensor of shape \(3,\)"),
     (torch.tensor([4, -2]), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
     ((torch.tensor(True), 1), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
-], ids=["float", "three", "below-minus-one", "bool"])
+    ((torch.tensor([2, 1]), 1), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
+], ids=["float", "three", "below-minus-one", "bool", "nested"])
 def test_bad_window_tensors_get_a_clear_error(window, error, pattern):
     q = randn(1, 4, 2, 16)
     with pytest.raises(error, match=pattern):
@@ -125,6 +130,7 @@ def test_varlen_paged_shared_prefix_pages_and_gradients():
     cuk = torch.tensor([0, 20, 40], dtype=torch.int32, device=DEVICE)
     k, v = randn(40, 2, 16, dtype=PRECISE_DTYPE), randn(40, 2, 16, dtype=PRECISE_DTYPE)
     k[20:28], v[20:28] = k[:8], v[:8]  # sequence 1 starts with sequence 0's first page (page = 8)
+    # 3 pages of 8 per sequence: 48 gathered rows for 40 keys (8 filler rows past the last key)
     kc, table = _paged(k, cuk, 8, 3, 8, shared_first_page=True)
     vc = _place(v, cuk, table, torch.zeros_like(kc))
     q = randn(9, 2, 16, dtype=PRECISE_DTYPE, requires_grad=True)
@@ -134,7 +140,8 @@ def test_varlen_paged_shared_prefix_pages_and_gradients():
     want = flashtx.flash_attn_varlen_func(q, k2, v, cuq, cuk, 5, 20, causal=True)
     torch.testing.assert_close(got, want, **SAME)
     g = torch.randn_like(got)
-    (dkc,) = torch.autograd.grad(got, kc, g)
+    with poisoned_allocations():  # unwritten gradient rows (the filler past the last key) must not reach the cache
+        (dkc,) = torch.autograd.grad(got, kc, g)
     (dk,) = torch.autograd.grad(want, k2, g)
     want_dkc = torch.zeros_like(dkc)
     for b in range(2):  # each key's gradient lands on its page row; the shared page sums both sequences'
@@ -146,10 +153,12 @@ def test_varlen_paged_shared_prefix_pages_and_gradients():
 @pytest.mark.parametrize("case,error,pattern", [
     ("page-out-of-range", ValueError, r"block_table\[1, 1\] = 6 is out of range: pages in use must be in \[0, 6\)"),
     ("negative-page", ValueError, r"block_table\[0, 0\] = -1 is out of range"),
-    ("too-long", ValueError, r"cu_seqlens_k: sequence 1 has 12 keys but its block_table row holds 2 pages of 4 = 8"),
+    ("too-long", ValueError, r"cu_seqlens_k: sequence 1 has 12 keys but its block_table row holds 2 page\(s\) of 4 rows = 8"),
     ("table-rows", ValueError, r"block_table must have shape \(nseq, max_pages_per_seq\) = \(2, any\).*got \(3, 3\)"),
     ("table-dtype", TypeError, r"block_table must be None or an int32 \(or int64\) tensor.*got dtype torch.float32"),
     ("cache-rank", ValueError, r"k must be 4-D \(num_blocks, page_block_size, Hkv, D\) with block_table"),
+    ("cache-device", ValueError, r"v must be on q's device cpu; got meta"),
+    ("cu-start", ValueError, r"cu_seqlens_k\[0\] must be 0"),
     ("cu-decreasing", ValueError, r"cu_seqlens_k must be non-decreasing"),
 ])
 def test_bad_paged_varlen_calls_name_the_argument(case, error, pattern):
@@ -170,6 +179,11 @@ def test_bad_paged_varlen_calls_name_the_argument(case, error, pattern):
         table = table.float()
     if case == "cache-rank":
         kc = kc.flatten(0, 1)
+    if case == "cache-device":
+        q, kc, vc, cuq, cuk, table = (t.cpu() for t in (q, kc, vc, cuq, cuk, table))
+        vc = vc.to("meta")
+    if case == "cu-start":
+        cuk = torch.tensor([-3, 5, 11], dtype=torch.int32, device=DEVICE)
     if case == "cu-decreasing":  # every sequence fits its table: the values' own check names the entry
         cuk = torch.tensor([0, 9, 5], dtype=torch.int32, device=DEVICE)
     with pytest.raises(error, match=pattern):

@@ -73,6 +73,8 @@ def test_rotary_embedding_reads_rope_theta_from_transformers_rope_parameters():
     assert flashtx.nn.RotaryEmbedding(8).base == 10000.0
     with pytest.raises(ValueError, match=r"base \(10000.0\) and scaling's rope_theta \(500000.0\) disagree"):
         flashtx.nn.RotaryEmbedding(8, 10000.0, scaling=params)
+    with pytest.raises(ValueError, match=r"scaling's rope_theta must be a number > 1; got 'x'"):
+        flashtx.nn.RotaryEmbedding(8, scaling={"rope_type": "default", "rope_theta": "x"})
 
 
 def test_rotary_embedding_llama3_like_transformers():

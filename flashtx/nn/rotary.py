@@ -120,12 +120,13 @@ class RotaryEmbedding(nn.Module):
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 2 or dim % 2:
             raise ValueError(f"dim (the rotary dim) must be an even int >= 2; got {dim!r}")
         theta = scaling.get("rope_theta") if isinstance(scaling, dict) else None
+        base_name = "base"
         if base is None:
-            base = 10000.0 if theta is None else theta
+            base, base_name = (10000.0, "base") if theta is None else (theta, "scaling's rope_theta")
         elif theta is not None and theta != base:
             raise ValueError(f"base ({base!r}) and scaling's rope_theta ({theta!r}) disagree: pass one of them")
         if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 1:
-            raise ValueError(f"base must be a number > 1; got {base!r}")
+            raise ValueError(f"{base_name} must be a number > 1; got {base!r}")
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be an int >= 1; got {max_seq_len!r}")
         self.dim, self.base, self.max_seq_len = int(dim), float(base), int(max_seq_len)
