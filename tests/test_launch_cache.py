@@ -9,7 +9,7 @@ from flashtx import reference
 from flashtx.triton_kernels import attention_bwd, attention_fwd, autotune, launch
 from flashtx.triton_kernels.mask_spec import MaskSpec
 
-from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn, same_launch_args
+from conftest import DEVICE, PRECISE_DTYPE, poisoned_allocations, precise_atol, randn, same_launch_args
 
 
 @pytest.fixture(autouse=True)
@@ -318,3 +318,24 @@ def test_rope_at_a_new_int_offset_each_step_replays_one_entry():
         assert set(launch.LAUNCHES.entries) == signatures
         pos = torch.tensor([0, 1, 0, 1, 2], device=DEVICE) + step
         assert (got - want(x, pos)).abs().max() < precise_atol(1e-12)
+
+
+def test_rope_in_place_and_out_of_place_calls_keep_separate_entries():
+    """A partial rotary's pass-through columns are copied only out of place (the plan branches on qo is q): an
+    in-place q+k call's entry replayed for an out-of-place call of the same signature left them unwritten
+    (garbage in the output; they are poisoned here). The two calls key two entries, each with its own plan."""
+    cos, sin = torch.rand(8, 8, dtype=PRECISE_DTYPE, device=DEVICE), torch.rand(8, 8, dtype=PRECISE_DTYPE,
+                                                                                 device=DEVICE)  # rotary_dim 16 < 32
+    q, k = randn(1, 8, 2, 32, dtype=PRECISE_DTYPE), randn(1, 8, 1, 32, dtype=PRECISE_DTYPE)
+    want = flashtx.apply_rotary_qk(q, k, cos, sin, backend="reference")
+    for first_in_place in (True, False):
+        launch.LAUNCHES.clear()
+        for inplace in (first_in_place, not first_in_place):
+            if inplace:
+                got = flashtx.apply_rotary_qk(q.clone(), k.clone(), cos, sin, inplace=True)
+            else:
+                with poisoned_allocations():
+                    got = flashtx.apply_rotary_qk(q, k, cos, sin)
+            for g, w in zip(got, want):
+                assert (g - w).abs().max() < precise_atol(1e-12), (first_in_place, inplace)
+        assert len(launch.LAUNCHES.entries) == 2

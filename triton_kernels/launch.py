@@ -102,8 +102,9 @@ class LaunchCache:
     """Launch lists memoised per call signature, so a repeated call skips planning (config selection,
     scalar splitting, the argument dicts) and only rebinds its tensors.
 
-    `key` must hold every non-tensor input that decides the plan (scalars, flags, the device); the
-    tensors' dtypes, shapes and strides are added here. `names` gives, for each of `tensors`, the kernel
+    `key` must hold every non-tensor input that decides the plan (scalars, flags, the device), and every
+    identity between tensors that it branches on (rotary's in place: qo is q); the tensors' dtypes, shapes and
+    strides are added here. `names` gives, for each of `tensors`, the kernel
     argument it is passed as (its role), so that inputs that are one object (self-attention's q is k)
     still rebind by role. An entry stores each launch's arguments without tensors, and the input (and
     dtype view, as a bool mask read as uint8) each tensor argument takes. A plan with host steps, or

@@ -352,7 +352,9 @@ def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seql
                 step.run()
             return
         cos, sin, offset = cos.narrow(-2, offset, seq), sin.narrow(-2, offset, seq), 0
-    LAUNCHES.run(("rotary", q.device, offset, max_seqlen, interleaved, conjugate, heads_first), _ROLES,
+    # `qo is q` keys too: the plan branches on it (COPY_REST), and an in-place entry replayed out of place would
+    # leave a partial rotary's pass-through columns unwritten (the signature sees shapes, not identities)
+    LAUNCHES.run(("rotary", q.device, offset, max_seqlen, interleaved, conjugate, heads_first, qo is q), _ROLES,
                  (q, qo, k, ko, cos, sin, offsets, position_ids, cu_seqlens), build)
 
 
