@@ -21,8 +21,8 @@ Method: gc disabled; each row warms up (untimed calls) first; then `repeats` rou
 `calls` back-to-back calls with time.thread_time_ns (the calling thread's CPU time: Python work is
 what is measured, and a shared machine's preemption is not) and dividing; flashtx's and the baseline's
 rounds alternate so drift on a shared machine hits both alike; the median round is reported.
-Plain attention rows also time the same call with flashtx._attention_lane off ("general path": the
-flashtx::attn_fwd op's path), in the same rounds.
+Plain attention and RoPE forward rows also time the same call with flashtx's lanes off ("general path": the
+flashtx::attn_fwd / flashtx::rotary_qk ops' path), in the same rounds.
 Targets (issue 12): attention forward <= 25 us and forward+backward <= 80 us of Python; RoPE and
 SwiGLU <= 15 us per direction; each <= 2x the baseline's time at the same call, same machine and
 run. A miss is printed as such; nothing here fails on a miss (timing tests must not fail from
@@ -66,7 +66,7 @@ class Row:
     # gradients): what any Python-defined op pays here before doing anything, so a row's target can be read
     # against it. None for rows without autograd.
     floor: Callable[[str, torch.dtype], Callable[[], object]] | None = None
-    # plain attention calls: also timed with flashtx._attention_lane off (the op's general path), same rounds
+    # plain attention and RoPE calls: also timed with flashtx's lanes off (the ops' general path), same rounds
     lane: bool = False
 
 
@@ -322,7 +322,7 @@ ROWS = [
     Row("flash_attn_func fwd (no grad)", TARGET_FWD_US, SDPA + " (B, H, S, D) views", _flash_attn_func, lane=True),
     Row("patched SDPA fwd (no grad)", TARGET_FWD_US, "F.scaled_dot_product_attention unpatched", _patched_sdpa,
         lane=True),
-    Row("rope q+k fwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE (transformers)", _rope_fwd),
+    Row("rope q+k fwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE (transformers)", _rope_fwd, lane=True),
     Row("rope q+k bwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE backward", _rope_bwd,
         _floor_bwd((1, 4, 16, 64), (1, 2, 16, 64), two_outputs=True)),
     Row("swiglu fwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up", _swiglu_fwd),
@@ -448,15 +448,16 @@ def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=No
 
 
 def _without_lane(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn with flashtx._attention_lane off for the call: the op's general path (the switch costs ~0.1 us)."""
-    from flashtx import _attention_lane
+    """fn with flashtx's lanes (_attention_lane, _rotary_lane) off for the call: the ops' general path (the
+    switches cost ~0.2 us)."""
+    from flashtx import _attention_lane, _rotary_lane
 
     def general():
-        _attention_lane.LANE = False
+        _attention_lane.LANE = _rotary_lane.LANE = False
         try:
             return fn()
         finally:
-            _attention_lane.LANE = True
+            _attention_lane.LANE = _rotary_lane.LANE = True
     return general
 
 
@@ -527,7 +528,7 @@ def table(results: list[Result], env: dict | None = None) -> str:
     met = sum(r.met for r in results)
     lines += ["", f"Met {met} of {len(results)} rows (target and <= {MAX_RATIO:.0f}x baseline). The floor: the same "
               "calls through a no-op Python autograd.Function (torch's own cost of a Python-defined op here). The general "
-              "path: a plain attention call with flashtx._attention_lane off (the flashtx::attn_fwd op's path)."]
+              "path: the same call with flashtx's lanes off (the flashtx::attn_fwd / rotary_qk ops' path)."]
     return "\n".join(lines)
 
 

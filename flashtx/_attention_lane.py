@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _library, _small_q
+from . import _lanes, _library, _small_q
 from ._attention_op import GRAD, NO_GRAD, _backward, _plan, empty_like_layout
 from ._library import _C_APPLY, _unwrap_if_dead
 from .triton_kernels import precision
@@ -37,13 +37,8 @@ from .triton_kernels.limits import MAX_SEQ, LimitExceeded
 
 LANE = True
 
-_COMPILING = torch.compiler.is_compiling
-_DISPATCH_STACK = torch._C._len_torch_dispatch_stack
-_FUNCTORCH = torch._C._are_functorch_transforms_active
 _NO_AUX = [None] * 8  # _attention_op.Aux, every entry None
 _TENSOR, _F32 = torch.Tensor, torch.float32
-
-_LANES: dict = {}  # key -> _Lane, or False (the general path's call); LaunchCache.lanes once triton is loaded
 
 
 class _Lane:
@@ -95,7 +90,7 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
     no mask, bias, window, lengths, score modifier, dropout or lse, as the general path (functional._run)
     returns it, or None where the lane does not take the call (module docstring): the caller runs the general
     path. backend: the caller's, None or a name (the lane serves the calls planned for `triton`)."""
-    if not LANE or _COMPILING() or _DISPATCH_STACK() or _FUNCTORCH():
+    if not LANE or not _lanes.eager():
         return None
     if type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR:
         return None  # a subclass (a Parameter too) goes through the registered op
@@ -105,7 +100,7 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
     dtype = q.dtype
     key = (dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), scale, causal,
            bottom_right, bshd, grad, dtype is _F32 and precision.allow_tf32(), backend, _small_q.SMALL_Q_MAX)
-    lane = _LANES.get(key)
+    lane = _lanes.TABLE.get(key)
     if lane is None:
         lane = _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend or "")
     if not lane:
@@ -121,7 +116,6 @@ def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str):
     """The lane for `key` (stored), False where the general path must take these calls after planning them
     (stored too), or None where it must take them for what the inputs alone show, or this call cannot tell
     (not stored: a decode loop's growing keys would fill the table)."""
-    global _LANES
     B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if bshd else (q.shape[0], q.shape[2], q.shape[1])
     Sk = k.shape[1] if bshd else k.shape[2]
     if not (0 < Sq <= MAX_SEQ and 0 < Sk <= MAX_SEQ and B > 0 and Hq > 0 and v.shape[3] > 0):
@@ -131,22 +125,10 @@ def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str):
     if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return None  # the backend copies them first
     from .triton_kernels.attention_fwd import forward_entry
-    from .triton_kernels.launch import LAUNCHES, TORCH_ACC_DTYPE, _AlignedEntry
+    from .triton_kernels.launch import TORCH_ACC_DTYPE, _AlignedEntry
 
-    if not LAUNCHES.enabled:
-        return None  # the autotuner is forcing configs: every call plans afresh
-    generation = LAUNCHES.generation
-    _LANES = LAUNCHES.lanes  # forgotten with the launch entries (and so with the plans)
-    lane = _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry,
-                  _AlignedEntry, TORCH_ACC_DTYPE[q.dtype])
-    if lane is not None:
-        if len(_LANES) >= LAUNCHES.MAX_ENTRIES:
-            _LANES.clear()
-        _LANES[key] = lane
-        if LAUNCHES.generation != generation or not LAUNCHES.enabled:  # dropped meanwhile (another thread):
-            _LANES.pop(key, None)  # made from what may be stale now
-            return None
-    return lane
+    return _lanes.remember(key, lambda: _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend,
+                                               forward_entry, _AlignedEntry, TORCH_ACC_DTYPE[q.dtype]))
 
 
 def _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry, aligned_type, acc):

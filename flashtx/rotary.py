@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _dispatch
+from . import _dispatch, _rotary_lane
 from ._library import call
 from ._rotary_op import ROTARY_BACKENDS, RotaryInputs, rotary_inplace_op, rotary_op, rotary_qk_op  # noqa: F401
 from ._validate import _values_readable, check_cu_seqlens_values, check_tensor, has_internal_overlap, views_overlap
@@ -294,6 +294,10 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
         >>> cos, sin = flashtx.nn.RotaryEmbedding(64).cos_sin(128)   # (128, 32) each
         >>> q = flashtx.apply_rotary(q, cos, sin)                      # q: (B, 128, H, 64)
     """
+    if position_ids is None and cu_seqlens is None and max_seqlen is None:  # planned once per call signature
+        done = _rotary_lane.rotate(x, None, cos, sin, seqlen_offsets, interleaved, layout, inplace, backend)
+        if done is not None:
+            return done[0]
     index, spec, name = _prepare("x", x, None, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout,
                                  interleaved, backend)
     if inplace is None:
@@ -332,6 +336,10 @@ def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, posi
     Example:
         >>> q, k = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=cache_len)
     """
+    if position_ids is None and cu_seqlens is None and max_seqlen is None:  # planned once per call signature
+        done = _rotary_lane.rotate(q, k, cos, sin, seqlen_offsets, interleaved, layout, inplace, backend)
+        if done is not None:
+            return done
     index, spec, name = _prepare("q", q, k, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout,
                                  interleaved, backend)
     if inplace is None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import flashtx
-from flashtx import _attention_lane, _dispatch, _small_q, reference
+from flashtx import _attention_lane, _dispatch, _lanes, _small_q, reference
 from flashtx.triton_kernels import autotune, launch, precision
 from flashtx.triton_kernels.configs import TileConfig
 
@@ -142,7 +142,7 @@ def test_lane_outputs_are_written_in_full():
         for _ in range(2):  # a miss, then a hit
             out = flashtx.attention(q, k, v, is_causal=True)
             grads = torch.autograd.grad(out.sum(), (q, k, v))
-    assert len(_attention_lane._LANES) == 1
+    assert len(_lanes.TABLE) == 1
     ref = reference.attention(q.detach(), k.detach(), v.detach(), causal=True)
     assert (out - ref).abs().max() < precise_atol(1e-12)
     assert all(torch.isfinite(g).all() for g in grads)
@@ -174,7 +174,7 @@ def test_the_lane_gradient_reaches_only_what_requires_grad():
     ref = reference.attention(q, kr, vr)
     rk, rv = torch.autograd.grad(ref.square().sum(), (kr, vr))
     assert (dk - rk).abs().max() < precise_atol(1e-11) and (dv - rv).abs().max() < precise_atol(1e-11)
-    assert q.grad is None and len(_attention_lane._LANES) == 1
+    assert q.grad is None and len(_lanes.TABLE) == 1
 
 
 def test_calls_the_lane_must_not_take(lane_runs, routes):
@@ -194,7 +194,7 @@ def test_calls_the_lane_must_not_take(lane_runs, routes):
         masked = flashtx.attention(x, x, x, is_causal=True, key_mask=keep)
         lse = flashtx.attention(x, x, x, is_causal=True, return_lse=True)[0]
         named = flashtx.attention(x, x, x, is_causal=True, backend="reference")
-    assert lane_runs == [] and not any(_attention_lane._LANES.values())
+    assert lane_runs == [] and not any(_lanes.TABLE.values())
     want = reference.attention(x, x, x, causal=True)
     for got in (strided, masked, lse, named):
         assert (got - want).abs().max() < precise_atol(1e-12)
@@ -207,20 +207,20 @@ def test_lanes_are_forgotten_with_the_plans_and_made_by_no_tuner(gpu_target, lan
     targets)."""
     q = randn(1, 2, 24, 16, dtype=PRECISE_DTYPE)
     flashtx.attention(q, q, q, is_causal=True)
-    assert len(_attention_lane._LANES) == 1 and len(lane_runs) == 1
+    assert len(_lanes.TABLE) == 1 and len(lane_runs) == 1
     _dispatch.clear_plans()
-    assert len(_attention_lane._LANES) == 0
+    assert len(_lanes.TABLE) == 0
     flashtx.attention(q, q, q, is_causal=True)
-    assert len(_attention_lane._LANES) == 1
+    assert len(_lanes.TABLE) == 1
 
     tile = TileConfig(16, 16, 1, 1, "test: a forced tile")
     blocks = []
     with autotune.forced("attn_fwd", tile), launch.stub_launches(
             lambda kernel, grid, args: blocks.append((args["BLOCK_M"], args["BLOCK_N"]))):
-        assert len(_attention_lane._LANES) == 0  # dropped when the tuner starts
+        assert len(_lanes.TABLE) == 0  # dropped when the tuner starts
         flashtx.attention(q, q, q, is_causal=True)
         flashtx.attention(q, q, q, is_causal=True)
-        assert len(_attention_lane._LANES) == 0
+        assert len(_lanes.TABLE) == 0
     assert blocks == [(16, 16), (16, 16)] and len(lane_runs) == 2
 
 
@@ -308,7 +308,7 @@ def test_a_lane_made_across_a_clear_is_not_kept(monkeypatch, lane_runs):
     monkeypatch.setattr(attention_fwd, "forward_entry", entry_then_another_thread_clears)
     out = flashtx.attention(q, q, q)
     monkeypatch.setattr(attention_fwd, "forward_entry", real)
-    assert len(_attention_lane._LANES) == 0 and lane_runs == []
+    assert len(_lanes.TABLE) == 0 and lane_runs == []
     assert (out - reference.attention(q, q, q)).abs().max() < precise_atol(1e-12)
     blocks = []
     with launch.stub_launches(lambda kernel, grid, args: blocks.append((args["BLOCK_DQK"], args["BLOCK_DQK2"]))):

@@ -329,15 +329,6 @@ def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seql
     inputs (no rows, no heads, no sequences or no columns)."""
     if cu_seqlens is not None:  # the bound _plan uses, so that looser bounds share a launch-cache entry
         max_seqlen = min(max_seqlen, _total(q, heads_first))
-
-    def build():
-        plan = _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
-                     conjugate, heads_first, None)
-        if plan is None:
-            return []
-        args, grid, st = plan
-        return [Launch(_rotary_kernel, grid, args, st.cfg_q)]
-
     # Replayed from the launch cache for a repeated signature (a GPU then launches the compiled kernel
     # directly, see launch.DIRECT_LAUNCH). An int offset other than 0 (decoding: the cache length, a new
     # value each step) would key an entry per step: the tables are narrowed to the rows [offset, offset + S)
@@ -348,14 +339,44 @@ def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seql
     if type(offset) is int and offset:
         seq = _total(q, heads_first)
         if cu_seqlens is not None or offset + seq > cos.shape[-2]:
-            for step in build():
+            for step in _build(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen,
+                               interleaved, conjugate, heads_first)():
                 step.run()
             return
         cos, sin, offset = cos.narrow(-2, offset, seq), sin.narrow(-2, offset, seq), 0
-    # `qo is q` keys too: the plan branches on it (COPY_REST), and an in-place entry replayed out of place would
-    # leave a partial rotary's pass-through columns unwritten (the signature sees shapes, not identities)
-    LAUNCHES.run(("rotary", q.device, offset, max_seqlen, interleaved, conjugate, heads_first, qo is q), _ROLES,
-                 (q, qo, k, ko, cos, sin, offsets, position_ids, cu_seqlens), build)
+    LAUNCHES.run(*_cache_args(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen,
+                              interleaved, conjugate, heads_first))
+
+
+def rotary_entry(q, qo, k, ko, cos, sin, interleaved: bool, heads_first: bool):
+    """The memoised launch (LaunchCache.entry) rotary_launch would replay for a forward at offset 0 without
+    offsets, position ids or cu_seqlens (tables narrowed by the caller), or None where it plans every call.
+    flashtx._rotary_lane keeps it per call signature and fires it itself."""
+    return LAUNCHES.entry(*_cache_args(q, qo, k, ko, cos, sin, None, 0, None, None, 0, interleaved, False,
+                                       heads_first))
+
+
+def _build(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved, conjugate,
+           heads_first):
+    def build():
+        plan = _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
+                     conjugate, heads_first, None)
+        if plan is None:
+            return []
+        args, grid, st = plan
+        return [Launch(_rotary_kernel, grid, args, st.cfg_q)]
+    return build
+
+
+def _cache_args(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
+                conjugate, heads_first) -> tuple:
+    """LaunchCache.run's / entry's arguments for a launch: key, roles, tensors, build. `qo is q` keys too: the plan
+    branches on it (COPY_REST), and an in-place entry replayed out of place would leave a partial rotary's
+    pass-through columns unwritten (the signature sees shapes, not identities)."""
+    return (("rotary", q.device, offset, max_seqlen, interleaved, conjugate, heads_first, qo is q), _ROLES,
+            (q, qo, k, ko, cos, sin, offsets, position_ids, cu_seqlens),
+            _build(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max_seqlen, interleaved,
+                   conjugate, heads_first))
 
 
 def rotary(q, qo, k=None, ko=None, cos=None, sin=None, *, offsets=None, offset: int = 0, position_ids=None,

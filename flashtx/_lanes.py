@@ -1,0 +1,47 @@
+"""What the per-call-signature fast paths (flashtx._attention_lane, flashtx._rotary_lane) share: when a call may
+take one, and the table their plans live in.
+
+A lane is a public call's whole plan (validation passed, backend chosen, launches memoised), kept per call
+signature so that a repeated call costs one dict lookup before its launches fire. Lanes live in the launch cache's
+`lanes` dict (flashtx.triton_kernels.launch.LaunchCache), so they are dropped whenever plans or launch entries are
+(`_dispatch.clear_plans`, `LaunchCache.clear`, a tuner starting). Every key starts with what tells the lanes
+apart (a tag string, or attention's dtype).
+"""
+from __future__ import annotations
+
+import torch
+
+TABLE: dict = {}  # key -> lane, or False (the general path's call); LaunchCache.lanes once triton is loaded
+
+_COMPILING = torch.compiler.is_compiling
+_DISPATCH_STACK = torch._C._len_torch_dispatch_stack
+_FUNCTORCH = torch._C._are_functorch_transforms_active
+
+
+def eager() -> bool:
+    """Whether a lane may take this call: nothing traces it (torch.compile sees the registered ops) and no
+    dispatch mode or functorch transform intercepts it."""
+    return not (_COMPILING() or _DISPATCH_STACK() or _FUNCTORCH())
+
+
+def remember(key, build):
+    """build()'s lane for `key`: stored (a lane, or False: the general path takes these calls) and returned; None
+    (not stored) where build() says the inputs alone send this call to the general path, and where the launch
+    cache is off (a tuner forcing configs) or was dropped while build() ran (another thread: what it read may be
+    stale)."""
+    global TABLE
+    from .triton_kernels.launch import LAUNCHES
+
+    if not LAUNCHES.enabled:
+        return None
+    generation = LAUNCHES.generation
+    TABLE = LAUNCHES.lanes  # forgotten with the launch entries (and so with the plans)
+    lane = build()
+    if lane is not None:
+        if len(TABLE) >= LAUNCHES.MAX_ENTRIES:
+            TABLE.clear()
+        TABLE[key] = lane
+        if LAUNCHES.generation != generation or not LAUNCHES.enabled:
+            TABLE.pop(key, None)
+            return None
+    return lane
