@@ -14,8 +14,9 @@ the op does (empty_like) and fires the entry. With autograd, its node (named as 
 what the op's saves and runs the op's backward. In place, where autograd records nothing, the entry fires on q
 and k themselves and their version counters are bumped, as the in-place op's call does; q and k sharing memory
 is checked every call (it depends on addresses). Every other call returns None, and the caller takes the general
-path: in-place calls that autograd records, a table too short for the offset, empty tensors, and where the plan
-is not Triton's (lanes.remember's and lanes.eager's rules too).
+path: in-place calls that autograd records, a table too short for the offset, empty tensors, tensors on a CUDA
+device that is not the current one, and where the plan is not Triton's (lanes.remember's and lanes.eager's rules
+too).
 
 `LANE = False` turns it off (tests compare both).
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _lanes
+from . import _lanes, _library
 from ._library import _C_APPLY, _unwrap_if_dead
 from ._rotary_op import _rotary_backward, _rotary_qk_backward, _save
 from ._validate import has_internal_overlap, views_overlap
@@ -100,8 +101,8 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend):
             cos.requires_grad or sin.requires_grad:
         return None  # the general path's (subclasses, Parameters too, go through the registered ops; tables with
         # grad and arguments of other types are refused there)
-    if q.dim() != 4 or cos.dim() < 2 or sin.dim() < 2:
-        return None
+    if q.dim() != 4 or cos.dim() < 2 or sin.dim() < 2 or _library._other_device(q) is not None:
+        return None  # (the general path makes q's device current first: flashtx._library.call)
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
     if inplace is None and grad:
         inplace = False  # what the general path does (flashtx.rotary._inplace_allowed)

@@ -67,5 +67,11 @@ def test_a_call_on_another_gpus_tensors_launches_with_that_device_current(monkey
         torch.autograd.grad(out, (g, u), torch.randn_like(out))
         a = flashtx.attention(q, k, k, backend="triton")
         torch.autograd.grad(a, (q, k), torch.randn_like(a))
-    assert len(launched) >= 6 and set(launched) == {1}, launched
+        cos, sin = torch.rand(8, 8), torch.rand(8, 8)
+        for _ in range(2):  # RoPE's second call of a signature takes its lane (flashtx._rotary_lane)
+            with torch.no_grad():
+                flashtx.apply_rotary_qk(q.clone(), k.clone(), cos, sin, inplace=True)
+            r = flashtx.apply_rotary_qk(q, k, cos, sin)
+            torch.autograd.grad(r, (q, k), [torch.randn_like(t) for t in r])
+    assert len(launched) >= 12 and set(launched) == {1}, launched
     assert current[0] == 0  # restored
