@@ -264,6 +264,50 @@ def test_gpu_replays_launch_the_compiled_kernel_directly(monkeypatch):
     assert len(kernel.log) == n  # the stub took it
 
 
+def test_a_plan_made_while_a_tuner_starts_is_used_once_and_not_kept():
+    """A call that planned with the cache on while a tuner started in another thread (LaunchCache.drop_lanes, as
+    autotune._tuning_block does) runs its plan but does not store it: a plan made with an untuned default, or with
+    the other thread's forced candidate, must not outlive the tuning. The next call plans and keeps its own."""
+    calls, recording = _record()
+    kernel = _Kernel()
+    x = torch.zeros(8)
+
+    def call(tuner_starts: bool):
+        def build():
+            if tuner_starts:
+                launch.LAUNCHES.drop_lanes()
+            return [launch.Launch(kernel, (1, 1, 1), {"X": x, "Y": x, "N": 7, "BLOCK": 16})]
+        launch.LAUNCHES.run(("tuner-race",), ("X",), (x,), build)
+        return launch.LAUNCHES.entry(("tuner-race",), ("X",), (x,), lambda: 1 / 0)  # stored, or planned now
+    with recording:
+        with pytest.raises(ZeroDivisionError):
+            call(True)
+        assert len(calls) == 1 and not launch.LAUNCHES.entries
+        assert call(False) and len(calls) == 2 and len(launch.LAUNCHES.entries) == 1
+
+
+def test_a_direct_launch_uses_the_compiled_kernel_it_checked(monkeypatch):
+    """Another thread may recapture a replay's compiled kernel (for other alignment bits) between this thread's
+    device and alignment check and its launch; here it does so while the scratch allocator is installed. The
+    launch must use the kernel it checked, not the new one with the old one's check."""
+    driver = _Driver()
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_driver", lambda: driver)
+    kernel = _Kernel()
+    x, y = torch.zeros(8), torch.zeros(8)
+
+    def call():
+        launch.LAUNCHES.run(("race-test",), ("X", "Y"), (x, y), lambda: [
+            launch.Launch(kernel, (1, 1, 1), {"X": x, "Y": y, "N": 7, "BLOCK": 16}, descriptors=("X",))])
+    call()  # planned, launched through the kernel: the replay keeps its compiled kernel
+    (replay,) = next(iter(launch.LAUNCHES.entries.values()))
+    other = []
+    monkeypatch.setattr(launch, "ensure_scratch_allocator",
+                        lambda: setattr(replay, "direct", (_Compiled(other), driver.device, 0)))  # "another thread"
+    call()
+    assert kernel.log[-1][0] == "direct" and other == []
+
+
 def test_plans_pass_every_kernel_parameter_so_gpu_replays_can_launch_directly():
     """Direct launches pass arguments by position, so every memoised attention, decode, RoPE and SwiGLU launch
     must name each of its kernel's parameters (no defaults left to Triton's binder)."""

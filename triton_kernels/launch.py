@@ -158,24 +158,31 @@ class LaunchCache:
         sig = (key, sig)
         entry = self.entries.get(sig)
         if entry is None:
+            generation = self.generation
             entry = _memo(build(), names, tensors)
             if entry is not None:
-                self._store(sig, entry)
+                self._store(sig, entry, generation)
         return entry
 
     def _miss(self, sig: tuple, names: tuple, tensors: tuple, build):
         """Plan a call whose signature has no usable entry: the new entry (stored, not yet run), or None after
         running the plan itself (not cacheable, or an aligned entry that these tensors do not fit)."""
+        generation = self.generation
         steps = build()
         entry = None if sig in self.entries else _memo(steps, names, tensors)
         if entry is None:
             for step in steps:
                 step.run()
             return None
-        self._store(sig, entry)
+        self._store(sig, entry, generation)
         return entry
 
-    def _store(self, sig: tuple, entry) -> None:
+    def _store(self, sig: tuple, entry, generation: int) -> None:
+        """Keep `entry`, planned from what was current at `generation`, unless a tuner started (or the cache was
+        cleared) while it was planned, in another thread: a plan made with an untuned default or another thread's
+        forced candidate must not outlive the tuning (it is still used for this call)."""
+        if generation != self.generation or not self.enabled:
+            return
         if len(self.entries) >= self.MAX_ENTRIES:
             self.drop_lanes()
             self.entries.clear()
@@ -197,16 +204,16 @@ class _Replay:
     """One memoised launch: the kernel, grid and launch options, its non-tensor arguments (by name, and in
     the kernel's parameter order with placeholders for tensors), and where each input tensor goes (name,
     position, input index, dtype view or None). After its first eager GPU launch it also holds Triton's
-    compiled kernel (see DIRECT_LAUNCH)."""
+    compiled kernel with the device and alignment bits it was launched for (see DIRECT_LAUNCH), as one tuple
+    that fire() reads once: another thread may replace it meanwhile, never mix its parts with the old ones'."""
 
-    __slots__ = ("kernel", "grid", "launch_kwargs", "template", "values", "slots", "positional", "compiled",
-                 "device", "aligned", "scratch")
+    __slots__ = ("kernel", "grid", "launch_kwargs", "template", "values", "slots", "positional", "direct", "scratch")
 
     def __init__(self, kernel, grid, launch_kwargs, template, values, slots, positional, scratch=False):
         self.kernel, self.grid, self.launch_kwargs = kernel, grid, launch_kwargs
         self.template, self.values, self.slots = template, values, slots
         self.positional = positional  # values are exactly the kernel's parameters, in order
-        self.compiled = self.device = self.aligned = None
+        self.direct = None  # (compiled kernel, device, alignment bits)
         self.scratch = scratch  # Launch.descriptors: Triton's allocator is needed
 
     def fire(self, tensors: tuple) -> None:
@@ -215,20 +222,21 @@ class _Replay:
             t = tensors[i]
             vals[pos] = t if view is None else t.view(view)
         direct = DIRECT_LAUNCH and _STUB is None and not _INTERPRET
-        if direct and self.compiled is not None:
+        known = self.direct  # read once (see the class docstring)
+        if direct and known is not None:
             drv = _driver()
             device = drv.get_current_device()
-            if device == self.device and self._alignment(vals) == self.aligned:
+            if device == known[1] and self._alignment(vals) == known[2]:
                 if self.scratch:
                     ensure_scratch_allocator()
-                self.compiled[self.grid](*vals, stream=drv.get_current_stream(device))
+                known[0][self.grid](*vals, stream=drv.get_current_stream(device))
                 return
         args = self.template.copy()
         for name, pos, _, _ in self.slots:
             args[name] = vals[pos]
         compiled = run_kernel(self.kernel, self.grid, args, self.launch_kwargs, self.scratch)
         if direct and self.positional and hasattr(compiled, "packed_metadata"):  # a CompiledKernel (eager GPU)
-            self.compiled, self.device, self.aligned = compiled, _driver().get_current_device(), self._alignment(vals)
+            self.direct = (compiled, _driver().get_current_device(), self._alignment(vals))
 
     def _alignment(self, vals: list) -> int:
         """Bit j set when the j-th tensor argument is 16-byte aligned (Triton's pointer specialisation)."""
