@@ -114,6 +114,9 @@ def clear_plans() -> None:
     launch = sys.modules.get("flashtx.triton_kernels.launch")  # loaded only with triton
     if launch is not None:
         launch.LAUNCHES.clear()
+    decode = sys.modules.get("flashtx.triton_kernels.decode")
+    if decode is not None:
+        decode._SPLITS.clear()  # split counts, from the target's SM count
 
 
 STANDINS: dict[str, object] = {}  # op -> fn(device, *kinds) -> an inputs object of those kinds (see plan_kinds)

@@ -23,7 +23,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import _attention_lane, functional
+from . import _attention_lane, _dispatch, functional
 from ._validate import _qkv_ok, resolve_scale, scale_ok
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.mask_spec import MaskSpec
@@ -131,7 +131,7 @@ _SCALE_REASON = "a scale outside flashtx's range (0, or a real number of magnitu
 
 
 _GPU = "cuda"  # the device whose calls may lack a kernel config (flashtx.testing_gpu_trace stands in "cpu")
-_FAST_REASONS: dict = {}
+_FAST_REASONS = _dispatch.plan_table("sdpa_patch")  # (they follow the plans: cleared with them)
 
 
 @torch.compiler.assume_constant_result  # torch.compile runs it while tracing and keeps the answer

@@ -253,21 +253,18 @@ def spy_attention_calls(monkeypatch, record) -> None:
 def gpu_target(monkeypatch, request):
     """Plan every launch as for configs.KNOWN_TARGETS[request.param] (use with indirect parametrization): each
     flashtx module's target_for is stood in, so the interpreter runs that GPU's tiles and SM-count heuristics.
-    Cached plans and decode splits are forgotten before and after."""
+    Cached plans (decode splits too) are forgotten before and after."""
     import sys
 
     from flashtx import _dispatch
     from flashtx.triton_kernels import configs
-    from flashtx.triton_kernels import decode as decode_kernels
 
     target = configs.KNOWN_TARGETS[request.param]
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("flashtx") and hasattr(mod, "target_for"):
             monkeypatch.setattr(mod, "target_for", lambda t: target)
     _dispatch.clear_plans()
-    decode_kernels._SPLITS.clear()
     yield target
-    decode_kernels._SPLITS.clear()
     _dispatch.clear_plans()
 
 

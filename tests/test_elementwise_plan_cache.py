@@ -69,6 +69,22 @@ def test_backend_by_device_answers_as_plan_kinds_and_is_cleared_with_the_plans()
     assert want[cases[1]] == "reference" and want[cases[5]] == "reference"
 
 
+def test_clear_plans_forgets_every_cache_that_follows_the_plans():
+    """What switches (launch.SPLIT_HEAD_DIMS, a stood-in target) change is forgotten with the plans: the patched
+    SDPA's per-kind reasons and the decode split counts too, not only the backends, launches and lanes."""
+    import flashtx
+    from flashtx import sdpa_patch
+    from flashtx.triton_kernels import decode as decode_kernels
+
+    sdpa_patch._fast_reason("cpu", None, torch.float32, 16, 16, False, 0)
+    q = torch.randn(1, 1, 2, 16, device=DEVICE)
+    kc = torch.randn(1, 8, 2, 16, device=DEVICE)
+    flashtx.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([5], dtype=torch.int32, device=DEVICE))
+    assert sdpa_patch._FAST_REASONS and decode_kernels._SPLITS
+    _dispatch.clear_plans()
+    assert not sdpa_patch._FAST_REASONS and not decode_kernels._SPLITS
+
+
 def _old_rotary_consts(q, qo, k, cos, seq, interleaved, conjugate, varlen, has_offsets, has_pos, target):
     """The constexprs and head tiles as plan_rotary built them per call before the cache."""
     r2, D, hq = cos.shape[-1], q.shape[-1], q.shape[2]
