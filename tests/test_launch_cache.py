@@ -364,6 +364,24 @@ def test_rope_at_a_new_int_offset_each_step_replays_one_entry():
         assert (got - want(x, pos)).abs().max() < precise_atol(1e-12)
 
 
+def test_rope_in_place_without_k_replays_one_entry(monkeypatch):
+    """In place without k, rotary's launch passes q in for the absent k (K is q is qo): that stand-in binds to q's
+    role (the first of the inputs it is), so the call replays one entry instead of planning every time (the
+    launcher's path: flashtx._rotary_lane off)."""
+    from flashtx import _rotary_lane
+
+    monkeypatch.setattr(_rotary_lane, "LANE", False)
+    cos, sin = torch.rand(8, 4, dtype=PRECISE_DTYPE, device=DEVICE), torch.rand(8, 4, dtype=PRECISE_DTYPE,
+                                                                                 device=DEVICE)
+    for seed in range(3):
+        x = randn(1, 8, 2, 16, dtype=PRECISE_DTYPE)
+        want = flashtx.apply_rotary(x, cos, sin, backend="reference")
+        with torch.no_grad():
+            flashtx.apply_rotary(x, cos, sin, inplace=True)
+        assert (x - want).abs().max() < precise_atol(1e-12)
+        assert len(launch.LAUNCHES.entries) == 1
+
+
 def test_rope_in_place_and_out_of_place_calls_keep_separate_entries():
     """A partial rotary's pass-through columns are copied only out of place (the plan branches on qo is q): an
     in-place q+k call's entry replayed for an out-of-place call of the same signature left them unwritten

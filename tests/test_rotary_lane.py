@@ -116,6 +116,13 @@ def test_in_place_calls_rotate_q_and_k_themselves(inplace, lane_fires):
         assert (q - _want(q0, cos, sin, 2, False, "bhsd")).abs().max() < precise_atol(1e-12)
         assert (k - _want(k0, cos, sin, 2, False, "bhsd")).abs().max() < precise_atol(1e-12)
     assert len(lane_fires) == 2
+    for _ in range(2):  # one tensor: its launch stands q in for the absent k (launch._slot binds it by identity)
+        x = _x(2, 6, 3, 16, "bshd", False)
+        x0, vx = x.clone(), x._version
+        with torch.no_grad():
+            assert flashtx.apply_rotary(x, cos, sin, seqlen_offsets=1, inplace=inplace) is x
+        assert x._version > vx and (x - _want(x0, cos, sin, 1, False, "bshd")).abs().max() < precise_atol(1e-12)
+    assert len(lane_fires) == 4 and all(_lanes.TABLE.values())
 
     x = randn(2, 6, 2, 16, dtype=PRECISE_DTYPE)
     q, k = x[:, :, :1], x[:, :, :1]  # the same elements

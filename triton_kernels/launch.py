@@ -346,6 +346,11 @@ def _slot(name: str, a: torch.Tensor, names: tuple, tensors: tuple):
             # from the input's own (they are in the signature), so the input itself is bound
             return (i, None)
     found = [(i, *view) for i, t in enumerate(tensors) if (view := _same(a, t)) is not None]
+    if len(found) > 1 and i < len(tensors) and tensors[i] is None and all(
+            tensors[j] is tensors[found[0][0]] and v == found[0][1] for j, v in found):
+        # a stand-in for an absent tensor, unread by the kernel, that is one input passed in several roles (rotary
+        # in place without k: K is q is qo, an identity its launcher keys): the first of them
+        return found[0]
     return found[0] if len(found) == 1 else None
 
 
