@@ -121,10 +121,11 @@ def _plan(q, k, v, bias, aux, ints: list, floats: list, backend: str, no_aux: bo
     arguments, so both take the same backend. no_aux: every aux is None. Shape limits are not part of the
     key: a call past one is not cached, and the Triton launchers check them once per call signature (raising
     LimitExceeded, see _replan), so a cached plan never launches a grid the GPU refuses."""
-    # Ints/Floats fields by position (no NamedTuple built per call): causal, window_left, needs_grad;
-    # softcap, dropout_p. Head dims as ints: under dynamic shapes they are SymInts (unhashable); the kernels
-    # specialise on them anyway.
-    key = (q.device, q.dtype, int(q.shape[3]), int(v.shape[3]), ints[0], ints[2] >= 0,
+    # Ints/Floats fields by position (no NamedTuple built per call): causal, window_left, window_right,
+    # needs_grad; softcap, dropout_p (whether each window side is on decides the masks' tile table, see
+    # configs' masks_visibility). Head dims as ints: under dynamic shapes they are SymInts (unhashable); the
+    # kernels specialise on them anyway.
+    key = (q.device, q.dtype, int(q.shape[3]), int(v.shape[3]), ints[0], ints[2] >= 0, ints[3] >= 0,
            None if no_aux else tuple(t is not None for t in aux), None if bias is None else bias.dtype,
            floats[1] > 0, floats[2] > 0, ints[6], backend)
     name = _PLANS.get(key)
