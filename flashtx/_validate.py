@@ -104,10 +104,20 @@ SCALAR_MIN, SCALAR_MAX = 2.0 ** -100, 2.0 ** 100
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
+def is_flag(v) -> bool:
+    """Whether v is what torch's bool parameters take: a bool, or a SymBool (a traced comparison of sizes)."""
+    return type(v) is bool or isinstance(v, torch.SymBool)
+
+
+def is_int_dtype(dtype: torch.dtype) -> bool:
+    """An integer dtype (not bool): what index-like tensor arguments may hold."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_flag(name: str, v) -> bool:
     """A bool argument, as torch's bool parameters take it: SDPA raises a TypeError for is_causal="no" (truthy)
     or 1, and so does this (a SymBool, a traced comparison of sizes, passes)."""
-    if type(v) is bool or isinstance(v, torch.SymBool):
+    if is_flag(v):
         return v
     t = type(v)
     kind = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"  # numpy.bool
@@ -120,8 +130,7 @@ def check_window(name: str, window) -> tuple[int, int]:
     A (2,) integer tensor, or a pair of one-element ones, is read as its values (flash-attn's own tests pass
     window sizes so; a device tensor costs a host sync)."""
     if isinstance(window, torch.Tensor):
-        if window.dtype.is_floating_point or window.dtype.is_complex or window.dtype == torch.bool or (
-                window.shape != (2,)):
+        if not is_int_dtype(window.dtype) or window.shape != (2,):
             raise TypeError(f"{name} must be a pair (left, right) of ints >= -1; got a {window.dtype} tensor of "
                             f"shape {tuple(window.shape)}")
         window = window.tolist()
@@ -138,8 +147,7 @@ def check_window(name: str, window) -> tuple[int, int]:
 
 def _int_item(x):
     """A one-element integer tensor as its Python int; anything else as it is (check_window judges it)."""
-    if isinstance(x, torch.Tensor) and x.numel() == 1 and not (
-            x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and is_int_dtype(x.dtype):
         return x.item()
     return x
 
@@ -291,7 +299,7 @@ def check_max_seqlen(name: str, m, device: torch.device):
     """An int >= 0 or a 0-dim integer tensor on `device` or the CPU (checked on the device, never read on the
     host)."""
     if isinstance(m, torch.Tensor):
-        if m.dim() != 0 or m.is_floating_point() or m.is_complex() or m.dtype == torch.bool:
+        if m.dim() != 0 or not is_int_dtype(m.dtype):
             raise TypeError(f"{name} must be an int or a 0-dim integer tensor; got a {m.dtype} tensor of shape "
                             f"{tuple(m.shape)}")
         if m.device != device and m.device.type != "cpu":

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _attention_lane, _dispatch, functional
-from ._validate import _qkv_ok, resolve_scale, scale_ok
+from ._validate import _qkv_ok, is_flag, resolve_scale, scale_ok
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.mask_spec import MaskSpec
 
@@ -77,7 +77,7 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     """unsupported_reason, every check in turn (the _plain shortcut agrees with it: tests/test_patch_sdpa.py)."""
     if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
         return "query, key and value must all be tensors"
-    if not (type(is_causal) is bool or isinstance(is_causal, torch.SymBool)):  # torch raises for "no", 1, None
+    if not is_flag(is_causal):  # torch raises for "no", 1, None
         return "is_causal must be a bool" + _TORCH_ERROR
     if query.is_nested or key.is_nested or value.is_nested:
         return "nested (jagged) tensors are not supported"
