@@ -11,7 +11,7 @@ A lane is made from the general path's own work: the call's validation (`rotary.
 arguments, which raises what the general path raises), its backend (which must be `triton`), and the launch
 cache's entry for the narrowed call (`triton_kernels.rotary.rotary_entry`). A call then allocates its outputs as
 the op does (empty_like) and fires the entry. With autograd, its node (named as the op's: Rotary / RotaryQk) saves
-what the op's saves and runs the op's backward. In place, where autograd records nothing, the entry fires on q
+what the op's saves (the caller's tables and offset, not the narrowed views) and runs the op's backward. In place, where autograd records nothing, the entry fires on q
 and k themselves and their version counters are bumped, as the in-place op's call does; q and k sharing memory
 is checked every call (it depends on addresses). Every other call returns None, and the caller takes the general
 path: in-place calls that autograd records, a table too short for the offset, empty tensors, tensors on a CUDA
@@ -31,19 +31,26 @@ from ._validate import has_internal_overlap, views_overlap
 
 LANE = True
 
-_TENSOR = torch.Tensor
+_TENSOR, _STRIDED = torch.Tensor, torch.strided
 _NO_INDEX = (None, None, None)  # offsets, position_ids, cu_seqlens
 _INC_VERSION = torch.autograd.graph.increment_version
 
 
 class _Lane:
     """One call signature's plan: the forward's launch entry (launch.LaunchCache replays) and the op's
-    (spec, backend) for its backward."""
+    (spec, backend) for its backward (spec's offset is the call's: see saved())."""
 
     __slots__ = ("entry", "spec", "backend")
 
     def __init__(self, entry, spec, backend):
         self.entry, self.spec, self.backend = entry, spec, backend
+
+    def saved(self, ctx, cos, sin, offset: int) -> None:
+        """What the op's node saves: the caller's full tables and its offset (not the narrowed views the launch
+        reads), so that a checkpoint's recompute through the other path finds the same saved tensors."""
+        spec = self.spec.copy()
+        spec[0] = offset
+        _save(ctx, cos, sin, _NO_INDEX, spec, self.backend)
 
     def fire(self, q, qo, k, ko, cos, sin) -> None:
         tensors = (q, qo, k, ko, cos, sin, None, None, None)  # rotary_launch's roles, in order
@@ -55,30 +62,30 @@ class RotaryQk(torch.autograd.Function):
     """The autograd node of a lane's out-of-place q+k rotation: flashtx::rotary_qk's (saved tensors, backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, lane):
+    def forward(ctx, q, k, cos, sin, lane, tables, offset):
         qo, ko = torch.empty_like(q), torch.empty_like(k)
         lane.fire(q, qo, k, ko, cos, sin)
-        _save(ctx, cos, sin, _NO_INDEX, lane.spec, lane.backend)
+        lane.saved(ctx, *tables, offset)
         return qo, ko
 
     @staticmethod
     def backward(ctx, dq, dk):
-        return (*_rotary_qk_backward(ctx, dq, dk)[:2], None, None, None)
+        return (*_rotary_qk_backward(ctx, dq, dk)[:2], None, None, None, None, None)
 
 
 class Rotary(torch.autograd.Function):
     """The autograd node of a lane's out-of-place rotation of one tensor: flashtx::rotary's."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, lane):
+    def forward(ctx, x, cos, sin, lane, tables, offset):
         out = torch.empty_like(x)
         lane.fire(x, out, None, None, cos, sin)
-        _save(ctx, cos, sin, _NO_INDEX, lane.spec, lane.backend)
+        lane.saved(ctx, *tables, offset)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        return _rotary_backward(ctx, dout)[0], None, None, None
+        return _rotary_backward(ctx, dout)[0], None, None, None, None, None
 
 
 def _bound(fn):
@@ -98,9 +105,10 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend):
             type(sin) is not _TENSOR or type(offset) is not int or type(interleaved) is not bool or \
             type(layout) is not str or (backend is not None and type(backend) is not str) or \
             (inplace is not False and inplace is not True and inplace is not None) or \
-            cos.requires_grad or sin.requires_grad:
+            cos.requires_grad or sin.requires_grad or q.layout is not _STRIDED or cos.layout is not _STRIDED or \
+            sin.layout is not _STRIDED or (k is not None and k.layout is not _STRIDED):
         return None  # the general path's (subclasses, Parameters too, go through the registered ops; tables with
-        # grad and arguments of other types are refused there)
+        # grad, sparse tensors and arguments of other types are refused there)
     if q.dim() != 4 or cos.dim() < 2 or sin.dim() < 2 or _library._other_device(q) is not None:
         return None  # (the general path makes q's device current first: flashtx._library.call)
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
@@ -124,8 +132,8 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend):
     if inplace is False:
         if grad:
             if k is None:
-                return _APPLY_X(_unwrap_if_dead(q), cos, sin, lane), None
-            return _APPLY_QK(_unwrap_if_dead(q), _unwrap_if_dead(k), cos, sin, lane)
+                return _APPLY_X(_unwrap_if_dead(q), cos, sin, lane, tables, offset), None
+            return _APPLY_QK(_unwrap_if_dead(q), _unwrap_if_dead(k), cos, sin, lane, tables, offset)
         if k is None:
             out = torch.empty_like(q)
             lane.fire(q, out, None, None, cos, sin)
@@ -166,6 +174,5 @@ def _make(key, q, k, cos, sin, tables, offset, interleaved, layout, inplace, gra
         entry = rotary_entry(q, qo, k, ko, cos, sin, interleaved, layout == "bhsd")
         if type(entry) is not list:
             return False  # not replayable (None), or planned for aligned inputs: the general path plans each call
-        spec[0] = 0  # the backward reads the narrowed tables from their first row
         return _Lane(entry, spec, chosen)
     return _lanes.remember(key, build)

@@ -336,6 +336,8 @@ def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, posi
     Example:
         >>> q, k = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=cache_len)
     """
+    if k is None:
+        check_tensor("k", k)  # (apply_rotary rotates one tensor)
     if position_ids is None and cu_seqlens is None and max_seqlen is None:  # planned once per call signature
         done = _rotary_lane.rotate(q, k, cos, sin, seqlen_offsets, interleaved, layout, inplace, backend)
         if done is not None:

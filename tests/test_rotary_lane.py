@@ -208,3 +208,42 @@ def test_only_plain_eager_calls_take_the_lane_and_lanes_go_with_the_plans(lane_f
     _dispatch.clear_plans()
     assert len(_lanes.TABLE) == 0
     launch.LAUNCHES.clear()
+
+
+@pytest.mark.parametrize("forward_lane", [False, True], ids=["general-then-lane", "lane-then-general"])
+def test_checkpoint_recomputes_through_either_path(forward_lane, monkeypatch):
+    """A non-reentrant checkpoint compares what the forward and its recompute save: the lane's node saves the
+    caller's tables and offset, as the op's does (not the narrowed views it launches on), so a forward through
+    one path and a recompute through the other (a lane dropped or made between them) agree."""
+    from torch.utils.checkpoint import checkpoint
+
+    cos, sin = _tables(10, 4)
+    x = _x(2, 5, 2, 8, "bshd", True)
+    dout = torch.randn(2, 5, 2, 8, dtype=PRECISE_DTYPE, device=DEVICE)
+    monkeypatch.setattr(_rotary_lane, "LANE", True)
+    flashtx.apply_rotary(x.detach(), cos, sin, seqlen_offsets=3)  # the lane exists for the recompute
+    monkeypatch.setattr(_rotary_lane, "LANE", forward_lane)
+    y = checkpoint(lambda t: flashtx.apply_rotary(t, cos, sin, seqlen_offsets=3), x, use_reentrant=False)
+    monkeypatch.setattr(_rotary_lane, "LANE", not forward_lane)
+    (grad,) = torch.autograd.grad(y, x, dout)
+    assert (grad - _want(dout, cos, sin, 3, False, "bshd", conjugate=True)).abs().max() < precise_atol(1e-12)
+
+
+def test_k_none_and_sparse_tensors_get_the_general_paths_errors():
+    """apply_rotary_qk needs k (apply_rotary rotates one tensor); a sparse q or table is refused by layout, also
+    after a dense call whose strides a sparse tensor's match (all zero) has made a lane."""
+    cos, sin = _tables(8, 4)
+    q = randn(1, 4, 2, 8, dtype=PRECISE_DTYPE)
+    for inplace in (False, True):
+        with pytest.raises(TypeError, match="k must be a torch.Tensor; got NoneType"):
+            flashtx.apply_rotary_qk(q, None, cos, sin, inplace=inplace)
+    flat = torch.tensor(0.5, dtype=PRECISE_DTYPE, device=DEVICE)
+    for _ in range(2):
+        flashtx.apply_rotary(flat.expand(1, 4, 2, 8), cos, sin)  # strides (0, 0, 0, 0)
+        flashtx.apply_rotary(q, flat.expand(8, 4), flat.expand(8, 4))
+    with pytest.raises(TypeError, match="x has layout torch.sparse_coo"):
+        flashtx.apply_rotary(q.to_sparse(), cos, sin)
+    with pytest.raises(TypeError, match="cos has layout torch.sparse_coo"):
+        flashtx.apply_rotary(q, cos.to_sparse(), flat.expand(8, 4))
+    with pytest.raises(TypeError, match="cos has layout torch.sparse_coo"):
+        flashtx.apply_rotary(q, cos.to_sparse(), sin, seqlen_offsets=2)

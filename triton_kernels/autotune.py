@@ -281,7 +281,7 @@ def _tuning_block():
     with _active_lock:
         _active += 1
         LAUNCHES.enabled = False
-        LAUNCHES.drop_lanes()  # per-signature plans (flashtx._attention_lane) are neither used nor made meanwhile
+        LAUNCHES.drop_lanes()  # per-signature plans (flashtx._lanes) are neither used nor made meanwhile
     try:
         yield
     finally:

@@ -118,7 +118,7 @@ class LaunchCache:
     def __init__(self):
         self.entries: dict = {}
         self.enabled = True  # off while the autotuner forces configs (triton_kernels/autotune.py)
-        # callers' own memos of entries (flashtx._attention_lane's per-signature plans), forgotten with them
+        # callers' own memos of entries (flashtx._lanes: attention's and RoPE's per-signature plans), forgotten with them
         self.lanes: dict = {}
         self.generation = 0  # counts drop_lanes(): a memo made from entries read before one is not kept
 
@@ -150,7 +150,7 @@ class LaunchCache:
     def entry(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0):
         """The memoised launches run() would replay for `tensors` (planned now on a miss, not run), or None where
         run() would plan the call afresh (cache off, tracing, a tensor subclass, a plan that cannot be replayed).
-        For a caller that keeps the entry itself (flashtx._attention_lane) and calls fire(tensors) on each launch;
+        For a caller that keeps the entry itself (flashtx._attention_lane, _rotary_lane) and fires each launch;
         an _AlignedEntry replays only for tensors it holds()."""
         sig = self.enabled and _signature(tensors, len(tensors) - derived)
         if not sig:
@@ -179,8 +179,8 @@ class LaunchCache:
 
     def _store(self, sig: tuple, entry, generation: int) -> None:
         """Keep `entry`, planned from what was current at `generation`, unless a tuner started (or the cache was
-        cleared) while it was planned, in another thread: a plan made with an untuned default or another thread's
-        forced candidate must not outlive the tuning (it is still used for this call)."""
+        cleared) while it was planned (in another thread, or in build() itself): a plan made with an untuned default
+        or another thread's forced candidate must not outlive the tuning (it is still used for this call)."""
         if generation != self.generation or not self.enabled:
             return
         if len(self.entries) >= self.MAX_ENTRIES:
@@ -332,7 +332,8 @@ def _same(a: torch.Tensor, t) -> tuple | None:
 
 def _slot(name: str, a: torch.Tensor, names: tuple, tensors: tuple):
     """The input kernel argument `name` takes: by role when it has one, else the one input it is (a
-    stand-in for an absent tensor); None when it is none or several of them."""
+    stand-in for an absent tensor), or the first of several inputs it is when they are one object; None when
+    it is none of them, or several different ones."""
     i = names.index(name) if name in names else len(tensors)
     if i < len(tensors):  # (a MaskSpec without tensors gives none of the mask roles)
         t = tensors[i]
