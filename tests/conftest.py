@@ -185,6 +185,24 @@ def eager_mha(layer, x, memory=None, key_mask=None, attn_mask=None):
 
 
 @pytest.fixture
+def fresh_plans():
+    """Every cached plan (backends, launch entries, lanes) forgotten before and after the test."""
+    from flashtx import _dispatch
+
+    _dispatch.clear_plans()
+    yield
+    _dispatch.clear_plans()
+
+
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """Patch owner.name (a function or method) to record each call, then run it; returns the record (a list that
+    grows by one per call)."""
+    calls, real = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.fixture
 def split_head_dims(monkeypatch):
     """Head dims split in two power-of-two pieces (launch.SPLIT_HEAD_DIMS, off by default for now) for
     one test; cached plans are forgotten before and after."""

@@ -11,23 +11,16 @@ from flashtx import _attention_lane, _dispatch, _lanes, _small_q, reference
 from flashtx.triton_kernels import autotune, launch, precision
 from flashtx.triton_kernels.configs import TileConfig
 
-from conftest import DEVICE, PRECISE_DTYPE, poisoned_allocations, precise_atol, randn
+from conftest import DEVICE, PRECISE_DTYPE, count_calls, poisoned_allocations, precise_atol, randn
 
 
-@pytest.fixture(autouse=True)
-def fresh_plans():
-    _dispatch.clear_plans()
-    yield
-    _dispatch.clear_plans()
+pytestmark = pytest.mark.usefixtures("fresh_plans")
 
 
 @pytest.fixture
 def lane_runs(monkeypatch):
     """How many forwards ran through a lane."""
-    runs = []
-    real = _attention_lane._Lane.run
-    monkeypatch.setattr(_attention_lane._Lane, "run", lambda self, q, k, v: runs.append(1) or real(self, q, k, v))
-    return runs
+    return count_calls(monkeypatch, _attention_lane._Lane, "run")
 
 
 def _shell(name):

@@ -13,13 +13,6 @@ from flashtx import _cuda_ext_api, _decode_op, _dispatch
 from flashtx._dispatch import BackendNotSupported
 
 
-@pytest.fixture
-def fresh_plans():
-    _dispatch.clear_plans()
-    yield
-    _dispatch.clear_plans()
-
-
 class _StandinOps:
     """torch.ops.flashtx_cuda as the float64 references, behind the binding's own argument checks
     (the fakes run them): what a GPU would run, minus the kernels."""

@@ -9,23 +9,16 @@ import flashtx
 from flashtx import _dispatch, _lanes, _rotary_lane, reference
 from flashtx.triton_kernels import launch
 
-from conftest import DEVICE, PRECISE_DTYPE, poisoned_allocations, precise_atol, randn
+from conftest import DEVICE, PRECISE_DTYPE, count_calls, poisoned_allocations, precise_atol, randn
 
 
-@pytest.fixture(autouse=True)
-def fresh_plans():
-    _dispatch.clear_plans()
-    yield
-    _dispatch.clear_plans()
+pytestmark = pytest.mark.usefixtures("fresh_plans")
 
 
 @pytest.fixture
 def lane_fires(monkeypatch):
     """How many launches a lane fired."""
-    fires = []
-    real = _rotary_lane._Lane.fire
-    monkeypatch.setattr(_rotary_lane._Lane, "fire", lambda self, *a: fires.append(1) or real(self, *a))
-    return fires
+    return count_calls(monkeypatch, _rotary_lane._Lane, "fire")
 
 
 def _tables(seqlen_ro, r2, batch=None):
