@@ -11,12 +11,12 @@ A lane is made from the general path's own work: the call's validation (`rotary.
 arguments, which raises what the general path raises), its backend (which must be `triton`), and the launch
 cache's entry for the narrowed call (`triton_kernels.rotary.rotary_entry`). A call then allocates its outputs as
 the op does (empty_like) and fires the entry. With autograd, its node (named as the op's: Rotary / RotaryQk) saves
-what the op's saves (the caller's tables and offset, not the narrowed views) and runs the op's backward. In place, where autograd records nothing, the entry fires on q
-and k themselves and their version counters are bumped, as the in-place op's call does; q and k sharing memory
-is checked every call (it depends on addresses). Every other call returns None, and the caller takes the general
-path: in-place calls that autograd records, a table too short for the offset, empty tensors, tensors on a CUDA
-device that is not the current one, and where the plan is not Triton's (lanes.remember's and lanes.eager's rules
-too).
+what the op's saves (the caller's tables and offset, not the narrowed views) and runs the op's backward. In place,
+where autograd records nothing, the entry fires on q and k themselves and their version counters are bumped, as
+the in-place op's call does; q and k sharing memory is checked every call (it depends on addresses). Every other
+call returns None, and the caller takes the general path: in-place calls that autograd records, a table too short
+for the offset, empty tensors, sparse tensors, tensors on a CUDA device that is not the current one, and where the
+plan is not Triton's (lanes.remember's and lanes.eager's rules too).
 
 `LANE = False` turns it off (tests compare both).
 """

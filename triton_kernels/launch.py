@@ -118,7 +118,7 @@ class LaunchCache:
     def __init__(self):
         self.entries: dict = {}
         self.enabled = True  # off while the autotuner forces configs (triton_kernels/autotune.py)
-        # callers' own memos of entries (flashtx._lanes: attention's and RoPE's per-signature plans), forgotten with them
+        # callers' own memos of entries (flashtx._lanes: attention's and RoPE's per-signature plans), dropped with them
         self.lanes: dict = {}
         self.generation = 0  # counts drop_lanes(): a memo made from entries read before one is not kept
 
