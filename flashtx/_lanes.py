@@ -37,11 +37,6 @@ def remember(key, build):
     generation = LAUNCHES.generation
     TABLE = LAUNCHES.lanes  # forgotten with the launch entries (and so with the plans)
     lane = build()
-    if lane is not None:
-        if len(TABLE) >= LAUNCHES.MAX_ENTRIES:
-            TABLE.clear()
-        TABLE[key] = lane
-        if LAUNCHES.generation != generation or not LAUNCHES.enabled:
-            TABLE.pop(key, None)
-            return None
+    if lane is not None and not LAUNCHES.keep(TABLE, key, lane, generation):
+        return None
     return lane

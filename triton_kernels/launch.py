@@ -178,15 +178,27 @@ class LaunchCache:
         return entry
 
     def _store(self, sig: tuple, entry, generation: int) -> None:
-        """Keep `entry`, planned from what was current at `generation`, unless a tuner started (or the cache was
-        cleared) while it was planned (in another thread, or in build() itself): a plan made with an untuned default
-        or another thread's forced candidate must not outlive the tuning (it is still used for this call)."""
+        self.keep(self.entries, sig, entry, generation)
+
+    def keep(self, table: dict, key, value, generation: int) -> bool:
+        """Store `value` (planned from what was current at `generation`) under `key` in `table` (self.entries, or
+        self.lanes for flashtx._lanes), unless a tuner started or the cache was dropped while it was planned (in
+        another thread, or in its build() itself): a plan made with an untuned default or another thread's forced
+        candidate must not outlive the tuning (it is still used for the call that made it). Stored first, then
+        checked again, so a drop between the check and the store cannot leave it in the fresh table. A full table
+        starts over (a full launch table drops the lanes too: they hold its entries). Returns whether it is kept."""
         if generation != self.generation or not self.enabled:
-            return
-        if len(self.entries) >= self.MAX_ENTRIES:
-            self.drop_lanes()
-            self.entries.clear()
-        self.entries[sig] = entry
+            return False
+        if len(table) >= self.MAX_ENTRIES:
+            if table is self.entries:
+                self.drop_lanes()
+                generation = self.generation
+            table.clear()
+        table[key] = value
+        if generation != self.generation or not self.enabled:
+            table.pop(key, None)
+            return False
+        return True
 
 
 # Eager GPU replays launch Triton's compiled kernel directly (CompiledKernel[grid](*args), the call
