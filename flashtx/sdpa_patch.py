@@ -33,6 +33,8 @@ _ORIGINAL = F.scaled_dot_product_attention  # torch's, as found when flashtx was
 _saved = None  # what enable() replaced (restored exactly by disable())
 _warned: set[str] = set()
 _TORCH_ERROR = " (torch reports the error)"  # reasons for calls torch itself rejects: no warning
+# a call flashtx refuses itself: torch 2.11's SDPA divides by the K/V head count (SIGFPE kills the process)
+_NO_KV_HEADS = "key/value have no heads (flashtx reports the error)"
 
 
 def _heads(t: torch.Tensor) -> int:
@@ -93,11 +95,11 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         return "broadcasting batch dims between query and key/value is not supported"
     if key.shape[:-1] != value.shape[:-1] or key.shape[-1] != query.shape[-1]:
         return "key/value shapes do not fit query" + _TORCH_ERROR
+    hq, hkv = _heads(query), _heads(key)
+    if hkv == 0 and hq != 0:  # before the empty-sequence check (no heads at all: an empty output, flashtx's)
+        return _NO_KV_HEADS
     if min(query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]) == 0:
         return "empty sequence or head dim"
-    hq, hkv = _heads(query), _heads(key)
-    if hkv == 0:
-        return "key/value have no heads"
     if hq != hkv and hkv != 1 and not (enable_gqa and hq % hkv == 0):  # one K/V head broadcasts, as in torch
         return "query and key/value head counts differ without enable_gqa" + _TORCH_ERROR
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
@@ -151,6 +153,16 @@ def _fast_reason(device_type: str, index, dtype, d_qk: int, d_v: int, float_mask
     return _FAST_REASONS[key]
 
 
+def _refuse_no_kv_heads(key, value) -> None:
+    """Raise for a key or value with 0 heads: torch 2.11's SDPA divides by the head count (SIGFPE kills the
+    process), so such a call must not reach it."""
+    for name, t in (("key", key), ("value", value)):
+        if isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-3] == 0:
+            raise ValueError(f"flashtx.patch_sdpa: {name} must have at least one head (dim -3), got {name} "
+                             f"{tuple(t.shape)}; torch's own scaled_dot_product_attention crashes the process on "
+                             f"such a call in some versions, so flashtx refuses it")
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """torch's ``scaled_dot_product_attention`` signature and semantics, computed by
@@ -171,6 +183,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     else:  # (unsupported_reason's other checks, already made above)
         reason = _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:
+        _refuse_no_kv_heads(key, value)  # (whatever the reason: a scale one too)
         if reason not in _warned and not reason.endswith(_TORCH_ERROR):  # torch's own error says it all
             _warned.add(reason)
             warnings.warn(f"flashtx.patch_sdpa: this call goes to torch's scaled_dot_product_attention: {reason}",

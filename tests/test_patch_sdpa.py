@@ -165,8 +165,6 @@ FALLBACKS = {  # id: (make inputs -> (args, kwargs), reason the warning names)
     "rank-mismatch": (lambda: ((randn(2, 2, 5, 8), randn(5, 8), randn(5, 8)), {}), "query, key, value must have the same rank"),
     "unbatched-key": (lambda: ((randn(2, 2, 5, 8), randn(2, 5, 8), randn(2, 5, 8)), {}),
                       "query, key, value must have the same rank"),
-    "no-kv-heads": (lambda: ((randn(1, 2, 4, 8), randn(1, 0, 4, 8), randn(1, 0, 4, 8)), dict(enable_gqa=True)),
-                    "key/value have no heads"),
     # scales torch takes and flashtx's float32 kernels do not (a plain call, and one with a mask)
     "scale-tiny": (lambda: ((randn(1, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)), dict(scale=1e-40)),
                    r"a scale outside flashtx's range"),
@@ -189,6 +187,38 @@ def test_unsupported_calls_fall_back_with_one_warning(case, calls):
             F.scaled_dot_product_attention(*args, **kw)
     assert calls == []
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("heads,kw", [((2, 0, 0), dict(enable_gqa=True)), ((2, 0, 0), {}), ((0, 0, 0), dict(scale=1e-40)),
+                                      ((2, 2, 0), dict(enable_gqa=True)), ((2, 0, 0), dict(scale=1e-40)),
+                                      ((2, 0, 0), dict(attn_mask=torch.ones(4, 4, dtype=torch.bool)))])
+def test_zero_key_value_heads_get_flashtx_error_not_torchs_crash(heads, kw, calls):
+    """torch 2.11's SDPA dies of SIGFPE (it divides by the K/V head count) on these: the patch raises instead,
+    whichever route the call would take (a plain call, a refused scale, a mask). torch is not called here."""
+    hq, hk, hv = heads
+    q, k, v = randn(1, hq, 4, 8), randn(1, hk, 4, 8), randn(1, hv, 4, 8)
+    kw = {n: (a.to(DEVICE) if isinstance(a, torch.Tensor) else a) for n, a in kw.items()}
+    name = "key" if hk == 0 else "value"
+    with flashtx.patch_sdpa(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback warning either
+        with pytest.raises(ValueError, match=rf"{name} must have at least one head \(dim -3\), got {name} "
+                                             rf"\(1, 0, 4, 8\)"):
+            F.scaled_dot_product_attention(q, k, v, **kw)
+    assert calls == []
+    assert flashtx.sdpa_patch.unsupported_reason(q, k, v, **kw) is not None
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_no_heads_at_all_is_an_empty_output_from_flashtx(mask, calls):
+    """0 query heads and 0 K/V heads: flashtx.attention's empty output (torch 2.11's SDPA would crash)."""
+    q = randn(1, 0, 4, 8, requires_grad=True)
+    kw = dict(attn_mask=torch.ones(4, 4, dtype=torch.bool, device=DEVICE)) if mask else {}
+    with flashtx.patch_sdpa(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        out = F.scaled_dot_product_attention(q, q, q, **kw)
+    assert out.shape == (1, 0, 4, 8) and len(calls) == 1
+    out.sum().backward()
+    assert q.grad.shape == q.shape
 
 
 def test_calls_torch_rejects_get_torchs_error_without_a_warning(calls):
