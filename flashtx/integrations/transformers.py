@@ -139,6 +139,18 @@ def _mask_geometry(kwargs) -> tuple | None:
     return tuple(int(v) for v in vals)
 
 
+_masking_utils = None  # transformers.masking_utils, bound by register(): flashtx_mask reads a plain global, as
+# Dynamo (torch 2.11) cannot trace `from transformers import ...` (transformers is a _LazyModule: a graph break)
+
+
+def _import_masking_utils():
+    global _masking_utils
+    from transformers import masking_utils
+
+    _masking_utils = masking_utils
+    return masking_utils
+
+
 def flashtx_mask(**kwargs):
     """transformers' mask-interface signature: a compact mask when flashtx can take one, else sdpa_mask's.
 
@@ -147,8 +159,7 @@ def flashtx_mask(**kwargs):
     whatever ``transformers.masking_utils.sdpa_mask`` returns for the same arguments (a 4-D bool
     (B, 1, Sq, Sk) mask, or None where SDPA's is_causal suffices).
     """
-    from transformers import masking_utils as mu
-
+    mu = _masking_utils or _import_masking_utils()
     config = kwargs.get("config")
     if config is not None and not _calls_attention_interface(getattr(config, "model_type", None)):
         raise ValueError(f"attn_implementation={NAME!r} cannot serve model_type {config.model_type!r}: its modeling "
@@ -212,6 +223,7 @@ def register(name: str = NAME) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    _import_masking_utils()  # (for flashtx_mask, before anything traces it)
     AttentionInterface.register(name, flashtx_attention_forward)
     AttentionMaskInterface.register(name, flashtx_mask)
 
