@@ -316,7 +316,7 @@ SDPA = "F.scaled_dot_product_attention, same call"
 ROWS = [
     Row("attention fwd (no grad)", TARGET_FWD_US, SDPA, _fwd(_attention_fwd, _sdpa_fwd), lane=True),
     Row("attention fwd (with grad)", TARGET_FWD_US, SDPA, _attention_grad_fwd, _floor_fwd, lane=True),
-    Row("attention bwd", None, SDPA, _attention_bwd, _floor_bwd(*[(1, 2, 16, 64)] * 3)),
+    Row("attention bwd", None, SDPA, _attention_bwd, _floor_bwd(*[(1, 2, 16, 64)] * 3), lane=True),
     Row("attention fwd+bwd", TARGET_FWD_BWD_US, SDPA, _attention_fwd_bwd, _floor_bwd(*[(1, 2, 16, 64)] * 3,
                                                                                       fwd_too=True), lane=True),
     Row("flash_attn_func fwd (no grad)", TARGET_FWD_US, SDPA + " (B, H, S, D) views", _flash_attn_func, lane=True),

@@ -12,11 +12,12 @@ statistics and fires the launches: no argument lists, no op dispatch, no plannin
 
 Nothing here decides anything the general path (functional._run -> the flashtx::attn_fwd op) does not: a
 lane is made from that path's own plan (`_attention_op._plan`, which must choose `triton`) and launch
-entry; its autograd node (named as the op's, AttnFwd) saves what the op's saves and runs the op's backward
-(`_attention_op._backward`, through flashtx::attn_bwd), with out as its one output (a hook on the node sees
-one gradient, not the op's three: m2 and l2 are saved, not returned); and the lanes are dropped whenever
-plans or launch entries are (`_dispatch.clear_plans`, `LaunchCache.clear`, a tuner starting), a lane made
-across a drop (another thread) included. Every other call returns None, and the caller takes the general
+entry; its autograd node (named as the op's, AttnFwd) saves what the op's saves, with out as its one output (a
+hook on the node sees one gradient, not the op's three: m2 and l2 are saved, not returned), and its backward
+fires the launch entry the op's backward (flashtx::attn_bwd) would replay, kept per forward lane and dout
+strides (`_lane_backward`; the op's `_attention_op._backward` wherever that one refuses); and the lanes are
+dropped whenever plans or launch entries are (`_dispatch.clear_plans`, `LaunchCache.clear`, a tuner starting),
+a lane made across a drop (another thread) included. Every other call returns None, and the caller takes the general
 path: while anything traces (torch.compile sees the op, not this), under functorch transforms, tensor
 subclasses (Parameters too), on a CUDA device that is not the current one, with the launch cache off (a
 tuner), strided last dims, empty tensors, sequences past MAX_SEQ, the small-query decode route's calls
@@ -42,14 +43,14 @@ _TENSOR, _F32 = torch.Tensor, torch.float32
 
 
 class _Lane:
-    """One call signature's plan: the forward's launch entry (a list of launch.LaunchCache replays), the row
-    statistics' shape and dtype, and the op's (aux, ints, floats, backend) for its backward."""
+    """One call signature's plan: its key, the forward's launch entry (a list of launch.LaunchCache replays), the
+    row statistics' shape and dtype, and the op's (aux, ints, floats, backend) for its backward."""
 
-    __slots__ = ("entry", "aligned", "lse_shape", "acc", "dv", "args")
+    __slots__ = ("key", "entry", "aligned", "lse_shape", "acc", "dv", "args")
 
-    def __init__(self, entry, aligned, lse_shape, acc, dv, args):
-        self.entry, self.aligned, self.lse_shape, self.acc, self.dv, self.args = (entry, aligned, lse_shape, acc,
-                                                                                  dv, args)
+    def __init__(self, key, entry, aligned, lse_shape, acc, dv, args):
+        self.key, self.entry, self.aligned, self.lse_shape = key, entry, aligned, lse_shape
+        self.acc, self.dv, self.args = acc, dv, args
 
     def run(self, q, k, v):
         """(out, m2, l2) of the forward, allocated as the op allocates them."""
@@ -65,8 +66,8 @@ class _Lane:
 
 class AttnFwd(torch.autograd.Function):
     """The autograd node of a lane's forward: the flashtx::attn_fwd op's (its name, saved tensors and arguments,
-    its backward), with out alone as output (m2, l2 are saved, not returned: the lane's callers return no
-    lse, so their cotangent is always None)."""
+    its backward's launches), with out alone as output (m2, l2 are saved, not returned: the lane's callers
+    return no lse, so their cotangent is always None)."""
 
     @staticmethod
     def forward(ctx, q, k, v, lane):
@@ -74,12 +75,61 @@ class AttnFwd(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, m2, l2, None)
         ctx.args = lane.args
+        ctx.lane = lane if _lanes.no_saved_tensor_hooks() else None  # (hooks may unpack other tensors: the op's path)
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        if ctx.lane is not None and dout is not None:
+            grads = _lane_backward(ctx, dout)
+            if grads is not None:
+                return (*grads, None)
         dq, dk, dv = _backward(ctx, dout, None, None)[:3]
         return dq, dk, dv, None
+
+
+def _lane_backward(ctx, dout):
+    """(dq, dk, dv) of a lane's forward from the backward's launch entry, kept per forward lane and dout strides
+    (and the TF32 switch, which the backward reads again), as the op's backward (flashtx::attn_bwd) computes them:
+    the same entry, which launch.LaunchCache would replay there. None where the op's backward must run: the
+    lanes off, a dout with a strided last dim (the backend copies it first), create_graph (the op refuses a
+    double backward), anything tracing or intercepting, q not on the current CUDA device, a backward the launch
+    cache cannot replay (a GQA dK/dV split, a plan that does not fit these inputs' alignment)."""
+    if not LANE or type(dout) is not _TENSOR or dout.stride(3) != 1 or torch.is_grad_enabled() or not _lanes.eager():
+        return None
+    lane = ctx.lane
+    q, k, v, out, m2, l2, _ = ctx.saved_tensors
+    if _library._other_device(q) is not None:
+        return None
+    key = ("attn_bwd", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32())
+    entry = _lanes.TABLE.get(key)
+    if entry is None:
+        entry = _lanes.remember(key, lambda: _build_backward(dout, q, k, v, out, m2, l2, lane))
+    if not entry:
+        return None
+    dq, dk, dv = empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, lane.dv)
+    delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)  # (B, Hq, Sq), as attention_backward's
+    tensors = (dout, q, k, v, out, m2, l2, dq, dk, dv, None, None, delta, None, None)  # attention_bwd's roles
+    if type(entry) is not list and not entry.holds(tensors):
+        return None  # planned for 16-byte aligned inputs (TMA descriptors) that these are not
+    for replay in entry:
+        replay.fire(tensors)
+    return dq, dk, dv
+
+
+def _build_backward(dout, q, k, v, out, m2, l2, lane):
+    """The backward's launch entry for a lane (stored), or False where the op's backward must take it (stored)."""
+    from .triton_kernels.attention_bwd import backward_entry
+
+    ints = lane.args[0]
+    dq, dk, dv = empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, lane.dv)
+    delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
+    try:
+        entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=lane.args[1][0],
+                               causal=bool(ints[0]), bottom_right=bool(ints[1]), bshd=bool(ints[7]))
+    except LimitExceeded:
+        return False  # the op's backward re-plans it (and says why)
+    return entry if entry is not None else False
 
 
 _apply = _C_APPLY.__get__(None, AttnFwd) if _C_APPLY is not None and _unwrap_if_dead else AttnFwd.apply
@@ -127,11 +177,12 @@ def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str):
     from .triton_kernels.attention_fwd import forward_entry
     from .triton_kernels.launch import TORCH_ACC_DTYPE, _AlignedEntry
 
-    return _lanes.remember(key, lambda: _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend,
-                                               forward_entry, _AlignedEntry, TORCH_ACC_DTYPE[q.dtype]))
+    return _lanes.remember(key, lambda: _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad,
+                                               backend, forward_entry, _AlignedEntry, TORCH_ACC_DTYPE[q.dtype]))
 
 
-def _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry, aligned_type, acc):
+def _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry, aligned_type,
+           acc):
     dv = v.shape[3]
     ints = [int(causal), int(bottom_right), -1, -1, 0, 0, GRAD if grad else NO_GRAD, int(bshd)]  # _attention_op.Ints
     floats = [scale, 0.0, 0.0]  # _attention_op.Floats
@@ -151,4 +202,4 @@ def _build(q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend,
         return False  # (only K and V are read through descriptors today)
     if aligned and not entry.holds((q, k, v)):
         return None  # planned for aligned inputs that these are not
-    return _Lane(entry, aligned, (B, Hq, Sq), acc, dv, (ints, floats, backend, len(_NO_AUX)))
+    return _Lane(key, entry, aligned, (B, Hq, Sq), acc, dv, (ints, floats, backend, len(_NO_AUX)))

@@ -16,12 +16,22 @@ TABLE: dict = {}  # key -> lane, or False (the general path's call); LaunchCache
 _COMPILING = torch.compiler.is_compiling
 _DISPATCH_STACK = torch._C._len_torch_dispatch_stack
 _FUNCTORCH = torch._C._are_functorch_transforms_active
+_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # private
 
 
 def eager() -> bool:
     """Whether a lane may take this call: nothing traces it (torch.compile sees the registered ops) and no
     dispatch mode or functorch transform intercepts it."""
     return not (_COMPILING() or _DISPATCH_STACK() or _FUNCTORCH())
+
+
+def no_saved_tensor_hooks() -> bool:
+    """Whether saved tensors are kept as they are (False also where this torch cannot tell). Saved-tensor hooks
+    (non-reentrant activation checkpointing, CPU offloading) bypass autograd's check that a saved tensor was not
+    modified, hand every saver of a recomputed tensor the same storage, and may unpack a tensor other than the
+    one saved (another layout): in-place backwards (flashtx._swiglu_op) and the attention lane's backward, planned
+    for the saved tensors' strides, take their general paths then."""
+    return _TOP_SAVED_TENSOR_HOOKS is not None and _TOP_SAVED_TENSOR_HOOKS(False) is None
 
 
 def remember(key, build):

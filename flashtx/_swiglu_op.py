@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch, reference
+from ._lanes import no_saved_tensor_hooks
 from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .backends import triton_device_reasons
@@ -150,23 +151,11 @@ def swiglu_bwd_inplace_op(dout: Tensor, gate: Tensor, up: Tensor, backend: str) 
     _rows_inplace(gate, write_gate)
 
 
-
-_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # private
-
-
-def _no_saved_tensor_hooks() -> bool:
-    """Whether saved tensors are kept as they are. Saved-tensor hooks (non-reentrant activation checkpointing,
-    CPU offloading) bypass autograd's check that a saved tensor was not modified, and checkpointing hands every
-    saver of a recomputed tensor the same storage: an in-place backward would then corrupt another op's saved
-    input without an error, so it runs out of place (also where this torch cannot tell)."""
-    return _TOP_SAVED_TENSOR_HOOKS is not None and _TOP_SAVED_TENSOR_HOOKS(False) is None
-
-
 def _setup(ctx, inputs, output):
     gate, up, inplace_backward, backend = inputs
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(gate, up)  # the only state kept for backward
-    ctx.args = (inplace_backward and _no_saved_tensor_hooks(), backend)
+    ctx.args = (inplace_backward and no_saved_tensor_hooks(), backend)
 
 
 def _backward(ctx, dout):
@@ -220,7 +209,7 @@ def _setup_packed(ctx, inputs, output):
     x, inplace_backward, backend = inputs
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x)
-    ctx.args = (inplace_backward and _no_saved_tensor_hooks(), backend)
+    ctx.args = (inplace_backward and no_saved_tensor_hooks(), backend)
 
 
 def _backward_packed(ctx, dout):

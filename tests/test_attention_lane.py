@@ -128,17 +128,99 @@ def test_the_lane_launches_what_the_op_launches(monkeypatch):
                 assert a == b, name
 
 
+def _kinds():
+    """How many forward and backward lanes the table holds."""
+    bwd = sum(1 for key in _lanes.TABLE if key[0] == "attn_bwd")
+    return len(_lanes.TABLE) - bwd, bwd
+
+
 def test_lane_outputs_are_written_in_full():
-    """Allocations filled with NaN (poisoned): every output and gradient element is written."""
+    """Allocations filled with NaN (poisoned): every output and gradient element is written, by the lanes."""
     q, k, v = (randn(2, 3, 19, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+    dout = randn(2, 3, 19, 16, dtype=PRECISE_DTYPE)
     with poisoned_allocations():
         for _ in range(2):  # a miss, then a hit
             out = flashtx.attention(q, k, v, is_causal=True)
-            grads = torch.autograd.grad(out.sum(), (q, k, v))
-    assert len(_lanes.TABLE) == 1
-    ref = reference.attention(q.detach(), k.detach(), v.detach(), causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert _kinds() == (1, 1)
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(qr, kr, vr, causal=True)
     assert (out - ref).abs().max() < precise_atol(1e-12)
-    assert all(torch.isfinite(g).all() for g in grads)
+    for g, r in zip(grads, torch.autograd.grad(ref, (qr, kr, vr), dout)):
+        assert (g - r).abs().max() < precise_atol(1e-11)
+
+
+@pytest.mark.parametrize("shell", ["attention", "flash_attn_func"])
+def test_the_backward_lane_fires_the_ops_own_backward_entry(shell, monkeypatch):
+    """A lane's backward runs the launch entry that the op's backward (flashtx::attn_bwd) replays for the same
+    tensors: the very object in the launch cache, found there after a general-path backward. The op's backward
+    is not called while the lane takes it; the gradients equal the op's bit for bit."""
+    from flashtx.triton_kernels.launch import LAUNCHES
+
+    call, _ = _shell(shell)
+    q, k, v = _inputs(shell, 1, 4, 2, 21, 21, 16, 16, True)
+    dout = randn(1, 21, 4, 16, dtype=PRECISE_DTYPE).transpose(1, 2)  # (B, S, H, D) memory, as a model's
+    monkeypatch.setattr(_attention_lane, "LANE", False)
+    want = torch.autograd.grad(call(q, k, v, True, None), (q, k, v), dout)
+    entries = {id(e) for e in LAUNCHES.entries.values()}
+    monkeypatch.setattr(_attention_lane, "LANE", True)
+    op_backwards = count_calls(monkeypatch, _attention_lane, "_backward")
+    for _ in range(2):
+        got = torch.autograd.grad(call(q, k, v, True, None), (q, k, v), dout)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b) and a.stride() == b.stride()
+    (bwd,) = [lane for key, lane in _lanes.TABLE.items() if key[0] == "attn_bwd"]
+    assert id(bwd) in entries and op_backwards == []
+
+
+def test_backwards_the_lane_must_not_take(monkeypatch):
+    """The op's backward runs (and no backward lane is made) for a dout with a strided last dim (out.sum()'s
+    expanded ones), under saved-tensor hooks (checkpointing, offloading: they may unpack other tensors), with the
+    lanes off; and the gradients are right each time."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = (randn(1, 2, 20, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(qr, kr, vr, causal=True)
+    dout = randn(1, 2, 20, 16, dtype=PRECISE_DTYPE)
+    want = torch.autograd.grad(ref, (qr, kr, vr), dout, retain_graph=True)
+    want_sum = torch.autograd.grad(ref.sum(), (qr, kr, vr))
+    op_backwards = count_calls(monkeypatch, _attention_lane, "_backward")
+
+    def fwd(*t):
+        return flashtx.attention(*t, is_causal=True)
+
+    runs = [(lambda: torch.autograd.grad(fwd(q, k, v).sum(), (q, k, v)), want_sum)]
+    relaid = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2) if t.dim() == 4 else t.clone()  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(relaid, lambda t: t):  # unpacks other strides than saved
+        out = fwd(q, k, v)
+    runs.append((lambda: torch.autograd.grad(out, (q, k, v), dout), want))
+    runs.append((lambda: torch.autograd.grad(checkpoint(fwd, q, k, v, use_reentrant=False), (q, k, v), dout), want))
+    for run, expected in runs:
+        for g, r in zip(run(), expected):
+            assert (g - r).abs().max() < precise_atol(1e-11)
+    assert len(op_backwards) == 3 and _kinds() == (1, 0)
+    out = fwd(q, k, v)
+    monkeypatch.setattr(_attention_lane, "LANE", False)
+    for g, r in zip(torch.autograd.grad(out, (q, k, v), dout), want):
+        assert (g - r).abs().max() < precise_atol(1e-11)
+    assert len(op_backwards) == 4 and _kinds() == (1, 0)
+
+
+def test_the_backward_lane_reads_tf32_at_backward_time(monkeypatch):
+    """The backward reads torch's TF32 switch when it runs (as the op's does): a switch turned on between an fp32
+    forward and its backward gives the backward TF32 dots, through another backward lane."""
+    q, k, v = (randn(1, 2, 20, 16, requires_grad=True) for _ in range(3))  # float32
+    dout = randn(1, 2, 20, 16)
+    precs = []
+    for tf32 in (False, True, False):
+        out = flashtx.attention(q, k, v, is_causal=True)
+        monkeypatch.setattr(precision, "allow_tf32", lambda: tf32)
+        with launch.stub_launches(lambda kernel, grid, args: precs.append(args.get("DOT_PREC"))):
+            torch.autograd.grad(out, (q, k, v), dout)
+        monkeypatch.setattr(precision, "allow_tf32", lambda: False)
+    assert precs[1:3] == ["ieee", "ieee"] and precs[4:6] == ["tf32", "tf32"] and precs[7:9] == ["ieee", "ieee"]
+    assert _kinds() == (1, 2)
 
 
 def test_the_lane_gradient_refuses_double_backward_as_the_op_does(monkeypatch):
@@ -167,7 +249,7 @@ def test_the_lane_gradient_reaches_only_what_requires_grad():
     ref = reference.attention(q, kr, vr)
     rk, rv = torch.autograd.grad(ref.square().sum(), (kr, vr))
     assert (dk - rk).abs().max() < precise_atol(1e-11) and (dv - rv).abs().max() < precise_atol(1e-11)
-    assert q.grad is None and len(_lanes.TABLE) == 1
+    assert q.grad is None and _kinds() == (1, 1)
 
 
 def test_calls_the_lane_must_not_take(lane_runs, routes):
@@ -215,6 +297,23 @@ def test_lanes_are_forgotten_with_the_plans_and_made_by_no_tuner(gpu_target, lan
         flashtx.attention(q, q, q, is_causal=True)
         assert len(_lanes.TABLE) == 0
     assert blocks == [(16, 16), (16, 16)] and len(lane_runs) == 2
+
+
+@pytest.mark.parametrize("gpu_target", [86], indirect=True, ids=lambda a: f"sm_{a}")
+def test_a_tuner_forcing_a_backward_tile_bypasses_the_backward_lane(gpu_target):
+    """A backward run while a tuner forces the dK/dV tile (the launch cache off) launches the forced tile, though
+    its forward came from a lane and an earlier backward of the signature made a backward lane."""
+    q, k, v = (randn(1, 2, 24, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+    dout = randn(1, 2, 24, 16, dtype=PRECISE_DTYPE)
+    torch.autograd.grad(flashtx.attention(q, k, v, is_causal=True), (q, k, v), dout)
+    assert _kinds() == (1, 1)
+    out = flashtx.attention(q, k, v, is_causal=True)
+    blocks = []
+    with autotune.forced("attn_bwd_dkdv", TileConfig(16, 16, 1, 1, "test: a forced tile")), launch.stub_launches(
+            lambda kernel, grid, args: blocks.append((args.get("BLOCK_M"), args.get("BLOCK_N")))):
+        torch.autograd.grad(out, (q, k, v), dout)
+        assert _kinds() == (0, 0)
+    assert blocks[1] == (16, 16), blocks  # preprocess, dK/dV, dQ
 
 
 class _Logged(torch.Tensor):

@@ -49,8 +49,8 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
     floored = {"attention fwd (with grad)", "attention bwd", "attention fwd+bwd", "rope q+k bwd", "swiglu bwd"}
     assert {n for n, r in rows.items() if r["floor_us_per_call"] is not None} == floored
     assert all(rows[n]["floor_us_per_call"] > 0 for n in floored)
-    # plain attention calls, also timed with the lane off (the op's general path)
-    laned = {"attention fwd (no grad)", "attention fwd (with grad)", "attention fwd+bwd",
+    # plain attention calls (and their backward), also timed with the lanes off (the ops' general path)
+    laned = {"attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
              "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd"}
     assert {n for n, r in rows.items() if r["general_path_us_per_call"] is not None} == laned
     assert all(rows[n]["general_path_us_per_call"] > 0 for n in laned)

@@ -482,8 +482,8 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
 
 # The host side lives in attention_bwd_launch.py (which imports the kernels above when it plans a launch);
 # its names stay importable from here.
-from .attention_bwd_launch import (DbiasReduce, GqaReduce, attention_backward, dbias_plan,  # noqa: E402
-                                   gqa_partials, gqa_split_factor, plan_backward)
+from .attention_bwd_launch import (DbiasReduce, GqaReduce, attention_backward, backward_entry,  # noqa: E402
+                                   dbias_plan, gqa_partials, gqa_split_factor, plan_backward)
 
-__all__ = ["DbiasReduce", "GqaReduce", "attention_backward", "dbias_plan", "gqa_partials", "gqa_split_factor",
-           "plan_backward"]
+__all__ = ["DbiasReduce", "GqaReduce", "attention_backward", "backward_entry", "dbias_plan", "gqa_partials",
+           "gqa_split_factor", "plan_backward"]

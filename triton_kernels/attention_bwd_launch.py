@@ -189,6 +189,30 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
         split = gqa_split_factor(*bhsd(bshd, q, k, v), spec, gqa_split)
     if split > 1:  # the partials are allocated here, so the plan has no host step and replays from the cache
         parts = gqa_partials(*bhsd(bshd, dk, dv), split, q.dtype)
+    LAUNCHES.run(*_cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, delta, parts, split, scale, causal,
+                              bottom_right, spec, bshd))
+    if split > 1:
+        GqaReduce(*parts, *bhsd(bshd, dk, dv), split).run()
+    return dq, dk, dv
+
+
+def backward_entry(do, q, k, v, out, m2, l2, dq, dk, dv, delta, *, scale: float, causal: bool, bottom_right: bool,
+                   bshd: bool):
+    """The memoised launches (LaunchCache.entry) attention_backward would replay for these tensors without masks,
+    lse cotangent or bias gradient (delta allocated as it allocates it), or None where it plans every call or
+    splits dK/dV over the GQA group (a host step follows). flashtx._attention_lane keeps them per call signature
+    and fires them itself, with the tensors in the order of _ROLES_PLAIN. Raises LimitExceeded as
+    attention_backward does."""
+    if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):
+        if gqa_split_factor(*bhsd(bshd, q, k, v), NO_MASKS, None) > 1:
+            return None
+    return LAUNCHES.entry(*_cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, None, None, delta, (None, None), 1,
+                                       scale, causal, bottom_right, NO_MASKS, bshd))
+
+
+def _cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, delta, parts, split, scale, causal, bottom_right,
+                spec, bshd) -> tuple:
+    """LaunchCache.run's / entry's arguments for a backward: key, roles, tensors, build, derived."""
     static, tensors = spec.launch_key()
 
     def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
@@ -197,13 +221,10 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
         return plan_backward(*vs[:5], m2, l2, delta, *vs[5:], scale=scale, causal=causal, bottom_right=bottom_right,
                              dlse2=dlse2, spec=spec, dbias=dbias, gqa_parts=parts if split > 1 else None)
 
-    LAUNCHES.run(("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, split, bshd, static),
-                 _ROLES if tensors else _ROLES_PLAIN, (do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, *tensors,
-                                                       delta, *parts),
-                 build, derived=3)  # delta (m2's shape) and the GQA partials (dk, dv and split's): allocated above
-    if split > 1:
-        GqaReduce(*parts, *bhsd(bshd, dk, dv), split).run()
-    return dq, dk, dv
+    return (("attn_bwd", q.device, dot_precision(q.dtype), scale, causal, bottom_right, split, bshd, static),
+            _ROLES if tensors else _ROLES_PLAIN, (do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, *tensors, delta,
+                                                  *parts),
+            build, 3)  # derived: delta (m2's shape) and the GQA partials (dk, dv and split's), allocated by the caller
 
 
 def compile_plans(target) -> list:
