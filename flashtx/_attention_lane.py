@@ -46,11 +46,12 @@ class _Lane:
     """One call signature's plan: its key, the forward's launch entry (a list of launch.LaunchCache replays), the
     row statistics' shape and dtype, and the op's (aux, ints, floats, backend) for its backward."""
 
-    __slots__ = ("key", "entry", "aligned", "lse_shape", "acc", "dv", "args")
+    __slots__ = ("key", "entry", "aligned", "lse_shape", "acc", "dv", "args", "saved")
 
-    def __init__(self, key, entry, aligned, lse_shape, acc, dv, args):
+    def __init__(self, key, entry, aligned, lse_shape, acc, dv, args, saved):
         self.key, self.entry, self.aligned, self.lse_shape = key, entry, aligned, lse_shape
         self.acc, self.dv, self.args = acc, dv, args
+        self.saved = saved  # shapes and strides of q, k, v, out, as the forward saves them
 
     def run(self, q, k, v):
         """(out, m2, l2) of the forward, allocated as the op allocates them."""
@@ -93,14 +94,17 @@ def _lane_backward(ctx, dout):
     (and the TF32 switch, which the backward reads again), as the op's backward (flashtx::attn_bwd) computes them:
     the same entry, which launch.LaunchCache would replay there. None where the op's backward must run: the
     lanes off, a dout with a strided last dim (the backend copies it first), create_graph (the op refuses a
-    double backward), anything tracing or intercepting, q not on the current CUDA device, a backward the launch
-    cache cannot replay (a GQA dK/dV split, a plan that does not fit these inputs' alignment)."""
+    double backward), anything tracing or intercepting, q not on the current CUDA device, saved tensors whose
+    .data was swapped for another shape or layout, a backward the launch cache cannot replay (a GQA dK/dV split,
+    a plan that does not fit these inputs' alignment)."""
     if not LANE or type(dout) is not _TENSOR or dout.stride(3) != 1 or torch.is_grad_enabled() or not _lanes.eager():
         return None
     lane = ctx.lane
     q, k, v, out, m2, l2, _ = ctx.saved_tensors
     if _library._other_device(q) is not None:
         return None
+    if (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride()) != lane.saved:
+        return None  # a saved tensor's .data was swapped since the forward: not what the plan reads
     key = ("attn_bwd", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32())
     entry = _lanes.TABLE.get(key)
     if entry is None:
@@ -202,4 +206,5 @@ def _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, bac
         return False  # (only K and V are read through descriptors today)
     if aligned and not entry.holds((q, k, v)):
         return None  # planned for aligned inputs that these are not
-    return _Lane(key, entry, aligned, (B, Hq, Sq), acc, dv, (ints, floats, backend, len(_NO_AUX)))
+    return _Lane(key, entry, aligned, (B, Hq, Sq), acc, dv, (ints, floats, backend, len(_NO_AUX)),
+                 (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride()))

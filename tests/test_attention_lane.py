@@ -207,6 +207,57 @@ def test_backwards_the_lane_must_not_take(monkeypatch):
     assert len(op_backwards) == 4 and _kinds() == (1, 0)
 
 
+def test_each_dout_layout_gets_its_own_backward_lane():
+    """Two backwards through one graph (retain_graph), with a dout of (B, H, S, D) memory and one of (B, S, H, D)
+    memory: each is planned for its own strides (review: a key without dout's strides replayed the first plan
+    for the second and got wrong gradients)."""
+    q, k, v = (randn(1, 3, 20, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    out, ref = flashtx.attention(q, k, v, is_causal=True), reference.attention(qr, kr, vr, causal=True)
+    for dout in (randn(1, 3, 20, 16, dtype=PRECISE_DTYPE), randn(1, 20, 3, 16, dtype=PRECISE_DTYPE).transpose(1, 2)):
+        got = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for g, r in zip(got, torch.autograd.grad(ref, (qr, kr, vr), dout, retain_graph=True)):
+            assert (g - r).abs().max() < precise_atol(1e-11)
+    assert _kinds() == (1, 2)
+
+
+def test_create_graph_with_a_dense_dout_gets_the_ops_refusal():
+    """create_graph=True with a dout the lane could take (unit last stride): the op's double-backward refusal, as
+    with the lanes off (review: the refusal test's out.sum() never reached the lane's grad-mode check)."""
+    q, k, v = (randn(1, 2, 18, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+    dout = randn(1, 2, 18, 16, dtype=PRECISE_DTYPE)
+    out = flashtx.attention(q, k, v, is_causal=True)
+    torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # makes the backward lane
+    assert _kinds() == (1, 1)
+    (dq,) = torch.autograd.grad(out, q, dout, create_graph=True)
+    with pytest.raises(NotImplementedError, match="no double backward"):
+        dq.sum().backward()
+
+
+def test_a_saved_tensor_whose_data_was_swapped_is_read_as_it_is_now():
+    """q.data replaced between forward and backward (no version bump; .data is unsafe API) by a tensor of other
+    strides or a smaller storage: the backward reads q as it is now (the op's backward), never with the strides
+    the forward planned (review: the lane read past the new storage)."""
+    k, v = (randn(1, 4, 4, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(2))
+    dout = randn(1, 4, 4, 16, dtype=PRECISE_DTYPE)
+    q0 = randn(1, 4, 4, 16, dtype=PRECISE_DTYPE)
+    torch.autograd.grad(flashtx.attention(q0, k, v), (k, v), dout)  # the lanes, for q's own strides
+    for new in (randn(1, 4, 4, 16, dtype=PRECISE_DTYPE).transpose(1, 2), randn(16, dtype=PRECISE_DTYPE).expand(
+            1, 4, 4, 16)):
+        for lane in (False, True):
+            q = q0.clone()
+            out = flashtx.attention(q, k, v)
+            q.data = new
+            _attention_lane.LANE = lane
+            try:
+                grads = torch.autograd.grad(out, (k, v), dout)
+            finally:
+                _attention_lane.LANE = True
+            if not lane:
+                want = grads
+        assert all(torch.equal(a, b) for a, b in zip(grads, want))
+
+
 def test_the_backward_lane_reads_tf32_at_backward_time(monkeypatch):
     """The backward reads torch's TF32 switch when it runs (as the op's does): a switch turned on between an fp32
     forward and its backward gives the backward TF32 dots, through another backward lane."""
