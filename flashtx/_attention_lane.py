@@ -125,11 +125,13 @@ def _build_backward(dout, q, k, v, out, m2, l2, lane):
     """The backward's launch entry for a lane (stored), or False where the op's backward must take it (stored)."""
     from .triton_kernels.attention_bwd import backward_entry
 
-    ints = lane.args[0]
+    ints, floats, backend, _ = lane.args
+    if _plan(q, k, v, None, _NO_AUX, ints, floats, backend, True) != "triton":  # as the op's backward plans (again)
+        return False
     dq, dk, dv = empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, lane.dv)
     delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
     try:
-        entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=lane.args[1][0],
+        entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=floats[0],
                                causal=bool(ints[0]), bottom_right=bool(ints[1]), bshd=bool(ints[7]))
     except LimitExceeded:
         return False  # the op's backward re-plans it (and says why)

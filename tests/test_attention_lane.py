@@ -258,6 +258,19 @@ def test_a_saved_tensor_whose_data_was_swapped_is_read_as_it_is_now():
         assert all(torch.equal(a, b) for a, b in zip(grads, want))
 
 
+def test_a_backward_planned_after_a_clear_follows_the_new_plan(monkeypatch):
+    """Plans dropped between a forward and its backward, and the backend choice now another (here: the planner
+    stood in to pick the reference): the backward is planned again, as the op's is, and the lane does not take it."""
+    q, k, v = (randn(1, 2, 18, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(3))
+    dout = randn(1, 2, 18, 16, dtype=PRECISE_DTYPE)
+    out = flashtx.attention(q, k, v, is_causal=True)
+    _dispatch.clear_plans()
+    monkeypatch.setattr(_attention_lane, "_plan", lambda *a: "reference")
+    op_backwards = count_calls(monkeypatch, _attention_lane, "_backward")
+    torch.autograd.grad(out, (q, k, v), dout)
+    assert len(op_backwards) == 1 and _kinds() == (0, 1) and not any(_lanes.TABLE.values())
+
+
 def test_the_backward_lane_reads_tf32_at_backward_time(monkeypatch):
     """The backward reads torch's TF32 switch when it runs (as the op's does): a switch turned on between an fp32
     forward and its backward gives the backward TF32 dots, through another backward lane."""
