@@ -188,6 +188,34 @@ def test_launch_cache_replays_a_tma_plan_only_for_aligned_inputs(monkeypatch, tm
     assert tma_flags == [True, False]  # planned twice: the first call, and the misaligned one
 
 
+def test_the_backward_lane_replays_a_tma_plan_only_for_an_aligned_dout(monkeypatch, tma_flags):
+    """The attention lane's backward (flashtx._attention_lane) fires a memoised TMA backward (dK/dV reads Q and dO
+    through descriptors, dQ reads K and V) only for a dout at a 16-byte aligned address: a dout of the same shape
+    and strides 8 bytes off goes to the op's backward, which plans that call afresh (dK/dV by pointer loads)."""
+    from flashtx import _attention_lane, _lanes
+
+    monkeypatch.setattr(configs, "_autotune_hook",
+                        lambda kernel, *a: TMA_TILE if kernel in ("attn_bwd_dkdv", "attn_bwd_dq") else None)
+    monkeypatch.setattr(attention_bwd_launch, "target_for", lambda t: KNOWN_TARGETS[90])
+    LAUNCHES.clear()
+    q, k, v = (torch.randn(1, 2, 32, 64, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
+    flat = torch.randn(2 * 32 * 64 + 8, dtype=torch.float16, device=DEVICE)
+    d_ok, d_off = flat[8:].view(1, 2, 32, 64), flat[4:4 + 2 * 32 * 64].view(1, 2, 32, 64)
+    launched = []
+    op_backwards = []
+    real = _attention_lane._backward
+    monkeypatch.setattr(_attention_lane, "_backward", lambda *a: op_backwards.append(1) or real(*a))
+    with stub_launches(lambda kernel, grid, args: launched.append(args.get("TMA"))):
+        out = flashtx.attention(q, k, v, is_causal=True, backend="triton")
+        for dout in (d_ok, d_ok, d_off, d_ok):
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    assert any(key[0] == "attn_bwd" for key in _lanes.TABLE)
+    LAUNCHES.clear()
+    assert launched[1:] == [None, True, True] * 2 + [None, False, True] + [None, True, True]  # [0]: the forward
+    assert tma_flags.bwd == [(True, True), (False, True)]  # planned twice: the first backward, the misaligned one
+    assert len(op_backwards) == 1
+
+
 def test_scratch_allocator_is_installed_per_context_and_never_replaces_one():
     from triton.runtime import _allocation
 
