@@ -324,7 +324,7 @@ ROWS = [
         lane=True),
     Row("rope q+k fwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE (transformers)", _rope_fwd, lane=True),
     Row("rope q+k bwd", TARGET_ELEMENTWISE_US, "eager rotate_half RoPE backward", _rope_bwd,
-        _floor_bwd((1, 4, 16, 64), (1, 2, 16, 64), two_outputs=True)),
+        _floor_bwd((1, 4, 16, 64), (1, 2, 16, 64), two_outputs=True), lane=True),
     Row("swiglu fwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up", _swiglu_fwd),
     Row("swiglu bwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up backward", _swiglu_bwd,
         _floor_bwd((16, 256), (16, 256))),

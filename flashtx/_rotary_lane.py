@@ -3,7 +3,8 @@ in one dict lookup (as flashtx._attention_lane is for attention).
 
 Plain: plain tensors, positions from an int seqlen_offsets (no offsets tensor, position_ids or cu_seqlens), the
 automatic backend or `triton`, cos/sin that need no gradient. The key is what decides the plan: dtype, device,
-shape and strides of q, k, cos and sin, layout, interleaved, inplace and whether autograd records the call. An
+shape and strides of q, k, cos and sin, layout, interleaved, inplace, the direction (a backward's conjugate) and
+whether autograd records the call. An
 int offset does not key it: the tables are narrowed to the rows [offset, offset + S) first (views, the same
 values), as the launcher itself does, so a decode loop's new offset each step replays one lane.
 
@@ -11,7 +12,9 @@ A lane is made from the general path's own work: the call's validation (`rotary.
 arguments, which raises what the general path raises), its backend (which must be `triton`), and the launch
 cache's entry for the narrowed call (`triton_kernels.rotary.rotary_entry`). A call then allocates its outputs as
 the op does (empty_like) and fires the entry. With autograd, its node (named as the op's: Rotary / RotaryQk) saves
-what the op's saves (the caller's tables and offset, not the narrowed views) and runs the op's backward. In place,
+what the op's saves (the caller's tables and offset, not the narrowed views), and its backward is the op's: the
+conjugate rotation of the gradients, out of place, through a lane of its own (`conjugate` keys it), or through the
+ops where rotate() does not take it (create_graph among the rest). In place,
 where autograd records nothing, the entry fires on q and k themselves and their version counters are bumped, as
 the in-place op's call does; q and k sharing memory is checked every call (it depends on addresses). Every other
 call returns None, and the caller takes the general path: in-place calls that autograd records, a table too short
@@ -26,7 +29,7 @@ import torch
 
 from . import _lanes, _library
 from ._library import _C_APPLY, _unwrap_if_dead
-from ._rotary_op import _rotary_backward, _rotary_qk_backward, _save
+from ._rotary_op import _save, rotated_grads
 from ._validate import has_internal_overlap, views_overlap
 
 LANE = True
@@ -70,7 +73,7 @@ class RotaryQk(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk):
-        return (*_rotary_qk_backward(ctx, dq, dk)[:2], None, None, None, None, None)
+        return (*_backward(ctx, dq, dk), None, None, None, None, None)
 
 
 class Rotary(torch.autograd.Function):
@@ -85,7 +88,27 @@ class Rotary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return _rotary_backward(ctx, dout)[0], None, None, None, None, None
+        return _backward(ctx, dout, None)[0], None, None, None, None, None
+
+
+def _backward(ctx, dq, dk) -> tuple:
+    """A lane node's gradients (dq, dk) (dx, None for one tensor), as the op's backward computes them (the
+    conjugate rotation, out of place): through a conjugate lane of its own, keyed like a forward's, where rotate()
+    takes the call, else the ops (create_graph among the rest: the op's backward records its own node)."""
+    saved = ctx.saved_tensors  # once (checkpointing allows one unpacking): the caller's full tables (saved())
+    if not torch.is_grad_enabled() and (dq is not None or dk is not None):
+        cos, sin = saved[:2]
+        spec = ctx.spec  # conjugated: [offset, max_seqlen, interleaved, conjugate = 1, heads first]
+        args = (cos, sin, spec[0], spec[2] == 1, "bhsd" if spec[4] else "bshd", False, ctx.backend)
+        if dq is None or dk is None:  # one gradient: a one-tensor rotation, as the op's backward does
+            done = rotate(dk if dq is None else dq, None, *args, conjugate=True)
+            if done is not None:
+                return (None, done[0]) if dq is None else (done[0], None)
+        else:
+            done = rotate(dq, dk, *args, conjugate=True)
+            if done is not None:
+                return done
+    return rotated_grads(ctx, saved, dq, dk)
 
 
 def _bound(fn):
@@ -95,10 +118,10 @@ def _bound(fn):
 _APPLY_QK, _APPLY_X = _bound(RotaryQk), _bound(Rotary)
 
 
-def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend):
+def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjugate: bool = False):
     """apply_rotary_qk's result (q_rot, k_rot) (k None: apply_rotary's, as (x_rot, None)), or None where the lane
     does not take the call (module docstring): the caller runs the general path. Arguments as the public
-    functions take them."""
+    functions take them; conjugate: rotate the other way (a lane node's backward, out of place, without grad)."""
     if not LANE or not _lanes.eager():
         return None
     if type(q) is not _TENSOR or (k is not None and type(k) is not _TENSOR) or type(cos) is not _TENSOR or \
@@ -123,10 +146,10 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend):
         cos, sin = cos.narrow(-2, offset, S), sin.narrow(-2, offset, S)
     key = ("rotary", q.dtype, q.device, q.shape, q.stride(), None if k is None else (k.dtype, k.device, k.shape,
            k.stride()), cos.dtype, cos.device, cos.shape, cos.stride(), sin.dtype, sin.device, sin.shape,
-           sin.stride(), seqlen_ro, interleaved, layout, inplace, grad, backend)
+           sin.stride(), seqlen_ro, interleaved, layout, inplace, grad, backend, conjugate)
     lane = _lanes.TABLE.get(key)
     if lane is None:
-        lane = _make(key, q, k, cos, sin, tables, offset, interleaved, layout, inplace, grad, backend)
+        lane = _make(key, q, k, cos, sin, tables, offset, interleaved, layout, inplace, grad, backend, conjugate)
     if not lane:
         return None
     if inplace is False:
@@ -150,7 +173,7 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend):
     return q, k
 
 
-def _make(key, q, k, cos, sin, tables, offset, interleaved, layout, inplace, grad, backend):
+def _make(key, q, k, cos, sin, tables, offset, interleaved, layout, inplace, grad, backend, conjugate):
     """The lane for `key` (stored), False where the general path must take these calls (stored too), or None where
     it must take this one for what the inputs alone show (not stored)."""
     if q.numel() == 0 or (k is not None and k.numel() == 0):
@@ -171,8 +194,9 @@ def _make(key, q, k, cos, sin, tables, offset, interleaved, layout, inplace, gra
     def build():
         qo = q if inplace is not False else torch.empty_like(q)
         ko = None if k is None else k if inplace is not False else torch.empty_like(k)
-        entry = rotary_entry(q, qo, k, ko, cos, sin, interleaved, layout == "bhsd")
+        entry = rotary_entry(q, qo, k, ko, cos, sin, interleaved, layout == "bhsd", conjugate)
         if type(entry) is not list:
             return False  # not replayable (None), or planned for aligned inputs: the general path plans each call
+        spec[3] = int(conjugate)  # (a conjugate lane takes no grad: rotate's caller runs without it)
         return _Lane(entry, spec, chosen)
     return _lanes.remember(key, build)

@@ -196,19 +196,24 @@ def _setup_rotary_qk(ctx, inputs, output):
 def _rotary_backward(ctx, dout):
     if dout is None:
         return None, None, None, None, None, None
-    cos, sin, *index = ctx.saved_tensors
-    return call(rotary_op, dout, cos, sin, index, ctx.spec, ctx.backend), None, None, None, None, None
+    return rotated_grads(ctx, ctx.saved_tensors, dout, None)[0], None, None, None, None, None
 
 
 def _rotary_qk_backward(ctx, dq, dk):
-    cos, sin, *index = ctx.saved_tensors
+    return (*rotated_grads(ctx, ctx.saved_tensors, dq, dk), None, None, None, None, None)
+
+
+def rotated_grads(ctx, saved, dq, dk) -> tuple:
+    """(dq, dk) rotated back (the conjugate rotation, each None where its gradient is) by the ops, from the node's
+    saved tensors (unpacked once by the caller: checkpointing allows one unpacking)."""
+    cos, sin, *index = saved
     if dq is not None and dk is not None:
-        dq, dk = call(rotary_qk_op, dq, dk, cos, sin, index, ctx.spec, ctx.backend)
-    elif dq is not None:
-        dq = call(rotary_op, dq, cos, sin, index, ctx.spec, ctx.backend)
-    elif dk is not None:
-        dk = call(rotary_op, dk, cos, sin, index, ctx.spec, ctx.backend)
-    return dq, dk, None, None, None, None, None
+        return call(rotary_qk_op, dq, dk, cos, sin, index, ctx.spec, ctx.backend)
+    if dq is not None:
+        return call(rotary_op, dq, cos, sin, index, ctx.spec, ctx.backend), None
+    if dk is not None:
+        return None, call(rotary_op, dk, cos, sin, index, ctx.spec, ctx.backend)
+    return None, None
 
 
 register_autograd(rotary_op, _rotary_backward, _setup_rotary)

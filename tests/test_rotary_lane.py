@@ -89,9 +89,57 @@ def test_the_lane_computes_what_the_general_path_computes(case, grad, offset, la
             for x, t in zip((q, k), got):
                 assert (t - _want(x.detach(), cos, sin, offset, inter, layout)).abs().max() < precise_atol(1e-12)
             results.setdefault(lane, []).append([t.detach() for t in (*got, *grads)])
-        if lane:
-            assert len(lane_fires) == 3 and len(_lanes.TABLE) == 1
+        if lane:  # with grad, the backward's conjugate rotation through a lane of its own too
+            assert len(lane_fires) == (6 if grad else 3) and len(_lanes.TABLE) == (2 if grad else 1)
     assert all(torch.equal(a, b) for ra, rb in zip(results[True], results[False]) for a, b in zip(ra, rb))
+
+
+@pytest.mark.parametrize("used", ["both", "q", "k"])
+def test_a_lane_nodes_backward_rotates_through_a_conjugate_lane(used, monkeypatch):
+    """The backward of a lane's node (either output's gradient, or both) is the conjugate rotation, through a lane
+    of its own keyed like a forward's: the op's backward is not called, the gradients equal the general path's bit
+    for bit. With create_graph the op's backward runs (it records its own node), and the gradients of the
+    gradients (with respect to the output gradients) agree too."""
+    cos, sin = _tables(12, 8)
+    q, k = _x(2, 5, 3, 16, "bhsd", True), _x(2, 5, 1, 16, "bhsd", True)
+    douts = [randn(*t.shape, dtype=PRECISE_DTYPE).requires_grad_() for t in (q, k)]
+    pick = {"both": (0, 1), "q": (0,), "k": (1,)}[used]
+
+    def grads(create_graph=False):
+        outs = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=4, layout="bhsd")
+        g = torch.autograd.grad([outs[i] for i in pick], (q, k), [douts[i] for i in pick], create_graph=create_graph,
+                                allow_unused=True)
+        if not create_graph:
+            return g
+        live = [t for t in g if t is not None]
+        return torch.autograd.grad(live, [douts[i] for i in pick], [torch.ones_like(t) for t in live])
+
+    monkeypatch.setattr(_rotary_lane, "LANE", False)
+    want, want2 = grads(), grads(create_graph=True)
+    monkeypatch.setattr(_rotary_lane, "LANE", True)
+    op_backwards = count_calls(monkeypatch, _rotary_lane, "rotated_grads")
+    for _ in range(2):
+        got = grads()
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+    assert op_backwards == [] and len(_lanes.TABLE) == 2
+    got2 = grads(create_graph=True)
+    assert len(op_backwards) == 1 and len(_lanes.TABLE) == 2
+    assert all(torch.equal(a, b) for a, b in zip(got2, want2))
+
+
+def test_a_forward_and_a_backward_of_one_signature_keep_their_own_lanes():
+    """A no-grad forward with backend="triton" of the very tensors a backward rotates (its conjugate lane's key but
+    for the direction), before and after that backward: each rotates its own way."""
+    cos, sin = _tables(12, 8)
+    q, k = _x(2, 5, 3, 16, "bshd", True), _x(2, 5, 1, 16, "bshd", True)
+    dq, dk = randn(2, 5, 3, 16, dtype=PRECISE_DTYPE), randn(2, 5, 1, 16, dtype=PRECISE_DTYPE)
+    for _ in range(2):
+        with torch.no_grad():
+            fq, fk = flashtx.apply_rotary_qk(dq, dk, cos, sin, seqlen_offsets=2, backend="triton")
+        gq, gk = torch.autograd.grad(flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=2), (q, k), (dq, dk))
+        for d, f, g in ((dq, fq, gq), (dk, fk, gk)):
+            assert (f - _want(d, cos, sin, 2, False, "bshd")).abs().max() < precise_atol(1e-12)
+            assert (g - _want(d, cos, sin, 2, False, "bshd", conjugate=True)).abs().max() < precise_atol(1e-12)
 
 
 @pytest.mark.parametrize("inplace", [True, None])

@@ -348,11 +348,11 @@ def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seql
                               interleaved, conjugate, heads_first))
 
 
-def rotary_entry(q, qo, k, ko, cos, sin, interleaved: bool, heads_first: bool):
-    """The memoised launch (LaunchCache.entry) rotary_launch would replay for a forward at offset 0 without
-    offsets, position ids or cu_seqlens (tables narrowed by the caller), or None where it plans every call.
-    flashtx._rotary_lane keeps it per call signature and fires it itself."""
-    return LAUNCHES.entry(*_cache_args(q, qo, k, ko, cos, sin, None, 0, None, None, 0, interleaved, False,
+def rotary_entry(q, qo, k, ko, cos, sin, interleaved: bool, heads_first: bool, conjugate: bool = False):
+    """The memoised launch (LaunchCache.entry) rotary_launch would replay for a rotation (conjugate: the backward's)
+    at offset 0 without offsets, position ids or cu_seqlens (tables narrowed by the caller), or None where it
+    plans every call. flashtx._rotary_lane keeps it per call signature and fires it itself."""
+    return LAUNCHES.entry(*_cache_args(q, qo, k, ko, cos, sin, None, 0, None, None, 0, interleaved, conjugate,
                                        heads_first))
 
 
