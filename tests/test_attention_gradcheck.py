@@ -67,16 +67,29 @@ def test_gradcheck_through_lse():
 
 @pytest.mark.parametrize("which", ["dq", "dk", "dv"])
 def test_gradcheck_catches_a_wrong_gradient(which, monkeypatch):
-    """The checks above can fail: a 0.1% error planted in one gradient of the Triton backend is caught."""
+    """The checks above can fail: a 0.1% error planted in one gradient of the Triton backend is caught (in the op's
+    backward and in the attention lane's, which fires the same launches without the op)."""
+    from flashtx import _attention_lane
     from flashtx.backends import TritonBackend
 
-    real_backward = TritonBackend.backward
+    real_backward, real_lane = TritonBackend.backward, _attention_lane._lane_backward
+    index = "dq dk dv".split().index(which)
+    planted_in = []
 
     def planted(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, **kw):
         real_backward(self, do, q, k, v, out, m2, l2, dl2, dq, dk, dv, **kw)
-        {"dq": dq, "dk": dk, "dv": dv}[which].mul_(1.001)
+        (dq, dk, dv)[index].mul_(1.001)
+        planted_in.append("op")
+
+    def planted_lane(ctx, dout):
+        grads = real_lane(ctx, dout)
+        if grads is not None:
+            grads[index].mul_(1.001)
+            planted_in.append("lane")
+        return grads
 
     monkeypatch.setattr(TritonBackend, "backward", planted)
+    monkeypatch.setattr(_attention_lane, "_lane_backward", planted_lane)
     # On failure, fast-mode gradcheck recomputes the full Jacobian just to word its message (minutes
     # in the interpreter); the verdict is already made, so skip that.
     gc_module = sys.modules["torch.autograd.gradcheck"]
@@ -89,3 +102,4 @@ def test_gradcheck_catches_a_wrong_gradient(which, monkeypatch):
         return flashtx.attention(q, k, v, is_causal=True, backend="triton")
 
     assert not gradcheck_each_input(fn, (q, k, v), raise_exception=False)
+    assert "lane" in planted_in  # (the lane took the backwards it could)
