@@ -4,9 +4,9 @@ in one dict lookup (as flashtx._attention_lane is for attention).
 Plain: plain tensors, positions from an int seqlen_offsets (no offsets tensor, position_ids or cu_seqlens), the
 automatic backend or `triton`, cos/sin that need no gradient. The key is what decides the plan: dtype, device,
 shape and strides of q, k, cos and sin, layout, interleaved, inplace, the direction (a backward's conjugate) and
-whether autograd records the call. An
-int offset does not key it: the tables are narrowed to the rows [offset, offset + S) first (views, the same
-values), as the launcher itself does, so a decode loop's new offset each step replays one lane.
+whether autograd records the call. An int offset does not key it: the tables are narrowed to the rows
+[offset, offset + S) first (views, the same values), as the launcher itself does, so a decode loop's new offset
+each step replays one lane.
 
 A lane is made from the general path's own work: the call's validation (`rotary._prepare` on the caller's
 arguments, which raises what the general path raises), its backend (which must be `triton`), and the launch
@@ -14,12 +14,12 @@ cache's entry for the narrowed call (`triton_kernels.rotary.rotary_entry`). A ca
 the op does (empty_like) and fires the entry. With autograd, its node (named as the op's: Rotary / RotaryQk) saves
 what the op's saves (the caller's tables and offset, not the narrowed views), and its backward is the op's: the
 conjugate rotation of the gradients, out of place, through a lane of its own (`conjugate` keys it), or through the
-ops where rotate() does not take it (create_graph among the rest). In place,
-where autograd records nothing, the entry fires on q and k themselves and their version counters are bumped, as
-the in-place op's call does; q and k sharing memory is checked every call (it depends on addresses). Every other
-call returns None, and the caller takes the general path: in-place calls that autograd records, a table too short
-for the offset, empty tensors, sparse tensors, tensors on a CUDA device that is not the current one, and where the
-plan is not Triton's (lanes.remember's and lanes.eager's rules too).
+ops where rotate() does not take it (create_graph among the rest). In place, where autograd records nothing, the
+entry fires on q and k themselves and their version counters are bumped, as the in-place op's call does; q and k
+sharing memory is checked every call (it depends on addresses). Every other call returns None, and the caller takes
+the general path: in-place calls that autograd records, a table too short for the offset, empty tensors, sparse
+tensors, tensors on a CUDA device that is not the current one, and where the plan is not Triton's
+(lanes.remember's and lanes.eager's rules too).
 
 `LANE = False` turns it off (tests compare both).
 """
