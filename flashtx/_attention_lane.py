@@ -111,14 +111,20 @@ def _lane_backward(ctx, dout):
         entry = _lanes.remember(key, lambda: _build_backward(dout, q, k, v, out, m2, l2, lane))
     if not entry:
         return None
-    dq, dk, dv = empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, lane.dv)
-    delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)  # (B, Hq, Sq), as attention_backward's
+    dq, dk, dv, delta = _grads_like(q, k, v, lane)
     tensors = (dout, q, k, v, out, m2, l2, dq, dk, dv, None, None, delta, None, None)  # attention_bwd's roles
     if type(entry) is not list and not entry.holds(tensors):
         return None  # planned for 16-byte aligned inputs (TMA descriptors) that these are not
     for replay in entry:
         replay.fire(tensors)
     return dq, dk, dv
+
+
+def _grads_like(q, k, v, lane) -> tuple:
+    """(dq, dk, dv, delta) allocated as the op's backward allocates them: each gradient laid out like its input,
+    delta (B, Hq, Sq) in the accumulator dtype, as attention_backward's."""
+    return (empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, lane.dv),
+            torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device))
 
 
 def _build_backward(dout, q, k, v, out, m2, l2, lane):
@@ -128,8 +134,7 @@ def _build_backward(dout, q, k, v, out, m2, l2, lane):
     ints, floats, backend, _ = lane.args
     if _plan(q, k, v, None, _NO_AUX, ints, floats, backend, True) != "triton":  # as the op's backward plans (again)
         return False
-    dq, dk, dv = empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, lane.dv)
-    delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
+    dq, dk, dv, delta = _grads_like(q, k, v, lane)
     try:
         entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=floats[0],
                                causal=bool(ints[0]), bottom_right=bool(ints[1]), bshd=bool(ints[7]))

@@ -99,15 +99,11 @@ def _backward(ctx, dq, dk) -> tuple:
     if not torch.is_grad_enabled() and (dq is not None or dk is not None):
         cos, sin = saved[:2]
         spec = ctx.spec  # conjugated: [offset, max_seqlen, interleaved, conjugate = 1, heads first]
-        args = (cos, sin, spec[0], spec[2] == 1, "bhsd" if spec[4] else "bshd", False, ctx.backend)
-        if dq is None or dk is None:  # one gradient: a one-tensor rotation, as the op's backward does
-            done = rotate(dk if dq is None else dq, None, *args, conjugate=True)
-            if done is not None:
-                return (None, done[0]) if dq is None else (done[0], None)
-        else:
-            done = rotate(dq, dk, *args, conjugate=True)
-            if done is not None:
-                return done
+        x, y = (dq, dk) if dq is not None else (dk, None)  # one gradient: a one-tensor rotation, as the op's
+        done = rotate(x, y, cos, sin, spec[0], spec[2] == 1, "bhsd" if spec[4] else "bshd", False, ctx.backend,
+                      conjugate=True)
+        if done is not None:
+            return done if dq is not None else (None, done[0])
     return rotated_grads(ctx, saved, dq, dk)
 
 
