@@ -49,7 +49,8 @@ def test_swiglu_matches_eager(dtype, layout, shape):
         dg, du = torch.autograd.grad(out, (g, u), dout)
     ref.backward(dout.double())
     eager.backward(dout)
-    assert_close_to_reference("dgate", dg, g64.grad, ge.grad, grad=True)
+    # dgate = dout * up * s * (1 + gate * (1 - s)) cancels to ~0 near gate = -1.28: its ulps are those of dout * up
+    assert_close_to_reference("dgate", dg, g64.grad, ge.grad, grad=True, scale=_cancelling(dout, u64))
     assert_close_to_reference("dup", du, u64.grad, ue.grad, grad=True)
 
 
@@ -77,7 +78,13 @@ def test_swiglu_packed_matches_eager(dtype, strided, shape):
         dx, = torch.autograd.grad(out, x, dout)
     ref.backward(dout.double())
     eager.backward(dout)
-    assert_close_to_reference("dx", dx, x64.grad, xe.grad, grad=True)
+    assert_close_to_reference("dx", dx, x64.grad, xe.grad, grad=True, scale=_cancelling(dout, x64[..., h:]))
+
+
+def _cancelling(dout, up64) -> float:
+    """The magnitude of the terms that cancel in dgate (see test_swiglu_matches_eager), for the ulp floor: with a
+    single element (a (1, 1) gate), an exact dgate near 0 would otherwise floor at ulps of ~0 (a flaky bound)."""
+    return float((dout.double() * up64.detach()).abs().max()) if dout.numel() else 0.0
 
 
 def test_gradcheck_float64():
