@@ -1,5 +1,5 @@
-"""What the per-call-signature fast paths (flashtx._attention_lane, flashtx._rotary_lane) share: when a call may
-take one, and the table their plans live in.
+"""What the per-call-signature fast paths (flashtx._attention_lane, _rotary_lane, _swiglu_lane) share: when a call
+may take one, and the table their plans live in.
 
 A lane is a public call's whole plan (validation passed, backend chosen, launches memoised), kept per call
 signature so that a repeated call costs one dict lookup before its launches fire. Lanes live in the launch cache's

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _dispatch
+from . import _dispatch, _swiglu_lane
 from ._library import call
 from ._swiglu_op import SWIGLU_BACKENDS, SwigluInputs, swiglu_op, swiglu_packed_op  # noqa: F401
 from ._validate import check_tensor, has_internal_overlap, views_overlap
@@ -53,6 +53,20 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
     Example:
         >>> h = flashtx.swiglu(x @ w1.T, x @ w3.T)          # (B, S, H)
     """
+    out = _swiglu_lane.forward(gate, up, inplace_backward, backend)  # a repeated plain call: one lookup
+    if out is not None:
+        return out
+    _check(gate, up, inplace_backward)
+    name = _select(gate, backend)
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read storage pointers, so the overlap of gate and up is unknown when tracing:
+        # the compiled backward is out of place (always correct; the compiler plans its own memory)
+        inplace_backward = False
+    return call(swiglu_op, gate, up, bool(inplace_backward), name)
+
+
+def _check(gate, up, inplace_backward) -> None:
+    """swiglu's argument checks (flashtx._swiglu_lane runs them too, on a call signature's first call)."""
     check_tensor("gate", gate)
     check_tensor("up", up)
     if gate.dtype != up.dtype:
@@ -66,12 +80,6 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
                              or (not torch.compiler.is_compiling() and views_overlap(gate, up))):
         raise ValueError("inplace_backward=True needs gate and up with no shared elements (the gradients of both are "
                          "written over them); they overlap (the same tensor, overlapping slices, or a stride-0 dim)")
-    name = _select(gate, backend)
-    if torch.compiler.is_compiling():
-        # Dynamo cannot read storage pointers, so the overlap of gate and up is unknown when tracing:
-        # the compiled backward is out of place (always correct; the compiler plans its own memory)
-        inplace_backward = False
-    return call(swiglu_op, gate, up, bool(inplace_backward), name)
 
 
 def swiglu_packed(x, *, inplace_backward=False, backend=None):
@@ -91,6 +99,16 @@ def swiglu_packed(x, *, inplace_backward=False, backend=None):
     Example:
         >>> h = flashtx.swiglu_packed(x @ w13.T)             # w13: (2H, dim) = cat(W1, W3)
     """
+    out = _swiglu_lane.forward_packed(x, inplace_backward, backend)  # a repeated plain call: one lookup
+    if out is not None:
+        return out
+    _check_packed(x, inplace_backward)
+    name = _select(x, backend)
+    return call(swiglu_packed_op, x, bool(inplace_backward), name)
+
+
+def _check_packed(x, inplace_backward) -> None:
+    """swiglu_packed's argument checks (flashtx._swiglu_lane runs them too, on a call signature's first call)."""
     check_tensor("x", x)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x must be (..., 2H) holding [gate | up], with an even last dim; got shape {tuple(x.shape)}")
@@ -98,5 +116,3 @@ def swiglu_packed(x, *, inplace_backward=False, backend=None):
         raise ValueError(f"inplace_backward=True writes x's gradient over x, but some elements of x share memory (a "
                          f"stride-0 dim, e.g. from expand(); x has shape {tuple(x.shape)} and strides {x.stride()}); "
                          f"pass inplace_backward=False or x.contiguous()")
-    name = _select(x, backend)
-    return call(swiglu_packed_op, x, bool(inplace_backward), name)

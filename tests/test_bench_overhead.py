@@ -51,7 +51,8 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
     assert all(rows[n]["floor_us_per_call"] > 0 for n in floored)
     # plain attention calls (and their backward), also timed with the lanes off (the ops' general path)
     laned = {"attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
-             "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd"}
+             "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
+             "swiglu fwd", "swiglu bwd"}
     assert {n for n, r in rows.items() if r["general_path_us_per_call"] is not None} == laned
     assert all(rows[n]["general_path_us_per_call"] > 0 for n in laned)
 

@@ -118,7 +118,8 @@ class LaunchCache:
     def __init__(self):
         self.entries: dict = {}
         self.enabled = True  # off while the autotuner forces configs (triton_kernels/autotune.py)
-        # callers' own memos of entries (flashtx._lanes: attention's and RoPE's per-signature plans), dropped with them
+        # callers' own memos of entries (flashtx._lanes: the per-signature plans of attention, RoPE and SwiGLU), dropped
+        # with them
         self.lanes: dict = {}
         self.generation = 0  # counts drop_lanes(): a memo made from entries read before one is not kept
 
@@ -150,8 +151,8 @@ class LaunchCache:
     def entry(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0):
         """The memoised launches run() would replay for `tensors` (planned now on a miss, not run), or None where
         run() would plan the call afresh (cache off, tracing, a tensor subclass, a plan that cannot be replayed).
-        For a caller that keeps the entry itself (flashtx._attention_lane, _rotary_lane) and fires each launch;
-        an _AlignedEntry replays only for tensors it holds()."""
+        For a caller that keeps the entry itself (flashtx._attention_lane, _rotary_lane, _swiglu_lane) and fires
+        each launch; an _AlignedEntry replays only for tensors it holds()."""
         sig = self.enabled and _signature(tensors, len(tensors) - derived)
         if not sig:
             return None

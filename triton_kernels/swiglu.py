@@ -146,16 +146,28 @@ def plan_swiglu(g, u, out1, *, do=None, out2=None, target: Target | None = None)
 _ROLES = ("G", "U", "OUT1", "DO", "OUT2")
 
 
-def _launch(g, u, out1, do, out2) -> None:
-    """plan_swiglu(...).run() with positional arguments: the per-call path, replayed from the launch cache
-    for a repeated signature (so a GPU launches the compiled kernel directly, see launch.DIRECT_LAUNCH)."""
+def _cache_args(g, u, out1, do, out2) -> tuple:
+    """LaunchCache.run's / entry's arguments (key, roles, tensors, build) for plan_swiglu's launch."""
     def build():
         M, H = g.shape
         st = _static(H, M, g.dtype, do is not None, target_for(g))
         grid, args = _args(st, g, u, out1, do, out2)
         return [Launch(_swiglu_kernel, grid, args, st.cfg)]
 
-    LAUNCHES.run(("swiglu", g.device), _ROLES, (g, u, out1, do, out2), build)
+    return ("swiglu", g.device), _ROLES, (g, u, out1, do, out2), build
+
+
+def _launch(g, u, out1, do, out2) -> None:
+    """plan_swiglu(...).run() with positional arguments: the per-call path, replayed from the launch cache
+    for a repeated signature (so a GPU launches the compiled kernel directly, see launch.DIRECT_LAUNCH)."""
+    LAUNCHES.run(*_cache_args(g, u, out1, do, out2))
+
+
+def swiglu_entry(g, u, out1, do=None, out2=None):
+    """The memoised launch (LaunchCache.entry) that swiglu_forward (do None) or swiglu_backward would replay for
+    these (M, H) views, or None where they plan every call. flashtx._swiglu_lane keeps it per call signature and
+    fires it itself, on tensors with the views' data pointers (the launch reads nothing else of them)."""
+    return LAUNCHES.entry(*_cache_args(g, u, out1, do, out2))
 
 
 def plan_swiglu_backward_packed(do, x, dx, *, target: Target | None = None) -> Launch:
@@ -170,11 +182,19 @@ def plan_swiglu_backward_packed(do, x, dx, *, target: Target | None = None) -> L
     return Launch(_swiglu_kernel, grid, args, st.cfg)
 
 
+def _packed_cache_args(do, x, dx) -> tuple:
+    return ("swiglu_packed", x.device), _ROLES, (x, x, dx, do, dx), lambda: [plan_swiglu_backward_packed(do, x, dx)]
+
+
 def swiglu_backward_packed(do, x, dx) -> None:
     """dx = [dgate | dup] for x = [gate | up] (M, 2H) (dx may be x) and do (M, H); nothing for empty inputs."""
     if do.numel():
-        LAUNCHES.run(("swiglu_packed", x.device), _ROLES, (x, x, dx, do, dx),
-                     lambda: [plan_swiglu_backward_packed(do, x, dx)])
+        LAUNCHES.run(*_packed_cache_args(do, x, dx))
+
+
+def swiglu_packed_entry(do, x, dx):
+    """swiglu_backward_packed's memoised launch for these (M, 2H) / (M, H) views (see swiglu_entry)."""
+    return LAUNCHES.entry(*_packed_cache_args(do, x, dx))
 
 
 def swiglu_forward(g, u, out) -> None:
