@@ -21,8 +21,8 @@ Method: gc disabled; each row warms up (untimed calls) first; then `repeats` rou
 `calls` back-to-back calls with time.thread_time_ns (the calling thread's CPU time: Python work is
 what is measured, and a shared machine's preemption is not) and dividing; flashtx's and the baseline's
 rounds alternate so drift on a shared machine hits both alike; the median round is reported.
-Plain attention, RoPE and SwiGLU rows also time the same call with flashtx's lanes off ("general path": the
-flashtx::attn_fwd / flashtx::rotary_qk / flashtx::swiglu ops' path), in the same rounds.
+Plain attention, RoPE, SwiGLU and decode rows also time the same call with flashtx's lanes off ("general path":
+the flashtx::attn_fwd / rotary_qk / swiglu / kvcache_* ops' path), in the same rounds.
 Targets (issue 12): attention forward <= 25 us and forward+backward <= 80 us of Python; RoPE and
 SwiGLU <= 15 us per direction; each <= 2x the baseline's time at the same call, same machine and
 run. A miss is printed as such; nothing here fails on a miss (timing tests must not fail from
@@ -260,6 +260,30 @@ def _decode(dev, dtype):
     return ours, base
 
 
+def _decode_device_check(dev, dtype):
+    """_decode with the index check a GPU runs (the check kernel's launch and torch._assert_async of its flag), on
+    CPU too: flashtx.decode._values_readable answers False for the call (a CPU tensor's values are otherwise read
+    on the host). On a GPU, the same row as _decode."""
+    import flashtx.decode as fd
+
+    ours, base = _decode(dev, dtype)
+    if torch.device(dev).type != "cpu":
+        return ours, base
+    readable = fd._values_readable
+
+    def device_check():
+        fd._values_readable = _never
+        try:
+            return ours()
+        finally:
+            fd._values_readable = readable
+    return device_check, base
+
+
+def _never(t) -> bool:
+    return False
+
+
 class _Noop(torch.autograd.Function):
     """n inputs -> one output like the first; the backward returns n empty gradients: no work at all."""
 
@@ -328,7 +352,9 @@ ROWS = [
     Row("swiglu fwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up", _swiglu_fwd, lane=True),
     Row("swiglu bwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up backward", _swiglu_bwd,
         _floor_bwd((16, 256), (16, 256)), lane=True),
-    Row("decode step (append + attend)", None, "SDPA over the cached keys (enable_gqa)", _decode),
+    Row("decode step (append + attend)", None, "SDPA over the cached keys (enable_gqa)", _decode, lane=True),
+    Row("decode step, the GPU's index check", None, "SDPA over the cached keys (enable_gqa)", _decode_device_check,
+        lane=True),
 ]
 ROW_NAMES = [r.name for r in ROWS]
 
@@ -448,16 +474,16 @@ def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=No
 
 
 def _without_lane(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn with flashtx's lanes (_attention_lane, _rotary_lane, _swiglu_lane) off for the call: the ops' general
-    path (the switches cost ~0.3 us)."""
-    from flashtx import _attention_lane, _rotary_lane, _swiglu_lane
+    """fn with flashtx's lanes (_attention_lane, _rotary_lane, _swiglu_lane, _decode_lane) off for the call: the
+    ops' general path (the switches cost ~0.4 us)."""
+    from flashtx import _attention_lane, _decode_lane, _rotary_lane, _swiglu_lane
 
     def general():
-        _attention_lane.LANE = _rotary_lane.LANE = _swiglu_lane.LANE = False
+        _attention_lane.LANE = _rotary_lane.LANE = _swiglu_lane.LANE = _decode_lane.LANE = False
         try:
             return fn()
         finally:
-            _attention_lane.LANE = _rotary_lane.LANE = _swiglu_lane.LANE = True
+            _attention_lane.LANE = _rotary_lane.LANE = _swiglu_lane.LANE = _decode_lane.LANE = True
     return general
 
 
@@ -528,7 +554,7 @@ def table(results: list[Result], env: dict | None = None) -> str:
     met = sum(r.met for r in results)
     lines += ["", f"Met {met} of {len(results)} rows (target and <= {MAX_RATIO:.0f}x baseline). The floor: the same "
               "calls through a no-op Python autograd.Function (torch's own cost of a Python-defined op here). The general "
-              "path: the same call with flashtx's lanes off (the flashtx::attn_fwd / rotary_qk / swiglu ops' path)."]
+              "path: the same call with flashtx's lanes off (the flashtx::attn_fwd / rotary_qk / swiglu / kvcache_* ops' path)."]
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from . import _decode_op, _env
+from . import _decode_lane, _decode_op, _env
 from ._library import call
 from ._validate import (_values_readable, check_alibi, check_flag, check_softcap, check_tensor, check_window,
                         has_internal_overlap, resolve_scale, views_overlap)
@@ -137,6 +137,50 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         ...                                       rotary_cos=cos, rotary_sin=sin, causal=True)
         >>> lens += 1   # the caller owns the lengths, as with flash-attn
     """
+    done = _decode_lane.step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend)
+    if done is not None:  # a repeated plain call: one lookup (flashtx._decode_lane)
+        return done
+    (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+     Snew, capacity, causal, window, softcap, alibi, scale, q_moves) = _prepare(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
+    _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew, capacity,
+                  q_moves)
+    name = _backend(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, alibi, window, softcap, capacity, backend)
+    if Snew or rotary_cos is not None:
+        q_rot = call(_decode_op.kvcache_append, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                     cache_batch_idx, block_table, bool(rotary_interleaved), not q_moves, name)
+        if rotary_cos is not None:
+            q = q_rot
+    # the keys end at cache_seqlens + Snew: the kernels add Snew themselves (no device op here)
+    out, lse2 = call(_decode_op.kvcache_attention, q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
+                     block_table, alibi, None, scale, causal, window[0], window[1], softcap, int(num_splits), Snew,
+                     name)
+    if return_softmax_lse:
+        return out, lse2 * LN2
+    return out
+
+
+def _backend(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, alibi, window, softcap, capacity, backend) -> str:
+    """The decode backend's name for this call (flashtx._decode_op.select)."""
+    def features() -> dict:  # what a backend whose reasons read the call (DecodeCUDA.call_key) is judged on
+        return dict(k=k, rotary_cos=rotary_cos, cache_leftpad=cache_leftpad, alibi=alibi, window=window,
+                    softcap=softcap, capacity=capacity)
+
+    name = _decode_op.select(q, k_cache, v_cache, backend, None if backend is None else features())
+    if backend is None and name in _decode_op.CALL_JUDGED:  # picked on kinds alone: judge this call's features
+        name = _decode_op.select(q, k_cache, v_cache, None, features())
+    return name
+
+
+def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits) -> tuple:
+    """flash_attn_with_kvcache's argument checks, but for the index values (_check_ranges): raises what a call
+    with these arguments raises, or returns them as the kernels take them, with (Snew, capacity, causal (a bool),
+    window (two ints), softcap (a float), alibi ((1 | B, Hq) or None), scale (a float), q_moves (q's positions
+    advance per token: causal or windowed)) in their places."""
     _check_like("q", q, 4, q, "(B, Sq, Hq, D)")
     paged = block_table is not None
     layout = "(num_pages, page_size, Hkv, D)" if paged else "(B_cache, S_cache, Hkv, D)"
@@ -219,29 +263,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            "or torch.inference_mode(), or pass detached tensors")
     if Snew:
         _check_writable_caches(k_cache, v_cache, block_table is not None)
-    _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew,
-                  capacity, bool(causal) or window != (-1, -1))
-
-    def features() -> dict:  # what a backend whose reasons read the call (DecodeCUDA.call_key) is judged on
-        return dict(k=k, rotary_cos=rotary_cos, cache_leftpad=cache_leftpad, alibi=alibi, window=window,
-                    softcap=softcap, capacity=capacity)
-
-    name = _decode_op.select(q, k_cache, v_cache, backend, None if backend is None else features())
-    if backend is None and name in _decode_op.CALL_JUDGED:  # picked on kinds alone: judge this call's features
-        name = _decode_op.select(q, k_cache, v_cache, None, features())
-    if Snew or rotary_cos is not None:
-        q_rot = call(_decode_op.kvcache_append, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                     cache_batch_idx, block_table, bool(rotary_interleaved), not (bool(causal) or window != (-1, -1)),
-                     name)
-        if rotary_cos is not None:
-            q = q_rot
-    # the keys end at cache_seqlens + Snew: the kernels add Snew themselves (no device op here)
-    out, lse2 = call(_decode_op.kvcache_attention, q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
-                     block_table, alibi, None, scale, bool(causal), window[0], window[1], float(softcap), int(num_splits),
-                     Snew, name)
-    if return_softmax_lse:
-        return out, lse2 * LN2
-    return out
+    causal = bool(causal)
+    return (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, Snew, capacity, causal, window, float(softcap), alibi, scale, causal or window != (-1, -1))
 
 
 def _assert_message(leftpad: bool, batch_idx: bool, paged: bool, rotary: bool) -> str:

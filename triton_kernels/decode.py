@@ -471,16 +471,31 @@ _APPEND_ROLES = ("Q", "QO", "KN", "VN", "KC", "VC", "COS", "SIN", "SEQLENS", "BI
 _DECODE_ROLES = ("Q", "KC", "VC", "O", "LSE", "SEQLENS", "LEFTPAD", "BIDX", "BT", "AL", "KM", "OP", "LP")
 
 
-def kv_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *, interleaved: bool,
-              q_same_pos: bool) -> None:
-    """Run plan_append's launch (nothing when there is nothing to write), replayed per call signature."""
+def _append_cache_args(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, interleaved,
+                       q_same_pos) -> tuple:
+    """LaunchCache.run's / entry's arguments (key, roles, tensors, build) for plan_append's launch."""
     def build():
         launch = plan_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
                              interleaved=interleaved, q_same_pos=q_same_pos)
         return [launch] if launch is not None else []
 
-    LAUNCHES.run(("kv_append", q.device, bool(interleaved), bool(q_same_pos)), _APPEND_ROLES,
-                 (q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table), build)
+    return (("kv_append", q.device, bool(interleaved), bool(q_same_pos)), _APPEND_ROLES,
+            (q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table), build)
+
+
+def kv_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *, interleaved: bool,
+              q_same_pos: bool) -> None:
+    """Run plan_append's launch (nothing when there is nothing to write), replayed per call signature."""
+    LAUNCHES.run(*_append_cache_args(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
+                                     interleaved, q_same_pos))
+
+
+def kv_append_entry(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *,
+                    interleaved: bool, q_same_pos: bool):
+    """The memoised launch (LaunchCache.entry) kv_append would replay for these tensors (tensors in
+    _APPEND_ROLES' order), or None where it plans every call. flashtx._decode_lane keeps it per call signature."""
+    return LAUNCHES.entry(*_append_cache_args(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx,
+                                              block_table, interleaved, q_same_pos))
 
 
 _SPLITS: dict = {}  # split_count per (shapes, dtype, device, num_splits) of eager calls
@@ -493,6 +508,26 @@ def decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx
     partials are allocated here, so that a replay rebinds them like every other tensor."""
     if out.numel() == 0 and lse2.numel() == 0:
         return
+    LAUNCHES.run(*_decode_cache_args(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi,
+                                     scale, causal, window, softcap, num_splits, snew, key_mask)[:4])
+
+
+def decode_entry(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *, scale: float,
+                 causal: bool, window=(-1, -1), softcap: float = 0.0, num_splits: int = 0, snew: int = 0):
+    """(entry, splits): the memoised launches (LaunchCache.entry) decode_attention would replay for these tensors
+    (or None where it plans every call), and the split count whose partials, (splits, B, Sq, Hq, Dv) and
+    (splits, B, Hq, Sq) in the accumulator dtype, a replay binds as its last two tensors (None for 1 split), in
+    _DECODE_ROLES' order. flashtx._decode_lane keeps it per call signature and fires it itself."""
+    key, roles, tensors, build, splits = _decode_cache_args(q, k_cache, v_cache, out, lse2, seqlens, leftpad,
+                                                            batch_idx, block_table, alibi, scale, causal, window,
+                                                            softcap, num_splits, snew, None)
+    return LAUNCHES.entry(key, roles, tensors, build), splits
+
+
+def _decode_cache_args(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, scale,
+                       causal, window, softcap, num_splits, snew, key_mask) -> tuple:
+    """LaunchCache.run's / entry's arguments (key, roles, tensors, build) for plan_decode's launches, and the split
+    count (its partials allocated here, so that a replay rebinds them like every other tensor)."""
     if type(q) is torch.Tensor:  # eager (fake tensors' symbolic shapes are not hashable)
         key = (q.shape, k_cache.shape, v_cache.shape[3], None if block_table is None else block_table.shape[1],
                q.dtype, q.device, num_splits)
@@ -510,13 +545,13 @@ def decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx
         o_part = torch.empty(splits, B, Sq, Hq, v_cache.shape[3], dtype=acc, device=q.device)
         l_part = torch.empty(splits, B, Hq, Sq, dtype=acc, device=q.device)
     window = (int(window[0]), int(window[1]))
-    LAUNCHES.run(("decode", q.device, dot_precision(q.dtype), float(scale), bool(causal), window, float(softcap),
-                  splits, snew), _DECODE_ROLES,
-                 (q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, key_mask, o_part,
-                  l_part),
-                 lambda: plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi,
-                                     scale=scale, causal=causal, window=window, softcap=softcap, num_splits=splits,
-                                     snew=snew, partials=(o_part, l_part) if splits > 1 else None, key_mask=key_mask))
+    return (("decode", q.device, dot_precision(q.dtype), float(scale), bool(causal), window, float(softcap), splits,
+             snew), _DECODE_ROLES,
+            (q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, key_mask, o_part, l_part),
+            lambda: plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi,
+                                scale=scale, causal=causal, window=window, softcap=softcap, num_splits=splits,
+                                snew=snew, partials=(o_part, l_part) if splits > 1 else None, key_mask=key_mask),
+            splits)
 
 
 def compile_plans(target) -> list:
