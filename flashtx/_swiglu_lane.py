@@ -74,11 +74,7 @@ class Swiglu(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if ctx.lane is not None and dout is not None:
-            grads = _lane_backward(ctx, dout)
-            if grads is not None:
-                return (*grads, None, None)
-        return (*_backward(ctx, dout)[:2], None, None)
+        return _node_backward(ctx, dout, _backward, 2)
 
 
 class SwigluPacked(torch.autograd.Function):
@@ -93,11 +89,17 @@ class SwigluPacked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if ctx.lane is not None and dout is not None:
-            grads = _lane_backward(ctx, dout)
-            if grads is not None:
-                return (*grads, None, None)
-        return _backward_packed(ctx, dout)[0], None, None
+        return _node_backward(ctx, dout, _backward_packed, 1)
+
+
+def _node_backward(ctx, dout, op_backward, n: int) -> tuple:
+    """A lane node's gradients for its n tensor inputs (then None for lane and inplace): the lane's backward, or the
+    op's (op_backward) where that one does not serve."""
+    if ctx.lane is not None and dout is not None:
+        grads = _lane_backward(ctx, dout)
+        if grads is not None:
+            return (*grads, None, None)
+    return (*op_backward(ctx, dout)[:n], None, None)
 
 
 def _save(ctx, lane, inplace: bool, *inputs) -> None:
