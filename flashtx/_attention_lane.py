@@ -51,7 +51,7 @@ class _Lane:
     def __init__(self, key, entry, aligned, lse_shape, acc, dv, args, saved):
         self.key, self.entry, self.aligned, self.lse_shape = key, entry, aligned, lse_shape
         self.acc, self.dv, self.args = acc, dv, args
-        self.saved = saved  # shapes and strides of q, k, v, out, as the forward saves them
+        self.saved = saved  # _lanes.layouts of q, k, v, out, as the forward saves them
 
     def run(self, q, k, v):
         """(out, m2, l2) of the forward, allocated as the op allocates them."""
@@ -103,7 +103,7 @@ def _lane_backward(ctx, dout):
     q, k, v, out, m2, l2, _ = ctx.saved_tensors
     if _library._other_device(q) is not None:
         return None
-    if (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride()) != lane.saved:
+    if _lanes.layouts(q, k, v, out) != lane.saved:
         return None  # a saved tensor's .data was swapped since the forward: not what the plan reads
     key = ("attn_bwd", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32())
     entry = _lanes.TABLE.get(key)
@@ -214,4 +214,4 @@ def _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, bac
     if aligned and not entry.holds((q, k, v)):
         return None  # planned for aligned inputs that these are not
     return _Lane(key, entry, aligned, (B, Hq, Sq), acc, dv, (ints, floats, backend, len(_NO_AUX)),
-                 (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride()))
+                 _lanes.layouts(q, k, v, out))

@@ -87,24 +87,29 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
         return None  # (equal values of other types hash alike: the general path checks each)
     if _library._other_device(q) is not None:
         return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
-        return None  # refused by the general path
     sigs = (_sig(k_cache), _sig(v_cache), _sig(k), _sig(v), _sig(cos), _sig(sin), _sig(seqlens), _sig(batch_idx),
             _sig(leftpad), _sig(block_table), _sig(alibi))
     if False in sigs:
         return None  # a subclass or another type: the general path's
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k_cache, v_cache, k, v, cos, sin, alibi)):
+        return None  # refused by the general path
     dtype = q.dtype
     key = ("decode", dtype, q.device, q.shape, q.stride(), sigs, scale, causal, window, softcap, interleaved,
            num_splits, backend, dtype is _F32 and precision.allow_tf32())  # (fp32: the dots follow the TF32 switch)
     lane = _lanes.TABLE.get(key)
-    if lane is None:
+    if lane is None:  # (_make checks this call's values as the general path does, in its order)
         lane = _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, scale, causal,
                      window, softcap, interleaved, alibi, num_splits, backend)
-    if not lane:
+        if not lane:
+            return None
+    elif not lane:
         return None
-    if lane.snew and (k_cache is v_cache or views_overlap(k_cache, v_cache)):
-        return None  # refused by the general path (it depends on addresses)
-    _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, lane.snew, lane.capacity, lane.q_moves)
+    else:
+        if lane.snew and (k_cache is v_cache or views_overlap(k_cache, v_cache)):
+            return None  # refused by the general path (it depends on addresses)
+        _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, lane.snew, lane.capacity,
+                      lane.q_moves)
     if lane.append is not None:
         q_out = torch.empty_like(q) if lane.rotary else None
         _fire(lane.append, (q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table))
@@ -130,7 +135,9 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
 def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, scale, causal, window,
           softcap, interleaved, alibi, num_splits, backend):
     """The lane for `key` (stored), False where the general path must take these calls (stored too), or None where
-    it must take this one for what the inputs alone show (not stored)."""
+    it must take this one for what the inputs alone show (not stored). Raises what the general path raises for this
+    call, in its order: the argument checks, the index values (which a returned lane's call has then passed), the
+    backend's refusal."""
     global _check_ranges
     from .decode import _backend, _check_ranges, _prepare
 
@@ -141,6 +148,7 @@ def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
     B, Sq, Hq, _ = q.shape
     if B == 0 or Sq == 0 or Hq == 0:
         return None  # nothing to launch: the general path's
+    _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, snew, capacity, q_moves)  # as it does
     same = all(a is b or (a is not None and b is not None and a.data_ptr() == b.data_ptr()
                           and (a.shape == b.shape or a is alibi))
                for a, b in ((cos, cos2), (sin, sin2), (seqlens, seqlens2), (batch_idx, batch_idx2),

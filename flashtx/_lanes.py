@@ -34,6 +34,13 @@ def no_saved_tensor_hooks() -> bool:
     return _TOP_SAVED_TENSOR_HOOKS is not None and _TOP_SAVED_TENSOR_HOOKS(False) is None
 
 
+def layouts(*ts) -> tuple:
+    """(dtype, device, shape, strides) of each tensor: what a lane's backward compares its saved tensors against
+    (a `.data` swap may change any of them, and a replay planned for others would read the wrong memory: on a GPU
+    a direct launch of the kernel compiled for the planned dtype)."""
+    return tuple((t.dtype, t.device, t.shape, t.stride()) for t in ts)
+
+
 def remember(key, build):
     """build()'s lane for `key`: stored (a lane, or False: the general path takes these calls) and returned; None
     (not stored) where build() says the inputs alone send this call to the general path, and where the launch

@@ -40,7 +40,7 @@ _INC_VERSION = torch.autograd.graph.increment_version
 
 class _Lane:
     """One call signature's plan: its key, the forward's launch entry (launch.LaunchCache replays), packed: the
-    column where up starts and the output's shape, the saved inputs' (shape, strides) and the backend."""
+    column where up starts and the output's shape, the saved inputs' _lanes.layouts and the backend."""
 
     __slots__ = ("key", "entry", "h", "out_shape", "saved", "backend")
 
@@ -121,7 +121,7 @@ def _lane_backward(ctx, dout):
     x = saved[0]
     if _library._other_device(x) is not None:
         return None
-    if tuple((t.shape, t.stride()) for t in saved) != lane.saved:
+    if _lanes.layouts(*saved) != lane.saved:
         return None  # a saved tensor's .data was swapped since the forward: not what the plan reads
     inplace = ctx.args[0]
     key = ("swiglu_bwd", lane, dout.dtype, dout.stride(), inplace)  # (the lane itself: hashed by identity)
@@ -249,5 +249,5 @@ def _make(key, inputs, inplace_backward, backend):
         entry = swiglu_entry(g, u, torch.empty(g.shape, dtype=x.dtype, device=x.device))
         if type(entry) is not list:
             return False  # not replayable: the general path plans each call
-        return _Lane(key, entry, h, out_shape, tuple((t.shape, t.stride()) for t in inputs), "triton")
+        return _Lane(key, entry, h, out_shape, _lanes.layouts(*inputs), "triton")
     return _lanes.remember(key, build)

@@ -258,7 +258,7 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     alibi = check_alibi("alibi_slopes", alibi_slopes, B, Hq, q)
     scale = resolve_scale("softmax_scale", softmax_scale, D)
     if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
-                                       for t in (q, k_cache, v_cache, k, v)):
+                                       for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes)):
         raise RuntimeError("flash_attn_with_kvcache is inference-only (no autograd): call it under torch.no_grad() "
                            "or torch.inference_mode(), or pass detached tensors")
     if Snew:

@@ -258,6 +258,24 @@ def test_a_saved_tensor_whose_data_was_swapped_is_read_as_it_is_now():
         assert all(torch.equal(a, b) for a, b in zip(grads, want))
 
 
+def test_a_saved_tensor_swapped_for_another_dtype_goes_to_the_ops_backward(monkeypatch):
+    """q.data replaced by a tensor of the same shape and strides in another dtype: the lane's backward, planned for
+    the forward's dtype, does not take it (on a GPU a direct launch would run the kernel compiled for that dtype on
+    the new memory; the interpreter would not notice): the op's backward runs, whatever it makes of the call."""
+    k, v = (randn(1, 4, 4, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(2))
+    dout = randn(1, 4, 4, 16, dtype=PRECISE_DTYPE)
+    torch.autograd.grad(flashtx.attention(randn(1, 4, 4, 16, dtype=PRECISE_DTYPE), k, v), (k, v), dout)  # the lanes
+    q = randn(1, 4, 4, 16, dtype=PRECISE_DTYPE)
+    out = flashtx.attention(q, k, v)
+    q.data = q.data.to(torch.float32 if PRECISE_DTYPE != torch.float32 else torch.float64)
+    op_backwards = count_calls(monkeypatch, _attention_lane, "_backward")
+    try:
+        torch.autograd.grad(out, (k, v), dout)
+    except Exception:  # noqa: BLE001  (the op's backward may refuse the mixed dtypes, in any way the kernels do)
+        pass
+    assert len(op_backwards) == 1
+
+
 def test_a_backward_planned_after_a_clear_follows_the_new_plan(monkeypatch):
     """Plans dropped between a forward and its backward, and the backend choice now another (here: the planner
     stood in to pick the reference): the backward is planned again, as the op's is, and the lane does not take it."""

@@ -148,6 +148,17 @@ BAD = {  # name: (a change to a good call's arguments, error type, message)
     "cache dtype": (lambda a: a.update(k_cache=a["k_cache"].float() if DT != torch.float32 else a["k_cache"].double()),
                     TypeError, "k_cache must have q's dtype"),
     "cache device": (lambda a: a.update(v_cache=a["v_cache"].to("meta")), ValueError, "v_cache must be on q's device"),
+    # values equal (and hashing alike) to a good call's of other types than documented
+    "causal=1": (lambda a: a.update(causal=1), TypeError, "causal"),
+    "num_splits=True": (lambda a: a.update(num_splits=True), ValueError, "num_splits must be an int"),
+    "window (3, False)": (lambda a: a.update(window_size=(3, False)), (TypeError, ValueError), "window_size"),
+    "alibi with grad": (lambda a: a.update(alibi_slopes=torch.rand(4, device=DEVICE, requires_grad=True)),
+                        RuntimeError, "inference-only"),
+    "cos with grad": (lambda a: a.update(rotary_cos=torch.rand(64, 4, device=DEVICE, requires_grad=True),
+                                         rotary_sin=torch.rand(64, 4, device=DEVICE)), RuntimeError, "inference-only"),
+    # the index values before the backend, as the general path (a first call of this signature)
+    "lengths, then backend": (lambda a: a.update(backend="nonexistent", cache_seqlens=torch.tensor(
+        [3, 70], dtype=torch.int32, device=DEVICE)), ValueError, r"cache_seqlens\[1\] = 70"),
 }
 
 
@@ -159,13 +170,16 @@ def test_bad_calls_raise_the_general_paths_error_before_and_after_a_lane(bad):
     for _ in ("first call", "after a lane"):
         a = _inputs(0)
         change(a)
+        a.setdefault("causal", True)
         with pytest.raises(error, match=match):
             with torch.enable_grad():
-                flashtx.flash_attn_with_kvcache(**a, causal=True)
+                flashtx.flash_attn_with_kvcache(**a)
         with torch.no_grad():
-            flashtx.flash_attn_with_kvcache(**_inputs(0), causal=True)
-            flashtx.flash_attn_with_kvcache(**_inputs(0), causal=True, window_size=(3, 0))
-    assert sum(map(bool, _lanes.TABLE.values())) == 2
+            for extra in (dict(), dict(window_size=(3, 0)), dict(num_splits=1), dict(alibi_slopes=torch.rand(
+                    4, device=DEVICE)), dict(rotary_cos=torch.rand(64, 4, device=DEVICE),
+                                         rotary_sin=torch.rand(64, 4, device=DEVICE))):
+                flashtx.flash_attn_with_kvcache(**_inputs(0), causal=True, **extra)
+    assert sum(map(bool, _lanes.TABLE.values())) == 5
 
 
 def test_only_plain_calls_take_the_lane_and_lanes_go_with_the_plans(fires, monkeypatch):

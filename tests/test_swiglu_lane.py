@@ -161,6 +161,15 @@ def test_create_graph_strided_douts_and_swapped_data_take_the_ops_backward(fires
     assert len(op_backwards) == n + 1
     assert all((a - b).abs().max() < precise_atol(1e-12) for a, b in zip((dg, du), want))
 
+    # the same shape and strides in another dtype: a replay planned for the forward's dtype must not read it (on a
+    # GPU a direct launch would run the kernel compiled for that dtype; the interpreter would not notice)
+    out = flashtx.swiglu(y, w)
+    other = torch.float32 if PRECISE_DTYPE != torch.float32 else torch.float64
+    y.data = y.data.to(other)
+    (du,) = torch.autograd.grad(out, (w,), dout)  # (y's own gradient edge does not survive the swap)
+    assert len(op_backwards) == n + 2
+    assert (du - _want(y.detach(), w, dout)[1]).abs().max() < precise_atol(1e-6)
+
 
 def test_checkpointing_takes_the_ops_backward_out_of_place(op_backwards):
     """Under saved-tensor hooks (a non-reentrant checkpoint) the in-place backward is out of place, through the
@@ -186,6 +195,8 @@ BAD = {  # name: (a call, error type, message)
                  "no shared elements"),
     "odd packed": (lambda g, u: flashtx.swiglu_packed(g[:, :7]), ValueError, "even last dim"),
     "backend": (lambda g, u: flashtx.swiglu(g, u, backend=3), TypeError, "backend must be None or a string"),
+    "sparse": (lambda g, u: flashtx.swiglu(g.to_sparse(), u), TypeError, "gate has layout torch.sparse_coo"),
+    "sparse packed": (lambda g, u: flashtx.swiglu_packed(g.to_sparse()), TypeError, "x has layout torch.sparse_coo"),
 }
 
 
