@@ -60,8 +60,7 @@ class _Lane:
         m2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)  # (B, Hq, Sq)
         l2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)
         tensors = (q, k, v, out, m2, l2)  # attention_fwd's roles, in order
-        for replay in self.entry:
-            replay.fire(tensors)
+        _lanes.fire(self.entry, tensors)
         return out, m2, l2
 
 
@@ -115,8 +114,7 @@ def _lane_backward(ctx, dout):
     tensors = (dout, q, k, v, out, m2, l2, dq, dk, dv, None, None, delta, None, None)  # attention_bwd's roles
     if type(entry) is not list and not entry.holds(tensors):
         return None  # planned for 16-byte aligned inputs (TMA descriptors) that these are not
-    for replay in entry:
-        replay.fire(tensors)
+    _lanes.fire(entry, tensors)
     return dq, dk, dv
 
 

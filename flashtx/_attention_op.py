@@ -33,9 +33,6 @@ from .backends import AttentionInputs, inputs_summary
 from .triton_kernels.limits import LimitExceeded, bhsd, within_limits
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
-_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
-        torch.float64: torch.float64}
-
 
 class Aux(NamedTuple):
     """The optional tensors of an attention op (its `aux` list), in order."""

@@ -32,14 +32,13 @@ import torch
 from . import _lanes, _library
 from ._validate import views_overlap
 from .triton_kernels import precision
+from .triton_kernels.launch import TORCH_ACC_DTYPE
 
 LANE = True
 LN2 = math.log(2.0)
 
 _TENSOR, _F32 = torch.Tensor, torch.float32
 _INC_VERSION = torch.autograd.graph.increment_version
-_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
-        torch.float64: torch.float64}
 
 
 class _Lane:
@@ -65,11 +64,6 @@ def _sig(t):
     if type(t) is not _TENSOR:
         return False
     return t.dtype, t.device, t.shape, t.stride()
-
-
-def _fire(entry, tensors) -> None:
-    for replay in entry:
-        replay.fire(tensors)
 
 
 def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, scale, causal, window,
@@ -112,7 +106,7 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
                       lane.q_moves)
     if lane.append is not None:
         q_out = torch.empty_like(q) if lane.rotary else None
-        _fire(lane.append, (q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table))
+        _lanes.fire(lane.append, (q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table))
         _INC_VERSION(k_cache)
         _INC_VERSION(v_cache)
         if q_out is not None:
@@ -125,8 +119,8 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
     if parts is not None:
         o_part, l_part = torch.empty(parts[0], dtype=lane.acc, device=dev), torch.empty(parts[1], dtype=lane.acc,
                                                                                          device=dev)
-    _fire(lane.attend, (q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, None, o_part,
-                        l_part))
+    _lanes.fire(lane.attend, (q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, None,
+                              o_part, l_part))
     if return_lse:
         return out, lse2 * LN2
     return out
@@ -169,7 +163,7 @@ def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
             if type(append) is not list:
                 return False
         qa = torch.empty_like(q) if cos is not None else q  # the attention reads the rotated q (like q)
-        acc = _ACC[q.dtype]
+        acc = TORCH_ACC_DTYPE[q.dtype]
         out_shape, lse_shape = (B, Sq, Hq, v_cache.shape[3]), (B, Hq, Sq)
         attend, splits = decode_entry(qa, k_cache, v_cache, torch.empty(out_shape, dtype=q.dtype, device=q.device),
                                       torch.empty(lse_shape, dtype=acc, device=q.device), seqlens2, leftpad2,

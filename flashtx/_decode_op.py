@@ -15,7 +15,7 @@ mutation and the attention a pure function of the written cache:
 - `flashtx::kvcache_check`: the index check on the device (triton_kernels/decode_check.py): a (1,)
   int32 flag, 1 when every index the other two would follow is in range, for torch._assert_async.
 
-Layouts and alignment: see flashtx.triton_kernels.decode. Inference only: no autograd formula
+Layouts and alignment: see flashtx.triton_kernels.decode_kernels. Inference only: no autograd formula
 is registered (flashtx.flash_attn_with_kvcache refuses inputs that require grad).
 """
 from __future__ import annotations
@@ -31,9 +31,8 @@ from torch import Tensor
 from . import _dispatch, reference
 from ._library import triton_op
 from .backends import MAX_HEAD_DIM, triton_device_reasons
+from .triton_kernels.launch import TORCH_ACC_DTYPE
 
-_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
-        torch.float64: torch.float64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +45,8 @@ class DecodeInputs(_dispatch.OpInputs):
 
 
 class DecodeTriton:
-    """flashtx's Triton kernels (triton_kernels/decode.py): CUDA tensors, or CPU in the interpreter."""
+    """flashtx's Triton kernels (triton_kernels/decode_kernels.py, launched by triton_kernels/decode.py): CUDA
+    tensors, or CPU in the interpreter."""
 
     name = "triton"
 
@@ -131,7 +131,7 @@ class DecodeReference:
         i0, i1 = _positions(block_table, batch_idx, B, j[None, :].expand(B, cap), page, dev)
         if block_table is not None:
             i0 = i0.clamp(0, k_cache.shape[0] - 1)  # unused table entries may hold anything
-        acc = _ACC[q.dtype]
+        acc = TORCH_ACC_DTYPE[q.dtype]
         k = k_cache[i0, i1].to(acc).transpose(1, 2)  # (B, Hkv, cap, D)
         v = v_cache[i0, i1].to(acc).transpose(1, 2)
         qh = q.to(acc).transpose(1, 2)  # (B, Hq, Sq, D)
@@ -229,7 +229,7 @@ def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
                       snew: int, backend: str) -> tuple[Tensor, Tensor]:
     B, Sq, Hq, _ = q.shape
     out = q.new_empty((B, Sq, Hq, v_cache.shape[-1]))
-    lse2 = q.new_empty((B, Hq, Sq), dtype=_ACC[q.dtype])
+    lse2 = q.new_empty((B, Hq, Sq), dtype=TORCH_ACC_DTYPE[q.dtype])
     kw = {} if key_mask is None else {"key_mask": key_mask}
     IMPLS[backend].attention(q, k_cache, v_cache, out, lse2, cache_seqlens, cache_leftpad, cache_batch_idx,
                              block_table, alibi_slopes, scale=scale, causal=causal,

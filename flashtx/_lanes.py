@@ -41,6 +41,12 @@ def layouts(*ts) -> tuple:
     return tuple((t.dtype, t.device, t.shape, t.stride()) for t in ts)
 
 
+def fire(entry, tensors) -> None:
+    """Replay a launch-cache entry (its launches, in order) on `tensors`, given in the kernels' roles."""
+    for replay in entry:
+        replay.fire(tensors)
+
+
 def remember(key, build):
     """build()'s lane for `key`: stored (a lane, or False: the general path takes these calls) and returned; None
     (not stored) where build() says the inputs alone send this call to the general path, and where the launch

@@ -57,8 +57,7 @@ class _Lane:
 
     def fire(self, q, qo, k, ko, cos, sin) -> None:
         tensors = (q, qo, k, ko, cos, sin, None, None, None)  # rotary_launch's roles, in order
-        for replay in self.entry:
-            replay.fire(tensors)
+        _lanes.fire(self.entry, tensors)
 
 
 class RotaryQk(torch.autograd.Function):

@@ -49,11 +49,6 @@ class _Lane:
         self.saved, self.backend = saved, backend
 
 
-def _fire(entry, tensors) -> None:
-    for replay in entry:
-        replay.fire(tensors)
-
-
 def _rows(*ts):
     """(M, H) views of (..., H) tensors (their data pointers), or None where one is not viewable so."""
     try:
@@ -68,7 +63,7 @@ class Swiglu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, lane, inplace):
         out = torch.empty_like(gate, memory_format=_CONTIGUOUS)
-        _fire(lane.entry, (gate, up, out, None, None))
+        _lanes.fire(lane.entry, (gate, up, out, None, None))
         _save(ctx, lane, inplace, gate, up)
         return out
 
@@ -83,7 +78,7 @@ class SwigluPacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lane, inplace):
         out = torch.empty(lane.out_shape, dtype=x.dtype, device=x.device)
-        _fire(lane.entry, (x, x.narrow(-1, lane.h, lane.h), out, None, None))
+        _lanes.fire(lane.entry, (x, x.narrow(-1, lane.h, lane.h), out, None, None))
         _save(ctx, lane, inplace, x)
         return out
 
@@ -132,18 +127,18 @@ def _lane_backward(ctx, dout):
         return None
     if len(saved) == 1:  # packed: dx = [dgate | dup], (x, x, dx, dout, dx) in swiglu_backward_packed's roles
         dx = x if inplace else torch.empty_like(x, memory_format=_CONTIGUOUS)
-        _fire(entry, (x, x, dx, dout, dx))
+        _lanes.fire(entry, (x, x, dx, dout, dx))
         if inplace:
             _INC_VERSION(x)  # as the in-place op's call does
         return (dx,)
     gate, up = saved
     if inplace:
-        _fire(entry, (gate, up, gate, dout, up))
+        _lanes.fire(entry, (gate, up, gate, dout, up))
         _INC_VERSION(gate)
         _INC_VERSION(up)
         return gate, up
     dg, du = torch.empty_like(gate, memory_format=_CONTIGUOUS), torch.empty_like(up, memory_format=_CONTIGUOUS)
-    _fire(entry, (gate, up, dg, dout, du))
+    _lanes.fire(entry, (gate, up, dg, dout, du))
     return dg, du
 
 
@@ -196,7 +191,7 @@ def forward(gate, up, inplace_backward, backend):
     if grad:
         return _APPLY(_unwrap_if_dead(gate), _unwrap_if_dead(up), lane, inplace_backward)
     out = torch.empty_like(gate, memory_format=_CONTIGUOUS)
-    _fire(lane.entry, (gate, up, out, None, None))
+    _lanes.fire(lane.entry, (gate, up, out, None, None))
     return out
 
 
@@ -215,7 +210,7 @@ def forward_packed(x, inplace_backward, backend):
     if grad:
         return _APPLY_PACKED(_unwrap_if_dead(x), lane, inplace_backward)
     out = torch.empty(lane.out_shape, dtype=x.dtype, device=x.device)
-    _fire(lane.entry, (x, x.narrow(-1, lane.h, lane.h), out, None, None))
+    _lanes.fire(lane.entry, (x, x.narrow(-1, lane.h, lane.h), out, None, None))
     return out
 
 

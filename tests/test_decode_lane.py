@@ -21,7 +21,7 @@ DT = torch.float64 if DEVICE == "cpu" else torch.float16
 @pytest.fixture
 def fires(monkeypatch):
     """How many launch entries the lane fired (the append and the attention count one each)."""
-    return count_calls(monkeypatch, _decode_lane, "_fire")
+    return count_calls(monkeypatch, _lanes, "fire")
 
 
 CASES = {  # name: keyword arguments of _call
@@ -123,8 +123,8 @@ def test_on_the_gpu_branch_the_lane_launches_the_check_first(device_path, monkey
     from flashtx import _decode_op
 
     order = []
-    real_fire, real_check = _decode_lane._fire, _decode_op._TRITON.checks.decode_check
-    monkeypatch.setattr(_decode_lane, "_fire", lambda *a: order.append("fire") or real_fire(*a))
+    real_fire, real_check = _lanes.fire, _decode_op._TRITON.checks.decode_check
+    monkeypatch.setattr(_lanes, "fire", lambda *a: order.append("fire") or real_fire(*a))
     monkeypatch.setattr(_decode_op._TRITON.checks, "decode_check", lambda *a, **k: order.append("check") or
                         real_check(*a, **k))
     for seed in range(3):

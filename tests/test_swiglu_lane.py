@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("fresh_plans")
 @pytest.fixture
 def fires(monkeypatch):
     """How many launch entries the lane fired (forward and backward)."""
-    return count_calls(monkeypatch, _swiglu_lane, "_fire")
+    return count_calls(monkeypatch, _lanes, "fire")
 
 
 @pytest.fixture

@@ -544,3 +544,42 @@ def swiglu_config(hidden: int, rows: int, target: Target) -> ElementwiseConfig:
     block_rows = min(block_rows, _pow2_at_least(max(rows, 1)))
     return ElementwiseConfig(block_rows, cols, SWIGLU_NUM_WARPS, 1,
                              f"{SWIGLU_TILE_ELEMENTS}-element tile, {cols} columns (little padding at this width)")
+
+
+# ==================================================================================================
+# Decoding (decode_kernels.py, launched by decode.py): the split-KV forward over a KV cache
+# ==================================================================================================
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per tile
+    max_block_m: int  # rows (query x head pairs) per tile, at most
+    num_warps: int
+    num_stages: int
+    reason: str = ""
+
+    @property
+    def launch_kwargs(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+# Per element size and head-dim bucket. Decoding is bandwidth-bound: K/V tiles of 64 rows (16 KB
+# each at D = 128 in fp16) in flight, a 16..64-row q tile. Checked by the compile check (no spills,
+# shared memory within sm_86's limit); not yet timed on a GPU.
+_DECODE = {
+    2: {64: DecodeConfig(64, 64, 4, 3, "K+V tiles 16 KB a stage"),
+        128: DecodeConfig(64, 64, 4, 2, "K+V tiles 32 KB a stage"),
+        256: DecodeConfig(32, 32, 4, 2, "K+V tiles 32 KB a stage")},
+    4: {64: DecodeConfig(32, 32, 4, 2, "fp32: half the rows of fp16"),
+        128: DecodeConfig(16, 16, 8, 2, "fp32 at D = 128: 32-key tiles spilled on sm_86/90; 4 warps spilled"
+                            " without lengths or with a key mask, as 8 warps at 1 stage on Triton 3.6"),
+        256: DecodeConfig(16, 16, 4, 1, "fp32 at D = 256")},
+}
+# Interpreter: 16-key tiles so test caches span many tiles, splits and pages.
+_DECODE_INTERPRETER = DecodeConfig(16, 32, 1, 1, "interpreter")
+
+
+def decode_config(d: int, dv: int, elt: int, target: Target) -> DecodeConfig:
+    """The decode forward's tile for head dims (d, dv) at this element size (the same on every arch so far)."""
+    if target is INTERPRETER_TARGET:
+        return _DECODE_INTERPRETER
+    return _DECODE[2 if elt <= 2 else 4][head_dim_bucket(max(d, dv))]
