@@ -259,20 +259,16 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name:
     value would make the kernels read or write out of bounds, or leave rows unwritten.
 
     CPU tensors are checked here, with an error naming the first bad entry. On a GPU the check
-    runs on the device without a host sync, through torch._assert_async: a bad value stops the
+    runs on the device without a host sync (check_cu_seqlens_on_device): a bad value stops the
     program with a device-side assert (as PyTorch's own indexing does), before any kernel of this
     call can run on it.
     """
-    lens = cu[1:] - cu[:-1]  # (nseq,)
     if cu.device.type == "meta":
         return
     if not _values_readable(cu):
-        ok = (cu[0] == 0) & ((cu[-1] == total) if exact else (cu[-1] <= total)) & (lens >= 0).all()
-        if max_name is not None and lens.numel():
-            ok = ok & (lens.max() <= max_seqlen)
-        torch._assert_async(ok, f"flashtx: {name} must start at 0, never decrease and end at "
-                                f"{'' if exact else 'most '}{total_name} = {total}" + (f", with no sequence longer than {max_name}" if max_name else ""))
+        check_cu_seqlens_on_device([(name, cu, total, total_name, max_seqlen, max_name, exact)])
         return
+    lens = cu[1:] - cu[:-1]  # (nseq,)
     allowed = (f"cumulative sequence lengths starting at 0, non-decreasing, ending at {'' if exact else 'most '}"
                f"{total_name} = {total}")
     if int(cu[0]) != 0:
@@ -293,6 +289,58 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name:
             i = int(lens.argmax())
             raise ValueError(f"{max_name} = {m} is less than the longest sequence in {name} (sequence {i}: "
                              f"{longest} rows); it must be at least {longest}")
+
+
+def check_cu_seqlens_pair(a: tuple, b: tuple) -> None:
+    """check_cu_seqlens_values for two tensors (each its arguments as a tuple: cu_seqlens_q's and cu_seqlens_k's),
+    on a GPU in one check launch where both are on one device."""
+    if a[1].device.type != "meta" and not _values_readable(a[1]) and not _values_readable(b[1]) and (
+            a[1].device == b[1].device and a[1].shape == b[1].shape):
+        check_cu_seqlens_on_device([a, b])
+        return
+    check_cu_seqlens_values(*a)
+    check_cu_seqlens_values(*b)
+
+
+_CU_BOUND_MAX = 1 << 62  # an int bound past any length (the kernel compares in int64)
+
+
+def _cu_message(name, total, total_name, max_name, exact) -> str:
+    return (f"flashtx: {name} must start at 0, never decrease and end at {'' if exact else 'most '}{total_name} = "
+            f"{total}" + (f", with no sequence longer than {max_name}" if max_name else ""))
+
+
+def check_cu_seqlens_on_device(specs: list) -> None:
+    """check_cu_seqlens_values's check where the values are not readable on the host (a GPU, a trace): one check
+    kernel for one or two tensors (flashtx::cu_seqlens_check) and a torch._assert_async of each flag, where
+    Triton can run on the device; else the same conditions as torch ops. specs: check_cu_seqlens_values's
+    arguments, per tensor, as tuples."""
+    from . import _device_checks
+
+    cu0 = specs[0][1]
+    dev = cu0.device
+    limits, ints = [], []
+    for name, cu, total, total_name, max_seqlen, max_name, exact in specs:
+        bound = -1 if max_name is None else max_seqlen
+        if isinstance(bound, torch.Tensor):
+            if _values_readable(bound):
+                bound = int(bound)
+            elif bound.device != dev:
+                break  # a bound the kernel cannot read (a CPU tensor while tracing): the torch ops below
+        limits.append(bound if isinstance(bound, torch.Tensor) else None)
+        ints += [int(total), int(bool(exact)), -1 if isinstance(bound, torch.Tensor) else min(int(bound),
+                                                                                              _CU_BOUND_MAX)]
+    else:
+        if _device_checks.triton_checks(dev.type, dev.index):
+            _device_checks.assert_cu_seqlens([s[1] for s in specs], limits, ints,
+                                             [_cu_message(s[0], s[2], s[3], s[5], s[6]) for s in specs])
+            return
+    for name, cu, total, total_name, max_seqlen, max_name, exact in specs:
+        lens = cu[1:] - cu[:-1]  # (nseq,)
+        ok = (cu[0] == 0) & ((cu[-1] == total) if exact else (cu[-1] <= total)) & (lens >= 0).all()
+        if max_name is not None and lens.numel():
+            ok = ok & (lens.max() <= max_seqlen)
+        torch._assert_async(ok, _cu_message(name, total, total_name, max_name, exact))
 
 
 def check_max_seqlen(name: str, m, device: torch.device):

@@ -8,11 +8,11 @@ import numbers
 import torch
 from torch import Tensor
 
-from . import _decode_lane, _decode_op, _env
+from . import _decode_lane, _decode_op
+from ._device_checks import triton_checks as _triton_checks
 from ._library import call
 from ._validate import (_values_readable, check_alibi, check_flag, check_softcap, check_tensor, check_window,
                         has_internal_overlap, resolve_scale, views_overlap)
-from .backends import triton_device_reasons
 from .triton_kernels.limits import MAX_SEQ
 
 LN2 = math.log(2.0)
@@ -287,21 +287,6 @@ def _assert_message(leftpad: bool, batch_idx: bool, paged: bool, rotary: bool) -
 
 # (cache_leftpad?, cache_batch_idx?, block_table?, rotary?) -> message: built once (a constant under torch.compile)
 _ASSERT_MESSAGES = {flags: _assert_message(*flags) for flags in itertools.product((False, True), repeat=4)}
-
-
-_CHECKABLE: dict = {}  # (device type, index) -> the Triton check kernel can run there
-
-
-@torch.compiler.assume_constant_result  # a constant under torch.compile (no device query traced)
-def _triton_checks(device_type: str, index) -> bool:
-    """Whether the device-side check can be the Triton kernel (else torch ops: no triton, an old GPU)."""
-    if device_type == "cpu":
-        return _env.INTERPRET and not _env.INTERPRETER_NUMPY_PROBLEM
-    ok = _CHECKABLE.get((device_type, index))
-    if ok is None:
-        device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-        ok = _CHECKABLE[device_type, index] = not triton_device_reasons(device, torch.float32)
-    return ok
 
 
 def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Snew: int, capacity: int,

@@ -33,7 +33,7 @@ from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
 from ._library import call
 from .triton_kernels.limits import MAX_SEQ
 from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
-                        check_cu_seqlens_values, check_dropout, check_lens, check_max_seqlen, check_qkv,
+                        check_cu_seqlens_pair, check_dropout, check_lens, check_max_seqlen, check_qkv,
                         check_flag, check_seq_mask, check_softcap, check_tensor, check_window, resolve_scale)
 
 LN2 = math.log(2.0)
@@ -389,9 +389,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"{tuple(cuq.shape)} and {tuple(cuk.shape)}")
     msq, msk = (check_max_seqlen("max_seqlen_q", max_seqlen_q, q.device),
                 check_max_seqlen("max_seqlen_k", max_seqlen_k, q.device))
-    check_cu_seqlens_values("cu_seqlens_q", cuq, q.shape[0], "total_q (q.shape[0])", msq, "max_seqlen_q")
-    check_cu_seqlens_values("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])" if block_table is None else
-                            "the rows block_table can hold", msk, "max_seqlen_k", exact=block_table is None)
+    check_cu_seqlens_pair(("cu_seqlens_q", cuq, q.shape[0], "total_q (q.shape[0])", msq, "max_seqlen_q", True),
+                          ("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])" if block_table is None else
+                           "the rows block_table can hold", msk, "max_seqlen_k", block_table is None))
     if return_attn_probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
         msq, msk = int(msq), int(msk)
     # The kernels' grids span max_seqlen rows per sequence: bounded by the total (a larger bound only adds

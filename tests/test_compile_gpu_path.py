@@ -55,10 +55,12 @@ def traced_dynamic():
     ("attention-decode-padded", ["_decode_fwd"], None),  # a key mask and a window (transformers' padded batch)
     ("attention-decode-static", ["_decode_fwd"], None),  # a (B, 1, 1, Sk) bool attn_mask (a static cache's step)
     ("attention-decode-tree", ["_decode_fwd"], None),  # a (B, 1, Sq, Sk) bool attn_mask: a row per query
-    ("varlen", FWD, BWD),  # packed sequences: cu_seqlens must not look written (2026-12-01: the partition failed)
+    # packed sequences: cu_seqlens must not look written (2026-12-01: the partition failed); their values checked by
+    # one kernel (its flags asserted on the device), not a chain of torch ops
+    ("varlen", ["_cu_seqlens_check"] + FWD, BWD),
     ("dropout", FWD, BWD),
     ("attn-probs", FWD, BWD),  # the probabilities themselves come from an opaque custom op (O(N^2), for tests)
-    ("rope-varlen", ["_rotary_kernel"], ["_rotary_kernel"]),
+    ("rope-varlen", ["_cu_seqlens_check", "_rotary_kernel"], ["_rotary_kernel"]),
     ("swiglu-packed", ["_swiglu_kernel"], ["_swiglu_kernel"]),
     # a transformers LlamaForCausalLM (attn_implementation="ftx" + apply_flashtx), left-padded, loss backward
     ("hf-llama", FWD + ["_rotary_kernel", "_swiglu_kernel"], BWD + ["_rotary_kernel", "_swiglu_kernel"]),
