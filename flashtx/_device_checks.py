@@ -46,11 +46,12 @@ def _kernels():  # imported once, on first use (never without triton)
 def cu_seqlens_check(cu_a: Tensor, cu_b: Optional[Tensor], limits: list[Optional[Tensor]], ints: list[int]) -> Tensor:
     """(1,) int32 for cu_a alone, (2,) for cu_a and cu_b (each (N + 1,) int32 or int64, contiguous, the same N):
     entry j is 1 when tensor j starts at 0, never decreases, ends at its total (exactly, or at most) and has no
-    sequence longer than its bound. ints: per tensor (total, exact, int bound or -1); limits: per tensor a 0-dim
-    integer tensor bound on the device, or None. Triton only (see triton_kernels/varlen_check.py)."""
+    sequence longer than its bound. ints: per tensor (total, exact, bounded, int bound); limits: per tensor a 0-dim
+    integer tensor bound on the device (bounded), or None. Triton only (see triton_kernels/varlen_check.py)."""
     cus = [cu_a] if cu_b is None else [cu_a, cu_b]
     flag = torch.empty(len(cus), dtype=torch.int32, device=cu_a.device)
-    _kernels().cu_seqlens_check(flag, cus, list(limits), list(ints[0::3]), list(ints[1::3]), list(ints[2::3]))
+    _kernels().cu_seqlens_check(flag, cus, list(limits), list(ints[0::4]), list(ints[1::4]), list(ints[2::4]),
+                                list(ints[3::4]))
     return flag
 
 

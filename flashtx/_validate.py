@@ -306,8 +306,11 @@ _CU_BOUND_MAX = 1 << 62  # an int bound past any length (the kernel compares in 
 
 
 def _cu_message(name, total, total_name, max_name, exact) -> str:
-    return (f"flashtx: {name} must start at 0, never decrease and end at {'' if exact else 'most '}{total_name} = "
-            f"{total}" + (f", with no sequence longer than {max_name}" if max_name else ""))
+    """The device assert's message. While torch.compile traces, the total is not formatted: a symbolic one (dynamic
+    shapes) would specialise the graph on its value (a recompile per packed batch size)."""
+    value = "" if torch.compiler.is_compiling() else f" = {total}"
+    return (f"flashtx: {name} must start at 0, never decrease and end at {'' if exact else 'most '}{total_name}"
+            f"{value}" + (f", with no sequence longer than {max_name}" if max_name else ""))
 
 
 def check_cu_seqlens_on_device(specs: list) -> None:
@@ -328,8 +331,9 @@ def check_cu_seqlens_on_device(specs: list) -> None:
             elif bound.device != dev:
                 break  # a bound the kernel cannot read (a CPU tensor while tracing): the torch ops below
         limits.append(bound if isinstance(bound, torch.Tensor) else None)
-        ints += [int(total), int(bool(exact)), -1 if isinstance(bound, torch.Tensor) else min(int(bound),
-                                                                                              _CU_BOUND_MAX)]
+        # (symbolic ints stay so, unread: int() or a comparison would specialise a compiled graph on their values)
+        ints += [total, int(bool(exact)), int(max_name is not None),
+                 0 if max_name is None or isinstance(bound, torch.Tensor) else torch.sym_min(bound, _CU_BOUND_MAX)]
     else:
         if _device_checks.triton_checks(dev.type, dev.index):
             _device_checks.assert_cu_seqlens([s[1] for s in specs], limits, ints,

@@ -19,12 +19,14 @@ fullgraph=True).
 
     python -m flashtx.testing_gpu_trace [--dynamic] [--tma] [CASE ...]
     python -m flashtx.testing_gpu_trace --growing   # a compiled decode loop over growing K/V: graphs compiled
+    python -m flashtx.testing_gpu_trace --packed    # a compiled training step over packed batches of changing sizes
 
 --tma: the attention kernels' configs are TMA tiles (streamed tiles read through tensor descriptors, as
 sm_90's tuning candidates), so the trace covers the descriptor-making kernels.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -159,6 +161,61 @@ def growing_cache(dynamic, case: str = "plain") -> dict:
             k, v = (torch.randn(2, 2, sk, 64, dtype=torch.float16) for _ in range(2))
             step(q, k, v, torch.ones(2, sk, dtype=torch.bool))
     return {"graphs": graphs}
+
+
+PACKED = ("attention", "rope")  # flash_attn_varlen_func's training step; varlen RoPE's
+
+
+def packed_batches(dynamic, case: str = "attention") -> dict:
+    """A compiled training step over packed (varlen) batches whose total tokens, sequence count and max_seqlen
+    change every step (as a packing data loader's do), torch.compile's dynamic=`dynamic` (None: automatic), for
+    `case` (PACKED): the forward and backward graphs it compiled over 6 steps, each a list of its kernels."""
+    import torch
+    import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    import flashtx
+
+    graphs = {"forward": [], "backward": []}
+
+    def compiler(kind):
+        def compile_(gm, example_inputs):
+            graphs[kind].append([_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
+                                 for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)])
+            outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+            def concrete(sizes):
+                return [int(x.node.hint) if isinstance(x, torch.SymInt) else x for x in sizes]
+
+            def standin(*a):  # nothing runs here: outputs of the right metadata
+                res = []
+                for o in outs:
+                    v = getattr(o, "meta", {}).get("val") if o is not None else None
+                    if isinstance(v, torch.Tensor):
+                        res.append(torch.empty_strided(concrete(v.shape), concrete(v.stride()), dtype=v.dtype))
+                    else:  # a size saved for the backward (dynamic shapes), or nothing
+                        res.append(concrete([v])[0] if isinstance(v, (int, torch.SymInt)) else None)
+                return res
+            return make_boxed_func(standin)
+        return compile_
+
+    torch._dynamo.reset()
+
+    def train(q, k, v, cos, cu, max_seqlen):  # q, k, v (total, H, D); cu (nseq + 1,)
+        if case == "rope":
+            return flashtx.apply_rotary(q, cos, cos, cu_seqlens=cu, max_seqlen=max_seqlen)
+        return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True)
+
+    step = torch.compile(train, fullgraph=True, dynamic=dynamic,
+                         backend=aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")))
+    cos = torch.rand(512, 16)
+    for lens in ((100, 37), (90, 60, 11), (200,), (33, 44, 55, 66), (120, 7), (70, 70, 70)):
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        q, k, v = (torch.randn(cu[-1].item(), 4, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        step(q, k, v, cos, cu, max(lens))  # (the backward graph is compiled with the forward's, unrun here)
+    return graphs
 
 
 def _hf_llama():
@@ -313,6 +370,16 @@ def main(argv: list[str]) -> int:
             for mode, dyn in (("automatic", None), ("dynamic", True)):
                 try:
                     out[f"{case}/{mode}"] = growing_cache(dyn, case)
+                except Exception as exc:
+                    out[f"{case}/{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+        print(json.dumps(out, indent=1))
+        return 0
+    if "--packed" in argv:  # packed_batches for automatic and dynamic shapes, each case
+        out = {}
+        for case in PACKED:
+            for mode, dyn in (("automatic", None), ("dynamic", True)):
+                try:
+                    out[f"{case}/{mode}"] = packed_batches(dyn, case)
                 except Exception as exc:
                     out[f"{case}/{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
         print(json.dumps(out, indent=1))

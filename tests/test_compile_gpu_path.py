@@ -112,6 +112,23 @@ def test_a_compiled_decode_loop_over_growing_kv_compiles_once():
             assert all("_decode_fwd" in g and "_attn_fwd" not in g for g in graphs), (name, graphs)
 
 
+def test_a_compiled_step_over_packed_batches_compiles_once():
+    """Packed (varlen) training: a packing loader's batches change total tokens, sequence count and max_seqlen every
+    step. Nothing on the varlen path may specialise a graph on them (until 2026-12-04 the launchers' int(max_seqlen)
+    did, and the cu_seqlens check's message formatted the total: a graph per batch, then fullgraph's recompile
+    limit): automatic dynamic shapes compile the forward twice (static, then dynamic), dynamic=True once, for
+    flash_attn_varlen_func and varlen RoPE, each graph with the cu_seqlens check and the op's kernel."""
+    res = _trace("--packed")
+    assert sorted(res) == ["attention/automatic", "attention/dynamic", "rope/automatic", "rope/dynamic"]
+    for name, out in res.items():
+        assert "error" not in out, (name, out.get("error"))
+        case, mode = name.split("/")
+        forward = out["forward"]
+        assert 1 <= len(forward) <= (2 if mode == "automatic" else 1), (name, forward)
+        kernel = "_attn_fwd" if case == "attention" else "_rotary_kernel"
+        assert all(g == ["_cu_seqlens_check", kernel] for g in forward), (name, forward)
+
+
 def test_every_case_traces_with_dynamic_shapes(traced_dynamic):
     """torch.compile(dynamic=True): every size symbolic, head dims included (a dynamic head dim reaching a
     constant-result dispatch call graph-broke the patched SDPA and the decode step until 2026-12-01)."""

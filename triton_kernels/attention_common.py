@@ -326,7 +326,8 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
     if spec.cu_seqlens_q is not None:
         B = spec.cu_seqlens_q.shape[0] - 1
         args["CU_Q"], args["CU_K"], args["stride_lb"] = spec.cu_seqlens_q, spec.cu_seqlens_k, 0
-        Sq, Sk = int(spec.max_seqlen_q), int(spec.max_seqlen_k)
+        Sq, Sk = spec.max_seqlen_q, spec.max_seqlen_k  # ints (symbolic under torch.compile: never int()ed here, which
+        # would specialise a compiled graph on a packed batch's longest sequence: a recompile per batch)
     else:
         args["CU_Q"] = args["CU_K"] = dummy
     for name, sb, sn, t in (("KM", "stride_kmb", "stride_kmn", spec.key_mask),

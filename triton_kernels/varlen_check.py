@@ -38,7 +38,7 @@ def _cu_ok(CU, N, TOTAL, LIMIT, LIMIT_T, EXACT: tl.constexpr, LIMITED: tl.conste
     if LIMIT_TENSOR:
         limit = tl.load(LIMIT_T).to(tl.int64)
     else:
-        limit = LIMIT.to(tl.int64)
+        limit = LIMIT  # (an int argument of 1 arrives as a constexpr: compared as it is, never converted)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     for i0 in range(0, N, BLOCK):
         offs = i0 + tl.arange(0, BLOCK)
@@ -63,51 +63,52 @@ def _cu_seqlens_check(FLAG, CU_A, CU_B, LIMIT_TA, LIMIT_TB, N, TOTAL_A, TOTAL_B,
                                   BLOCK).to(tl.int32))
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+# Sequences per loop step. Fixed, not sized to the batch: a block size computed from nseq would specialise a
+# compiled graph on it (under torch.compile's dynamic shapes, a recompile per packed batch's sequence count).
+_BLOCK = 256
 
 
-def plan_check(flag, cus: list, limits: list, totals: list, exact: list, int_limits: list, target=None) -> Launch:
+def plan_check(flag, cus: list, limits: list, totals: list, exact: list, bounded: list, int_limits: list,
+               target=None) -> Launch:
     """The check of one or two cu_seqlens tensors (cus, each (N + 1,) int32 or int64, contiguous, the same N)
-    into flag (len(cus),) int32. Per tensor: its total, whether it must end exactly there, and its bound on
-    sequence lengths: limits[j] (a 0-dim integer tensor on the device) or int_limits[j] (an int; < 0: none)."""
-    n = cus[0].shape[0] - 1
+    into flag (len(cus),) int32. Per tensor: its total, whether it must end exactly there, whether sequence
+    lengths are bounded, and the bound: limits[j] (a 0-dim integer tensor on the device) or else int_limits[j]
+    (an int). Sizes and ints may be symbolic (torch.compile's dynamic shapes): none is read here."""
     pair = len(cus) == 2
     a, b = cus[0], cus[-1]
     la, lb = limits[0], limits[-1]
     args = dict(FLAG=flag, CU_A=a, CU_B=b, LIMIT_TA=la if la is not None else a, LIMIT_TB=lb if lb is not None else b,
-                N=n, TOTAL_A=int(totals[0]), TOTAL_B=int(totals[-1]),
-                LIMIT_A=max(int(int_limits[0]), 0), LIMIT_B=max(int(int_limits[-1]), 0),
-                EXACT_A=bool(exact[0]), EXACT_B=bool(exact[-1]),
-                LIMITED_A=la is not None or int_limits[0] >= 0, LIMITED_B=lb is not None or int_limits[-1] >= 0,
-                TENSOR_A=la is not None, TENSOR_B=lb is not None, PAIR=pair,
-                BLOCK=min(max(_pow2(n), 16), 1024))  # the unused LIMIT_T* point at the cu tensor: never read
+                N=a.shape[0] - 1, TOTAL_A=totals[0], TOTAL_B=totals[-1], LIMIT_A=int_limits[0],
+                LIMIT_B=int_limits[-1], EXACT_A=bool(exact[0]), EXACT_B=bool(exact[-1]), LIMITED_A=bool(bounded[0]),
+                LIMITED_B=bool(bounded[-1]), TENSOR_A=la is not None, TENSOR_B=lb is not None, PAIR=pair,
+                BLOCK=_BLOCK)  # the unused LIMIT_T* point at the cu tensor: never read
     warps = 1 if (target or target_for(a)) is INTERPRETER_TARGET else 4
-    return Launch(_cu_seqlens_check, (1,), args, ElementwiseConfig(args["BLOCK"], 1, warps, 1))
+    return Launch(_cu_seqlens_check, (1,), args, ElementwiseConfig(_BLOCK, 1, warps, 1))
 
 
 _ROLES = ("FLAG", "CU_A", "CU_B", "LIMIT_TA", "LIMIT_TB")  # the kernel argument of each launch-cache input
 
 
-def cu_seqlens_check(flag, cus: list, limits: list, totals: list, exact: list, int_limits: list) -> None:
+def cu_seqlens_check(flag, cus: list, limits: list, totals: list, exact: list, bounded: list, int_limits: list) -> None:
     """Launch the check (see plan_check)."""
     pair = len(cus) == 2
-    LAUNCHES.run(("cu_seqlens_check", flag.device, tuple(totals), tuple(exact), tuple(int_limits), pair), _ROLES,
-                 (flag, cus[0], cus[1] if pair else None, limits[0], limits[1] if pair else None),
-                 lambda: [plan_check(flag, cus, limits, totals, exact, int_limits)])
+    LAUNCHES.run(("cu_seqlens_check", flag.device, tuple(totals), tuple(exact), tuple(bounded), tuple(int_limits),
+                  pair), _ROLES, (flag, cus[0], cus[1] if pair else None, limits[0], limits[1] if pair else None),
+                 lambda: [plan_check(flag, cus, limits, totals, exact, bounded, int_limits)])
 
 
 def compile_plans(target) -> list:
     """The check for the compile check: one tensor with an int bound, a pair with tensor bounds (int32 and
     int64 bounds), short and long batches (one block and a loop of them), a paged (inexact) total."""
     plans = []
-    for nseq, dtype, pair, tensor_limits in ((3, torch.int32, False, False), (3, torch.int32, True, True),
+    for nseq, dtype, pair, tensor_limits in ((1, torch.int32, False, False), (3, torch.int32, True, True),
                                              (5000, torch.int32, True, False), (5000, torch.int64, True, True)):
         cus = [torch.zeros(nseq + 1, dtype=torch.int32) for _ in range(2 if pair else 1)]
         limits = [torch.zeros((), dtype=dtype) if tensor_limits else None for _ in cus]
         flag = torch.empty(len(cus), dtype=torch.int32)
-        launch = plan_check(flag, cus, limits, [4096] * len(cus), [True, not pair][:len(cus)], [512] * len(cus),
-                            target=target)
+        size = 1 if nseq == 1 else 4096  # one sequence of one token: N, totals and bounds of 1 (specialised by Triton)
+        launch = plan_check(flag, cus, limits, [size] * len(cus), [True, not pair][:len(cus)], [True] * len(cus),
+                            [min(size, 512)] * len(cus), target=target)
         name = (f"cu_seqlens_check nseq={nseq} {'pair' if pair else 'one'}"
                 f"{f' {str(dtype)[6:]} tensor bounds' if tensor_limits else ' int bounds'}")
         plans.append((name, launch))
