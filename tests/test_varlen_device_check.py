@@ -51,7 +51,7 @@ def _broken(rng: torch.Generator, nseq: int, dtype) -> tuple:
     return cu.to(dtype).to(DEVICE), total, int(lens.max()) if nseq else 0
 
 
-@pytest.mark.parametrize("nseq", [0, 1, 5, 37, 1500])  # 1500: two blocks of the kernel's loop
+@pytest.mark.parametrize("nseq", [0, 1, 5, 37, 1500])  # 1500: six 256-entry blocks of the kernel's loop
 def test_the_kernel_agrees_with_the_host_check(nseq, monkeypatch):
     rng = torch.Generator().manual_seed(nseq)
     cases = 0
@@ -67,8 +67,8 @@ def test_the_kernel_agrees_with_the_host_check(nseq, monkeypatch):
 
 
 def test_faults_past_the_first_block_are_seen(monkeypatch):
-    """1500 sequences: the kernel loops over two 1024-entry blocks; a decrease or the one over-long sequence in the
-    second is still found."""
+    """1500 sequences: the kernel loops over six 256-entry blocks; a decrease or the one over-long sequence in the
+    last is still found."""
     lens = torch.full((1500,), 3, dtype=torch.int64)
     lens[1400] = 5  # the one sequence longer than 4
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).to(DEVICE)
