@@ -280,6 +280,48 @@ def _decode_device_check(dev, dtype):
     return device_check, base
 
 
+def _window_softcap(dev, dtype):
+    """flash_attn_func with a sliding window and a softcap (Gemma 2's layers; a window alone is Mistral's),
+    forward and backward, against SDPA's causal forward and backward on the same tensors: host cost only, SDPA
+    has neither option."""
+    def one(fn, sdpa):
+        qkv = tuple(_rand(1, 16, 2, 64, dev=dev, dtype=dtype, grad=True) for _ in range(3))  # (B, S, H, D)
+        dout = torch.randn(1, 16, 2, 64, device=dev, dtype=dtype)
+        dout = dout.transpose(1, 2) if sdpa else dout  # the (B, H, S, D) view SDPA's output is
+        return lambda: torch.autograd.grad(fn(*qkv), qkv, dout)
+    return (one(lambda q, k, v: flashtx.flash_attn_func(q, k, v, causal=True, window_size=(8, 0), softcap=30.0),
+                False),
+            one(lambda q, k, v: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), is_causal=True), True))
+
+
+def _varlen_device_check(dev, dtype):
+    """flash_attn_varlen_func over two packed sequences (5 + 11 rows, H=2, D=64, causal), forward and backward,
+    with the cu_seqlens check a GPU runs (one check kernel for both tensors and an assert of each flag), on CPU
+    too (flashtx._validate._values_readable answers False for the call); against SDPA's causal forward and
+    backward over the packed rows as one sequence."""
+    import flashtx._validate as validate
+
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32, device=dev)
+    qkv = tuple(_rand(16, 2, 64, dev=dev, dtype=dtype, grad=True) for _ in range(3))  # (total, H, D)
+    dout = torch.randn(16, 2, 64, device=dev, dtype=dtype)
+    ref = tuple(_rand(1, 2, 16, 64, dev=dev, dtype=dtype, grad=True) for _ in range(3))
+    dref = torch.randn(1, 2, 16, 64, device=dev, dtype=dtype)
+
+    def ours():
+        readable = validate._values_readable
+        validate._values_readable = _never
+        try:
+            out = flashtx.flash_attn_varlen_func(*qkv, cu, cu, 11, 11, causal=True)
+        finally:
+            validate._values_readable = readable
+        return torch.autograd.grad(out, qkv, dout)
+
+    def base():
+        return torch.autograd.grad(F.scaled_dot_product_attention(*ref, is_causal=True), ref, dref)
+    return ours, base
+
+
 def _never(t) -> bool:
     return False
 
@@ -352,6 +394,10 @@ ROWS = [
     Row("swiglu fwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up", _swiglu_fwd, lane=True),
     Row("swiglu bwd", TARGET_ELEMENTWISE_US, "F.silu(gate) * up backward", _swiglu_bwd,
         _floor_bwd((16, 256), (16, 256)), lane=True),
+    Row("flash_attn_func window+softcap fwd+bwd", None, "SDPA causal fwd+bwd (neither option)", _window_softcap,
+        lane=True),
+    Row("varlen fwd+bwd, the GPU's cu_seqlens check", None, "SDPA causal fwd+bwd over the packed rows",
+        _varlen_device_check),
     Row("decode step (append + attend)", None, "SDPA over the cached keys (enable_gqa)", _decode, lane=True),
     Row("decode step, the GPU's index check", None, "SDPA over the cached keys (enable_gqa)", _decode_device_check,
         lane=True),

@@ -1,11 +1,12 @@
 """The plain attention call, planned once per call signature: from the public shell to the kernel launch in
 one dict lookup.
 
-A model calls attention with the same few signatures over and over, and most of them are plain: no mask,
-bias, window, lengths, score modifier, dropout or lse, the automatic backend or `triton`. For those,
-`flashtx.attention`, `flash_attn_func` and the patched SDPA hand their validated q, k, v to `forward` here.
-It keys the call on what decides its plan: dtype, device, shapes and strides, scale, causal alignment,
-layout, whether autograd records it, torch's TF32 switch (fp32) and the small-query route's bound. The entry
+A model calls attention with the same few signatures over and over, and most of them take no tensor option:
+no mask, bias, lengths, ALiBi, dropout or lse, the automatic backend or `triton`, at most a sliding window and
+a softcap (Mistral's, Gemma 2's: scalars). For those, `flashtx.attention`, `flash_attn_func` and the patched
+SDPA hand their validated q, k, v (and window, softcap) to `forward` here. It keys the call on what decides its
+plan: dtype, device, shapes and strides, scale, causal alignment, window, softcap, layout, whether autograd
+records it, torch's TF32 switch (fp32) and the small-query route's bound. The entry
 ("lane") holds the attention forward's memoised launches (the LaunchCache entry that attention_forward
 itself would replay) and the op's arguments for the backward. A call then allocates out and the row
 statistics and fires the launches: no argument lists, no op dispatch, no planning.
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import _lanes, _library, _small_q
-from ._attention_op import GRAD, NO_GRAD, _backward, _plan, empty_like_layout
+from ._attention_op import GRAD, NO_GRAD, _backward, _plan, empty_like_layout, spec_of
 from ._library import _C_APPLY, _unwrap_if_dead
 from .triton_kernels import precision
 from .triton_kernels.limits import MAX_SEQ, LimitExceeded
@@ -39,6 +40,7 @@ from .triton_kernels.limits import MAX_SEQ, LimitExceeded
 LANE = True
 
 _NO_AUX = [None] * 8  # _attention_op.Aux, every entry None
+_NO_WINDOW = (-1, -1)
 _TENSOR, _F32 = torch.Tensor, torch.float32
 
 
@@ -135,7 +137,8 @@ def _build_backward(dout, q, k, v, out, m2, l2, lane):
     dq, dk, dv, delta = _grads_like(q, k, v, lane)
     try:
         entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=floats[0],
-                               causal=bool(ints[0]), bottom_right=bool(ints[1]), bshd=bool(ints[7]))
+                               causal=bool(ints[0]), bottom_right=bool(ints[1]), bshd=bool(ints[7]),
+                               spec=spec_of(None, _NO_AUX, ints, floats, True))
     except LimitExceeded:
         return False  # the op's backward re-plans it (and says why)
     return entry if entry is not None else False
@@ -144,11 +147,13 @@ def _build_backward(dout, q, k, v, out, m2, l2, lane):
 _apply = _C_APPLY.__get__(None, AttnFwd) if _C_APPLY is not None and _unwrap_if_dead else AttnFwd.apply
 
 
-def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool, backend: str | None = None):
+def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool, backend: str | None = None,
+            window: tuple = _NO_WINDOW, softcap: float = 0.0):
     """out of attention over validated 4-D q, k, v (plain tensors: (B, H, S, D), or (B, S, H, D) with bshd) with
-    no mask, bias, window, lengths, score modifier, dropout or lse, as the general path (functional._run)
-    returns it, or None where the lane does not take the call (module docstring): the caller runs the general
-    path. backend: the caller's, None or a name (the lane serves the calls planned for `triton`)."""
+    no mask, bias, lengths, ALiBi, dropout or lse, as the general path (functional._run) returns it, or None where
+    the lane does not take the call (module docstring): the caller runs the general path. backend: the caller's,
+    None or a name (the lane serves the calls planned for `triton`); window: validated (left, right) ints (-1:
+    unbounded), aligned as causal is; softcap: a validated float, 0.0 for none."""
     if not LANE or not _lanes.eager():
         return None
     if type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR:
@@ -158,10 +163,11 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     dtype = q.dtype
     key = (dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), scale, causal,
-           bottom_right, bshd, grad, dtype is _F32 and precision.allow_tf32(), backend, _small_q.SMALL_Q_MAX)
+           bottom_right, bshd, grad, dtype is _F32 and precision.allow_tf32(), backend, _small_q.SMALL_Q_MAX, window,
+           softcap)
     lane = _lanes.TABLE.get(key)
     if lane is None:
-        lane = _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend or "")
+        lane = _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend or "", window, softcap)
     if not lane:
         return None
     if lane.aligned and not lane.entry.holds((q, k, v)):
@@ -171,7 +177,7 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
     return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane)
 
 
-def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str):
+def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str, window: tuple, softcap: float):
     """The lane for `key` (stored), False where the general path must take these calls after planning them
     (stored too), or None where it must take them for what the inputs alone show, or this call cannot tell
     (not stored: a decode loop's growing keys would fill the table)."""
@@ -187,21 +193,23 @@ def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str):
     from .triton_kernels.launch import TORCH_ACC_DTYPE, _AlignedEntry
 
     return _lanes.remember(key, lambda: _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad,
-                                               backend, forward_entry, _AlignedEntry, TORCH_ACC_DTYPE[q.dtype]))
+                                               backend, window, softcap, forward_entry, _AlignedEntry,
+                                               TORCH_ACC_DTYPE[q.dtype]))
 
 
-def _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, forward_entry, aligned_type,
-           acc):
+def _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, backend, window, softcap, forward_entry,
+           aligned_type, acc):
     dv = v.shape[3]
-    ints = [int(causal), int(bottom_right), -1, -1, 0, 0, GRAD if grad else NO_GRAD, int(bshd)]  # _attention_op.Ints
-    floats = [scale, 0.0, 0.0]  # _attention_op.Floats
+    ints = [int(causal), int(bottom_right), window[0], window[1], 0, 0, GRAD if grad else NO_GRAD,
+            int(bshd)]  # _attention_op.Ints
+    floats = [scale, softcap, 0.0]  # _attention_op.Floats
     if _plan(q, k, v, None, _NO_AUX, ints, floats, backend, True) != "triton":  # raises as the op would
         return False
     out = empty_like_layout(q, dv)
     m2 = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
     try:
         entry = forward_entry(q, k, v, out, m2, torch.empty_like(m2), scale=scale, causal=causal,
-                              bottom_right=bottom_right, bshd=bshd)
+                              bottom_right=bottom_right, bshd=bshd, spec=spec_of(None, _NO_AUX, ints, floats, True))
     except LimitExceeded:
         return False  # the general path re-plans it (and says why)
     if entry is None:

@@ -117,13 +117,23 @@ def _no_window(window) -> bool:
                                     and type(window[1]) is int and window == _NO_WINDOW)
 
 
-def _plain(mask, causal, extra_outputs, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p, softcap,
-           window) -> bool:
-    """Whether a padded shell's call has only default options (no mask or bias, a bool causal, no lse or probs,
-    none of the keyword masks, lengths, ALiBi, dropout, softcap or window): flashtx._attention_lane's calls."""
+def _plain(mask, causal, extra_outputs, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p) -> bool:
+    """Whether a padded shell's call has no tensor option and nothing but out to return (no mask or bias, a bool
+    causal, no lse or probs, none of the keyword masks, lengths, ALiBi or dropout): flashtx._attention_lane's
+    calls, with their window and softcap (scalars: _lane_window, _lane_softcap)."""
     return (mask is None and type(causal) is bool and not extra_outputs and key_mask is None and query_mask is None
             and kv_lens is None and q_lens is None and alibi_slopes is None and type(dropout_p) is float
-            and dropout_p == 0.0 and type(softcap) is float and softcap == 0.0 and _no_window(window))
+            and dropout_p == 0.0)
+
+
+def _lane_window(window) -> tuple:
+    """window_size validated as the general path validates it (check_window), the default without a call."""
+    return _NO_WINDOW if _no_window(window) else check_window("window_size", window)
+
+
+def _lane_softcap(softcap) -> float:
+    """softcap validated as the general path validates it (check_softcap), 0.0 without a call."""
+    return 0.0 if type(softcap) is float and softcap == 0.0 else check_softcap("softcap", softcap)
 
 
 def _padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens) -> dict:
@@ -204,10 +214,10 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in ALLOWED_DTYPES
             and (backend is None or type(backend) is str) and _qkv_ok(query, key, value, bool(enable_gqa))):
         q, k, v = query, key, value  # the common case (plain 4-D tensors that check_qkv passes), in ints and bools
-        if _plain(attn_mask, is_causal, return_lse, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p,
-                  softcap, window_size):
+        if _plain(attn_mask, is_causal, return_lse, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p):
             out = _attention_lane.forward(q, k, v, resolve_scale("scale", scale, q.shape[3]), is_causal, False,
-                                          False, backend)  # the plain call, planned once per signature
+                                          False, backend, _lane_window(window_size),
+                                          _lane_softcap(softcap))  # the plain call, planned once per signature
             if out is not None:
                 return out
     else:
@@ -320,9 +330,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Sk = k.shape[1]
     scale = resolve_scale("softmax_scale", softmax_scale, D)
     if (backend is None or type(backend) is str) and _plain(attn_bias, causal, return_attn_probs, key_mask, query_mask,
-                                                            kv_lens, q_lens, alibi_slopes, dropout_p, softcap,
-                                                            window_size):
-        out = _attention_lane.forward(q, k, v, scale, causal, True, True, backend)  # planned once per signature
+                                                            kv_lens, q_lens, alibi_slopes, dropout_p):
+        out = _attention_lane.forward(q, k, v, scale, causal, True, True, backend, _lane_window(window_size),
+                                      _lane_softcap(softcap))  # planned once per signature
         if out is not None:
             return out
     bias = None if attn_bias is None else check_attn_mask(

@@ -1,5 +1,5 @@
-"""flashtx._attention_lane: a plain attention call (no mask, bias, window, lengths, modifier, dropout or lse)
-planned once per call signature. It must compute exactly what the general path (functional._run -> the
+"""flashtx._attention_lane: a plain attention call (no mask, bias, lengths, ALiBi, dropout or lse; a window and a
+softcap keyed) planned once per call signature. It must compute exactly what the general path (functional._run -> the
 flashtx::attn_fwd op) computes, with the same launches and the same backward, for every shell that uses it
 (attention, flash_attn_func, the patched SDPA); take only the calls it may; and be forgotten with the plans."""
 import pytest
@@ -88,6 +88,83 @@ def test_the_lane_computes_what_the_general_path_computes(shell, case, causal, g
         else:
             assert got.grad_fn is None
     assert len(lane_runs) == 3
+
+
+OPTIONS = {  # name: (window_size, softcap): the scalar options a lane keys on
+    "window": ((5, 0), 0.0),
+    "window-both-sides": ((4, 3), 0.0),
+    "softcap": ((-1, -1), 3.0),
+    "window-softcap": ((6, -1), 2.5),  # Gemma 2's layers: both
+}
+
+
+def _optioned(shell, window, softcap):
+    """(call(q, k, v, causal) on (B, H, S, D) views with window_size and softcap, bottom_right)."""
+    if shell == "attention":
+        return (lambda q, k, v, causal: flashtx.attention(q, k, v, is_causal=causal, enable_gqa=True,
+                                                          window_size=window, softcap=softcap)), False
+
+    def flash(q, k, v, causal):
+        t = (x.transpose(1, 2) for x in (q, k, v))
+        return flashtx.flash_attn_func(*t, causal=causal, window_size=window, softcap=softcap).transpose(1, 2)
+    return flash, True
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("shell", ["attention", "flash_attn_func"])
+def test_windows_and_softcaps_take_the_lane(shell, option, grad, lane_runs, monkeypatch):
+    """A sliding window and a softcap (scalars) are keyed, not refused: three calls with fresh data, outputs and
+    gradients bit for bit the general path's, and the float64 reference's; the lane ran them all."""
+    window, softcap = OPTIONS[option]
+    call, bottom_right = _optioned(shell, window, softcap)
+    B, Hq, Hkv, Sq, Sk, D, Dv = CASES["gqa-cross-long-q"]
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q, k, v = _inputs(shell, B, Hq, Hkv, Sq, Sk, D, Dv, grad)
+        with torch.set_grad_enabled(grad):
+            got = call(q, k, v, True)
+            monkeypatch.setattr(_attention_lane, "LANE", False)
+            want = call(q, k, v, True)
+            monkeypatch.setattr(_attention_lane, "LANE", True)
+        assert torch.equal(got, want) and got.stride() == want.stride()
+        vis = reference.visibility(Sq, Sk, causal=True, bottom_right=bottom_right, window=window, device=DEVICE)
+        ref = reference.attention(q.detach(), k.detach(), v.detach(), vis=vis, softcap=softcap)
+        assert (got - ref).abs().max() < precise_atol(1e-12)
+        if grad:
+            dout = torch.randn_like(got)
+            for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+                assert torch.equal(a, b) and a.stride() == b.stride()
+    assert len(lane_runs) == 3 and _kinds() == (1, 1 if grad else 0)
+
+
+def test_each_window_and_softcap_has_its_own_lane(lane_runs):
+    """One set of tensors called with each option in turn, twice: each call equals the general path's own answer
+    for its option (a key without the window or softcap would replay another option's plan: a wrong answer)."""
+    q, k, v = _inputs("attention", 1, 4, 2, 37, 19, 32, 16, True)
+    options = [((-1, -1), 0.0), *OPTIONS.values()]
+    for _ in range(2):
+        for window, softcap in options:
+            call, _ = _optioned("attention", window, softcap)
+            got = call(q, k, v, True)
+            with torch.no_grad():
+                vis = reference.visibility(37, 19, causal=True, window=window, device=DEVICE)
+                ref = reference.attention(q, k, v, vis=vis, softcap=softcap)
+            assert (got - ref).abs().max() < precise_atol(1e-12), (window, softcap)
+    assert len(lane_runs) == 2 * len(options) and _kinds() == (len(options), 0)
+
+
+@pytest.mark.parametrize("shell", ["attention", "flash_attn_func"])
+def test_a_bad_window_or_softcap_gets_the_general_paths_error(shell):
+    """Before and after a lane exists for the signature: the same ValueError as with the lanes off."""
+    q, k, v = _inputs("attention", 1, 2, 2, 20, 20, 16, 16, False)
+    for window, softcap, match in (((-2, 0), 0.0, "window_size must be a pair"), ((4, 0), -1.0, "softcap must be 0"),
+                                   ((4, 0), True, "softcap must be 0")):
+        for lane_first in (False, True):
+            if lane_first:
+                _optioned(shell, (4, 0), 0.0)[0](q, k, v, True)
+            with pytest.raises(ValueError, match=match):
+                _optioned(shell, window, softcap)[0](q, k, v, True)
 
 
 def _launches(fn):

@@ -74,7 +74,7 @@ def gqa_split_factor(q, k, v, spec: MaskSpec, gqa_split: bool | None) -> int:
         c1 = select_config("attn_bwd_dkdv", sum(head_split(q.shape[3])), sum(head_split(v.shape[3])),
                            q.element_size(), target, spec.modifies_scores, spec.masks_visibility)
         B = spec.cu_seqlens_q.shape[0] - 1 if spec.varlen else q.shape[0]
-        Sk = int(spec.max_seqlen_k) if spec.varlen else k.shape[2]
+        Sk = spec.max_seqlen_k if spec.varlen else k.shape[2]
         if cdiv(Sk, c1.block_n) * k.shape[1] * B >= 2 * target.sm_count:
             return 1
     return group
@@ -197,17 +197,18 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
 
 
 def backward_entry(do, q, k, v, out, m2, l2, dq, dk, dv, delta, *, scale: float, causal: bool, bottom_right: bool,
-                   bshd: bool):
-    """The memoised launches (LaunchCache.entry) attention_backward would replay for these tensors without masks,
-    lse cotangent or bias gradient (delta allocated as it allocates it), or None where it plans every call or
-    splits dK/dV over the GQA group (a host step follows). flashtx._attention_lane keeps them per call signature
-    and fires them itself, with the tensors in the order of _ROLES_PLAIN. Raises LimitExceeded as
-    attention_backward does."""
+                   bshd: bool, spec: MaskSpec = NO_MASKS):
+    """The memoised launches (LaunchCache.entry) attention_backward would replay for these tensors without lse
+    cotangent or bias gradient (delta allocated as it allocates it), or None where it plans every call or
+    splits dK/dV over the GQA group (a host step follows). spec: a window and a softcap at most (no mask
+    tensors). flashtx._attention_lane keeps them per call signature and fires them itself, with the tensors in
+    the order of _ROLES_PLAIN. Raises LimitExceeded as attention_backward does."""
+    assert not spec.launch_key()[1], "the lanes' entries take no mask tensors"
     if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):
-        if gqa_split_factor(*bhsd(bshd, q, k, v), NO_MASKS, None) > 1:
+        if gqa_split_factor(*bhsd(bshd, q, k, v), spec, None) > 1:
             return None
     return LAUNCHES.entry(*_cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, None, None, delta, (None, None), 1,
-                                       scale, causal, bottom_right, NO_MASKS, bshd))
+                                       scale, causal, bottom_right, spec, bshd))
 
 
 def _cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, delta, parts, split, scale, causal, bottom_right,

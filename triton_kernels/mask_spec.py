@@ -70,12 +70,14 @@ class MaskSpec:
         return self.dropout_p > 0.0
 
     def launch_key(self) -> tuple:
-        """(non-tensor fields, tensor fields): what a launch cache (launch.LaunchCache) keys on."""
+        """(non-tensor fields, tensor fields): what a launch cache (launch.LaunchCache) keys on. No tensor fields at
+        all (a window or a softcap alone) give () for the tensors: the launchers' plain roles, as without a spec."""
         if self is NO_MASKS:
             return _EMPTY_KEY
+        tensors = (self.key_mask, self.query_mask, self.q_lens, self.kv_lens, self.cu_seqlens_q, self.cu_seqlens_k,
+                   self.attn_mask, self.alibi_slopes, self.rng)
         return ((tuple(self.window), self.max_seqlen_q, self.max_seqlen_k, self.softcap, self.dropout_p),
-                (self.key_mask, self.query_mask, self.q_lens, self.kv_lens, self.cu_seqlens_q, self.cu_seqlens_k,
-                 self.attn_mask, self.alibi_slopes, self.rng))
+                () if all(t is None for t in tensors) else tensors)
 
     def describe(self) -> str:
         parts = [f"window_size={tuple(self.window)}"] if tuple(self.window) != (-1, -1) else []
