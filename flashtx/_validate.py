@@ -331,9 +331,12 @@ def check_cu_seqlens_on_device(specs: list) -> None:
             elif bound.device != dev:
                 break  # a bound the kernel cannot read (a CPU tensor while tracing): the torch ops below
         limits.append(bound if isinstance(bound, torch.Tensor) else None)
-        # (symbolic ints stay so, unread: int() or a comparison would specialise a compiled graph on their values)
-        ints += [total, int(bool(exact)), int(max_name is not None),
-                 0 if max_name is None or isinstance(bound, torch.Tensor) else torch.sym_min(bound, _CU_BOUND_MAX)]
+        if max_name is None or isinstance(bound, torch.Tensor):
+            bound = 0
+        elif not torch.compiler.is_compiling():  # (traced ints stay unread: int() or a comparison would specialise
+            bound = min(int(bound), _CU_BOUND_MAX)  # a compiled graph on a packed batch's value; torch.sym_min
+            # graph-breaks on plain ints in torch 2.11)
+        ints += [total, int(bool(exact)), int(max_name is not None), bound]
     else:
         if _device_checks.triton_checks(dev.type, dev.index):
             _device_checks.assert_cu_seqlens([s[1] for s in specs], limits, ints,
