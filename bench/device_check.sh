@@ -146,7 +146,7 @@ if want tests_gpu; then
   # the step hit its limit, and the end-of-run summary never printed)
   step "pytest tests (GPU-only, compile and graph breaks)" 150 330 $PY -m pytest tests -v -rf --maxfail=40 $XDIST \
     -p no:cacheprovider --ignore=tests/test_compile.py --ignore=tests/test_bench_smoke.py \
-    -k "gpu_large or test_memory or compile or trace or graph or readme"
+    -k "gpu_large or test_memory or compile or trace or graph or readme or device_asserts"
 fi
 
 if ((${#PREWARM_PIDS[@]})); then  # the timed steps must not share the machine with compiles

@@ -117,6 +117,8 @@ def device_path(monkeypatch):
     monkeypatch.setattr(fd, "_values_readable", lambda t: False)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="forces the GPU branch on CPU (a bad length's device assert would end a "
+                                             "GPU's CUDA context); on a GPU: test_device_asserts_gpu.py")
 def test_on_the_gpu_branch_the_lane_launches_the_check_first(device_path, monkeypatch):
     """With the device check (the GPU's branch), a lane's call launches the check kernel before its own launches,
     every call, and a bad length stops the call before the append writes anything."""

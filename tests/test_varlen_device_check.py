@@ -14,6 +14,11 @@ import flashtx._validate as validate
 from flashtx import _device_checks
 from flashtx.triton_kernels import launch
 
+# The GPU's branch forced on CPU: the assert raises at once there. On a GPU a device-side assert ends the CUDA context
+# instead, so the GPU half runs in processes of its own (tests/test_device_asserts_gpu.py).
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="forces the GPU branch on CPU; on a GPU: "
+                                                        "test_device_asserts_gpu.py")
+
 
 @pytest.fixture
 def device_path(monkeypatch):
