@@ -333,9 +333,9 @@ def check_cu_seqlens_on_device(specs: list) -> None:
         limits.append(bound if isinstance(bound, torch.Tensor) else None)
         if max_name is None or isinstance(bound, torch.Tensor):
             bound = 0
-        elif not torch.compiler.is_compiling():  # (traced ints stay unread: int() or a comparison would specialise
-            bound = min(int(bound), _CU_BOUND_MAX)  # a compiled graph on a packed batch's value; torch.sym_min
-            # graph-breaks on plain ints in torch 2.11)
+        else:  # never int(): under torch.compile that would specialise the graph on a packed batch's value (min's
+            bound = min(bound, _CU_BOUND_MAX)  # relation guard holds for every batch); torch.sym_min graph-breaks
+            # on plain ints in torch 2.11
         ints += [total, int(bool(exact)), int(max_name is not None), bound]
     else:
         if _device_checks.triton_checks(dev.type, dev.index):

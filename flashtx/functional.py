@@ -399,6 +399,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"{tuple(cuq.shape)} and {tuple(cuk.shape)}")
     msq, msk = (check_max_seqlen("max_seqlen_q", max_seqlen_q, q.device),
                 check_max_seqlen("max_seqlen_k", max_seqlen_k, q.device))
+    # an int bound past the total bounds nothing more (no sequence is longer than the total): clamped first, so
+    # looser bounds share a launch-cache entry of the check (and of the kernels, below)
+    msq = msq if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
+    msk = msk if isinstance(msk, torch.Tensor) else min(msk, k.shape[0])
     check_cu_seqlens_pair(("cu_seqlens_q", cuq, q.shape[0], "total_q (q.shape[0])", msq, "max_seqlen_q", True),
                           ("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])" if block_table is None else
                            "the rows block_table can hold", msk, "max_seqlen_k", block_table is None))

@@ -110,10 +110,11 @@ def _optioned(shell, window, softcap):
     return flash, True
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])  # (causal sets a window's right to 0)
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize("shell", ["attention", "flash_attn_func"])
-def test_windows_and_softcaps_take_the_lane(shell, option, grad, lane_runs, monkeypatch):
+def test_windows_and_softcaps_take_the_lane(shell, option, grad, causal, lane_runs, monkeypatch):
     """A sliding window and a softcap (scalars) are keyed, not refused: three calls with fresh data, outputs and
     gradients bit for bit the general path's, and the float64 reference's; the lane ran them all."""
     window, softcap = OPTIONS[option]
@@ -123,12 +124,12 @@ def test_windows_and_softcaps_take_the_lane(shell, option, grad, lane_runs, monk
         torch.manual_seed(seed)
         q, k, v = _inputs(shell, B, Hq, Hkv, Sq, Sk, D, Dv, grad)
         with torch.set_grad_enabled(grad):
-            got = call(q, k, v, True)
+            got = call(q, k, v, causal)
             monkeypatch.setattr(_attention_lane, "LANE", False)
-            want = call(q, k, v, True)
+            want = call(q, k, v, causal)
             monkeypatch.setattr(_attention_lane, "LANE", True)
         assert torch.equal(got, want) and got.stride() == want.stride()
-        vis = reference.visibility(Sq, Sk, causal=True, bottom_right=bottom_right, window=window, device=DEVICE)
+        vis = reference.visibility(Sq, Sk, causal=causal, bottom_right=bottom_right, window=window, device=DEVICE)
         ref = reference.attention(q.detach(), k.detach(), v.detach(), vis=vis, softcap=softcap)
         assert (got - ref).abs().max() < precise_atol(1e-12)
         if grad:
@@ -142,13 +143,13 @@ def test_each_window_and_softcap_has_its_own_lane(lane_runs):
     """One set of tensors called with each option in turn, twice: each call equals the general path's own answer
     for its option (a key without the window or softcap would replay another option's plan: a wrong answer)."""
     q, k, v = _inputs("attention", 1, 4, 2, 37, 19, 32, 16, True)
-    options = [((-1, -1), 0.0), *OPTIONS.values()]
+    options = [((-1, -1), 0.0), ((4, 2), 0.0), *OPTIONS.values()]  # (4, 2) vs (4, 3): only the right side differs
     for _ in range(2):
         for window, softcap in options:
             call, _ = _optioned("attention", window, softcap)
-            got = call(q, k, v, True)
+            got = call(q, k, v, False)
             with torch.no_grad():
-                vis = reference.visibility(37, 19, causal=True, window=window, device=DEVICE)
+                vis = reference.visibility(37, 19, causal=False, window=window, device=DEVICE)
                 ref = reference.attention(q, k, v, vis=vis, softcap=softcap)
             assert (got - ref).abs().max() < precise_atol(1e-12), (window, softcap)
     assert len(lane_runs) == 2 * len(options) and _kinds() == (len(options), 0)

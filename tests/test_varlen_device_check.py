@@ -154,6 +154,8 @@ def test_the_same_tensor_for_q_and_k_is_checked_once_each(device_path):
         _varlen(cu, cu)
     with pytest.raises(RuntimeError, match="cu_seqlens_q must start"):
         _varlen(_cu(0, 4, 11), _cu(0, 4, 11))
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must start"):  # the replay binds k's own tensor to CU_B
+        _varlen(cu, _cu(0, 4, 11))
 
 
 def test_varlen_rope_checks_on_the_device(device_path):
