@@ -57,10 +57,32 @@ def _install_standins() -> None:
     launch.target_for = lambda t: sm86
 
 
+def _standin(gm):
+    """A compiled function for graph gm that runs nothing: outputs of the right metadata (sizes of a dynamic-shape
+    trace at its example inputs')."""
+    import torch
+    from functorch.compile import make_boxed_func
+
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+    def concrete(sizes):
+        return [int(s.node.hint) if isinstance(s, torch.SymInt) else s for s in sizes]
+
+    def standin(*a):
+        res = []
+        for o in outs:
+            val = getattr(o, "meta", {}).get("val") if o is not None else None
+            if isinstance(val, torch.Tensor):
+                res.append(torch.empty_strided(concrete(val.shape), concrete(val.stride()), dtype=val.dtype))
+            else:  # a size saved for the backward (dynamic shapes), or nothing
+                res.append(concrete([val])[0] if isinstance(val, (int, torch.SymInt)) else None)
+        return res
+    return make_boxed_func(standin)
+
+
 def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
     import torch
     import torch._dynamo
-    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
@@ -68,21 +90,7 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
 
     def compiler(gm, example_inputs):
         graphs.append(gm)
-        outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-
-        def concrete(sizes):  # a dynamic-shape trace's sizes at the example inputs'
-            return [int(s.node.hint) if isinstance(s, torch.SymInt) else s for s in sizes]
-
-        def standin(*a):  # outputs of the right metadata: nothing can run here
-            res = []
-            for o in outs:
-                val = getattr(o, "meta", {}).get("val") if o is not None else None
-                if isinstance(val, torch.Tensor):
-                    res.append(torch.empty_strided(concrete(val.shape), concrete(val.stride()), dtype=val.dtype))
-                else:  # a size saved for the backward (dynamic shapes), or nothing
-                    res.append(concrete([val])[0] if isinstance(val, (int, torch.SymInt)) else None)
-            return res
-        return make_boxed_func(standin)
+        return _standin(gm)
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic or None,
@@ -172,7 +180,6 @@ def packed_batches(dynamic, case: str = "attention") -> dict:
     `case` (PACKED): the forward and backward graphs it compiled over 6 steps, each a list of its kernels."""
     import torch
     import torch._dynamo
-    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
@@ -184,21 +191,7 @@ def packed_batches(dynamic, case: str = "attention") -> dict:
         def compile_(gm, example_inputs):
             graphs[kind].append([_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
                                  for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)])
-            outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-
-            def concrete(sizes):
-                return [int(x.node.hint) if isinstance(x, torch.SymInt) else x for x in sizes]
-
-            def standin(*a):  # nothing runs here: outputs of the right metadata
-                res = []
-                for o in outs:
-                    v = getattr(o, "meta", {}).get("val") if o is not None else None
-                    if isinstance(v, torch.Tensor):
-                        res.append(torch.empty_strided(concrete(v.shape), concrete(v.stride()), dtype=v.dtype))
-                    else:  # a size saved for the backward (dynamic shapes), or nothing
-                        res.append(concrete([v])[0] if isinstance(v, (int, torch.SymInt)) else None)
-                return res
-            return make_boxed_func(standin)
+            return _standin(gm)
         return compile_
 
     torch._dynamo.reset()
@@ -351,6 +344,19 @@ def cases() -> dict:
     }
 
 
+def _per_mode(study, names) -> dict:
+    """study(dynamic, case) for each case in names, with automatic (None) and dynamic (True) shapes; an exception
+    is reported as the case's error."""
+    out = {}
+    for case in names:
+        for mode, dyn in (("automatic", None), ("dynamic", True)):
+            try:
+                out[f"{case}/{mode}"] = study(dyn, case)
+            except Exception as exc:
+                out[f"{case}/{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+    return out
+
+
 def main(argv: list[str]) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import flashtx  # noqa: F401  (imports the kernels before the stand-ins patch their modules)
@@ -364,26 +370,10 @@ def main(argv: list[str]) -> int:
         tile = configs.TileConfig(64, 64, 4, 3, "testing_gpu_trace --tma", tma=True)
         tma_kernels = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
         configs._autotune_hook = lambda kernel, *a: tile if kernel in tma_kernels else None
-    if "--growing" in argv:  # growing_cache for automatic and dynamic shapes, each case
-        out = {}
-        for case in GROWING:
-            for mode, dyn in (("automatic", None), ("dynamic", True)):
-                try:
-                    out[f"{case}/{mode}"] = growing_cache(dyn, case)
-                except Exception as exc:
-                    out[f"{case}/{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
-        print(json.dumps(out, indent=1))
-        return 0
-    if "--packed" in argv:  # packed_batches for automatic and dynamic shapes, each case
-        out = {}
-        for case in PACKED:
-            for mode, dyn in (("automatic", None), ("dynamic", True)):
-                try:
-                    out[f"{case}/{mode}"] = packed_batches(dyn, case)
-                except Exception as exc:
-                    out[f"{case}/{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
-        print(json.dumps(out, indent=1))
-        return 0
+    for flag, study, names in (("--growing", growing_cache, GROWING), ("--packed", packed_batches, PACKED)):
+        if flag in argv:  # the study for automatic and dynamic shapes, each case
+            print(json.dumps(_per_mode(study, names), indent=1))
+            return 0
     argv = [a for a in argv if a not in ("--dynamic", "--tma")]
     results = {}
     for name, (fn, args, backward) in cases().items():
