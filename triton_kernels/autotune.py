@@ -113,8 +113,10 @@ def autotune(enable: bool = True) -> None:
     and the result is cached on disk. Same as FLASHTX_AUTOTUNE=1 at import."""
     configs._autotune_hook = _hook if enable else None
     launch = sys.modules.get(__package__ + ".launch")  # not imported here: configs imports this module early
-    if launch is not None:
-        launch.LAUNCHES.clear()  # launches planned before now chose their configs without the tuner
+    cache = getattr(launch, "LAUNCHES", None)  # None too while launch itself is being imported (it imports configs,
+    # which turns the tuner on under FLASHTX_AUTOTUNE=1): nothing is planned yet then
+    if cache is not None:
+        cache.clear()  # launches planned before now chose their configs without the tuner
 
 
 def _env_enabled() -> bool:
