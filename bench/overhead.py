@@ -21,7 +21,8 @@ Method: gc disabled; each row warms up (untimed calls) first; then `repeats` rou
 `calls` back-to-back calls with time.thread_time_ns (the calling thread's CPU time: Python work is
 what is measured, and a shared machine's preemption is not) and dividing; flashtx's and the baseline's
 rounds alternate so drift on a shared machine hits both alike; the median round is reported.
-Plain attention, RoPE, SwiGLU and decode rows also time the same call with flashtx's lanes off ("general path":
+Rows whose calls have a lane (attention, with or without masks, varlen, RoPE, SwiGLU, decoding) also time the
+same call with flashtx's lanes off ("general path":
 the flashtx::attn_fwd / rotary_qk / swiglu / kvcache_* ops' path), in the same rounds.
 Targets (issue 12): attention forward <= 25 us and forward+backward <= 80 us of Python; RoPE and
 SwiGLU <= 15 us per direction; each <= 2x the baseline's time at the same call, same machine and
@@ -295,6 +296,22 @@ def _window_softcap(dev, dtype):
                                                                v.transpose(1, 2), is_causal=True), True))
 
 
+def _key_mask(dev, dtype):
+    """flashtx.attention with a (B, Sk) key mask and is_causal (a padded batch, as transformers' integration passes
+    it), forward and backward, against SDPA's with the same padding as a bool (B, 1, 1, Sk) attn_mask: one key of
+    16 is padding."""
+    keep = torch.ones(1, 16, dtype=torch.bool, device=dev)
+    keep[0, 0] = False  # left padding
+
+    def one(fn, mask):
+        qkv = tuple(_rand(1, 2, 16, 64, dev=dev, dtype=dtype, grad=True) for _ in range(3))  # (B, H, S, D)
+        dout = torch.randn(1, 2, 16, 64, device=dev, dtype=dtype)
+        return lambda: torch.autograd.grad(fn(*qkv, mask), qkv, dout)
+    return (one(lambda q, k, v, m: flashtx.attention(q, k, v, is_causal=True, key_mask=m), keep),
+            one(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), keep[:, None, None]
+                & torch.ones(16, 16, dtype=torch.bool, device=dev).tril()))
+
+
 def _varlen_device_check(dev, dtype):
     """flash_attn_varlen_func over two packed sequences (5 + 11 rows, H=2, D=64, causal), forward and backward,
     with the cu_seqlens check a GPU runs (one check kernel for both tensors and an assert of each flag), on CPU
@@ -396,8 +413,10 @@ ROWS = [
         _floor_bwd((16, 256), (16, 256)), lane=True),
     Row("flash_attn_func window+softcap fwd+bwd", None, "SDPA causal fwd+bwd (neither option)", _window_softcap,
         lane=True),
+    Row("attention key_mask fwd+bwd", None, "SDPA fwd+bwd, the padding and causal mask as a bool attn_mask",
+        _key_mask, lane=True),
     Row("varlen fwd+bwd, the GPU's cu_seqlens check", None, "SDPA causal fwd+bwd over the packed rows",
-        _varlen_device_check),
+        _varlen_device_check, lane=True),
     Row("decode step (append + attend)", None, "SDPA over the cached keys (enable_gqa)", _decode, lane=True),
     Row("decode step, the GPU's index check", None, "SDPA over the cached keys (enable_gqa)", _decode_device_check,
         lane=True),

@@ -1,5 +1,5 @@
-"""The plain attention call, planned once per call signature: from the public shell to the kernel launch in
-one dict lookup.
+"""Attention calls planned once per call signature: from the public shell to the kernel launch in one dict
+lookup.
 
 A model calls attention with the same few signatures over and over, and most of them take no tensor option:
 no mask, bias, lengths, ALiBi, dropout or lse, the automatic backend or `triton`, at most a sliding window and
@@ -25,15 +25,27 @@ tuner), strided last dims, empty tensors, sequences past MAX_SEQ, the small-quer
 (flashtx._small_q), and wherever the plan is not Triton's. Refusals that the inputs alone show are not
 stored (a decode loop's growing key count would fill the table).
 
-`LANE = False` turns it off (bench/overhead.py times both; tests compare them).
+Calls with option tensors take two more lanes, built the same way:
+- `forward_op`: what functional._run would hand the op (the padded shells' key/query masks, lengths, attn_mask,
+  ALiBi slopes, dropout's seed; varlen with ALiBi or dropout), without lse, probabilities or a bias gradient.
+  The option tensors are keyed by their layouts (dtype, shape, strides), never their values: each call's own
+  tensors are bound in their launch roles (MaskSpec.launch_key's order, `masks_of`) and saved as the op saves
+  them, so autograd's in-place check covers them too.
+- `varlen`: flash_attn_varlen_func's common call (cu_seqlens, a window, a softcap). Its node takes the packed
+  (total, H, D) tensors themselves, with no unsqueeze or select nodes around it (as many nodes again as the call's
+  own), and its launches, planned on the (1, total, H, D) views the op takes, bind the packed tensors (the kernels
+  read pointers; the strides were planned). Where its backward lane declines, the op's backward runs on those
+  views.
+
+`LANE = False` turns them off (bench/overhead.py times both; tests compare them).
 """
 from __future__ import annotations
 
 import torch
 
 from . import _lanes, _library, _small_q
-from ._attention_op import GRAD, NO_GRAD, _backward, _plan, empty_like_layout, spec_of
-from ._library import _C_APPLY, _unwrap_if_dead
+from ._attention_op import GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd, empty_like_layout, spec_of
+from ._library import _C_APPLY, _unwrap_if_dead, call
 from .triton_kernels import precision
 from .triton_kernels.limits import MAX_SEQ, LimitExceeded
 
@@ -48,22 +60,51 @@ class _Lane:
     """One call signature's plan: its key, the forward's launch entry (a list of launch.LaunchCache replays), the
     row statistics' shape and dtype, and the op's (aux, ints, floats, backend) for its backward."""
 
-    __slots__ = ("key", "entry", "aligned", "lse_shape", "acc", "dv", "args", "saved")
+    __slots__ = ("key", "entry", "aligned", "lse_shape", "acc", "dv", "args", "saved", "like")
 
-    def __init__(self, key, entry, aligned, lse_shape, acc, dv, args, saved):
+    def __init__(self, key, entry, aligned, lse_shape, acc, dv, args, saved, packed=False):
         self.key, self.entry, self.aligned, self.lse_shape = key, entry, aligned, lse_shape
         self.acc, self.dv, self.args = acc, dv, args
-        self.saved = saved  # _lanes.layouts of q, k, v, out, as the forward saves them
+        self.saved = saved  # _lanes.layouts of q, k, v, out and the mask tensors, as the forward saves them
+        # how outputs and gradients are allocated: like the op's (B, H, S, D) views or (B, S, H, D) tensors, or
+        # (packed: varlen's (total, H, D) tensors) as (total, H, D) tensors whose unsqueeze(0) the launches were
+        # planned on
+        self.like = packed_like if packed else empty_like_layout
 
-    def run(self, q, k, v):
-        """(out, m2, l2) of the forward, allocated as the op allocates them."""
-        out = empty_like_layout(q, self.dv)  # like q: (B, Hq, Sq, Dv), or (B, Sq, Hq, Dv) with bshd
+    def run(self, q, k, v, masks: tuple = ()):
+        """(out, m2, l2) of the forward, allocated as the op allocates them. masks: () for a plain lane, else the
+        option tensors in MASK_ROLES' order (masks_of)."""
+        out = self.like(q, self.dv)  # like q: (B, Hq, Sq, Dv), or (B, Sq, Hq, Dv) with bshd; packed (total, Hq, Dv)
         dev = q.device
         m2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)  # (B, Hq, Sq)
         l2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)
-        tensors = (q, k, v, out, m2, l2)  # attention_fwd's roles, in order
+        tensors = (q, k, v, out, *masks, m2, l2)  # attention_fwd's roles, in order
         _lanes.fire(self.entry, tensors)
         return out, m2, l2
+
+
+def packed_like(t, last_dim: int):
+    """Uninitialised (total, H, last_dim) tensor whose two first dims are ordered in memory as packed t's (varlen's
+    (total, H, D) q, k, v), as empty_like_layout orders t.unsqueeze(0)'s, its batch dim aside. A replay planned on
+    its unsqueeze(0) binds it itself: the kernels read pointers, and the strides were planned."""
+    if last_dim == t.shape[2] and t.stride(2) == 1:
+        return torch.empty_like(t)
+    T, H = t.shape[:2]
+    if t.stride(0) >= t.stride(1):
+        return torch.empty(T, H, last_dim, dtype=t.dtype, device=t.device)
+    return torch.empty(H, T, last_dim, dtype=t.dtype, device=t.device).transpose(0, 1)
+
+
+def masks_of(bias, aux) -> tuple:
+    """The option tensors of an attn_fwd call (its bias and Aux list) in the launchers' MASK_ROLES order (key mask,
+    query mask, q/kv lengths, cu_seqlens q/k, attn_mask, ALiBi slopes, dropout seed): MaskSpec.launch_key's."""
+    return (*aux[:6], bias, aux[6], aux[7])
+
+
+def _saved_masks(bias, aux) -> tuple:
+    """masks_of the tensors the op's node saves after q, k, v, out, m2, l2 (bias, then Aux's, or bias None alone for
+    a call without options)."""
+    return () if not aux else masks_of(bias, aux)
 
 
 class AttnFwd(torch.autograd.Function):
@@ -72,12 +113,16 @@ class AttnFwd(torch.autograd.Function):
     return no lse, so their cotangent is always None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lane):
-        out, m2, l2 = lane.run(q, k, v)
+    def forward(ctx, q, k, v, lane, masks):
+        out, m2, l2 = lane.run(q, k, v, masks)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, out, m2, l2, None)
+        if masks:  # as the op saves them: bias, then the Aux tensors (its args say none is None: n_none 0)
+            ctx.save_for_backward(q, k, v, out, m2, l2, masks[6], *masks[:6], masks[7], masks[8])
+        else:
+            ctx.save_for_backward(q, k, v, out, m2, l2, None)
         ctx.args = lane.args
         ctx.lane = lane if _lanes.no_saved_tensor_hooks() else None  # (hooks may unpack other tensors: the op's path)
+        ctx.packed = lane.like is packed_like
         return out
 
     @staticmethod
@@ -85,9 +130,15 @@ class AttnFwd(torch.autograd.Function):
         if ctx.lane is not None and dout is not None:
             grads = _lane_backward(ctx, dout)
             if grads is not None:
-                return (*grads, None)
+                return (*grads, None, None)
+        if ctx.packed and dout is not None:  # the op's backward on the (1, total, H, D) views it plans for
+            q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
+            ints, floats, backend, _ = ctx.args
+            grads = call(attn_bwd, dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                         out.unsqueeze(0), m2, l2, None, bias, aux, ints, floats, backend, False)
+            return grads[0][0], grads[1][0], grads[2][0], None, None
         dq, dk, dv = _backward(ctx, dout, None, None)[:3]
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 def _lane_backward(ctx, dout):
@@ -98,22 +149,23 @@ def _lane_backward(ctx, dout):
     double backward), anything tracing or intercepting, q not on the current CUDA device, saved tensors whose
     .data was swapped for another shape or layout, a backward the launch cache cannot replay (a GQA dK/dV split,
     a plan that does not fit these inputs' alignment)."""
-    if not LANE or type(dout) is not _TENSOR or dout.stride(3) != 1 or torch.is_grad_enabled() or not _lanes.eager():
+    if not LANE or type(dout) is not _TENSOR or dout.stride(-1) != 1 or torch.is_grad_enabled() or not _lanes.eager():
         return None
     lane = ctx.lane
-    q, k, v, out, m2, l2, _ = ctx.saved_tensors
+    q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
     if _library._other_device(q) is not None:
         return None
-    if _lanes.layouts(q, k, v, out) != lane.saved:
+    masks = _saved_masks(bias, aux)
+    if _lanes.layouts(q, k, v, out, *masks) != lane.saved:
         return None  # a saved tensor's .data was swapped since the forward: not what the plan reads
     key = ("attn_bwd", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32())
     entry = _lanes.TABLE.get(key)
     if entry is None:
-        entry = _lanes.remember(key, lambda: _build_backward(dout, q, k, v, out, m2, l2, lane))
+        entry = _lanes.remember(key, lambda: _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane))
     if not entry:
         return None
     dq, dk, dv, delta = _grads_like(q, k, v, lane)
-    tensors = (dout, q, k, v, out, m2, l2, dq, dk, dv, None, None, delta, None, None)  # attention_bwd's roles
+    tensors = (dout, q, k, v, out, m2, l2, dq, dk, dv, None, None, *masks, delta, None, None)  # attention_bwd's roles
     if type(entry) is not list and not entry.holds(tensors):
         return None  # planned for 16-byte aligned inputs (TMA descriptors) that these are not
     _lanes.fire(entry, tensors)
@@ -123,22 +175,27 @@ def _lane_backward(ctx, dout):
 def _grads_like(q, k, v, lane) -> tuple:
     """(dq, dk, dv, delta) allocated as the op's backward allocates them: each gradient laid out like its input,
     delta (B, Hq, Sq) in the accumulator dtype, as attention_backward's."""
-    return (empty_like_layout(q, q.shape[3]), empty_like_layout(k, k.shape[3]), empty_like_layout(v, lane.dv),
+    like = lane.like
+    return (like(q, q.shape[-1]), like(k, k.shape[-1]), like(v, lane.dv),
             torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device))
 
 
-def _build_backward(dout, q, k, v, out, m2, l2, lane):
+def _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane):
     """The backward's launch entry for a lane (stored), or False where the op's backward must take it (stored)."""
     from .triton_kernels.attention_bwd import backward_entry
 
     ints, floats, backend, _ = lane.args
-    if _plan(q, k, v, None, _NO_AUX, ints, floats, backend, True) != "triton":  # as the op's backward plans (again)
-        return False
+    aux = aux or _NO_AUX  # (a plain lane's node saves no Aux tensors)
+    no_aux = _all_none(aux)
     dq, dk, dv, delta = _grads_like(q, k, v, lane)
+    if lane.like is packed_like:  # planned on the (1, total, H, D) views the op's backward takes
+        dout, q, k, v, out, dq, dk, dv = (t.unsqueeze(0) for t in (dout, q, k, v, out, dq, dk, dv))
+    if _plan(q, k, v, bias, aux, ints, floats, backend, no_aux) != "triton":  # as the op's backward plans (again)
+        return False
     try:
         entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=floats[0],
                                causal=bool(ints[0]), bottom_right=bool(ints[1]), bshd=bool(ints[7]),
-                               spec=spec_of(None, _NO_AUX, ints, floats, True))
+                               spec=spec_of(bias, aux, ints, floats, no_aux))
     except LimitExceeded:
         return False  # the op's backward re-plans it (and says why)
     return entry if entry is not None else False
@@ -174,7 +231,7 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
         return None  # planned for 16-byte aligned K, V (TMA descriptors) that these are not
     if not grad:
         return lane.run(q, k, v)[0]
-    return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane)
+    return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane, ())
 
 
 def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str, window: tuple, softcap: float):
@@ -212,6 +269,13 @@ def _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, bac
                               bottom_right=bottom_right, bshd=bshd, spec=spec_of(None, _NO_AUX, ints, floats, True))
     except LimitExceeded:
         return False  # the general path re-plans it (and says why)
+    return _lane_of(key, entry, aligned_type, q, k, v, (B, Hq, Sq), acc, dv, (ints, floats, backend, len(_NO_AUX)),
+                    _lanes.layouts(q, k, v, out))
+
+
+def _lane_of(key, entry, aligned_type, q, k, v, lse_shape, acc, dv, args, saved, packed=False):
+    """The _Lane of a forward's launch entry, False where the general path must plan these calls (stored), None
+    where it must take this one (not stored)."""
     if entry is None:
         return False  # not replayable: the general path plans each call
     aligned = type(entry) is aligned_type
@@ -219,5 +283,134 @@ def _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, bac
         return False  # (only K and V are read through descriptors today)
     if aligned and not entry.holds((q, k, v)):
         return None  # planned for aligned inputs that these are not
-    return _Lane(key, entry, aligned, (B, Hq, Sq), acc, dv, (ints, floats, backend, len(_NO_AUX)),
-                 _lanes.layouts(q, k, v, out))
+    return _Lane(key, entry, aligned, lse_shape, acc, dv, args, saved, packed)
+
+
+def forward_op(q, k, v, bias, aux: list, ints: list, floats: list, backend: str):
+    """out of the flashtx::attn_fwd op's call on these arguments (as functional._run builds them: validated, with
+    option tensors, no lse or probabilities returned, no bias gradient), or None where the lane does not take the
+    call (the module docstring's refusals): the caller calls the op. The padded shells' masks, lengths, attn_mask,
+    ALiBi and dropout, and varlen's cu_seqlens, are tensors the lane's launches read in their roles (masks_of),
+    keyed by their layouts (dtype, shape, strides: what the launch entry was planned for), never by their
+    values."""
+    if not LANE or not _lanes.eager():
+        return None
+    if type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR:
+        return None
+    if _library._other_device(q) is not None:
+        return None
+    masks = masks_of(bias, aux)
+    for t in masks:
+        if t is not None and type(t) is not _TENSOR:
+            return None  # a subclass: the registered op
+    grad = ints[6] == GRAD  # (BIAS_GRAD: the caller's general path)
+    key = ("attn_fwd_masks", q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+           tuple(ints), tuple(floats), backend, q.dtype is _F32 and precision.allow_tf32(), _lanes.layouts(*masks))
+    lane = _lanes.TABLE.get(key)
+    if lane is None:
+        lane = _make_op(key, q, k, v, bias, aux, ints, floats, backend, masks)
+    if not lane:
+        return None
+    if lane.aligned and not lane.entry.holds((q, k, v)):
+        return None
+    if not grad:
+        return lane.run(q, k, v, masks)[0]
+    return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane, masks)
+
+
+def _make_op(key, q, k, v, bias, aux, ints, floats, backend, masks):
+    """forward_op's lane for `key`, as _make's (stored, False stored, or None not stored)."""
+    bshd = ints[7]
+    B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if bshd else (q.shape[0], q.shape[2], q.shape[1])
+    Sk = k.shape[1] if bshd else k.shape[2]
+    if not (0 < Sq <= MAX_SEQ and 0 < Sk <= MAX_SEQ and B > 0 and Hq > 0 and v.shape[3] > 0):
+        return None
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return None
+    from .triton_kernels.attention_fwd import forward_entry
+    from .triton_kernels.launch import TORCH_ACC_DTYPE, _AlignedEntry
+
+    def build():
+        no_aux = _all_none(aux)
+        if _plan(q, k, v, bias, aux, ints, floats, backend, no_aux) != "triton":  # raises as the op would
+            return False
+        acc, dv = TORCH_ACC_DTYPE[q.dtype], v.shape[3]
+        out = empty_like_layout(q, dv)
+        m2 = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
+        try:
+            entry = forward_entry(q, k, v, out, m2, torch.empty_like(m2), scale=floats[0], causal=bool(ints[0]),
+                                  bottom_right=bool(ints[1]), bshd=bool(bshd), spec=spec_of(bias, aux, ints, floats,
+                                                                                           no_aux))
+        except LimitExceeded:
+            return False
+        return _lane_of(key, entry, _AlignedEntry, q, k, v, (B, Hq, Sq), acc, dv,
+                        (list(ints), list(floats), backend, 0), _lanes.layouts(q, k, v, out, *masks))
+
+    return _lanes.remember(key, build)
+
+
+_NO_WINDOW_MASKS = (None,) * 4  # masks_of's key/query masks and lengths: none in a varlen call
+_TAIL = (None, None, None)  # masks_of's attn_mask, ALiBi slopes, dropout seed
+
+
+def varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool, window: tuple, softcap: float,
+           backend: str | None):
+    """out (total_q, Hq, Dv) of flash_attn_varlen_func's validated call (packed (total, H, D) q, k, v; cu_seqlens
+    checked; int max_seqlens clamped to the totals; no ALiBi, dropout or probabilities), as the general path
+    (functional._run on the (1, total, H, D) views) computes it, or None where the lane does not take the call.
+    The autograd node takes q, k, v themselves: no view nodes around it (three unsqueezes and a select cost a
+    plain call's whole node again), and the launches, planned on those views, bind the packed tensors (the
+    kernels read pointers; the strides were planned)."""
+    if not LANE or not _lanes.eager():
+        return None
+    if not (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and type(cu_q) is _TENSOR
+            and type(cu_k) is _TENSOR):
+        return None
+    if _library._other_device(q) is not None:
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = ("attn_varlen", q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+           _lanes.layouts(cu_q, cu_k), max_q, max_k, scale, causal, window, softcap, grad,
+           q.dtype is _F32 and precision.allow_tf32(), backend)
+    lane = _lanes.TABLE.get(key)
+    if lane is None:
+        lane = _make_varlen(key, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, grad,
+                            backend or "")
+    if not lane:
+        return None
+    if lane.aligned and not lane.entry.holds((q, k, v)):
+        return None
+    masks = (*_NO_WINDOW_MASKS, cu_q, cu_k, *_TAIL)
+    if not grad:
+        return lane.run(q, k, v, masks)[0]
+    return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane, masks)
+
+
+def _make_varlen(key, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, grad, backend):
+    """varlen's lane for `key`, as _make's (stored, False stored, or None not stored)."""
+    if not (0 < q.shape[0] <= MAX_SEQ and 0 < k.shape[0] <= MAX_SEQ and q.shape[1] > 0 and v.shape[2] > 0):
+        return None
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        return None
+    from .triton_kernels.attention_fwd import forward_entry
+    from .triton_kernels.launch import TORCH_ACC_DTYPE, _AlignedEntry
+
+    def build():
+        aux = [None, None, None, None, cu_q, cu_k, None, None]  # _attention_op.Aux
+        ints = [int(causal), 1, window[0], window[1], max_q, max_k, GRAD if grad else NO_GRAD, 1]  # Ints: bshd
+        floats = [scale, softcap, 0.0]
+        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, H, D): what the op takes
+        if _plan(q4, k4, v4, None, aux, ints, floats, backend, False) != "triton":  # raises as the op would
+            return False
+        acc, dv, Hq = TORCH_ACC_DTYPE[q.dtype], v.shape[2], q.shape[1]
+        out = packed_like(q, dv)
+        m2 = torch.empty(1, Hq, q.shape[0], dtype=acc, device=q.device)
+        try:
+            entry = forward_entry(q4, k4, v4, out.unsqueeze(0), m2, torch.empty_like(m2), scale=scale, causal=causal,
+                                  bottom_right=True, bshd=True, spec=spec_of(None, aux, ints, floats, False))
+        except LimitExceeded:
+            return False
+        return _lane_of(key, entry, _AlignedEntry, q, k, v, m2.shape, acc, dv, (ints, floats, backend, 0),
+                        _lanes.layouts(q, k, v, out, *_NO_WINDOW_MASKS, cu_q, cu_k, *_TAIL), packed=True)
+
+    return _lanes.remember(key, build)

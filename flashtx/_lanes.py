@@ -35,10 +35,10 @@ def no_saved_tensor_hooks() -> bool:
 
 
 def layouts(*ts) -> tuple:
-    """(dtype, device, shape, strides) of each tensor: what a lane's backward compares its saved tensors against
-    (a `.data` swap may change any of them, and a replay planned for others would read the wrong memory: on a GPU
-    a direct launch of the kernel compiled for the planned dtype)."""
-    return tuple((t.dtype, t.device, t.shape, t.stride()) for t in ts)
+    """(dtype, device, shape, strides) of each tensor (None for None): what a lane's backward compares its saved
+    tensors against (a `.data` swap may change any of them, and a replay planned for others would read the wrong
+    memory: on a GPU a direct launch of the kernel compiled for the planned dtype)."""
+    return tuple(None if t is None else (t.dtype, t.device, t.shape, t.stride()) for t in ts)
 
 
 def fire(entry, tensors) -> None:

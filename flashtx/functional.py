@@ -29,7 +29,7 @@ import numbers
 import torch
 
 from . import _attention_lane, _small_q
-from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, attn_fwd, attn_probs
+from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, _all_none as _no_aux, attn_fwd, attn_probs
 from ._library import call
 from .triton_kernels.limits import MAX_SEQ
 from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
@@ -98,6 +98,10 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
         res = _small_q.attention(q, k, v, bias, aux, ints, floats, backend or "", return_lse)
         if res is not None:
             return res
+    if not (return_lse or return_probs) and needs_grad != BIAS_GRAD and (bias is not None or not _no_aux(aux)):
+        out = _attention_lane.forward_op(q, k, v, bias, aux, ints, floats, backend or "")  # planned once per signature
+        if out is not None:
+            return out
     out, m2, l2 = call(attn_fwd, q, k, v, bias, aux, ints, floats, backend or "")
     if not (return_lse or return_probs):
         return out
@@ -414,6 +418,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     msq = q.shape[0] if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
     msk = k.shape[0] if isinstance(msk, torch.Tensor) else min(msk, k.shape[0])
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
+    if (not return_attn_probs and alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0
+            and type(causal) is bool and (backend is None or type(backend) is str)):
+        out = _attention_lane.varlen(q, k, v, cuq, cuk, msq, msk, scale, causal, _lane_window(window_size),
+                                     _lane_softcap(softcap), backend)  # planned once per signature
+        if out is not None:
+            return out
     res = _run(q4, k4, v4, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
                return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs),
                window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,

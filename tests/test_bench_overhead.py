@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU check; on
 
 EXPECTED_ROWS = ["attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
                  "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
-                 "swiglu fwd", "swiglu bwd", "flash_attn_func window+softcap fwd+bwd",
+                 "swiglu fwd", "swiglu bwd", "flash_attn_func window+softcap fwd+bwd", "attention key_mask fwd+bwd",
                  "varlen fwd+bwd, the GPU's cu_seqlens check", "decode step (append + attend)",
                  "decode step, the GPU's index check"]
 
@@ -48,16 +48,18 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
     assert rows["decode step (append + attend)"]["launches_per_call"] == 2  # append, attend (CPU: host-checked)
     assert rows["decode step, the GPU's index check"]["launches_per_call"] == 3  # + the check kernel first
     assert rows["flash_attn_func window+softcap fwd+bwd"]["launches_per_call"] == 4
+    assert rows["attention key_mask fwd+bwd"]["launches_per_call"] == 4
     assert rows["varlen fwd+bwd, the GPU's cu_seqlens check"]["launches_per_call"] == 5  # the check kernel first
     assert {r["target_us"] for r in rows.values()} == {25.0, 80.0, 15.0, None}
     # the no-op autograd floor, timed in the same rounds, for the rows that go through autograd
     floored = {"attention fwd (with grad)", "attention bwd", "attention fwd+bwd", "rope q+k bwd", "swiglu bwd"}
     assert {n for n, r in rows.items() if r["floor_us_per_call"] is not None} == floored
     assert all(rows[n]["floor_us_per_call"] > 0 for n in floored)
-    # plain attention calls (and their backward), also timed with the lanes off (the ops' general path)
+    # calls with a lane (and their backward), also timed with the lanes off (the ops' general path)
     laned = {"attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
              "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
-             "swiglu fwd", "swiglu bwd", "flash_attn_func window+softcap fwd+bwd", "decode step (append + attend)",
+             "swiglu fwd", "swiglu bwd", "flash_attn_func window+softcap fwd+bwd", "attention key_mask fwd+bwd",
+             "varlen fwd+bwd, the GPU's cu_seqlens check", "decode step (append + attend)",
              "decode step, the GPU's index check"}
     assert {n for n, r in rows.items() if r["general_path_us_per_call"] is not None} == laned
     assert all(rows[n]["general_path_us_per_call"] > 0 for n in laned)

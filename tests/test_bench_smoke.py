@@ -28,7 +28,7 @@ from bench import report  # noqa: E402
 # 4 variants x (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd); one decode case; the model training step;
 # bench/overhead.py's rows.
 FLASHTX_CASES = {("attention", "mha"): 15, ("attention", "gqa"): 3, ("attention-variant", ""): 8,
-                 ("rope", ""): 2, ("swiglu", ""): 2, ("decode", ""): 1, ("model-train", ""): 1, ("overhead", ""): 14}
+                 ("rope", ""): 2, ("swiglu", ""): 2, ("decode", ""): 1, ("model-train", ""): 1, ("overhead", ""): 15}
 ATTENTION_PROVIDERS = ["flashtx", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex",
                        "xformers", "flash_attn"]
 

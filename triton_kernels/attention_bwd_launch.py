@@ -200,10 +200,9 @@ def backward_entry(do, q, k, v, out, m2, l2, dq, dk, dv, delta, *, scale: float,
                    bshd: bool, spec: MaskSpec = NO_MASKS):
     """The memoised launches (LaunchCache.entry) attention_backward would replay for these tensors without lse
     cotangent or bias gradient (delta allocated as it allocates it), or None where it plans every call or
-    splits dK/dV over the GQA group (a host step follows). spec: a window and a softcap at most (no mask
-    tensors). flashtx._attention_lane keeps them per call signature and fires them itself, with the tensors in
-    the order of _ROLES_PLAIN. Raises LimitExceeded as attention_backward does."""
-    assert not spec.launch_key()[1], "the lanes' entries take no mask tensors"
+    splits dK/dV over the GQA group (a host step follows). flashtx._attention_lane keeps them per call signature
+    and fires them itself, with the tensors in the order of _ROLES_PLAIN, or of _ROLES where spec has mask tensors
+    (spec.launch_key's). Raises LimitExceeded as attention_backward does."""
     if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):
         if gqa_split_factor(*bhsd(bshd, q, k, v), spec, None) > 1:
             return None

@@ -260,10 +260,10 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
 def forward_entry(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_right: bool, bshd: bool,
                   spec: MaskSpec = NO_MASKS):
     """The memoised launches (LaunchCache.entry) attention_forward would replay for these tensors (out, m2, l2
-    allocated as it allocates them), or None where it plans every call. spec: a window and a softcap at most (no
-    mask tensors). flashtx._attention_lane keeps them per call signature and fires them itself. Raises
-    LimitExceeded as attention_forward does."""
-    assert not spec.launch_key()[1], "the lanes' entries take no mask tensors"
+    allocated as it allocates them), or None where it plans every call. flashtx._attention_lane keeps them per call
+    signature and fires them itself, on (q, k, v, out, m2, l2), or with mask tensors (spec.launch_key's) on
+    (q, k, v, out, *masks, m2, l2): _ROLES_PLAIN's or _ROLES' order. Raises LimitExceeded as attention_forward
+    does."""
     return LAUNCHES.entry(*_cache_args(q, k, v, out, m2, l2, scale, causal, bottom_right, spec, bshd))
 
 
