@@ -6,6 +6,7 @@ import numbers
 
 import torch
 
+from . import _lanes
 from .triton_kernels.limits import MAX_SEQ
 
 ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -320,6 +321,8 @@ def check_cu_seqlens_on_device(specs: list) -> None:
     arguments, per tensor, as tuples."""
     from . import _device_checks
 
+    if _lanes.eager() and _check_lane(specs):
+        return
     cu0 = specs[0][1]
     dev = cu0.device
     limits, ints = [], []
@@ -331,12 +334,7 @@ def check_cu_seqlens_on_device(specs: list) -> None:
             elif bound.device != dev:
                 break  # a bound the kernel cannot read (a CPU tensor while tracing): the torch ops below
         limits.append(bound if isinstance(bound, torch.Tensor) else None)
-        if max_name is None or isinstance(bound, torch.Tensor):
-            bound = 0
-        else:  # never int(): under torch.compile that would specialise the graph on a packed batch's value (min's
-            bound = min(bound, _CU_BOUND_MAX)  # relation guard holds for every batch); torch.sym_min graph-breaks
-            # on plain ints in torch 2.11
-        ints += [total, int(bool(exact)), int(max_name is not None), bound]
+        ints += _check_ints(total, exact, max_name, bound)
     else:
         if _device_checks.triton_checks(dev.type, dev.index):
             _device_checks.assert_cu_seqlens([s[1] for s in specs], limits, ints,
@@ -348,6 +346,65 @@ def check_cu_seqlens_on_device(specs: list) -> None:
         if max_name is not None and lens.numel():
             ok = ok & (lens.max() <= max_seqlen)
         torch._assert_async(ok, _cu_message(name, total, total_name, max_name, exact))
+
+
+def _check_ints(total, exact, max_name, bound) -> list:
+    """A tensor's ints for flashtx::cu_seqlens_check: (total, exact, bounded, int bound: 0 for a tensor's)."""
+    if max_name is None or isinstance(bound, torch.Tensor):
+        bound = 0
+    else:  # never int(): under torch.compile that would specialise the graph on a packed batch's value (min's
+        bound = min(bound, _CU_BOUND_MAX)  # relation guard holds for every batch); torch.sym_min graph-breaks
+        # on plain ints in torch 2.11
+    return [total, int(bool(exact)), int(max_name is not None), bound]
+
+
+def _check_lane(specs: list) -> bool:
+    """check_cu_seqlens_on_device for a repeated eager call with int bounds (or none), planned once per call
+    signature (flashtx._lanes: the check's launch-cache entry and its messages): allocate the flag, fire the
+    launch, assert each flag, as the op's path does. False where that path must run (a tensor bound or subclass,
+    no Triton check on the device, a launch the cache cannot replay)."""
+    key = ["cu_seqlens_check"]
+    for name, cu, total, total_name, max_seqlen, max_name, exact in specs:
+        if type(cu) is not torch.Tensor or (max_name is not None and type(max_seqlen) is not int):
+            return False
+        key.append((name, cu.dtype, cu.device, cu.shape, cu.stride(), total, total_name,
+                    max_seqlen if max_name is not None else None, max_name, bool(exact)))
+    key = tuple(key)
+    lane = _lanes.TABLE.get(key)
+    if lane is None:
+        lane = _lanes.remember(key, lambda: _build_check_lane(specs))
+    if not lane:
+        return False
+    entry, messages = lane
+    cu_a = specs[0][1]
+    flag = torch.empty(len(specs), dtype=torch.int32, device=cu_a.device)  # as flashtx::cu_seqlens_check's
+    _lanes.fire(entry, (flag, cu_a, specs[1][1] if len(specs) == 2 else None, None, None))  # varlen_check._ROLES
+    if len(specs) == 1:
+        torch._assert_async(flag, messages[0])
+    else:
+        torch._assert_async(flag[0], messages[0])
+        torch._assert_async(flag[1], messages[1])
+    return True
+
+
+def _build_check_lane(specs: list):
+    """_check_lane's (launch entry, messages) for these specs, or False (stored: the op's path takes them)."""
+    from . import _device_checks
+
+    dev = specs[0][1].device
+    if not _device_checks.triton_checks(dev.type, dev.index):
+        return False
+    from .triton_kernels.varlen_check import check_entry
+
+    ints = []
+    for name, cu, total, total_name, max_seqlen, max_name, exact in specs:
+        ints += _check_ints(total, exact, max_name, -1 if max_name is None else max_seqlen)
+    flag = torch.empty(len(specs), dtype=torch.int32, device=dev)
+    entry = check_entry(flag, [s[1] for s in specs], [None] * len(specs), ints[0::4], ints[1::4], ints[2::4],
+                        ints[3::4])
+    if entry is None:
+        return False
+    return entry, [_cu_message(s[0], s[2], s[3], s[5], s[6]) for s in specs]
 
 
 def check_max_seqlen(name: str, m, device: torch.device):

@@ -173,3 +173,28 @@ def test_varlen_rope_checks_on_the_device(device_path):
     assert kernels == ["_cu_seqlens_check", "_rotary_kernel"], kernels
     with pytest.raises(RuntimeError, match="flashtx: cu_seqlens must start at 0"):
         flashtx.apply_rotary(x, cos, cos, cu_seqlens=_cu(0, 4, 9), max_seqlen=6)
+
+
+def test_a_repeated_check_is_planned_once_and_still_catches_bad_values(device_path, monkeypatch, fresh_plans):
+    """The check of a repeated call signature (int bounds) is replayed from its plan (flashtx._validate._check_lane:
+    the launch-cache entry and messages, one dict lookup): the op's path runs once, the first time; every later
+    call still launches the check on its own tensors and asserts each flag, so bad values of either tensor are
+    caught and named; a tensor bound goes through the op."""
+    op_calls = []
+    real = _device_checks.assert_cu_seqlens
+    monkeypatch.setattr(_device_checks, "assert_cu_seqlens", lambda *a: op_calls.append(1) or real(*a))
+    builds = []
+    real_build = validate._build_check_lane
+    monkeypatch.setattr(validate, "_build_check_lane", lambda specs: builds.append(1) or real_build(specs))
+    for _ in range(3):
+        _varlen(_cu(0, 4, 10), _cu(0, 3, 10), 6, 7)
+    assert builds == [1] and op_calls == []  # planned once, never the op's path
+    for which, cu_q, cu_k in (("q", (0, 7, 3), (0, 3, 10)), ("k", (0, 4, 10), (0, 8, 10)),
+                              ("q", (0, 3, 10), (0, 3, 10))):  # decreases, too long for max 7, too long for max 6
+        with pytest.raises(RuntimeError, match=f"cu_seqlens_{which} must start at 0"):
+            _varlen(_cu(*cu_q), _cu(*cu_k), 6, 7)
+    assert builds == [1] and op_calls == []
+    _varlen(_cu(0, 4, 10), _cu(0, 3, 10), 6, torch.tensor(7))  # a tensor bound: the op's check
+    assert op_calls == [1]
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must start at 0"):
+        _varlen(_cu(0, 4, 10), _cu(0, 2, 10), 6, torch.tensor(7))

@@ -91,10 +91,22 @@ _ROLES = ("FLAG", "CU_A", "CU_B", "LIMIT_TA", "LIMIT_TB")  # the kernel argument
 
 def cu_seqlens_check(flag, cus: list, limits: list, totals: list, exact: list, bounded: list, int_limits: list) -> None:
     """Launch the check (see plan_check)."""
+    LAUNCHES.run(*_cache_args(flag, cus, limits, totals, exact, bounded, int_limits))
+
+
+def check_entry(flag, cus: list, limits: list, totals: list, exact: list, bounded: list, int_limits: list):
+    """The memoised launch (LaunchCache.entry) cu_seqlens_check would replay for these arguments, or None where it
+    plans every call. flashtx._validate keeps it per call signature and fires it itself on (flag, cu_a, cu_b,
+    limit_a, limit_b) (_ROLES' order; None for what a single tensor's check lacks)."""
+    return LAUNCHES.entry(*_cache_args(flag, cus, limits, totals, exact, bounded, int_limits))
+
+
+def _cache_args(flag, cus, limits, totals, exact, bounded, int_limits) -> tuple:
+    """LaunchCache.run's / entry's arguments for a check: key, roles, tensors, build."""
     pair = len(cus) == 2
-    LAUNCHES.run(("cu_seqlens_check", flag.device, tuple(totals), tuple(exact), tuple(bounded), tuple(int_limits),
-                  pair), _ROLES, (flag, cus[0], cus[1] if pair else None, limits[0], limits[1] if pair else None),
-                 lambda: [plan_check(flag, cus, limits, totals, exact, bounded, int_limits)])
+    return (("cu_seqlens_check", flag.device, tuple(totals), tuple(exact), tuple(bounded), tuple(int_limits), pair),
+            _ROLES, (flag, cus[0], cus[1] if pair else None, limits[0], limits[1] if pair else None),
+            lambda: [plan_check(flag, cus, limits, totals, exact, bounded, int_limits)])
 
 
 def compile_plans(target) -> list:
@@ -115,4 +127,4 @@ def compile_plans(target) -> list:
     return plans
 
 
-__all__ = ["plan_check", "cu_seqlens_check", "compile_plans"]
+__all__ = ["plan_check", "cu_seqlens_check", "check_entry", "compile_plans"]
