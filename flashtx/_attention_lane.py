@@ -360,7 +360,10 @@ def varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bo
     (functional._run on the (1, total, H, D) views) computes it, or None where the lane does not take the call.
     The autograd node takes q, k, v themselves: no view nodes around it (three unsqueezes and a select cost a
     plain call's whole node again), and the launches, planned on those views, bind the packed tensors (the
-    kernels read pointers; the strides were planned)."""
+    kernels read pointers; the strides were planned). Two differences from the general path, by design: the node
+    saves q, k, v themselves, as any op on its inputs does, so a `.data` swap of the same layout before the
+    backward is read by it (the general path's saved views keep the old storage); and one tensor passed as q, k
+    and v gets dq + dk + dv summed in another order (the last bit may differ)."""
     if not LANE or not _lanes.eager():
         return None
     if not (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and type(cu_q) is _TENSOR
