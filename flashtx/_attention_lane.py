@@ -225,27 +225,49 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
     lane = _lanes.TABLE.get(key)
     if lane is None:
         lane = _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend or "", window, softcap)
+    return _fire(lane, q, k, v, (), grad)
+
+
+def _fire(lane, q, k, v, masks: tuple, grad: bool):
+    """out of a lane's forward on these inputs (through its autograd node when grad), or None where there is no
+    lane or it does not fit them: the caller's general path."""
     if not lane:
         return None
     if lane.aligned and not lane.entry.holds((q, k, v)):
         return None  # planned for 16-byte aligned K, V (TMA descriptors) that these are not
     if not grad:
-        return lane.run(q, k, v)[0]
-    return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane, ())
+        return lane.run(q, k, v, masks)[0]
+    return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane, masks)
+
+
+def _dims(q, k, v, bshd, packed: bool = False):
+    """(B, Hq, Sq, Sk) of inputs a lane may be planned for: (B, H, S, D) views, (B, S, H, D) tensors with bshd, or
+    varlen's (total, H, D) tensors when packed; None where the inputs alone send the call to the general path
+    (past MAX_SEQ, or the launcher's early returns on empty tensors; a strided last dim, which the backend copies
+    first)."""
+    if packed:
+        B, Sq, Hq, Sk = 1, q.shape[0], q.shape[1], k.shape[0]
+    elif bshd:
+        B, Sq, Hq, Sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+    else:
+        B, Hq, Sq, Sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if not (0 < Sq <= MAX_SEQ and 0 < Sk <= MAX_SEQ and B > 0 and Hq > 0 and v.shape[-1] > 0):
+        return None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    return B, Hq, Sq, Sk
 
 
 def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str, window: tuple, softcap: float):
     """The lane for `key` (stored), False where the general path must take these calls after planning them
     (stored too), or None where it must take them for what the inputs alone show, or this call cannot tell
     (not stored: a decode loop's growing keys would fill the table)."""
-    B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if bshd else (q.shape[0], q.shape[2], q.shape[1])
-    Sk = k.shape[1] if bshd else k.shape[2]
-    if not (0 < Sq <= MAX_SEQ and 0 < Sk <= MAX_SEQ and B > 0 and Hq > 0 and v.shape[3] > 0):
-        return None  # refused past MAX_SEQ, or the launcher's early returns: the general path's
+    dims = _dims(q, k, v, bshd)
+    if dims is None:
+        return None
+    B, Hq, Sq, Sk = dims
     if not grad and Sk > Sq and Sq <= _small_q.SMALL_Q_MAX:
         return None  # the small-query decode route's (whether or not it takes them)
-    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
-        return None  # the backend copies them first
     from .triton_kernels.attention_fwd import forward_entry
     from .triton_kernels.launch import TORCH_ACC_DTYPE, _AlignedEntry
 
@@ -309,42 +331,35 @@ def forward_op(q, k, v, bias, aux: list, ints: list, floats: list, backend: str)
     lane = _lanes.TABLE.get(key)
     if lane is None:
         lane = _make_op(key, q, k, v, bias, aux, ints, floats, backend, masks)
-    if not lane:
-        return None
-    if lane.aligned and not lane.entry.holds((q, k, v)):
-        return None
-    if not grad:
-        return lane.run(q, k, v, masks)[0]
-    return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane, masks)
+    return _fire(lane, q, k, v, masks, grad)
 
 
-def _make_op(key, q, k, v, bias, aux, ints, floats, backend, masks):
-    """forward_op's lane for `key`, as _make's (stored, False stored, or None not stored)."""
-    bshd = ints[7]
-    B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if bshd else (q.shape[0], q.shape[2], q.shape[1])
-    Sk = k.shape[1] if bshd else k.shape[2]
-    if not (0 < Sq <= MAX_SEQ and 0 < Sk <= MAX_SEQ and B > 0 and Hq > 0 and v.shape[3] > 0):
+def _make_op(key, q, k, v, bias, aux, ints, floats, backend, masks, packed: bool = False):
+    """The lane of an op call for `key`, as _make's (stored, False stored, or None not stored). packed: q, k, v are
+    varlen's (total, H, D) tensors, planned on the op's (1, total, H, D) views."""
+    dims = _dims(q, k, v, ints[7], packed)
+    if dims is None:
         return None
-    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
-        return None
+    B, Hq, Sq, _ = dims
     from .triton_kernels.attention_fwd import forward_entry
     from .triton_kernels.launch import TORCH_ACC_DTYPE, _AlignedEntry
 
     def build():
         no_aux = _all_none(aux)
-        if _plan(q, k, v, bias, aux, ints, floats, backend, no_aux) != "triton":  # raises as the op would
+        q4, k4, v4 = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)) if packed else (q, k, v)  # the op's inputs
+        if _plan(q4, k4, v4, bias, aux, ints, floats, backend, no_aux) != "triton":  # raises as the op would
             return False
-        acc, dv = TORCH_ACC_DTYPE[q.dtype], v.shape[3]
-        out = empty_like_layout(q, dv)
+        acc, dv = TORCH_ACC_DTYPE[q.dtype], v.shape[-1]
+        out = packed_like(q, dv) if packed else empty_like_layout(q, dv)  # as _Lane.run allocates it
         m2 = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
         try:
-            entry = forward_entry(q, k, v, out, m2, torch.empty_like(m2), scale=floats[0], causal=bool(ints[0]),
-                                  bottom_right=bool(ints[1]), bshd=bool(bshd), spec=spec_of(bias, aux, ints, floats,
-                                                                                           no_aux))
+            entry = forward_entry(q4, k4, v4, out.unsqueeze(0) if packed else out, m2, torch.empty_like(m2),
+                                  scale=floats[0], causal=bool(ints[0]), bottom_right=bool(ints[1]),
+                                  bshd=bool(ints[7]), spec=spec_of(bias, aux, ints, floats, no_aux))
         except LimitExceeded:
             return False
         return _lane_of(key, entry, _AlignedEntry, q, k, v, (B, Hq, Sq), acc, dv,
-                        (list(ints), list(floats), backend, 0), _lanes.layouts(q, k, v, out, *masks))
+                        (list(ints), list(floats), backend, 0), _lanes.layouts(q, k, v, out, *masks), packed)
 
     return _lanes.remember(key, build)
 
@@ -376,44 +391,9 @@ def varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bo
            _lanes.layouts(cu_q, cu_k), max_q, max_k, scale, causal, window, softcap, grad,
            q.dtype is _F32 and precision.allow_tf32(), backend)
     lane = _lanes.TABLE.get(key)
-    if lane is None:
-        lane = _make_varlen(key, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, grad,
-                            backend or "")
-    if not lane:
-        return None
-    if lane.aligned and not lane.entry.holds((q, k, v)):
-        return None
     masks = (*_NO_WINDOW_MASKS, cu_q, cu_k, *_TAIL)
-    if not grad:
-        return lane.run(q, k, v, masks)[0]
-    return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane, masks)
-
-
-def _make_varlen(key, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, grad, backend):
-    """varlen's lane for `key`, as _make's (stored, False stored, or None not stored)."""
-    if not (0 < q.shape[0] <= MAX_SEQ and 0 < k.shape[0] <= MAX_SEQ and q.shape[1] > 0 and v.shape[2] > 0):
-        return None
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
-        return None
-    from .triton_kernels.attention_fwd import forward_entry
-    from .triton_kernels.launch import TORCH_ACC_DTYPE, _AlignedEntry
-
-    def build():
+    if lane is None:
         aux = [None, None, None, None, cu_q, cu_k, None, None]  # _attention_op.Aux
         ints = [int(causal), 1, window[0], window[1], max_q, max_k, GRAD if grad else NO_GRAD, 1]  # Ints: bshd
-        floats = [scale, softcap, 0.0]
-        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, H, D): what the op takes
-        if _plan(q4, k4, v4, None, aux, ints, floats, backend, False) != "triton":  # raises as the op would
-            return False
-        acc, dv, Hq = TORCH_ACC_DTYPE[q.dtype], v.shape[2], q.shape[1]
-        out = packed_like(q, dv)
-        m2 = torch.empty(1, Hq, q.shape[0], dtype=acc, device=q.device)
-        try:
-            entry = forward_entry(q4, k4, v4, out.unsqueeze(0), m2, torch.empty_like(m2), scale=scale, causal=causal,
-                                  bottom_right=True, bshd=True, spec=spec_of(None, aux, ints, floats, False))
-        except LimitExceeded:
-            return False
-        return _lane_of(key, entry, _AlignedEntry, q, k, v, m2.shape, acc, dv, (ints, floats, backend, 0),
-                        _lanes.layouts(q, k, v, out, *_NO_WINDOW_MASKS, cu_q, cu_k, *_TAIL), packed=True)
-
-    return _lanes.remember(key, build)
+        lane = _make_op(key, q, k, v, None, aux, ints, [scale, softcap, 0.0], backend or "", masks, packed=True)
+    return _fire(lane, q, k, v, masks, grad)
