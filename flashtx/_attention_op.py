@@ -19,13 +19,12 @@ whose scores all sit at a huge finite value (a -1e9 mask) keep log2(l) exactly. 
 from __future__ import annotations
 
 import operator
-import warnings
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from . import _dispatch
+from . import _dispatch, _env
 from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .backends import BACKENDS as _BACKENDS
@@ -159,7 +158,7 @@ def _replan(q, k, v, bias, aux, ints, floats, backend: str, exc: LimitExceeded) 
     if name == "triton":  # the reasons missed the limit the launcher found (a bug): never loop, never launch
         if backend:
             raise _dispatch.BackendNotSupported(f"attention: backend='triton' cannot run {summary()}: {exc}")
-        warnings.warn(f"flashtx.attention: {exc}; using the reference implementation", stacklevel=4)
+        _env.warn(f"flashtx.attention: {exc}; using the reference implementation")
         return "reference"
     return name
 

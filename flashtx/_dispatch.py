@@ -15,7 +15,6 @@ asked for by name raises BackendNotSupported with the reasons instead.
 from __future__ import annotations
 
 import sys
-import warnings
 
 import torch
 
@@ -80,8 +79,8 @@ def resolve(op: str, requested: str | None, inputs, summary) -> str:
     table = describe_reasons(op, inputs)
     if (op, table) not in _WARNED:  # once per distinct set of reasons
         _WARNED.add((op, table))
-        warnings.warn(f"flashtx.{op}: no fast backend can run {summary()}; using the reference implementation. "
-                      f"Backends:\n{table}", stacklevel=5)
+        _env.warn(f"flashtx.{op}: no fast backend can run {summary()}; using the reference implementation. "
+                  f"Backends:\n{table}")
     return "reference"
 
 

@@ -60,3 +60,24 @@ def interpreter_numpy_problem() -> str | None:
 
 
 INTERPRETER_NUMPY_PROBLEM = interpreter_numpy_problem()
+
+
+def _package_dirs() -> tuple[str, ...]:
+    import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    kernels = os.path.join(os.path.dirname(here), "triton_kernels")  # the source tree's (editable install)
+    dirs = {here, kernels, os.path.join(here, "triton_kernels"), os.path.dirname(os.path.abspath(torch.__file__))}
+    return tuple(d + os.sep for d in sorted(dirs))
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """warnings.warn attributed to the user's line: the first caller outside flashtx and torch (its
+    dispatcher, autograd and nn.Module frames), whatever path (op, lane, launcher) got here."""
+    import warnings
+
+    skip = _package_dirs()
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)

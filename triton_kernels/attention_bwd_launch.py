@@ -58,6 +58,8 @@ def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype)
 # The automatic GQA dK/dV split (gqa_split=None) is off for now: its first GPU run (2026-11-30, H200) is
 # implicated in an illegal memory access that Triton's interpreter does not reproduce (see launch.SPLIT_HEAD_DIMS);
 # the 2026-11-30 kernels without it passed there. gqa_split=True still splits (tests, bench.tune).
+# The op reads it per call; flashtx._attention_lane reads it when it plans a call signature and replays that
+# plan (an unsplit backward, also correct): after changing it, call flashtx._dispatch.clear_plans().
 AUTO_GQA_SPLIT = False
 
 

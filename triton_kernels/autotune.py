@@ -37,7 +37,6 @@ import os
 import statistics
 import sys
 import threading
-import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -98,6 +97,13 @@ TMA_CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
     },
 }
 TMA_MIN_ARCH = 90
+
+
+def _warn(message: str) -> None:
+    """A UserWarning at the user's line (flashtx._env.warn; imported here, on the warning path only)."""
+    from .._env import warn
+
+    warn(message)
 
 
 def enabled() -> bool:
@@ -162,14 +168,14 @@ def load_cache(path: Path | None = None) -> dict[str, dict]:
                 or not isinstance(data.get("entries"), dict)):
             raise ValueError(f"not a flashtx autotune cache of version {CACHE_VERSION}")
     except (OSError, ValueError) as exc:
-        warnings.warn(f"flashtx autotune: ignoring the cache {path}: {type(exc).__name__}: {exc}", stacklevel=2)
+        _warn(f"flashtx autotune: ignoring the cache {path}: {type(exc).__name__}: {exc}")
         return {}
     good = {}
     for key, entry in data["entries"].items():
         if _config_from(entry) is not None:
             good[key] = entry
         else:
-            warnings.warn(f"flashtx autotune: ignoring a malformed entry in {path}: {key!r}", stacklevel=2)
+            _warn(f"flashtx autotune: ignoring a malformed entry in {path}: {key!r}")
     return good
 
 
@@ -344,8 +350,7 @@ def _hook(kernel, block_dqk, block_dv, elt, target, modified):
     except Exception as exc:  # noqa: BLE001 - tuning must never break a launch: fall back to the default
         if key is not None:
             _failed.add(key)
-        warnings.warn(f"flashtx autotune: {kernel} not tuned ({type(exc).__name__}: {exc}); using the default",
-                      stacklevel=3)
+        _warn(f"flashtx autotune: {kernel} not tuned ({type(exc).__name__}: {exc}); using the default")
         return None
 
 
@@ -406,8 +411,8 @@ def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn
     if best is None:  # say so once, and keep select_config's choice for this key from now on
         _failed.add(key)
         why = next(iter(timings.values()), "no candidate fits")
-        warnings.warn(f"flashtx autotune: no candidate for {key} could be timed (first: {why}); using the "
-                      "default from now on", stacklevel=3)
+        _warn(f"flashtx autotune: no candidate for {key} could be timed (first: {why}); using the "
+              "default from now on")
         return None
     best = dataclasses.replace(best, reason=f"autotuned: {timings[describe(best)]:.3f} ms")
     store(key, best, ms=timings[describe(best)], timings=timings)

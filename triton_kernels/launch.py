@@ -457,6 +457,8 @@ MIN_SPLIT_SAVING = 0.25
 # memory access in one case (MQA 4:1, head dims 96/160, strided inputs, with the automatic GQA dK/dV split),
 # which Triton's interpreter does not reproduce (guarded buffers, sm_90 tiles). The split path stays compiled,
 # compile-checked and interpreter-tested (tests/test_attention_split*.py turn it on) until a GPU run clears it.
+# Read when a call signature is planned (the launch cache and the lanes replay the plan): after changing it, call
+# flashtx._dispatch.clear_plans().
 SPLIT_HEAD_DIMS = False
 
 
