@@ -14,8 +14,9 @@ op's: Swiglu / SwigluPacked) saves what the op's saves, and its backward fires t
 replay (in place over the saved inputs, with their version counters bumped, when inplace_backward holds, as
 flashtx::swiglu_bwd_ does), kept per forward lane, dout's dtype and strides, and in place or not; the op's
 backward (`_swiglu_op._backward`) runs instead for create_graph, saved-tensor hooks, a saved tensor whose `.data`
-was swapped, a dout whose rows are not a view, and anything tracing. gate and up overlapping is checked every
-call when inplace_backward is set (it depends on addresses). Every other call returns None, and the caller takes
+was swapped, a dout whose rows are not a view, and anything tracing. gate and up overlapping, and a leaf that
+requires grad (whose values an in-place backward would overwrite), are checked every call when inplace_backward
+is set (they depend on addresses and on the tensors, not their layouts). Every other call returns None, and the caller takes
 the general path: empty tensors, tensors on a CUDA device that is not the current one, and plans that are not
 Triton's (and lanes.remember's and lanes.eager's rules).
 
@@ -30,7 +31,7 @@ import torch
 from . import _lanes, _library
 from ._library import _C_APPLY, _unwrap_if_dead
 from ._swiglu_op import _backward, _backward_packed
-from ._validate import views_overlap
+from ._validate import grad_leaf, views_overlap
 
 LANE = True
 
@@ -186,8 +187,8 @@ def forward(gate, up, inplace_backward, backend):
     lane = _lanes.TABLE.get(key)
     if lane is None:
         lane = _make(key, (gate, up), inplace_backward, backend)
-    if not lane or (inplace_backward and views_overlap(gate, up)):
-        return None  # (overlapping gate and up: the general path refuses them)
+    if not lane or (inplace_backward and (views_overlap(gate, up) or (grad and (grad_leaf(gate) or grad_leaf(up))))):
+        return None  # (overlapping gate and up, or a leaf's values to overwrite: the general path refuses them)
     if grad:
         return _APPLY(_unwrap_if_dead(gate), _unwrap_if_dead(up), lane, inplace_backward)
     out = torch.empty_like(gate, memory_format=_CONTIGUOUS)
@@ -205,8 +206,8 @@ def forward_packed(x, inplace_backward, backend):
     lane = _lanes.TABLE.get(key)
     if lane is None:
         lane = _make(key, (x,), inplace_backward, backend)
-    if not lane:
-        return None
+    if not lane or (inplace_backward and grad and grad_leaf(x)):
+        return None  # (a leaf's values to overwrite: the general path refuses it)
     if grad:
         return _APPLY_PACKED(_unwrap_if_dead(x), lane, inplace_backward)
     out = torch.empty(lane.out_shape, dtype=x.dtype, device=x.device)

@@ -115,6 +115,16 @@ def is_int_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def grad_leaf(t) -> bool:
+    """t is a leaf that requires grad (a parameter, an input) or a view of one, and autograd records the call: an
+    in-place backward would write its gradient over its values. False while tracing (the compiled backward is out
+    of place)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
+
+
 def check_flag(name: str, v) -> bool:
     """A bool argument, as torch's bool parameters take it: SDPA raises a TypeError for is_causal="no" (truthy)
     or 1, and so does this (a SymBool, a traced comparison of sizes, passes)."""

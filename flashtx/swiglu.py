@@ -17,7 +17,7 @@ from torch import Tensor
 from . import _dispatch, _swiglu_lane
 from ._library import call
 from ._swiglu_op import SWIGLU_BACKENDS, SwigluInputs, swiglu_op, swiglu_packed_op  # noqa: F401
-from ._validate import check_tensor, has_internal_overlap, views_overlap
+from ._validate import check_flag, check_tensor, grad_leaf, has_internal_overlap, views_overlap
 
 
 # ----------------------------------------------------------------------------------- public API
@@ -40,7 +40,8 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
         inplace_backward: write dgate/dup over gate/up in backward and return those buffers as
             the gradients (saves two activations). Opt-in: after backward, gate and up hold their
             gradients; use it only when nothing else reads them (e.g. fresh projection outputs).
-            gate and up must share no element (the halves of one [gate | up] tensor are fine).
+            gate and up must share no element (the halves of one [gate | up] tensor are fine), and
+            neither may be a leaf that requires grad, or a view of one (a parameter or an input).
             Under torch.compile the backward is out of place (the overlap cannot be checked
             while tracing), and so it is under saved-tensor hooks (non-reentrant activation
             checkpointing, offloading), which skip autograd's check that saved tensors are unchanged.
@@ -69,6 +70,7 @@ def _check(gate, up, inplace_backward) -> None:
     """swiglu's argument checks (flashtx._swiglu_lane runs them too, on a call signature's first call)."""
     check_tensor("gate", gate)
     check_tensor("up", up)
+    check_flag("inplace_backward", inplace_backward)
     if gate.dtype != up.dtype:
         raise TypeError(f"gate and up must have the same dtype; got {gate.dtype} and {up.dtype}")
     if gate.device != up.device:
@@ -80,6 +82,16 @@ def _check(gate, up, inplace_backward) -> None:
                              or (not torch.compiler.is_compiling() and views_overlap(gate, up))):
         raise ValueError("inplace_backward=True needs gate and up with no shared elements (the gradients of both are "
                          "written over them); they overlap (the same tensor, overlapping slices, or a stride-0 dim)")
+    if inplace_backward:
+        _refuse_grad_leaf("gate", gate)
+        _refuse_grad_leaf("up", up)
+
+
+def _refuse_grad_leaf(name: str, t) -> None:
+    if grad_leaf(t):
+        raise ValueError(f"inplace_backward=True would overwrite {name}, a leaf tensor that requires grad (or a view of "
+                         f"one: a parameter or an input), with its gradient; pass inplace_backward=False, or apply it to "
+                         f"a non-leaf such as a projection's output")
 
 
 def swiglu_packed(x, *, inplace_backward=False, backend=None):
@@ -89,7 +101,8 @@ def swiglu_packed(x, *, inplace_backward=False, backend=None):
         x: (..., 2H) holding [gate | up], e.g. the output of one fused (W1 | W3) linear layer.
             float16, bfloat16, float32 (float64 for tests); any strides.
         inplace_backward: write dx = [dgate | dup] over x in backward and return x's buffer as
-            its gradient (opt-in; x then holds its gradient, not its value). Out of place under
+            its gradient (opt-in; x then holds its gradient, not its value; not for a leaf that
+            requires grad, or a view of one). Out of place under
             saved-tensor hooks (non-reentrant activation checkpointing, offloading), as swiglu.
         backend: None (automatic), "triton" or "reference".
 
@@ -110,9 +123,12 @@ def swiglu_packed(x, *, inplace_backward=False, backend=None):
 def _check_packed(x, inplace_backward) -> None:
     """swiglu_packed's argument checks (flashtx._swiglu_lane runs them too, on a call signature's first call)."""
     check_tensor("x", x)
+    check_flag("inplace_backward", inplace_backward)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x must be (..., 2H) holding [gate | up], with an even last dim; got shape {tuple(x.shape)}")
     if inplace_backward and has_internal_overlap(x):
         raise ValueError(f"inplace_backward=True writes x's gradient over x, but some elements of x share memory (a "
                          f"stride-0 dim, e.g. from expand(); x has shape {tuple(x.shape)} and strides {x.stride()}); "
                          f"pass inplace_backward=False or x.contiguous()")
+    if inplace_backward:
+        _refuse_grad_leaf("x", x)

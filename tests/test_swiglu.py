@@ -142,6 +142,40 @@ def test_inplace_backward_rejects_overlapping_inputs():
     flashtx.swiglu(y[:3], y[3:], inplace_backward=True)  # disjoint spans are fine
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["swiglu", "packed"])
+def test_inplace_backward_refuses_a_leaf_that_requires_grad(packed):
+    """A leaf that requires grad (a parameter, an input), or a view of one, would have its values overwritten by its
+    gradient: refused on a signature's first call and on a repeated one (the lane, warmed by a non-leaf of the
+    same layout). Without autograd, or on a non-leaf, it runs."""
+    def call(x):
+        return flashtx.swiglu_packed(x, inplace_backward=True) if packed else \
+            flashtx.swiglu(x[:, :4], x[:, 4:], inplace_backward=True)
+
+    leaf = randn(3, 8, requires_grad=True)
+    before = leaf.detach().clone()
+    for x in (leaf, leaf[1:]):
+        with pytest.raises(ValueError, match="would overwrite .*a leaf tensor that requires grad"):
+            call(x)
+        call(x.detach() * 1 + 0 * x)  # a non-leaf of x's layout: the lane for it
+        with pytest.raises(ValueError, match="would overwrite .*a leaf tensor that requires grad"):
+            call(x)
+    assert torch.equal(leaf.detach(), before) and leaf.grad is None
+    with torch.no_grad():
+        call(leaf)
+    out = call(leaf * 1)
+    out.sum().backward()
+    assert leaf.grad is not None
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_inplace_backward_must_be_a_bool(value):
+    x = randn(3, 8)
+    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+        flashtx.swiglu(x[:, :4], x[:, 4:], inplace_backward=value)
+    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+        flashtx.swiglu_packed(x, inplace_backward=value)
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_packed_inplace_backward_refuses_expanded_x(backend):
     """Issue 17 item 2: an expanded (stride-0) x gave a silently wrong gradient on the Triton path

@@ -49,7 +49,8 @@ def _inputs(name, packed, grad):
     shape, view = LAYOUTS[name]
     if packed:
         shape = (*shape[:-1], 2 * shape[-1])
-    ts = [view(randn(*shape, dtype=PRECISE_DTYPE)).detach().requires_grad_(grad) for _ in range(1 if packed else 2)]
+    # with grad, non-leaf tensors (a projection's output): an in-place backward refuses a leaf that requires grad
+    ts = [view(randn(*shape, dtype=PRECISE_DTYPE, requires_grad=grad) * 1) for _ in range(1 if packed else 2)]
     return ts
 
 
@@ -115,7 +116,7 @@ def test_an_inplace_backward_bumps_the_inputs_versions(packed):
     a second backward through the retained graph (which would read gradients as inputs) raises."""
     ts = _inputs("3d", packed, True)
     for _ in range(2):  # the second: through the lane made by the first
-        ts = [t.detach().clone().requires_grad_() for t in ts]
+        ts = [t.detach().clone().requires_grad_() * 1 for t in ts]
         out = _call(ts, True)
         versions = [t._version for t in ts]
         dout = torch.randn_like(out)
@@ -216,16 +217,18 @@ def test_bad_calls_raise_the_general_paths_error_before_and_after_a_lane(bad):
 
 
 def test_only_plain_eager_calls_take_the_lane_and_lanes_go_with_the_plans(fires):
-    """Parameters, a named reference backend, rows that are not a view (a transposed 3-D tensor), empty tensors
-    and a non-bool inplace_backward take the general path (each still right); clear_plans drops the lanes."""
+    """Parameters, a named reference backend, rows that are not a view (a transposed 3-D tensor) and empty tensors
+    take the general path (each still right), and a non-bool inplace_backward its TypeError; clear_plans drops the
+    lanes."""
     g, u = randn(2, 3, 8, dtype=PRECISE_DTYPE), randn(2, 3, 8, dtype=PRECISE_DTYPE)
     want = _want(g, u)
     gt, ut = g.transpose(0, 1).contiguous().transpose(0, 1), u.transpose(0, 1).contiguous().transpose(0, 1)
     for _ in range(2):
         outs = [flashtx.swiglu(torch.nn.Parameter(g.clone()), u).detach(),
                 flashtx.swiglu(g, u, backend="reference"),
-                flashtx.swiglu(gt, ut),
-                flashtx.swiglu(g, u, inplace_backward=1)]
+                flashtx.swiglu(gt, ut)]
+        with pytest.raises(TypeError, match="inplace_backward must be a bool; got int 1"):
+            flashtx.swiglu(g, u, inplace_backward=1)
         for got in outs:
             assert (got - want).abs().max() < precise_atol(1e-12)
         assert flashtx.swiglu(g[:0], u[:0]).shape == (0, 3, 8)
@@ -239,8 +242,7 @@ def test_only_plain_eager_calls_take_the_lane_and_lanes_go_with_the_plans(fires)
 def test_the_lane_node_saves_what_the_ops_node_saves(monkeypatch):
     """A lane's node and the op's node save the same tensors and arguments (so a hook, a checkpoint's recompute
     or the op's backward, run as the lane node's fallback, finds what the op's saves)."""
-    g, u = randn(3, 8, dtype=PRECISE_DTYPE, requires_grad=True), randn(3, 8, dtype=PRECISE_DTYPE,
-                                                                      requires_grad=True)
+    g, u = (randn(3, 8, dtype=PRECISE_DTYPE, requires_grad=True) * 1 for _ in range(2))  # non-leaf: in place
     nodes = {}
     for lane in (True, False):
         monkeypatch.setattr(_swiglu_lane, "LANE", lane)

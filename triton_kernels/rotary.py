@@ -68,7 +68,7 @@ def _rotate_tile(X, O, COS, SIN, POS, OFFSETS, b, xb, start, seqlen, s0, h0, H,
     safe_pos = tl.where(in_range, pos, 0)
 
     # cos/sin (BLOCK_S, BLOCK_R2), loaded once for every head of the tile, in the accumulator dtype
-    offs_j = tl.arange(0, BLOCK_R2)
+    offs_j = tl.arange(0, BLOCK_R2).to(tl.int64)  # int64 column offsets, as rows and heads: x stride can be large
     cmask = row_mask[:, None] & (offs_j[None, :] < R2)
     cos = tl.load(COS + safe_pos[:, None] * stride_cs + offs_j[None, :] * stride_cd, mask=cmask, other=0.0).to(ACC)
     sin = tl.load(SIN + safe_pos[:, None] * stride_ss + offs_j[None, :] * stride_sd, mask=cmask, other=0.0).to(ACC)
@@ -85,7 +85,7 @@ def _rotate_tile(X, O, COS, SIN, POS, OFFSETS, b, xb, start, seqlen, s0, h0, H,
     out_ty = O.dtype.element_ty
     if INTERLEAVED:
         # pairs (x[2j], x[2j+1]): one contiguous (.., 2 * BLOCK_R2) load, split into x1/x2 in registers
-        offs_c = tl.arange(0, 2 * BLOCK_R2)
+        offs_c = tl.arange(0, 2 * BLOCK_R2).to(tl.int64)
         cm = m3 & (offs_c < 2 * R2)[None, None, :]
         x = tl.load(x_rows + offs_c[None, None, :] * stride_xd, mask=cm, other=0.0).to(ACC)
         x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, BLOCK_R2, 2)))  # (BLOCK_S, BLOCK_H, BLOCK_R2) each
@@ -104,7 +104,7 @@ def _rotate_tile(X, O, COS, SIN, POS, OFFSETS, b, xb, start, seqlen, s0, h0, H,
         tl.store(o_rows + c1 * stride_od, o1.to(out_ty), mask=jm)
         tl.store(o_rows + (c1 + R2) * stride_od, o2.to(out_ty), mask=jm)
     if COPY_REST:  # partial rotary, out of place: columns [2 * R2, D) pass through unchanged
-        offs_p = tl.arange(0, BLOCK_REST)
+        offs_p = tl.arange(0, BLOCK_REST).to(tl.int64)
         cp = (2 * R2 + offs_p)[None, None, :]
         pm = m3 & (offs_p < D_REST)[None, None, :]
         rest = tl.load(x_rows + cp * stride_xd, mask=pm, other=0.0)

@@ -42,16 +42,19 @@ def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H, n_h_tiles,
     pid = tl.program_id(0)
     pid_m = pid // n_h_tiles
     pid_h = pid - pid_m * n_h_tiles
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,) int32: H < 2**31
+    # int64 offsets, rows and columns: a column offset times a large stride (a transposed input) passes 2**31
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_h = pid_h.to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
     mask = (offs_m[:, None] < M) & (offs_h[None, :] < H)  # (BLOCK_M, BLOCK_H)
     u_base = U
     o2_base = OUT2
-    if PACKED:
-        u_base = G + H * stride_gh
-        o2_base = OUT1 + H * stride_o1h
+    offs_u = offs_h  # up's (and the second output's) columns
+    if PACKED:  # the second half's columns of G / OUT1, by offset (H * stride in int32 could wrap)
+        u_base = G
+        o2_base = OUT1
+        offs_u = offs_h + H
     g = tl.load(G + offs_m[:, None] * stride_gm + offs_h[None, :] * stride_gh, mask=mask, other=0.0).to(ACC)
-    u = tl.load(u_base + offs_m[:, None] * stride_um + offs_h[None, :] * stride_uh, mask=mask, other=0.0).to(ACC)
+    u = tl.load(u_base + offs_m[:, None] * stride_um + offs_u[None, :] * stride_uh, mask=mask, other=0.0).to(ACC)
     # sigmoid: exp2 (one MUFU.EX2) and a reciprocal; fp64 (interpreter tests) keeps exp, since the
     # log2(e) literal would be fp32 and cost fp64 its precision. exp2(+inf) = inf gives s = 0.
     if FAST_EXP:
@@ -66,7 +69,7 @@ def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H, n_h_tiles,
         du = do * silu
         tl.store(OUT1 + offs_m[:, None] * stride_o1m + offs_h[None, :] * stride_o1h,
                  dg.to(OUT1.dtype.element_ty), mask=mask)
-        tl.store(o2_base + offs_m[:, None] * stride_o2m + offs_h[None, :] * stride_o2h,
+        tl.store(o2_base + offs_m[:, None] * stride_o2m + offs_u[None, :] * stride_o2h,
                  du.to(o2_base.dtype.element_ty), mask=mask)
     else:
         tl.store(OUT1 + offs_m[:, None] * stride_o1m + offs_h[None, :] * stride_o1h,
