@@ -16,13 +16,15 @@ TABLE: dict = {}  # key -> lane, or False (the general path's call); LaunchCache
 _COMPILING = torch.compiler.is_compiling
 _DISPATCH_STACK = torch._C._len_torch_dispatch_stack
 _FUNCTORCH = torch._C._are_functorch_transforms_active
+_FORWARD_AD = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
 _TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # private
 
 
 def eager() -> bool:
-    """Whether a lane may take this call: nothing traces it (torch.compile sees the registered ops) and no
-    dispatch mode or functorch transform intercepts it."""
-    return not (_COMPILING() or _DISPATCH_STACK() or _FUNCTORCH())
+    """Whether a lane may take this call: nothing traces it (torch.compile sees the registered ops), no
+    dispatch mode or functorch transform intercepts it, and no forward-mode AD level is open (a dual tensor's
+    tangent: the general path refuses it)."""
+    return not (_COMPILING() or _DISPATCH_STACK() or _FUNCTORCH() or _FORWARD_AD._current_level >= 0)
 
 
 def no_saved_tensor_hooks() -> bool:

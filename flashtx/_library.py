@@ -92,6 +92,23 @@ def _requires_grad(op, args) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FUNCTORCH = torch._C._are_functorch_transforms_active
+_FORWARD_AD = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
+
+
+def _refuse_transforms(op, args) -> None:
+    """Raise for a call under a torch.func transform (vmap, grad, jacrev, ...), or with a forward-mode AD tangent:
+    the kernels read raw storage and the ops have no batching rule or jvp formula. Without this, a transform failed
+    deep inside torch, and a tangent was silently dropped (a wrong answer)."""
+    name = op._qualname if hasattr(op, "_qualname") else repr(op)
+    if _FUNCTORCH():
+        raise NotImplementedError(f"{name}: torch.func transforms (vmap, grad, jacrev, ...) are not supported; call it "
+                                  f"outside the transform, or use torch.autograd (backward) for gradients")
+    tensors, lists = _TENSORS[op]
+    ts = [args[i] for i in tensors] + [t for i in lists for t in args[i]]
+    if any(t is not None and _FORWARD_AD.unpack_dual(t).tangent is not None for t in ts):
+        raise NotImplementedError(f"{name}: forward-mode AD (a dual tensor's tangent) is not supported: it has no jvp "
+                                  f"formula; use backward-mode autograd, or backend='reference'")
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)  # absent from CPU-only builds (no CUDA tensor there)
 
 
@@ -114,6 +131,8 @@ def call(op, *args):
     argument requires grad, on the first argument's device (made current for the call if it is not)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return op(*args)  # traced: the compiled graph places each kernel itself
+    if _FUNCTORCH() or _FORWARD_AD._current_level >= 0:
+        _refuse_transforms(op, args)
     other = _other_device(args[0])
     if other is not None:
         with torch.cuda.device(other):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import _values_readable, check_cu_seqlens_values, check_tensor
+from ._validate import _check_layout, _values_readable, check_cu_seqlens_values, check_tensor
 from .decode import _check_values
 
 
@@ -39,6 +39,7 @@ def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.T
         got = f"dtype {block_table.dtype}" if isinstance(block_table, torch.Tensor) else type(block_table).__name__
         raise TypeError(f"block_table must be None or an int32 (or int64) tensor of shape (nseq, max_pages_per_seq) "
                         f"= ({nseq}, any); got {got}")
+    _check_layout("block_table", block_table)
     if block_table.dim() != 2 or block_table.shape[0] != nseq:
         raise ValueError(f"block_table must have shape (nseq, max_pages_per_seq) = ({nseq}, any) (nseq from "
                          f"cu_seqlens_k); got {tuple(block_table.shape)}")

@@ -27,12 +27,17 @@ _STRIDED = torch.strided
 def _check_layout(name: str, t) -> None:
     if t.layout is not _STRIDED:
         raise TypeError(f"{name} has layout {t.layout}; allowed: torch.strided (a dense tensor: call .to_dense())")
+    if t.is_nested:
+        raise TypeError(f"{name} is a nested tensor; allowed: a dense tensor (for sequences of different lengths, "
+                        f"pad them and pass key_mask / kv_lens, or pack them for flash_attn_varlen_func)")
 
 
 def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
     """True when check_qkv passes: its common case, decided with ints and bools before any message is built.
     heads: the heads dim, 1 for (B, H, S, D) tensors, 2 for (B, S, H, D) ones (check_qkv's views of them).
     One K/V head serves every query head without allow_gqa too: SDPA broadcasts it so."""
+    if q.is_nested or k.is_nested or v.is_nested:  # (whose shape cannot be read)
+        return False
     qs, ks, vs = q.shape, k.shape, v.shape
     h, s = heads, 3 - heads
     return (q.layout is _STRIDED and k.layout is _STRIDED and v.layout is _STRIDED
@@ -41,10 +46,12 @@ def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
             and (qs[h] == ks[h] or ks[h] == 1 or (allow_gqa and ks[h] > 0 and qs[h] % ks[h] == 0)))
 
 
-def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: bool, gqa_hint: str = "") -> None:
+def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: bool, gqa_hint: str = "",
+              shown: tuple | None = None) -> None:
     """Check (B, H, S, D) views of q, k, v; `layout` names the user's layout for messages.
 
-    names: the user-facing argument names; layout: e.g. "(B, H, S, D)".
+    names: the user-facing argument names; layout: e.g. "(B, H, S, D)"; shown: the user's own tensors, whose
+    shapes the messages print (default: q, k, v).
     """
     if _qkv_ok(q, k, v, allow_gqa):
         return
@@ -57,7 +64,8 @@ def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: b
         raise TypeError(f"{nq}, {nk}, {nv} must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
     def shapes():  # for messages only
-        return f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
+        sq, sk, sv = shown if shown is not None else (q, k, v)
+        return f"{nq} {tuple(sq.shape)}, {nk} {tuple(sk.shape)}, {nv} {tuple(sv.shape)}"
 
     B, Hq, Sq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
@@ -169,6 +177,7 @@ def check_seq_mask(name: str, m, batch: int, seqlen: int, q) -> torch.Tensor | N
         return None
     if not isinstance(m, torch.Tensor):
         raise TypeError(f"{name} must be None or a bool tensor of shape ({batch}, {seqlen}); got {type(m).__name__}")
+    _check_layout(name, m)
     if m.dtype != torch.bool:
         raise TypeError(f"{name} must be a bool tensor (True = real token) of shape ({batch}, {seqlen}); "
                         f"got dtype {m.dtype}")
@@ -186,6 +195,7 @@ def check_lens(name: str, t, batch: int, q) -> torch.Tensor | None:
         return None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be None or an int32/int64 tensor of shape ({batch},); got {type(t).__name__}")
+    _check_layout(name, t)
     if t.dtype not in _INT_DTYPES:
         raise TypeError(f"{name} must be an int32 or int64 tensor of shape ({batch},); got dtype {t.dtype}")
     if tuple(t.shape) != (batch,):
@@ -199,6 +209,7 @@ def check_cu_seqlens(name: str, cu, q) -> torch.Tensor:
     """(nseq + 1,) int32 cumulative lengths on q's device (check_cu_seqlens_values checks the values)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 tensor of shape (nseq + 1,); got {type(cu).__name__}")
+    _check_layout(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be an int32 tensor (as flash-attn); got dtype {cu.dtype}")
     if cu.dim() != 1 or cu.shape[0] < 1:
@@ -448,6 +459,7 @@ def check_attn_mask(name: str, m, lead: tuple, H: int, Sq: int, Sk: int, q, shap
     if not isinstance(m, torch.Tensor):
         raise TypeError(f"{name} must be None or a bool/float tensor broadcastable to {target}; "
                         f"got {type(m).__name__}")
+    _check_layout(name, m)
     if m.dtype != torch.bool and m.dtype not in _FLOAT_MASK_DTYPES:
         raise TypeError(f"{name} must be a bool tensor (True = attend) or a float tensor (added to the scores); "
                         f"got dtype {m.dtype}")
@@ -490,6 +502,7 @@ def check_alibi(name: str, slopes, B: int, H: int, q) -> torch.Tensor | None:
     if not isinstance(slopes, torch.Tensor):
         raise TypeError(f"{name} must be None or a float32 tensor of shape ({H},) or ({B}, {H}); "
                         f"got {type(slopes).__name__}")
+    _check_layout(name, slopes)
     if slopes.dtype != torch.float32:
         raise TypeError(f"{name} must be float32 (as flash-attn's), shape ({H},) or ({B}, {H}); got {slopes.dtype}")
     if tuple(slopes.shape) not in ((H,), (B, H)):

@@ -216,7 +216,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         query, key, value, attn_mask = _autocast(query.device.type, query, key, value, attn_mask)
     if (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in ALLOWED_DTYPES
-            and (backend is None or type(backend) is str) and _qkv_ok(query, key, value, bool(enable_gqa))):
+            and (backend is None or type(backend) is str) and type(enable_gqa) is bool
+            and _qkv_ok(query, key, value, enable_gqa)):
         q, k, v = query, key, value  # the common case (plain 4-D tensors that check_qkv passes), in ints and bools
         if _plain(attn_mask, is_causal, return_lse, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p):
             out = _attention_lane.forward(q, k, v, resolve_scale("scale", scale, q.shape[3]), is_causal, False,
@@ -231,7 +232,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         "attn_mask", attn_mask, tuple(query.shape[:-3]), q.shape[1], q.shape[2], k.shape[2], q,
         lambda: f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     res = _run(q, k, v, scale=scale, causal=check_flag("is_causal", is_causal), bottom_right=False, backend=backend,
-               return_lse=return_lse, bias=bias,
+               return_lse=check_flag("return_lse", return_lse), bias=bias,
                **_padding_masks(q.shape[0], q.shape[2], k.shape[2], q, window_size, key_mask, query_mask, q_lens,
                                 kv_lens),
                **_score_mods(q.shape[0], q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
@@ -260,7 +261,7 @@ def _checked_4d(query, key, value, backend, enable_gqa) -> tuple:
     q, k, v = _as4d(query), _as4d(key), _as4d(value)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=bool(enable_gqa),
+    check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=check_flag("enable_gqa", enable_gqa),
               gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
     return q, k, v
 
@@ -328,8 +329,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             if t.dim() != 4:
                 raise ValueError(f"{n} must be 4-D (B, S, H, D); got shape {tuple(t.shape)}")
     if not _qkv_ok(q, k, v, True, heads=2):  # (B, S, H, D): the op reads them as they are (bshd), no views
+        for n, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(n, t)
         check_qkv(("q", "k", "v"), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "(B, S, H, D)",
-                  allow_gqa=True)  # raises, naming what is wrong
+                  allow_gqa=True, shown=(q, k, v))  # raises, naming what is wrong
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
     scale = resolve_scale("softmax_scale", softmax_scale, D)
@@ -395,7 +398,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, H, D): the op reads them as bshd
     if not _qkv_ok(q4, k4, v4, True, heads=2):
         check_qkv(("q", "k", "v"), *(t.transpose(0, 1)[None] for t in (q, k, v)), "(total, H, D)",
-                  allow_gqa=True)  # raises, naming what is wrong
+                  allow_gqa=True, shown=(q, k, v))  # raises, naming what is wrong
     cuq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
     cuk = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
     if cuq.shape != cuk.shape:

@@ -41,6 +41,18 @@ def _heads(t: torch.Tensor) -> int:
     return t.shape[-3] if t.dim() >= 3 else 1
 
 
+_COMPILING = torch.compiler.is_compiling
+_FUNCTORCH = torch._C._are_functorch_transforms_active
+_FORWARD_AD = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
+
+
+def _transformed() -> bool:
+    """A torch.func transform, or a forward-mode AD level, is active: torch's SDPA supports them, flashtx's ops do
+    not (its kernels read raw storage; no batching rule or jvp formula). Never while compiling (Dynamo would not
+    trace the query; a compiled region sees the registered ops)."""
+    return not _COMPILING() and (_FUNCTORCH() or _FORWARD_AD._current_level >= 0)
+
+
 def _plain(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
     """The common call, checked in ints and bools: plain 4-D tensors of one allowed dtype and device that
     flashtx.attention's checks pass, no attn_mask, no dropout, a bool is_causal, no empty sequence."""
@@ -48,7 +60,8 @@ def _plain(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bo
             and type(value) is torch.Tensor and not (query.is_nested or key.is_nested or value.is_nested)
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in _DTYPES
             and (dropout_p == 0.0 if type(dropout_p) is float or type(dropout_p) is int else False)
-            and _qkv_ok(query, key, value, bool(enable_gqa)) and query.shape[2] > 0 and key.shape[2] > 0)
+            and type(enable_gqa) is bool and _qkv_ok(query, key, value, enable_gqa) and query.shape[2] > 0
+            and key.shape[2] > 0 and not _transformed())
 
 
 def _plain_reason(query, key, value) -> str | None:
@@ -81,6 +94,11 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         return "query, key and value must all be tensors"
     if not is_flag(is_causal):  # torch raises for "no", 1, None
         return "is_causal must be a bool" + _TORCH_ERROR
+    if not is_flag(enable_gqa):
+        return "enable_gqa must be a bool" + _TORCH_ERROR
+    if _transformed():
+        return ("torch.func transforms (vmap, grad, jacrev, ...)" if _FUNCTORCH() else "forward-mode AD (a dual_level)") \
+            + " are not supported by flashtx's kernels"
     if query.is_nested or key.is_nested or value.is_nested:
         return "nested (jagged) tensors are not supported"
     if not (query.layout is key.layout is value.layout is torch.strided):
@@ -109,6 +127,8 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
             return "attn_mask with is_causal=True" + _TORCH_ERROR
         if not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested:
             return "attn_mask must be a tensor"
+        if attn_mask.layout is not torch.strided:
+            return "a sparse attn_mask is not supported"
         if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
             return "attn_mask must be bool, float32 or the query's dtype" + _TORCH_ERROR
         if attn_mask.device != query.device:
@@ -157,7 +177,7 @@ def _refuse_no_kv_heads(key, value) -> None:
     """Raise for a key or value with 0 heads: torch 2.11's SDPA divides by the head count (SIGFPE kills the
     process), so such a call must not reach it."""
     for name, t in (("key", key), ("value", value)):
-        if isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-3] == 0:
+        if isinstance(t, torch.Tensor) and not t.is_nested and t.dim() >= 3 and t.shape[-3] == 0:
             raise ValueError(f"flashtx.patch_sdpa: {name} must have at least one head (dim -3), got {name} "
                              f"{tuple(t.shape)}; torch's own scaled_dot_product_attention crashes the process on "
                              f"such a call in some versions, so flashtx refuses it")
