@@ -15,7 +15,7 @@ ones kv_append and decode_attention would replay), made for the normalised tenso
 or views with their data pointers (a contiguous() that copies, a reshaped ALiBi table of other strides: the general
 path). Every call still checks what depends on values or addresses, as the general path does: the index ranges
 (`decode._check_ranges`: on the host for CPU tensors, by the check kernel and a device-side assert on a GPU) and,
-when appending, whether k_cache and v_cache share memory. It then fires the append (bumping the caches' version
+when appending, whether the caches share memory with each other or with q, k, v (`decode.append_overlap`). It then fires the append (bumping the caches' version
 counters, as the in-place op's call does) and the attention, with the outputs and split partials allocated as the
 ops allocate them. Every other call returns None, and the caller takes the general path: empty inputs, tensors on a
 CUDA device that is not the current one, and plans that are not Triton's (and lanes.remember's and lanes.eager's
@@ -30,7 +30,6 @@ import math
 import torch
 
 from . import _lanes, _library
-from ._validate import views_overlap
 from .triton_kernels import precision
 from .triton_kernels.launch import TORCH_ACC_DTYPE
 
@@ -54,6 +53,7 @@ class _Lane:
 
 
 _check_ranges = None  # flashtx.decode._check_ranges, bound by the first _make (decode imports this module)
+append_overlap = None  # flashtx.decode.append_overlap, bound so too
 
 
 def _sig(t):
@@ -100,7 +100,7 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
     elif not lane:
         return None
     else:
-        if lane.snew and (k_cache is v_cache or views_overlap(k_cache, v_cache)):
+        if lane.snew and append_overlap(q, k, v, k_cache, v_cache) is not None:
             return None  # refused by the general path (it depends on addresses)
         _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, lane.snew, lane.capacity,
                       lane.q_moves)
@@ -132,8 +132,8 @@ def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
     it must take this one for what the inputs alone show (not stored). Raises what the general path raises for this
     call, in its order: the argument checks, the index values (which a returned lane's call has then passed), the
     backend's refusal."""
-    global _check_ranges
-    from .decode import _backend, _check_ranges, _prepare
+    global _check_ranges, append_overlap
+    from .decode import _backend, _check_ranges, _prepare, append_overlap
 
     prepared = _prepare(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, scale, causal,
                         window, softcap, alibi, num_splits)  # raises what the general path raises

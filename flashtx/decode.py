@@ -69,10 +69,32 @@ def _check_writable_caches(k_cache: Tensor, v_cache: Tensor, paged: bool) -> Non
             raise ValueError(f"{name} has stride 0 along {dup} (an expanded view, shape {tuple(t.shape)}, strides "
                              f"{t.stride()}): appending k, v would write one memory slot for several; pass a cache "
                              "with its own memory per slot")
-    # the storage check reads addresses (not traceable: a compiled step checks identity only)
-    if k_cache is v_cache or (not torch.compiler.is_compiling() and views_overlap(k_cache, v_cache)):
-        raise ValueError("k_cache and v_cache share memory: appending v would overwrite k; pass separate buffers "
-                         "(or non-overlapping slices of one)")
+    if k_cache is v_cache:
+        raise ValueError(_overlap_message("k_cache", "v_cache"))
+
+
+def append_overlap(q, k, v, k_cache, v_cache) -> tuple[str, str] | None:
+    """The names of the first two tensors of an appending call that share memory: k_cache and v_cache, or a new
+    tensor (k, v, q: the kernels read them while the append writes the caches) and a cache; None if none do.
+    Reads addresses: not traceable (a compiled step checks identity only)."""
+    sk, sv = k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr()
+    if sk == sv and (k_cache is v_cache or views_overlap(k_cache, v_cache)):
+        return "k_cache", "v_cache"
+    for name, t in (("k", k), ("v", v), ("q", q)):
+        p = t.untyped_storage().data_ptr()
+        if p == sk and views_overlap(t, k_cache):
+            return name, "k_cache"
+        if p == sv and views_overlap(t, v_cache):
+            return name, "v_cache"
+    return None
+
+
+def _overlap_message(a: str, b: str) -> str:
+    if a == "k_cache":
+        return ("k_cache and v_cache share memory: appending v would overwrite k; pass separate buffers (or "
+                "non-overlapping slices of one)")
+    return (f"{a} shares memory with {b}: the append writes {b} while the kernels read {a}, so {a} could be "
+            f"overwritten first; pass {a} in memory of its own (e.g. {a}.clone())")
 
 
 def _first_bad(ok: Tensor) -> int:
@@ -142,6 +164,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend)
     if done is not None:  # a repeated plain call: one lookup (flashtx._decode_lane)
         return done
+    rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
+    return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
      Snew, capacity, causal, window, softcap, alibi, scale, q_moves) = _prepare(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
@@ -263,6 +287,10 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
                            "or torch.inference_mode(), or pass detached tensors")
     if Snew:
         _check_writable_caches(k_cache, v_cache, block_table is not None)
+        if not torch.compiler.is_compiling():
+            pair = append_overlap(q, k, v, k_cache, v_cache)
+            if pair is not None:
+                raise ValueError(_overlap_message(*pair))
     causal = bool(causal)
     return (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, Snew, capacity, causal, window, float(softcap), alibi, scale, causal or window != (-1, -1))

@@ -34,7 +34,8 @@ from torch import Tensor
 from . import _dispatch, _rotary_lane
 from ._library import call
 from ._rotary_op import ROTARY_BACKENDS, RotaryInputs, rotary_inplace_op, rotary_op, rotary_qk_op  # noqa: F401
-from ._validate import _values_readable, check_cu_seqlens_values, check_tensor, has_internal_overlap, views_overlap
+from ._validate import (_values_readable, check_cu_seqlens_values, check_flag, check_tensor, has_internal_overlap,
+                        is_flag, views_overlap)
 
 _dispatch.STANDINS["rotary"] = lambda device, dtype, cos_dtype: RotaryInputs(
     torch.empty(0, 0, 0, 0, device=device, dtype=dtype), torch.empty(0, 0, 0, device=device, dtype=cos_dtype))
@@ -92,6 +93,11 @@ def _rotate_inplace(q, k, cos, sin, index, spec, backend: str, track: bool) -> N
 
 
 # ----------------------------------------------------------------------------------- validation
+def _check_inplace(inplace) -> None:
+    if inplace is not None and not is_flag(inplace):
+        raise TypeError(f"inplace must be None or a bool; got {type(inplace).__name__} {inplace!r}")
+
+
 def _check_int(name: str, v, minimum: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be an int; got {type(v).__name__}")
@@ -235,6 +241,7 @@ def _prepare(name: str, x, k, cos, sin, seqlen_offsets, position_ids, cu_seqlens
              backend):
     """Validate everything for x (or q, k when k is given, with name "q"); returns (index, spec,
     backend name) for the ops, which take x, k, cos and sin as given (see flashtx._rotary_op)."""
+    check_flag("interleaved", interleaved)
     varlen = cu_seqlens is not None
     B, S, H, D = _dims(name, x, layout, varlen)
     if k is not None:
@@ -300,6 +307,7 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0, position_i
             return done[0]
     index, spec, name = _prepare("x", x, None, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout,
                                  interleaved, backend)
+    _check_inplace(inplace)
     if inplace is None:
         inplace = _inplace_allowed(x, None)
     if inplace:
@@ -344,6 +352,7 @@ def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, posi
             return done
     index, spec, name = _prepare("q", q, k, cos, sin, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout,
                                  interleaved, backend)
+    _check_inplace(inplace)
     if inplace is None:
         inplace = _inplace_allowed(q, k)
     if inplace:

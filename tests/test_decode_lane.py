@@ -143,6 +143,14 @@ def test_on_the_gpu_branch_the_lane_launches_the_check_first(device_path, monkey
 
 BAD = {  # name: (a change to a good call's arguments, error type, message)
     "shared caches": (lambda a: a.update(v_cache=a["k_cache"]), ValueError, "share memory"),
+    # new tensors in the caches' memory: the append could overwrite them before the kernels read them
+    "v views k_cache": (lambda a: a.update(v=a["k_cache"][:, 5:6]), ValueError, "v shares memory with k_cache"),
+    "k views v_cache": (lambda a: a.update(k=a["v_cache"][:, 5:6]), ValueError, "k shares memory with v_cache"),
+    "q views k_cache": (lambda a: a.update(q=a["k_cache"][:, 40:42].reshape(2, 1, 4, 16)), ValueError,
+                        "q shares memory with k_cache"),
+    "rotary_interleaved='no'": (lambda a: a.update(rotary_interleaved="no"), TypeError,
+                                "rotary_interleaved must be a bool"),
+    "return_softmax_lse=1": (lambda a: a.update(return_softmax_lse=1), TypeError, "return_softmax_lse must be a bool"),
     "grad": (lambda a: a["q"].requires_grad_(), RuntimeError, "inference-only"),
     "k dtype": (lambda a: a.update(k=a["k"].float() if DT != torch.float32 else a["k"].double()), TypeError,
                 "must have q's dtype"),

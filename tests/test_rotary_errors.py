@@ -18,6 +18,16 @@ ERRORS = {
               TypeError, "x has dtype torch.int32"),
     "x_3d": (lambda c, s: flashtx.apply_rotary(randn(4, 3, 8), c, s), ValueError, r"4-D \(B, S, H, D\)"),
     "bad_layout": (lambda c, s: flashtx.apply_rotary(_x(), c, s, layout="sbhd"), ValueError, "layout must be"),
+    # flags as torch's bool parameters: a truthy string or int used to pick a mode silently
+    "interleaved_str": (lambda c, s: flashtx.apply_rotary(_x(), c, s, interleaved="False"), TypeError,
+                        "interleaved must be a bool"),
+    "inplace_str": (lambda c, s: flashtx.apply_rotary(_x(), c, s, inplace="no"), TypeError,
+                    "inplace must be None or a bool"),
+    "qk_inplace_int": (lambda c, s: flashtx.apply_rotary_qk(_x(), _x(), c, s, inplace=1), TypeError,
+                       "inplace must be None or a bool"),
+    "varlen_interleaved_int": (lambda c, s: flashtx.apply_rotary(
+        randn(8, 3, 8), c, s, interleaved=1, cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE),
+        max_seqlen=5), TypeError, "interleaved must be a bool"),
     "cos_sin_shapes": (lambda c, s: flashtx.apply_rotary(_x(), c, s[:, :2]), ValueError, "same shape"),
     "cos_1d": (lambda c, s: flashtx.apply_rotary(_x(), c[0], s[0]), ValueError, r"\(seqlen_ro, rotary_dim / 2\)"),
     "rotary_dim_too_big": (lambda c, s: flashtx.apply_rotary(randn(2, 4, 3, 6), c, s), ValueError,

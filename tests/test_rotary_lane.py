@@ -200,7 +200,7 @@ BAD = {  # name: (keyword changes to a good call, error type, message)
     "k dtype": (dict(k_dtype=torch.float32), TypeError, "q and k must share dtype"),
     "table grad": (dict(table_grad=True), NotImplementedError, "cos requires grad"),
     "backend": (dict(backend=3), TypeError, "backend must be None or a string"),
-    "interleaved": (dict(interleaved=torch.tensor([True, False])), RuntimeError, "ambiguous"),
+    "interleaved": (dict(interleaved=torch.tensor([True, False])), TypeError, "interleaved must be a bool"),
 }
 
 
