@@ -155,7 +155,8 @@ def _replan(q, k, v, bias, aux, ints, floats, backend: str, exc: LimitExceeded) 
     backend's reasons (a requested backend raises them; otherwise `reference` runs, with a warning)."""
     inputs, summary = _describe(q, k, v, bias, aux, ints, floats)
     name = _dispatch.resolve("attention", backend or None, inputs(), summary)
-    if name == "triton":  # the reasons missed the limit the launcher found (a bug): never loop, never launch
+    if name == "triton":  # a limit the reasons cannot see (the spans of the outputs and gradients the launcher
+        # allocates, of dout): never loop, never launch
         if backend:
             raise _dispatch.BackendNotSupported(f"attention: backend='triton' cannot run {summary()}: {exc}")
         _env.warn(f"flashtx.attention: {exc}; using the reference implementation")

@@ -7,7 +7,7 @@ import numbers
 import torch
 
 from . import _lanes
-from .triton_kernels.limits import MAX_SEQ
+from .triton_kernels.limits import INT32_MAX, MAX_SEQ
 
 ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ALLOWED = "float16, bfloat16, float32 (float64 for tests)"
@@ -186,6 +186,8 @@ def check_seq_mask(name: str, m, batch: int, seqlen: int, q) -> torch.Tensor | N
                          f"got shape {tuple(m.shape)}")
     if m.device != q.device:
         raise ValueError(f"{name} must be on the inputs' device {q.device}; got {m.device}")
+    if (seqlen - 1) * abs(m.stride(1)) > INT32_MAX:  # the kernels index a row's entries in int32
+        return m.contiguous()
     return m
 
 

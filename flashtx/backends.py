@@ -195,6 +195,9 @@ class TritonBackend(Backend):
                  masks=NO_MASKS, dbias=None, bshd=False):
         if do.stride(3) != 1 or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1 or out.stride(3) != 1:
             do, q, k, v, out = (_unit_last(t, bshd) for t in (do, q, k, v, out))
+        s = 1 if bshd else 2
+        if do.shape[s] * do.stride(s) > INT32_MAX:  # autograd hands over any strides: rows too far apart for int32
+            do = do.transpose(1, 2).contiguous().transpose(1, 2) if bshd else do.contiguous()
         if dl2 is not None:
             dl2 = dl2.contiguous()
         _kernels().attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,

@@ -127,15 +127,17 @@ def test_the_int32_limit_reads_the_stride_the_kernels_see():
 @pytest.mark.skipif(ON_GPU, reason="CPU: the interpreter's Triton backend; a GPU run has the same path")
 def test_flash_layout_copies_of_a_strided_last_dim_keep_the_span_dispatch_counted(monkeypatch):
     """flash_attn_func's (B, S, H, D) tensors with a last stride other than 1 are copied (B, H, S, D)
-    contiguous, so their sequence span is S x D as dispatch counted it, not S x H x D: with the int32 limit
-    shrunk between the two, the call runs on Triton instead of being refused."""
+    contiguous, so their sequence span is S x D as dispatch counted it, not S x their row stride: with the int32
+    limit shrunk between the two (and above the span of the (B, S, H, D) output, S x H x D), the call runs on
+    Triton instead of being refused."""
     from flashtx import backends
     from flashtx.triton_kernels import limits
 
-    monkeypatch.setattr(limits, "INT32_MAX", 300)
-    monkeypatch.setattr(backends, "INT32_MAX", 300)
+    monkeypatch.setattr(limits, "INT32_MAX", 600)
+    monkeypatch.setattr(backends, "INT32_MAX", 600)
     clear_plans()
-    q, k, v = (randn(1, 8, 4, 32, dtype=torch.float64)[..., ::2] for _ in range(3))  # S x D = 128, S x H x D = 512
+    # S x D = 128; the output's S x H x D = 512; the inputs as given, S x their row stride 128 = 1024
+    q, k, v = (randn(1, 8, 4, 32, dtype=torch.float64)[..., ::2] for _ in range(3))
     launches = []
     with warnings.catch_warnings(), launch.stub_launches(lambda kernel, grid, args: launches.append(grid)):
         warnings.simplefilter("error")

@@ -35,7 +35,7 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
-    pid_bh = b * H + h
+    pid_bh = b.to(tl.int64) * H + h  # (B * H can pass 2**31)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
@@ -50,7 +50,7 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
         o2 = tl.load(o_base + offs_m[:, None] * stride_om + offs_d2[None, :] * stride_od, mask=mask2, other=0.0)
         do2 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d2[None, :] * stride_dod, mask=mask2, other=0.0)
         delta += tl.sum(o2.to(ACC) * do2.to(ACC), 1)
-    row = pid_bh.to(tl.int64) * Sq + offs_m
+    row = pid_bh * Sq + offs_m
     if HAS_DLSE:
         # lse = logsumexp(s) has d lse / d s = P, which folds into dS = P * (dP - delta + dlse)
         dlse = tl.load(DLSE + row, mask=offs_m < Sq, other=0.0).to(ACC)

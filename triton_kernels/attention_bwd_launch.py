@@ -9,7 +9,7 @@ from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
-from .limits import bhsd, check_limits
+from .limits import INT32_MAX, LimitExceeded, bhsd, check_limits, check_spans
 
 
 class GqaReduce:
@@ -50,6 +50,9 @@ def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype)
     strides = [0 if n == 1 else st for n, st in zip(buf.shape, buf.stride())]
     if sum_m:
         strides[2] = buf.stride(2)  # partial rows are indexed by q tile
+    if (buf.shape[2] - 1) * strides[2] + (buf.shape[3] - 1) * strides[3] > INT32_MAX:  # a dense (Sq, Sk) slice
+        raise LimitExceeded(f"the attn_mask gradient's (Sq, Sk) = ({Sq}, {Sk}) slice overflows the kernels' int32 "
+                            "offsets")
     args = dict(DB=buf, **{f"stride_db{ax}": st for ax, st in zip("bhmn", strides)},
                 n_b=B if sum_b else 1, n_h=H if sum_h else 1, DBIAS=True, DB_SUM_M=sum_m, DB_SUM_N=sum_n)
     return args, (1 if sum_h else H, 1 if sum_b else B), finish
@@ -220,6 +223,7 @@ def _cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, delta, parts
     def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
         vs = bhsd(bshd, do, q, k, v, out, dq, dk, dv)  # (B, H, S, D) views: a replay binds the tensors themselves
         check_limits(vs[1], vs[2], vs[3], spec.attn_mask, spec.cu_seqlens_q)
+        check_spans(dout=vs[0], out=vs[4], dq=vs[5], dk=vs[6], dv=vs[7])
         return plan_backward(*vs[:5], m2, l2, delta, *vs[5:], scale=scale, causal=causal, bottom_right=bottom_right,
                              dlse2=dlse2, spec=spec, dbias=dbias, gqa_parts=parts if split > 1 else None)
 

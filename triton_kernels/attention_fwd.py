@@ -16,7 +16,7 @@ from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_
 from .configs import estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
-from .limits import bhsd, check_limits
+from .limits import bhsd, check_limits, check_spans
 
 
 @triton.jit
@@ -274,6 +274,7 @@ def _cache_args(q, k, v, out, m2, l2, scale, causal, bottom_right, spec, bshd) -
     def build():  # once per call signature (limits included: a replay has the shapes it was planned for)
         qv, kv, vv, ov = bhsd(bshd, q, k, v, out)  # (B, H, S, D) views: a replay binds q, k, v, out themselves
         check_limits(qv, kv, vv, spec.attn_mask, spec.cu_seqlens_q)
+        check_spans(out=ov)
         return [plan_forward(qv, kv, vv, ov, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
                              spec=spec)]
 

@@ -15,7 +15,7 @@ from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, mask_args, modi
                                seq_bounds, stride_args, visible)
 from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32, target_for
-from .limits import check_limits
+from .limits import INT32_MAX, LimitExceeded, check_limits
 
 
 @triton.jit
@@ -111,6 +111,8 @@ def attention_probs(q, k, v, m2, l2, *, scale: float, causal: bool = False, bott
     B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
     if spec.varlen:
         B, Sq, Sk = spec.cu_seqlens_q.shape[0] - 1, int(spec.max_seqlen_q), int(spec.max_seqlen_k)
+    if Sq * Sk > INT32_MAX:
+        raise LimitExceeded(f"the probabilities' (Sq, Sk) = ({Sq}, {Sk}) slice overflows the kernels' int32 offsets")
     out = torch.zeros(B, q.shape[1], Sq, Sk, dtype=m2.dtype, device=q.device)
     if out.numel():
         plan_probs(q, k, m2, l2, out, scale=scale, causal=causal, bottom_right=bottom_right, spec=spec).run()

@@ -35,6 +35,16 @@ def seq_span(t) -> int:
     return t.shape[2] * (st[2] if st[3] == 1 or t.shape[3] == 1 else t.shape[3])
 
 
+def check_spans(**views) -> None:
+    """Raise LimitExceeded when a (B, H, S, D) view's seq_span passes int32: for the tensors a launcher plans with
+    beyond q, k, v (checked by within_limits, before dispatch): the outputs and gradients it allocates dense (whose
+    rows can be wider than those of expanded or overlapping inputs) and the incoming gradient."""
+    for name, t in views.items():
+        if t is not None and seq_span(t) > INT32_MAX:
+            raise LimitExceeded(f"{name} {tuple(t.shape)} (B, H, S, D) with strides {t.stride()}: its sequence span "
+                                f"({seq_span(t)} elements) overflows the kernels' int32 offsets")
+
+
 def mask_span(m) -> int:
     """Elements one (batch, head) slice of a 4-D attn_mask view spans (strides are never negative)."""
     return sum((n - 1) * abs(st) for n, st in zip(m.shape[2:], m.stride()[2:]))
