@@ -89,9 +89,9 @@ def _check(gate, up, inplace_backward) -> None:
 
 def _refuse_grad_leaf(name: str, t) -> None:
     if grad_leaf(t):
-        raise ValueError(f"inplace_backward=True would overwrite {name}, a leaf tensor that requires grad (or a view of "
-                         f"one: a parameter or an input), with its gradient; pass inplace_backward=False, or apply it to "
-                         f"a non-leaf such as a projection's output")
+        raise ValueError(f"inplace_backward=True would overwrite {name}, a leaf tensor that requires grad (or a "
+                         "view of one: a parameter or an input), with its gradient; pass inplace_backward=False, or "
+                         "apply it to a non-leaf such as a projection's output")
 
 
 def swiglu_packed(x, *, inplace_backward=False, backend=None):
