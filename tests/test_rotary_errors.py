@@ -5,6 +5,7 @@ from conftest import DEVICE, randn
 from test_rotary import tables
 
 import flashtx
+from flashtx.triton_kernels import launch
 
 
 # ------------------------------------------------------------------------------- errors
@@ -145,3 +146,22 @@ def test_strided_cu_seqlens_and_offsets_are_read_by_value():
                          backend="triton")
     assert torch.equal(x, want_x)
     assert torch.equal(big[:20], torch.zeros_like(big[:20])) and torch.equal(big[27:], torch.zeros_like(big[27:]))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+def test_more_sequences_than_cuda_grid_allows_are_refused(varlen):
+    """Batch entries (or packed sequences) go on grid axis 1, which CUDA caps at 65,535: more is refused with a
+    clear error on every device (the interpreter would run it, a GPU would fail to launch), planned or repeated."""
+    cos, sin = randn(4, 1), randn(4, 1)
+    n = 65536
+    for _ in range(2):
+        with pytest.raises(ValueError, match="65536 (sequences|batch entries) exceed CUDA's grid limit of 65535"):
+            if varlen:
+                flashtx.apply_rotary(randn(n, 1, 2), cos, sin, max_seqlen=1,
+                                     cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=DEVICE))
+            else:
+                flashtx.apply_rotary(randn(n, 1, 1, 2), cos, sin)
+    grids = []
+    with launch.stub_launches(lambda kernel, grid, args: grids.append(grid)):  # (the interpreter runs grids slowly)
+        flashtx.apply_rotary(randn(n - 1, 1, 1, 2), cos, sin)
+    assert [g[1] for g in grids] == [n - 1]  # one launch, at the limit

@@ -27,12 +27,15 @@ a device sync.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from .configs import Target, rotary_config
 from .launch import ACC_DTYPE, LAUNCHES, Launch, pow2_bucket, target_for
+from .limits import INT32_MAX, MAX_GRID_YZ
 
 MIN_BLOCK = 2  # smallest tl.arange width used for the pair and pass-through column blocks
 
@@ -50,7 +53,7 @@ def _rotate_tile(X, O, COS, SIN, POS, OFFSETS, b, xb, start, seqlen, s0, h0, H,
                  R2, D_REST, seqlen_ro, pos_offset,
                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R2: tl.constexpr, BLOCK_REST: tl.constexpr,
                  INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                 HAS_POS: tl.constexpr, COPY_REST: tl.constexpr, ACC: tl.constexpr):
+                 HAS_POS: tl.constexpr, COPY_REST: tl.constexpr, ACC: tl.constexpr, WIDE: tl.constexpr):
     """Rotate the (BLOCK_S positions, BLOCK_H heads) tile at (s0, h0) of one sequence. X/O already
     point at the sequence's batch entry; rows are start + s (varlen: absolute rows)."""
     offs_s = s0 + tl.arange(0, BLOCK_S)  # (BLOCK_S,) index within the sequence
@@ -68,7 +71,9 @@ def _rotate_tile(X, O, COS, SIN, POS, OFFSETS, b, xb, start, seqlen, s0, h0, H,
     safe_pos = tl.where(in_range, pos, 0)
 
     # cos/sin (BLOCK_S, BLOCK_R2), loaded once for every head of the tile, in the accumulator dtype
-    offs_j = tl.arange(0, BLOCK_R2).to(tl.int64)  # int64 column offsets, as rows and heads: x stride can be large
+    offs_j = tl.arange(0, BLOCK_R2)
+    if WIDE:  # a column offset times its stride passes 2**31 (the plan says so): int64, as rows and heads are
+        offs_j = offs_j.to(tl.int64)
     cmask = row_mask[:, None] & (offs_j[None, :] < R2)
     cos = tl.load(COS + safe_pos[:, None] * stride_cs + offs_j[None, :] * stride_cd, mask=cmask, other=0.0).to(ACC)
     sin = tl.load(SIN + safe_pos[:, None] * stride_ss + offs_j[None, :] * stride_sd, mask=cmask, other=0.0).to(ACC)
@@ -85,7 +90,9 @@ def _rotate_tile(X, O, COS, SIN, POS, OFFSETS, b, xb, start, seqlen, s0, h0, H,
     out_ty = O.dtype.element_ty
     if INTERLEAVED:
         # pairs (x[2j], x[2j+1]): one contiguous (.., 2 * BLOCK_R2) load, split into x1/x2 in registers
-        offs_c = tl.arange(0, 2 * BLOCK_R2).to(tl.int64)
+        offs_c = tl.arange(0, 2 * BLOCK_R2)
+        if WIDE:
+            offs_c = offs_c.to(tl.int64)
         cm = m3 & (offs_c < 2 * R2)[None, None, :]
         x = tl.load(x_rows + offs_c[None, None, :] * stride_xd, mask=cm, other=0.0).to(ACC)
         x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, BLOCK_R2, 2)))  # (BLOCK_S, BLOCK_H, BLOCK_R2) each
@@ -104,7 +111,9 @@ def _rotate_tile(X, O, COS, SIN, POS, OFFSETS, b, xb, start, seqlen, s0, h0, H,
         tl.store(o_rows + c1 * stride_od, o1.to(out_ty), mask=jm)
         tl.store(o_rows + (c1 + R2) * stride_od, o2.to(out_ty), mask=jm)
     if COPY_REST:  # partial rotary, out of place: columns [2 * R2, D) pass through unchanged
-        offs_p = tl.arange(0, BLOCK_REST).to(tl.int64)
+        offs_p = tl.arange(0, BLOCK_REST)
+        if WIDE:
+            offs_p = offs_p.to(tl.int64)
         cp = (2 * R2 + offs_p)[None, None, :]
         pm = m3 & (offs_p < D_REST)[None, None, :]
         rest = tl.load(x_rows + cp * stride_xd, mask=pm, other=0.0)
@@ -124,7 +133,7 @@ def _rotary_kernel(Q, K, QO, KO, COS, SIN, OFFSETS, POS, CU_SEQLENS,
                    BLOCK_R2: tl.constexpr, BLOCK_REST: tl.constexpr,
                    INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
                    HAS_K: tl.constexpr, VARLEN: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                   HAS_POS: tl.constexpr, COPY_REST: tl.constexpr, ACC: tl.constexpr):
+                   HAS_POS: tl.constexpr, COPY_REST: tl.constexpr, ACC: tl.constexpr, WIDE: tl.constexpr = False):
     pid = tl.program_id(0)  # q tiles first (position tiles fastest), then k tiles
     b = tl.program_id(1)  # batch index (varlen: sequence index)
     if VARLEN:
@@ -145,7 +154,7 @@ def _rotary_kernel(Q, K, QO, KO, COS, SIN, OFFSETS, POS, CU_SEQLENS,
                          s0, h_tile * BLOCK_HQ, HQ, stride_qs, stride_qh, stride_qd, stride_qos, stride_qoh,
                          stride_qod, stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
                          R2, D_REST, seqlen_ro, pos_offset, BLOCK_SQ, BLOCK_HQ, BLOCK_R2, BLOCK_REST,
-                         INTERLEAVED, CONJUGATE, HAS_OFFSETS, HAS_POS, COPY_REST, ACC)
+                         INTERLEAVED, CONJUGATE, HAS_OFFSETS, HAS_POS, COPY_REST, ACC, WIDE)
     elif HAS_K:
         kp = pid - n_q_progs
         h_tile = kp // n_sk_tiles
@@ -155,7 +164,7 @@ def _rotary_kernel(Q, K, QO, KO, COS, SIN, OFFSETS, POS, CU_SEQLENS,
                          s0, h_tile * BLOCK_HK, HK, stride_ks, stride_kh, stride_kd, stride_kos, stride_koh,
                          stride_kod, stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
                          R2, D_REST, seqlen_ro, pos_offset, BLOCK_SK, BLOCK_HK, BLOCK_R2, BLOCK_REST,
-                         INTERLEAVED, CONJUGATE, HAS_OFFSETS, HAS_POS, COPY_REST, ACC)
+                         INTERLEAVED, CONJUGATE, HAS_OFFSETS, HAS_POS, COPY_REST, ACC, WIDE)
 
 
 def _pow2(n: int) -> int:
@@ -263,6 +272,9 @@ def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max
     seq = min(max_seqlen, S) if varlen else S
     if nb <= 0 or seq <= 0 or hq + hk == 0 or D == 0:
         return None
+    if nb > MAX_GRID_YZ:  # grid axis 1 (CUDA's y); a host check, so the interpreter refuses what a GPU would
+        raise ValueError(f"rotary: {nb} {'sequences' if varlen else 'batch entries'} exceed CUDA's grid limit of "
+                         f"{MAX_GRID_YZ} per launch; split the call")
     r2 = cos.shape[-1]
     copy_rest = qo is not q and D > 2 * r2  # in place (qo is q): the pass-through columns are already there
     key = (r2, D, hq, hk, q.dtype, interleaved, conjugate, has_k, varlen, offsets is not None,
@@ -294,7 +306,9 @@ def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max
         stride_kob=kosb, stride_kos=koss, stride_koh=kosh, stride_kod=kosd,
         stride_cb=cbs, stride_cs=scs, stride_cd=scd, stride_sb=sbs, stride_ss=sss, stride_sd=ssd,
         stride_pb=pb, stride_ps=ps, S=S, seqlen_ro=cos.shape[-2], pos_offset=int(offset),
-        n_q_progs=n_q_progs, n_sq_tiles=n_sq, n_sk_tiles=n_sk)
+        n_q_progs=n_q_progs, n_sq_tiles=n_sq, n_sk_tiles=n_sk,
+        # int64 column offsets only where int32 would wrap: columns (and their masked lanes) reach 2D + 256
+        WIDE=(2 * D + 256) * max(abs(qsd), abs(osd), abs(ksd), abs(kosd), abs(scd), abs(ssd)) > INT32_MAX)
     return args, (n_q_progs + n_sk * st.n_hk_tiles, nb), st
 
 
@@ -446,4 +460,9 @@ def compile_plans(target: Target) -> list[tuple[str, Launch]]:
             plans.append((f"rotary_decode_inplace_d{d}_{dtype}",
                           plan_rotary(q, q, k, k, cos, cos, offsets=torch.zeros(4, dtype=torch.int32),
                                       target=target)))
+    # the int64-column variant (WIDE: strides too large for int32 column offsets) of a q+k and a partial plan
+    for prefix in ("rotary_qk_fwd_half_h32x8", "rotary_qk_fwd_interleaved_h32x8", "rotary_partial_half"):
+        label, launch = next(p for p in plans if p[0].startswith(prefix))
+        plans.append((label.replace("rotary_", "rotary_wide_", 1),
+                      dataclasses.replace(launch, args={**launch.args, "WIDE": True})))
     return plans

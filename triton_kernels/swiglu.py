@@ -14,12 +14,15 @@ is the pair of views x[:, :H] and x[:, H:]. Math is fp32 (fp64 for fp64 inputs).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from .configs import Target, swiglu_config
 from .launch import ACC_DTYPE, LAUNCHES, Launch, pow2_bucket, target_for
+from .limits import INT32_MAX
 
 
 
@@ -33,7 +36,7 @@ def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H, n_h_tiles,
                    stride_gm, stride_gh, stride_um, stride_uh, stride_dom, stride_doh,
                    stride_o1m, stride_o1h, stride_o2m, stride_o2h,
                    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, FAST_EXP: tl.constexpr,
-                   ACC: tl.constexpr, PACKED: tl.constexpr = False):
+                   ACC: tl.constexpr, PACKED: tl.constexpr = False, WIDE: tl.constexpr = False):
     """PACKED: G is an (M, 2H) [gate | up] tensor and U its columns [H, 2H) (U's strides are G's); in the
     backward OUT1 is the (M, 2H) [dgate | dup] gradient and OUT2 its columns [H, 2H). Writing through
     one tensor, not through two column views of it, keeps torch.compile from copying the halves back
@@ -42,17 +45,24 @@ def _swiglu_kernel(G, U, DO, OUT1, OUT2, M, H, n_h_tiles,
     pid = tl.program_id(0)
     pid_m = pid // n_h_tiles
     pid_h = pid - pid_m * n_h_tiles
-    # int64 offsets, rows and columns: a column offset times a large stride (a transposed input) passes 2**31
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_h = pid_h.to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
+    if WIDE:  # a column offset times its stride passes 2**31 (a permuted view, a slice of a big buffer): int64
+        offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        offs_h = pid_h.to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
+    else:
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,) int32: the plan checked (2H + BLOCK_H) x stride
     mask = (offs_m[:, None] < M) & (offs_h[None, :] < H)  # (BLOCK_M, BLOCK_H)
     u_base = U
     o2_base = OUT2
     offs_u = offs_h  # up's (and the second output's) columns
-    if PACKED:  # the second half's columns of G / OUT1, by offset (H * stride in int32 could wrap)
-        u_base = G
-        o2_base = OUT1
-        offs_u = offs_h + H
+    if PACKED:  # the second half [H, 2H) of G / OUT1
+        if WIDE:
+            u_base = G
+            o2_base = OUT1
+            offs_u = offs_h + H
+        else:
+            u_base = G + H * stride_gh
+            o2_base = OUT1 + H * stride_o1h
     g = tl.load(G + offs_m[:, None] * stride_gm + offs_h[None, :] * stride_gh, mask=mask, other=0.0).to(ACC)
     u = tl.load(u_base + offs_m[:, None] * stride_um + offs_u[None, :] * stride_uh, mask=mask, other=0.0).to(ACC)
     # sigmoid: exp2 (one MUFU.EX2) and a reciprocal; fp64 (interpreter tests) keeps exp, since the
@@ -130,7 +140,9 @@ def _args(st: _Static, g, u, out1, do, out2, shape=None) -> tuple[tuple, dict]:
     sg, su, sd, s1, s2 = g.stride(), u.stride(), do.stride(), out1.stride(), out2.stride()
     nht = st.n_h_tiles
     args = dict(st.consts)
-    args.update(G=g, U=u, DO=do, OUT1=out1, OUT2=out2, M=M, H=H, n_h_tiles=nht,
+    # int64 column offsets only where int32 would wrap (columns reach 2H + BLOCK_H: packed's second half)
+    wide = (2 * H + st.cfg.block_cols) * max(abs(sg[1]), abs(su[1]), abs(sd[1]), abs(s1[1]), abs(s2[1])) > INT32_MAX
+    args.update(G=g, U=u, DO=do, OUT1=out1, OUT2=out2, M=M, H=H, n_h_tiles=nht, WIDE=wide,
                 stride_gm=sg[0], stride_gh=sg[1], stride_um=su[0], stride_uh=su[1], stride_dom=sd[0],
                 stride_doh=sd[1], stride_o1m=s1[0], stride_o1h=s1[1], stride_o2m=s2[0], stride_o2h=s2[1])
     return (_cdiv(M, st.cfg.block_rows) * nht,), args
@@ -235,4 +247,8 @@ def compile_plans(target: Target) -> list[tuple[str, Launch]]:
                                                       target=target)))
             plans.append((f"swiglu_bwd_packed_inplace_h{h}_{dtype}",
                           plan_swiglu_backward_packed(torch.empty(m, h, dtype=dtype), x, x, target=target)))
+    # the int64-offset variant (WIDE: strides too large for int32 columns), forward and packed backward
+    for label, launch in plans[:2] + plans[3:4]:
+        wide = dataclasses.replace(launch, args={**launch.args, "WIDE": True})
+        plans.append((label.replace("swiglu_", "swiglu_wide_", 1), wide))
     return plans
