@@ -20,7 +20,7 @@ differs by query: transformers' static-cache steps pass one, (B, 1, Sq, max_len)
 windows either way where the bounds translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit
 last strides, q laid out (B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views: attention's
 output keeps q's memory order, the decode kernels write (B, Sq, Hq, Dv)), and the attention dispatch choosing
-Triton's kernels. Under
+Triton's kernels within their limits (triton_kernels.limits.within_limits's, as the attention op checks). Under
 torch.compile a growing K/V (dynamic Sk) compiles once without a window or with transformers' (-1, Sk - Sq): the
 guard Sk > Sq stays true as it grows. A top-left window with a fixed bound shifts by Sk - Sq, which would
 pin Sk (the decode launcher takes int bounds: a graph per step), so with a symbolic Sk those run the training
@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from . import _decode_op, _dispatch, _env
 from ._library import call
 from .backends import BACKENDS, AttentionInputs
-from .triton_kernels.limits import MAX_GRID_YZ
+from .triton_kernels.limits import INT32_MAX, MAX_GRID_YZ, MAX_SEQ, mask_span
 
 LN2 = math.log(2.0)
 SMALL_Q_DECODE = True  # False: every call runs the training forward (bench/test_decode.py's flashtx-train)
@@ -116,6 +116,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
     if backend not in ("", "triton") or not _triton_takes(q.device.type, q.device.index, q.dtype,
                                                           operator.index(shape[3]), operator.index(v.shape[3])):
         return None
+    sd = 1 if bshd else 2  # the sequence dim; unit last strides (above): limits.within_limits's spans, in ints
+    if (Sq * st[sd] > INT32_MAX or Sk * k.stride(sd) > INT32_MAX or Sk * v.stride(sd) > INT32_MAX or Sk > MAX_SEQ
+            or (bias is not None and mask_span(bias) > INT32_MAX)):
+        return None  # past the training forward's int32-offset limits: the attention op's call (its fallback)
     if bshd:
         qd, kc, vc = q, k, v
     else:

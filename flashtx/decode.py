@@ -13,7 +13,7 @@ from ._device_checks import triton_checks as _triton_checks
 from ._library import call
 from ._validate import (_values_readable, check_alibi, check_flag, check_softcap, check_tensor, check_window,
                         has_internal_overlap, resolve_scale, views_overlap)
-from .triton_kernels.limits import MAX_SEQ
+from .triton_kernels.limits import MAX_GRID_YZ, MAX_SEQ
 
 LN2 = math.log(2.0)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -152,7 +152,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out (B, Sq, Hq, Dv) in q's dtype [, lse]. Rows that see no key give 0 and lse -inf.
 
     Indices are checked (a ValueError naming the argument) on CPU; on a GPU without a host sync,
-    by a device-side assert. Not differentiable: inputs that require grad are refused.
+    by a device-side assert. Not differentiable: inputs that require grad are refused. The Triton
+    kernels' CUDA grid takes a batch, and kv heads x query tiles, of at most 65535 (a ValueError).
 
     Example:
         >>> out = flashtx.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens,
@@ -173,6 +174,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew, capacity,
                   q_moves)
     name = _backend(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, alibi, window, softcap, capacity, backend)
+    if name == "triton" and (q.shape[0] > MAX_GRID_YZ or q.shape[1] * q.shape[2] > MAX_GRID_YZ):
+        # (kv heads x query tiles <= Hq x Sq) the kernels' grid limits, before the append writes the caches
+        _decode_op._TRITON.kernels.check_launch_grid(q, k_cache, v_cache, block_table, int(num_splits))
     if Snew or rotary_cos is not None:
         q_rot = call(_decode_op.kvcache_append, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                      cache_batch_idx, block_table, bool(rotary_interleaved), not q_moves, name)

@@ -9,6 +9,7 @@ from .configs import INTERPRETER_TARGET, KNOWN_TARGETS, ElementwiseConfig, Targe
 from .decode_kernels import _decode_combine, _decode_fwd, _kv_append
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block, split_f32,
                      target_for)
+from .limits import MAX_GRID_YZ
 
 MAX_SPLITS = 128
 
@@ -49,14 +50,45 @@ def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Targe
     return max(1, min(num_splits, key_tiles, MAX_SPLITS))
 
 
+def check_grid(B: int, Sq: int, Hq: int, Hkv: int, m_tiles: int, splits: int) -> None:
+    """Raise ValueError where a decode launch's grid passes CUDA's limit on grid dims y and z (MAX_GRID_YZ): the
+    batch (the append's y, the forward's and the combine's z), kv heads x query tiles (the forward's y) and, with key
+    splits, the q heads (the combine's y). Checked when the launches are planned (once per call signature)."""
+    if B > MAX_GRID_YZ:
+        raise ValueError(f"q's batch ({B}) is above {MAX_GRID_YZ}, CUDA's limit on grid dims y and z, where the "
+                         "decode kernels put it; split the batch")
+    if Hkv * m_tiles > MAX_GRID_YZ:
+        raise ValueError(f"k_cache's {Hkv} kv heads x {m_tiles} query tiles (of q's {Sq} queries x {Hq // Hkv} heads "
+                         f"per kv head) = {Hkv * m_tiles} programs on CUDA grid dim y, above its limit {MAX_GRID_YZ}; "
+                         "pass fewer queries per call")
+    if splits > 1 and Hq > MAX_GRID_YZ:
+        raise ValueError(f"q's {Hq} heads are above {MAX_GRID_YZ}, CUDA's limit on grid dim y, where the split-KV "
+                         f"combine puts them ({splits} key splits); pass num_splits=1")
+
+
+def check_launch_grid(q, k_cache, v_cache, block_table, num_splits: int, target=None) -> None:
+    """check_grid for plan_append's and plan_decode's launches of these inputs, before either runs (the append must
+    not write the caches of a call whose forward is then refused)."""
+    B, Sq, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    target = target if target is not None else target_for(q)
+    cfg = decode_config(D, v_cache.shape[3], q.element_size(), target)
+    m_tiles = cdiv(Hq // Hkv * Sq, max(16, min(cfg.max_block_m, _pow2(Hq // Hkv * Sq))))
+    splits = split_count(q, k_cache, v_cache, block_table, num_splits, target) if Hq > MAX_GRID_YZ else 1
+    check_grid(B, Sq, Hq, Hkv, m_tiles, splits)
+
+
 def plan_append(q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table, *,
                 interleaved: bool, q_same_pos: bool, target=None) -> Launch | None:
-    """Rotate q into q_out (when cos is given) and write rotated k, and v into the cache at seqlens."""
+    """Rotate q into q_out (when cos is given) and write rotated k, and v into the cache at seqlens. Raises
+    ValueError past CUDA's grid limits (check_grid)."""
     B, Sq, Hq, D = q.shape
     Snew = k.shape[1] if k is not None else 0
     rotary = cos is not None
     if B == 0 or (not rotary or Sq == 0) and Snew == 0:
         return None
+    if B > MAX_GRID_YZ:
+        check_grid(B, Sq, Hq, 1, 1, 1)
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
     dummy = seqlens
     R2 = cos.shape[1] if rotary else 0
@@ -95,6 +127,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
     partials: (o (S, B, Sq, Hq, Dv), lse (S, B, Hq, Sq)) in the accumulator dtype for S = split_count(...) > 1
     splits, or None to allocate them. key_mask: (B, Sq | 1, capacity) uint8 (a bool mask's view), nonzero = visible
     (to query i: row i, or to every query: one row), or None (contiguous caches only: indexed by position).
+    Raises ValueError past CUDA's grid limits (check_grid).
     """
     B, Sq, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
@@ -105,6 +138,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
     m_tiles = cdiv(group * Sq, block_m)
     paged = block_table is not None
     num_splits = split_count(q, k_cache, v_cache, block_table, num_splits, target)
+    check_grid(B, Sq, Hq, Hkv, m_tiles, num_splits)
     left, right = (int(x) for x in window)
     has_right = bool(causal) or right >= 0
     if num_splits > 1:
@@ -303,4 +337,4 @@ def compile_plans(target) -> list:
 
 
 __all__ = ["plan_decode", "plan_append", "decode_attention", "kv_append", "num_splits_heuristic", "compile_plans",
-           "KNOWN_TARGETS"]
+           "check_grid", "check_launch_grid", "KNOWN_TARGETS"]

@@ -60,6 +60,7 @@ def _rope_copy(x_ptrs_h, o_ptrs_h, stride_xd, stride_od, ok, c, s, D, R2, BLOCK_
             i1 = j
             i2 = j + R2
         m = ok & (j < R2)
+        i1, i2 = i1.to(tl.int64), i2.to(tl.int64)  # column x stride can pass int32 (a D-major cache)
         x1 = tl.load(x_ptrs_h + i1 * stride_xd, mask=m, other=0.0).to(ACC)
         x2 = tl.load(x_ptrs_h + i2 * stride_xd, mask=m, other=0.0).to(ACC)
         tl.store(o_ptrs_h + i1 * stride_od, (x1 * c - x2 * s).to(o_ptrs_h.dtype.element_ty), mask=m)
@@ -67,8 +68,8 @@ def _rope_copy(x_ptrs_h, o_ptrs_h, stride_xd, stride_od, ok, c, s, D, R2, BLOCK_
         lo = 2 * R2
     d = tl.arange(0, BLOCK_D)[None, :]
     m = ok & (d >= lo) & (d < D)  # columns past the rotary part are copied
-    x = tl.load(x_ptrs_h + d * stride_xd, mask=m, other=0.0)
-    tl.store(o_ptrs_h + d * stride_od, x.to(o_ptrs_h.dtype.element_ty), mask=m)
+    x = tl.load(x_ptrs_h + d.to(tl.int64) * stride_xd, mask=m, other=0.0)
+    tl.store(o_ptrs_h + d.to(tl.int64) * stride_od, x.to(o_ptrs_h.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -96,11 +97,14 @@ def _kv_append(Q, QO, KN, VN, KC, VC, COS, SIN, SEQLENS, BIDX, BT,
         cq = tl.load(COS + q_pos.to(tl.int64) * stride_cos + j, mask=cm, other=1.0).to(ACC)
         sq = tl.load(SIN + q_pos.to(tl.int64) * stride_sin + j, mask=cm, other=0.0).to(ACC)
         hq = tl.arange(0, BLOCK_HQ)[:, None]
-        _rope_copy(Q + b.to(tl.int64) * stride_qb + t * stride_qm + hq * stride_qh,
-                   QO + b.to(tl.int64) * stride_qob + t * stride_qom + hq * stride_qoh, stride_qd, stride_qod,
-                   (hq < Hq) & (hq * 0 + t < Sq), cq, sq, D, R2, BLOCK_D, BLOCK_R2, ROTARY, INTERLEAVED, ACC)
+        hq64 = hq.to(tl.int64)  # (BLOCK_HQ, 1): head x stride can pass int32
+        _rope_copy(Q + b.to(tl.int64) * stride_qb + t.to(tl.int64) * stride_qm + hq64 * stride_qh,
+                   QO + b.to(tl.int64) * stride_qob + t.to(tl.int64) * stride_qom + hq64 * stride_qoh,
+                   stride_qd, stride_qod, (hq < Hq) & (hq * 0 + t < Sq), cq, sq, D, R2, BLOCK_D, BLOCK_R2, ROTARY,
+                   INTERLEAVED, ACC)
     if HAS_KV:
         hk = tl.arange(0, BLOCK_HKV)[:, None]
+        hk64 = hk.to(tl.int64)  # (BLOCK_HKV, 1): head x stride can pass int32 (a (B, Hkv, S, D) cache)
         pos = hk * 0 + base + t  # (BLOCK_HKV, 1): every head's row is at the same position
         ok = (hk < Hkv) & (pos - base < Snew)
         cb = b.to(tl.int64)
@@ -117,11 +121,11 @@ def _kv_append(Q, QO, KN, VN, KC, VC, COS, SIN, SEQLENS, BIDX, BT,
             cm = (j < R2) & (j * 0 + t < Snew)
             ck = tl.load(COS + (base + t).to(tl.int64) * stride_cos + j, mask=cm, other=1.0).to(ACC)
             sk = tl.load(SIN + (base + t).to(tl.int64) * stride_sin + j, mask=cm, other=0.0).to(ACC)
-        _rope_copy(KN + b.to(tl.int64) * stride_knb + t * stride_knm + hk * stride_knh,
-                   KC + row + hk * stride_kch, stride_knd, stride_kcd, ok, ck, sk, D, R2,
+        _rope_copy(KN + b.to(tl.int64) * stride_knb + t.to(tl.int64) * stride_knm + hk64 * stride_knh,
+                   KC + row + hk64 * stride_kch, stride_knd, stride_kcd, ok, ck, sk, D, R2,
                    BLOCK_D, BLOCK_R2, ROTARY, INTERLEAVED, ACC)
-        _rope_copy(VN + b.to(tl.int64) * stride_vnb + t * stride_vnm + hk * stride_vnh,
-                   VC + vrow + hk * stride_vch, stride_vnd, stride_vcd, ok, ck, sk, DV, R2,
+        _rope_copy(VN + b.to(tl.int64) * stride_vnb + t.to(tl.int64) * stride_vnm + hk64 * stride_vnh,
+                   VC + vrow + hk64 * stride_vch, stride_vnd, stride_vcd, ok, ck, sk, DV, R2,
                    BLOCK_DV, BLOCK_R2, False, INTERLEAVED, ACC)
 
 
@@ -160,8 +164,9 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
     row_ok = offs_r < GROUP * Sq
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + i[:, None] * stride_qm + h[:, None].to(tl.int64) * stride_qh
-                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (M, D)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + i[:, None].to(tl.int64) * stride_qm
+                + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :].to(tl.int64) * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (M, D)
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
     log2e = scalar_in(log2e_hi, log2e_lo, ACC)
     softcap2 = scalar_in(softcap_hi, softcap_lo, ACC)
@@ -196,9 +201,11 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
             page = tl.load(BT + b.to(tl.int64) * stride_btb + offs_n // PAGE, mask=n_ok, other=0)
         krow = _cache_rows(offs_n, page, cb, stride_kb, stride_kn, PAGE, PAGED)
         vrow = _cache_rows(offs_n, page, cb, stride_vb, stride_vn, PAGE, PAGED)
-        kt = tl.load(KC + krow[None, :] + kvh.to(tl.int64) * stride_kh + offs_d[:, None] * stride_kd,
+        # int64 columns (a D-major cache's column x stride passes int32), hoisted by the compiler: the same loop and
+        # registers as int32 ones (an int64 (D, 1) vector formed before the loop kept up to 44 more registers live)
+        kt = tl.load(KC + krow[None, :] + kvh.to(tl.int64) * stride_kh + offs_d[:, None].to(tl.int64) * stride_kd,
                      mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # (D, N)
-        v = tl.load(VC + vrow[:, None] + kvh.to(tl.int64) * stride_vh + offs_dv[None, :] * stride_vd,
+        v = tl.load(VC + vrow[:, None] + kvh.to(tl.int64) * stride_vh + offs_dv[None, :].to(tl.int64) * stride_vd,
                     mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (N, Dv)
         s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (M, N), log2 units
         if SOFTCAP:
@@ -233,7 +240,7 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
     empty = (l_i == 0.0) | (offs_r >= GROUP * Sq)
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    o_ptr = (O + pid_s.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + i[:, None] * stride_om
+    o_ptr = (O + pid_s.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + i[:, None].to(tl.int64) * stride_om
              + h[:, None].to(tl.int64) * stride_oh + offs_dv[None, :] * stride_od)
     tl.store(o_ptr, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(LSE + pid_s.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
@@ -255,11 +262,12 @@ def _decode_combine(OP, LP, O, LSE, stride_ps, stride_pb, stride_pm, stride_ph, 
     l = tl.zeros([BLOCK_R], dtype=ACC)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=ACC)
     b64, h64 = b.to(tl.int64), h.to(tl.int64)  # the partials span splits x B x Sq x Hq x Dv: past int32
+    r64 = rows.to(tl.int64)  # (BLOCK_R,): and one split's Sq x Hq x Dv too
     for s in range(0, NUM_SPLITS):
         s64 = tl.full([], s, tl.int64)
-        lse_s = tl.load(LP + s64 * stride_lps + b64 * stride_lpb + h64 * stride_lph + rows * stride_lpm, mask=r_ok,
+        lse_s = tl.load(LP + s64 * stride_lps + b64 * stride_lpb + h64 * stride_lph + r64 * stride_lpm, mask=r_ok,
                         other=float("-inf")).to(ACC)
-        o_s = tl.load(OP + s64 * stride_ps + b64 * stride_pb + rows[:, None] * stride_pm + h64 * stride_ph
+        o_s = tl.load(OP + s64 * stride_ps + b64 * stride_pb + r64[:, None] * stride_pm + h64 * stride_ph
                       + offs_dv[None, :] * stride_pd, mask=r_ok[:, None] & (offs_dv[None, :] < DV),
                       other=0.0).to(ACC)
         m_new = tl.maximum(m, lse_s)
@@ -272,9 +280,9 @@ def _decode_combine(OP, LP, O, LSE, stride_ps, stride_pb, stride_pm, stride_ph, 
     empty = l == 0.0
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
     lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
-    tl.store(O + b64 * stride_ob + rows[:, None] * stride_om + h64 * stride_oh
+    tl.store(O + b64 * stride_ob + r64[:, None] * stride_om + h64 * stride_oh
              + offs_dv[None, :] * stride_od, o.to(O.dtype.element_ty), mask=r_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + rows * stride_lm, lse, mask=r_ok)
+    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + r64 * stride_lm, lse, mask=r_ok)
 
 
 __all__ = ["_kv_append", "_decode_fwd", "_decode_combine"]
