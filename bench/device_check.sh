@@ -139,7 +139,8 @@ fi
 # The GPU-only tests and the compile / graph-break tests (what a CPU run cannot see), in parallel
 # workers: they also compile most attention kernels into Triton's cache. Not test_compile.py (the
 # CPU compile check, minutes, no GPU needed). lane_masks: the option-tensor and varlen lanes' direct launches
-# (varlen's bind packed (total, H, D) tensors to launches planned on (1, total, H, D) views).
+# (varlen's bind packed (total, H, D) tensors to launches planned on (1, total, H, D) views). wide_offsets: the
+# int64-offset kernels (SwiGLU/RoPE WIDE, decode) and the span checks on real GPU memory (a few GB each).
 if want tests_gpu; then
   XDIST=""
   ((HAVE_XDIST)) && XDIST="-n $(( NCPU < 8 ? NCPU : 8 )) --dist loadgroup"  # 8 here + 7 prewarm workers on 16 cores
@@ -147,7 +148,7 @@ if want tests_gpu; then
   # the step hit its limit, and the end-of-run summary never printed)
   step "pytest tests (GPU-only, compile and graph breaks)" 150 330 $PY -m pytest tests -v -rf --maxfail=40 $XDIST \
     -p no:cacheprovider --ignore=tests/test_compile.py --ignore=tests/test_bench_smoke.py \
-    -k "gpu_large or test_memory or compile or trace or graph or readme or device_asserts or lane_masks"
+    -k "gpu_large or test_memory or compile or trace or graph or readme or device_asserts or lane_masks or wide_offsets"
 fi
 
 if ((${#PREWARM_PIDS[@]})); then  # the timed steps must not share the machine with compiles
