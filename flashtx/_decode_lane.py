@@ -15,11 +15,11 @@ ones kv_append and decode_attention would replay), made for the normalised tenso
 or views with their data pointers (a contiguous() that copies, a reshaped ALiBi table of other strides: the general
 path). Every call still checks what depends on values or addresses, as the general path does: the index ranges
 (`decode._check_ranges`: on the host for CPU tensors, by the check kernel and a device-side assert on a GPU) and,
-when appending, whether the caches share memory with each other or with q, k, v (`decode.append_overlap`). It then fires the append (bumping the caches' version
-counters, as the in-place op's call does) and the attention, with the outputs and split partials allocated as the
-ops allocate them. Every other call returns None, and the caller takes the general path: empty inputs, tensors on a
-CUDA device that is not the current one, and plans that are not Triton's (and lanes.remember's and lanes.eager's
-rules).
+when appending, whether the caches share memory with each other or with q, k, v (`decode.append_overlap`). It
+then fires the append (bumping the caches' version counters, as the in-place op's call does) and the attention,
+with the outputs and split partials allocated as the ops allocate them. Every other call returns None, and the
+caller takes the general path: empty inputs, tensors on a CUDA device that is not the current one, and plans that
+are not Triton's (and lanes.remember's and lanes.eager's rules).
 
 `LANE = False` turns it off (tests and bench/overhead.py compare both).
 """

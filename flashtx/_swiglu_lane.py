@@ -16,9 +16,9 @@ flashtx::swiglu_bwd_ does), kept per forward lane, dout's dtype and strides, and
 backward (`_swiglu_op._backward`) runs instead for create_graph, saved-tensor hooks, a saved tensor whose `.data`
 was swapped, a dout whose rows are not a view, and anything tracing. gate and up overlapping, and a leaf that
 requires grad (whose values an in-place backward would overwrite), are checked every call when inplace_backward
-is set (they depend on addresses and on the tensors, not their layouts). Every other call returns None, and the caller takes
-the general path: empty tensors, tensors on a CUDA device that is not the current one, and plans that are not
-Triton's (and lanes.remember's and lanes.eager's rules).
+is set (they depend on addresses and on the tensors, not their layouts). Every other call returns None, and the
+caller takes the general path: empty tensors, tensors on a CUDA device that is not the current one, and plans that
+are not Triton's (and lanes.remember's and lanes.eager's rules).
 
 `LANE = False` turns it off (tests and bench/overhead.py compare both).
 """
