@@ -61,7 +61,8 @@ def _check_values(ok: Tensor, readable: bool, message, name: str, where: str = "
 
 def _check_writable_caches(k_cache: Tensor, v_cache: Tensor, paged: bool) -> None:
     """Appending writes every (row, position, head) slot once: refuse caches whose slots share memory (an expanded
-    view) or that share memory with each other (k_cache is v_cache), as torch refuses in-place writes there."""
+    view), as torch refuses in-place writes there (what they share with each other or with q, k, v:
+    append_overlap)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if has_internal_overlap(t):
             dims = ("pages" if paged else "batch", "page rows" if paged else "positions", "heads", "head dim")
@@ -69,8 +70,6 @@ def _check_writable_caches(k_cache: Tensor, v_cache: Tensor, paged: bool) -> Non
             raise ValueError(f"{name} has stride 0 along {dup} (an expanded view, shape {tuple(t.shape)}, strides "
                              f"{t.stride()}): appending k, v would write one memory slot for several; pass a cache "
                              "with its own memory per slot")
-    if k_cache is v_cache:
-        raise ValueError(_overlap_message("k_cache", "v_cache"))
 
 
 def append_overlap(q, k, v, k_cache, v_cache) -> tuple[str, str] | None:
@@ -291,10 +290,12 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
                            "or torch.inference_mode(), or pass detached tensors")
     if Snew:
         _check_writable_caches(k_cache, v_cache, block_table is not None)
-        if not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # addresses are not traceable: a compiled step checks identity only
+            pair = ("k_cache", "v_cache") if k_cache is v_cache else None
+        else:
             pair = append_overlap(q, k, v, k_cache, v_cache)
-            if pair is not None:
-                raise ValueError(_overlap_message(*pair))
+        if pair is not None:
+            raise ValueError(_overlap_message(*pair))
     causal = bool(causal)
     return (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, Snew, capacity, causal, window, float(softcap), alibi, scale, causal or window != (-1, -1))

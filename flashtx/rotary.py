@@ -34,8 +34,8 @@ from torch import Tensor
 from . import _dispatch, _rotary_lane
 from ._library import call
 from ._rotary_op import ROTARY_BACKENDS, RotaryInputs, rotary_inplace_op, rotary_op, rotary_qk_op  # noqa: F401
-from ._validate import (_values_readable, check_cu_seqlens_values, check_flag, check_tensor, has_internal_overlap,
-                        is_flag, views_overlap)
+from ._validate import (_values_readable, check_cu_seqlens_values, check_flag, check_tensor, grad_leaf,
+                        has_internal_overlap, is_flag, views_overlap)
 
 _dispatch.STANDINS["rotary"] = lambda device, dtype, cos_dtype: RotaryInputs(
     torch.empty(0, 0, 0, 0, device=device, dtype=dtype), torch.empty(0, 0, 0, device=device, dtype=cos_dtype))
@@ -80,8 +80,7 @@ def _rotate_inplace(q, k, cos, sin, index, spec, backend: str, track: bool) -> N
         call(rotary_inplace_op, q, k, cos, sin, index, spec, backend)
         return
     for t in (q, k):  # refuse before mutating anything (autograd would refuse after q is rotated)
-        base = t._base if t is not None and t._base is not None else t
-        if base is not None and base.is_leaf and base.requires_grad:
+        if t is not None and grad_leaf(t):
             raise RuntimeError("inplace=True on a leaf tensor that requires grad (or a view of one): autograd "
                                "cannot record it; rotate a non-leaf (e.g. a projection's output) or use inplace=False")
     if k is None:

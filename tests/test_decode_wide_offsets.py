@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import DEVICE, ON_GPU
 from test_decode import loop_reference
+from test_wide_offsets import _strided
 
 import flashtx
 from flashtx import _small_q
@@ -20,13 +21,6 @@ from flashtx.triton_kernels.limits import MAX_GRID_YZ, within_limits
 F16 = torch.float16
 ATOL = 3e-3  # float16 outputs against float64 (test_decode's TOL)
 DMAJOR = 150994944  # a D-major cache's head-dim stride: column 15 is at 15 x 150994944 > 2**31
-
-
-def _strided(buf, shape, strides, offset=0, gen=None):
-    """A view of buf with those strides, its elements set to fresh random values (the rest of buf untouched)."""
-    t = buf.as_strided(shape, strides, offset)
-    t.copy_(torch.randn(shape, generator=gen).to(F16))
-    return t
 
 
 def _rand(*shape, gen):
