@@ -123,7 +123,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b] (flash-attn's
             rule). Every position used must be < seqlen_ro.
         cache_seqlens: (B,) int32 (int64 accepted) or an int: tokens already in each sequence's
-            cache (before the append); None = the whole cache is in use.
+            cache (before the append); None = the whole cache is in use (then k, v must be None).
         cache_batch_idx: (B,) int32: sequence b uses cache row cache_batch_idx[b] (contiguous
             caches only; distinct rows when appending: a repeat is refused on CPU, and on a GPU for
             batches of up to 256). Default b.
@@ -270,7 +270,11 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
             raise ValueError(f"cache_seqlens = {cache_seqlens}: with the {Snew} new tokens it must stay within the "
                              f"cache's {capacity} positions (and be >= 0)")
         cache_seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    elif cache_seqlens is None:
+    elif cache_seqlens is None:  # every cache full, as flash-attn (which also requires it with k, v)
+        if Snew:
+            raise ValueError(f"cache_seqlens is None (each cache full: {capacity} positions) but {Snew} new k/v "
+                             "tokens were given to append; pass cache_seqlens (B,) int32, each sequence's length "
+                             "before the new tokens")
         cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
     else:
         cache_seqlens = _check_index("cache_seqlens", cache_seqlens, (B,), q)

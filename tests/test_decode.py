@@ -299,3 +299,18 @@ def test_an_int_cache_seqlens_past_the_cache_names_the_argument():
         with pytest.raises(ValueError, match=rf"cache_seqlens = {bad}: with the 1 new tokens it must stay within "
                                              r"the cache's 32 positions"):
             flashtx.flash_attn_with_kvcache(q, kc, vc, kc[:, :1].clone(), vc[:, :1].clone(), cache_seqlens=bad)
+
+
+def test_appending_without_cache_seqlens_is_refused_by_name():
+    """cache_seqlens=None means every cache is full (flash-attn's rule), so new k/v have nowhere to go: flash-attn
+    requires cache_seqlens with k, v; the message must name it (not an entry of a tensor the caller never passed)."""
+    q = torch.randn(2, 1, 2, 16, device=DEVICE)
+    kc, vc = torch.randn(2, 32, 2, 16, device=DEVICE), torch.randn(2, 32, 2, 16, device=DEVICE)
+    before = kc.clone(), vc.clone()
+    with pytest.raises(ValueError, match=r"cache_seqlens is None \(each cache full: 32 positions\) but 1 new k/v"):
+        flashtx.flash_attn_with_kvcache(q, kc, vc, kc[:, :1].clone(), vc[:, :1].clone())
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    out = flashtx.flash_attn_with_kvcache(q, kc, vc)  # without new tokens None stays the whole cache
+    want = reference.attention(q.transpose(1, 2).double(), kc.transpose(1, 2).double(),
+                                       vc.transpose(1, 2).double()).transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)

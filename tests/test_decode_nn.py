@@ -387,6 +387,24 @@ def test_a_cache_of_another_dtype_than_the_step_is_refused_by_name(kind):
             layer(x, memory=randn(2, 5, E) if cross else None, cache=cache)
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "paged", "cross"])
+def test_a_cache_of_another_layer_shape_is_refused_by_name(kind):
+    """A cache made by a layer with other KV heads or head dims: a clear error naming the cache (not an index_copy_
+    error, nor blame on the layer's own k/v), before any bookkeeping."""
+    cross = kind == "cross"
+    layer = MultiheadAttention(E, H, HKV, causal=not cross, cross=cross).to(DEVICE).eval()
+    x, memory = randn(2, 3, E), (randn(2, 5, E) if cross else None)
+    for other in (MultiheadAttention(E, H, 1, causal=not cross, cross=cross),  # Hkv 1 against 2
+                  MultiheadAttention(2 * E, H, HKV, causal=not cross, cross=cross)):  # head_dim 16 against 8
+        cache = other.to(DEVICE).new_cache(2, max_len=32, paged=kind == "paged")
+        before = _cache_state(cache)
+        with torch.no_grad(), pytest.raises(ValueError, match=rf"cache holds {other.num_kv_heads} KV heads of "
+                                                              rf"head_dim {other.head_dim} .* num_kv_heads={HKV}, "
+                                                              rf"head_dim={E // H}: create the cache with this"):
+            layer(x, memory=memory, cache=cache)
+        assert _cache_state(cache) == before
+
+
 def _cache_state(cache) -> tuple:
     """Everything a cached call's bookkeeping changes, as plain values."""
     if isinstance(cache, PagedKVCache):

@@ -54,6 +54,12 @@ def _check_cache_dtype(cache, q: Tensor) -> None:
                          f"new_cache(..., dtype={q.dtype})")
 
 
+def _cache_heads(cache) -> tuple[int, int, int]:
+    """(Hkv, D, Dv) of a KVCache's (B, Hkv, max_len, D) or a PagedKVCache's (pages, page_size, Hkv, D) buffers."""
+    k, v = cache.k.shape, cache.v.shape
+    return (k[2] if isinstance(cache, PagedKVCache) else k[1]), k[3], v[3]
+
+
 DECODE_MAX_S = 16  # cached calls of up to this many tokens use flash_attn_with_kvcache (see the module doc)
 
 
@@ -154,7 +160,8 @@ class MultiheadAttention(nn.Module):
         """An empty cache for this layer on the parameters' device and dtype unless given: a KVCache of
         (batch_size, Hkv, max_len, D) buffers, or with paged=True a PagedKVCache of num_pages pages
         (default: enough for every sequence to reach max_len) of page_size tokens (a multiple of 16),
-        at most max_len tokens a sequence. For cross-attention max_len is the memory's length (or more)."""
+        at most max_len tokens a sequence (rounded up to whole pages: its ``max_len`` may be larger). For
+        cross-attention max_len is the memory's length (or more)."""
         p = self.out_proj.weight
         kw = dict(dtype=dtype or p.dtype, device=device or p.device)
         if paged:
@@ -207,6 +214,11 @@ class MultiheadAttention(nn.Module):
                                  f"got {cache!r}")
             if isinstance(cache, PagedKVCache) and self.cross:
                 raise ValueError("cross-attention caches its memory in a KVCache, not a PagedKVCache")
+            got = _cache_heads(cache)
+            if got != (Hkv, D, D):
+                raise ValueError(f"cache holds {got[0]} KV heads of head_dim {got[1]} (values {got[2]}), but this "
+                                 f"layer has num_kv_heads={Hkv}, head_dim={D}: create the cache with this layer's "
+                                 f"new_cache; got {cache!r}")
         if self.cross:
             out = self._cross(x, memory, key_mask, attn_mask, cache, p)  # (B, Hq, S, D)
         else:
