@@ -14,10 +14,12 @@ import torch
 
 
 def main() -> int:
-    if not torch.cuda.is_available() and os.environ.get("FLASHTX_INTERPRET") != "1" \
-            and os.environ.get("_FLASHTX_REEXEC") != "1":
+    reexecuted = os.environ.pop("_FLASHTX_REEXEC", None) == "1"  # popped: nothing this process starts inherits it
+    if not torch.cuda.is_available() and os.environ.get("FLASHTX_INTERPRET") != "1" and not reexecuted:
         env = dict(os.environ, FLASHTX_INTERPRET="1", _FLASHTX_REEXEC="1")
-        os.execve(sys.executable, [sys.executable, "-m", "flashtx", *sys.argv[1:]], env)
+        # the interpreter's own options (-W, -X, ...) too, where Python records them (3.10+)
+        argv = sys.orig_argv[1:] if "-m" in getattr(sys, "orig_argv", ()) else ["-m", "flashtx", *sys.argv[1:]]
+        os.execve(sys.executable, [sys.executable, *argv], env)
 
     import flashtx
     from flashtx import _env, selfcheck
@@ -37,7 +39,8 @@ def main() -> int:
         dtypes = [torch.float16, torch.bfloat16, torch.float32]
     else:
         device = "cpu"
-        mode = "in Triton's interpreter (FLASHTX_INTERPRET=1)" if _env.INTERPRET else "nowhere: triton is unavailable"
+        mode = ("in Triton's interpreter (FLASHTX_INTERPRET=1)" if _env.INTERPRET
+                else f"nowhere ({_env.interpreter_off_reason()})")
         print(f"GPU: none. Triton kernels run {mode}; CPU tensors otherwise use the reference backend.")
         dtypes = [torch.float16, torch.float32]
 

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import torch
 
-from . import _lanes, _library, _small_q
+from . import _env, _lanes, _library, _small_q
 from ._attention_op import GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd, empty_like_layout, spec_of
 from ._library import _C_APPLY, _unwrap_if_dead, call
 from .triton_kernels import precision
 from .triton_kernels.limits import MAX_SEQ, LimitExceeded
 
-LANE = True
+LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every call takes the general path
 
 _NO_AUX = [None] * 8  # _attention_op.Aux, every entry None
 _NO_WINDOW = (-1, -1)

@@ -51,6 +51,32 @@ def gencode_flags(archs=ARCHS, ptx: bool = False) -> list[str]:
     return flags
 
 
+def parse_archs(text: str, name: str = "FLASHTX_CUDA_ARCHS") -> list[int]:
+    """Compute capabilities from a list such as "80;86;90", "8.0 9.0", "sm_80,sm_90" or TORCH_CUDA_ARCH_LIST's
+    "8.0;9.0+PTX" (PTX of the newest arch is always added); ValueError naming `name` for anything else."""
+    archs = []
+    for item in re.split(r"[,;\s]+", text.strip()):
+        if not item:
+            continue
+        m = re.fullmatch(r"(?:sm_|compute_)?(?:(\d+)\.(\d)|(\d{2,3}))(?:\+ptx)?", item.lower())
+        if m is None:
+            raise ValueError(f"{name}={text!r}: {item!r} is not a compute capability; use e.g. \"80;86;90\", "
+                             "\"8.0;9.0\" or \"sm_80,sm_90\" (arch-specific targets such as 90a are not built)")
+        arch = int(m.group(3)) if m.group(3) else 10 * int(m.group(1)) + int(m.group(2))
+        if arch < 80:
+            raise ValueError(f"{name}={text!r}: sm_{arch} is below sm_80, which the kernels need (bf16, cp.async)")
+        archs.append(arch)
+    return sorted(set(archs))
+
+
+def resolve_cuda_home(nvcc: str) -> str | None:
+    """$CUDA_HOME when it holds the nvcc in use, else the install nvcc really uses (cuda_home)."""
+    home = os.environ.get("CUDA_HOME")
+    if home and os.path.realpath(os.path.join(home, "bin", "nvcc")) == os.path.realpath(nvcc):
+        return home
+    return cuda_home(nvcc)
+
+
 def find_nvcc() -> str | None:
     """nvcc from $CUDA_HOME/bin, else PATH, else /usr/local/cuda/bin; None when there is none."""
     candidates = []

@@ -29,11 +29,11 @@ import math
 
 import torch
 
-from . import _lanes, _library
+from . import _env, _lanes, _library
 from .triton_kernels import precision
-from .triton_kernels.launch import TORCH_ACC_DTYPE
+from .triton_kernels.precision import TORCH_ACC_DTYPE
 
-LANE = True
+LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every call takes the general path
 LN2 = math.log(2.0)
 
 _TENSOR, _F32 = torch.Tensor, torch.float32

@@ -31,7 +31,7 @@ from torch import Tensor
 from . import _dispatch, reference
 from ._library import triton_op
 from .backends import MAX_HEAD_DIM, triton_device_reasons
-from .triton_kernels.launch import TORCH_ACC_DTYPE
+from .triton_kernels.precision import TORCH_ACC_DTYPE
 
 
 

@@ -11,13 +11,33 @@ import os
 import sys
 
 
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+# On/off values: Triton's own (its getenv_bool takes exactly these, in any case, for TRITON_INTERPRET), and off.
+ON, OFF = ("1", "true", "yes", "y", "on"), ("", "0", "false", "no", "n", "off")
 
 
-INTERPRET_REQUESTED = _truthy("FLASHTX_INTERPRET") or _truthy("TRITON_INTERPRET")
+def flag(name: str) -> bool:
+    """An on/off FLASHTX_* switch from the environment; a value that is neither warns (naming the variable and
+    the values allowed) and counts as off. Read once, where the switch is decided: never on a hot path."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in ON:
+        return True
+    if value not in OFF:
+        import warnings
+
+        warnings.warn(f"{name}={raw!r} is not an on/off value: it is taken as off (on: {', '.join(ON)}; off: "
+                      f"{', '.join(v for v in OFF if v)} or unset)", stacklevel=2)
+    return False
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET as Triton reads it (so flashtx and Triton agree whether kernels are interpreted)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ON
+
+
+INTERPRET_REQUESTED = flag("FLASHTX_INTERPRET") or triton_interpret()
 _TRITON_PREIMPORTED = "triton" in sys.modules
-INTERPRET_TOO_LATE = INTERPRET_REQUESTED and _TRITON_PREIMPORTED and not _truthy("TRITON_INTERPRET")
+INTERPRET_TOO_LATE = INTERPRET_REQUESTED and _TRITON_PREIMPORTED and not triton_interpret()
 if INTERPRET_REQUESTED and not _TRITON_PREIMPORTED:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -35,6 +55,17 @@ TRITON_IMPORT_ERROR = _triton_import_error()
 
 HAS_TRITON = TRITON_IMPORT_ERROR is None
 INTERPRET = INTERPRET_REQUESTED and not INTERPRET_TOO_LATE and HAS_TRITON
+
+
+def interpreter_off_reason() -> str | None:
+    """Why Triton's interpreter is not in use (None when it is)."""
+    if INTERPRET:
+        return None
+    if not HAS_TRITON:
+        return TRITON_IMPORT_ERROR
+    if INTERPRET_TOO_LATE:
+        return "FLASHTX_INTERPRET=1 came after triton was imported (set it before, or set TRITON_INTERPRET=1)"
+    return "FLASHTX_INTERPRET is not set"
 
 
 def interpreter_numpy_problem() -> str | None:

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _lanes, _library
+from . import _env, _lanes, _library
 from ._library import _C_APPLY, _unwrap_if_dead
 from ._rotary_op import _save, rotated_grads
 from ._validate import has_internal_overlap, views_overlap
 
-LANE = True
+LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every call takes the general path
 
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
 _NO_INDEX = (None, None, None)  # offsets, position_ids, cu_seqlens

@@ -28,12 +28,12 @@ import math
 
 import torch
 
-from . import _lanes, _library
+from . import _env, _lanes, _library
 from ._library import _C_APPLY, _unwrap_if_dead
 from ._swiglu_op import _backward, _backward_packed
 from ._validate import grad_leaf, views_overlap
 
-LANE = True
+LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every call takes the general path
 
 _TENSOR, _STRIDED, _CONTIGUOUS = torch.Tensor, torch.strided, torch.contiguous_format
 _INC_VERSION = torch.autograd.graph.increment_version

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from . import _cuda_build as _b
+from . import _env
 
 SCHEMAS = {  # must equal the m.def strings of csrc/binding.cpp (tests/test_cuda_ext.py checks)
     "decode_attention": "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
@@ -60,10 +61,6 @@ _state: dict = {"loaded": None, "error": None, "fakes": False}
 # ---------------------------------------------------------------------------------------------
 # Availability
 # ---------------------------------------------------------------------------------------------
-
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
-
 
 def build_env_reasons() -> list[str]:
     """Why the extension cannot be built here (empty when it can)."""
@@ -110,7 +107,10 @@ def load(build_if_missing: bool | None = None) -> bool:
                 _state["loaded"] = f"AOT {path}"
             except (OSError, RuntimeError) as exc:
                 _state["error"] = f"loading {path} failed: {exc}"
-        want_build = _truthy(ENV_AUTO) if build_if_missing is None else build_if_missing
+        # FLASHTX_CUDA_EXT=1 builds on first use where the extension can run (a CUDA device); build() or
+        # build_if_missing=True build anywhere (e.g. to check that it compiles)
+        want_build = (_env.flag(ENV_AUTO) and torch.cuda.is_available()) if build_if_missing is None \
+            else build_if_missing
         if not _state["loaded"] and want_build and _state["error"] is None:
             try:
                 build()
@@ -130,6 +130,8 @@ def unavailable_reason(build_if_missing: bool | None = None) -> str | None:
         env = build_env_reasons()
         how = ("FLASHTX_BUILD_CUDA=1 pip install --no-build-isolation -e . (AOT), or flashtx.cuda_ext.build() / "
                f"{ENV_AUTO}=1 (JIT)")
+        if not env and not torch.cuda.is_available():
+            env = ["no CUDA device is visible (it runs on one; build() compiles it anywhere)"]
         return "not built: " + ("; ".join(env) if env else f"build it with {how}")
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
@@ -148,7 +150,9 @@ def not_supported_reasons(q: torch.Tensor | None = None, k_cache: torch.Tensor |
     automatic=True (what dispatch would ask) also says "not measured faster" until the kernels
     have been timed against the Triton kernels on a GPU, so automatic choices never take them."""
     reasons = []
-    why = unavailable_reason(None if not automatic or MEASURED_FASTER else False)  # an unused choice builds nothing
+    off_device = any(t is not None and t.device.type not in DEVICE_TYPES for t in (q, k_cache))
+    # an unused choice builds nothing: automatic dispatch before the kernels measured faster, or tensors it cannot run
+    why = unavailable_reason(False if off_device or (automatic and not MEASURED_FASTER) else None)
     if why:
         reasons.append(why)
     for name, t in (("q", q), ("k_cache", k_cache)):
@@ -243,7 +247,8 @@ def build(*, verbose: bool = False, archs: list[int] | None = None, lock_wait_s:
         return str(_state["loaded"])
     from torch.utils import cpp_extension
 
-    home = os.environ.get("CUDA_HOME") or _b.cuda_home()
+    nvcc = _b.find_nvcc()
+    home = _b.resolve_cuda_home(nvcc) if nvcc is not None else None
     if home is None:
         raise RuntimeError("cannot find the CUDA install nvcc uses (nvcc -dryrun gave no TOP); set CUDA_HOME")
     os.environ["CUDA_HOME"] = home

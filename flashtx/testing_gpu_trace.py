@@ -31,7 +31,9 @@ import json
 import os
 import sys
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+from flashtx._env import triton_interpret
+
+if triton_interpret():
     sys.exit("run without TRITON_INTERPRET: this traces the GPU path, not the interpreter's")
 
 

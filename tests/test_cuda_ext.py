@@ -391,6 +391,57 @@ def _run_setup(env_value):
 def test_plain_install_stays_pure_python():
     assert _run_setup(None) == "KW []"
     assert _run_setup("0") == "KW []"
+    assert _run_setup("off") == "KW []"
+
+
+def test_setup_refuses_a_build_switch_it_does_not_know():
+    """FLASHTX_BUILD_CUDA=maybe must not silently install without the extension (nor build it)."""
+    assert _run_setup("maybe") == ("EXIT FLASHTX_BUILD_CUDA='maybe': set it to 1 to build the CUDA extension, or to 0 "
+                                   "(or unset it) not to")
+
+
+def test_arch_lists_in_every_common_spelling():
+    assert B.parse_archs("80;86;90") == B.parse_archs("8.0 8.6 9.0+PTX") == B.parse_archs("sm_80,sm_86,sm_90") == [
+        80, 86, 90]
+    assert B.parse_archs("") == [] and B.parse_archs("10.0;sm_120") == [100, 120]
+    for bad, words in (("90a", "'90a' is not a compute capability"), ("7.5", "sm_75 is below sm_80"),
+                       ("8", "'8' is not a compute capability")):
+        with pytest.raises(ValueError, match=f"FLASHTX_CUDA_ARCHS='{bad}': {words}"):
+            B.parse_archs(bad)
+
+
+def test_cuda_home_that_does_not_hold_the_nvcc_in_use_is_not_trusted(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "missing"))
+    monkeypatch.setattr(B, "cuda_home", lambda nvcc=None: "/the/real/top")
+    assert B.resolve_cuda_home("/usr/bin/nvcc") == "/the/real/top"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert B.resolve_cuda_home(str(tmp_path / "bin" / "nvcc")) == str(tmp_path)
+
+
+def test_the_build_on_first_use_waits_for_a_gpu(monkeypatch):
+    """FLASHTX_CUDA_EXT=1 builds on first use only where the extension can run: not for CPU tensors, not on a
+    machine without a CUDA device (build() and build_if_missing=True still build anywhere)."""
+    built = []
+    monkeypatch.setattr(cuda_ext, "build", lambda *a, **k: built.append(1) or "stub")
+    monkeypatch.setattr(cuda_ext, "_ops_registered", lambda: False)
+    monkeypatch.setattr(cuda_ext, "aot_library", lambda: None)
+    monkeypatch.setitem(cuda_ext._state, "loaded", None)
+    monkeypatch.setitem(cuda_ext._state, "error", None)
+    monkeypatch.setenv(cuda_ext.ENV_AUTO, "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda_ext.not_supported_reasons(torch.zeros(1, 1, 2, 64, dtype=torch.float16), automatic=False)  # CPU tensors
+    assert built == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not cuda_ext.load() and built == []
+    assert "no CUDA device is visible" in cuda_ext.unavailable_reason() or cuda_ext.build_env_reasons()
+    cuda_ext.load(build_if_missing=True)
+    assert built == [1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    built.clear()
+    cuda_ext.load()
+    assert built == [1]  # with a GPU the switch builds
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="this torch is a CUDA build: setup.py would build")

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from .configs import KNOWN_TARGETS, Target, TileConfig
+from .configs import KNOWN_TARGETS, Target, TileConfig, interpreter_active
 
 
 @dataclasses.dataclass
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--only", default="", help="check only kernels whose label contains this text")
     args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreter_active():
         print("compile_check compiles kernels: run it with TRITON_INTERPRET unset", file=sys.stderr)
         return 2
     results = run(args.arch or [80, 86, 90], args.jobs, args.only)

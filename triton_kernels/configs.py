@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
+
+from .. import _env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,11 +372,12 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
 
 
 def interpreter_active() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton interprets kernels: TRITON_INTERPRET read as Triton reads it."""
+    return _env.triton_interpret()
 
 
 _autotune_hook = None  # set by triton_kernels/autotune.py when autotuning is on (FLASHTX_AUTOTUNE=1); None: off
-if os.environ.get("FLASHTX_AUTOTUNE", "0").strip().lower() not in ("", "0", "false", "no", "off"):
+if _env.flag("FLASHTX_AUTOTUNE"):
     from . import autotune as _autotune  # noqa: E402,F401  (installs the hook)
 
 

@@ -15,7 +15,7 @@ import torch
 import triton.language as tl
 
 from .configs import INTERPRETER_TARGET, Target, TileConfig, cuda_target, interpreter_active
-from .precision import dot_precision  # noqa: F401 (the launchers import it from here)
+from .precision import TORCH_ACC_DTYPE, dot_precision  # noqa: F401 (the launchers import them from here)
 
 # Accumulator dtype per input dtype: fp32 for the half types and fp32, fp64 for fp64 (tests).
 ACC_DTYPE = {
@@ -24,8 +24,6 @@ ACC_DTYPE = {
     torch.float32: tl.float32,
     torch.float64: tl.float64,
 }
-TORCH_ACC_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
-                   torch.float32: torch.float32, torch.float64: torch.float64}
 
 LOG2E = 1.0 / math.log(2.0)
 

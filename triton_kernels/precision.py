@@ -1,8 +1,13 @@
-"""The tl.dot input precision of fp32 inputs: torch's TF32 switch, as torch.matmul follows it. Torch-only (no
-triton import), so the attention lane (flashtx._attention_lane) can key on it before any kernel module loads."""
+"""The tl.dot input precision of fp32 inputs (torch's TF32 switch, as torch.matmul follows it) and the accumulator
+dtypes. Torch-only (no triton import): the lanes key on them before any kernel module loads, and flashtx imports
+them without triton (its reference backend)."""
 from __future__ import annotations
 
 import torch
+
+# Accumulator (and lse) dtype per input dtype: fp32 for the half types and fp32, fp64 for fp64 (tests).
+TORCH_ACC_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+                   torch.float32: torch.float32, torch.float64: torch.float64}
 
 # torch.backends.cuda.matmul.allow_tf32 reads this getter through a module __getattr__ (~0.5 us a call
 # against 0.06 us): read it directly when this torch has it.

@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from .configs import KNOWN_TARGETS, TileConfig, estimate_shared_memory
+from .configs import KNOWN_TARGETS, TileConfig, estimate_shared_memory, interpreter_active
 
 BLOCKS = (16, 32, 64, 128)
 WARPS = (4, 8)
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreter_active():
         print("tile_sweep compiles kernels: run it with TRITON_INTERPRET unset", file=sys.stderr)
         return 2
     labels = [label for label, _ in _all_plans(KNOWN_TARGETS[args.arch])
