@@ -24,9 +24,12 @@ launches take select_config's choice (they cannot wait: on a GPU the tuner's own
 autograd's device thread); a forced candidate applies only to launches of the widths it is timed for. A key
 whose candidates all fail is warned about once and keeps select_config's choice for the rest of the process.
 
-A cache file that cannot be read or does not have the expected form is ignored with a warning (and
-rewritten on the next store). Under torch.compile tracing only the cache is read: tuning then would
-time fake tensors; tune eagerly first (one eager step, or `python -m bench.tune --write-cache`).
+A cache file that cannot be read or does not have the expected form is ignored with a warning, once per
+process (and rewritten on the next store); so is an entry of the wrong types, and one whose config is not
+among candidates() for its launch (that key is tuned afresh). A store re-reads and merges the file under an
+inter-process lock (flock on autotune.json.lock) and replaces it atomically; a cache that cannot be written is
+warned about once and its results kept for the process. Under torch.compile tracing only the cache is read:
+tuning then would time fake tensors; tune eagerly first (one eager step, or `python -m bench.tune --write-cache`).
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ import os
 import statistics
 import sys
 import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -125,14 +130,19 @@ def autotune(enable: bool = True) -> None:
         cache.clear()  # launches planned before now chose their configs without the tuner
 
 
-def _env_enabled() -> bool:
-    return os.environ.get(ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
-
-
 # ------------------------------------------------------------------------------------------ cache
+_paths: dict[tuple[str, str], Path] = {}  # (FLASHTX_CACHE_DIR or the default, its ~-expansion) -> absolute file
+
+
 def cache_path() -> Path:
-    base = os.environ.get("FLASHTX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flashtx")
-    return Path(base) / "autotune.json"
+    """$FLASHTX_CACHE_DIR/autotune.json (default ~/.cache/flashtx/), `~` expanded and made absolute the first time
+    a value is seen: a process that changes directory keeps reading and writing the same file."""
+    raw = os.environ.get("FLASHTX_CACHE_DIR") or os.path.join("~", ".cache", "flashtx")
+    expanded = os.path.expanduser(raw)
+    path = _paths.get((raw, expanded))
+    if path is None:
+        path = _paths.setdefault((raw, expanded), Path(os.path.abspath(expanded)) / "autotune.json")
+    return path
 
 
 def make_key(*, gpu: str, arch: int, triton_version: str, kernel: str, dtype: str, block_dqk: int, block_dv: int,
@@ -142,58 +152,126 @@ def make_key(*, gpu: str, arch: int, triton_version: str, kernel: str, dtype: st
 
 
 _lock = threading.Lock()
-_memory: dict[str, dict] | None = None  # the cache file's entries, loaded once
+_memory: dict[str, dict] | None = None  # the cache file's entries, loaded once, plus this process's stores
+_warned: set[tuple] = set()  # cache problems already warned about by cached()/store() (reset_memory clears)
+_checked: dict[tuple, bool] = {}  # (the hook's arguments, key, ident) -> whether the cached config is a candidate
+_CONFIG_INTS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def _warn_once(what: tuple, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        _warn(message)
 
 
 def _config_from(entry) -> TileConfig | None:
-    try:
-        c = entry["config"]
-        cfg = TileConfig(int(c["block_m"]), int(c["block_n"]), int(c["num_warps"]), int(c["num_stages"]),
-                         str(c.get("reason", "autotuned")), bool(c.get("tma", False)))
-    except (TypeError, KeyError, ValueError):
+    """The entry's config, or None unless it has the JSON types store() writes: positive ints (not bools,
+    floats or strings) and, if present, a real bool tma."""
+    c = entry.get("config") if isinstance(entry, dict) else None
+    if not isinstance(c, dict):
         return None
-    if min(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) <= 0:
+    ints = [c.get(name) for name in _CONFIG_INTS]
+    tma = c.get("tma", False)
+    if not all(type(v) is int and v > 0 for v in ints) or type(tma) is not bool:
         return None
-    return cfg
+    reason = c.get("reason")
+    return TileConfig(*ints, reason if isinstance(reason, str) else "autotuned", tma)
 
 
-def load_cache(path: Path | None = None) -> dict[str, dict]:
-    """The cache's entries; {} (with a warning) when the file is unreadable or malformed."""
-    path = path or cache_path()
-    if not path.exists():
-        return {}
+def _read(path: Path, warn: Callable[[tuple, str], None]) -> dict[str, dict]:
+    """The well-formed entries of the cache file at `path`; never raises (an unreadable file gives {})."""
     try:
+        if not path.exists():
+            return {}
         data = json.loads(path.read_text())
-        if (not isinstance(data, dict) or data.get("version") != CACHE_VERSION
-                or not isinstance(data.get("entries"), dict)):
+        version = data.get("version") if isinstance(data, dict) else None
+        if type(version) is not int or version != CACHE_VERSION or not isinstance(data.get("entries"), dict):
             raise ValueError(f"not a flashtx autotune cache of version {CACHE_VERSION}")
-    except (OSError, ValueError) as exc:
-        _warn(f"flashtx autotune: ignoring the cache {path}: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, RecursionError (deep nesting): all ignored
+        warn(("file", path), f"flashtx autotune: ignoring the cache {path}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]}")
         return {}
     good = {}
     for key, entry in data["entries"].items():
         if _config_from(entry) is not None:
             good[key] = entry
         else:
-            _warn(f"flashtx autotune: ignoring a malformed entry in {path}: {key!r}")
+            warn(("entry", path, key), f"flashtx autotune: ignoring a malformed entry in {path}: {key!r}")
     return good
 
 
-def store(key: str, cfg: TileConfig, *, ms: float | None = None, timings: dict | None = None,
-          path: Path | None = None) -> None:
-    """Add one result to the cache file (read-modify-write, atomic rename)."""
-    global _memory
-    path = path or cache_path()
-    with _lock:
-        entries = load_cache(path)
-        entries[key] = {"config": {"block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-                                   "num_stages": cfg.num_stages, "tma": cfg.tma, "reason": cfg.reason or "autotuned"},
-                        "ms": ms, "timings": timings or {}}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+def load_cache(path: Path | None = None) -> dict[str, dict]:
+    """The cache's well-formed entries; {} when the file is unreadable or malformed. Warns at each call about
+    what it ignores (the tuner's own reads warn once per process)."""
+    return _read(path or cache_path(), lambda what, message: _warn(message))
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout_s: float = 30.0):
+    """Holds an exclusive flock on `path`.lock (kept, never deleted) while the block runs, so that processes
+    storing at once merge rather than overwrite each other's results. Without fcntl, where the lock file cannot be
+    opened, or after timeout_s, the block runs unlocked (the replace is still atomic)."""
+    try:
+        import fcntl
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    except (ImportError, OSError):
+        fd = None
+    try:
+        deadline = time.monotonic() + timeout_s
+        while fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.002)
+            except OSError:  # no locks on this file system (ENOLCK)
+                break
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _write(path: Path, entries: dict) -> None:
+    """Write through a temporary file unique to this process and call, then rename it over `path` (atomic)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1, sort_keys=True))
         os.replace(tmp, path)
-        _memory = entries
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def store(key: str, cfg: TileConfig, *, ms: float | None = None, timings: dict | None = None,
+          path: Path | None = None) -> bool:
+    """Add one result to the cache file (re-read, merged and atomically replaced under an inter-process lock)
+    and, for the cache's own file, to this process's entries. A file that cannot be written is warned about once
+    and the result kept for this process only. Returns whether the file was written."""
+    global _memory
+    own = cache_path()
+    path = path or own
+    entry = {"config": {"block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                        "num_stages": cfg.num_stages, "tma": cfg.tma, "reason": cfg.reason or "autotuned"},
+             "ms": ms, "timings": timings or {}}
+    written, entries = False, {key: entry}
+    with _lock:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with _file_lock(path):
+                entries = {**_read(path, _warn_once), key: entry}
+                _write(path, entries)
+            written = True
+        except OSError as exc:
+            _warn_once(("write", path), f"flashtx autotune: cannot write the cache {path} ({type(exc).__name__}: "
+                                        f"{exc}); tuned configs are kept for this process only: set "
+                                        "FLASHTX_CACHE_DIR to a writable directory to keep them")
+        if path == own:  # entries loaded earlier (or kept unwritten) stay, whatever the file holds now
+            _memory = {**(_memory or {}), **entries}
+    return written
 
 
 def cached(key: str) -> TileConfig | None:
@@ -201,16 +279,36 @@ def cached(key: str) -> TileConfig | None:
     if _memory is None:
         with _lock:
             if _memory is None:
-                _memory = load_cache()
+                _memory = _read(cache_path(), _warn_once)
     entry = _memory.get(key)
     return _config_from(entry) if entry is not None else None
 
 
+def _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified) -> TileConfig | None:
+    """cached(key), if it is one of candidates() for the launch (checked once per key and config): a config the
+    tuner would not have timed here (edited, or from another flashtx) is ignored with a warning, like a miss."""
+    cfg = cached(key)
+    if cfg is None:
+        return None
+    memo = (key, kernel, block_dqk, block_dv, elt, target, modified, ident_of(cfg))
+    ok = _checked.get(memo)
+    if ok is None:
+        ok = _checked[memo] = memo[-1] in {ident_of(c) for c in
+                                           candidates(kernel, block_dqk, block_dv, elt, target, modified)}
+        if not ok:
+            _warn(f"flashtx autotune: ignoring the cached config {describe(cfg)} for {key} in {cache_path()}: not "
+                  "one of the candidates for this GPU, kernel and head dims; tuning afresh")
+    return cfg if ok else None
+
+
 def reset_memory() -> None:
-    """Forget the loaded cache and the keys that failed to tune (tests, or after another process wrote it)."""
+    """Forget the loaded cache, the keys that failed to tune and the warnings given (tests, or after another
+    process wrote it)."""
     global _memory
     _memory = None
     _failed.clear()
+    _warned.clear()
+    _checked.clear()
 
 
 # ------------------------------------------------------------------------------------- candidates
@@ -337,13 +435,13 @@ def _hook(kernel, block_dqk, block_dv, elt, target, modified):
     key = None
     try:
         key = runtime_key(kernel, block_dqk, block_dv, elt, target, modified)
-        hit = cached(key)
+        hit = _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified)
         if hit is not None:
             return hit
         if tuning() or _compiling() or _capturing() or key in _failed:
             return None
         with _tune_lock:  # another thread may have tuned this key while this one waited
-            hit = cached(key)
+            hit = _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified)
             if hit is not None or key in _failed:
                 return hit
             return tune_now(key, kernel, block_dqk, block_dv, elt, target, modified)
@@ -468,5 +566,5 @@ def summarize(timings: dict) -> str:
     return f"{best}: {ok[best]:.3f} ms (median of candidates {statistics.median(ok.values()):.3f} ms)"
 
 
-if _env_enabled():
+if configs.AUTOTUNE_REQUESTED:  # FLASHTX_AUTOTUNE=1
     autotune(True)

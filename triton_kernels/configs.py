@@ -377,7 +377,8 @@ def interpreter_active() -> bool:
 
 
 _autotune_hook = None  # set by triton_kernels/autotune.py when autotuning is on (FLASHTX_AUTOTUNE=1); None: off
-if _env.flag("FLASHTX_AUTOTUNE"):
+AUTOTUNE_REQUESTED = _env.flag("FLASHTX_AUTOTUNE")  # read once, here (configs is imported before autotune)
+if AUTOTUNE_REQUESTED:
     from . import autotune as _autotune  # noqa: E402,F401  (installs the hook)
 
 
