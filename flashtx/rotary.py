@@ -363,6 +363,10 @@ def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, posi
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, inplace=False):
     """Drop-in for Hugging Face transformers' ``modeling_llama.apply_rotary_pos_emb``, fused.
 
+    Both of transformers' signatures work: 5.x's ``(q, k, cos, sin, unsqueeze_dim=1)`` and 4.x's
+    ``(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``. A positional fifth argument that is
+    an int (not a bool) is 5.x's unsqueeze_dim; a tensor or None there is 4.x's position_ids.
+
     Args:
         q: (B, Hq, S, D), k: (B, Hk, S, D) with unsqueeze_dim=1 (the default), or
             (B, S, H, D) with unsqueeze_dim=2.
@@ -371,7 +375,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, 
             Only the first half is read. rotary_dim < D rotates the first rotary_dim columns
             and passes the rest through (as Phi-3's variant). Older transformers passed
             (max_len, rotary_dim) tables plus position_ids (B, S): that form works too.
-        position_ids: used only with 2-D cos/sin (ignored otherwise, as in transformers).
+        position_ids: 4.x's argument: used only with 2-D cos/sin (ignored otherwise, as in
+            transformers). An int here is taken as unsqueeze_dim (5.x's fifth argument); passing
+            unsqueeze_dim as well, with another value, is a TypeError.
         unsqueeze_dim: 1 or 2, as above.
         inplace: False (default, the drop-in's semantics): new tensors. None: rotate q and k in
             place when autograd records nothing (as flashtx.integrations.transformers does in
@@ -384,7 +390,14 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, 
     Example:
         >>> cos, sin = rotary_emb(v, position_ids)                       # transformers, (B, S, D)
         >>> q, k = flashtx.apply_rotary_pos_emb(q, k, cos, sin)          # q, k: (B, H, S, D)
+        >>> q, k = flashtx.apply_rotary_pos_emb(q, k, cos, sin, 2)       # 5.x's positional unsqueeze_dim
     """
+    if position_ids is not None and not isinstance(position_ids, Tensor) and not isinstance(position_ids, bool) \
+            and isinstance(position_ids, numbers.Integral):  # 5.x's (q, k, cos, sin, unsqueeze_dim)
+        if unsqueeze_dim != 1 and unsqueeze_dim != position_ids:
+            raise TypeError(f"apply_rotary_pos_emb got unsqueeze_dim twice: {position_ids!r} as the fifth argument "
+                            f"(transformers 5's position) and unsqueeze_dim={unsqueeze_dim!r}")
+        position_ids, unsqueeze_dim = None, position_ids
     if unsqueeze_dim not in (1, 2):
         raise ValueError(f"unsqueeze_dim must be 1 ((B, H, S, D) q/k) or 2 ((B, S, H, D)); got {unsqueeze_dim!r}")
     layout = "bhsd" if unsqueeze_dim == 1 else "bshd"

@@ -1,6 +1,7 @@
 """flashtx.nn.RotaryEmbedding: fp32 tables against the formulas (including transformers' dynamic-NTK
 and Llama 3 rules, written out), growth on demand, and forward against apply_rotary(_qk)."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -173,8 +174,6 @@ RE_ERRORS = {
     "llama3_nan_high": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": math.nan, "original_max_position_embeddings": 8}),
                         ValueError, "high_freq_factor must be a finite number > 0; got nan"),
-    "dynamic_zero_len": (dict(dim=8, scaling={"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 0}),
-                         ValueError, "original_max_position_embeddings must be an int >= 1; got 0"),
     "llama3_missing": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0}), ValueError, "missing"),
     "llama3_bands": (dict(dim=8, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                                           "high_freq_factor": 1.0, "original_max_position_embeddings": 8}),
@@ -217,9 +216,11 @@ def test_rotary_embedding_call_errors():
     with pytest.raises(ValueError, match=r"the sequence length plus seqlen_offsets reach position 536870914"):
         rope(q, seqlen_offsets=2**29)
     assert rope._cache is None or rope._cache[1] <= 2048  # nothing was built for them
-    # an integral float (as some configs hold it) is an int, as before the checks
-    sc = flashtx.nn.RotaryEmbedding(8, scaling={"type": "dynamic", "factor": 2.0,
-                                                "original_max_position_embeddings": 16.0}).scaling
+    # an integral float entry (as some configs hold it) equal to max_seq_len: no warning; the length is the int
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sc = flashtx.nn.RotaryEmbedding(8, max_seq_len=16, scaling={"type": "dynamic", "factor": 2.0,
+                                                                    "original_max_position_embeddings": 16.0}).scaling
     assert sc["original_max_position_embeddings"] == 16 and type(sc["original_max_position_embeddings"]) is int
 
 
@@ -256,3 +257,80 @@ def test_tables_built_under_inference_mode_are_rebuilt_in_a_compiled_training_st
     q = randn(1, 4, 2, 8, requires_grad=True)
     (g,) = torch.autograd.grad(step(q), (q,))
     assert g.shape == q.shape and torch.isfinite(g).all()
+
+
+def ntk_tables(dim, base, orig, factor, L):
+    """transformers' _compute_dynamic_ntk_parameters at seq_len = L (max(L, orig)), as fp32 frequencies."""
+    ntk_base = base * ((factor * max(L, orig) / orig) - (factor - 1)) ** (dim / (dim - 2))
+    inv = 1.0 / (ntk_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return plain_tables(inv.float(), torch.arange(L))
+
+
+def test_dynamic_ntk_packed_length_is_the_real_longest_sequence_not_max_seqlen():
+    """Audit t7: with cu_seqlens, max_seqlen is any bound above the longest sequence (it sizes the kernel's grid);
+    the NTK length was taken from it, so the same tokens rotated differently with a looser bound, and the module
+    kept the bound as its longest length. The length is the call's real last position + 1, as transformers reads
+    max(position_ids) + 1."""
+    D, L0, sc = 16, 8, {"rope_type": "dynamic", "factor": 4.0}
+    cu = torch.tensor([0, 6, 10], dtype=torch.int32, device=DEVICE)  # lengths 6, 4: within L0, no scaling
+    x = randn(10, 2, D)
+    want = flashtx.apply_rotary(x, *RotaryEmbedding(D, max_seq_len=L0).to(DEVICE).cos_sin(6), cu_seqlens=cu)
+    for bound in (None, 6, 10, 64):
+        rope = RotaryEmbedding(D, max_seq_len=L0, scaling=sc).to(DEVICE)
+        assert torch.equal(rope(x.clone(), cu_seqlens=cu, max_seqlen=bound), want), f"max_seqlen={bound}"
+        assert rope._cache[0] == ("plain",), f"max_seqlen={bound}: no NTK tables for sequences within L0"
+    # past L0: the frequencies of the longest sequence (12), whatever the bound, and kept (12 > L0) for a
+    # shorter packed batch that is still past L0, as transformers' dynamic_rope_update keeps its longest length
+    cu = torch.tensor([0, 12, 15], dtype=torch.int32, device=DEVICE)
+    x = randn(15, 2, D)
+    c12, s12 = ntk_tables(D, 10000.0, L0, 4.0, 12)
+    rope = RotaryEmbedding(D, max_seq_len=L0, scaling=sc).to(DEVICE)
+    got = rope(x.clone(), cu_seqlens=cu, max_seqlen=40)
+    assert torch.equal(got, flashtx.apply_rotary(x, *RotaryEmbedding(D, max_seq_len=L0, scaling=sc).to(DEVICE)
+                                                 .cos_sin(12), cu_seqlens=cu))
+    torch.testing.assert_close(rope.cos_sin(12)[0].cpu(), c12, rtol=0, atol=1e-6)
+    cu10 = torch.tensor([0, 10, 13], dtype=torch.int32, device=DEVICE)
+    rope(x[:13].clone(), cu_seqlens=cu10, max_seqlen=40)
+    torch.testing.assert_close(rope.cos_sin(10)[0].cpu(), c12[:10], rtol=0, atol=1e-6)
+    # per-sequence offsets: sequence i holds positions off[i] .. off[i] + len[i] - 1, so the length is
+    # max(3 + 10, 5 + 2) = 13, not the longest sequence plus the largest offset (15)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    offs = torch.tensor([10, 2], dtype=torch.int32, device=DEVICE)
+    x = randn(8, 2, D)
+    rope = RotaryEmbedding(D, max_seq_len=L0, scaling=sc).to(DEVICE)
+    got = rope(x.clone(), cu_seqlens=cu, max_seqlen=64, seqlen_offsets=offs)
+    ref = RotaryEmbedding(D, max_seq_len=L0, scaling=sc).to(DEVICE).cos_sin(13)
+    assert torch.equal(got, flashtx.apply_rotary(x, *ref, cu_seqlens=cu, seqlen_offsets=offs))
+
+
+def test_dynamic_ntk_ignores_original_max_position_embeddings_as_transformers():
+    """Audit t2: transformers' dynamic rule reads max_position_embeddings only (4.56 accepts an
+    original_max_position_embeddings entry unused, 5.x warns it is unrecognized); flashtx used the entry as the
+    original length, so the same dict scaled from another length. Now max_seq_len is the length, and a differing
+    entry is named in a warning."""
+    dim, sc = 8, {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+    with pytest.warns(UserWarning, match=r"dynamic scaling ignores original_max_position_embeddings \(8\), as "
+                                         r"transformers does: the original length is max_seq_len \(16\); pass "
+                                         r"max_seq_len=8"):
+        rope = RotaryEmbedding(dim, max_seq_len=16, scaling=sc)
+    assert rope.scaling["original_max_position_embeddings"] == 16
+    ref_c, _ = plain_tables(rope.inv_freq, torch.arange(12))
+    assert torch.equal(rope.cos_sin(12)[0], ref_c), "12 <= max_seq_len 16: no scaling (8 scaled it)"
+    torch.testing.assert_close(rope.cos_sin(40)[0], ntk_tables(dim, 10000.0, 16, 2.0, 40)[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["default", "linear", "dynamic"])
+def test_partial_rotary_factor_is_refused_by_name(kind):
+    """Audit t9: transformers 5's rope_parameters carry partial_rotary_factor (GPT-NeoX, Phi: rotary dim =
+    int(head_dim * factor)); it was silently ignored, so dim=head_dim rotated every column. The module's dim is
+    the rotary dim and it never sees the head dim: a factor other than 1 is refused, saying what to pass."""
+    params = {"rope_type": kind, "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    if kind != "default":
+        params["factor"] = 2.0
+    with pytest.raises(ValueError, match=r"scaling's partial_rotary_factor is 0.25, .*pass "
+                                         r"dim=int\(head_dim \* 0.25\) and drop partial_rotary_factor from the "
+                                         r"dict \(or set it to 1.0\)"):
+        RotaryEmbedding(32, scaling=params)
+    rope = RotaryEmbedding(8, max_seq_len=16, scaling={**params, "partial_rotary_factor": 1.0})  # as advised
+    assert torch.equal(rope.cos_sin(4)[0], RotaryEmbedding(8, max_seq_len=16, scaling={
+        k: v for k, v in params.items() if k != "partial_rotary_factor"}).cos_sin(4)[0])

@@ -253,3 +253,44 @@ def test_is_causal_is_a_bool_under_torch_jit_trace(monkeypatch):
     with pytest.warns(torch.jit.TracerWarning):  # the traced comparison is read as a Python bool
         torch.jit.trace(Attn(), (q, q, q), check_trace=False)
     assert seen and all(type(c) is bool and c for c in seen)
+
+
+def test_in_place_rope_spares_projection_outputs_a_forward_hook_holds(monkeypatch):
+    """Audit t11: in inference the patched apply_rotary_pos_emb rotated q_proj/k_proj's outputs in place, so a
+    forward hook that stored them (activation caching, probing, steering) held rotated values. In place only
+    while no hook (on the calling attention's q_proj/k_proj, inside them, or global) sees them; out of place
+    otherwise, and for a caller that is not such an attention module."""
+    _, _, fused = models(config("llama"))
+    ftx.apply_flashtx(fused)
+    ids = torch.randint(3, SMALL["vocab_size"], (1, 6), device=DEVICE)
+    seen = []
+    real = ftx._fused_rotary_pos_emb
+    monkeypatch.setattr(ftx, "_fused_rotary_pos_emb", lambda *a, **kw: seen.append(kw["inplace"]) or real(*a, **kw))
+    attn = fused.model.layers[0].self_attn
+    with torch.no_grad():
+        want = fused(input_ids=ids).logits
+        assert seen == [None, None], "no hook: in place in every layer (speed unchanged)"
+        for proj in ("k_proj", "q_proj"):
+            store, seen[:] = {}, []
+            h = getattr(attn, proj).register_forward_hook(lambda m, i, o: store.update(x=i[0], out=o))
+            try:
+                assert torch.equal(fused(input_ids=ids).logits, want)
+            finally:
+                h.remove()
+            assert torch.equal(store["out"], getattr(attn, proj)(store["x"])), f"the stored {proj} output changed"
+            assert seen == [False, None], f"{proj} hooked: out of place in that layer only"
+        store, seen[:] = {}, []
+        h = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, i, o: store.update(x=i[0], out=o) if m is attn.k_proj else None)
+        try:
+            assert torch.equal(fused(input_ids=ids).logits, want)
+        finally:
+            h.remove()
+        assert torch.equal(store["out"], attn.k_proj(store["x"]))
+        assert seen == [False, False], "a global hook sees every projection"
+        # a direct call (no attention module calling): new tensors, its inputs untouched
+        q, k = torch.randn(1, 4, 6, 8, device=DEVICE), torch.randn(1, 2, 6, 8, device=DEVICE)
+        cos, sin = torch.randn(1, 6, 8, device=DEVICE), torch.randn(1, 6, 8, device=DEVICE)
+        q0, k0 = q.clone(), k.clone()
+        qo, ko = ftx.apply_rotary_pos_emb(q, k, cos, sin)
+        assert qo is not q and torch.equal(q, q0) and torch.equal(k, k0)

@@ -30,6 +30,7 @@ import sys
 import warnings
 
 import torch
+from torch.nn.modules.module import _global_forward_hooks
 
 from ..functional import attention
 from ..rotary import apply_rotary_pos_emb as _fused_rotary_pos_emb
@@ -47,12 +48,46 @@ _patched_rope: dict = {}  # modeling module -> its original apply_rotary_pos_emb
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """What apply_flashtx puts in place of a modeling module's ``apply_rotary_pos_emb``.
 
-    flashtx.apply_rotary_pos_emb (same signature and shapes: q (B, Hq, S, D), k (B, Hk, S, D),
-    cos/sin (B, S, rotary_dim)), rotating q and k in place when autograd records nothing
-    (generation, no_grad): the attention layers pass fresh projections and rebind the results, so
-    no second copy of q and k is written. With autograd recording (training) it returns new tensors.
+    flashtx.apply_rotary_pos_emb (same signatures and shapes: transformers 5's ``(q, k, cos, sin,
+    unsqueeze_dim=1)`` and 4.x's ``(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``; q (B, Hq,
+    S, D), k (B, Hk, S, D), cos/sin (B, S, rotary_dim)), rotating q and k in place when autograd
+    records nothing (generation, no_grad) and nothing else can hold them: the attention layers pass
+    fresh projections and rebind the results, so no second copy of q and k is written. Out of place
+    (new tensors, the projections' outputs untouched) when autograd records (training), under
+    torch.compile, when a forward hook could have kept the projections' outputs (one on the calling
+    attention module's q_proj/k_proj, or on a module inside them, or a global one), and when the
+    caller is not such an attention module (its ``self`` has no q_proj and k_proj).
     """
-    return _fused_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, inplace=None)
+    inplace = None if _fresh_projections(q, k) else False
+    return _fused_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, inplace=inplace)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "q_norm", "k_norm")  # whose outputs q and k are (q_norm/k_norm where present)
+
+
+def _fresh_projections(q, k) -> bool:
+    """Whether in-place rotation may be tried: no autograd recording, not compiling, no global forward hook, and
+    the caller (the attention forward that called apply_rotary_pos_emb, found as its frame's ``self``) has
+    q_proj and k_proj with no forward hook on them or inside them (a hook may keep their outputs: activation
+    caching, probing and steering tools). Anything else is refused (out of place): sound without a registry of
+    models, since the RoPE patch reaches every model of the family."""
+    if torch.compiler.is_compiling() or _global_forward_hooks or (torch.is_grad_enabled() and (
+            getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False))):
+        return False  # (compiling or recording: out of place anyway; a global hook sees every output)
+    caller = sys._getframe(2).f_locals.get("self")  # 0: here, 1: apply_rotary_pos_emb, 2: the attention forward
+    subs = getattr(caller, "_modules", None)
+    if not isinstance(caller, torch.nn.Module) or subs.get("q_proj") is None or subs.get("k_proj") is None:
+        return False
+    for name in _PROJECTIONS:
+        m = subs.get(name)
+        if m is not None and _hooked(m):
+            return False
+    return True
+
+
+def _hooked(m) -> bool:
+    """Whether m or a module inside it has a forward hook (a plain Linear: one dict read)."""
+    return bool(m._forward_hooks) or any(_hooked(c) for c in m._modules.values() if c is not None)
 
 
 def flashtx_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -265,8 +300,9 @@ def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool
             one of ROPE_FAMILIES.
         attention: register flashtx and switch the model to ``attn_implementation="ftx"``.
         rope: replace the family's ``apply_rotary_pos_emb`` with flashtx.apply_rotary_pos_emb (fused,
-            fp32 inside; in place when autograd records nothing, see apply_rotary_pos_emb here). Like Liger-Kernel, this patches the modeling module, so it applies to
-            every model of that family in the process; ``restore_rope()`` undoes it.
+            fp32 inside; in place when autograd records nothing and no forward hook sees q_proj/k_proj,
+            see apply_rotary_pos_emb here). Like Liger-Kernel, this patches the modeling module, so it
+            applies to every model of that family in the process; ``restore_rope()`` undoes it.
         mlp: give each gated MLP (gate_proj/up_proj/down_proj with SiLU) a forward that uses
             flashtx.swiglu. Parameters, their names and checkpoints are unchanged.
         inplace_backward: the fused MLPs' activation gradient is written over the projections'

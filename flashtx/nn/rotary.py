@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +23,15 @@ def _parse_scaling(scaling, max_seq_len: int, dim: int) -> dict | None:
     if not isinstance(scaling, dict):
         raise TypeError(f"scaling must be None or a dict like {{'type': 'linear', 'factor': 2.0}}; "
                         f"got {type(scaling).__name__}")
+    partial = scaling.get("partial_rotary_factor")
+    if partial is not None and (partial != 1.0 or isinstance(partial, bool)):
+        # transformers 5's rope_parameters carry it: the rotary dim is int(head_dim * partial_rotary_factor). This
+        # module's dim IS the rotary dim (it never sees the head dim at construction), so the fraction cannot be
+        # applied here; ignoring it rotated every column of the head
+        raise ValueError(f"scaling's partial_rotary_factor is {partial!r}, but RotaryEmbedding's dim is the rotary dim "
+                         f"itself (the head dim is unknown here): pass dim=int(head_dim * {partial!r}) and drop "
+                         f"partial_rotary_factor from the dict (or set it to 1.0); the columns past dim pass through, "
+                         f"as in transformers")
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
@@ -42,10 +52,16 @@ def _parse_scaling(scaling, max_seq_len: int, dim: int) -> dict | None:
         if dim <= 2:
             raise ValueError(f"dynamic (NTK) scaling needs dim (the rotary dim) > 2, as it raises the base to "
                              f"dim / (dim - 2); got dim={dim} (use 'linear' scaling, or none, for dim 2)")
+        # The original length is max_seq_len (transformers' max_position_embeddings). transformers' dynamic rule
+        # ignores an original_max_position_embeddings entry (4.56 accepts the key unused, 5.x warns that it is
+        # unrecognized: _compute_dynamic_ntk_parameters and dynamic_rope_update read max_position_embeddings), so
+        # the same dict gives the same frequencies here; a differing entry is named in a warning.
         old = scaling.get("original_max_position_embeddings", max_seq_len)
-        if isinstance(old, bool) or not isinstance(old, numbers.Real) or not 1 <= old < math.inf or old != int(old):
-            raise ValueError(f"dynamic scaling's original_max_position_embeddings must be an int >= 1; got {old!r}")
-        out["original_max_position_embeddings"] = int(old)
+        if old != max_seq_len:
+            warnings.warn(f"dynamic scaling ignores original_max_position_embeddings ({old!r}), as transformers "
+                          f"does: the original length is max_seq_len ({max_seq_len}); pass max_seq_len={old!r} "
+                          f"for that length", stacklevel=3)
+        out["original_max_position_embeddings"] = max_seq_len  # (the key flashtx.nn.attention reads)
     return out
 
 
@@ -93,16 +109,22 @@ class RotaryEmbedding(nn.Module):
         base: theta base; inv_freq = base ** (-arange(0, dim, 2) / dim), kept as an fp32 buffer.
             Default: scaling's "rope_theta" when it has one (transformers 5's rope_parameters), else 10000.
         max_seq_len: initial table length; tables grow on demand beyond it. For dynamic NTK it is
-            also the original context length unless scaling gives original_max_position_embeddings.
+            also the original context length L0 (transformers' max_position_embeddings).
         scaling: None, or a transformers-style rope_scaling dict:
             {"type": "linear", "factor": f}: positions divided by f;
-            {"type": "dynamic", "factor": f[, "original_max_position_embeddings": L0]} (dim > 2): for
-            sequences longer than L0, base *= (f * L / L0 - (f - 1)) ** (dim / (dim - 2)) with L
-            the needed length (recomputed when L grows, reset when it drops below L0, as in
-            transformers' dynamic_rope_update);
+            {"type": "dynamic", "factor": f} (dim > 2): for lengths L > L0 = max_seq_len,
+            base *= (f * L / L0 - (f - 1)) ** (dim / (dim - 2)), L the needed length: the last
+            position + 1 (with cu_seqlens, of the longest packed sequence, never the max_seqlen
+            bound). Recomputed when L grows past the longest seen, kept for shorter L >= L0, reset
+            when L drops below L0, as transformers' dynamic_rope_update. An
+            "original_max_position_embeddings" entry does not set L0 here, as in transformers
+            (4.56 accepts it unused, 5.x warns it is unrecognized): a warning names it when it
+            differs from max_seq_len (pass max_seq_len=that length instead);
             {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
             "original_max_position_embeddings"}: Llama 3.1's frequency rule.
-            ("rope_type" works as the key too; a "rope_theta" entry is the base.)
+            ("rope_type" works as the key too; a "rope_theta" entry is the base. A
+            "partial_rotary_factor" other than 1 is refused: dim is the rotary dim, so pass
+            dim=int(head_dim * partial_rotary_factor) and drop the entry.)
         interleaved: GPT-J pairs (x[2j], x[2j+1]) instead of NeoX/LLaMA halves.
 
     Angles are fl32(inv_freq) * position computed in float64 and rounded once to fp32.
@@ -189,14 +211,18 @@ class RotaryEmbedding(nn.Module):
 
         q: (B, S, Hq, D), k: (B, S, Hk, D) (layout="bhsd": (B, H, S, D); packed (total, H, D)
         with cu_seqlens). Returns q_rot, or (q_rot, k_rot). Tables grow to cover the positions;
-        with tensor seqlen_offsets or position_ids that reads their max (one device sync).
+        with tensor seqlen_offsets or position_ids that reads their max (one device sync), and so
+        does cu_seqlens without max_seqlen or with dynamic scaling (whose frequencies follow the
+        real lengths; max_seqlen, any bound above them, then only sizes the kernel's grid).
 
         inplace: None (default) rotates q and k in place (and returns them) when autograd records
         nothing (inference, no_grad) and their memory allows it, out of place otherwise (always
         under torch.compile); True always in place, False never (see flashtx.apply_rotary).
         """
         check_tensor("q", q)
-        needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout)
+        sc = self.scaling
+        needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout,
+                                     sc is not None and sc["type"] == "dynamic")
         cos, sin = self.cos_sin(needed, q.device)
         kw = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offsets, position_ids=position_ids,
                   cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, inplace=inplace, layout=layout, backend=backend)
@@ -205,9 +231,12 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary_qk(q, k, cos, sin, **kw)
 
     @staticmethod
-    def _needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout) -> int:
+    def _needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, exact: bool = False) -> int:
         """The table length the call's positions need (apply_rotary checks the arguments' shapes and values
-        further; their types are checked here, where they are first read)."""
+        further; their types are checked here, where they are first read). exact (dynamic NTK, whose frequencies
+        follow this length): with cu_seqlens, the real last position + 1 of the packed sequences, read from
+        cu_seqlens (and per-sequence offsets) with one device sync, as transformers reads max(position_ids) + 1;
+        max_seqlen is then only the kernel's grid bound. Otherwise max_seqlen (any bound) is used as given."""
         for name, t in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens)):
             if t is not None and not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be None or an int tensor; got {type(t).__name__}")
@@ -215,15 +244,26 @@ class RotaryEmbedding(nn.Module):
             # at least 1 row: negative ids are out of range (NaN rows), not a reason for an empty table
             need, what = (max(int(position_ids.max()) + 1, 1) if position_ids.numel() else 1), "position_ids"
         else:
-            if cu_seqlens is not None:
-                seq = _check_int("max_seqlen", max_seqlen) if max_seqlen is not None else (
-                    int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0)
-            else:
+            offsets = seqlen_offsets
+            if cu_seqlens is None:
                 seq = q.shape[1] if layout == "bshd" else q.shape[2]
-            if isinstance(seqlen_offsets, Tensor):
-                need = seq + (int(seqlen_offsets.max()) if seqlen_offsets.numel() else 0)
+            elif max_seqlen is not None and not exact:
+                seq = _check_int("max_seqlen", max_seqlen)  # any bound above the longest: no sync
             else:
-                need = seq + _check_int("seqlen_offsets", seqlen_offsets)
+                if max_seqlen is not None:
+                    _check_int("max_seqlen", max_seqlen)
+                # (nseq,) the real lengths: one sync (a cu_seqlens of another shape is refused by apply_rotary)
+                lens = cu_seqlens[1:] - cu_seqlens[:-1] if cu_seqlens.dim() == 1 else cu_seqlens.new_zeros(0)
+                if exact and isinstance(offsets, Tensor) and lens.numel() and offsets.shape == lens.shape \
+                        and offsets.device == lens.device:
+                    # sequence i holds positions off[i] .. off[i] + len[i] - 1 (none when empty)
+                    seq, offsets = int(torch.where(lens > 0, lens + offsets, 0).max()), 0
+                else:
+                    seq = int(lens.max()) if lens.numel() else 0
+            if isinstance(offsets, Tensor):
+                need = seq + (int(offsets.max()) if offsets.numel() else 0)
+            else:
+                need = seq + _check_int("seqlen_offsets", offsets)
             need, what = max(need, 0), "the sequence length plus seqlen_offsets"
         if need > MAX_SEQ:
             raise ValueError(f"{what} reach position {need - 1}; RotaryEmbedding builds tables of at most "
