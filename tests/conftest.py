@@ -203,6 +203,19 @@ def count_calls(monkeypatch, owner, name: str) -> list:
 
 
 @pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty autotune cache directory (FLASHTX_CACHE_DIR), the tuner's memory reset before and after, and the
+    tuner off afterwards."""
+    from flashtx.triton_kernels import autotune
+
+    monkeypatch.setenv("FLASHTX_CACHE_DIR", str(tmp_path))
+    autotune.reset_memory()
+    yield tmp_path
+    autotune.autotune(False)
+    autotune.reset_memory()
+
+
+@pytest.fixture
 def split_head_dims(monkeypatch):
     """Head dims split in two power-of-two pieces (launch.SPLIT_HEAD_DIMS, off by default for now) for
     one test; cached plans are forgotten before and after."""

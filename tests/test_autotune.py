@@ -25,15 +25,6 @@ RTX3090 = Target(86, 101_376)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHTX_CACHE_DIR", str(tmp_path))
-    autotune.reset_memory()
-    yield tmp_path
-    autotune.autotune(False)
-    autotune.reset_memory()
-
-
 def _ident(cfg):
     return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma)
 

@@ -16,20 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from test_autotune import H100, RTX3090
+
 from flashtx.triton_kernels import autotune, configs
-from flashtx.triton_kernels.configs import Target, TileConfig
-
-H100 = Target(90, 232_448)
-RTX3090 = Target(86, 101_376)
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHTX_CACHE_DIR", str(tmp_path))
-    autotune.reset_memory()
-    yield tmp_path
-    autotune.autotune(False)
-    autotune.reset_memory()
+from flashtx.triton_kernels.configs import TileConfig
 
 
 def _ident(cfg):
