@@ -219,3 +219,36 @@ def test_attn_mask_is_passed_through(kind):
     for o in (out, out_ref, out_e):
         o.sum().backward()
     assert_close_to_reference("dx with attn_mask", x.grad, x64.grad, xe.grad, grad=True)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_forward_hook_keeps_the_qkv_output_it_saw(mode):
+    """Without autograd the rotary rotates q and k in place; they are views of the qkv projection's output, so a
+    forward hook that kept that output (activation caching, probes) must not see it rotated."""
+    layer = make_layer(2, True, False, 8, torch.float32).eval()
+    x = randn(2, 5, E)
+    kept = []
+    hook = layer.qkv.register_forward_hook(lambda m, inp, out: kept.append(out))
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        y = layer(x)
+        want = layer.qkv(x)
+    hook.remove()
+    assert torch.equal(kept[0], want)
+    torch.testing.assert_close(y, eager_mha(layer, x), atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_flow_through_a_kv_cache_over_several_calls():
+    """Calls with gradients write the cache out of place (as transformers' DynamicCache), so one backward over
+    several cached calls gives the uncached forward's gradients (in-place writes raised autograd's error)."""
+    layer = make_layer(2, True, False, 8, torch.float64)
+    x = randn(2, 9, E, dtype=torch.float64, requires_grad=True)
+    cache = layer.new_cache(2, max_len=12)
+    outs = [layer(x[:, a:b], cache=cache) for a, b in ((0, 4), (4, 5), (5, 9))]
+    torch.cat(outs, 1).square().sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad()
+    eager_mha(layer, x).square().sum().backward()
+    want = [x.grad] + [p.grad for p in layer.parameters()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10)

@@ -136,3 +136,32 @@ def test_a_bare_layer_cache_is_refused_by_name():
     with torch.no_grad(), pytest.raises(TypeError, match="cache must be a BlockCache from TransformerBlock.new_cache"
                                                          ".*got KVCache"):
         block(torch.randn(1, 2, 32), cache=cache)
+
+
+def test_block_arguments_are_checked_by_name():
+    for kwargs, words in ((dict(kdim=16), "kdim is only meaningful with cross=True"),
+                          (dict(norm="layer", norm_eps=-1.0), r"norm_eps must be a number >= 0; got -1.0")):
+        with pytest.raises(ValueError, match=words):
+            TransformerBlock(E, H, **kwargs)
+    with pytest.raises(ValueError, match=r"dim must be an int >= 1; got '64'"):
+        TransformerBlock("64", H)
+    with pytest.raises(ValueError, match="memory_len is for cross blocks' caches"):
+        TransformerBlock(E, H).new_cache(1, 4, memory_len=5)
+    with pytest.raises(ValueError, match=r"num_pages must be an int >= 1; got 0"):
+        TransformerBlock(E, H).new_cache(1, 4, paged=True, num_pages=0)
+    block = TransformerBlock(E, H, cross=True).to(DEVICE).eval()
+    cache = block.new_cache(1, 8, memory_len=4)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"memory has 6 positions but the cross-attention cache "
+                                                          r"holds 4: create it with new_cache\(..., memory_len>=6\)"):
+        block(randn(1, 2, E), randn(1, 6, E), cache=cache)
+
+
+def test_block_without_inplace_backward_takes_a_second_backward():
+    """retain_graph needs the MLP's activation gradient out of place: the block passes inplace_backward on."""
+    block = TransformerBlock(E, H, inplace_backward=False).to(DEVICE)
+    assert block.mlp.inplace_backward is False and TransformerBlock(E, H).mlp.inplace_backward is True
+    x = randn(1, 5, E, requires_grad=True)
+    y = block(x)
+    (g1,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    (g2,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g1, g2)

@@ -12,6 +12,9 @@ sees keys j <= length + i. Steps of up to DECODE_MAX_S tokens (decoding, specula
 go through flashtx.flash_attn_with_kvcache (split-KV kernels, RoPE and the append fused); longer
 chunks (prefill) and calls that need gradients through flashtx.flash_attn_func with kv_lens; a
 PagedKVCache always through flash_attn_with_kvcache (inference only: run it under torch.no_grad()).
+Calls with gradients write a KVCache out of place, as transformers' DynamicCache: the cache then
+holds their graph, and later calls build on it (one backward over all of them; for a backward
+per call, reset() the cache or fill it under no_grad).
 
 Padding with a cache: each call's key_mask describes its new tokens. Left padding (a sequence's
 padding before its first real token) is kept as flash-attn's cache_leftpad (the cache's
@@ -46,6 +49,7 @@ from ..functional import attention, flash_attn_func
 from ..rotary import apply_rotary_qk
 from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int, _host_readable
 from .rotary import RotaryEmbedding
+from .swiglu import forward_hooked
 
 def _check_cache_dtype(cache, q: Tensor) -> None:
     if cache.k.dtype != q.dtype:
@@ -164,12 +168,15 @@ class MultiheadAttention(nn.Module):
         cross-attention max_len is the memory's length (or more)."""
         p = self.out_proj.weight
         kw = dict(dtype=dtype or p.dtype, device=device or p.device)
+        if num_pages is not None:
+            _check_pos_int("num_pages", num_pages)
         if paged:
             if self.cross:
                 raise ValueError("paged caches are for self-attention; cross-attention's memory uses a KVCache")
             per_seq = -(-_check_pos_int("max_len", max_len) // _check_pos_int("page_size", page_size))
             return PagedKVCache(batch_size, self.num_kv_heads, self.head_dim, page_size=page_size,
-                                num_pages=num_pages or batch_size * per_seq, max_pages_per_seq=per_seq, **kw)
+                                num_pages=batch_size * per_seq if num_pages is None else num_pages,
+                                max_pages_per_seq=per_seq, **kw)
         return KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, **kw)
 
     def _kv(self, memory: Tensor, B: int) -> tuple[Tensor, Tensor]:
@@ -186,12 +193,15 @@ class MultiheadAttention(nn.Module):
         Args:
             x: (B, S, E) queries' input (and keys'/values' for self-attention).
             memory: (B, Sm, kdim), cross-attention only. With a cache it is projected on the first
-                call (when ``cache.filled`` is False) and reused afterwards; it may be None then.
+                call (when ``cache.filled`` is False) and reused afterwards; it may be None then
+                (a later memory or key_mask is not read: reset() the cache for a new memory).
             key_mask: (B, Sk) bool, True = real key: x's padding (self) or memory's (cross).
                 With a cache, the mask of this call's new tokens (see the module docstring: left
                 padding, or for a PagedKVCache also trailing padding, which is not kept).
-            attn_mask: SDPA semantics (bool True = attend, or float added to the scores),
-                broadcastable to (B, Hq, S, Sk); passed to flashtx.attention. Not with a cache.
+            attn_mask: SDPA semantics (bool True = attend, the opposite of nn.MultiheadAttention's
+                bool masks: pass ~mask; or float added to the scores), broadcastable to (B, Hq, S,
+                Sk); passed to flashtx.attention. Not with a cache. A query whose keys are all
+                masked attends to nothing: its attention output is 0 (flash-attn's rule; SDPA: NaN).
             cache: a KVCache or PagedKVCache from ``new_cache`` for incremental decoding
                 (self-attention must be causal; see the module docstring for the alignment).
 
@@ -234,8 +244,8 @@ class MultiheadAttention(nn.Module):
 
     def _self(self, q, k, v, key_mask, attn_mask, p) -> Tensor:
         """q, k, v: (B, S, H, D) -> (B, Hq, S, D)."""
-        if self.rotary is not None:
-            q, k = self.rotary(q, k, backend=self.backend)
+        if self.rotary is not None:  # in place (no grad) unless a forward hook may hold the qkv output q, k view
+            q, k = self.rotary(q, k, inplace=False if forward_hooked(self.qkv) else None, backend=self.backend)
         return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, dropout_p=p,
                          is_causal=self.causal, enable_gqa=True, key_mask=key_mask, backend=self.backend)
 
@@ -292,8 +302,13 @@ class MultiheadAttention(nn.Module):
             q, k = apply_rotary_qk(q, k, *rot, interleaved=interleaved, seqlen_offsets=start.contiguous(),
                                    backend=self.backend)
         idx = cache.length + torch.arange(S, device=q.device)  # (S,) positions (KVCache.append, checked above)
-        cache.k.index_copy_(2, idx, k.transpose(1, 2))
-        cache.v.index_copy_(2, idx, v.transpose(1, 2))
+        if grad:  # out of place, as transformers' DynamicCache: later calls build on this call's graph (one
+            # backward over all of them; a backward per call needs reset() or a no_grad prefix)
+            cache.k = cache.k.index_copy(2, idx, k.transpose(1, 2))
+            cache.v = cache.v.index_copy(2, idx, v.transpose(1, 2))
+        else:
+            cache.k.index_copy_(2, idx, k.transpose(1, 2))
+            cache.v.index_copy_(2, idx, v.transpose(1, 2))
         kv_lens = (cache.length + S).expand(B).contiguous()  # (B,) filled positions, including the new ones
         q_lens = torch.full((B,), S, dtype=torch.int64, device=q.device)
         out = flash_attn_func(q, cache.k.transpose(1, 2), cache.v.transpose(1, 2), causal=True,
@@ -318,6 +333,9 @@ class MultiheadAttention(nn.Module):
             if memory is None:
                 raise ValueError("the cross-attention cache is empty: pass memory on the first call")
             k, v = self._kv(memory, B)
+            if k.shape[1] > cache.max_len:
+                raise ValueError(f"memory has {k.shape[1]} positions but the cross-attention cache holds "
+                                 f"{cache.max_len}: create it with new_cache(..., memory_len>={k.shape[1]})")
             cache.reset()
             cache.append(k.transpose(1, 2), v.transpose(1, 2))
             cache._store_memory_mask(key_mask, k.shape[1])  # per-row [leftpad, end) of the real memory, or holes

@@ -7,7 +7,7 @@ import numbers
 from torch import Tensor, nn
 
 from .attention import MultiheadAttention
-from .kv_cache import KVCache, PagedKVCache
+from .kv_cache import KVCache, PagedKVCache, _check_pos_int
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 from .swiglu import SwiGLU
@@ -45,14 +45,18 @@ class TransformerBlock(nn.Module):
         hidden_dim: the SwiGLU MLP's width; default LLaMA's (``llama_hidden_dim(dim)``).
         norm: "rms" (flashtx.nn.RMSNorm, LLaMA) or "layer" (nn.LayerNorm).
         norm_eps: the norms' eps.
-        bias: biases in the attention and MLP projections (False, as LLaMA).
+        bias: biases in the attention and MLP projections, and in LayerNorm with norm="layer" (False,
+            as LLaMA; GPT-2 style blocks pass True).
         dropout: attention-probability dropout (training only).
         resid_dropout: dropout on each sublayer's output before it is added back (training only).
         rotary: a flashtx.nn.RotaryEmbedding for the self-attention (may be shared by blocks).
         causal: causal self-attention (decoder) or not (encoder).
         cross: add a cross-attention sublayer (q from the block, k/v from ``memory``), as the
             decoder of an encoder-decoder model.
-        kdim: the memory's width (default dim).
+        kdim: the memory's width (default dim; cross blocks only).
+        inplace_backward: the SwiGLU MLP's (see flashtx.nn.SwiGLU): its activation gradient overwrites
+            the projection output (no buffer); pass False for a second backward through the same
+            graph (retain_graph) or torch.autograd.gradcheck.
         backend, device, dtype: passed on to the layers.
 
     Shapes: x (B, S, dim) -> (B, S, dim); memory (B, Sm, kdim).
@@ -62,10 +66,15 @@ class TransformerBlock(nn.Module):
                  hidden_dim: int | None = None, norm: str = "rms", norm_eps: float = 1e-6, bias: bool = False,
                  dropout: float = 0.0, resid_dropout: float = 0.0, rotary: RotaryEmbedding | None = None,
                  causal: bool = True, cross: bool = False, kdim: int | None = None, backend: str | None = None,
-                 device=None, dtype=None):
+                 inplace_backward: bool = True, device=None, dtype=None):
         super().__init__()
+        dim = _check_pos_int("dim", dim)
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
+        if isinstance(norm_eps, bool) or not isinstance(norm_eps, numbers.Real) or not norm_eps >= 0:
+            raise ValueError(f"norm_eps must be a number >= 0; got {norm_eps!r}")
+        if kdim is not None and not cross:
+            raise ValueError("kdim is only meaningful with cross=True")
         if isinstance(resid_dropout, bool) or not isinstance(resid_dropout, numbers.Real) \
                 or not 0.0 <= resid_dropout < 1.0:
             raise ValueError(f"resid_dropout must be a number in [0, 1); got {resid_dropout!r}")
@@ -87,7 +96,7 @@ class TransformerBlock(nn.Module):
         else:
             self.cross_norm = self.cross_attn = None
         self.mlp_norm = make_norm()
-        self.mlp = SwiGLU(dim, hidden_dim, bias=bias, **kw)
+        self.mlp = SwiGLU(dim, hidden_dim, bias=bias, inplace_backward=inplace_backward, **kw)
         self.resid_dropout = nn.Dropout(resid_dropout)
 
     def new_cache(self, batch_size: int, max_len: int, memory_len: int | None = None, *, paged: bool = False,
@@ -96,6 +105,8 @@ class TransformerBlock(nn.Module):
         a PagedKVCache, see MultiheadAttention.new_cache) and, for a cross block, memory_len (the
         memory's length) for the cross-attention. kw: device, dtype."""
         cross = None
+        if self.cross_attn is None and memory_len is not None:
+            raise ValueError("memory_len is for cross blocks' caches; this block was built with cross=False")
         if self.cross_attn is not None:
             if memory_len is None:
                 raise ValueError("a cross block's cache needs memory_len (the memory's sequence length)")

@@ -19,7 +19,8 @@ class RMSNorm(nn.Module):
         elementwise_affine: learn ``weight`` (dim,), initialised to ones; otherwise no weight.
         device, dtype: for the weight.
 
-    Shapes: x (..., dim) -> (..., dim), in x's dtype.
+    Shapes: x (..., dim) -> (..., dim), in x's dtype promoted with the weight's (x's dtype when they match;
+    an fp16 x with an fp32 weight gives fp32, as LlamaRMSNorm).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True, *, device=None, dtype=None):
