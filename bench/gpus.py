@@ -52,11 +52,37 @@ def lookup(device_name: str) -> Peak | None:
 
 
 # ----------------------------------------------------------------------------- FLOP and byte counts
-def attention_flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool, pass_: str) -> float:
-    """FlashAttention's convention: forward 4*B*H*Sq*Sk*D (two matmuls), halved for causal;
-    backward 2.5x forward (five matmuls instead of two); fwd+bwd 3.5x. H counts query heads."""
-    fwd = 4.0 * batch * heads * sq * sk * d / (2 if causal else 1)
-    return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[pass_]
+def visible_pairs(sq: int, sk: int, causal: bool, *, bottom_right: bool = False, window: int | None = None) -> float:
+    """(query, key) pairs attention computes, per batch and head. Without causal or window: Sq*Sk. Causal: query i
+    sees keys j <= i + o, o = 0 top-left (flashtx.attention, SDPA's is_causal) or Sk - Sq bottom-right (flash-attn);
+    `window` (flash-attn's window_size=(window, 0) with causal) also hides j < i + o - window. Counted exactly, query
+    by query, except that a pair on the causal diagonal (j == i + o) counts as half: the triangle's area,
+    FlashAttention's convention, so Sq == Sk gives N**2/2 (not N*(N+1)/2) as it always has."""
+    if not causal and window is None:
+        return float(sq) * sk
+    o = (sk - sq) if bottom_right else 0
+    w = sk + sq if window is None else window  # no window: a bound no row reaches
+
+    def count(i: int) -> int:  # keys query i sees: max(0, i + o - w) .. min(sk - 1, i + o)
+        return max(0, min(sk - 1, i + o) - max(0, i + o - w) + 1)
+
+    # count(i) is linear between these rows (where a bound starts to clamp, or the row starts/stops seeing keys)
+    edges = sorted({0, sq, *(x for x in (-o, sk - o, w - o + 1, sk + w - o) if 0 < x < sq)})
+    total = sum((b - a) * (count(a) + count(b - 1)) / 2 for a, b in zip(edges, edges[1:]))
+    diagonal_rows = max(0, min(sq, sk - o) - max(0, -o))  # rows whose key i + o exists
+    return total - diagonal_rows / 2
+
+
+def attention_flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool, pass_: str, *,
+                    dv: int | None = None, bottom_right: bool = False, window: int | None = None) -> float:
+    """FlashAttention's convention: forward 2*P*(D + Dv) per batch and head (S = QK^T and O = PV) over the P
+    visible (query, key) pairs of visible_pairs (Sq*Sk, or Sq*Sk/2 causal when Sq == Sk); backward recomputes S
+    and does dV, dP, dQ, dK: 2*P*(3*D + 2*Dv), 2.5x the forward when Dv == D; fwd+bwd the sum (3.5x).
+    H counts query heads."""
+    dv = d if dv is None else dv
+    pairs = float(batch) * heads * visible_pairs(sq, sk, causal, bottom_right=bottom_right, window=window)
+    fwd, bwd = 2.0 * pairs * (d + dv), 2.0 * pairs * (3 * d + 2 * dv)
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[pass_]
 
 
 def rope_bytes(q_numel: int, k_numel: int, elem: int, pass_: str) -> float:

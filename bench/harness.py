@@ -16,6 +16,8 @@ Method (see /work/.library/device/METHOD.md, and bench/README.md):
   5. Steady state (`measure_steady`): the same step back to back, without flush or synchronize,
      in one pair of events (or a CUDA-graph replay with BENCH_STEADY=graph): `steady_ms`, the
      kernel time a training loop sees, beside `median_ms` (= `latency_ms`), the latency from idle.
+     Every provider gets it, sized by time (`steady_plan`): about BENCH_BUDGET_S seconds in all from
+     the per-call estimate `median_ms`, 3-20 calls a round, 3-5 rounds.
 An out-of-memory during prepare or warm-up is recorded (extra_info status "OOM") instead of failing.
 
 Smoke run (BENCH_SMOKE=1, for machines without a GPU): every benchmark runs on CPU tensors at tiny
@@ -157,14 +159,37 @@ def measure(step: Callable[[Any], Any], state: Any, benchmark=None) -> list[floa
 # BENCH_PREWARM=1 (bench/device_check.sh, in parallel workers before the timed run): prepare and warm
 # up each case (compiles Triton kernels and torch.compile graphs into the on-disk caches), time nothing.
 PREWARM = os.environ.get("BENCH_PREWARM", "") == "1"
-STEADY_CALLS = 2 if SMOKE else 20  # calls per back-to-back round
+# Back-to-back rounds, sized by time (steady_plan): at most STEADY_CALLS calls a round and STEADY_ROUNDS rounds (fast
+# cases), at least STEADY_MIN_CALLS and STEADY_MIN_ROUNDS (slow ones: eager and SDPA-MATH at 8k took 5 s a case at
+# 5 x 20 calls, 93 s of the 2026-11-30 bench step).
+STEADY_CALLS = 2 if SMOKE else 20
 STEADY_ROUNDS = 1 if SMOKE else 5
+STEADY_MIN_CALLS = 2 if SMOKE else 3
+STEADY_MIN_ROUNDS = 1 if SMOKE else 3
 STEADY_MODE = os.environ.get("BENCH_STEADY", "events")  # "events" or "graph" (CUDA-graph replay, falls back)
 
 
-def measure_steady(step: Callable[[Any], Any], state: Any) -> dict:
-    """Steady-state time per call: STEADY_CALLS calls back to back (no L2 flush, no synchronize in
-    between) inside one pair of CUDA events, median over STEADY_ROUNDS rounds. This is the kernel
+def steady_plan(est_ms: float | None) -> tuple[int, int]:
+    """(rounds, calls per round) of the back-to-back phase, so that it takes about BENCH_BUDGET_S in all
+    (the same budget as the timed rounds) given `est_ms`, one call's time (the latency from idle, an
+    overestimate of the steady time): calls = clamp(floor(budget / (STEADY_ROUNDS * est)), 3, 20), then
+    rounds = clamp(floor(budget / (calls * est)), 3, 5). A case up to about 1.2 ms (at 0.12 s) keeps 5 x 20
+    calls; a slow one gets 3 x 3 (about 9 x est: 0.45 s for a 50 ms eager fwd+bwd, not 5 s). No estimate
+    (None, 0, nan): the most."""
+    if SMOKE:
+        return STEADY_ROUNDS, STEADY_CALLS
+    if est_ms is None or not math.isfinite(est_ms) or est_ms <= 0:
+        return STEADY_ROUNDS, STEADY_CALLS
+    per_call_s = max(est_ms / 1e3, 1e-9)
+    calls = min(STEADY_CALLS, max(STEADY_MIN_CALLS, int(BUDGET_S / (STEADY_ROUNDS * per_call_s) + 1e-6)))
+    rounds = min(STEADY_ROUNDS, max(STEADY_MIN_ROUNDS, int(BUDGET_S / (calls * per_call_s) + 1e-6)))
+    return rounds, calls
+
+
+def measure_steady(step: Callable[[Any], Any], state: Any, est_ms: float | None = None) -> dict:
+    """Steady-state time per call: `calls` calls back to back (no L2 flush, no synchronize in
+    between) inside one pair of CUDA events, median over `rounds` rounds, both from steady_plan(est_ms)
+    (at most STEADY_ROUNDS x STEADY_CALLS, at least 3 x 3, about BENCH_BUDGET_S in all). This is the kernel
     time a training loop sees while the host keeps ahead of the device; `steady_host_bound` says
     when it did not (the host took at least 90% of the device time to issue the calls, so the number
     is launch-bound). BENCH_STEADY=graph replays a CUDA graph of the calls instead (no host work
@@ -172,14 +197,15 @@ def measure_steady(step: Callable[[Any], Any], state: Any) -> dict:
     method = ("host clock back to back, smoke run (not a measurement)" if SMOKE
               else "CUDA events around back-to-back calls")
     out: dict = {}
+    rounds, calls = steady_plan(est_ms)
     if not SMOKE and STEADY_MODE == "graph":
         try:
-            return _steady_graph(step, state)
+            return _steady_graph(step, state, rounds, calls)
         except Exception as exc:  # noqa: BLE001 - capture refused (sync in the op, compiled code, ...)
             torch.cuda.synchronize()
             method += f" (graph capture failed: {type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
     per_call, host_frac = [], []
-    for _ in range(STEADY_ROUNDS):
+    for _ in range(rounds):
         synchronize()
         if SMOKE:
             start, end = _HostEvent(), _HostEvent()
@@ -187,20 +213,21 @@ def measure_steady(step: Callable[[Any], Any], state: Any) -> dict:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         h0 = time.perf_counter()
         start.record()
-        for _ in range(STEADY_CALLS):
+        for _ in range(calls):
             step(state)
         end.record()
         host_ms = (time.perf_counter() - h0) * 1e3
         end.synchronize()
         dev_ms = start.elapsed_time(end)
-        per_call.append(dev_ms / STEADY_CALLS)
+        per_call.append(dev_ms / calls)
         host_frac.append(host_ms / dev_ms if dev_ms > 0 else float("inf"))
     out.update(steady_ms=statistics.median(per_call), steady_method=method,
-               steady_host_bound=bool(statistics.median(host_frac) >= 0.9), steady_calls=STEADY_CALLS)
+               steady_host_bound=bool(statistics.median(host_frac) >= 0.9), steady_calls=calls,
+               steady_rounds=rounds)
     return out
 
 
-def _steady_graph(step, state) -> dict:
+def _steady_graph(step, state, rounds: int, calls: int) -> dict:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -209,21 +236,21 @@ def _steady_graph(step, state) -> dict:
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(STEADY_CALLS):
+        for _ in range(calls):
             step(state)
     g.replay()
     torch.cuda.synchronize()
     per_call = []
-    for _ in range(STEADY_ROUNDS):
+    for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         g.replay()
         end.record()
         end.synchronize()
-        per_call.append(start.elapsed_time(end) / STEADY_CALLS)
+        per_call.append(start.elapsed_time(end) / calls)
     del g
     return {"steady_ms": statistics.median(per_call), "steady_method": "CUDA graph replay of back-to-back calls",
-            "steady_host_bound": False, "steady_calls": STEADY_CALLS}
+            "steady_host_bound": False, "steady_calls": calls, "steady_rounds": rounds}
 
 
 def summarize(times: list[float]) -> dict:
@@ -324,7 +351,7 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
     benchmark.extra_info.update(summary, status="ok")
     benchmark.extra_info.update(throughput(summary["median_ms"], flops=flops, nbytes=nbytes, dtype=dtype))
     if steady:
-        st = measure_steady(step, state)
+        st = measure_steady(step, state, est_ms=summary["median_ms"])  # bounded by BENCH_BUDGET_S
         benchmark.extra_info.update(st)
         benchmark.extra_info.update({f"{k}_steady": v for k, v in
                                      throughput(st["steady_ms"], flops=flops, nbytes=nbytes, dtype=dtype).items()})

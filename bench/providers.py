@@ -122,11 +122,11 @@ def _flex(case: AttnCase):
     except ImportError as exc:
         raise Unavailable(f"torch {torch.__version__} has no FlexAttention: {exc}")
     if _flex_compiled is None:
-        import torch._dynamo
+        from torch import _dynamo  # (not `import torch._dynamo`: that made `torch` local, and the except above
+        # raised UnboundLocalError instead of Unavailable)
         # one specialisation per shape: keep dynamo from falling back to eager after 8 of them
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 4096)
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 256)
+        _dynamo.config.accumulated_recompile_limit = max(_dynamo.config.accumulated_recompile_limit, 4096)
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     if case.causal:

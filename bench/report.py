@@ -5,7 +5,9 @@
 Writes DIR/report.md (also printed) with: where the numbers come from (GPU, versions, date), ratio
 tables (ratio = provider's median time / flashtx's, so > 1 means flashtx is faster; for attention
 this equals the TFLOP/s ratio), a peak-memory table, a model training-step table (tokens/s per
-provider and flashtx's tokens/s over each), and issue 3's targets as measured in this run.
+provider and flashtx's tokens/s over each), and issue 3's targets as measured in this run (judged in
+bench/report_targets.py: from idle and back to back; a missing or failed flashtx row is a miss). A run whose
+device-script steps (machine_info["flashtx_run"]["steps"]) did not all end ok opens with an INCOMPLETE banner.
 With matplotlib, also DIR/attention.png (TFLOP/s against sequence length, one panel per
 (pass, D, causal), grouped bars as in FlashAttention's README), DIR/attention_gqa.png and
 DIR/rope_swiglu.png (GB/s). Times are extra_info["median_ms"] (CUDA events, see bench/harness.py).
@@ -15,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from .report_targets import (  # noqa: F401 (ratio, copy_share, TARGETS, TIMINGS: bench.report's API too)
+    TARGETS, TIMINGS, copy_share, measured, overhead_met, overhead_ratio, ratio, targets, variant_ideal)
+
+_copy_share = copy_share
 ATTN_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flash_attn", "xformers", "flex",
               "sdpa-math", "eager"]
 MEM_ORDER = ["flashtx", "sdpa-flash", "sdpa-efficient", "eager", "sdpa-math", "copy", "compiled", "liger"]
@@ -29,17 +34,6 @@ OVERHEAD_ORDER = ["attention fwd (no grad)", "attention fwd (with grad)", "atten
                   "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
                   "swiglu fwd", "swiglu bwd", "decode step (append + attend)"]  # bench/overhead.py's rows
 VARIANT_ORDER = ["full", "window1024", "varlen16x1k", "bias", "boolmask", "softcap+alibi", "dropout0.1"]
-# Targets on attention ratios: (issue, pass, provider, minimum ratio provider_time / flashtx_time, shortest N,
-# what it says). Each is judged twice: from idle (one call: launch and host time count) and back to back.
-TARGETS = [(3, "fwd", "sdpa-flash", 1.0, 0, "attention forward >= 1.0x SDPA-FLASH (FlashAttention-2 inside PyTorch)"),
-           (3, "bwd", "sdpa-flash", 0.8, 0, "attention backward >= 0.8x SDPA-FLASH"),
-           (3, "fwd+bwd", "sdpa-efficient", 1.5, 0,
-            "attention fwd+bwd >= 1.5x SDPA-EFFICIENT (xformers' kernel inside PyTorch)"),
-           (13, "fwd", "sdpa-flash", 1.15, 2048, "attention forward >= 1.15x SDPA-FLASH at N >= 2k"),
-           (13, "fwd", "sdpa-cudnn", 0.75, 2048, "attention forward >= 0.75x SDPA-CUDNN at N >= 2k"),
-           (13, "bwd", "sdpa-flash", 1.0, 2048, "attention backward >= 1.0x SDPA-FLASH at N >= 2k")]
-TIMINGS = (("median_ms", "from idle"), ("steady_ms", "back to back"))
-
 
 SMOKE_BANNER = ("**Smoke run (BENCH_SMOKE=1): tiny shapes on a CPU, flashtx through Triton's interpreter. "
                 "It checks that the benchmarks, the JSON and this report work; its times mean nothing and "
@@ -52,12 +46,17 @@ def load(path: str | Path) -> dict:
 
 
 def records(data: dict) -> list[dict]:
-    """The extra_info of every flashtx-bench result (others are ignored)."""
+    """The extra_info of every flashtx-bench result (others are ignored). A record without a status did not
+    get through bench/harness.py's run_case (it writes the status with the times): "unknown", not "ok". One cut
+    off after its timed rounds (the device script's timeout) has its from-idle times but neither its back-to-back
+    time nor the flops/bytes written last: `cut_off` True, and the tables say so."""
     out = []
     for b in data.get("benchmarks", []):
         ei = dict(b.get("extra_info") or {})
         if "op" in ei and "provider" in ei:
-            ei.setdefault("status", "ok")
+            ei.setdefault("status", "unknown")
+            if ei["status"] == "ok" and (("tflops" in ei and "flops" not in ei) or ("gbs" in ei and "bytes" not in ei)):
+                ei["cut_off"] = True
             out.append(ei)
     return out
 
@@ -88,25 +87,13 @@ def grouped(recs: list[dict]) -> dict:
     return dict(sorted(g.items(), key=lambda kv: order(kv[0])))
 
 
-def ratio(case: dict, provider: str, field: str = "median_ms"):
-    """provider time / flashtx time, from idle (median_ms) or back to back (field="steady_ms"); 'OOM' or
-    None (not run, or no steady time recorded) when there is no ratio."""
-    ours, other = case.get("flashtx"), case.get(provider)
-    if other is None or ours is None:
-        return None
-    if other["status"] != "ok":
-        return other["status"]
-    if ours["status"] != "ok":
-        return f"flashtx {ours['status']}"
-    if not other.get(field) or not ours.get(field):
-        return None
-    return other[field] / ours[field]
-
-
 def _pair(case: dict, provider: str) -> str:
-    """'idle / steady' ratio cell: from idle (one call, launch and host time included), then back to back."""
+    """'idle / steady' ratio cell: from idle (one call, launch and host time included), then back to back; '- '
+    after the slash when one side has no back-to-back time (the idle ratio alone only when neither has one)."""
     idle, steady = ratio(case, provider), ratio(case, provider, "steady_ms")
-    if not isinstance(idle, float) or steady is None:
+    if not isinstance(idle, float):
+        return _cell(idle)
+    if steady is None and not any((case.get(p) or {}).get("steady_ms") for p in ("flashtx", provider)):
         return _cell(idle)
     return f"{_cell(idle)} / {_cell(steady)}"
 
@@ -131,6 +118,8 @@ def _num(r: dict | None, field: str, fmt: str = "{:.1f}") -> str:
 def _steady(r: dict | None) -> str:
     """Steady-state ms per call (back to back); '*' when the host could not keep ahead (launch-bound)."""
     if r is None or r.get("status") != "ok" or r.get("steady_ms") is None:
+        if r is not None and r.get("cut_off"):
+            return "cut off"
         return "-" if r is None or r.get("status") == "ok" else r["status"]
     return f"{r['steady_ms']:.3f}" + ("*" if r.get("steady_host_bound") else "")
 
@@ -141,7 +130,8 @@ def header(data: dict, source: str) -> list[str]:
     if "capability" in mi:
         gpu += (f" (sm_{str(mi['capability']).replace('.', '')}, {mi.get('sm_count', '?')} SMs, "
                 f"{mi.get('memory_gb', '?')} GB)")
-    lines = [f"- results: `{source}`, written {data.get('datetime', '?')} (pytest-benchmark {data.get('version', '?')})",
+    lines = [f"- results: `{source}`, written {data.get('datetime', '?')} "
+             f"(pytest-benchmark {data.get('version', '?')})",
              gpu,
              f"- torch {mi.get('torch', '?')} (CUDA {mi.get('cuda', '?')}), triton {mi.get('triton', '?')}, "
              f"flashtx {mi.get('flashtx', '?')}"]
@@ -153,7 +143,53 @@ def header(data: dict, source: str) -> list[str]:
     commit = data.get("commit_info") or {}
     if commit.get("id"):
         lines.append(f"- commit {str(commit['id'])[:12]}{' (dirty tree)' if commit.get('dirty') else ''}")
+    run = run_info(data)
+    if run.get("commit"):
+        lines.append(f"- flashtx tree the device script ran: {run['commit']}")
+    if isinstance(run.get("bench_env"), dict):
+        env = ", ".join(f"{k}={v}" if v is not None else f"{k} unset" for k, v in sorted(run["bench_env"].items()))
+        lines.append(f"- benchmark environment: {env or '(none set)'}")
+    steps = run_steps(data)
+    if steps:
+        lines.append("- device script steps: " + "; ".join(
+            f"{st.get('name', '?')}: {st.get('verdict', '?')}"
+            + (f" ({st['seconds']:.0f} s)" if isinstance(st.get("seconds"), (int, float)) else "") for st in steps))
     return lines
+
+
+def run_info(data: dict) -> dict:
+    """What bench/device_check.sh merged about its run: machine_info["flashtx_run"] (steps, commit, bench_env),
+    over a top-level "flashtx_run" (older JSON: tree, script, tune). {} when neither is there."""
+    out = dict(data.get("flashtx_run") or {}) if isinstance(data.get("flashtx_run"), dict) else {}
+    mi = (data.get("machine_info") or {}).get("flashtx_run")
+    return {**out, **mi} if isinstance(mi, dict) else out
+
+
+def run_steps(data: dict) -> list[dict]:
+    steps = run_info(data).get("steps")
+    return [st for st in steps if isinstance(st, dict)] if isinstance(steps, list) else []
+
+
+# device_check.sh steps ("step" key) whose rows this JSON holds: only their end decides whether the results are
+# complete (a cut prewarm, or a tune or hostprof out of time, leaves every benchmark row as measured)
+RESULT_STEPS = ("bench", "models")
+
+
+def incomplete_banner(data: dict) -> list[str]:
+    """The run's result-writing steps (RESULT_STEPS; every step for a record without the "step" key) that did not
+    end "ok" (timed out, failed, skipped), as the report's opening lines: a report of an incomplete run must not
+    read as a complete one. [] when they all ended ok, or none is listed."""
+    bad = [st for st in run_steps(data)
+           if st.get("verdict") != "ok" and st.get("step", RESULT_STEPS[0]) in RESULT_STEPS]
+    if not bad:
+        return []
+    what = "; ".join(f"{st.get('name', '?')}: {st.get('verdict') or 'no verdict'}"
+                     + (f" after {st['seconds']:.0f} s" if isinstance(st.get("seconds"), (int, float))
+                        and st.get("verdict") != "skipped" else "")
+                     for st in bad)
+    return [f"**INCOMPLETE RUN: {len(bad)} of {len(run_steps(data))} device-script steps did not end ok ({what}). "
+            "Rows those steps would have written are missing or cut off; a missing flashtx row counts as a miss "
+            "in the Targets, and nothing here may be read as a complete run.**", ""]
 
 
 def attention_table(groups: dict, gqa: bool) -> list[str]:
@@ -176,7 +212,8 @@ def attention_table(groups: dict, gqa: bool) -> list[str]:
 
 def variants_table(groups: dict) -> list[str]:
     """flashtx's variants against its own full causal run on the same tokens (bench/test_attention_variants.py):
-    a window or varlen that skips tiles takes a fraction of the time."""
+    a window or varlen that skips tiles takes a fraction of the time; "ideal" is the fraction of the full run's
+    (query, key) pairs the variant computes (report_targets.variant_ideal), what a perfect skip would take."""
     cases = {k: v.get("flashtx") for k, v in groups.items() if k[0] == "attention-variant"}
     plain = {k: v.get("flashtx-plain-tiles") for k, v in groups.items() if k[0] == "attention-variant"}
     if not cases:
@@ -185,34 +222,48 @@ def variants_table(groups: dict) -> list[str]:
     cases = dict(sorted(cases.items(), key=lambda kv: (PASSES.index(kv[0][1]) if kv[0][1] in PASSES else 9,
                                                        *kv[0][2:4], rank.get(kv[0][4], len(rank)), kv[0][4])))
     # plain tiles / these: the same call with configs.py's specialisation tiles off (> 1: the trimmed tiles win)
-    lines = ["| pass | variant | dtype | flashtx ms | time / full causal | effective TFLOP/s | MB "
-             "| plain tiles / these |", "|---" * 8 + "|"]
+    lines = ["| pass | variant | dtype | flashtx ms | time / full causal | ideal (pairs / full causal's) "
+             "| effective TFLOP/s | MB | plain tiles / these |", "|---" * 9 + "|"]
     for key, r in cases.items():
         _, pass_, dtype, n, variant = key
         full = cases.get(("attention-variant", pass_, dtype, n, "full"))
         rel = vs_plain = "-"
-        if r and full and r.get("status") == full.get("status") == "ok":
+        if measured(r) and measured(full):
             rel = f"{r['median_ms'] / full['median_ms']:.2f}"
+            if measured(r, "steady_ms") and measured(full, "steady_ms"):
+                rel += f" / {r['steady_ms'] / full['steady_ms']:.2f}"
+        ideal = variant_ideal(variant, n, r or plain.get(key))
         p = plain.get(key)
         if r and p and r.get("status") == p.get("status") == "ok":
             vs_plain = f"{p['median_ms'] / r['median_ms']:.2f}x"
         lines.append(f"| {pass_} | {variant} | {dtype} | {_num(r, 'median_ms', '{:.3f}')} | {rel} | "
+                     f"{'-' if ideal is None else f'{ideal:.2f}'} | "
                      f"{_num(r, 'tflops')} | {_num(r, 'peak_mem_mb', '{:.0f}')} | {vs_plain} |")
     return lines
 
 
 def models_table(groups: dict) -> list[str]:
     """Training-step throughput of one model per provider (bench/test_models.py), and flashtx's
-    tokens/s over each other provider's (> 1 means flashtx is faster)."""
+    tokens/s over each other provider's (> 1 means flashtx is faster); each "from idle / back to back" when the
+    JSON has the back-to-back tokens/s (tokens_per_s_steady)."""
     cases = {k: v for k, v in groups.items() if k[0] == "model-train"}
     if not cases:
         return []
     providers = [p for p in MODEL_ORDER if any(p in c for c in cases.values())]
     providers += sorted({p for c in cases.values() for p in c} - set(providers))
     others = [p for p in providers if p != "flashtx"]
-    lines = ["| model | dtype | B | S | tokens/step | " + " | ".join(f"{p} tokens/s" for p in providers) + " | "
-             + " | ".join(f"flashtx / {p}" for p in others) + " | peak MB (" + " / ".join(providers) + ") |",
+    both = any(r.get("tokens_per_s_steady") for c in cases.values() for r in c.values())
+    how = " (from idle / back to back)" if both else ""
+    lines = ["| model | dtype | B | S | tokens/step | " + " | ".join(f"{p} tokens/s{how}" for p in providers) + " | "
+             + " | ".join(f"flashtx / {p}{how}" for p in others) + " | peak MB (" + " / ".join(providers) + ") |",
              "|" + "---|" * (6 + len(providers) + len(others))]
+
+    def tps(r):
+        cell = _num(r, "tokens_per_s", "{:,.0f}")
+        if both and measured(r, "tokens_per_s"):
+            cell += " / " + _num(r, "tokens_per_s_steady", "{:,.0f}")
+        return cell + (" (graph breaks)" if (r or {}).get("fullgraph") is False else "")
+
     for (_, _, model, dtype, batch, seqlen), c in cases.items():
         ours = c.get("flashtx")
         tokens = next((r["tokens"] for r in c.values() if r.get("tokens")), batch * seqlen)
@@ -225,15 +276,17 @@ def models_table(groups: dict) -> list[str]:
                 cells.append(other["status"])
             elif ours["status"] != "ok":
                 cells.append(f"flashtx {ours['status']}")
-            elif ours.get("tokens_per_s") and other.get("tokens_per_s"):
-                cells.append(f"{ours['tokens_per_s'] / other['tokens_per_s']:.2f}x")
+            elif measured(ours, "tokens_per_s") and measured(other, "tokens_per_s"):
+                cell = f"{ours['tokens_per_s'] / other['tokens_per_s']:.2f}x"
+                if both:
+                    steady = measured(ours, "tokens_per_s_steady") and measured(other, "tokens_per_s_steady")
+                    cell += (f" / {ours['tokens_per_s_steady'] / other['tokens_per_s_steady']:.2f}x" if steady
+                             else " / -")
+                cells.append(cell)
             else:
                 cells.append("-")
         lines.append(f"| {model} | {dtype} | {batch} | {seqlen} | {tokens} | "
-                     + " | ".join(_num(c.get(p), "tokens_per_s", "{:,.0f}")
-                                  + (" (graph breaks)" if (c.get(p) or {}).get("fullgraph") is False else "")
-                                  for p in providers) + " | "
-                     + " | ".join(cells) + " | "
+                     + " | ".join(tps(c.get(p)) for p in providers) + " | " + " | ".join(cells) + " | "
                      + " / ".join(_num(c.get(p), "peak_mem_mb", "{:.0f}") for p in providers) + " |")
     return lines
 
@@ -249,15 +302,6 @@ def memory_table(groups: dict) -> list[str]:
         lines.append(f"| {d} | {'yes' if causal else 'no'} | {n} | "
                      + " | ".join(_num(c.get(p), "peak_mem_mb", "{:.0f}") for p in providers) + " |")
     return lines
-
-
-def _copy_share(c: dict, field: str = "gbs") -> float | None:
-    """flashtx's GB/s over the same run's copy of as many bytes (field "gbs": from idle, "gbs_steady": back to
-    back); None when either did not run or has no such figure."""
-    ours, copy = c.get("flashtx"), c.get("copy")
-    if not (ours and copy and ours["status"] == copy["status"] == "ok" and ours.get(field) and copy.get(field)):
-        return None
-    return ours[field] / copy[field]
 
 
 def _bandwidth_cells(c: dict) -> str:
@@ -301,7 +345,9 @@ def decode_table(groups: dict) -> list[str]:
 
 
 def overhead_table(groups: dict) -> list[str]:
-    """Host overhead (bench/test_overhead.py): Python microseconds per call, launches stubbed."""
+    """Host overhead (bench/test_overhead.py): Python microseconds per call, launches stubbed; on a GPU also with
+    the launch, the figure its <= 2x baseline is judged on (the baseline's time includes its launch). The ratio
+    column is flashtx / baseline, the inverse of every other ratio here: <= 2x is met."""
     rows = [c.get("flashtx") for k, c in groups.items() if k[0] == "overhead"]
     rows = [r for r in rows if r]
     if not rows:
@@ -311,113 +357,29 @@ def overhead_table(groups: dict) -> list[str]:
     with_launch = any(r.get("with_launch_us_per_call") is not None for r in rows)
     via_jit = any(r.get("with_launch_via_jit_us_per_call") is not None for r in rows)
     floor = any(r.get("floor_us_per_call") is not None for r in rows)
-    lines = ["| call | flashtx us/call | target us | baseline | baseline us/call | ratio (<= 2x) | "
+    clock = any(r.get("clock") for r in rows)
+    lines = ["| call | flashtx us/call | target us | baseline | baseline us/call | flashtx / baseline (<= 2x) | "
              + ("with launch us/call | " if with_launch else "")
              + ("launched via JITFunction.run us/call | " if via_jit else "")
-             + ("no-op autograd floor us/call | " if floor else "") + "verdict |",
-             "|" + "---|" * (7 + with_launch + via_jit + floor)]
+             + ("no-op autograd floor us/call | " if floor else "") + ("clock | " if clock else "") + "verdict |",
+             "|" + "---|" * (7 + with_launch + via_jit + floor + clock)]
     for r in rows:
+        met_target, met_ratio, _ = overhead_met(r)
+        x, basis = overhead_ratio(r)
         misses = []
-        if r.get("met_target") is False:
+        if met_target is False:
             below = r.get("floor_us_per_call") is not None and r["target_us"] < r["floor_us_per_call"]
             misses.append("target, below the floor" if below else "target")
-        if r.get("met_ratio") is False:
+        if met_ratio is False:
             misses.append(f"{r.get('max_ratio', 2):.0f}x baseline")
         verdict = "met" if not misses else "MISSED (" + ", ".join(misses) + ")"
+        cell = "-" if x is None else f"{x:.2f}x" + (" (with launch)" if basis == "with launch" else "")
         lines.append(f"| {r.get('row')} | {_num(r, 'us_per_call')} | {_num(r, 'target_us', '{:.0f}')} | "
-                     f"{r.get('baseline', '-')} | {_num(r, 'baseline_us_per_call')} | {_num(r, 'ratio', '{:.2f}x')} | "
+                     f"{r.get('baseline', '-')} | {_num(r, 'baseline_us_per_call')} | {cell} | "
                      + (f"{_num(r, 'with_launch_us_per_call')} | " if with_launch else "")
                      + (f"{_num(r, 'with_launch_via_jit_us_per_call')} | " if via_jit else "")
-                     + (f"{_num(r, 'floor_us_per_call')} | " if floor else "") + f"{verdict} |")
-    return lines
-
-
-def _verdict(values: list[float], minimum: float, what: str, fmt: str = "{:.2f}x") -> str:
-    if not values:
-        return f"- {what}: not measured in this run"
-    missed = sum(v < minimum for v in values)
-    state = f"**MET** in all {len(values)}" if not missed else f"**MISSED** in {missed} of {len(values)}"
-    return (f"- {what}: {state} cases (min {fmt.format(min(values))}, "
-            f"median {fmt.format(statistics.median(values))}, max {fmt.format(max(values))})")
-
-
-def targets(groups: dict) -> list[str]:
-    lines = []
-    attn = {k: v for k, v in groups.items() if k[0] == "attention"}
-    for issue, pass_, provider, minimum, min_n, what in TARGETS:
-        for field, how in TIMINGS:
-            vals = [r for k, c in attn.items() if k[1] == pass_ and k[7] >= min_n
-                    for r in [ratio(c, provider, field)] if isinstance(r, float)]
-            if vals or field == "median_ms":
-                lines.append(_verdict(vals, minimum, f"{what}, {how} (issue {issue})"))
-    vals = [r for k, c in attn.items() if k[7] == 2048 for r in [ratio(c, "eager")] if isinstance(r, float)]
-    lines.append(_verdict(vals, 3.0, "attention >= 3x eager at N = 2k (every pass, D, causal)"))
-    mem = {k: v for k, v in attn.items() if k[1] == "fwd+bwd" and k[4] == k[5]}
-    for p in ("flashtx", "eager"):
-        by_cfg = defaultdict(list)
-        for k, c in mem.items():
-            if p in c and c[p]["status"] == "ok" and c[p].get("peak_mem_mb"):
-                by_cfg[(k[2], k[3])].append((k[7], c[p]["peak_mem_mb"]))
-        for (d, causal), pts in sorted(by_cfg.items()):
-            if len(pts) >= 2:
-                (n0, m0), (n1, m1) = min(pts), max(pts)
-                lines.append(f"- memory, {p}, fwd+bwd D={d} {'causal' if causal else 'full'} (B*N fixed): "
-                             f"{m0:.0f} MB at N={n0} -> {m1:.0f} MB at N={n1} ({m1 / m0:.1f}x; flat means O(N))")
-    for k, c in groups.items():  # the compiled GPT step (bench/test_models.py): fullgraph, then tokens/s vs SDPA
-        if k[0] != "model-train" or "flashtx" not in c:
-            continue
-        ours, sdpa = c["flashtx"], c.get("sdpa")
-        where = f"{k[2]} B={k[4]} S={k[5]}"
-        if ours.get("fullgraph") is False:
-            lines.append(f"- compiled training step ({where}), flashtx with torch.compile(fullgraph=True): **FAILED** "
-                         f"({ours.get('fullgraph_status') or 'graph break'})")
-        elif ours.get("fullgraph") is True:
-            lines.append(f"- compiled training step ({where}), flashtx with torch.compile(fullgraph=True): **MET** "
-                         "(no graph break)")
-        if ours.get("status") == "ok" and sdpa and sdpa.get("status") == "ok" and ours.get("tokens_per_s") \
-                and sdpa.get("tokens_per_s"):
-            r = ours["tokens_per_s"] / sdpa["tokens_per_s"]
-            state = "**MET**" if r >= 1.0 and ours.get("fullgraph") is not False else "**MISSED**"
-            note = " (not fullgraph: does not count)" if ours.get("fullgraph") is False else ""
-            lines.append(f"- compiled training step ({where}) tokens/s >= 1.0x SDPA (issue 12): {state}, "
-                         f"{r:.2f}x{note}")
-    over = [c["flashtx"] for k, c in groups.items() if k[0] == "overhead" and "flashtx" in c]
-    if over:
-        missed = [r["row"] for r in over if not r.get("met")]
-        state = f"**MET** in all {len(over)}" if not missed else f"**MISSED** in {len(missed)} of {len(over)}"
-        lines.append(f"- host overhead (issue 12: attention fwd <= 25 us, fwd+bwd <= 80 us, RoPE/SwiGLU <= 15 us, "
-                     f"each <= 2x the baseline): {state} calls" + (f" ({', '.join(missed)})" if missed else ""))
-    for op in ("rope", "swiglu"):
-        vals = [100 * x for k, c in groups.items() if k[0] == op for x in [_copy_share(c)] if x is not None]
-        if vals:
-            missed = sum(v < 80 for v in vals)
-            state = f"**MET** in all {len(vals)}" if not missed else f"**MISSED** in {missed} of {len(vals)}"
-            lines.append(f"- {op} >= 80% of the measured copy bandwidth: {state} cases "
-                         f"(min {min(vals):.0f}%, max {max(vals):.0f}%)")
-        else:
-            lines.append(f"- {op} >= 80% of the measured copy bandwidth: not measured in this run")
-    return lines + decode_targets(groups)
-
-
-def decode_targets(groups: dict) -> list[str]:
-    """Issue 15's targets at context >= 8k: K/V read at >= 80% of copy for batch >= 8 (>= 60% at batch 1),
-    >= 1.5x the best SDPA backend, >= 1.0x xformers' triton_splitKF."""
-    cases = {k: c for k, c in groups.items() if k[0] == "decode" and k[5] >= 8192 and "flashtx" in c}
-    if not cases:
-        return ["- decoding (issue 15): not measured in this run"]
-    lines = []
-    for label, floor, pick in (("batch >= 8", 80, lambda b: b >= 8), ("batch 1", 60, lambda b: b == 1)):
-        vals = [x for k, c in cases.items() if pick(k[2]) for x in [_copy_share(c)] if x is not None]
-        lines.append(_verdict(vals, floor / 100, f"decoding at context >= 8k, {label}: K/V read >= {floor}% of the "
-                              "measured copy bandwidth (issue 15)", fmt="{:.1%}"))
-    best_sdpa = []
-    for c in cases.values():
-        rs = [r for p in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn") for r in [ratio(c, p)] if isinstance(r, float)]
-        if rs:
-            best_sdpa.append(min(rs))  # the fastest SDPA backend has the smallest time ratio
-    lines.append(_verdict(best_sdpa, 1.5, "decoding at context >= 8k >= 1.5x the best SDPA backend (issue 15)"))
-    xf = [r for c in cases.values() for r in [ratio(c, "xformers-splitk")] if isinstance(r, float)]
-    lines.append(_verdict(xf, 1.0, "decoding at context >= 8k >= 1.0x xformers triton_splitKF (issue 15)"))
+                     + (f"{_num(r, 'floor_us_per_call')} | " if floor else "")
+                     + (f"{r.get('clock') or '-'} | " if clock else "") + f"{verdict} |")
     return lines
 
 
@@ -500,7 +462,8 @@ def plot_memory_bound(groups: dict, path: Path, gpu: str) -> bool:
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, key in zip(axes[0], keys):
         cases = panels[key]
-        providers = [p for p in ("flashtx", "liger", "compiled", "eager", "copy") if any(p in c for c in cases.values())]
+        providers = [p for p in ("flashtx", "liger", "compiled", "eager", "copy")
+                     if any(p in c for c in cases.values())]
         _bars(ax, cases, "gbs", providers, sorted(cases), f"{key[0]} {key[1]}, {key[2]}", "GB/s")
         ax.set_xlabel("tokens", fontsize=8)
         ax.legend(fontsize=6)
@@ -520,6 +483,7 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
     md = ["# flashtx benchmark report", ""]
     if smoke:
         md += [SMOKE_BANNER, ""]
+    md += incomplete_banner(data)
     md += header(data, source) + [""]
     if not recs:
         md += ["No flashtx benchmark results in this file (every benchmark skipped, or another suite's JSON).", ""]
@@ -537,7 +501,8 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
                          ("RoPE and SwiGLU (memory-bound: GB/s of the fewest bytes)", memory_bound_table(groups)),
                          ("Decoding, Sq = 1 over a KV cache (GB/s of K/V read)", decode_table(groups)),
                          ("Model training step (tokens/s)", models_table(groups)),
-                         ("Host overhead (Python us per call to the kernel launch, launches stubbed)",
+                         ("Host overhead (Python us per call to the kernel launch, launches stubbed; "
+                          "the ratio is flashtx / baseline)",
                           overhead_table(groups))):
         if lines:
             md += [f"## {title}", ""] + lines + [""]

@@ -28,8 +28,10 @@ then timed under plain torch.compile, so the JSON still shows what the break cos
 compiles after `torch._dynamo.reset()`; the compile and the first step happen in harness's prepare,
 outside any timing; then harness's warm-up and CUDA-event rounds.
 extra_info: op "model-train", provider, model, dtype, batch, seqlen, tokens (per step),
-`tokens_per_s` (tokens / median step time), params, fullgraph, compile_s, peak_mem_mb, and the rest
-of harness's fields.
+`tokens_per_s` (tokens / the median step time from idle: synchronized, L2 flushed, one step),
+`tokens_per_s_steady` (tokens / harness's back-to-back step time, steady_ms: the rate a training loop
+sees; about 100 more steps per provider), params, fullgraph, compile_s, peak_mem_mb, and the rest of
+harness's fields. bench.report gives both, and judges issue 12's >= 1.0x SDPA both ways.
 
 Marked `gpu` but NOT `quick`: the model is compiled once per provider (expected to take tens of
 seconds each; not yet timed on a GPU), too long for the 3-minute quick subset. Run it with
@@ -237,7 +239,8 @@ def test_model_train(benchmark, provider):
             extra["params"] = sum(p.numel() for p in model.parameters())
             t0 = time.perf_counter()
             try:
-                step = make_train_step(torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND), opt, provider, amp)
+                compiled = torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND)
+                step = make_train_step(compiled, opt, provider, amp)
                 step(batch)  # compiles
                 extra.update(fullgraph=True, fullgraph_status="ok")
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
@@ -263,7 +266,17 @@ def test_model_train(benchmark, provider):
             "headdim": CONFIG.n_embd // CONFIG.n_head, "layers": CONFIG.n_layer, "width": CONFIG.n_embd,
             "vocab": CONFIG.vocab_size, "shape": f"{MODEL_NAME} B={B} S={S}"}
     ei = harness.run_case(benchmark, prepare=prepare, step=lambda st: st[0](st[1]), info=info, dtype=DTYPE,
-                          fail_fast=provider == "flashtx", steady=False)  # a training step: tokens/s is steady
+                          fail_fast=provider == "flashtx", steady=True)  # steps back to back, as a training loop
     benchmark.extra_info.update(extra)
-    if ei.get("status") == "ok":
-        benchmark.extra_info["tokens_per_s"] = tokens / (ei["median_ms"] / 1e3)
+    benchmark.extra_info.update(tokens_per_s(ei, tokens))
+
+
+def tokens_per_s(ei: dict, tokens: int) -> dict:
+    """tokens_per_s from the median step from idle, tokens_per_s_steady from the back-to-back step time (when
+    harness recorded one); {} unless the case ran ("ok")."""
+    if ei.get("status") != "ok":
+        return {}
+    out = {"tokens_per_s": tokens / (ei["median_ms"] / 1e3)}
+    if ei.get("steady_ms"):
+        out["tokens_per_s_steady"] = tokens / (ei["steady_ms"] / 1e3)
+    return out

@@ -47,8 +47,10 @@ def smoke(tmp_path_factory):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
            "BENCH_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable,
            "DEVICE_CHECK_STEPS": "bench,models,report",
+           "DEVICE_CHECK_BENCH_K": "",  # every quick case (unset: "not d128", the GPU run's default)
            "DEVICE_CHECK_TIME_SCALE": "4"}  # CI's 2 cores: the interpreter is slow, and limits must not bite
-    env.pop("BENCH_DTYPE", None)
+    for k in ("BENCH_DTYPE", "BENCH_BUDGET_S", "BENCH_STEADY", "DEVICE_CHECK_COMMIT", "DEVICE_CHECK_BUDGET_S"):
+        env.pop(k, None)
     proc = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     return proc.returncode, proc.stdout + proc.stderr, out
@@ -70,6 +72,36 @@ def test_script_runs_the_bench_steps_and_exits_0(smoke):
     assert (out / "log.txt").read_text().count("=== summary") == 1
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "log.txt", "report"]
     assert "fullgraph" in summary  # the models step's fullgraph outcome is in the summary
+
+
+def test_the_run_record_is_in_bench_json(smoke):
+    """machine_info.flashtx_run: each step's verdict and seconds, the commit, the benchmarks' environment."""
+    _, _, out = smoke
+    run = json.loads((out / "bench.json").read_text())["machine_info"]["flashtx_run"]
+    assert [(s["name"], s["verdict"]) for s in run["steps"]] == [
+        ("pytest bench --quick", "ok"), ("pytest bench/test_models.py", "ok"), ("bench.report", "ok")], run
+    assert all(type(s["seconds"]) is int for s in run["steps"]) and run["commit"]
+    assert run["bench_env"]["BENCH_SMOKE"] == "1" and run["bench_env"]["DEVICE_CHECK_BENCH_K"] == ""
+    assert run["bench_env"]["BENCH_BUDGET_S"] == "0.12"
+
+
+def test_steady_state_is_sized_by_the_budget(monkeypatch):
+    """bench/harness.py's back-to-back phase: about BENCH_BUDGET_S in all from the per-call estimate, 3-20 calls a
+    round and 3-5 rounds (5 x 20 always took 104 s of the 150 s bench step on the 2026-11-30 H200 run)."""
+    from bench import harness
+
+    monkeypatch.setattr(harness, "SMOKE", False)
+    monkeypatch.setattr(harness, "STEADY_CALLS", 20)
+    monkeypatch.setattr(harness, "STEADY_ROUNDS", 5)
+    monkeypatch.setattr(harness, "STEADY_MIN_CALLS", 3)
+    monkeypatch.setattr(harness, "STEADY_MIN_ROUNDS", 3)
+    monkeypatch.setattr(harness, "BUDGET_S", 0.12)
+    plan = {est: harness.steady_plan(est) for est in (0.05, 1.0, 4.0, 10.0, 50.0, 5000.0)}
+    assert plan == {0.05: (5, 20), 1.0: (5, 20), 4.0: (5, 6), 10.0: (4, 3), 50.0: (3, 3), 5000.0: (3, 3)}, plan
+    for est, (rounds, calls) in plan.items():
+        if rounds * calls > 9:  # above the 3 x 3 floor: within the budget
+            assert rounds * calls * est / 1e3 <= 0.12 + 1e-9, (est, rounds, calls)
+    assert harness.steady_plan(None) == harness.steady_plan(0.0) == harness.steady_plan(float("nan")) == (5, 20)
 
 
 def test_every_flashtx_quick_case_ran(smoke):
@@ -115,6 +147,7 @@ def test_extra_info_fields_and_arithmetic(smoke):
             assert r["steady_ms"] > 0 and r["steady_method"].startswith("host clock") and r["latency_ms"] == \
                 r["median_ms"], r
             assert ("tflops_steady" in r) == ("tflops" in r) and ("gbs_steady" in r) == ("gbs" in r), r
+            assert r["steady_calls"] == 2 and r["steady_rounds"] == 1, r  # a smoke run's fixed plan
         assert 0 < r["min_ms"] <= r["median_ms"] and 2 <= r["rounds"] <= 3, r
         s = r["median_ms"] / 1e3
         if r["op"] == "attention":
