@@ -94,3 +94,32 @@ def test_interpreter_off_reason_names_the_switch(monkeypatch):
     assert _env.interpreter_off_reason() == "FLASHTX_INTERPRET is not set"
     monkeypatch.setattr(_env, "INTERPRET", True)
     assert _env.interpreter_off_reason() is None
+
+
+def test_the_test_commands_xdist_groups_stay_on_one_worker(tmp_path):
+    """`pytest -n auto --dist loadgroup tests` (the README's command) relies on xdist_group keeping a module whose
+    fixture runs a long subprocess (the compile check) on one worker; with pytest 9.2 and pytest-xdist 3.8 the group
+    tag is lost and every worker runs it (pyproject pins pytest < 9.2 for that)."""
+    pytest.importorskip("xdist")
+    (tmp_path / "test_grouped.py").write_text(textwrap.dedent("""
+        import os
+        import pytest
+        pytestmark = pytest.mark.xdist_group("one")
+
+        @pytest.fixture(scope="module")
+        def once():
+            with open(os.environ["GROUP_LOG"], "a") as f:
+                f.write(os.environ.get("PYTEST_XDIST_WORKER", "-") + "\\n")
+
+        @pytest.mark.parametrize("i", range(12))
+        def test_grouped(once, i):
+            pass
+    """))
+    (tmp_path / "test_plain.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(24)))
+    log = tmp_path / "workers.txt"
+    env = {**os.environ, "GROUP_LOG": str(log)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q", "-p",
+                           "no:cacheprovider", "-p", "no:randomly", str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len(log.read_text().split()) == 1, f"the group's module fixture ran on {log.read_text().split()}"
