@@ -30,7 +30,6 @@ import sys
 import warnings
 
 import torch
-from torch.nn.modules.module import _global_forward_hooks
 
 from ..functional import attention
 from ..rotary import apply_rotary_pos_emb as _fused_rotary_pos_emb
@@ -71,7 +70,7 @@ def _fresh_projections(q, k) -> bool:
     q_proj and k_proj with no forward hook on them or inside them (a hook may keep their outputs: activation
     caching, probing and steering tools). Anything else is refused (out of place): sound without a registry of
     models, since the RoPE patch reaches every model of the family."""
-    if torch.compiler.is_compiling() or _global_forward_hooks or (torch.is_grad_enabled() and (
+    if torch.compiler.is_compiling() or forward_hooked() or (torch.is_grad_enabled() and (
             getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False))):
         return False  # (compiling or recording: out of place anyway; a global hook sees every output)
     caller = sys._getframe(2).f_locals.get("self")  # 0: here, 1: apply_rotary_pos_emb, 2: the attention forward
@@ -80,14 +79,9 @@ def _fresh_projections(q, k) -> bool:
         return False
     for name in _PROJECTIONS:
         m = subs.get(name)
-        if m is not None and _hooked(m):
+        if m is not None and forward_hooked(*m.modules()):  # its own hooks, or a submodule's
             return False
     return True
-
-
-def _hooked(m) -> bool:
-    """Whether m or a module inside it has a forward hook (a plain Linear: one dict read)."""
-    return bool(m._forward_hooks) or any(_hooked(c) for c in m._modules.values() if c is not None)
 
 
 def flashtx_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
