@@ -29,11 +29,27 @@ def test_eager_launch_is_plain_and_traced_launch_is_wrapped(monkeypatch):
     monkeypatch.setattr(launch, "_INTERPRET", False)  # the GPU branch
     x = torch.ones(3)
     launch.run_kernel(kernel, (2, 1, 1), {"X": x, "N": 3}, {"num_warps": 4})
-    assert kernel.plain == [((2, 1, 1), {"X": x, "N": 3, "num_warps": 4})] and kernel.wrapped == []
+    assert kernel.plain == [((2, 1, 1), {"X": x, "N": 3, "num_warps": 4, "enable_fp_fusion": True})]
+    assert kernel.wrapped == []
     with FakeTensorMode():
         fake = torch.empty(3)
         launch.run_kernel(kernel, (2, 1, 1), {"X": fake, "N": 3}, {"num_warps": 4})
     assert len(kernel.plain) == 1 and len(kernel.wrapped) == 1
+    assert kernel.wrapped[0][1] == {"X": fake, "N": 3, "num_warps": 4, **launch._traced_options()}
+
+
+def test_fp_fusion_is_asked_for_where_the_compiler_can_take_it(monkeypatch):
+    """FP fusion is on in every eager launch (Triton 3.10 turns its default off). A traced launch passes it only
+    where Inductor compiles a user kernel's backend options (it filters launch kwargs per target); an older
+    Inductor would take it for a kernel argument."""
+    assert launch.BACKEND_OPTIONS == {"enable_fp_fusion": True}
+    try:
+        from torch._inductor.runtime.triton_helpers import try_filter_backend_options_for_target  # noqa: F401
+        takes = True
+    except ImportError:
+        takes = False
+    monkeypatch.setattr(launch, "_TRACED_OPTIONS", None)
+    assert launch._traced_options() == (launch.BACKEND_OPTIONS if takes else {})
 
 
 def test_a_call_on_another_gpus_tensors_launches_with_that_device_current(monkeypatch):
@@ -76,3 +92,42 @@ def test_a_call_on_another_gpus_tensors_launches_with_that_device_current(monkey
             torch.autograd.grad(r, (q, k), [torch.randn_like(t) for t in r])
     assert len(launched) >= 15 and set(launched) == {1}, launched
     assert current[0] == 0  # restored
+
+
+def test_traced_fp_fusion_survives_inductors_option_filter():
+    """Where a traced launch passes BACKEND_OPTIONS, Inductor's per-target filter keeps them as compiler options
+    for sm_86 (what it writes into the compiled kernel's triton_meta["backend_options"])."""
+    options = launch._traced_options()
+    if not options:
+        import pytest
+        pytest.skip("this torch's Inductor does not take backend options from a user kernel's launch")
+    from torch._inductor.runtime.triton_helpers import try_filter_backend_options_for_target
+    from triton.backends.compiler import GPUTarget
+
+    kept = try_filter_backend_options_for_target(GPUTarget("cuda", 86, 32), {**options, "num_warps": 4, "X": 1}, ("X",))
+    assert kept == {**options, "num_warps": 4}
+
+
+def test_compile_check_compiles_with_fp_fusion(tmp_path):
+    """The compile check (what CI compiles for sm_80/86/90) builds a launch with run_kernel's options: FP fusion is on
+    where Triton's default is off (TRITON_DEFAULT_FP_FUSION=0, as Triton 3.10 will have it)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from flashtx.triton_kernels.compile_check import compile_launch\n"
+        "from flashtx.triton_kernels.configs import KNOWN_TARGETS\n"
+        "from flashtx.triton_kernels.swiglu import plan_swiglu\n"
+        "g = torch.empty(64, 256, dtype=torch.float16)\n"
+        "t = KNOWN_TARGETS[86]\n"
+        "k = compile_launch(plan_swiglu(g, g, torch.empty_like(g), target=t), t)\n"
+        "print('fusion', k.metadata.enable_fp_fusion)\n")
+    drop = ("TRITON_INTERPRET", "FLASHTX_INTERPRET", "TRITON_DEFAULT_FP_FUSION", "TRITON_FORCE_DISABLE_FP_FUSION")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold compile: a cached one would skip the option's parsing
+    env["TRITON_DEFAULT_FP_FUSION"] = "0"  # Triton 3.10's default, on any Triton (3.6 reads the variable too)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fusion True" in proc.stdout, proc.stdout

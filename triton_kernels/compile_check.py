@@ -28,6 +28,7 @@ import sys
 import tempfile
 
 from .configs import KNOWN_TARGETS, Target, TileConfig, interpreter_active
+from .launch import BACKEND_OPTIONS
 
 
 @dataclasses.dataclass
@@ -124,6 +125,7 @@ def compile_launch(launch, target: Target):
     kwargs = dict(launch.args)
     if launch.config is not None:
         kwargs.update(launch.config.launch_kwargs)
+    kwargs.update(BACKEND_OPTIONS)  # as run_kernel launches it
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(**kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)

@@ -48,6 +48,32 @@ class Launch:
 _INTERPRET = interpreter_active()  # read once: Triton itself reads the switch only at import
 _STUB = None  # see stub_launches
 
+# Triton compiler options every flashtx launch asks for, rather than inheriting Triton's default.
+# enable_fp_fusion: a * b + c as one FMA. Triton enables it by default up to 3.9, but 3.9 warns that
+# 3.10 turns the default off (TRITON_DEFAULT_FP_FUSION). flashtx's tiles were timed and its
+# tolerances checked with fusion on (FlashAttention's CUDA is compiled with --fmad=true too), so a
+# launch asks for it: one user-visible knob less, and no silent slowdown on a newer Triton.
+# TRITON_FORCE_DISABLE_FP_FUSION still wins (Triton's own override). The interpreter drops the option;
+# compile_check.compile_launch passes it, so CI compiles what a launch runs.
+BACKEND_OPTIONS = {"enable_fp_fusion": True}
+_TRACED_OPTIONS = None  # see _traced_options
+
+
+def _traced_options() -> dict:
+    """BACKEND_OPTIONS for a wrap_triton launch, where the installed torch compiles them: Inductor hands a
+    user kernel's backend options to triton.compile only since it filters launch kwargs per target
+    (try_filter_backend_options_for_target); an older one would take enable_fp_fusion for a kernel
+    argument. There Triton's default applies (on, up to Triton 3.9)."""
+    global _TRACED_OPTIONS
+    if _TRACED_OPTIONS is None:
+        try:
+            from torch._inductor.runtime.triton_helpers import try_filter_backend_options_for_target  # noqa: F401
+        except ImportError:
+            _TRACED_OPTIONS = {}
+        else:
+            _TRACED_OPTIONS = BACKEND_OPTIONS
+    return _TRACED_OPTIONS
+
 
 def run_kernel(kernel, grid, args: dict, launch_kwargs: dict, scratch: bool = False):
     """Every flashtx kernel launch goes through here.
@@ -69,15 +95,15 @@ def run_kernel(kernel, grid, args: dict, launch_kwargs: dict, scratch: bool = Fa
         _STUB(kernel, grid, args)
     elif _INTERPRET:
         if not any(isinstance(a, torch.Tensor) and _is_traced(a) for a in args.values()):
-            kernel[grid](**args, **launch_kwargs)
+            kernel[grid](**args, **launch_kwargs, **BACKEND_OPTIONS)
     elif torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         from torch.library import wrap_triton  # a trace (fake/functional tensors): record the kernel
 
-        wrap_triton(kernel)[grid](**args, **launch_kwargs)
+        wrap_triton(kernel)[grid](**args, **launch_kwargs, **_traced_options())
     else:  # eager: the plain launch (wrap_triton would route it through a higher-order op, ~1 ms)
         if scratch:
             ensure_scratch_allocator()
-        return kernel[grid](**args, **launch_kwargs)
+        return kernel[grid](**args, **launch_kwargs, **BACKEND_OPTIONS)
     return None
 
 
