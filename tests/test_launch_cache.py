@@ -243,7 +243,7 @@ def test_gpu_replays_launch_the_compiled_kernel_directly(monkeypatch):
         return kernel.log[-1]
 
     x, y = torch.zeros(8), torch.zeros(8)
-    assert call(x, y) == ("run", (3, 1, 1), {"X": x, "Y": y, "N": 7, "BLOCK": 16}, None)
+    assert call(x, y) == ("run", (3, 1, 1), {"X": x, "Y": y, "N": 7, "BLOCK": 16, **launch.BACKEND_OPTIONS}, None)
     x2, y2 = torch.zeros(8), torch.zeros(8)
     how, grid, args, stream = call(x2, y2)
     assert (how, grid, stream) == ("direct", (3, 1, 1), 1000) and args[0] is x2 and args[1] is y2 and args[2:] == (7, 16)
