@@ -177,6 +177,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             May be combined with is_causal and every keyword below.
         dropout_p: dropout on the attention probabilities, applied whenever > 0 (as SDPA: pass 0
             in eval). The mask comes from Philox in the kernel, seeded from torch's generator.
+            In [0, 1]: 1 drops every probability (out 0), and a 0-dim tensor is read on the host, as SDPA.
         is_causal: causal mask aligned top-left, as in SDPA: query i sees keys j <= i. With
             Sq > Sk every row still sees key 0; with Sq < Sk the last keys are never seen.
         scale: softmax scale; default 1/sqrt(D).
@@ -231,12 +232,17 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     bias = None if attn_mask is None else check_attn_mask(
         "attn_mask", attn_mask, tuple(query.shape[:-3]), q.shape[1], q.shape[2], k.shape[2], q,
         lambda: f"query {tuple(query.shape)} and key {tuple(key.shape)}")
+    drop_all = False
+    if type(dropout_p) is not float or dropout_p >= 1.0:  # SDPA's forms: a 0-dim tensor, and p = 1
+        dropout_p, drop_all = _sdpa_dropout_p(dropout_p)
     res = _run(q, k, v, scale=scale, causal=check_flag("is_causal", is_causal), bottom_right=False, backend=backend,
                return_lse=check_flag("return_lse", return_lse), bias=bias,
                **_padding_masks(q.shape[0], q.shape[2], k.shape[2], q, window_size, key_mask, query_mask, q_lens,
                                 kv_lens),
                **_score_mods(q.shape[0], q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
                              alibi_slopes=alibi_slopes))
+    if drop_all:  # every probability dropped: out 0 (and its gradients), lse as without dropout
+        res = (res[0] * 0.0, res[1]) if return_lse else res * 0.0
     if query.dim() == 4:
         return res
     lead_shape = query.shape[:-2]  # (..., Hq)
@@ -244,6 +250,17 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         out, lse = res
         return out.reshape(*lead_shape, *out.shape[2:]), lse.reshape(*lead_shape, lse.shape[2])
     return res.reshape(*lead_shape, *res.shape[2:])
+
+
+def _sdpa_dropout_p(p) -> tuple:
+    """SDPA's dropout_p forms the kernels do not take: a 0-dim real tensor (read on the host: a sync, and a
+    graph break under torch.compile) and p = 1 (every probability dropped: run without dropout, then
+    zero the output). -> (p for the kernels, drop everything)."""
+    if isinstance(p, torch.Tensor) and p.dim() == 0 and not p.is_complex() and p.dtype != torch.bool:
+        p = p.item()
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) <= 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1] (or a 0-dim tensor of one); got {p!r}")
+    return (0.0, True) if float(p) == 1.0 else (float(p), False)
 
 
 def _checked_4d(query, key, value, backend, enable_gqa) -> tuple:

@@ -182,12 +182,54 @@ def spec_visibility(spec, causal: bool, bottom_right: bool, q, k):
                       kv_lens=spec.kv_lens, device=q.device)
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a * b, for a 32-bit constant a and int64 b holding uint32 values
+    (b split in 16-bit halves, so no product passes 2**63)."""
+    u, t = a * (b >> 16), a * (b & 0xFFFF)  # a * b = u * 2**16 + t; u, t < 2**48
+    return (u + (t >> 16)) >> 16, (((u & 0xFFFF) << 16) + t) & _M32
+
+
+def philox4x32(seed: torch.Tensor, c0, c1, c2, c3, rounds: int = 10):
+    """Triton's tl.philox(seed, c0, c1, c2, c3) for 32-bit counters (Philox-4x32-10, the key = seed's low
+    and high words), in int64 torch ops on uint32 values; broadcasts like the counters. Returns (r0..r3)."""
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for _ in range(rounds):
+        hi_b, lo_b = _mul32(0xCD9E8D57, c2)
+        hi_a, lo_a = _mul32(0xD2511F53, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
 def dropout_keep(spec, shape, device) -> torch.Tensor:
-    """The reference backend's dropout mask for `spec` (its seed), shape (B, H, Sq, Sk): torch's own
-    generator, so it differs from the kernels' Philox draws but is the same in forward and backward."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(spec.rng.reshape(-1)[0].item()) & (2**63 - 1))
-    return torch.rand(shape, generator=gen, device=device, dtype=torch.float64) >= spec.dropout_p
+    """The dropout mask (B, H, Sq, Sk) bool (varlen: (1, H, total_q, total_k)) of `spec` (its seed and
+    dropout_p): the kernels' own draws (triton_kernels.attention_common.dropout_keep), computed on the
+    device without a sync. P[b, h, i, j] is kept iff Philox at counter (low word of i * Sk_b + j,
+    b * H + h, its high word, 0), with i, j sequence-local and Sk_b the sequence's key count, gives
+    u = (r0 >> 8) / 2**24 >= dropout_p (as float32). Entries between two packed sequences are drawn
+    too; they are invisible."""
+    B, H, Sq, Sk = shape
+    seed = spec.rng.reshape(-1)[:1].to(device=device, dtype=torch.int64)  # (1,)
+    i = torch.arange(Sq, device=device)[:, None]  # (Sq, 1)
+    j = torch.arange(Sk, device=device)[None, :]  # (1, Sk)
+    h = torch.arange(H, device=device)[:, None, None]  # (H, 1, 1)
+    if spec.varlen:  # one packed row of sequences: b is the sequence of query row i, i and j count from its start
+        cu_q, cu_k = spec.cu_seqlens_q.to(device).long(), spec.cu_seqlens_k.to(device).long()
+        b = (torch.searchsorted(cu_q, i, right=True) - 1).clamp(0, cu_q.numel() - 2)  # (Sq, 1)
+        i, j, sk = i - cu_q[b], j - cu_k[b], cu_k[b + 1] - cu_k[b]  # (Sq, 1), (Sq, Sk), (Sq, 1)
+        bh = (b * H + h)[None]  # (1, H, Sq, 1)
+    else:
+        b = torch.arange(B, device=device)
+        sk = torch.full((B,), Sk, device=device) if spec.kv_lens is None else spec.kv_lens.to(device).long()
+        sk = sk.clamp(0, Sk)[:, None, None, None]  # (B, 1, 1, 1): the kernels' Sk_b (kv_lens clamped, as seq_bounds)
+        bh = b[:, None, None, None] * H + h  # (B, H, 1, 1)
+    idx = i * sk + j  # (.., Sq, Sk) int64: i * Sk_b + j
+    r0, _, _, _ = philox4x32(seed, idx & _M32, bh & _M32, (idx >> 32) & _M32, torch.zeros_like(seed))
+    p32 = torch.tensor(float(spec.dropout_p), dtype=torch.float32).item()  # the kernels compare in float32
+    return ((r0 >> 8).double() * 2.0 ** -24 >= p32).expand(shape)
 
 
 def _spec_kwargs(spec, causal, bottom_right, q, k) -> dict:

@@ -73,8 +73,10 @@ ERROR_CASES = [
                                                         attn_bias=torch.zeros(2, 8, 4, 8, device=DEVICE)),
      ValueError, r"attn_bias of shape \(2, 8, 4, 8\) cannot broadcast to the attention scores' shape "
                  r"\(2, 4, 8, 8\)"),
-    ("dropout-range", lambda: flashtx.attention(*qkv(), dropout_p=1.0), ValueError,
-     r"dropout_p must be a float in \[0, 1\); got 1.0"),
+    ("dropout-range", lambda: flashtx.attention(*qkv(), dropout_p=1.5), ValueError,
+     r"dropout_p must be a float in \[0, 1\] \(or a 0-dim tensor of one\); got 1.5"),
+    ("dropout-one-flash", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()), dropout_p=1.0),
+     ValueError, r"dropout_p must be a float in \[0, 1\); got 1.0"),  # flash-attn's range
     ("dropout-negative", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()), dropout_p=-0.1),
      ValueError, r"dropout_p must be a float in \[0, 1\); got -0.1"),
     ("window", lambda: flashtx.flash_attn_func(*(t.transpose(1, 2) for t in qkv()), window_size=(4, -2)),

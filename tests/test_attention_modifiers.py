@@ -213,7 +213,7 @@ def test_gradcheck_dropout_with_fixed_seed():
 
 def test_dropout_in_the_sdpa_shell_and_the_reference_backend():
     """dropout_p in flashtx.attention: applied (differs from p=0), scaled by 1/(1-p) (the mean output
-    matches), reproducible; the reference backend honours it too (with its own generator)."""
+    matches), reproducible; the reference backend honours it too (with the kernels' draws: test_attention_dropout)."""
     torch.manual_seed(48)
     # float64 through the kernels in the interpreter, float32 on a GPU: every check below holds in either
     q, k, v = (randn(1, 2, 64, 16, dtype=PRECISE_DTYPE) for _ in range(3))

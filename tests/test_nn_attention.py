@@ -176,7 +176,7 @@ def test_empty_sequence_without_cache(rot):
     (dict(embed_dim=32, num_heads=4, rotary=RotaryEmbedding(16)), r"rotary.dim \(16\) must be <= head_dim \(8\)"),
     (dict(embed_dim=32, num_heads=4, cross=True, rotary=RotaryEmbedding(8)), "rotary is for self-attention"),
     (dict(embed_dim=32, num_heads=4, cross=True, causal=True), "cross=True with causal=True"),
-    (dict(embed_dim=32, num_heads=4, dropout=1.0), r"dropout must be a number in \[0, 1\); got 1.0"),
+    (dict(embed_dim=32, num_heads=4, dropout=1.5), r"dropout must be a number in \[0, 1\] .*; got 1.5"),
     (dict(embed_dim=32, num_heads=0), "num_heads must be an int >= 1; got 0"),
     (dict(embed_dim=32, num_heads=4, kdim=16), "kdim is only meaningful with cross=True"),
 ], ids=["indivisible", "kv-heads", "rotary-dim", "cross-rotary", "cross-causal", "dropout", "heads", "kdim"])

@@ -62,7 +62,7 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
 def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_base, do_base, m2_base, l2_base, delta_base, mb_base,
                 offs_n, start, end,
                 Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod,
-                stride_mm, stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p, drop_scale,
+                stride_mm, stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, dropout_p, drop_scale,
                 BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_DV2: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
@@ -115,7 +115,7 @@ def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_base, do_base, m2_base
             dpt = tl.dot(v2, tl.trans(do2), dpt, out_dtype=ACC, input_precision=DOT_PREC)
         pv = pt  # the P^T that dV sees
         if DROPOUT:  # out = (P * keep / (1 - p)) V: the same factor scales dV's P and dP
-            keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], Sk, dropout_p)
+            keep = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], Sk_b, dropout_p, DROPOUT)
             pv = tl.where(keep, pt * drop_scale, 0.0)
             dpt = tl.where(keep, dpt * drop_scale, 0.0)
         dv += tl.dot(pv.to(do.dtype), do, out_dtype=ACC, input_precision=DOT_PREC)
@@ -224,7 +224,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
                                            L2 + row_base,
                                  DELTA + row_base, mb_base, offs_n, start, end, Sq_b, Sk_b, causal_shift,
                                  window_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
-                                 stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, b * H + h, Sk, dropout_p,
+                                 stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, b * H + h, dropout_p,
                                  drop_scale, BLOCK_M, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_DV2, part != 1, CAUSAL,
                                  WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC, TMA)
 
@@ -302,7 +302,7 @@ def _dq_tiles(dq, dq2, db_row, q, q2, do, do2, m2, inv_l, delta, k_base, v_base,
                           mask=(offs_n[None, :] < Sk_b) & (offs_dv2[:, None] < D_V), other=0.0)
             dp = tl.dot(do2, vt2, dp, out_dtype=ACC, input_precision=DOT_PREC)
         if DROPOUT:
-            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Sk, dropout_p)
+            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Sk_b, dropout_p, DROPOUT)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])  # dL/d(scores) = dL/d(attn_mask), natural units
         if DBIAS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_args
+from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_args, wide_dropout_plans
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
@@ -254,7 +254,7 @@ def compile_plans(target) -> list:
         if name == "causal=True":
             plans.append((f"attn_bwd_preprocess {tag}", pre))
         plans += [(f"attn_bwd_dkdv {tag}", dkdv), (f"attn_bwd_dq {tag}", dqk_)]
-    return plans + _fused_compile_plans(target)
+    return plans + wide_dropout_plans(plans) + _fused_compile_plans(target)
 
 
 def _fused_compile_plans(target) -> list:

@@ -26,9 +26,10 @@ Conventions used by every attention kernel:
   s += attn_mask (MASK_KIND 2, additive) or s = -inf where attn_mask is False (MASK_KIND 1); then
   the visibility masks. EVERY_TILE (a key mask or an attn_mask) sends every tile down the masked
   path, which also copes with rows whose scores are all -inf.
-- Dropout (DROPOUT) keeps P[b, h, i, j] iff a Philox draw keyed by (seed, b * Hq + h) at counter
-  i * Sk + j (sequence-local i, j) is >= dropout_p; forward and backward draw the same numbers,
-  so the mask is never stored. Kept entries are scaled by 1 / (1 - dropout_p).
+- Dropout (DROPOUT) keeps P[b, h, i, j] iff a Philox-4x32 draw keyed by seed at counter
+  (i * Sk_b + j as two 32-bit words, b * Hq + h) (sequence-local i, j; reference.dropout_keep computes the same
+  draws in torch) is >= dropout_p; forward and backward draw the same numbers, so the mask is never stored.
+  Kept entries are scaled by 1 / (1 - dropout_p).
 - Float scalars arrive as float32 hi/lo pairs (hi + lo = value to ~48 bits) and are summed in the
   accumulator dtype, so float64 runs keep float64 accuracy.
 """
@@ -223,11 +224,21 @@ def score_mods(s, q_idx, k_idx, in_bounds, mb_base, stride_mm, stride_mn, softca
 
 
 @triton.jit
-def dropout_keep(seed, bh, q_idx, k_idx, Sk, p_drop):
-    """Boolean tile: is P[b, h, q_idx, k_idx] kept. bh = b * Hq + h; Philox keyed by seed."""
-    c0 = (q_idx * Sk + k_idx).to(tl.uint32)  # (broadcast 2-D) counter within the (b, h) slice
+def dropout_keep(seed, bh, q_idx, k_idx, Sk_b, p_drop, DROPOUT: tl.constexpr):
+    """Boolean tile: is P[b, h, q_idx, k_idx] kept (broadcast 2-D sequence-local indices; bh = b * Hq + h).
+    Philox keyed by seed at counter (low word of q_idx * Sk_b + k_idx, bh, its high word, 0): unique per
+    entry, and independent of the call's padded bounds (varlen max_seqlen). DROPOUT == DROPOUT_WIDE when
+    the host saw Sq * Sk > 2**32 (the high word can be nonzero: int64 indices, more registers); otherwise
+    the high word is 0 and the index fits one uint32 word: both variants draw the same numbers."""
+    if DROPOUT == 2:  # DROPOUT_WIDE
+        idx = q_idx.to(tl.int64) * Sk_b + k_idx
+        c0 = (idx & 0xFFFFFFFF).to(tl.uint32)
+        c2 = (idx >> 32).to(tl.uint32)
+    else:
+        c0 = q_idx.to(tl.uint32) * Sk_b.to(tl.uint32) + k_idx.to(tl.uint32)
+        c2 = c0 * 0
     zero = c0 * 0
-    r0, r1, r2, r3 = tl.philox(seed, c0, zero + bh.to(tl.uint32), zero, zero)
+    r0, r1, r2, r3 = tl.philox(seed, c0, zero + bh.to(tl.uint32), c2, zero)
     u = (r0 >> 8).to(tl.float32) * 5.960464477539063e-08  # top 24 bits / 2**24: uniform in [0, 1)
     return u >= p_drop
 
@@ -301,8 +312,22 @@ def _static_args(spec: MaskSpec, causal: bool, bottom_right: bool) -> dict:
             left=max(left, 0), CAUSAL=has_right, WINDOW=left >= 0, LENS=key[3], VARLEN=key[4], KEY_MASK=key[5],
             QUERY_MASK=key[6], MASK_KIND=kind, EVERY_TILE=key[5] or m is not None,
             softcap_hi=cap_hi, softcap_lo=cap_lo, SOFTCAP=bool(spec.softcap), log2e_hi=l2_hi, log2e_lo=l2_lo,
-            ALIBI=key[9], dropout_p=p, drop_scale_hi=ds_hi, drop_scale_lo=ds_lo, DROPOUT=p > 0.0)
+            ALIBI=key[9], dropout_p=p, drop_scale_hi=ds_hi, drop_scale_lo=ds_lo, DROPOUT=int(p > 0.0))
     return args
+
+
+DROPOUT_WIDE = 2  # the DROPOUT constexpr of calls with Sq * Sk > 2**32 (dropout_keep); 1 otherwise
+
+
+def wide_dropout_plans(plans: list, tags=("D=64 float16", "D=128 float16")) -> list:
+    """The compile check's DROPOUT_WIDE variants of (label, Launch) plans with dropout whose label holds one of
+    `tags`, labelled "... dropout-wide" (a spec the untimed no-spill rule does not cover: these launches are
+    for sequences past 65536 x 65536, where the extra counter word is worth its registers)."""
+    import dataclasses
+
+    return [(" ".join(label.split()[:3]) + " dropout-wide", dataclasses.replace(launch, args={**launch.args,
+                                                                                       "DROPOUT": DROPOUT_WIDE}))
+            for label, launch in plans if launch.args.get("DROPOUT") and any(t in label for t in tags)]
 
 
 def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tuple[dict, int, int, int]:
@@ -330,6 +355,8 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
         # would specialise a compiled graph on a packed batch's longest sequence: a recompile per batch)
     else:
         args["CU_Q"] = args["CU_K"] = dummy
+    if args["DROPOUT"] and Sq * Sk > 2**32:  # a sequence's i * Sk_b + j may need two counter words
+        args["DROPOUT"] = DROPOUT_WIDE
     for name, sb, sn, t in (("KM", "stride_kmb", "stride_kmn", spec.key_mask),
                             ("QM", "stride_qmb", "stride_qmn", spec.query_mask)):
         if t is not None:

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part,
-                               mask_args, modifier_scalars, scalar_in, score_mods, seq_bounds, stride_args, visible)
+                               mask_args, modifier_scalars, scalar_in, score_mods, seq_bounds, stride_args, visible,
+                               wide_dropout_plans)
 from .configs import estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
@@ -22,7 +23,7 @@ from .limits import bhsd, check_limits, check_spans
 @triton.jit
 def _fwd_tiles(acc, acc2, m_i, l_i, q, q2, k_base, v_base, km_base, mb_base, offs_m, start, end, Sq_b, Sk_b,
                causal_shift, window_shift, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm,
-               stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
+               stride_mn, D_QK, D_V, softcap2, slope2, log2e, seed, bh, dropout_p,
                BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_DV2: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
@@ -77,7 +78,7 @@ def _fwd_tiles(acc, acc2, m_i, l_i, q, q2, k_base, v_base, km_base, mb_base, off
         alpha = tl.exp2(m_i - m_ref)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax normaliser counts dropped entries too
         if DROPOUT:
-            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Sk, dropout_p), p, 0.0)
+            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Sk_b, dropout_p, DROPOUT), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=DOT_PREC)
         if BLOCK_DV2 > 0:  # the second column piece of V, (BLOCK_N, BLOCK_DV2), into its own accumulator
             offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
@@ -135,7 +136,7 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
     mb_base = MB + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
     softcap2, log2e, slope2, seed = modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo,
                                                      log2e_hi, log2e_lo, ALIBI, DROPOUT, ACC)
-    bh = b * H + h
+    bh = b * H + h  # (past 2**31 it wraps; dropout_keep reads its 32 bits as unsigned)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -165,7 +166,7 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
         acc, acc2, m_i, l_i = _fwd_tiles(acc, acc2, m_i, l_i, q, q2, k_base, v_base, km_base, mb_base, offs_m,
                                          start, end, Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_kn,
                                          stride_kd, stride_vn, stride_vd, stride_kmn, stride_mm, stride_mn, D_QK, D_V,
-                                         softcap2, slope2, log2e, seed, bh, Sk, dropout_p,
+                                         softcap2, slope2, log2e, seed, bh, dropout_p,
                                          BLOCK_N, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_DV2, part != 1, CAUSAL,
                                          WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC, TMA)
 
@@ -347,7 +348,7 @@ def compile_plans(target) -> list:
             continue
         dims = f"D={dqk}" if dqk == dv else f"D={dqk}/{dv}"
         plans.append((f"attn_fwd {dims} {str(dtype)[6:]} {name}", launch))
-    return plans + _tma_compile_plans(target)
+    return plans + wide_dropout_plans(plans) + _tma_compile_plans(target)
 
 
 def _tma_compile_plans(target) -> list:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, mask_args, modifier_scalars, scalar_in, score_mods,
-                               seq_bounds, stride_args, visible)
+                               seq_bounds, stride_args, visible, wide_dropout_plans)
 from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32, target_for
 from .limits import INT32_MAX, LimitExceeded, check_limits
@@ -70,7 +70,7 @@ def _attn_probs(Q, K, M2, L2, OUT, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, 
                   CAUSAL, WINDOW, KEY_MASK)
     p = tl.where(vis, tl.exp2(s - m2[:, None]) * inv_l[:, None], 0.0)  # (BLOCK_M, BLOCK_N)
     if DROPOUT:
-        p = tl.where(dropout_keep(seed, b * H + h, offs_m[:, None], offs_n[None, :], Sk, dropout_p), p, -p)
+        p = tl.where(dropout_keep(seed, b * H + h, offs_m[:, None], offs_n[None, :], Sk_b, dropout_p, DROPOUT), p, -p)
     tl.store(OUT + b.to(tl.int64) * stride_outb + h.to(tl.int64) * stride_outh + offs_m[:, None] * stride_outm
              + offs_n[None, :] * stride_outn, p.to(OUT.dtype.element_ty),
              mask=(offs_m[:, None] < Sq) & (offs_n[None, :] < Sk))
@@ -137,4 +137,4 @@ def compile_plans(target) -> list:
             except RuntimeError:  # no config fits: the backend reports it and never launches
                 continue
             plans.append((f"attn_probs D={d} {str(dtype)[6:]}", launch))
-    return plans
+    return plans + wide_dropout_plans(plans)

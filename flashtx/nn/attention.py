@@ -128,8 +128,8 @@ class MultiheadAttention(nn.Module):
                                  "or pass head_dim")
             head_dim = embed_dim // num_heads
         head_dim = _check_pos_int("head_dim", head_dim)
-        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1); got {dropout!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1] (as torch.nn.MultiheadAttention's); got {dropout!r}")
         if rotary is not None:
             if not isinstance(rotary, RotaryEmbedding):
                 raise TypeError(f"rotary must be None or a flashtx.nn.RotaryEmbedding; got {type(rotary).__name__}")
