@@ -78,27 +78,37 @@ def assert_close_to_reference(name: str, actual: torch.Tensor, ref64: torch.Tens
 
 @contextlib.contextmanager
 def poisoned_allocations():
-    """Make torch.empty / empty_like return NaN-filled (or -1) tensors, so unwritten outputs fail."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
+    """Make every uninitialised allocation the code under test can make return NaN-filled (or -1) tensors, so
+    unwritten outputs fail: torch.empty / empty_like / empty_strided and Tensor.new_empty / new_empty_strided
+    (flashtx allocates outputs with all of them, e.g. q.new_empty in the ops). Zero-filling allocations
+    (zeros, new_zeros) are left alone: their zeros are meant."""
     def fill(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype != torch.bool:
-            t.fill_(-1)
+        with torch.no_grad():  # an allocation made with requires_grad=True is a leaf: fill it as data
+            if t.is_floating_point() or t.is_complex():
+                t.fill_(float("nan"))
+            elif t.dtype != torch.bool:
+                t.fill_(-1)
         return t
 
-    def empty(*a, **kw):
-        return fill(real_empty(*a, **kw))
+    def poisoned(real):
+        def alloc(*a, **kw):
+            return fill(real(*a, **kw))
+        return alloc
 
-    def empty_like(*a, **kw):
-        return fill(real_empty_like(*a, **kw))
-
-    torch.empty, torch.empty_like = empty, empty_like
+    functions = [(torch, name) for name in ("empty", "empty_like", "empty_strided")]
+    methods = [(torch.Tensor, name) for name in ("new_empty", "new_empty_strided")]
+    saved = [(owner, name, owner.__dict__.get(name, None) if owner is torch.Tensor else getattr(owner, name))
+             for owner, name in functions + methods]
+    for owner, name in functions + methods:
+        setattr(owner, name, poisoned(getattr(owner, name)))  # methods: the inherited TensorBase descriptor
     try:
         yield
     finally:
-        torch.empty, torch.empty_like = real_empty, real_empty_like
+        for owner, name, real in saved:
+            if real is None:  # a method torch.Tensor inherits (from torch._C.TensorBase): drop the stand-in
+                delattr(owner, name)
+            else:
+                setattr(owner, name, real)
 
 
 @pytest.fixture
