@@ -1,16 +1,25 @@
 """flashtx.flash_attn_with_kvcache against a float64 loop reference: contiguous and paged caches,
 ragged lengths, cache_batch_idx, left padding, appends across pages, RoPE, GQA, splits, score
-modifiers; nothing written outside the new tokens' cache rows; clear errors for bad input."""
+modifiers; nothing written outside the new tokens' cache rows; clear errors for bad input.
+
+Outputs are held to the tolerance rule (conftest.assert_close_to_reference) against the loop reference, with
+the reference backend in the kernels' dtype as the eager baseline. The feature tests run PRECISE_DTYPE
+(float64 in the interpreter, float32 on a GPU, whose Triton backend refuses float64) and a few cases in
+float16; a silent fallback to the reference backend fails (the warning is an error here)."""
 import math
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, dtype_id
+from conftest import DEVICE, KERNEL_DTYPES, PRECISE_DTYPE, assert_close_to_reference, dtype_id, poisoned_allocations
 
 import flashtx
-from flashtx import reference
+from flashtx import _decode_lane, _decode_op, reference
 
-TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 2e-5, torch.float64: 1e-11}
+# A call without backend= that no fast backend can run falls back to the reference with a warning: here an error
+# (and plans are fresh per test, so that the once-per-reason warning is given in every test that falls back).
+pytestmark = [pytest.mark.filterwarnings("error:.*using the reference implementation"),
+              pytest.mark.usefixtures("fresh_plans")]
+HALF = torch.float16  # a kernel dtype on a GPU and in the interpreter (whose bf16 is wrong, see conftest)
 
 
 def rotate(x, cos, sin, pos, interleaved):
@@ -93,7 +102,12 @@ def rand(*shape, dtype):
 
 def run_case(dtype, *, B=3, Sq=1, Snew=1, Hq=4, Hkv=2, D=16, cap=80, page=None, lens=None, rotary=None,
              splits=1, batch_idx=None, leftpad=None, extra_rows=0, backend="triton", **kw):
-    kc, vc, bt = make_cache(B, Hkv, D, cap, dtype, page, extra_rows)
+    """One call of flash_attn_with_kvcache (fresh random caches and tokens) against loop_reference under the
+    tolerance rule: out with the reference backend's out in `dtype` as the eager baseline, lse (float32 for
+    half inputs) with its lse, computed in lse's dtype (the reference backend computes in float32 for half
+    inputs); the caches after the append likewise (new rows copies, or rotated copies with RoPE), every row
+    outside the append bit-identical. Returns (out, lse)."""
+    kc, vc, bt = make_cache(B, Hkv, D, cap, dtype, page, extra_rows, seed=int(torch.randint(2**31, ())))
     lens = torch.tensor(lens if lens is not None else [cap - Snew - 7 * b for b in range(B)], dtype=torch.int32)
     q = rand(B, Sq, Hq, D, dtype=dtype)
     k, v = (rand(B, Snew, Hkv, D, dtype=dtype) for _ in range(2)) if Snew else (None, None)
@@ -106,21 +120,27 @@ def run_case(dtype, *, B=3, Sq=1, Snew=1, Hq=4, Hkv=2, D=16, cap=80, page=None, 
     ref = loop_reference(q, kc, vc, k, v, lens=lens, batch_idx=bi, leftpad=lp, block_table=bt, cos=cos, sin=sin,
                          interleaved=rotary == "interleaved", **kw)
     kc0, vc0 = kc.clone(), vc.clone()
-    out, lse = flashtx.flash_attn_with_kvcache(
-        q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens.to(DEVICE), cache_batch_idx=bi,
-        cache_leftpad=lp, block_table=bt, rotary_interleaved=rotary == "interleaved", num_splits=splits,
-        return_softmax_lse=True, backend=backend, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
-        softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi"))
-    tol = TOL[dtype]
+    args = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens.to(DEVICE), cache_batch_idx=bi, cache_leftpad=lp,
+                block_table=bt, rotary_interleaved=rotary == "interleaved", num_splits=splits,
+                return_softmax_lse=True, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
+                softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi"))
+    out, lse = flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, backend=backend, **args)
+    kce, vce = kc0.clone(), vc0.clone()  # the eager baseline: the reference backend, in dtype, on the same values
+    out_e, lse_e = flashtx.flash_attn_with_kvcache(q, kce, vce, k, v, backend="reference", **args)
     assert out.dtype == dtype and out.shape == (B, Sq, Hq, D)
-    torch.testing.assert_close(out.double().cpu(), ref[0], atol=tol, rtol=0, msg="out")
+    assert lse.dtype == lse_e.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close_to_reference("out", out, ref[0].to(DEVICE), out_e)
     fin = torch.isfinite(ref[1])
     assert torch.equal(torch.isfinite(lse.cpu()), fin), "lse: -inf rows differ"
-    torch.testing.assert_close(lse.double().cpu()[fin], ref[1][fin], atol=tol, rtol=0, msg="lse")
-    # the cache: new rows as the reference wrote them (rounded to dtype), everything else bit-identical
+    assert torch.isneginf(lse.cpu()[~fin]).all(), "lse: rows that see no key must be -inf"
+    assert_close_to_reference("lse", lse, ref[1].to(DEVICE), lse_e)
+    # the cache: new rows as the reference wrote them (rounded to dtype; exact copies without RoPE),
+    # everything else bit-identical
     written = (ref[2].to(dtype) != kc0.cpu()) | (ref[3].to(dtype) != vc0.cpu())
-    for name, got, want, before in (("k_cache", kc, ref[2], kc0), ("v_cache", vc, ref[3], vc0)):
-        torch.testing.assert_close(got.double().cpu(), want.to(dtype).double(), atol=tol, rtol=0, msg=name)
+    for name, got, want, eager, before in (("k_cache", kc, ref[2], kce, kc0), ("v_cache", vc, ref[3], vce, vc0)):
+        assert_close_to_reference(name, got, want.to(DEVICE), eager)
+        if rotary is None or name == "v_cache":
+            assert torch.equal(got.cpu(), want.to(dtype)), f"{name}: the appended rows are not exact copies"
         assert torch.equal(got.cpu()[~written], before.cpu()[~written]), f"{name}: rows outside the append changed"
     return out, lse
 
@@ -135,67 +155,94 @@ def test_decode_matches_loop_reference(dtype, page, splits):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("Sq", [1, 3])
 def test_gqa_groups_and_speculative_queries(group, Sq):
-    run_case(torch.float64, Hq=2 * group, Hkv=2, Sq=Sq, Snew=Sq, page=16, splits=2, causal=True)
+    run_case(PRECISE_DTYPE, Hq=2 * group, Hkv=2, Sq=Sq, Snew=Sq, page=16, splits=2, causal=True)
 
 
 @pytest.mark.parametrize("rotary", ["interleaved", "neox"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_rotary_with_append(rotary, causal):
-    run_case(torch.float64, Sq=2, Snew=2, rotary=rotary, causal=causal, page=16)
+    run_case(PRECISE_DTYPE, Sq=2, Snew=2, rotary=rotary, causal=causal, page=16)
 
 
 def test_append_crosses_page_boundaries_ragged():
     # lengths 13, 30, 47 with 5 new tokens cross 16-row pages; 256-row pages hold everything in one
     for page in (16, 256):
-        run_case(torch.float64, B=3, Sq=5, Snew=5, lens=[13, 30, 47], page=page, cap=64, splits=3, causal=True,
+        run_case(PRECISE_DTYPE, B=3, Sq=5, Snew=5, lens=[13, 30, 47], page=page, cap=64, splits=3, causal=True,
                  rotary="neox")
 
 
 def test_batch_idx_and_leftpad():
     run_case(torch.float32, B=3, batch_idx=[4, 0, 2], extra_rows=2, leftpad=[3, 0, 20], lens=[40, 9, 60],
              causal=True, splits=2)
-    run_case(torch.float64, B=2, leftpad=[5, 17], lens=[40, 60], page=16, causal=True, splits=4, rotary="neox")
+    run_case(PRECISE_DTYPE, B=2, leftpad=[5, 17], lens=[40, 60], page=16, causal=True, splits=4, rotary="neox")
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5, 0])
 def test_splits_heuristic_and_many(splits):
-    run_case(torch.float64, B=2, cap=160, lens=[150, 3], Snew=0, splits=splits, causal=True)
+    run_case(PRECISE_DTYPE, B=2, cap=160, lens=[150, 3], Snew=0, splits=splits, causal=True)
 
 
 def test_window_softcap_alibi():
     alibi = torch.rand(2, 4, dtype=torch.float32).to(DEVICE)
-    run_case(torch.float64, B=2, Sq=3, Snew=3, window=(20, 0), softcap=5.0, alibi=alibi, splits=3, page=16)
+    run_case(PRECISE_DTYPE, B=2, Sq=3, Snew=3, window=(20, 0), softcap=5.0, alibi=alibi, splits=3, page=16)
     run_case(torch.float32, B=2, Sq=2, Snew=1, window=(10, 1), alibi=alibi[0], splits=2)
+
+
+def test_features_in_half_precision():
+    """The feature tests' cases in float16 (they run PRECISE_DTYPE): GQA with speculative queries, an
+    interleaved-RoPE append across pages, splits; cache_batch_idx, leftpad, NeoX RoPE; window, softcap, ALiBi."""
+    run_case(HALF, Hq=8, Hkv=2, Sq=3, Snew=3, page=16, splits=2, causal=True, rotary="interleaved")
+    run_case(HALF, B=3, batch_idx=[4, 0, 2], extra_rows=2, leftpad=[3, 0, 20], lens=[40, 9, 60], causal=True,
+             splits=2, rotary="neox")
+    run_case(HALF, B=2, Sq=3, Snew=3, window=(20, 0), softcap=5.0, alibi=torch.rand(2, 4).to(DEVICE), splits=3,
+             page=16)
 
 
 def test_rows_that_see_no_key_give_zero_and_neg_inf():
     # leftpad == end: sequence 0 has no keys; window (0, 0) with Sq > keys of seq 1 leaves early rows empty
-    out, lse = run_case(torch.float64, B=2, Sq=3, Snew=0, lens=[30, 2], leftpad=[30, 0], causal=True, splits=4)
+    out, lse = run_case(PRECISE_DTYPE, B=2, Sq=3, Snew=0, lens=[30, 2], leftpad=[30, 0], causal=True, splits=4)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
     assert torch.isneginf(lse[1, :, 0]).all() and torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
 
 
-def test_outputs_fully_written_with_poisoned_allocations(poison):
-    run_case(torch.float64, Sq=2, Snew=1, page=16, splits=3, causal=True)
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "general-path"])
+def test_outputs_fully_written_with_poisoned_allocations(lane, monkeypatch):
+    """Allocations NaN-filled (conftest.poisoned_allocations), in a kernel dtype: every element of out and lse must be
+    written, the rows that see no key too (all of sequence 0: leftpad == its end; query 0 of sequence 1, causal with
+    two keys and three queries), with splits that get no keys. The lane (flashtx._decode_lane) allocates its
+    outputs with torch.empty, the general path (LANE off: flashtx._decode_op's ops) with q.new_empty."""
+    monkeypatch.setattr(_decode_lane, "LANE", lane)
+    with poisoned_allocations():
+        out, lse = run_case(HALF, B=3, Sq=3, Snew=1, lens=[40, 1, 60], leftpad=[41, 0, 10], page=16, splits=3,
+                            causal=True, rotary="neox")
+    assert torch.isfinite(out).all(), "out: unwritten (NaN) elements"
+    assert not torch.isnan(lse).any(), "lse: unwritten (NaN) elements"
+    assert torch.isneginf(lse[0]).all() and torch.equal(out[0], torch.zeros_like(out[0]))  # the rows without keys
+    assert torch.isneginf(lse[1, :, 0]).all() and torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
+    assert torch.isfinite(lse[1, :, 1:]).all() and torch.isfinite(lse[2]).all()
 
 
 def test_triton_and_reference_backends_agree():
     for backend in ("triton", "reference"):
-        run_case(torch.float64, Sq=2, Snew=2, page=16, splits=2, causal=True, rotary="interleaved", backend=backend)
+        run_case(PRECISE_DTYPE, Sq=2, Snew=2, page=16, splits=2, causal=True, rotary="interleaved", backend=backend)
 
 
 def test_cache_as_bhsd_buffers_viewed_bshd():
     """flashtx.nn's (B, Hkv, S, D) buffers, viewed as (B, S, Hkv, D): strides only, no copies."""
-    B, Hkv, S, D = 2, 2, 40, 16
-    kb, vb = rand(B, Hkv, S, D, dtype=torch.float64), rand(B, Hkv, S, D, dtype=torch.float64)
-    q, k, v = rand(B, 1, 4, D, dtype=torch.float64), rand(B, 1, Hkv, D, dtype=torch.float64), \
-        rand(B, 1, Hkv, D, dtype=torch.float64)
+    B, Hkv, S, D, dt = 2, 2, 40, 16, PRECISE_DTYPE
+    kb, vb = rand(B, Hkv, S, D, dtype=dt), rand(B, Hkv, S, D, dtype=dt)
+    q, k, v = rand(B, 1, 4, D, dtype=dt), rand(B, 1, Hkv, D, dtype=dt), rand(B, 1, Hkv, D, dtype=dt)
     lens = torch.tensor([10, 30], dtype=torch.int32).to(DEVICE)
     ref = loop_reference(q, kb.transpose(1, 2), vb.transpose(1, 2), k, v, lens=lens, causal=True)
+    kbe, vbe = kb.clone(), vb.clone()
     out = flashtx.flash_attn_with_kvcache(q, kb.transpose(1, 2), vb.transpose(1, 2), k, v, cache_seqlens=lens,
                                          causal=True, num_splits=2)
-    torch.testing.assert_close(out.cpu(), ref[0], atol=1e-11, rtol=0)
-    torch.testing.assert_close(kb.transpose(1, 2).cpu(), ref[2], atol=0, rtol=0)
+    assert _decode_op.select(q, kb.transpose(1, 2), vb.transpose(1, 2), None) == "triton"  # (not the reference)
+    eager = flashtx.flash_attn_with_kvcache(q, kbe.transpose(1, 2), vbe.transpose(1, 2), k, v, cache_seqlens=lens,
+                                           causal=True, backend="reference")
+    assert_close_to_reference("out", out, ref[0].to(DEVICE), eager)
+    assert torch.equal(kb.transpose(1, 2).cpu().double(), ref[2]) and torch.equal(vb.transpose(1, 2).cpu().double(),
+                                                                                   ref[3])
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -311,6 +358,6 @@ def test_appending_without_cache_seqlens_is_refused_by_name():
         flashtx.flash_attn_with_kvcache(q, kc, vc, kc[:, :1].clone(), vc[:, :1].clone())
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
     out = flashtx.flash_attn_with_kvcache(q, kc, vc)  # without new tokens None stays the whole cache
-    want = reference.attention(q.transpose(1, 2).double(), kc.transpose(1, 2).double(),
-                                       vc.transpose(1, 2).double()).transpose(1, 2)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    want, eager = (reference.attention(*(t.transpose(1, 2).to(dt) for t in (q, kc, vc))).transpose(1, 2)
+                   for dt in (torch.float64, q.dtype))
+    assert_close_to_reference("out", out, want, eager)
