@@ -15,8 +15,8 @@ import triton.language as tl
 from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn
 
 import flashtx
-from flashtx import reference
-from flashtx.triton_kernels import attention_bwd_launch
+from flashtx import _dispatch, reference
+from flashtx.triton_kernels import attention_bwd_launch, attention_common, launch
 from flashtx.triton_kernels.attention_common import DROPOUT_WIDE, dropout_keep, mask_args
 from flashtx.triton_kernels.limits import LimitExceeded
 from flashtx.triton_kernels.mask_spec import MaskSpec
@@ -175,3 +175,34 @@ def test_sdpa_shell_takes_sdpa_dropout_forms():
     layer = flashtx.nn.MultiheadAttention(32, 2, dropout=1.0).to(device=DEVICE, dtype=PRECISE_DTYPE)
     x = randn(1, 5, 32, dtype=PRECISE_DTYPE)
     assert torch.equal(layer(x), layer.out_proj(torch.zeros_like(x)))  # training: every probability dropped
+
+
+def test_the_wide_counter_kernels_draw_what_the_narrow_ones_draw(monkeypatch, fresh_plans):
+    """Every attention kernel's DROPOUT_WIDE variant (forward, dK/dV, dQ, probabilities), forced for a small
+    call: the same out, gradients and dropped entries as the one-word counter."""
+    torch.manual_seed(7)
+    q = randn(2, 13, 4, 16, dtype=PRECISE_DTYPE, requires_grad=True)
+    k, v = (randn(2, 21, 2, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(2))
+
+    def run():
+        torch.manual_seed(12)
+        out, _, probs = flashtx.flash_attn_func(q, k, v, dropout_p=P, causal=True, return_attn_probs=True,
+                                                backend="triton")
+        return (out, probs, *_grads(out, (q, k, v)))
+
+    narrow = run()
+    monkeypatch.setattr(attention_common, "WIDE_COUNTER_PAST", 0)
+    _dispatch.clear_plans()  # (the narrow run's plans and launches are kept per call signature)
+    seen = {}
+    real = launch.run_kernel
+
+    def spy(kernel, grid, args, *rest):
+        if "DROPOUT" in args:
+            seen[kernel.__name__] = args["DROPOUT"]
+        return real(kernel, grid, args, *rest)
+
+    monkeypatch.setattr(launch, "run_kernel", spy)
+    wide = run()
+    assert seen == {"_attn_fwd": DROPOUT_WIDE, "_attn_probs": DROPOUT_WIDE, "_attn_bwd_dkdv": DROPOUT_WIDE,
+                    "_attn_bwd_dq": DROPOUT_WIDE}, seen
+    assert all(torch.equal(a, b) for a, b in zip(narrow, wide))

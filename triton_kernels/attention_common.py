@@ -316,7 +316,8 @@ def _static_args(spec: MaskSpec, causal: bool, bottom_right: bool) -> dict:
     return args
 
 
-DROPOUT_WIDE = 2  # the DROPOUT constexpr of calls with Sq * Sk > 2**32 (dropout_keep); 1 otherwise
+DROPOUT_WIDE = 2  # the DROPOUT constexpr of calls with Sq * Sk > WIDE_COUNTER_PAST (dropout_keep); 1 otherwise
+WIDE_COUNTER_PAST = 2**32  # i * Sk_b + j fits one uint32 counter word up to here
 
 
 def wide_dropout_plans(plans: list, tags=("D=64 float16", "D=128 float16")) -> list:
@@ -355,7 +356,7 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
         # would specialise a compiled graph on a packed batch's longest sequence: a recompile per batch)
     else:
         args["CU_Q"] = args["CU_K"] = dummy
-    if args["DROPOUT"] and Sq * Sk > 2**32:  # a sequence's i * Sk_b + j may need two counter words
+    if args["DROPOUT"] and Sq * Sk > WIDE_COUNTER_PAST:  # a sequence's i * Sk_b + j may need two counter words
         args["DROPOUT"] = DROPOUT_WIDE
     for name, sb, sn, t in (("KM", "stride_kmb", "stride_kmn", spec.key_mask),
                             ("QM", "stride_qmb", "stride_qmn", spec.query_mask)):
