@@ -18,19 +18,20 @@ def cache_rows(cache: torch.Tensor, b: int, n: int, block_table=None, cache_batc
 
 
 def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_batch_idx=None,
-                         softmax_scale=None, causal=False):
-    """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) in float64 for q (B, Sq, Hq, D) over keys
+                         softmax_scale=None, causal=False, dtype=torch.float64):
+    """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) computed in `dtype` (float64: the ground truth; the inputs'
+    dtype: the same-dtype eager baseline of the tolerance rule) for q (B, Sq, Hq, D) over keys
     [0, cache_seqlens[b]) of each row; causal is bottom-right. A row with no key: out 0, lse -inf."""
     batch, sq, hq, d = q.shape
     hkv = k_cache.shape[2]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    out = torch.zeros(batch, sq, hq, d, dtype=torch.float64, device=q.device)
-    lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float64, device=q.device)
+    out = torch.zeros(batch, sq, hq, d, dtype=dtype, device=q.device)
+    lse = torch.full((batch, hq, sq), float("-inf"), dtype=dtype, device=q.device)
     for b in range(batch):
         n = int(cache_seqlens[b])
-        k = cache_rows(k_cache, b, n, block_table, cache_batch_idx).double().repeat_interleave(hq // hkv, dim=1)
-        v = cache_rows(v_cache, b, n, block_table, cache_batch_idx).double().repeat_interleave(hq // hkv, dim=1)
-        s = torch.einsum("ihd,jhd->hij", q[b].double(), k) * scale  # (Hq, Sq, n)
+        k = cache_rows(k_cache, b, n, block_table, cache_batch_idx).to(dtype).repeat_interleave(hq // hkv, dim=1)
+        v = cache_rows(v_cache, b, n, block_table, cache_batch_idx).to(dtype).repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("ihd,jhd->hij", q[b].to(dtype), k) * scale  # (Hq, Sq, n)
         if causal:
             i = torch.arange(sq, device=q.device)[:, None]
             j = torch.arange(n, device=q.device)[None, :]
