@@ -58,8 +58,14 @@ def main() -> int:
     failed = [r for r in ran if not r.passed]
     print(f"\n{len(ran) - len(failed)} passed, {len(failed)} failed, {len(results) - len(ran)} skipped "
           f"(backend unavailable)")
+    for r in failed:
+        print(f"  FAILED: {str(r.dtype).replace('torch.', '')} {r.backend} {r.op}")
     if not ran:
         print("no check ran")
+        return 1
+    if (device == "cuda" or _env.INTERPRET) and not any(r.backend == "triton" for r in ran):
+        print("NO KERNEL CHECKED: every Triton check was skipped (see the reasons above), although Triton's kernels "
+              "should run here; only the reference backend was compared with itself")
         return 1
     return 1 if failed else 0
 

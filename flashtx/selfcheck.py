@@ -2,7 +2,9 @@
 
 Used by ``python -m flashtx``. Each check draws fresh random inputs, runs forward and backward
 through one backend, and applies the tolerance rule of flashtx.testing to every output and
-gradient. A backend that cannot run the inputs is reported as skipped, with its reasons.
+gradient. A backend that cannot run the inputs is reported as skipped, with its reasons. The plain
+calls are here; varlen, packed QKV, dropout, lse, decoding, RoPE on q and k, and packed SwiGLU are in
+flashtx.selfcheck_ops.
 """
 from __future__ import annotations
 
@@ -33,20 +35,26 @@ def _grads(fn, inputs, dout):
     return out, torch.autograd.grad(out, inputs, dout)
 
 
-def _compare(op, dtype, backend, fn_kernel, fn_ref, make_inputs) -> CheckResult:
-    """Run fn_kernel in dtype and fn_ref in dtype and float64; apply the tolerance rule."""
+def _compare(op, dtype, backend, fn_kernel, fn_ref, make_inputs, out_dtype=None) -> CheckResult:
+    """Run fn_kernel in dtype and fn_ref in dtype and float64; apply the tolerance rule. The output must have
+    the reference's shape and out_dtype (default: dtype), each gradient its input's shape and dtype."""
     base = make_inputs()
     ins = [t.detach().to(dtype).requires_grad_(True) for t in base]
     out = fn_kernel(*ins)
-    dout = torch.randn_like(out, dtype=torch.float64).to(dtype)
+    dout = torch.randn_like(out, dtype=torch.float64).to(out.dtype)
     grads = torch.autograd.grad(out, ins, dout)
     ins64 = [t.detach().to(torch.float64).requires_grad_(True) for t in base]
     ref, ref_grads = _grads(fn_ref, ins64, dout.to(torch.float64))
     ins_e = [t.detach().to(dtype).requires_grad_(True) for t in base]
-    eager, eager_grads = _grads(fn_ref, ins_e, dout)
-    errors = {"out": testing.tolerance_check(out, ref, eager)}
+    eager, eager_grads = _grads(fn_ref, ins_e, dout.to(out_dtype or dtype))
+    errors = {}
+    if out.dtype != (out_dtype or dtype) or out.shape != ref.shape:  # (the rule would broadcast a wrong shape)
+        errors[f"out is {tuple(out.shape)} {out.dtype}"] = (float("inf"), 0.0)
+    errors["out"] = testing.tolerance_check(out, ref, eager)
     scale = max(float(g.abs().max()) for g in ref_grads)
     for i, (g, r, e) in enumerate(zip(grads, ref_grads, eager_grads)):
+        if g.dtype != dtype or g.shape != r.shape:
+            errors[f"grad{i} is {tuple(g.shape)} {g.dtype}"] = (float("inf"), 0.0)
         errors[f"grad{i}"] = testing.tolerance_check(g, r, e, grad=True, scale=scale)
     return CheckResult(op, dtype, backend, errors)
 
@@ -205,5 +213,14 @@ def format_result(r: CheckResult) -> str:
     dt = str(r.dtype).replace("torch.", "")
     if r.skipped:
         return f"  SKIP  {dt:<8} {r.backend:<9} {r.op}: {r.skipped}"
-    errs = "  ".join(f"{k} {e:.1e}/{b:.1e}" for k, (e, b) in r.errors.items())
+    errs = "  ".join(f"{k} {e:.1e}/{b:.1e}" + ("" if e <= b else " (OVER)") for k, (e, b) in r.errors.items())
     return f"  {'PASS' if r.passed else 'FAIL'}  {dt:<8} {r.backend:<9} {r.op}\n        error/bound: {errs}"
+
+
+def _more_checks():
+    from .selfcheck_ops import attention_variant_checks, decode_checks, elementwise_checks
+
+    return [attention_variant_checks, decode_checks, elementwise_checks]
+
+
+CHECKS += _more_checks()

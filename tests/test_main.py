@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from flashtx import _attention_lane, selfcheck
+from flashtx import _attention_lane, selfcheck, selfcheck_ops
 from flashtx.backends import TritonBackend
 
 
@@ -15,7 +15,9 @@ def test_main_job_runs_every_check_and_exits_zero():
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "torch " in out and "triton " in out and "Backends" in out
-    for op in ("attention (SDPA shell", "flash_attn_func", "apply_rotary", "swiglu"):
+    for op in ("attention (SDPA shell", "flash_attn_func", "apply_rotary", "swiglu", "flash_attn_varlen_func",
+               "flash_attn_qkvpacked_func", "attention (dropout", "attention lse", "flash_attn_with_kvcache",
+               "apply_rotary_qk", "swiglu_packed"):
         assert f"PASS  float16  triton    {op}" in out, op
     assert " 0 failed" in out
 
@@ -30,14 +32,69 @@ def test_self_check_fails_on_a_wrong_kernel(monkeypatch):
         out.mul_(1.01)
         return stats
 
-    def planted_lane(self, q, k, v):
-        out, m2, l2 = real_lane(self, q, k, v)
+    def planted_lane(self, q, k, v, *masks):
+        out, m2, l2 = real_lane(self, q, k, v, *masks)
         return out.mul_(1.01), m2, l2
 
     monkeypatch.setattr(TritonBackend, "forward", planted)
     monkeypatch.setattr(_attention_lane._Lane, "run", planted_lane)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    results = selfcheck.run_all(device, [torch.float32], report=lambda line: None)
+    lines = []
+    results = selfcheck.run_all(device, [torch.float32], report=lines.append)
     bad = [r for r in results if not r.skipped and not r.passed]
-    n_attention = len(selfcheck.attention_checks(device, torch.float32))
-    assert {r.backend for r in bad} == {"triton"} and len(bad) == n_attention == 4  # every attention check
+    # every check of an attention output: the plain ones, varlen, packed QKV and dropout (lse is not out)
+    want = {name for name, *_ in selfcheck.attention_checks(device, torch.float32)} | {
+        selfcheck_ops.VARLEN_NAME, selfcheck_ops.PACKED_NAME, selfcheck_ops.DROPOUT_NAME}
+    assert {r.backend for r in bad} == {"triton"} and {r.op for r in bad} == want and len(bad) == 7
+    assert all("(OVER)" in line for line in lines if line.startswith("  FAIL"))  # the quantity that failed, named
+
+
+def test_self_check_fails_on_wrong_decode_rope_swiglu_and_wrong_dtypes(monkeypatch):
+    """The decode, RoPE (q and k) and packed SwiGLU checks catch a wrong Triton result, and an output of the
+    wrong dtype fails even when its values are right."""
+    import importlib
+
+    from flashtx import _decode_lane, decode, rotary
+    swiglu = importlib.import_module("flashtx.swiglu")  # (flashtx.swiglu the attribute is the function)
+
+    monkeypatch.setattr(_decode_lane, "LANE", False)
+    real_decode = decode.flash_attn_with_kvcache
+
+    def bad_decode(*a, backend=None, **kw):
+        out, lse = real_decode(*a, backend=backend, **kw)
+        return (out * 1.01 if backend == "triton" else out), lse
+
+    real_qk = rotary.apply_rotary_qk
+
+    def bad_qk(*a, backend=None, **kw):
+        qo, ko = real_qk(*a, backend=backend, **kw)
+        return (qo.double() if backend == "triton" else qo), ko  # right values, wrong dtype
+
+    real_packed = swiglu.swiglu_packed
+
+    def bad_packed(x, *a, backend=None, **kw):
+        out = real_packed(x, *a, backend=backend, **kw)
+        return out * 1.01 if backend == "triton" else out
+
+    monkeypatch.setattr(decode, "flash_attn_with_kvcache", bad_decode)
+    monkeypatch.setattr(rotary, "apply_rotary_qk", bad_qk)
+    monkeypatch.setattr(swiglu, "swiglu_packed", bad_packed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    checks = [c for make in (selfcheck_ops.decode_checks, selfcheck_ops.elementwise_checks)
+              for c in make(device, torch.float32)]
+    for name, run, _, _ in checks:
+        assert not run("triton").passed, name
+        assert run("reference").passed, name
+
+
+def test_no_kernel_checked_is_a_failure(monkeypatch):
+    """Where Triton's kernels should run (a GPU, or the interpreter) but every Triton check was skipped, only the
+    reference was compared with itself: python -m flashtx says so and exits non-zero."""
+    from flashtx import __main__ as main_mod
+
+    def refuse(self, inp):
+        return ["stand-in: triton refused"]
+
+    monkeypatch.setattr(TritonBackend, "not_supported_reasons", refuse)
+    monkeypatch.setattr(selfcheck, "CHECKS", selfcheck.CHECKS[:1])  # the attention checks suffice
+    assert main_mod.main() == 1
