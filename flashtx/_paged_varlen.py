@@ -2,8 +2,9 @@
 
 The pages a call uses are gathered into packed (rows, Hkv, D) keys and values laid out as cu_seqlens_k says,
 and the varlen kernels run on those: the same kernels, masks and checks as an unpaged call. That costs one
-gather (O(B * max_pages * page_size) rows: never an Sq x Sk tensor) and no host sync. Decoding over a paged
-cache has its own kernels, which read the pages in place: flashtx.flash_attn_with_kvcache(block_table=...).
+gather (B * min(max_pages * page_size, max_seqlen_k) rows: never an Sq x Sk tensor) and no host sync.
+Decoding over a paged cache has its own kernels, which read the pages in place:
+flashtx.flash_attn_with_kvcache(block_table=...).
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from ._validate import _check_layout, _values_readable, check_cu_seqlens_values,
 from .decode import _check_values
 
 
-def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.Tensor):
-    """(k, v) packed (B * capacity, Hkv, D|Dv) from paged caches (num_blocks, page_block_size, Hkv, D|Dv): row
+def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.Tensor, max_seqlen_k=None):
+    """(k, v) packed (B * bound, Hkv, D|Dv) from paged caches (num_blocks, page_block_size, Hkv, D|Dv): row
     cu_seqlens_k[b] + j holds position j of sequence b, i.e. row j % page_block_size of page
-    block_table[b, j // page_block_size]. capacity = max_pages_per_seq * page_block_size. Rows past
-    cu_seqlens_k[-1] are filler (row 0 of page 0) that no sequence reads.
+    block_table[b, j // page_block_size]. bound = the table's capacity (max_pages_per_seq * page_block_size),
+    or max_seqlen_k when it is a smaller int (a table sized for long contexts, a batch of short ones: the gather
+    follows the keys, not the table). Rows past cu_seqlens_k[-1] are filler (row 0 of page 0) that no sequence
+    reads.
 
     block_table: (B, max_pages_per_seq) int32 (or int64) on q's device, B = cu_seqlens_k.shape[0] - 1; entries
     past a sequence's last page are never read. Checked: every sequence fits its table, and the pages in use
@@ -47,7 +50,10 @@ def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.T
         raise ValueError(f"block_table must be on q's device {q.device}; got {block_table.device}")
     nb, page = k_cache.shape[:2]
     cap = block_table.shape[1] * page  # keys a sequence's table can hold
-    rows = nseq * cap  # >= cu_seqlens_k[-1] once every sequence fits its table (checked below)
+    bound = cap  # keys a sequence may have
+    if type(max_seqlen_k) is int and 0 <= max_seqlen_k < cap:
+        bound = max_seqlen_k
+    rows = nseq * bound  # >= cu_seqlens_k[-1] once every sequence fits its bound (checked below)
     if _values_readable(cu_seqlens_k):  # its start and order first, so that a bad one is named as such (on CPU)
         check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, int(cu_seqlens_k[-1]), "its last entry", None, None)
     if nseq == 0 or cap == 0 or nb == 0:
@@ -67,10 +73,13 @@ def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.T
     pos = torch.where(used, pos, 0)
     pid = block_table.long()[seq, pos // page]  # (rows,) its page
     page_ok = (pid >= 0) & (pid < nb)
-    ok = torch.cat([lens <= cap, page_ok | ~used])
+    ok = torch.cat([lens <= bound, page_ok | ~used])
 
     def message(ok: torch.Tensor) -> str:
         bad = int((~ok).nonzero()[0])
+        if bad < nseq and bound < cap:
+            return (f"max_seqlen_k = {bound} is less than the longest sequence in cu_seqlens_k (sequence {bad}: "
+                    f"{int(lens[bad])} keys); it must be at least {int(lens.max())}")
         if bad < nseq:
             return (f"cu_seqlens_k: sequence {bad} has {int(lens[bad])} keys but its block_table row holds "
                     f"{block_table.shape[1]} page(s) of {page} rows = {cap}")

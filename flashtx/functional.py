@@ -393,8 +393,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             flash-attn >= 2.6: k, v are then (num_blocks, page_block_size, Hkv, D|Dv) and position j of
             sequence b (cu_seqlens_k[b+1] - cu_seqlens_k[b] keys) is row j % page_block_size of page
             block_table[b, j // page_block_size]; any page size. The pages in use are gathered into
-            packed rows first (flashtx._paged_varlen: one gather of nseq * max_pages_per_seq *
-            page_block_size rows, no host sync), then the call runs as an unpaged one.
+            packed rows first (flashtx._paged_varlen: one gather of nseq * min(max_pages_per_seq *
+            page_block_size, max_seqlen_k) rows, no host sync), then the call runs as an unpaged one.
+            Differentiable in the caches too (their gradients land in the pages used).
 
     Returns:
         out (total_q, Hq, Dv) in q's dtype (under torch.autocast the autocast dtype, as attention's).
@@ -407,7 +408,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:  # keys and values from a paged cache: gathered into packed rows
         from ._paged_varlen import unpage
         check_tensor("q", q)
-        k, v = unpage(k, v, block_table, check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q), q)
+        k, v = unpage(k, v, block_table, check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q), q, max_seqlen_k)
     for n, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(n, t)
         if t.dim() != 3:

@@ -160,6 +160,8 @@ def test_varlen_paged_shared_prefix_pages_and_gradients():
     ("cache-device", ValueError, r"v must be on q's device cpu; got meta"),
     ("cu-start", ValueError, r"cu_seqlens_k\[0\] must be 0"),
     ("cu-decreasing", ValueError, r"cu_seqlens_k must be non-decreasing"),
+    ("max-seqlen-short", ValueError, r"max_seqlen_k = 5 is less than the longest sequence in cu_seqlens_k "
+                                     r"\(sequence 1: 6 keys\); it must be at least 6"),
 ])
 def test_bad_paged_varlen_calls_name_the_argument(case, error, pattern):
     q = randn(6, 2, 16)
@@ -187,7 +189,28 @@ def test_bad_paged_varlen_calls_name_the_argument(case, error, pattern):
     if case == "cu-decreasing":  # every sequence fits its table: the values' own check names the entry
         cuk = torch.tensor([0, 9, 5], dtype=torch.int32, device=DEVICE)
     with pytest.raises(error, match=pattern):
-        flashtx.flash_attn_varlen_func(q, kc, vc, cuq, cuk, 3, 12, block_table=table)
+        flashtx.flash_attn_varlen_func(q, kc, vc, cuq, cuk, 3, 5 if case == "max-seqlen-short" else 12,
+                                       block_table=table)
+
+
+def test_paged_varlen_gathers_what_max_seqlen_k_bounds_not_the_whole_table():
+    """A table sized for long contexts (64 pages of 4) and a batch of short sequences: the gather takes
+    nseq * max_seqlen_k rows (not nseq * 256), and the call equals the packed one."""
+    from flashtx._paged_varlen import unpage
+
+    q, k, v = randn(6, 2, 16), randn(11, 2, 16), randn(11, 2, 16)
+    cuq = torch.tensor([0, 3, 6], dtype=torch.int32, device=DEVICE)
+    cuk = torch.tensor([0, 5, 11], dtype=torch.int32, device=DEVICE)
+    kc, vc = k.new_zeros(128, 4, 2, 16), k.new_zeros(128, 4, 2, 16)
+    table = torch.arange(128, device=DEVICE, dtype=torch.int32).flip(0).reshape(2, 64)  # pages in reverse order
+    for b in range(2):
+        for j in range(int(cuk[b + 1] - cuk[b])):
+            kc[int(table[b, j // 4]), j % 4], vc[int(table[b, j // 4]), j % 4] = k[int(cuk[b]) + j], v[int(cuk[b]) + j]
+    assert unpage(kc, vc, table, cuk, q, 6)[0].shape[0] == 2 * 6
+    assert unpage(kc, vc, table, cuk, q, torch.tensor(6))[0].shape[0] == 2 * 256  # (a tensor bound is not read)
+    got = flashtx.flash_attn_varlen_func(q, kc, vc, cuq, cuk, 3, 6, causal=True, block_table=table)
+    want = flashtx.flash_attn_varlen_func(q, k, v, cuq, cuk, 3, 6, causal=True)
+    torch.testing.assert_close(got, want, **SAME)
 
 
 def _rotary_ref(x, cos, sin, pos, interleaved):
