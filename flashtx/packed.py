@@ -5,6 +5,8 @@ gradient is assembled by autograd from the three (two) slice gradients: one copy
 """
 from __future__ import annotations
 
+from torch import Tensor
+
 from ._validate import check_tensor
 from .functional import flash_attn_func, flash_attn_varlen_func
 
@@ -17,6 +19,25 @@ def _unpack(name: str, t, dim: int, parts: int, layout: str):
         raise ValueError(f"{name} must be {rank}-D {layout} with {parts} at dim {dim % rank}; got shape "
                          f"{tuple(t.shape)}")
     return t.unbind(dim)
+
+
+def _check_kv(q, kv, bshd: bool, kwargs: dict) -> None:
+    """kv against q, naming kv (the unpacked k, v would be named otherwise): dtype, batch (bshd), head dim,
+    heads; and no block_table (flash-attn's packed forms take none). Ints only: q's own checks follow."""
+    if "block_table" in kwargs:
+        raise TypeError("block_table is not an argument of the packed forms (as in flash-attn): pass k and v "
+                        "caches to flash_attn_varlen_func(..., block_table=...)")
+    if not isinstance(q, Tensor) or q.dim() != (4 if bshd else 3) or kv.dim() != q.dim() + 1:
+        return
+    if kv.dtype != q.dtype:
+        raise TypeError(f"kv must have q's dtype {q.dtype}; got {kv.dtype}")
+    if bshd and kv.shape[0] != q.shape[0]:
+        raise ValueError(f"kv must have q's batch size {q.shape[0]}; got kv of shape {tuple(kv.shape)}")
+    if kv.shape[-1] != q.shape[-1]:
+        raise ValueError(f"kv must have q's head dim {q.shape[-1]}; got kv of shape {tuple(kv.shape)}")
+    if kv.shape[-2] == 0 or q.shape[-2] % kv.shape[-2]:
+        raise ValueError(f"q's heads ({q.shape[-2]}) must be a multiple of kv's heads ({kv.shape[-2]}); got q "
+                         f"{tuple(q.shape)} and kv {tuple(kv.shape)}")
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -60,6 +81,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
         >>> out = flashtx.flash_attn_kvpacked_func(q, kv, causal=True)  # kv: (B, Sk, 2, Hkv, D)
     """
     k, v = _unpack("kv", kv, 2, 2, "(B, S, 2, H, D)")
+    _check_kv(q, kv, True, kwargs)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs, **kwargs)
 
@@ -82,6 +104,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
         >>> out = flashtx.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, causal=True)
     """
     q, k, v = _unpack("qkv", qkv, 1, 3, "(total, 3, H, D)")
+    _check_kv(None, qkv, False, kwargs)  # (block_table only)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
                                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
                                   **kwargs)
@@ -103,6 +126,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
         >>> out = flashtx.flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, max_q, max_k)
     """
     k, v = _unpack("kv", kv, 1, 2, "(total, 2, H, D)")
+    _check_kv(q, kv, False, kwargs)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs, **kwargs)

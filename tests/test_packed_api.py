@@ -75,6 +75,18 @@ def test_varlen_packed_forms_match_the_unpacked_varlen_call():
      r"qkv must be 4-D \(total, 3, H, D\)"),
     (lambda: flashtx.flash_attn_varlen_kvpacked_func(randn(8, 4, 16), [1, 2], None, None, 8, 8),
      r"kv must be a torch.Tensor; got list"),
+    # kv against q, named as the user passed them (not as the unpacked k, v)
+    (lambda: flashtx.flash_attn_kvpacked_func(randn(2, 8, 4, 16), randn(2, 8, 2, 3, 16)),
+     r"q's heads \(4\) must be a multiple of kv's heads \(3\)"),
+    (lambda: flashtx.flash_attn_kvpacked_func(randn(2, 8, 4, 16), randn(2, 8, 2, 4, 16, dtype=torch.float64)),
+     r"kv must have q's dtype torch.float32; got torch.float64"),
+    (lambda: flashtx.flash_attn_kvpacked_func(randn(2, 8, 4, 16), randn(3, 8, 2, 4, 16)),
+     r"kv must have q's batch size 2; got kv of shape \(3, 8, 2, 4, 16\)"),
+    (lambda: flashtx.flash_attn_varlen_kvpacked_func(randn(8, 4, 16), randn(8, 2, 4, 8), None, None, 8, 8),
+     r"kv must have q's head dim 16; got kv of shape \(8, 2, 4, 8\)"),
+    (lambda: flashtx.flash_attn_varlen_kvpacked_func(randn(8, 4, 16), randn(8, 2, 4, 16), None, None, 8, 8,
+                                                     block_table=torch.zeros(1, 1, dtype=torch.int32)),
+     r"block_table is not an argument of the packed forms"),
 ])
 def test_bad_packing_gets_a_clear_error(call, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
