@@ -46,6 +46,7 @@ import torch
 from . import _env, _lanes, _library, _small_q
 from ._attention_op import GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd, empty_like_layout, spec_of
 from ._library import _C_APPLY, _unwrap_if_dead, call
+from ._packing import grads_like, part_stride
 from .triton_kernels import precision
 from .triton_kernels.limits import MAX_SEQ, LimitExceeded
 
@@ -158,13 +159,14 @@ def _lane_backward(ctx, dout):
     masks = _saved_masks(bias, aux)
     if _lanes.layouts(q, k, v, out, *masks) != lane.saved:
         return None  # a saved tensor's .data was swapped since the forward: not what the plan reads
-    key = ("attn_bwd", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32())
+    packs = packing(q, k, v)
+    key = ("attn_bwd", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32(), packs)
     entry = _lanes.TABLE.get(key)
     if entry is None:
-        entry = _lanes.remember(key, lambda: _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane))
+        entry = _lanes.remember(key, lambda: _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs))
     if not entry:
         return None
-    dq, dk, dv, delta = _grads_like(q, k, v, lane)
+    dq, dk, dv, delta = _grads_like(q, k, v, lane, packs)
     tensors = (dout, q, k, v, out, m2, l2, dq, dk, dv, None, None, *masks, delta, None, None)  # attention_bwd's roles
     if type(entry) is not list and not entry.holds(tensors):
         return None  # planned for 16-byte aligned inputs (TMA descriptors) that these are not
@@ -172,22 +174,39 @@ def _lane_backward(ctx, dout):
     return dq, dk, dv
 
 
-def _grads_like(q, k, v, lane) -> tuple:
+def packing(q, k, v) -> int:
+    """3 where q, k, v are equal slices of one dense packed tensor (a fused QKV projection's), 2 where k and v are
+    (a fused KV), else 0 (flashtx._packing.part_stride): which gradients _grads_like writes as slices of one
+    buffer."""
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return 0  # (the common case, in two calls)
+    return 3 if part_stride((q, k, v)) else 2 if part_stride((k, v)) else 0
+
+
+def _grads_like(q, k, v, lane, packs: int = 0) -> tuple:
     """(dq, dk, dv, delta) allocated as the op's backward allocates them: each gradient laid out like its input,
-    delta (B, Hq, Sq) in the accumulator dtype, as attention_backward's."""
+    delta (B, Hq, Sq) in the accumulator dtype, as attention_backward's. With packs (packing's answer) the packed
+    gradients are the same slices of one new buffer, so the packed forms' gradient is that buffer
+    (flashtx._packing.Unpack)."""
     like = lane.like
-    return (like(q, q.shape[-1]), like(k, k.shape[-1]), like(v, lane.dv),
-            torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device))
+    delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
+    if packs == 3:
+        return (*grads_like((q, k, v)), delta)
+    dq = like(q, q.shape[-1])
+    if packs == 2:
+        return (dq, *grads_like((k, v)), delta)
+    return dq, like(k, k.shape[-1]), like(v, lane.dv), delta
 
 
-def _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane):
-    """The backward's launch entry for a lane (stored), or False where the op's backward must take it (stored)."""
+def _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs: int = 0):
+    """The backward's launch entry for a lane (stored), or False where the op's backward must take it (stored):
+    planned for gradients laid out as _grads_like(..., packs) allocates them."""
     from .triton_kernels.attention_bwd import backward_entry
 
     ints, floats, backend, _ = lane.args
     aux = aux or _NO_AUX  # (a plain lane's node saves no Aux tensors)
     no_aux = _all_none(aux)
-    dq, dk, dv, delta = _grads_like(q, k, v, lane)
+    dq, dk, dv, delta = _grads_like(q, k, v, lane, packs)
     if lane.like is packed_like:  # planned on the (1, total, H, D) views the op's backward takes
         dout, q, k, v, out, dq, dk, dv = (t.unsqueeze(0) for t in (dout, q, k, v, out, dq, dk, dv))
     if _plan(q, k, v, bias, aux, ints, floats, backend, no_aux) != "triton":  # as the op's backward plans (again)

@@ -1,12 +1,15 @@
 """flash-attn 2's packed-input API: q, k, v (or k, v) stacked in one tensor, as a fused QKV (or KV)
 projection produces them. Each function takes views of its slices (no copies) and runs
-flash_attn_func / flash_attn_varlen_func, so features, checks and kernels are theirs. The packed
-gradient is assembled by autograd from the three (two) slice gradients: one copy of dq/dk/dv.
+flash_attn_func / flash_attn_varlen_func, so features, checks and kernels are theirs. Where the packed
+tensor is dense, the attention backward writes dq, dk, dv (dk, dv) as slices of one buffer, which is the
+packed gradient (no stack copy; flashtx._packing); elsewhere (a strided packed tensor, a traced call, a
+backward the lanes do not serve) autograd stacks the slices' gradients, as unbind's backward does.
 """
 from __future__ import annotations
 
 from torch import Tensor
 
+from ._packing import unbind
 from ._validate import check_tensor
 from .functional import flash_attn_func, flash_attn_varlen_func
 
@@ -18,7 +21,7 @@ def _unpack(name: str, t, dim: int, parts: int, layout: str):
     if t.dim() != rank or t.shape[dim] != parts:
         raise ValueError(f"{name} must be {rank}-D {layout} with {parts} at dim {dim % rank}; got shape "
                          f"{tuple(t.shape)}")
-    return t.unbind(dim)
+    return unbind(t, dim)
 
 
 def _check_kv(q, kv, bshd: bool, kwargs: dict) -> None:
