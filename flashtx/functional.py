@@ -451,10 +451,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                max_seqlen_q=msq, max_seqlen_k=msk, bshd=True,
                **_score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
                              alibi_slopes=alibi_slopes))
+    # squeeze, not [0]: select's backward writes the gradient into a zero-filled (1, total, H, D) copy
     if return_attn_probs:
         out, lse, probs = res
-        return out[0], lse[0], probs  # (total_q, Hq, Dv), (Hq, total_q), (nseq, Hq, Mq, Mk)
-    return res[0]  # (total_q, Hq, Dv)
+        return out.squeeze(0), lse.squeeze(0), probs  # (total_q, Hq, Dv), (Hq, total_q), (nseq, Hq, Mq, Mk)
+    return res.squeeze(0)  # (total_q, Hq, Dv)
 
 
 def unpad_input(hidden_states, attention_mask, unused_mask=None):

@@ -214,3 +214,22 @@ def test_varlen_traces_under_torch_compile_with_tensor_max_seqlen():
     assert torch.allclose(loss, eager) and torch.allclose(gq, gq2)
 
 
+
+
+@pytest.mark.parametrize("option", ["dropout", "alibi", "probs"])
+def test_varlen_general_path_backward_copies_no_gradient(option):
+    """A varlen call off the lane (dropout, ALiBi, probabilities) hands back the op's (1, total, H, D) output
+    squeezed, a view both ways: indexing it ([0]) made autograd write dout into a zero-filled (1, total, H, D)
+    copy (select's backward) on every backward."""
+    torch.manual_seed(4)
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32, device=DEVICE)
+    q, k, v = (randn(16, 2, 16, requires_grad=True) for _ in range(3))
+    kw = {"dropout": dict(dropout_p=0.25), "alibi": dict(alibi_slopes=torch.rand(2, device=DEVICE)),
+          "probs": dict(return_attn_probs=True)}[option]
+    res = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True, **kw)
+    out = res[0] if option == "probs" else res
+    assert out.shape == (16, 2, 16) and out.grad_fn.name() == "SqueezeBackward1"
+    with torch.autograd.profiler.profile() as prof:
+        out.backward(randn(16, 2, 16))
+    assert not {e.name for e in prof.function_events} & {"aten::select_backward", "aten::zeros"}
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
