@@ -259,7 +259,9 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         if rotary_cos.shape != rotary_sin.shape or not 0 < 2 * rotary_cos.shape[1] <= D:
             raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim "
                              f"<= D = {D}; got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()  # read with unit column stride
+        if rotary_cos.stride(1) != 1 or rotary_sin.stride(1) != 1:  # read with unit column stride: a column slice
+            # of a wider table (flash-attn's cos[:, :rotary_dim // 2]) is read as it is, with its row stride
+            rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     if type(num_splits) is not int and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)) \
             or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic); got {num_splits!r}")

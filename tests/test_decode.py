@@ -339,6 +339,31 @@ def test_strided_index_tensors_are_read_by_value():
     assert torch.equal(out, want)
 
 
+def test_column_sliced_rotary_tables_are_read_in_place():
+    """flash-attn's cos[:, :rotary_dim // 2] of a wider table (unit column stride, a longer row stride) is read with
+    its row stride, as the kernels read any table: no copy of the whole table per step (an audit: two (seqlen_ro,
+    rotary_dim / 2) copies per layer and token), the step's lane serves it, and the answer is the copies'."""
+    torch.manual_seed(9)
+    B, H, D, cap = 2, 2, 16, 32
+    q, k, v = (torch.randn(B, 1, H, D, device=DEVICE) for _ in range(3))
+    lens = torch.tensor([4, 9], dtype=torch.int32, device=DEVICE)
+    cos, sin = (torch.randn(cap, 16, device=DEVICE)[:, :4] for _ in range(2))  # rotary_dim 8 of a 32-wide table
+    results = []
+    for tables in ((cos, sin), (cos, sin), (cos.contiguous(), sin.contiguous())):
+        kc, vc = torch.zeros(B, cap, H, D, device=DEVICE), torch.zeros(B, cap, H, D, device=DEVICE)
+        with torch.no_grad(), torch.autograd.profiler.profile() as prof:
+            out = flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, rotary_cos=tables[0],
+                                                  rotary_sin=tables[1], causal=True, backend="triton")
+        assert "aten::clone" not in {e.name for e in prof.function_events}
+        results.append((out, kc, vc))
+    for got in results[:2]:
+        for a, b in zip(got, results[2]):
+            assert torch.equal(a, b)
+    from flashtx import _lanes
+    sliced = [lane for key, lane in _lanes.TABLE.items() if key[0] == "decode" and key[5][4][3] == cos.stride()]
+    assert sliced and all(sliced)  # planned for the sliced tables (a lane, not False: the general path's)
+
+
 def test_an_int_cache_seqlens_past_the_cache_names_the_argument():
     q = torch.randn(2, 1, 2, 16, device=DEVICE)
     kc, vc = torch.randn(2, 32, 2, 16, device=DEVICE), torch.randn(2, 32, 2, 16, device=DEVICE)
