@@ -206,3 +206,27 @@ def test_extreme_bias_values_give_what_sdpa_gives(value):
         got = flashtx.attention(q, k, v, attn_mask=bias, backend=backend)
         assert torch.isnan(got).any() == torch.isnan(want).any(), (backend, got)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, equal_nan=True, msg=backend)
+
+
+def test_a_full_half_precision_bias_gradient_is_stored_in_its_dtype():
+    """A (B, H, Sq, Sk) fp16 bias: the dQ kernel stores its gradient in fp16 itself (no fp32 buffer the size of the
+    bias and no cast pass after: an audit measured 2x the bias in fp32 plus a copy), rounded as the cast was (equal
+    to the fp32 bias's gradient cast to fp16); broadcast masks keep the fp32 buffer their sums need."""
+    from flashtx.triton_kernels.attention_bwd_launch import DbiasReduce, dbias_plan
+
+    for shape, buffered in (((B, HQ, SQ, SK), False), ((B, HQ, SQ, 1), False), ((1, HQ, SQ, SK), True),
+                            ((B, 1, SQ, SK), True), ((B, HQ, 1, SK), True)):
+        args, _, finish = dbias_plan(torch.empty(shape, dtype=torch.float16), B, HQ, SQ, SK, 16, torch.float32)
+        assert isinstance(finish, DbiasReduce) == buffered and (args["DB"].dtype == torch.float32) == buffered, shape
+    torch.manual_seed(34)
+    q = randn(B, HQ, SQ, D, dtype=torch.float16)
+    k, v = randn(B, HKV, SK, D, dtype=torch.float16), randn(B, HKV, SK, D, dtype=torch.float16)
+    dout = randn(B, HQ, SQ, D, dtype=torch.float16)
+    bias = randn(B, HQ, SQ, SK, dtype=torch.float16)
+    grads = []
+    for b in (bias, bias.float()):
+        b = b.clone().requires_grad_(True)
+        with poisoned_allocations():
+            out = flashtx.attention(q, k, v, attn_mask=b, is_causal=True, enable_gqa=True, backend="triton")
+            grads.append(torch.autograd.grad(out, b, dout)[0])
+    assert grads[0].dtype == torch.float16 and torch.equal(grads[0], grads[1].to(torch.float16))

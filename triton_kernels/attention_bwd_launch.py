@@ -27,8 +27,9 @@ class GqaReduce:
 
 class DbiasReduce:
     """Host step after the dQ kernel: the bias gradient from its buffer (a sum over the per-q-tile
-    partials when the mask broadcasts over queries; a cast when the buffer is fp32 and the mask is not).
-    torch's sum over a fixed shape is deterministic."""
+    partials when the mask broadcasts over queries; a cast when the mask broadcasts over batch or heads,
+    which the kernel sums in the fp32 buffer, and the mask is not fp32). torch's sum over a fixed shape is
+    deterministic."""
 
     def __init__(self, buf, dbias, sum_m: bool):
         self.buf, self.dbias, self.sum_m = buf, dbias, sum_m
@@ -39,11 +40,12 @@ class DbiasReduce:
 
 def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype) -> tuple[dict, tuple, object]:
     """dQ-kernel arguments for writing the attn_mask gradient `dbias` ((B|1, H|1, Sq|1, Sk|1)), the grid's
-    (heads, batch) extents, and the host step after it (None when the kernel writes dbias itself)."""
+    (heads, batch) extents, and the host step after it (None when the kernel writes dbias itself: in its
+    dtype, rounded once as a cast would, where no (batch, head) adds to what another stored)."""
     sum_b, sum_h = dbias.shape[0] == 1 and B > 1, dbias.shape[1] == 1 and H > 1
     sum_m, sum_n = dbias.shape[2] == 1 and Sq > 1, dbias.shape[3] == 1 and Sk > 1
     buf, finish = dbias, None
-    if sum_m or dbias.dtype != acc_dtype:
+    if sum_m or ((sum_b or sum_h) and dbias.dtype != acc_dtype):  # partial rows, or sums kept in fp32
         rows = cdiv(Sq, block_m) if sum_m else dbias.shape[2]
         buf = torch.empty(*dbias.shape[:2], rows, dbias.shape[3], dtype=acc_dtype, device=dbias.device)
         finish = DbiasReduce(buf, dbias, sum_m)
@@ -259,14 +261,15 @@ def compile_plans(target) -> list:
 
 def _fused_compile_plans(target) -> list:
     """The dQ kernel writing the attn_mask gradient (fp16/bf16 with every option, the mask broadcast
-    over batch, or over heads and queries; fp32 with a full mask), and dK/dV split over GQA heads; head dims
+    over batch, or over heads and queries, or full (stored in its dtype); fp32 with a full mask), and dK/dV split over GQA heads; head dims
     64/128/192 (split 128 + 64)/256."""
     from .attention_fwd import all_options_spec
 
     B, H, S = 2, 2, 128
     plans = []
     for d in (64, 128, 192, 256):
-        cases = [(dt, shape) for dt in (torch.float16, torch.bfloat16) for shape in ((1, H, S, S), (B, 1, 1, S))]
+        cases = [(dt, shape) for dt in (torch.float16, torch.bfloat16)
+                 for shape in ((1, H, S, S), (B, 1, 1, S), (B, H, S, S))]  # the last: stored in its dtype
         for dtype, shape in cases + [(torch.float32, (B, H, S, S))]:
             q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=dtype) for _ in range(8))
             m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
