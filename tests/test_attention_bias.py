@@ -222,11 +222,12 @@ def test_a_full_half_precision_bias_gradient_is_stored_in_its_dtype():
     q = randn(B, HQ, SQ, D, dtype=torch.float16)
     k, v = randn(B, HKV, SK, D, dtype=torch.float16), randn(B, HKV, SK, D, dtype=torch.float16)
     dout = randn(B, HQ, SQ, D, dtype=torch.float16)
-    bias = randn(B, HQ, SQ, SK, dtype=torch.float16)
-    grads = []
-    for b in (bias, bias.float()):
-        b = b.clone().requires_grad_(True)
-        with poisoned_allocations():
-            out = flashtx.attention(q, k, v, attn_mask=b, is_causal=True, enable_gqa=True, backend="triton")
-            grads.append(torch.autograd.grad(out, b, dout)[0])
-    assert grads[0].dtype == torch.float16 and torch.equal(grads[0], grads[1].to(torch.float16))
+    for shape in ((B, HQ, SQ, SK), (B, HQ, SQ, 1)):  # (the second: row sums, stored once per row)
+        bias = randn(*shape, dtype=torch.float16)
+        grads = []
+        for b in (bias, bias.float()):
+            b = b.clone().requires_grad_(True)
+            with poisoned_allocations():
+                out = flashtx.attention(q, k, v, attn_mask=b, is_causal=True, enable_gqa=True, backend="triton")
+                grads.append(torch.autograd.grad(out, b, dout)[0])
+        assert grads[0].dtype == torch.float16 and torch.equal(grads[0], grads[1].to(torch.float16)), shape
