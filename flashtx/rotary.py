@@ -45,13 +45,16 @@ LAYOUTS = ("bshd", "bhsd")
 
 
 # ----------------------------------------------------------------------------------- in place
-def _refuse_overlap(q: Tensor, k: Optional[Tensor]) -> None:
+def _refuse_overlap(q: Tensor, k: Optional[Tensor], compiling: bool = False) -> None:
+    """Refuse in-place rotations whose elements share memory. compiling: the overlap of q and k is not tested
+    (it reads pointers, which torch.compile cannot trace); the caller then rotates out of place and copies back,
+    which is defined whatever q and k share."""
     for n, t in (("x" if k is None else "q", q), ("k", k)):
         if t is not None and has_internal_overlap(t):
             raise ValueError(f"inplace=True cannot rotate {n} in place: some of its elements share memory (a stride-0 "
                              f"dim, e.g. from expand(); strides {t.stride()} for shape {tuple(t.shape)}); pass "
                              f"inplace=False or {n}.contiguous()")
-    if k is not None and views_overlap(q, k):
+    if k is not None and not compiling and views_overlap(q, k):
         raise ValueError("inplace=True needs q and k in separate memory, but they share elements (the same tensor, or "
                          "overlapping slices of one); pass inplace=False")
 
@@ -72,11 +75,13 @@ def _inplace_allowed(q: Tensor, k: Optional[Tensor]) -> bool:
 
 def _rotate_inplace(q, k, cos, sin, index, spec, backend: str, track: bool) -> None:
     """Rotate q (and k), in the caller's layout, in place. Without autograd: the in-place op (one launch,
-    no copy). With autograd: the functional op, written back with copy_, which autograd records
+    no copy). With autograd, and for q and k under torch.compile (which cannot test whether they overlap): the
+    functional op, written back with copy_, which autograd records
     (torch.library gives mutating ops no autograd formula); the rotated values are what backward
     keeps, not x."""
-    _refuse_overlap(q, k)
-    if not track:
+    compiling = k is not None and torch.compiler.is_compiling()  # (q and k's overlap cannot be tested then)
+    _refuse_overlap(q, k, compiling)
+    if not track and not compiling:
         call(rotary_inplace_op, q, k, cos, sin, index, spec, backend)
         return
     for t in (q, k):  # refuse before mutating anything (autograd would refuse after q is rotated)
@@ -105,14 +110,17 @@ def _check_int(name: str, v, minimum: int = 0) -> int:
     return int(v)
 
 
-def _check_index_tensor(name: str, t, shape_ok, expected: str, device) -> None:
-    """shape_ok: a predicate on t's shape, checked once t is known to be a tensor."""
+def _check_index_tensor(name: str, t, shape_ok, expected, device) -> None:
+    """shape_ok: a predicate on t's shape, checked once t is known to be a tensor; expected: the shape it wants
+    (a str, or a function making it: only an error formats sizes, which under torch.compile are symbolic and
+    would be pinned by an f-string, compiling a graph per size)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if t.dtype not in _INT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; allowed: torch.int32, torch.int64")
     if not shape_ok(tuple(t.shape)):
-        raise ValueError(f"{name} must have shape {expected}; got {tuple(t.shape)}")
+        raise ValueError(f"{name} must have shape {expected() if callable(expected) else expected}; got "
+                         f"{tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but the activations are on {device}")
 
@@ -175,7 +183,9 @@ def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_
         _check_index_tensor("cu_seqlens", cu_seqlens, lambda s: len(s) == 1 and s[0] >= 1, "(nseq + 1,)", device)
         cu_seqlens = cu_seqlens.contiguous()  # the kernel indexes it flat
         nb = cu_seqlens.numel() - 1
-        if max_seqlen is None:  # one device sync; pass max_seqlen to avoid it
+        if max_seqlen is None and torch.compiler.is_compiling():  # no value to read: the total bounds the grid
+            max_seqlen = S  # (as flash_attn_varlen_func's tensor max_seqlen)
+        elif max_seqlen is None:  # one device sync; pass max_seqlen to avoid it
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if nb > 0 else 0
         max_seqlen = _check_int("max_seqlen", max_seqlen)
         check_cu_seqlens_values("cu_seqlens", cu_seqlens, S, "total (x.shape[0])", max_seqlen, "max_seqlen")
@@ -189,7 +199,7 @@ def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_
     offsets, offset = None, 0
     if isinstance(seqlen_offsets, torch.Tensor):
         _check_index_tensor("seqlen_offsets", seqlen_offsets, lambda s: s == (nb,),
-                            f"({nb},) (one offset per sequence)", device)
+                            lambda: f"({nb},) (one offset per sequence)", device)
         offsets = seqlen_offsets.contiguous()  # the kernel indexes it flat
     elif type(seqlen_offsets) is int and seqlen_offsets >= 0:  # the common case, as _check_int accepts it
         offset = seqlen_offsets
@@ -200,12 +210,12 @@ def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_
         if offsets is not None or offset != 0:
             raise ValueError("pass either seqlen_offsets or position_ids, not both (position_ids are absolute)")
         if varlen:
-            _check_index_tensor("position_ids", position_ids, lambda s: s == (S,), f"({S},) for packed input",
+            _check_index_tensor("position_ids", position_ids, lambda s: s == (S,), lambda: f"({S},) for packed input",
                                 device)
             position_ids = position_ids.unsqueeze(0)  # (1, total)
         else:
             _check_index_tensor("position_ids", position_ids, lambda s: len(s) == 2 and s[0] in (1, B) and s[1] == S,
-                                f"({B}, {S}) or (1, {S})", device)
+                                lambda: f"({B}, {S}) or (1, {S})", device)
             position_ids = position_ids.expand(B, S)
     elif offsets is None and not empty and seq + offset > seqlen_ro:
         if not varlen:

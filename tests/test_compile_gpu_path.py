@@ -150,3 +150,52 @@ def test_tma_kernels_trace_with_only_their_outputs_written(dynamic):
         assert out["written"]["_attn_bwd_dkdv"] == ["DK", "DV"] and out["written"]["_attn_bwd_dq"] == ["DQ"], case
         assert out["tma"] == ["_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_fwd"], case  # the descriptor kernels
     assert len(res) == 3
+
+
+def _steps(flag) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "flashtx.testing_gpu_steps", flag], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_compiled_steps_do_not_compile_a_graph_per_value():
+    """A decoding step's RoPE offset (an int, the cache length), position_ids over changing lengths, per-sequence
+    offsets over changing batches, and a paged step whose block table widens: automatic shapes compile twice at most
+    (static, then dynamic), dynamic=True once (the RoPE module twice: its first call builds the tables). Until
+    2026-12-04 an int() of the offset, f-string error messages and the decode check's int() of sizes made a graph
+    per step, dynamic=True too."""
+    res = _steps("--graphs")
+    for name, out in res.items():
+        assert "error" not in out, (name, out.get("error"))
+        case, mode = name.split("/")
+        most = 2 if mode == "automatic" or case == "rope-module-int-offset" else 1
+        assert 1 <= len(out["graphs"]) <= most, (name, out["graphs"])
+
+
+def test_value_reading_calls_trace_under_fullgraph():
+    """In-place q/k RoPE (its overlap test reads pointers), nn.RotaryEmbedding with position_ids or tensor offsets
+    (eager sizes its tables from their max), varlen RoPE without max_seqlen (eager reads it from cu_seqlens) and a
+    max_seqlen read with .item() (an unbacked size): each traces in one graph with its kernels."""
+    res = _steps("--traces")
+    want = {"rope-qk-inplace": ["_rotary_kernel"], "rope-module-position-ids": ["_rotary_kernel"],
+            "rope-module-tensor-offsets": ["_rotary_kernel"],
+            "rope-varlen-no-max-seqlen": ["_cu_seqlens_check", "_rotary_kernel"],
+            "varlen-max-seqlen-item": ["_cu_seqlens_check", "_attn_fwd"]}
+    assert sorted(res) == sorted(want)
+    for case, kernels in want.items():
+        assert "error" not in res[case], (case, res[case].get("error"))
+        assert res[case]["kernels"] == [kernels], (case, res[case]["kernels"])
+
+
+def test_compiled_nn_decoding_writes_the_caches_in_place():
+    """flashtx.nn's decode step under Inductor: after its reinplacing pass no kernel argument is cloned, so the KV
+    caches are appended in place (until 2026-12-04 KVCache's (B, Hkv, L, D) buffers went to the decode op as
+    transposed views, which Inductor cloned and copied back whole on every step)."""
+    res = _steps("--reinplace")
+    for case in ("nn-decode", "nn-paged-decode"):
+        out = res[case]
+        assert "error" not in out, (case, out.get("error"))
+        assert "_kv_append" in out["cloned"] and not any(out["cloned"].values()), (case, out["cloned"])

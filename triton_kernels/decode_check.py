@@ -67,10 +67,6 @@ def _decode_check(FLAG, SEQLENS, LEFTPAD, BIDX, BT, B, SNEW, CAPACITY, ROWS, str
 DISTINCT_MAX_B = 256
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def plan_check(flag, seqlens, leftpad, batch_idx, block_table, *, snew: int, capacity: int, rows: int, page: int,
                cos_rows: int, q_extra: int, target=None) -> Launch:
     """The check of seqlens (B,) [, leftpad (B,), batch_idx (B,), block_table (B, pages)] into flag (1,) int32.
@@ -83,15 +79,17 @@ def plan_check(flag, seqlens, leftpad, batch_idx, block_table, *, snew: int, cap
     B = seqlens.shape[0]
     paged = block_table is not None
     pages = block_table.shape[1] if paged else 0
-    block_b = min(max(_pow2(B), 16), 64)
-    block_p = min(max(_pow2(pages), 16), 2048 // block_b)  # a (64, 32) table tile at most: no spills
+    # Tiles by range, and the sizes passed as they come (no int()): under torch.compile they are symbolic, and a
+    # power of two of the batch or an int() of the capacity would compile a graph per batch size or table width
+    block_b = 16 if B <= 16 else 64
+    block_p = 16 if pages <= 16 else 32  # a (64, 32) table tile at most: no spills
     dummy = seqlens  # never read
     args = dict(FLAG=flag, SEQLENS=seqlens, LEFTPAD=leftpad if leftpad is not None else dummy,
                 BIDX=batch_idx if batch_idx is not None else dummy, BT=block_table if paged else dummy,
-                B=B, SNEW=int(snew), CAPACITY=int(capacity), ROWS=int(rows),
+                B=B, SNEW=snew, CAPACITY=capacity, ROWS=rows,
                 stride_btb=block_table.stride(0) if paged else 0, PAGES=pages,
-                PAGE=int(page) if paged else 1, COS_ROWS=max(int(cos_rows), 0),
-                Q_EXTRA=int(q_extra), BLOCK_B=block_b, BLOCK_P=block_p, LEFTPAD_ON=leftpad is not None,
+                PAGE=page if paged else 1, COS_ROWS=cos_rows if cos_rows >= 0 else 0,
+                Q_EXTRA=q_extra, BLOCK_B=block_b, BLOCK_P=block_p, LEFTPAD_ON=leftpad is not None,
                 BATCH_IDX=batch_idx is not None, DISTINCT=batch_idx is not None and snew > 0 and B <= DISTINCT_MAX_B,
                 PAGED=paged,
                 ROTARY=cos_rows >= 0)

@@ -305,7 +305,8 @@ def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max
         stride_kb=ksb, stride_ks=kss, stride_kh=ksh, stride_kd=ksd,
         stride_kob=kosb, stride_kos=koss, stride_koh=kosh, stride_kod=kosd,
         stride_cb=cbs, stride_cs=scs, stride_cd=scd, stride_sb=sbs, stride_ss=sss, stride_sd=ssd,
-        stride_pb=pb, stride_ps=ps, S=S, seqlen_ro=cos.shape[-2], pos_offset=int(offset),
+        # pos_offset: an int, or symbolic under torch.compile (an int() would compile a graph per offset)
+        stride_pb=pb, stride_ps=ps, S=S, seqlen_ro=cos.shape[-2], pos_offset=offset,
         n_q_progs=n_q_progs, n_sq_tiles=n_sq, n_sk_tiles=n_sk,
         # int64 column offsets only where int32 would wrap: columns (and their masked lanes) reach 2D + 256
         WIDE=(2 * D + 256) * max(abs(qsd), abs(osd), abs(ksd), abs(kosd), abs(scd), abs(ssd)) > INT32_MAX)

@@ -287,7 +287,7 @@ class MultiheadAttention(nn.Module):
             cache._store_mask(key_mask, S)  # leftpad, or holes (then flash_attn_func below)
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         if paged or (S <= DECODE_MAX_S and not cache.holes and not grad):
-            kc, vc = (cache.k, cache.v) if paged else (cache.k.transpose(1, 2), cache.v.transpose(1, 2))
+            kc, vc = (cache.k, cache.v) if paged else (cache._k, cache._v)  # the buffers: mutated in place
             out = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=rot[0] if rot else None,
                                           rotary_sin=rot[1] if rot else None, cache_seqlens=start.to(torch.int32),
                                           cache_leftpad=cache.leftpad, block_table=cache.block_table if paged else None,
@@ -304,14 +304,14 @@ class MultiheadAttention(nn.Module):
         idx = cache.length + torch.arange(S, device=q.device)  # (S,) positions (KVCache.append, checked above)
         if grad:  # out of place, as transformers' DynamicCache: later calls build on this call's graph (one
             # backward over all of them; a backward per call needs reset() or a no_grad prefix)
-            cache.k = cache.k.index_copy(2, idx, k.transpose(1, 2))
-            cache.v = cache.v.index_copy(2, idx, v.transpose(1, 2))
+            cache._k = cache._k.index_copy(1, idx, k)  # (B, max_len, Hkv, D)
+            cache._v = cache._v.index_copy(1, idx, v)
         else:
-            cache.k.index_copy_(2, idx, k.transpose(1, 2))
-            cache.v.index_copy_(2, idx, v.transpose(1, 2))
+            cache._k.index_copy_(1, idx, k)
+            cache._v.index_copy_(1, idx, v)
         kv_lens = (cache.length + S).expand(B).contiguous()  # (B,) filled positions, including the new ones
         q_lens = torch.full((B,), S, dtype=torch.int64, device=q.device)
-        out = flash_attn_func(q, cache.k.transpose(1, 2), cache.v.transpose(1, 2), causal=True,
+        out = flash_attn_func(q, cache._k, cache._v, causal=True,
                               key_mask=cache.key_mask if cache.padded else None, kv_lens=kv_lens, q_lens=q_lens,
                               backend=self.backend)  # (B, S, Hq, D), bottom-right per sequence
         cache.length.add_(S)
@@ -342,7 +342,7 @@ class MultiheadAttention(nn.Module):
             cache.filled = True
         if S <= DECODE_MAX_S and not cache.holes and not (torch.is_grad_enabled() and q.requires_grad):
             ends = cache._ends if cache._ends is not None else cache.length.expand(B).to(torch.int32)
-            out = flash_attn_with_kvcache(q.transpose(1, 2), cache.k.transpose(1, 2), cache.v.transpose(1, 2),
+            out = flash_attn_with_kvcache(q.transpose(1, 2), cache._k, cache._v,
                                           cache_seqlens=ends, cache_leftpad=cache.leftpad,
                                           backend=self.backend)  # (B, S, Hq, D), no append
             return out.transpose(1, 2)

@@ -2,9 +2,10 @@
 
 Both are read by flashtx.flash_attn_with_kvcache (split-KV Triton kernels) in MultiheadAttention.
 
-Layouts. `KVCache` keeps (B, Hkv, max_len, D) buffers: one (batch, head)'s keys are contiguous, so
-a K/V tile is one block of memory; the kernels take it as the (B, max_len, Hkv, D) view
-``cache.k.transpose(1, 2)`` (strides, no copy), flash-attn's layout. `PagedKVCache` keeps
+Layouts. `KVCache` keeps (B, max_len, Hkv, D) buffers, flash-attn's layout, which the decode kernels
+write and read as they are: under torch.compile a mutated view of a buffer (a transpose) is cloned and
+copied back whole on every step, a buffer itself is written in place. ``cache.k`` / ``cache.v`` are
+their (B, Hkv, max_len, D) views (SDPA's layout; strides, no copy). `PagedKVCache` keeps
 flash-attn's paged layout, pools (num_pages, page_size, Hkv, D) plus a (B, max_pages_per_seq)
 int32 block table, with pages handed out and taken back per sequence on the host.
 
@@ -71,7 +72,8 @@ class KVCache:
     """Preallocated key/value buffers of one attention layer, filled in place while decoding.
 
     Attributes:
-        k: (B, Hkv, max_len, D) and v: (B, Hkv, max_len, Dv) buffers, in the layer's dtype.
+        k: (B, Hkv, max_len, D) and v: (B, Hkv, max_len, Dv), in the layer's dtype: views of the
+            (B, max_len, Hkv, D) buffers the layer writes (module docstring).
         key_mask: (B, max_len) bool, True = real token (padding given to the layer is stored False).
         length: 0-dim int64 tensor on the buffers' device: the number of positions filled.
         leftpad: (B,) int32: each sequence's first real position (flash-attn's cache_leftpad).
@@ -94,8 +96,9 @@ class KVCache:
         max_len = _check_pos_int("max_len", max_len)
         num_kv_heads, head_dim = _check_pos_int("num_kv_heads", num_kv_heads), _check_pos_int("head_dim", head_dim)
         v_head_dim = head_dim if v_head_dim is None else _check_pos_int("v_head_dim", v_head_dim)
-        self.k = torch.zeros(batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(batch_size, num_kv_heads, max_len, v_head_dim, dtype=dtype, device=device)
+        # (B, max_len, Hkv, D) buffers: what the decode op mutates (module docstring)
+        self._k = torch.zeros(batch_size, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self._v = torch.zeros(batch_size, max_len, num_kv_heads, v_head_dim, dtype=dtype, device=device)
         self.key_mask = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
         self.length = torch.zeros((), dtype=torch.int64, device=device)
         self.leftpad = torch.zeros(batch_size, dtype=torch.int32, device=device)
@@ -106,16 +109,26 @@ class KVCache:
         self._host_length: int | None = 0  # mirror of `length` for bounds checks without a sync
 
     @property
+    def k(self) -> Tensor:
+        """The keys, (B, Hkv, max_len, D): a view of the (B, max_len, Hkv, D) buffer."""
+        return self._k.transpose(1, 2)
+
+    @property
+    def v(self) -> Tensor:
+        """The values, (B, Hkv, max_len, Dv): a view of the (B, max_len, Hkv, Dv) buffer."""
+        return self._v.transpose(1, 2)
+
+    @property
     def batch_size(self) -> int:
-        return self.k.shape[0]
+        return self._k.shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self._k.shape[1]
 
     def __repr__(self) -> str:
-        return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.k.shape[1]}, max_len={self.max_len}, "
-                f"head_dim={self.k.shape[3]}, dtype={self.k.dtype}, device={self.k.device})")
+        return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self._k.shape[2]}, max_len={self.max_len}, "
+                f"head_dim={self._k.shape[3]}, dtype={self._k.dtype}, device={self._k.device})")
 
     def reset(self) -> "KVCache":
         """Empty the cache (keeps the buffers)."""
@@ -154,8 +167,8 @@ class KVCache:
         self._claim(S)
         self._store_mask(key_mask, S)
         idx = self.length + torch.arange(S, device=self.k.device)  # (S,) positions
-        self.k.index_copy_(2, idx, k)
-        self.v.index_copy_(2, idx, v)
+        self._k.index_copy_(1, idx, k.transpose(1, 2))
+        self._v.index_copy_(1, idx, v.transpose(1, 2))
         self.length.add_(S)
 
     def _mark(self, masked: bool) -> tuple:

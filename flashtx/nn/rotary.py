@@ -213,7 +213,9 @@ class RotaryEmbedding(nn.Module):
         with cu_seqlens). Returns q_rot, or (q_rot, k_rot). Tables grow to cover the positions;
         with tensor seqlen_offsets or position_ids that reads their max (one device sync), and so
         does cu_seqlens without max_seqlen or with dynamic scaling (whose frequencies follow the
-        real lengths; max_seqlen, any bound above them, then only sizes the kernel's grid).
+        real lengths; max_seqlen, any bound above them, then only sizes the kernel's grid). Under
+        torch.compile those values are not read: the tables cover max_seq_len positions (or what an
+        earlier eager call grew them to), and later positions give NaN rows.
 
         inplace: None (default) rotates q and k in place (and returns them) when autograd records
         nothing (inference, no_grad) and their memory allows it, out of place otherwise (always
@@ -221,8 +223,19 @@ class RotaryEmbedding(nn.Module):
         """
         check_tensor("q", q)
         sc = self.scaling
-        needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout,
-                                     sc is not None and sc["type"] == "dynamic")
+        dynamic = sc is not None and sc["type"] == "dynamic"
+        if torch.compiler.is_compiling() and (position_ids is not None or isinstance(seqlen_offsets, Tensor) or (
+                cu_seqlens is not None and (max_seqlen is None or dynamic))):
+            # the positions' values cannot be read while tracing: the tables as they are (max_seq_len positions at
+            # least; a later position is out of range: NaN rows, as apply_rotary's)
+            if dynamic:
+                raise ValueError("RotaryEmbedding with dynamic NTK scaling follows the positions' values "
+                                 "(position_ids, tensor seqlen_offsets or cu_seqlens), which torch.compile cannot "
+                                 "read: call it outside the compiled region, or pass int seqlen_offsets")
+            cached = self._cache
+            needed = max(self.max_seq_len, cached[1] if cached is not None and cached[0] == ("plain",) else 0)
+        else:
+            needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, dynamic)
         cos, sin = self.cos_sin(needed, q.device)
         kw = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offsets, position_ids=position_ids,
                   cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, inplace=inplace, layout=layout, backend=backend)

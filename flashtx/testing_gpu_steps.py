@@ -1,0 +1,198 @@
+"""Compiled steps on the GPU path, traced on a machine without one (for the tests): how many graphs a compiled
+loop makes as its arguments change, whether calls that read values trace at all, and what Inductor still copies
+after its reinplacing pass. The stand-ins are flashtx.testing_gpu_trace's (Triton dispatch for CPU tensors, sm_86
+configs and TTIR target); nothing runs.
+
+    python -m flashtx.testing_gpu_steps --graphs     # graphs compiled over changing arguments, per case and mode
+    python -m flashtx.testing_gpu_steps --traces     # value-reading calls under fullgraph: error or kernels
+    python -m flashtx.testing_gpu_steps --reinplace  # per kernel, the arguments Inductor still clones per call
+
+Found by an audit (2026-12-04): an int RoPE offset and the decode check's int() of sizes compiled a graph per
+decoding step (dynamic=True too), position_ids' error messages pinned the sequence length, flashtx.nn's KVCache
+(then (B, Hkv, L, D) buffers passed as transposed views) was cloned and copied back whole every compiled step,
+and in-place q/k RoPE, nn.RotaryEmbedding with position_ids, varlen RoPE without max_seqlen and a max_seqlen read
+with .item() failed under fullgraph.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from flashtx._env import triton_interpret
+
+if triton_interpret():
+    sys.exit("run without TRITON_INTERPRET: this traces the GPU path, not the interpreter's")
+
+
+def _h(*shape, grad=False):
+    import torch
+    return torch.randn(*shape, dtype=torch.float16, requires_grad=grad)
+
+
+def _graph_cases() -> dict:
+    """name -> (function, argument sets): a compiled step over changing arguments (forward only)."""
+    import torch
+
+    import flashtx
+    from flashtx.nn import RotaryEmbedding
+
+    cos = torch.rand(512, 16)
+    rot = RotaryEmbedding(32, max_seq_len=512)
+    kc, vc = _h(16, 16, 2, 64), _h(16, 16, 2, 64)  # a fixed page pool: (pages, page, Hkv, D)
+    return {
+        # decoding: the offset is the cache length, a new value each step
+        "rope-int-offset": (lambda x, o: flashtx.apply_rotary(x, cos, cos, seqlen_offsets=o),
+                            [(_h(2, 1, 4, 32), o) for o in range(100, 106)]),
+        "rope-module-int-offset": (lambda q, k, o: rot(q, k, seqlen_offsets=o),
+                                   [(_h(2, 1, 4, 32), _h(2, 1, 2, 32), o) for o in range(100, 106)]),
+        "rope-position-ids": (lambda q, k, p: flashtx.apply_rotary_qk(q, k, cos, cos, position_ids=p),
+                              [(_h(1, s, 4, 32), _h(1, s, 2, 32), torch.arange(s).unsqueeze(0))
+                               for s in (48, 64, 80, 96)]),
+        "rope-tensor-offsets": (lambda x, o: flashtx.apply_rotary(x, cos, cos, seqlen_offsets=o),
+                                [(_h(b, 1, 4, 32), torch.full((b,), 7)) for b in (2, 3, 4, 5)]),
+        # a paged decode step whose block table widens (pages per sequence) over a fixed pool
+        "kvcache-paged-growing-table": (
+            lambda q, k, v, n, bt: flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=n, block_table=bt,
+                                                                   causal=True),
+            [(_h(2, 1, 8, 64), _h(2, 1, 2, 64), _h(2, 1, 2, 64), torch.full((2,), 10, dtype=torch.int32),
+              torch.arange(2 * p, dtype=torch.int32).view(2, p)) for p in (4, 5, 6, 7)]),
+    }
+
+
+def graphs(dynamic, case: str) -> dict:
+    """The forward graphs a compiled step of `case` makes over its argument sets (each a list of its kernels)."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from .testing_gpu_trace import _kernel_name, _standin
+
+    fn, arg_sets = _graph_cases()[case]
+    seen = []
+
+    def compiler(gm, example_inputs):
+        seen.append([_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
+                     for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)])
+        return _standin(gm)
+
+    torch._dynamo.reset()
+    step = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=aot_autograd(fw_compiler=compiler))
+    with torch.no_grad():
+        for args in arg_sets:
+            step(*args)
+    return {"graphs": seen}
+
+
+def _trace_cases() -> dict:
+    """name -> (function, arguments): calls that read values (or pointers) in eager mode."""
+    import torch
+
+    import flashtx
+    from flashtx.nn import RotaryEmbedding
+
+    cos = torch.rand(256, 16)
+    rot = RotaryEmbedding(32, max_seq_len=256)
+    cu = torch.tensor([0, 40, 64], dtype=torch.int32)
+
+    def qk_inplace(qkv):
+        q, k = qkv[:, :, :4], qkv[:, :, 4:6]  # views of one fused projection
+        return flashtx.apply_rotary_qk(q, k, cos, cos, inplace=True)
+
+    def varlen_item(q, k, v, cu):  # a packing loader's bound, read on the device
+        mx = int((cu[1:] - cu[:-1]).max().item())
+        return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=True)
+
+    return {
+        "rope-qk-inplace": (qk_inplace, [_h(2, 16, 8, 32)]),
+        "rope-module-position-ids": (lambda q, k, p: rot(q, k, position_ids=p),
+                                     [_h(2, 16, 4, 32), _h(2, 16, 2, 32), torch.arange(16).expand(2, 16)]),
+        "rope-module-tensor-offsets": (lambda q, k, o: rot(q, k, seqlen_offsets=o),
+                                       [_h(2, 16, 4, 32), _h(2, 16, 2, 32), torch.tensor([3, 9])]),
+        "rope-varlen-no-max-seqlen": (lambda x, cu: flashtx.apply_rotary(x, cos, cos, cu_seqlens=cu),
+                                      [_h(64, 4, 32), cu]),
+        "varlen-max-seqlen-item": (varlen_item, [_h(64, 4, 64), _h(64, 4, 64), _h(64, 4, 64), cu]),
+    }
+
+
+def traces(case: str) -> dict:
+    """The kernels of the forward graph of `case` under fullgraph (an error is reported by the caller)."""
+    import torch
+    import torch._dynamo
+
+    from .testing_gpu_trace import _capture
+
+    fn, args = _trace_cases()[case]
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
+        return _capture(fn, args, False)
+
+
+def reinplace(case: str) -> dict:
+    """Per kernel of `case`'s graph after Inductor's reinplacing pass: the arguments it still clones (a copy of the
+    argument, and of it back into a mutated input, on every call)."""
+    import torch
+    import torch._dynamo
+    import torch._inductor.fx_passes.post_grad as post_grad
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from flashtx.nn import RotaryEmbedding, TransformerBlock
+
+    from .testing_gpu_trace import _kernel_name
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+    real = post_grad.decompose_triton_kernel_wrapper_functional
+
+    def spy(graph):  # the graph right after reinplacing: functional kernel nodes still name their clones
+        for n in graph.nodes:
+            if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+                name = _kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
+                seen.setdefault(name, []).extend(n.kwargs.get("tensors_to_clone", ()))
+        raise Stop
+
+    torch.manual_seed(0)
+    block = TransformerBlock(64, 4, 2, hidden_dim=96, rotary=RotaryEmbedding(16)).to(torch.float16).eval()
+    cache = block.new_cache(2, 64, paged=case == "nn-paged-decode")
+    if case == "nn-paged-decode":
+        cache.self_attn.allocate_all(64)
+    x = _h(2, 1, 64)
+    post_grad.decompose_triton_kernel_wrapper_functional = spy
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(lambda x: block(x, cache=cache), fullgraph=True, backend="inductor")(x)
+    except Exception as exc:  # Stop, through Dynamo's wrapping
+        if "Stop" not in f"{type(exc).__name__} {exc!r}":
+            raise
+    finally:
+        post_grad.decompose_triton_kernel_wrapper_functional = real
+    return {"cloned": {k: sorted(set(v)) for k, v in seen.items()}}
+
+
+def main(argv: list[str]) -> int:
+    import flashtx  # noqa: F401  (imports the kernels before the stand-ins patch their modules)
+    import flashtx.triton_kernels.attention_bwd  # noqa: F401
+    import flashtx.triton_kernels.attention_fwd  # noqa: F401
+
+    from .testing_gpu_trace import _install_standins, _per_mode
+
+    _install_standins()
+    if "--graphs" in argv:
+        out = _per_mode(graphs, list(_graph_cases()))
+    else:
+        names = list(_trace_cases()) if "--traces" in argv else ["nn-decode", "nn-paged-decode"]
+        study = traces if "--traces" in argv else reinplace
+        out = {}
+        for name in names:
+            try:
+                out[name] = study(name)
+            except Exception as exc:
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
