@@ -8,10 +8,10 @@ configs and TTIR target); nothing runs.
     python -m flashtx.testing_gpu_steps --reinplace  # per kernel, the arguments Inductor still clones per call
 
 Found by an audit (2026-12-04): an int RoPE offset and the decode check's int() of sizes compiled a graph per
-decoding step (dynamic=True too), position_ids' error messages pinned the sequence length, flashtx.nn's KVCache
-(then (B, Hkv, L, D) buffers passed as transposed views) was cloned and copied back whole every compiled step,
-and in-place q/k RoPE, nn.RotaryEmbedding with position_ids, varlen RoPE without max_seqlen and a max_seqlen read
-with .item() failed under fullgraph.
+decoding step (dynamic=True too), the split-KV heuristic one per batch size, position_ids' error messages pinned
+the sequence length, flashtx.nn's KVCache (then (B, Hkv, L, D) buffers passed as transposed views) was cloned and
+copied back whole every compiled step, and in-place q/k RoPE, nn.RotaryEmbedding with position_ids, varlen RoPE
+without max_seqlen and a max_seqlen read with .item() failed under fullgraph.
 """
 from __future__ import annotations
 
@@ -39,7 +39,14 @@ def _graph_cases() -> dict:
     cos = torch.rand(512, 16)
     rot = RotaryEmbedding(32, max_seq_len=512)
     kc, vc = _h(16, 16, 2, 64), _h(16, 16, 2, 64)  # a fixed page pool: (pages, page, Hkv, D)
+    rows_k, rows_v = _h(8, 256, 2, 64), _h(8, 256, 2, 64)  # a continuous batcher's cache rows
     return {
+        # continuous batching: the step's batch changes, its sequences' rows picked by cache_batch_idx
+        "kvcache-batch": (
+            lambda q, k, v, n, bi: flashtx.flash_attn_with_kvcache(q, rows_k, rows_v, k, v, cache_seqlens=n,
+                                                                   cache_batch_idx=bi, causal=True),
+            [(_h(b, 1, 8, 64), _h(b, 1, 2, 64), _h(b, 1, 2, 64), torch.full((b,), 50, dtype=torch.int32),
+              torch.arange(b, dtype=torch.int32)) for b in (3, 4, 5, 6, 7)]),  # (2 would equal Hkv: duck sizing)
         # decoding: the offset is the cache length, a new value each step
         "rope-int-offset": (lambda x, o: flashtx.apply_rotary(x, cos, cos, seqlen_offsets=o),
                             [(_h(2, 1, 4, 32), o) for o in range(100, 106)]),

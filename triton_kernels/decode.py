@@ -46,7 +46,11 @@ def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Targe
     else:
         key_tiles = cdiv(capacity, cfg.block_n)
     if num_splits <= 0:
-        num_splits = num_splits_heuristic(B * Hkv * m_tiles, key_tiles, target.sm_count or 4)
+        programs = B * Hkv * m_tiles
+        if not isinstance(programs, int):  # a symbolic batch (torch.compile): decided on this trace's sizes, without
+            # a guard (any split count is correct; a guard on the wave arithmetic compiled a graph per batch size)
+            programs = getattr(programs.node, "hint", None) or target.sm_count or 4  # (unknown: no split)
+        num_splits = num_splits_heuristic(programs, key_tiles, target.sm_count or 4)
     return max(1, min(num_splits, key_tiles, MAX_SPLITS))
 
 
