@@ -46,7 +46,7 @@ import torch
 from . import _env, _lanes, _library, _small_q
 from ._attention_op import GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd, empty_like_layout, spec_of
 from ._library import _C_APPLY, _unwrap_if_dead, call
-from ._packing import grads_like, part_stride
+from ._packing import MIN_NUMEL, grads_like, part_stride
 from .triton_kernels import precision
 from .triton_kernels.limits import MAX_SEQ, LimitExceeded
 
@@ -174,31 +174,38 @@ def _lane_backward(ctx, dout):
     return dq, dk, dv
 
 
-def packing(q, k, v) -> int:
-    """3 where q, k, v are equal slices of one dense packed tensor (a fused QKV projection's), 2 where k and v are
-    (a fused KV), else 0 (flashtx._packing.part_stride): which gradients _grads_like writes as slices of one
-    buffer."""
-    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
-        return 0  # (the common case, in two calls)
-    return 3 if part_stride((q, k, v)) else 2 if part_stride((k, v)) else 0
+def packing(q, k, v) -> tuple:
+    """(3, part stride) where q, k, v are equal slices of one dense packed tensor (a fused QKV projection's), (2,
+    part stride) where k and v are (a fused KV), else (0, 0) (flashtx._packing.part_stride): which gradients
+    _grads_like writes as slices of one buffer. Packed tensors below _packing.MIN_NUMEL are not looked at (the
+    packed forms stack their gradients there)."""
+    three = 3 * q.numel() >= MIN_NUMEL  # (q, k, v of equal shapes: the packed tensor's size)
+    if not (three or 2 * k.numel() >= MIN_NUMEL) or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return 0, 0  # (the common cases, in a few calls)
+    sp = part_stride((q, k, v)) if three else 0
+    if sp:
+        return 3, sp
+    sp = part_stride((k, v)) if 2 * k.numel() >= MIN_NUMEL else 0
+    return (2, sp) if sp else (0, 0)
 
 
-def _grads_like(q, k, v, lane, packs: int = 0) -> tuple:
+def _grads_like(q, k, v, lane, packs: tuple = (0, 0)) -> tuple:
     """(dq, dk, dv, delta) allocated as the op's backward allocates them: each gradient laid out like its input,
     delta (B, Hq, Sq) in the accumulator dtype, as attention_backward's. With packs (packing's answer) the packed
     gradients are the same slices of one new buffer, so the packed forms' gradient is that buffer
     (flashtx._packing.Unpack)."""
     like = lane.like
     delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
-    if packs == 3:
-        return (*grads_like((q, k, v)), delta)
+    kind, sp = packs
+    if kind == 3:
+        return (*grads_like((q, k, v), sp), delta)
     dq = like(q, q.shape[-1])
-    if packs == 2:
-        return (dq, *grads_like((k, v)), delta)
+    if kind == 2:
+        return (dq, *grads_like((k, v), sp), delta)
     return dq, like(k, k.shape[-1]), like(v, lane.dv), delta
 
 
-def _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs: int = 0):
+def _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs: tuple = (0, 0)):
     """The backward's launch entry for a lane (stored), or False where the op's backward must take it (stored):
     planned for gradients laid out as _grads_like(..., packs) allocates them."""
     from .triton_kernels.attention_bwd import backward_entry

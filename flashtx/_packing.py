@@ -16,6 +16,13 @@ from torch import Tensor
 
 from ._lanes import eager
 
+# Packed tensors below this many elements take autograd's unbind and its stack. This path's Python (an Unpack node,
+# the backward's packing checks: ~26 us more per forward + backward, measured on CPU with the launches stubbed)
+# exceeds the copy it saves at small sizes (2**20 fp16 elements: 4 MB moved, 1-5 us on an H200 or RTX 3090), where
+# a step waits on the host; at training sizes the attention kernels take milliseconds, the host runs ahead of them,
+# and the copy (and the memory of a second packed gradient) is what costs.
+MIN_NUMEL = 1 << 20
+
 
 def _dense(shape, strides) -> bool:
     """Whether (shape, strides) covers numel elements from offset 0 exactly once (a permuted contiguous layout)."""
@@ -48,12 +55,9 @@ def part_stride(ts) -> int:
     return sp
 
 
-def grads_like(ts) -> tuple | None:
-    """Empty gradients for ts (equal slices of one dense packed tensor, part_stride), laid out as the same slices of
-    one new buffer, or None where ts are not such slices."""
-    sp = part_stride(ts)
-    if not sp:
-        return None
+def grads_like(ts, sp: int) -> tuple:
+    """Empty gradients for ts (equal slices of one dense packed tensor, sp = part_stride(ts)), laid out as the same
+    slices of one new buffer."""
     t0 = ts[0]
     buf = torch.empty(len(ts) * t0.numel(), dtype=t0.dtype, device=t0.device)
     return tuple(buf.as_strided(t0.shape, t0.stride(), i * sp) for i in range(len(ts)))
@@ -97,6 +101,7 @@ class Unpack(torch.autograd.Function):
 def unbind(packed: Tensor, dim: int):
     """packed.unbind(dim) whose gradient reuses the slices' gradients' buffer where they are its slices (Unpack); the
     plain unbind where nothing records it or anything traces it."""
-    if torch.is_grad_enabled() and packed.requires_grad and type(packed) is Tensor and eager():
+    if packed.numel() >= MIN_NUMEL and torch.is_grad_enabled() and packed.requires_grad and type(packed) is Tensor \
+            and eager():
         return Unpack.apply(packed, dim)
     return packed.unbind(dim)

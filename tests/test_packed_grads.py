@@ -12,6 +12,14 @@ from flashtx import _packing, reference
 SAME = dict(atol=precise_atol(0.0), rtol=0)
 
 
+@pytest.fixture(autouse=True)
+def small_packs(monkeypatch):
+    """The in-place path for the tests' small packed tensors (it starts at _packing.MIN_NUMEL elements): the branch a
+    GPU takes at training sizes, on interpreter-sized inputs."""
+    monkeypatch.setattr(_packing, "MIN_NUMEL", 0)
+    monkeypatch.setattr("flashtx._attention_lane.MIN_NUMEL", 0)
+
+
 class _Stacks(list):
     """The stack calls aten saw while `with` it was open (the profiler's record of every op: unbind's C++
     backward and the packed forms' fallback both assemble with aten::stack)."""
@@ -170,3 +178,19 @@ def test_unpack_reassembles_only_exact_slices():
     q, k, v = _packing.unbind(t, 2)  # slices whose gradient is unused: zeros
     (grad,) = torch.autograd.grad((k * 2).sum(), t)
     assert torch.equal(grad, torch.stack([torch.zeros_like(q), torch.full_like(k, 2), torch.zeros_like(v)], 2))
+
+
+def test_small_packed_tensors_take_unbind(monkeypatch):
+    """Below MIN_NUMEL the packed forms take autograd's unbind (its C++ stack costs less than the in-place path's
+    Python there), and the backward allocates the slices' gradients apart."""
+    monkeypatch.setattr(_packing, "MIN_NUMEL", 10**9)
+    monkeypatch.setattr("flashtx._attention_lane.MIN_NUMEL", 10**9)
+    qkv = randn(2, 9, 3, 2, 16, dtype=PRECISE_DTYPE, requires_grad=True)
+    out = flashtx.flash_attn_qkvpacked_func(qkv, causal=True)
+    assert out.grad_fn is not None
+    q, k, v = _packing.unbind(qkv, 2)
+    assert q.grad_fn.name() == "UnbindBackward0"
+    g = randn(*out.shape, dtype=out.dtype)
+    (dqkv,) = torch.autograd.grad(out, qkv, g)
+    want = _unpacked_grads(lambda q, k, v: flashtx.flash_attn_func(q, k, v, causal=True), qkv.unbind(2), g)
+    torch.testing.assert_close(dqkv, torch.stack(want, 2), **SAME)
