@@ -4,7 +4,10 @@ Layout: activations are batch-first (B, S, E). Heads are split as views of one f
 (no copies), attention runs on (B, H, S, D) views, and no layer holds an (S, S) tensor: padding is
 passed as (B, S) key masks and cache lengths as (B,) tensors, never as materialised masks.
 
-KV caches (incremental decoding, flashtx.nn.kv_cache): `KVCache` preallocates (B, Hkv, max_len, D)
+Training with RoPE rotates q and k in place in the projection's output (flashtx.nn._qkv_rotary, as flash-attn's
+MHA), so attention saves views of the one projection, not rotated copies beside it.
+
+KV caches (incremental decoding, flashtx.nn.kv_cache): `KVCache` preallocates (B, max_len, Hkv, D)
 buffers, `PagedKVCache` a page pool with a block table. Each call writes the new tokens'
 keys/values in place at positions [length, length + S) and attends over the first length + S
 positions with **bottom-right** causal alignment: new query i (absolute position length + i)
@@ -47,6 +50,8 @@ from torch import Tensor, nn
 from ..decode import flash_attn_with_kvcache
 from ..functional import attention, flash_attn_func
 from ..rotary import apply_rotary_qk
+from ..triton_kernels.limits import MAX_SEQ
+from ._qkv_rotary import eligible, rotate_qk_
 from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int, _host_readable
 from .rotary import RotaryEmbedding
 from .swiglu import forward_hooked
@@ -234,17 +239,25 @@ class MultiheadAttention(nn.Module):
         else:
             if memory is not None:
                 raise ValueError("memory is for cross-attention; this layer was built with cross=False")
-            qkv = self.qkv(x).unflatten(-1, (Hq + 2 * Hkv, D))  # (B, S, Hq + 2 Hkv, D)
+            proj, rotated = self.qkv(x), False  # (B, S, (Hq + 2 Hkv) D)
+            if cache is None and type(self.rotary) is RotaryEmbedding and S <= MAX_SEQ and eligible(proj) \
+                    and not forward_hooked(self.qkv, self.rotary):  # training: rotated in place (_qkv_rotary)
+                cos, sin = self.rotary.cos_sin(S, x.device)  # (S, dim / 2): RotaryEmbedding's for positions 0..S-1
+                proj = rotate_qk_(proj, (B, S, Hq + 2 * Hkv, D), (Hq, Hkv), cos, sin, self.rotary.interleaved,
+                                  self.backend)
+                rotated = True
+            qkv = proj.unflatten(-1, (Hq + 2 * Hkv, D))  # (B, S, Hq + 2 Hkv, D)
             q, k, v = qkv.split([Hq, Hkv, Hkv], dim=2)  # (B, S, H, D) views
             if cache is None:
-                out = self._self(q, k, v, key_mask, attn_mask, p)
+                out = self._self(q, k, v, key_mask, attn_mask, p, rotated)
             else:
                 out = self._self_cached(q, k, v, key_mask, cache)
         return self.out_proj(out.transpose(1, 2).reshape(B, S, Hq * D))
 
-    def _self(self, q, k, v, key_mask, attn_mask, p) -> Tensor:
-        """q, k, v: (B, S, H, D) -> (B, Hq, S, D)."""
-        if self.rotary is not None:  # in place (no grad) unless a forward hook may hold the qkv output q, k view
+    def _self(self, q, k, v, key_mask, attn_mask, p, rotated: bool = False) -> Tensor:
+        """q, k, v: (B, S, H, D) (q and k already rotated when `rotated`) -> (B, Hq, S, D)."""
+        if self.rotary is not None and not rotated:  # in place (no grad) unless a forward hook may hold the qkv
+            # output q, k view
             q, k = self.rotary(q, k, inplace=False if forward_hooked(self.qkv) else None, backend=self.backend)
         return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, dropout_p=p,
                          is_causal=self.causal, enable_gqa=True, key_mask=key_mask, backend=self.backend)

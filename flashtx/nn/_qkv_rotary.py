@@ -1,0 +1,78 @@
+"""RoPE in place on a fused QKV projection under autograd (flash-attn's ``ApplyRotaryEmbQKV_``).
+
+Rotating q and k out of place, as autograd otherwise needs, leaves attention saving the rotated copies while the
+projection itself stays alive through v (a view of it): (Hq + 2 Hkv) + (Hq + Hkv) heads of activations per layer
+where the projection's (Hq + 2 Hkv) suffice. Here the q and k heads of the projection's output are rotated in place
+by an autograd node that marks it dirty, and its backward rotates the incoming gradient's q and k heads back (by
+-theta) in place: attention then saves views of the one rotated projection.
+
+The node takes the projection's own (B * S, N) output, never a view of it: marking a view dirty makes autograd
+copy the whole base's gradient (CopySlices). A Linear with a bias returns a view of its (B * S, N) addmm result,
+so that result is what the node rotates. Eager only (torch.compile decides for itself what it keeps).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .. import _lanes
+from ..rotary import apply_rotary_qk
+
+
+def projection_base(proj: Tensor) -> Tensor | None:
+    """The (B * S, N) tensor whose contiguous view proj (B, S, N) is, or proj viewed so where it is not a view; None
+    where the in-place node cannot take it (a non-contiguous output, a view of anything else, a subclass)."""
+    if type(proj) is not Tensor or not proj.is_contiguous():
+        return None
+    base = proj._base if proj._is_view() else proj
+    if base is None or type(base) is not Tensor or base._is_view() or not base.is_contiguous() \
+            or base.numel() != proj.numel() or base.data_ptr() != proj.data_ptr():
+        return None
+    return base
+
+
+def eligible(proj: Tensor) -> bool:
+    """Whether a training call rotates the projection in place: autograd records it, nothing traces or intercepts
+    it (Dynamo sees the out-of-place form), and the projection is its own (B * S, N) tensor or a view of one."""
+    return torch.is_grad_enabled() and proj.requires_grad and _lanes.eager() and projection_base(proj) is not None
+
+
+class RotateQK(torch.autograd.Function):
+    """base (B * S, N) -> base with its q and k heads (of the (B, S, Hq + 2 Hkv, D) view) rotated in place."""
+
+    @staticmethod
+    def forward(ctx, base, shape, heads, cos, sin, interleaved, backend):
+        ctx.mark_dirty(base)
+        ctx.args = (shape, heads, cos, sin, interleaved, backend)
+        with torch.no_grad():
+            _rotate(base, shape, heads, cos, sin, interleaved, backend)
+        return base
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        shape, heads, cos, sin, interleaved, backend = ctx.args
+        if grad is None:
+            return (None,) * 7
+        # in place, as flash-attn's: the gradient autograd hands this node is the projection's alone (its one
+        # consumer, the split's backward, made it); a strided one (an expand from a hook) is copied first
+        grad = grad.contiguous()
+        _rotate(grad, shape, heads, cos, -sin, interleaved, backend)  # by -theta: the rotation's transpose
+        return grad, None, None, None, None, None, None
+
+
+def _rotate(t: Tensor, shape: tuple, heads: tuple, cos: Tensor, sin: Tensor, interleaved: bool, backend) -> None:
+    """Rotate the q and k heads of t's (B, S, Hq + 2 Hkv, D) view in place, positions 0 .. S - 1."""
+    hq, hkv = heads
+    qkv = t.view(shape)
+    apply_rotary_qk(qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], cos, sin, interleaved=interleaved, inplace=True,
+                    backend=backend)
+
+
+def rotate_qk_(proj: Tensor, shape: tuple, heads: tuple, cos: Tensor, sin: Tensor, interleaved: bool,
+               backend) -> Tensor:
+    """proj (B, S, N) with the q and k heads of its (B, S, Hq + 2 Hkv, D) view `shape` rotated in place, recorded by
+    autograd (RotateQK); for an `eligible` proj. Returns the rotated projection as a (B, S, N) view."""
+    base = projection_base(proj)
+    return RotateQK.apply(base, shape, heads, cos, sin, interleaved, backend).view(proj.shape)
