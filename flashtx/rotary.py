@@ -48,13 +48,13 @@ LAYOUTS = ("bshd", "bhsd")
 def _refuse_overlap(q: Tensor, k: Optional[Tensor], compiling: bool = False) -> None:
     """Refuse in-place rotations whose elements share memory. compiling: the overlap of q and k is not tested
     (it reads pointers, which torch.compile cannot trace); the caller then rotates out of place and copies back,
-    which is defined whatever q and k share."""
+    which is defined whatever q and k share (one tensor passed as both is refused as in eager mode)."""
     for n, t in (("x" if k is None else "q", q), ("k", k)):
         if t is not None and has_internal_overlap(t):
             raise ValueError(f"inplace=True cannot rotate {n} in place: some of its elements share memory (a stride-0 "
                              f"dim, e.g. from expand(); strides {t.stride()} for shape {tuple(t.shape)}); pass "
                              f"inplace=False or {n}.contiguous()")
-    if k is not None and not compiling and views_overlap(q, k):
+    if k is not None and (q is k if compiling else views_overlap(q, k)):
         raise ValueError("inplace=True needs q and k in separate memory, but they share elements (the same tensor, or "
                          "overlapping slices of one); pass inplace=False")
 
@@ -347,8 +347,9 @@ def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, posi
     q: (B, S, Hq, D) and k: (B, S, Hk, D) (or (B, H, S, D) with layout="bhsd", or packed
     (total, H, D) with cu_seqlens), same dtype, device, B, S and D. Every other argument is as in
     apply_rotary and applies to both (inplace=True/None also needs q and k in separate memory;
-    None falls back to out of place when they share some). Returns (q_rot, k_rot), or (q, k)
-    rotated in place.
+    None falls back to out of place when they share some; under torch.compile, which cannot read
+    pointers, only one tensor passed as both is refused, and q and k are rotated out of place and
+    copied back). Returns (q_rot, k_rot), or (q, k) rotated in place.
 
     Example:
         >>> q, k = flashtx.apply_rotary_qk(q, k, cos, sin, seqlen_offsets=cache_len)

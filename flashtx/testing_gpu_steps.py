@@ -123,15 +123,28 @@ def _trace_cases() -> dict:
 
 
 def traces(case: str) -> dict:
-    """The kernels of the forward graph of `case` under fullgraph (an error is reported by the caller)."""
+    """The kernels of the forward graph of `case` under fullgraph (an error is reported by the caller), and how many
+    device-side asserts it holds."""
     import torch
     import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    from .testing_gpu_trace import _capture
+    from .testing_gpu_trace import _kernel_name, _standin
 
     fn, args = _trace_cases()[case]
+    kernels, asserts = [], []
+
+    def compiler(gm, example_inputs):
+        kernels.append([_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
+                        for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)])
+        asserts.append(sum("_assert_async" in str(n.target) for n in gm.graph.nodes))
+        return _standin(gm)
+
+    torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
-        return _capture(fn, args, False)
+        torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=compiler))(*args)
+    return {"kernels": kernels, "asserts": asserts}
 
 
 def reinplace(case: str) -> dict:

@@ -178,7 +178,8 @@ def test_compiled_steps_do_not_compile_a_graph_per_value():
 def test_value_reading_calls_trace_under_fullgraph():
     """In-place q/k RoPE (its overlap test reads pointers), nn.RotaryEmbedding with position_ids or tensor offsets
     (eager sizes its tables from their max), varlen RoPE without max_seqlen (eager reads it from cu_seqlens) and a
-    max_seqlen read with .item() (an unbacked size): each traces in one graph with its kernels."""
+    max_seqlen read with .item() (an unbacked size): each traces in one graph with its kernels; the RoPE module, whose
+    tables are not grown there, asserts on the device that the positions fall in them."""
     res = _steps("--traces")
     want = {"rope-qk-inplace": ["_rotary_kernel"], "rope-module-position-ids": ["_rotary_kernel"],
             "rope-module-tensor-offsets": ["_rotary_kernel"],
@@ -188,6 +189,8 @@ def test_value_reading_calls_trace_under_fullgraph():
     for case, kernels in want.items():
         assert "error" not in res[case], (case, res[case].get("error"))
         assert res[case]["kernels"] == [kernels], (case, res[case]["kernels"])
+    for case in ("rope-module-position-ids", "rope-module-tensor-offsets"):  # positions past the tables: asserted
+        assert res[case]["asserts"] == [1], (case, res[case]["asserts"])
 
 
 def test_compiled_nn_decoding_writes_the_caches_in_place():

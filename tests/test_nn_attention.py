@@ -252,3 +252,22 @@ def test_gradients_flow_through_a_kv_cache_over_several_calls():
     want = [x.grad] + [p.grad for p in layer.parameters()]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10)
+
+
+def test_kv_cache_k_and_v_are_views_that_can_be_reassigned():
+    """KVCache keeps (B, max_len, Hkv, D) buffers (flash-attn's layout: the decode op writes them in place, traced
+    too); .k / .v are their (B, Hkv, max_len, D) views, and assigning one (rows reordered, as beam search does) keeps
+    its transpose as the buffer, which the next step reads."""
+    torch.manual_seed(5)
+    m = MultiheadAttention(E, H, num_kv_heads=2, causal=True).to(DEVICE).eval()
+    cache = m.new_cache(2, 16)
+    assert cache.k.shape == (2, 2, 16, E // H) and cache.k.data_ptr() == cache._k.data_ptr()
+    x = randn(2, 5, E)
+    with torch.no_grad():
+        m(x, cache=cache)
+        cache.k, cache.v = cache.k[[1, 0]], cache.v[[1, 0]]  # swap the two sequences' caches
+        step = randn(2, 1, E)
+        got = m(step, cache=cache)
+        want = m(torch.cat([x[[1, 0]], step], 1))[:, -1:]  # the swapped prompts, uncached
+    assert cache._k.shape == (2, 16, 2, E // H)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

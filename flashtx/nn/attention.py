@@ -56,17 +56,24 @@ from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int, _host_
 from .rotary import RotaryEmbedding
 from .swiglu import forward_hooked
 
+def _buffers(cache) -> tuple[Tensor, Tensor]:
+    """The key and value buffers a cache's kernels read: a KVCache's (B, max_len, Hkv, D), a PagedKVCache's
+    (pages, page_size, Hkv, D)."""
+    return (cache.k, cache.v) if isinstance(cache, PagedKVCache) else (cache._k, cache._v)
+
+
 def _check_cache_dtype(cache, q: Tensor) -> None:
-    if cache.k.dtype != q.dtype:
-        raise ValueError(f"the KV cache holds {cache.k.dtype} but this step's queries/keys are {q.dtype} (under "
+    dtype = _buffers(cache)[0].dtype
+    if dtype != q.dtype:
+        raise ValueError(f"the KV cache holds {dtype} but this step's queries/keys are {q.dtype} (under "
                          f"torch.autocast the projections give the autocast dtype): create the cache with "
                          f"new_cache(..., dtype={q.dtype})")
 
 
 def _cache_heads(cache) -> tuple[int, int, int]:
-    """(Hkv, D, Dv) of a KVCache's (B, Hkv, max_len, D) or a PagedKVCache's (pages, page_size, Hkv, D) buffers."""
-    k, v = cache.k.shape, cache.v.shape
-    return (k[2] if isinstance(cache, PagedKVCache) else k[1]), k[3], v[3]
+    """(Hkv, D, Dv) of a cache's buffers (both (..., Hkv, D), _buffers)."""
+    k, v = _buffers(cache)
+    return k.shape[2], k.shape[3], v.shape[3]
 
 
 DECODE_MAX_S = 16  # cached calls of up to this many tokens use flash_attn_with_kvcache (see the module doc)
@@ -167,7 +174,7 @@ class MultiheadAttention(nn.Module):
     def new_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None, paged: bool = False,
                   page_size: int = 16, num_pages: int | None = None) -> KVCache | PagedKVCache:
         """An empty cache for this layer on the parameters' device and dtype unless given: a KVCache of
-        (batch_size, Hkv, max_len, D) buffers, or with paged=True a PagedKVCache of num_pages pages
+        (batch_size, max_len, Hkv, D) buffers, or with paged=True a PagedKVCache of num_pages pages
         (default: enough for every sequence to reach max_len) of page_size tokens (a multiple of 16),
         at most max_len tokens a sequence (rounded up to whole pages: its ``max_len`` may be larger). For
         cross-attention max_len is the memory's length (or more)."""
@@ -300,7 +307,7 @@ class MultiheadAttention(nn.Module):
             cache._store_mask(key_mask, S)  # leftpad, or holes (then flash_attn_func below)
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         if paged or (S <= DECODE_MAX_S and not cache.holes and not grad):
-            kc, vc = (cache.k, cache.v) if paged else (cache._k, cache._v)  # the buffers: mutated in place
+            kc, vc = _buffers(cache)  # the buffers themselves: mutated in place
             out = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=rot[0] if rot else None,
                                           rotary_sin=rot[1] if rot else None, cache_seqlens=start.to(torch.int32),
                                           cache_leftpad=cache.leftpad, block_table=cache.block_table if paged else None,

@@ -110,13 +110,22 @@ class KVCache:
 
     @property
     def k(self) -> Tensor:
-        """The keys, (B, Hkv, max_len, D): a view of the (B, max_len, Hkv, D) buffer."""
+        """The keys, (B, Hkv, max_len, D): a view of the (B, max_len, Hkv, D) buffer. Assigning a (B, Hkv, max_len,
+        D) tensor (e.g. rows reordered for beam search) keeps its transpose as the buffer."""
         return self._k.transpose(1, 2)
+
+    @k.setter
+    def k(self, value: Tensor) -> None:
+        self._k = value.transpose(1, 2)
 
     @property
     def v(self) -> Tensor:
-        """The values, (B, Hkv, max_len, Dv): a view of the (B, max_len, Hkv, Dv) buffer."""
+        """The values, (B, Hkv, max_len, Dv): a view of the (B, max_len, Hkv, Dv) buffer (assignable as k)."""
         return self._v.transpose(1, 2)
+
+    @v.setter
+    def v(self, value: Tensor) -> None:
+        self._v = value.transpose(1, 2)
 
     @property
     def batch_size(self) -> int:
@@ -163,10 +172,10 @@ class KVCache:
             if tuple(t.shape) != want or t.dtype != buf.dtype or t.device != buf.device:
                 raise ValueError(f"KVCache.append: {name} must be {want} (B, Hkv, S, D), {buf.dtype} on {buf.device}; "
                                  f"got {tuple(t.shape)}, {t.dtype} on {t.device}")
-        _check_mask("key_mask", key_mask, self.batch_size, S, self.k.device)  # before _claim counts the tokens
+        _check_mask("key_mask", key_mask, self.batch_size, S, self._k.device)  # before _claim counts the tokens
         self._claim(S)
         self._store_mask(key_mask, S)
-        idx = self.length + torch.arange(S, device=self.k.device)  # (S,) positions
+        idx = self.length + torch.arange(S, device=self._k.device)  # (S,) positions
         self._k.index_copy_(1, idx, k.transpose(1, 2))
         self._v.index_copy_(1, idx, v.transpose(1, 2))
         self.length.add_(S)
@@ -185,15 +194,15 @@ class KVCache:
         if leftpad is not None:
             self.leftpad.copy_(leftpad)
             if stored:
-                self.key_mask.index_fill_(1, self.length + torch.arange(S, device=self.k.device), True)
+                self.key_mask.index_fill_(1, self.length + torch.arange(S, device=self._k.device), True)
 
     def _store_mask(self, key_mask: Tensor | None, S: int) -> None:
         """Store the key mask (B, S) of S tokens about to be written at [length, length + S) and
         advance leftpad (rows without a real token yet move it past their leading padding)."""
-        key_mask = _check_mask("key_mask", key_mask, self.batch_size, S, self.k.device)
+        key_mask = _check_mask("key_mask", key_mask, self.batch_size, S, self._k.device)
         if key_mask is None:
             return  # positions past `length` hold True since reset(): nothing to store
-        self.key_mask.index_copy_(1, self.length + torch.arange(S, device=self.k.device), key_mask)
+        self.key_mask.index_copy_(1, self.length + torch.arange(S, device=self._k.device), key_mask)
         self.padded = True
         if self.holes:
             return
@@ -212,7 +221,7 @@ class KVCache:
     def _store_memory_mask(self, key_mask: Tensor | None, Sm: int) -> None:
         """Cross-attention: after appending the memory, its per-row real range [leftpad, end) from a
         mask of the form pad* real* pad* (left and/or right padding); any other mask sets holes."""
-        key_mask = _check_mask("memory_mask", key_mask, self.batch_size, Sm, self.k.device)
+        key_mask = _check_mask("memory_mask", key_mask, self.batch_size, Sm, self._k.device)
         if key_mask is None:
             return
         self.key_mask[:, :Sm] = key_mask

@@ -215,7 +215,7 @@ class RotaryEmbedding(nn.Module):
         does cu_seqlens without max_seqlen or with dynamic scaling (whose frequencies follow the
         real lengths; max_seqlen, any bound above them, then only sizes the kernel's grid). Under
         torch.compile those values are not read: the tables cover max_seq_len positions (or what an
-        earlier eager call grew them to), and later positions give NaN rows.
+        earlier eager call grew them to), and a later position fails a device-side assert.
 
         inplace: None (default) rotates q and k in place (and returns them) when autograd records
         nothing (inference, no_grad) and their memory allows it, out of place otherwise (always
@@ -234,6 +234,14 @@ class RotaryEmbedding(nn.Module):
                                  "read: call it outside the compiled region, or pass int seqlen_offsets")
             cached = self._cache
             needed = max(self.max_seq_len, cached[1] if cached is not None and cached[0] == ("plain",) else 0)
+            last = None  # the last position, checked on the device (a NaN row otherwise)
+            if position_ids is not None and position_ids.numel():
+                last = position_ids.max()
+            elif isinstance(seqlen_offsets, Tensor) and seqlen_offsets.numel() and cu_seqlens is None:
+                last = seqlen_offsets.max() + (q.shape[1] if layout == "bshd" else q.shape[2]) - 1
+            if last is not None:
+                torch._assert_async(last < needed, "flashtx.nn.RotaryEmbedding under torch.compile: a position past "
+                                    "the tables (max_seq_len, or what eager calls grew them to); raise max_seq_len")
         else:
             needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, dynamic)
         cos, sin = self.cos_sin(needed, q.device)
