@@ -113,10 +113,13 @@ def _bound(fn):
 _APPLY_QK, _APPLY_X = _bound(RotaryQk), _bound(Rotary)
 
 
-def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjugate: bool = False):
+def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjugate: bool = False,
+           disjoint: bool = False):
     """apply_rotary_qk's result (q_rot, k_rot) (k None: apply_rotary's, as (x_rot, None)), or None where the lane
     does not take the call (module docstring): the caller runs the general path. Arguments as the public
-    functions take them; conjugate: rotate the other way (a lane node's backward, out of place, without grad)."""
+    functions take them; conjugate: rotate the other way (a lane node's backward, out of place, without grad);
+    disjoint: the caller knows q and k share no element (flashtx.nn's head ranges of one projection), so an
+    in-place call skips the overlap test (a search over the strides, ~10 us for slices of one tensor)."""
     if not LANE or not _lanes.eager():
         return None
     if type(q) is not _TENSOR or (k is not None and type(k) is not _TENSOR) or type(cos) is not _TENSOR or \
@@ -159,7 +162,7 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjug
         qo, ko = torch.empty_like(q), torch.empty_like(k)
         lane.fire(q, qo, k, ko, cos, sin)
         return qo, ko
-    if k is not None and views_overlap(q, k):
+    if k is not None and not disjoint and views_overlap(q, k):
         return None  # refused (inplace=True) or rotated out of place (None) by the general path
     lane.fire(q, q, k, k, cos, sin)
     _INC_VERSION(q)  # as flashtx._library.call does for the in-place op

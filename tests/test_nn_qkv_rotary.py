@@ -6,9 +6,16 @@ import pytest
 import torch
 from conftest import PRECISE_DTYPE, randn
 
-from flashtx.nn import MultiheadAttention, RotaryEmbedding
+from flashtx.nn import MultiheadAttention, RotaryEmbedding, _qkv_rotary
 
 E = 64
+
+
+@pytest.fixture(autouse=True)
+def small_projections(monkeypatch):
+    """The in-place node for the tests' small projections (it starts at _qkv_rotary.MIN_NUMEL elements): the branch a
+    GPU takes at training sizes, on interpreter-sized inputs."""
+    monkeypatch.setattr(_qkv_rotary, "MIN_NUMEL", 0)
 
 
 def _layer(heads, kv_heads, rotary, bias, dtype):
@@ -101,3 +108,10 @@ def test_no_grad_calls_rotate_as_before_and_frozen_inputs_still_take_the_node():
     torch.testing.assert_close(out.detach(), want, atol=0, rtol=0)
     _, names = _saved_bytes(m, randn(2, 5, E))  # nothing requires grad but the parameters: still training
     assert any("RotateQK" in n for n in names)
+
+
+def test_small_projections_rotate_out_of_place(monkeypatch):
+    monkeypatch.setattr(_qkv_rotary, "MIN_NUMEL", 10**9)
+    m = _layer(4, 2, RotaryEmbedding(16), True, torch.float32)
+    _, names = _saved_bytes(m, randn(2, 5, E, requires_grad=True))
+    assert not any("RotateQK" in n for n in names)

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _lanes
+from .. import _lanes, _rotary_lane
+from .._library import _C_APPLY, _unwrap_if_dead
 from ..rotary import apply_rotary_qk
 
 
@@ -32,10 +33,18 @@ def projection_base(proj: Tensor) -> Tensor | None:
     return base
 
 
+# Projections below this many elements rotate out of place: the node's Python (~50 us more per forward + backward,
+# measured on CPU with the launches stubbed) costs more than the memory it saves is worth where a step waits on the
+# host; the packed forms' threshold (flashtx._packing.MIN_NUMEL), for the same reason.
+MIN_NUMEL = 1 << 20
+
+
 def eligible(proj: Tensor) -> bool:
     """Whether a training call rotates the projection in place: autograd records it, nothing traces or intercepts
-    it (Dynamo sees the out-of-place form), and the projection is its own (B * S, N) tensor or a view of one."""
-    return torch.is_grad_enabled() and proj.requires_grad and _lanes.eager() and projection_base(proj) is not None
+    it (Dynamo sees the out-of-place form), the projection has MIN_NUMEL elements or more, and it is its own
+    (B * S, N) tensor or a view of one."""
+    return proj.numel() >= MIN_NUMEL and torch.is_grad_enabled() and proj.requires_grad and _lanes.eager() \
+        and projection_base(proj) is not None
 
 
 class RotateQK(torch.autograd.Function):
@@ -66,8 +75,9 @@ def _rotate(t: Tensor, shape: tuple, heads: tuple, cos: Tensor, sin: Tensor, int
     """Rotate the q and k heads of t's (B, S, Hq + 2 Hkv, D) view in place, positions 0 .. S - 1."""
     hq, hkv = heads
     qkv = t.view(shape)
-    apply_rotary_qk(qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], cos, sin, interleaved=interleaved, inplace=True,
-                    backend=backend)
+    q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv]  # disjoint head ranges: the lane skips its overlap search
+    if _rotary_lane.rotate(q, k, cos, sin, 0, interleaved, "bshd", True, backend, disjoint=True) is None:
+        apply_rotary_qk(q, k, cos, sin, interleaved=interleaved, inplace=True, backend=backend)
 
 
 def rotate_qk_(proj: Tensor, shape: tuple, heads: tuple, cos: Tensor, sin: Tensor, interleaved: bool,
@@ -75,4 +85,7 @@ def rotate_qk_(proj: Tensor, shape: tuple, heads: tuple, cos: Tensor, sin: Tenso
     """proj (B, S, N) with the q and k heads of its (B, S, Hq + 2 Hkv, D) view `shape` rotated in place, recorded by
     autograd (RotateQK); for an `eligible` proj. Returns the rotated projection as a (B, S, N) view."""
     base = projection_base(proj)
-    return RotateQK.apply(base, shape, heads, cos, sin, interleaved, backend).view(proj.shape)
+    return _apply(base, shape, heads, cos, sin, interleaved, backend).view(proj.shape)
+
+
+_apply = _C_APPLY.__get__(None, RotateQK) if _C_APPLY is not None and _unwrap_if_dead else RotateQK.apply
