@@ -115,7 +115,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_cache, v_cache: (B_cache, S_cache, Hkv, D|Dv) contiguous caches, or with block_table
             paged pools (num_pages, page_size, Hkv, D|Dv), page_size a multiple of 16. q's dtype
             and device; any strides (e.g. (B, Hkv, S, D) buffers viewed as (B, S, Hkv, D)).
-            Hq must be a multiple of Hkv (GQA/MQA; K/V are never expanded).
+            Hq must be a multiple of Hkv (GQA/MQA; K/V are never expanded). Under torch.compile,
+            pass the caches themselves, not views (a transpose, one layer of a stacked cache): a
+            mutated view of a graph input is cloned and copied back whole on every call.
         k, v: optional (B, Snew, Hkv, D|Dv) new keys/values, written in place into the cache at
             positions cache_seqlens[b] .. cache_seqlens[b] + Snew - 1 before attending.
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) tables (rotary_dim <= D, read
