@@ -22,8 +22,9 @@ from ..rotary import apply_rotary_qk
 
 
 def projection_base(proj: Tensor) -> Tensor | None:
-    """The (B * S, N) tensor whose contiguous view proj (B, S, N) is, or proj viewed so where it is not a view; None
-    where the in-place node cannot take it (a non-contiguous output, a view of anything else, a subclass)."""
+    """The tensor the in-place node rotates for proj (B, S, N): proj's base when proj is a contiguous view of all of
+    it (a Linear with bias: its (B * S, N) addmm result), proj itself when it is no view (a Linear without bias);
+    None where the node cannot take it (a non-contiguous output, a view of part of a tensor, a subclass)."""
     if type(proj) is not Tensor or not proj.is_contiguous():
         return None
     base = proj._base if proj._is_view() else proj
@@ -48,7 +49,8 @@ def eligible(proj: Tensor) -> bool:
 
 
 class RotateQK(torch.autograd.Function):
-    """base (B * S, N) -> base with its q and k heads (of the (B, S, Hq + 2 Hkv, D) view) rotated in place."""
+    """base (projection_base's) -> base with its q and k heads (of its (B, S, Hq + 2 Hkv, D) view) rotated in
+    place."""
 
     @staticmethod
     def forward(ctx, base, shape, heads, cos, sin, interleaved, backend):
