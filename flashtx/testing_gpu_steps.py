@@ -66,8 +66,9 @@ def _graph_cases() -> dict:
     }
 
 
-def graphs(dynamic, case: str) -> dict:
-    """The forward graphs a compiled step of `case` makes over its argument sets (each a list of its kernels)."""
+def _forward_graphs(fn, arg_sets, dynamic=None) -> tuple[list, list]:
+    """Run fn compiled (fullgraph, forward graphs only, nothing executed) over arg_sets without grad: per compiled
+    graph, its kernels and its count of device-side asserts."""
     import torch
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
@@ -75,20 +76,26 @@ def graphs(dynamic, case: str) -> dict:
 
     from .testing_gpu_trace import _kernel_name, _standin
 
-    fn, arg_sets = _graph_cases()[case]
-    seen = []
+    kernels, asserts = [], []
 
     def compiler(gm, example_inputs):
-        seen.append([_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
-                     for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)])
+        kernels.append([_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
+                        for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)])
+        asserts.append(sum("_assert_async" in str(n.target) for n in gm.graph.nodes))
         return _standin(gm)
 
     torch._dynamo.reset()
     step = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=aot_autograd(fw_compiler=compiler))
-    with torch.no_grad():
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
         for args in arg_sets:
             step(*args)
-    return {"graphs": seen}
+    return kernels, asserts
+
+
+def graphs(dynamic, case: str) -> dict:
+    """The forward graphs a compiled step of `case` makes over its argument sets (each a list of its kernels)."""
+    fn, arg_sets = _graph_cases()[case]
+    return {"graphs": _forward_graphs(fn, arg_sets, dynamic)[0]}
 
 
 def _trace_cases() -> dict:
@@ -125,25 +132,8 @@ def _trace_cases() -> dict:
 def traces(case: str) -> dict:
     """The kernels of the forward graph of `case` under fullgraph (an error is reported by the caller), and how many
     device-side asserts it holds."""
-    import torch
-    import torch._dynamo
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-
-    from .testing_gpu_trace import _kernel_name, _standin
-
     fn, args = _trace_cases()[case]
-    kernels, asserts = [], []
-
-    def compiler(gm, example_inputs):
-        kernels.append([_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
-                        for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)])
-        asserts.append(sum("_assert_async" in str(n.target) for n in gm.graph.nodes))
-        return _standin(gm)
-
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
-        torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=compiler))(*args)
+    kernels, asserts = _forward_graphs(fn, [args])
     return {"kernels": kernels, "asserts": asserts}
 
 
