@@ -7,7 +7,7 @@ import numbers
 import torch
 
 from . import _lanes
-from .triton_kernels.limits import INT32_MAX, MAX_SEQ
+from .triton_kernels.limits import INT32_MAX, MAX_SEQ, undecided
 
 ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ALLOWED = "float16, bfloat16, float32 (float64 for tests)"
@@ -440,21 +440,13 @@ def check_max_seqlen(name: str, m, device: torch.device):
         if m.device != device and m.device.type != "cpu":
             raise ValueError(f"{name} must be on the inputs' device {device} (or the CPU); got {m.device}")
         return m
-    if torch.compiler.is_compiling() and isinstance(m, numbers.Integral) and _undecided(m < 0):
+    if torch.compiler.is_compiling() and isinstance(m, numbers.Integral) and undecided(m < 0):
         # traced from a value read on the device (unpad_input's max_seqlen under torch.compile): the host cannot
         # compare it, so it bounds as a 0-dim tensor does (checked on the device, the grid spans the total)
         return torch.scalar_tensor(m, dtype=torch.int64, device=device)
     if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
         raise ValueError(f"{name} must be an int >= 0 or a 0-dim integer tensor; got {m!r}")
     return int(m)
-
-
-def _undecided(cond) -> bool:
-    """Whether a traced condition cannot be decided on the host (it depends on a value read on the device, an
-    unbacked SymInt), without guarding on it."""
-    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true  # (sympy: only when tracing)
-
-    return guard_or_false(cond) != guard_or_true(cond)
 
 
 _FLOAT_MASK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -34,6 +34,7 @@ from torch import Tensor
 from . import _dispatch, _rotary_lane
 from ._library import call
 from ._rotary_op import ROTARY_BACKENDS, RotaryInputs, rotary_inplace_op, rotary_op, rotary_qk_op  # noqa: F401
+from .triton_kernels.limits import surely, undecided
 from ._validate import (_values_readable, check_cu_seqlens_values, check_flag, check_tensor, grad_leaf,
                         has_internal_overlap, is_flag, views_overlap)
 
@@ -183,8 +184,10 @@ def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_
         _check_index_tensor("cu_seqlens", cu_seqlens, lambda s: len(s) == 1 and s[0] >= 1, "(nseq + 1,)", device)
         cu_seqlens = cu_seqlens.contiguous()  # the kernel indexes it flat
         nb = cu_seqlens.numel() - 1
-        if max_seqlen is None and torch.compiler.is_compiling():  # no value to read: the total bounds the grid
-            max_seqlen = S  # (as flash_attn_varlen_func's tensor max_seqlen)
+        if torch.compiler.is_compiling() and (max_seqlen is None or isinstance(max_seqlen, numbers.Integral)
+                                               and undecided(max_seqlen < 0)):
+            max_seqlen = S  # no value to read (or one read on the device): the total bounds the grid (as
+            # flash_attn_varlen_func's tensor max_seqlen)
         elif max_seqlen is None:  # one device sync; pass max_seqlen to avoid it
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if nb > 0 else 0
         max_seqlen = _check_int("max_seqlen", max_seqlen)
@@ -262,7 +265,8 @@ def _prepare(name: str, x, k, cos, sin, seqlen_offsets, position_ids, cu_seqlens
             raise ValueError(f"q {tuple(x.shape)} and k {tuple(k.shape)} must differ only in the number of heads "
                              f"(layout {layout!r})")
     nb = cu_seqlens.numel() - 1 if varlen and isinstance(cu_seqlens, torch.Tensor) else B
-    empty = x.numel() == 0 and (k is None or k.numel() == 0)  # e.g. S = 0: empty outputs, no position read
+    # e.g. S = 0: empty outputs, no position read
+    empty = surely(x.numel() == 0) and (k is None or surely(k.numel() == 0))
     _check_tables(cos, sin, x, D, nb, name, empty)
     index, offset, max_seqlen = _positions(B, S, x.device, cos, seqlen_offsets, position_ids, cu_seqlens,
                                            max_seqlen, empty)

@@ -11,7 +11,8 @@ Found by an audit (2026-12-04): an int RoPE offset and the decode check's int() 
 decoding step (dynamic=True too), the split-KV heuristic one per batch size, position_ids' error messages pinned
 the sequence length, flashtx.nn's KVCache (then (B, Hkv, L, D) buffers passed as transposed views) was cloned and
 copied back whole every compiled step, and in-place q/k RoPE, nn.RotaryEmbedding with position_ids, varlen RoPE
-without max_seqlen and a max_seqlen read with .item() failed under fullgraph.
+without max_seqlen and a max_seqlen read with .item() failed under fullgraph; on 2026-12-05 so did unpad_input's
+packed batch (its total read on the device: the launchers' empty-input early outs guarded on it).
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def _forward_graphs(fn, arg_sets, dynamic=None) -> tuple[list, list]:
 
     torch._dynamo.reset()
     step = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=aot_autograd(fw_compiler=compiler))
-    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True), \
+            torch.no_grad():
         for args in arg_sets:
             step(*args)
     return kernels, asserts
@@ -117,6 +119,15 @@ def _trace_cases() -> dict:
         mx = int((cu[1:] - cu[:-1]).max().item())
         return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=True)
 
+    def unpad_train(x, key_mask, w):  # flash-attn's padded-batch recipe: unpad, packed attention + RoPE, pad back
+        B, S, E = x.shape
+        h, idx, cu_b, mx, _ = flashtx.unpad_input(x, key_mask)  # h (total, E): total read on the device (unbacked)
+        q = (h @ w).view(-1, 4, E // 4)  # (total, H, D)
+        q = flashtx.apply_rotary(q, cos, cos, cu_seqlens=cu_b, max_seqlen=mx)
+        o = flashtx.flash_attn_varlen_func(q, q, q, cu_b, cu_b, mx, mx, causal=True)
+        return flashtx.pad_input(o.reshape(-1, E), idx, B, S).float().sum()
+
+    key_mask = torch.arange(64).expand(2, 64) < torch.tensor([[64], [40]])  # (B, S) True = real token
     return {
         "rope-qk-inplace": (qk_inplace, [_h(2, 16, 8, 32)]),
         "rope-module-position-ids": (lambda q, k, p: rot(q, k, position_ids=p),
@@ -126,6 +137,7 @@ def _trace_cases() -> dict:
         "rope-varlen-no-max-seqlen": (lambda x, cu: flashtx.apply_rotary(x, cos, cos, cu_seqlens=cu),
                                       [_h(64, 4, 32), cu]),
         "varlen-max-seqlen-item": (varlen_item, [_h(64, 4, 64), _h(64, 4, 64), _h(64, 4, 64), cu]),
+        "unpad-varlen-pad-train": (unpad_train, [_h(2, 64, 128, grad=True), key_mask, _h(128, 128, grad=True)]),
     }
 
 
@@ -133,6 +145,12 @@ def traces(case: str) -> dict:
     """The kernels of the forward graph of `case` under fullgraph (an error is reported by the caller), and how many
     device-side asserts it holds."""
     fn, args = _trace_cases()[case]
+    if case.endswith("-train"):  # forward and backward graphs
+        import torch._dynamo
+
+        from .testing_gpu_trace import _capture
+        with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+            return {"kernels": _capture(fn, args, backward=True)["kernels"]}
     kernels, asserts = _forward_graphs(fn, [args])
     return {"kernels": kernels, "asserts": asserts}
 

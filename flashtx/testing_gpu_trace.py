@@ -68,7 +68,7 @@ def _standin(gm):
     outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
 
     def concrete(sizes):
-        return [int(s.node.hint) if isinstance(s, torch.SymInt) else s for s in sizes]
+        return [_hint(s) if isinstance(s, torch.SymInt) else s for s in sizes]
 
     def standin(*a):
         res = []
@@ -80,6 +80,20 @@ def _standin(gm):
                 res.append(concrete([val])[0] if isinstance(val, (int, torch.SymInt)) else None)
         return res
     return make_boxed_func(standin)
+
+
+def _hint(s) -> int:
+    """A traced size's value at the example inputs; one read on the device (unbacked: no value when tracing) takes
+    64 per unknown (nothing runs: only shapes flow between the stand-ins)."""
+    if s.node.hint is not None:
+        return int(s.node.hint)
+    e = s.node.expr
+    return int(e.xreplace({x: _known_values(s).get(x, 64) for x in e.free_symbols}))
+
+
+def _known_values(s) -> dict:
+    env = s.node.shape_env  # backed symbols' values at the example inputs (var_to_val before torch 2.12)
+    return env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
 
 
 def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:

@@ -9,7 +9,7 @@ from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
-from .limits import INT32_MAX, LimitExceeded, bhsd, check_limits, check_spans
+from .limits import INT32_MAX, LimitExceeded, bhsd, check_limits, check_spans, surely
 
 
 class GqaReduce:
@@ -186,7 +186,7 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
     gqa_split: one program per q head for dK/dV (see _attn_bwd_dkdv); None decides from the grid size.
     """
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    if q.numel() == 0 or k.numel() == 0:
+    if surely(q.numel() == 0) or surely(k.numel() == 0):
         if dbias is not None:
             dbias.zero_()
         return dq.zero_(), dk.zero_(), dv.zero_()

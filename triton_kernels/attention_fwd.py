@@ -17,7 +17,7 @@ from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_
 from .configs import estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
-from .limits import bhsd, check_limits, check_spans
+from .limits import bhsd, check_limits, check_spans, surely
 
 
 @triton.jit
@@ -250,9 +250,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, bottom_rig
         out = torch.empty(shape, dtype=q.dtype, device=q.device)
     acc, dev = TORCH_ACC_DTYPE[q.dtype], q.device
     m2, l2 = torch.empty(B, H, Sq, dtype=acc, device=dev), torch.empty(B, H, Sq, dtype=acc, device=dev)
-    if out.numel() == 0:
+    if surely(out.numel() == 0):
         return out, m2, l2
-    if Sk == 0:  # no keys: every row sees none, so 0 output and lse -inf (as fully masked rows; SDPA too)
+    if surely(Sk == 0):  # no keys: every row sees none, so 0 output and lse -inf (as fully masked rows; SDPA too)
         return out.zero_(), m2.fill_(float("-inf")), l2.zero_()
     LAUNCHES.run(*_cache_args(q, k, v, out, m2, l2, scale, causal, bottom_right, spec, bshd))
     return out, m2, l2

@@ -18,6 +18,44 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z, where the kernels put 
 MAX_SEQ = 2**29
 
 
+def surely(cond) -> bool:
+    """cond as a bool: itself, or a traced condition's value where the trace can decide it (guarding on it, as
+    `if cond` does); False where it depends on a size read on the device (an unbacked SymInt of unpad_input's
+    total under torch.compile), which `if cond` cannot trace. For early outs (an empty output) whose other
+    branch also serves the case (a launch over an empty grid does nothing)."""
+    if not _traced(cond):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import guard_or_false  # (sympy: only when tracing)
+    return guard_or_false(cond)
+
+
+def undecided(cond) -> bool:
+    """Whether a traced condition cannot be decided on the host (it depends on a value read on the device, an
+    unbacked SymInt), without guarding on it."""
+    if not _traced(cond):
+        return False
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true  # (sympy: only when tracing)
+
+    return guard_or_false(cond) != guard_or_true(cond)
+
+
+def unbacked(n) -> bool:
+    """Whether n is a traced size that depends on a value read on the device (an unbacked SymInt), in an op's traced
+    implementation (not under Dynamo, which shows SymInts as ints)."""
+    import torch
+    if not isinstance(n, torch.SymInt):
+        return False
+    from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols  # (sympy: only when tracing)
+    return has_free_unbacked_symbols(n)
+
+
+def _traced(cond) -> bool:
+    """Whether cond may be symbolic: Dynamo is tracing (it shows a SymBool as a bool, and guards on isinstance), or
+    cond is a SymBool (a traced op implementation's)."""
+    import torch
+    return torch.compiler.is_compiling() or isinstance(cond, torch.SymBool)
+
+
 class LimitExceeded(RuntimeError):
     """The inputs exceed a shape limit of the Triton attention kernels (see within_limits)."""
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .configs import Target, rotary_config
 from .launch import ACC_DTYPE, LAUNCHES, Launch, pow2_bucket, target_for
-from .limits import INT32_MAX, MAX_GRID_YZ
+from .limits import INT32_MAX, MAX_GRID_YZ, surely, unbacked
 
 MIN_BLOCK = 2  # smallest tl.arange width used for the pair and pass-through column blocks
 
@@ -215,6 +215,8 @@ def _static(key: tuple, seq) -> _Static:
         if cached:
             _STATIC[key] = st
     cap = max(st.block_sq, st.block_sk)
+    if unbacked(seq):  # a bound read on the device (traced): the full tiles serve any length
+        return st
     b = pow2_bucket(seq, cap)
     if b == cap:
         return st
@@ -270,7 +272,7 @@ def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max
     # rows per sequence the grid covers: max_seqlen is an upper bound, clamped to the total (no sequence is
     # longer), so a loose one (10**9) cannot grow the grid past the data (or CUDA's grid limit)
     seq = min(max_seqlen, S) if varlen else S
-    if nb <= 0 or seq <= 0 or hq + hk == 0 or D == 0:
+    if nb <= 0 or surely(seq <= 0) or hq + hk == 0 or D == 0:
         return None
     if nb > MAX_GRID_YZ:  # grid axis 1 (CUDA's y); a host check, so the interpreter refuses what a GPU would
         raise ValueError(f"rotary: {nb} {'sequences' if varlen else 'batch entries'} exceed CUDA's grid limit of "
