@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch, reference
-from ._lanes import no_saved_tensor_hooks
+from ._lanes import eager, no_saved_tensor_hooks
 from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .backends import triton_device_reasons
@@ -164,8 +164,11 @@ def _backward(ctx, dout):
     gate, up = ctx.saved_tensors
     inplace_backward, backend = ctx.args
     # create_graph=True: the out-of-place op, whose gradients refuse a double backward clearly (the
-    # overwritten inputs would carry the forward's autograd history: wrong second derivatives)
-    if inplace_backward and not torch.is_grad_enabled():
+    # overwritten inputs would carry the forward's autograd history: wrong second derivatives). Traced (a
+    # compiled backward) too: the saved inputs are the backward graph's inputs, which it may not mutate, so
+    # Inductor would copy them for the in-place op to write (more traffic than the out-of-place op, and no
+    # memory saved)
+    if inplace_backward and not torch.is_grad_enabled() and eager():
         call(swiglu_bwd_inplace_op, dout, gate, up, backend)
         return gate, up, None, None
     dg, du = call(swiglu_bwd_op, dout, gate, up, backend)
@@ -217,7 +220,7 @@ def _backward_packed(ctx, dout):
         return None, None, None
     (x,) = ctx.saved_tensors
     inplace_backward, backend = ctx.args
-    if inplace_backward and not torch.is_grad_enabled():  # create_graph=True: out of place (see _backward)
+    if inplace_backward and not torch.is_grad_enabled() and eager():  # else out of place (see _backward)
         call(swiglu_packed_bwd_inplace_op, dout, x, backend)
         return x, None, None
     return call(swiglu_packed_bwd_op, dout, x, backend), None, None

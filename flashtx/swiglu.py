@@ -102,7 +102,8 @@ def swiglu_packed(x, *, inplace_backward=False, backend=None):
             float16, bfloat16, float32 (float64 for tests); any strides.
         inplace_backward: write dx = [dgate | dup] over x in backward and return x's buffer as
             its gradient (opt-in; x then holds its gradient, not its value; not for a leaf that
-            requires grad, or a view of one). Out of place under
+            requires grad, or a view of one). Out of place under torch.compile (a compiled
+            backward may not write its saved inputs: Inductor would copy x for it) and under
             saved-tensor hooks (non-reentrant activation checkpointing, offloading), as swiglu.
         backend: None (automatic), "triton" or "reference".
 

@@ -6,13 +6,16 @@ configs and TTIR target); nothing runs.
     python -m flashtx.testing_gpu_steps --graphs     # graphs compiled over changing arguments, per case and mode
     python -m flashtx.testing_gpu_steps --traces     # value-reading calls under fullgraph: error or kernels
     python -m flashtx.testing_gpu_steps --reinplace  # per kernel, the arguments Inductor still clones per call
+    python -m flashtx.testing_gpu_steps --train-clones  # the same for training steps, forward and backward
 
 Found by an audit (2026-12-04): an int RoPE offset and the decode check's int() of sizes compiled a graph per
 decoding step (dynamic=True too), the split-KV heuristic one per batch size, position_ids' error messages pinned
 the sequence length, flashtx.nn's KVCache (then (B, Hkv, L, D) buffers passed as transposed views) was cloned and
 copied back whole every compiled step, and in-place q/k RoPE, nn.RotaryEmbedding with position_ids, varlen RoPE
 without max_seqlen and a max_seqlen read with .item() failed under fullgraph; on 2026-12-05 so did unpad_input's
-packed batch (its total read on the device: the launchers' empty-input early outs guarded on it).
+packed batch (its total read on the device: the launchers' empty-input early outs guarded on it), and a compiled
+backward of packed SwiGLU with inplace_backward (flashtx.nn's default) had Inductor clone the saved projection output
+for the in-place kernel to write.
 """
 from __future__ import annotations
 
@@ -199,6 +202,52 @@ def reinplace(case: str) -> dict:
     return {"cloned": {k: sorted(set(v)) for k, v in seen.items()}}
 
 
+def _train_cases() -> dict:
+    """name -> (step, arguments): a training step (forward, a loss, backward) through flashtx.nn modules."""
+    import torch
+
+    from flashtx.nn import RotaryEmbedding, SwiGLU, TransformerBlock
+
+    torch.manual_seed(0)
+    block = TransformerBlock(128, 4, 2, hidden_dim=192, rotary=RotaryEmbedding(32)).to(torch.float16)
+    for m in block.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.cos_sin(64)  # the tables, built before the stand-ins (nothing runs then)
+    split = SwiGLU(128, 192, packed=False).to(torch.float16)
+    x = _h(2, 64, 128, grad=True)
+    return {"nn-block-train": (lambda x: block(x).float().sum(), (x,)),  # packed SwiGLU (w13), RoPE, attention
+            "nn-swiglu-split-train": (lambda x: split(x).float().sum(), (x,))}
+
+
+def train_clones(case: str) -> dict:
+    """Per graph of `case`'s compiled training step (forward, then backward): its kernels, each with the arguments
+    Inductor's reinplacing pass still clones (a copy per step; a backward that writes over its saved inputs has
+    them cloned, since a graph may not mutate them)."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+    from torch._inductor.fx_utils import FakeTensorUpdater
+
+    from .testing_gpu_trace import _kernel_name, _standin
+
+    graphs = []
+
+    def compiler(gm, example_inputs):
+        reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)  # as Inductor's post-grad passes run it
+        graphs.append([[_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"])),
+                        sorted(n.kwargs.get("tensors_to_clone", ()))] for n in gm.graph.nodes
+                       if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional])
+        return _standin(gm)
+
+    step, args = _train_cases()[case]
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler))(
+        *args).backward()
+    return {"graphs": graphs}
+
+
 def main(argv: list[str]) -> int:
     import flashtx  # noqa: F401  (imports the kernels before the stand-ins patch their modules)
     import flashtx.triton_kernels.attention_bwd  # noqa: F401
@@ -210,8 +259,9 @@ def main(argv: list[str]) -> int:
     if "--graphs" in argv:
         out = _per_mode(graphs, list(_graph_cases()))
     else:
-        names = list(_trace_cases()) if "--traces" in argv else ["nn-decode", "nn-paged-decode"]
-        study = traces if "--traces" in argv else reinplace
+        names, study = ((list(_trace_cases()), traces) if "--traces" in argv else
+                        (list(_train_cases()), train_clones) if "--train-clones" in argv else
+                        (["nn-decode", "nn-paged-decode"], reinplace))
         out = {}
         for name in names:
             try:

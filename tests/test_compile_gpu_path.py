@@ -208,3 +208,21 @@ def test_compiled_nn_decoding_writes_the_caches_in_place():
         out = res[case]
         assert "error" not in out, (case, out.get("error"))
         assert "_kv_append" in out["cloned"] and not any(out["cloned"].values()), (case, out["cloned"])
+
+
+def test_compiled_training_steps_clone_no_kernel_argument():
+    """A compiled training step through flashtx.nn (a TransformerBlock: RoPE, attention, packed SwiGLU; and a split
+    SwiGLU), forward and backward, after Inductor's reinplacing pass: every kernel writes its own buffers, none is
+    cloned. Until 2026-12-05 packed SwiGLU's in-place backward (flashtx.nn's default) wrote over its saved input,
+    which a compiled backward may not mutate, so Inductor cloned the (tokens, 2H) projection output every step."""
+    res = _steps("--train-clones")
+    want = {"nn-block-train": (["_rotary_kernel", "_attn_fwd", "_swiglu_kernel"],
+                               ["_swiglu_kernel", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
+                                "_rotary_kernel"]),
+            "nn-swiglu-split-train": (["_swiglu_kernel"], ["_swiglu_kernel"])}
+    assert sorted(res) == sorted(want)
+    for case, (fwd, bwd) in want.items():
+        out = res[case]
+        assert "error" not in out, (case, out.get("error"))
+        assert [[name for name, _ in g] for g in out["graphs"]] == [fwd, bwd], (case, out["graphs"])
+        assert not any(cloned for g in out["graphs"] for _, cloned in g), (case, out["graphs"])

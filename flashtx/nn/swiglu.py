@@ -36,7 +36,8 @@ class SwiGLU(nn.Module):
             output (on by default, as in Liger-Kernel's MLP: no buffer is allocated for it). It runs
             out of place by itself wherever something else could read that output: a forward hook
             on the projection (or a global one), saved-tensor hooks (non-reentrant activation
-            checkpointing, offloading) and torch.compile of the separate projections. A second
+            checkpointing, offloading) and torch.compile (a compiled backward may not write its
+            saved inputs: Inductor would copy them for it). A second
             backward through the same graph (retain_graph) raises; pass False for that.
         device, dtype: for the parameters.
 
