@@ -160,7 +160,8 @@ def traces(case: str) -> dict:
 
 def reinplace(case: str) -> dict:
     """Per kernel of `case`'s graph after Inductor's reinplacing pass: the arguments it still clones (a copy of the
-    argument, and of it back into a mutated input, on every call)."""
+    argument, and of it back into a mutated input, on every call); and the graph's inputs it mutates that are not
+    static addresses (CUDA-graph trees, mode="reduce-overhead", skip a graph that mutates any)."""
     import torch
     import torch._dynamo
     import torch._inductor.fx_passes.post_grad as post_grad
@@ -173,10 +174,13 @@ def reinplace(case: str) -> dict:
     class Stop(Exception):
         pass
 
-    seen = {}
+    seen, unstatic = {}, []
     real = post_grad.decompose_triton_kernel_wrapper_functional
 
     def spy(graph):  # the graph right after reinplacing: functional kernel nodes still name their clones
+        meta = torch._guards.TracingContext.get().fw_metadata
+        unstatic.extend(i for i, info in enumerate(meta.input_info)
+                        if info.mutates_data and i not in meta.static_input_indices)
         for n in graph.nodes:
             if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
                 name = _kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
@@ -199,7 +203,7 @@ def reinplace(case: str) -> dict:
             raise
     finally:
         post_grad.decompose_triton_kernel_wrapper_functional = real
-    return {"cloned": {k: sorted(set(v)) for k, v in seen.items()}}
+    return {"cloned": {k: sorted(set(v)) for k, v in seen.items()}, "mutated_not_static": unstatic}
 
 
 def _train_cases() -> dict:

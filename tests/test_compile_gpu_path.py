@@ -202,12 +202,15 @@ def test_value_reading_calls_trace_under_fullgraph():
 def test_compiled_nn_decoding_writes_the_caches_in_place():
     """flashtx.nn's decode step under Inductor: after its reinplacing pass no kernel argument is cloned, so the KV
     caches are appended in place (until 2026-12-04 KVCache's (B, Hkv, L, D) buffers went to the decode op as
-    transposed views, which Inductor cloned and copied back whole on every step)."""
+    transposed views, which Inductor cloned and copied back whole on every step). Every input the step mutates (the
+    K/V buffers, the lengths) is a static address, so mode="reduce-overhead" can capture it in a CUDA graph (until
+    2026-12-05 none was: CUDA-graph trees skip a graph that mutates a non-static input)."""
     res = _steps("--reinplace")
     for case in ("nn-decode", "nn-paged-decode"):
         out = res[case]
         assert "error" not in out, (case, out.get("error"))
         assert "_kv_append" in out["cloned"] and not any(out["cloned"].values()), (case, out["cloned"])
+        assert out["mutated_not_static"] == [], (case, out)
 
 
 def test_compiled_training_steps_clone_no_kernel_argument():

@@ -184,6 +184,37 @@ def test_decode_step_captured_in_cuda_graph(paged):
     assert_close_to_reference("graph-replayed decoding", torch.cat(outs, 1), out_ref, out_e)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_compiled_decode_step_runs_in_cuda_graphs(paged):
+    """torch.compile(mode="reduce-overhead") of a decode step: CUDA-graph trees capture it (no skip: every input it
+    mutates, the caches and their lengths, is a static address) and its replays equal eager decoding. The CPU half:
+    test_compile_gpu_path.py's test_compiled_nn_decoding_writes_the_caches_in_place."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    torch.manual_seed(0)
+    block = TransformerBlock(64, 8, 2, rotary=RotaryEmbedding(8), dtype=torch.float16).cuda().eval()
+    x = torch.randn(4, 12, 64, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        eager = decode(block, x, block.new_cache(4, max_len=64, paged=paged), prompt=4)
+        cache = block.new_cache(4, max_len=64, paged=paged)
+        if paged:
+            cache.self_attn.allocate_all(64)
+        outs = [block(x[:, :4], cache=cache)]
+        torch._dynamo.reset()
+        counters.clear()
+        step = torch.compile(lambda t: block(t, cache=cache), mode="reduce-overhead", fullgraph=True)
+        for t in range(4, 12):
+            outs.append(step(x[:, t:t + 1]).clone())  # (a replay's output is overwritten by the next)
+        out_ref = eager_block(copy.deepcopy(block).double(), x.double())
+        out_e = eager_block(block, x)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False) is not None
+    assert_close_to_reference("eager decoding", eager, out_ref, out_e)
+    assert_close_to_reference("compiled decoding in CUDA graphs", torch.cat(outs, 1), out_ref, out_e)
+
+
 def decode_masked(layer, x, mask, cache, prompt: int, **kw):
     """As decode, passing each call's slice of the key mask."""
     outs = [layer(x[:, :prompt], key_mask=mask[:, :prompt], cache=cache, **kw)]

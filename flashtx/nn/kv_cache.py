@@ -45,6 +45,16 @@ def _check_mask(name: str, m, batch: int, seqlen: int, device) -> Tensor | None:
     return m
 
 
+def _static(t: Tensor) -> Tensor:
+    """t marked as a static address: a compiled step writes the caches' buffers and lengths in place, and CUDA-graph
+    trees (torch.compile(mode="reduce-overhead")) capture a step only when every input it mutates is static (as
+    transformers' StaticCache marks its buffers). Unguarded: another cache's buffers re-record the graph instead of
+    recompiling the step."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t, guard=False)
+    return t
+
+
 def _host_readable() -> bool:
     """Whether tensor values may be read on the host now (not traced, not inside a CUDA-graph capture)."""
     if torch.compiler.is_compiling():
@@ -97,11 +107,11 @@ class KVCache:
         num_kv_heads, head_dim = _check_pos_int("num_kv_heads", num_kv_heads), _check_pos_int("head_dim", head_dim)
         v_head_dim = head_dim if v_head_dim is None else _check_pos_int("v_head_dim", v_head_dim)
         # (B, max_len, Hkv, D) buffers: what the decode op mutates (module docstring)
-        self._k = torch.zeros(batch_size, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self._v = torch.zeros(batch_size, max_len, num_kv_heads, v_head_dim, dtype=dtype, device=device)
-        self.key_mask = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
-        self.length = torch.zeros((), dtype=torch.int64, device=device)
-        self.leftpad = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self._k = _static(torch.zeros(batch_size, max_len, num_kv_heads, head_dim, dtype=dtype, device=device))
+        self._v = _static(torch.zeros(batch_size, max_len, num_kv_heads, v_head_dim, dtype=dtype, device=device))
+        self.key_mask = _static(torch.ones(batch_size, max_len, dtype=torch.bool, device=device))
+        self.length = _static(torch.zeros((), dtype=torch.int64, device=device))
+        self.leftpad = _static(torch.zeros(batch_size, dtype=torch.int32, device=device))
         self.padded = False  # whether a key mask was stored (flash_attn_func then reads key_mask)
         self.holes = False  # whether the stored mask is more than left padding (then only flash_attn_func)
         self._ends: Tensor | None = None  # cross-attention: (B,) int32 end of each memory's real keys
@@ -116,7 +126,7 @@ class KVCache:
 
     @k.setter
     def k(self, value: Tensor) -> None:
-        self._k = value.transpose(1, 2)
+        self._k = _static(value.transpose(1, 2))
 
     @property
     def v(self) -> Tensor:
@@ -125,7 +135,7 @@ class KVCache:
 
     @v.setter
     def v(self, value: Tensor) -> None:
-        self._v = value.transpose(1, 2)
+        self._v = _static(value.transpose(1, 2))
 
     @property
     def batch_size(self) -> int:
@@ -286,11 +296,11 @@ class PagedKVCache:
         max_pages_per_seq = num_pages if max_pages_per_seq is None else _check_pos_int("max_pages_per_seq",
                                                                                        max_pages_per_seq)
         v_head_dim = head_dim if v_head_dim is None else _check_pos_int("v_head_dim", v_head_dim)
-        self.k = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(num_pages, page_size, num_kv_heads, v_head_dim, dtype=dtype, device=device)
-        self.block_table = torch.full((batch_size, max_pages_per_seq), -1, dtype=torch.int32, device=device)
-        self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
-        self.leftpad = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.k = _static(torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device))
+        self.v = _static(torch.zeros(num_pages, page_size, num_kv_heads, v_head_dim, dtype=dtype, device=device))
+        self.block_table = _static(torch.full((batch_size, max_pages_per_seq), -1, dtype=torch.int32, device=device))
+        self.seqlens = _static(torch.zeros(batch_size, dtype=torch.int32, device=device))
+        self.leftpad = _static(torch.zeros(batch_size, dtype=torch.int32, device=device))
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
         self._pages: list[list[int]] = [[] for _ in range(batch_size)]
         self._host_lens: list[int] | None = [0] * batch_size  # mirror of seqlens (None once traced)
