@@ -118,9 +118,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             Hq must be a multiple of Hkv (GQA/MQA; K/V are never expanded). Under torch.compile,
             pass the caches themselves, not views (a transpose, one layer of a stacked cache): a
             mutated view of a graph input is cloned and copied back whole on every call; for
-            mode="reduce-overhead" mark them (and cache_seqlens when k/v append) with
-            torch._dynamo.mark_static_address, as flashtx.nn's caches are: CUDA graphs skip a
-            step that mutates a non-static input.
+            mode="reduce-overhead" mark them with torch._dynamo.mark_static_address, as
+            flashtx.nn's caches are: CUDA graphs skip a step that mutates a non-static input.
         k, v: optional (B, Snew, Hkv, D|Dv) new keys/values, written in place into the cache at
             positions cache_seqlens[b] .. cache_seqlens[b] + Snew - 1 before attending.
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) tables (rotary_dim <= D, read
