@@ -122,13 +122,14 @@ def _trace_cases() -> dict:
         mx = int((cu[1:] - cu[:-1]).max().item())
         return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=True)
 
-    def unpad_train(x, key_mask, w):  # flash-attn's padded-batch recipe: unpad, packed attention + RoPE, pad back
+    def unpad_train(x, key_mask, w):  # flash-attn's padded-batch recipe: unpad, packed RoPE, attention and SwiGLU, pad back
         B, S, E = x.shape
         h, idx, cu_b, mx, _ = flashtx.unpad_input(x, key_mask)  # h (total, E): total read on the device (unbacked)
         q = (h @ w).view(-1, 4, E // 4)  # (total, H, D)
         q = flashtx.apply_rotary(q, cos, cos, cu_seqlens=cu_b, max_seqlen=mx)
         o = flashtx.flash_attn_varlen_func(q, q, q, cu_b, cu_b, mx, mx, causal=True)
-        return flashtx.pad_input(o.reshape(-1, E), idx, B, S).float().sum()
+        h = flashtx.swiglu_packed(o.reshape(-1, E))  # (total, E / 2): an MLP on the packed tokens
+        return flashtx.pad_input(h, idx, B, S).float().sum()
 
     key_mask = torch.arange(64).expand(2, 64) < torch.tensor([[64], [40]])  # (B, S) True = real token
     return {

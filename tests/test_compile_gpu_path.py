@@ -180,16 +180,18 @@ def test_value_reading_calls_trace_under_fullgraph():
     (eager sizes its tables from their max), varlen RoPE without max_seqlen (eager reads it from cu_seqlens) and a
     max_seqlen read with .item() (an unbacked size): each traces in one graph with its kernels; the RoPE module, whose
     tables are not grown there, asserts on the device that the positions fall in them. A training step over
-    unpad_input's packed batch (its total an unbacked size) traces forward and backward: until 2026-12-05 the
-    launchers' empty-input early outs guarded on that total."""
+    unpad_input's packed batch (its total an unbacked size: RoPE, attention and SwiGLU on the packed tokens) traces
+    forward and backward: until 2026-12-05 the launchers' empty-input early outs and row-count tile choices
+    guarded on that total."""
     res = _steps("--traces")
     want = {"rope-qk-inplace": ["_rotary_kernel"], "rope-module-position-ids": ["_rotary_kernel"],
             "rope-module-tensor-offsets": ["_rotary_kernel"],
             "rope-varlen-no-max-seqlen": ["_cu_seqlens_check", "_rotary_kernel"],
             "varlen-max-seqlen-item": ["_cu_seqlens_check", "_attn_fwd"],
-            "unpad-varlen-pad-train": (["_cu_seqlens_check", "_rotary_kernel", "_cu_seqlens_check", "_attn_fwd"],
-                                       ["_cu_seqlens_check", "_cu_seqlens_check", "_attn_bwd_preprocess",
-                                        "_attn_bwd_dkdv", "_attn_bwd_dq", "_rotary_kernel"])}
+            "unpad-varlen-pad-train": (["_cu_seqlens_check", "_rotary_kernel", "_cu_seqlens_check", "_attn_fwd",
+                                        "_swiglu_kernel"],
+                                       ["_cu_seqlens_check", "_cu_seqlens_check", "_swiglu_kernel",
+                                        "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq", "_rotary_kernel"])}
     assert sorted(res) == sorted(want)
     for case, kernels in want.items():
         assert "error" not in res[case], (case, res[case].get("error"))

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .configs import INTERPRETER_TARGET, Target, TileConfig, cuda_target, interpreter_active
 from .precision import TORCH_ACC_DTYPE, dot_precision  # noqa: F401 (the launchers import them from here)
+from .limits import unbacked
 
 # Accumulator dtype per input dtype: fp32 for the half types and fp32, fp64 for fp64 (tests).
 ACC_DTYPE = {
@@ -459,7 +460,7 @@ def pow2_bucket(n, cap: int) -> int:
     """min(cap, the next power of two >= max(n, 1)) for a power of two `cap`, by comparisons only: a
     SymInt n (torch.compile, dynamic shapes) gets range guards, not int() specialisation. Launchers
     use it to key per-row-count tile shrinking (decoding, tiny batches) without a key per length."""
-    if cap <= 1 or n > cap // 2:
+    if cap <= 1 or unbacked(n) or n > cap // 2:  # (a count read on the device, unpad_input's total: not comparable)
         return cap
     b = cap // 2
     while b > 1 and n <= b // 2:

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .configs import Target, rotary_config
 from .launch import ACC_DTYPE, LAUNCHES, Launch, pow2_bucket, target_for
-from .limits import INT32_MAX, MAX_GRID_YZ, surely, unbacked
+from .limits import INT32_MAX, MAX_GRID_YZ, surely
 
 MIN_BLOCK = 2  # smallest tl.arange width used for the pair and pass-through column blocks
 
@@ -215,8 +215,6 @@ def _static(key: tuple, seq) -> _Static:
         if cached:
             _STATIC[key] = st
     cap = max(st.block_sq, st.block_sk)
-    if unbacked(seq):  # a bound read on the device (traced): the full tiles serve any length
-        return st
     b = pow2_bucket(seq, cap)
     if b == cap:
         return st

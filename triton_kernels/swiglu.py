@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .configs import Target, swiglu_config
 from .launch import ACC_DTYPE, LAUNCHES, Launch, pow2_bucket, target_for
-from .limits import INT32_MAX
+from .limits import INT32_MAX, surely
 
 
 
@@ -203,7 +203,7 @@ def _packed_cache_args(do, x, dx) -> tuple:
 
 def swiglu_backward_packed(do, x, dx) -> None:
     """dx = [dgate | dup] for x = [gate | up] (M, 2H) (dx may be x) and do (M, H); nothing for empty inputs."""
-    if do.numel():
+    if not surely(do.numel() == 0):  # (a traced count read on the device: launched, over an empty grid if 0)
         LAUNCHES.run(*_packed_cache_args(do, x, dx))
 
 
@@ -214,13 +214,13 @@ def swiglu_packed_entry(do, x, dx):
 
 def swiglu_forward(g, u, out) -> None:
     """out = silu(g) * u on (M, H) views; launches nothing for empty inputs."""
-    if g.numel():
+    if not surely(g.numel() == 0):
         _launch(g, u, out, None, None)
 
 
 def swiglu_backward(do, g, u, dg, du) -> None:
     """dg, du = gradients of silu(g) * u for the incoming do, all (M, H) views (dg/du may be g/u)."""
-    if g.numel():
+    if not surely(g.numel() == 0):
         _launch(g, u, dg, do, du)
 
 
