@@ -122,7 +122,7 @@ def _trace_cases() -> dict:
         mx = int((cu[1:] - cu[:-1]).max().item())
         return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=True)
 
-    def unpad_train(x, key_mask, w):  # flash-attn's padded-batch recipe: unpad, packed RoPE, attention and SwiGLU, pad back
+    def unpad_train(x, key_mask, w):  # flash-attn's padded-batch recipe: unpad; RoPE, attention, SwiGLU; pad back
         B, S, E = x.shape
         h, idx, cu_b, mx, _ = flashtx.unpad_input(x, key_mask)  # h (total, E): total read on the device (unbacked)
         q = (h @ w).view(-1, 4, E // 4)  # (total, H, D)
