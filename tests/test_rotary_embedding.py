@@ -334,3 +334,21 @@ def test_partial_rotary_factor_is_refused_by_name(kind):
     rope = RotaryEmbedding(8, max_seq_len=16, scaling={**params, "partial_rotary_factor": 1.0})  # as advised
     assert torch.equal(rope.cos_sin(4)[0], RotaryEmbedding(8, max_seq_len=16, scaling={
         k: v for k, v in params.items() if k != "partial_rotary_factor"}).cos_sin(4)[0])
+
+
+def test_tables_are_built_at_construction_and_follow_the_module():
+    """The max_seq_len tables exist once the module does (a compiled first call reads them instead of building them
+    in its graph, which compiled the step again on the next call); module casts keep them float32; a module built
+    on the meta device and materialised (to_empty) gets real tables, equal to a fresh module's."""
+    fresh = RotaryEmbedding(16, max_seq_len=40, scaling={"type": "linear", "factor": 2.0})
+    key, length, cos, sin, _ = fresh._cache
+    assert key == ("plain",) and length == 40 and cos.dtype == sin.dtype == torch.float32
+    torch.testing.assert_close(cos, plain_tables(fresh._inv_freq32, torch.arange(40) / 2.0)[0], rtol=0, atol=0)
+    fresh.half()
+    assert fresh._cache[2] is cos and fresh._cache[2].dtype == torch.float32  # a dtype cast leaves them alone
+    with torch.device("meta"):
+        lazy = RotaryEmbedding(16, max_seq_len=40, scaling={"type": "linear", "factor": 2.0})
+    assert lazy._cache is None  # no values on the meta device
+    lazy.to_empty(device="cpu")
+    assert lazy._cache[2].device.type == "cpu"
+    torch.testing.assert_close(lazy.cos_sin(40), fresh.cos_sin(40), rtol=0, atol=0)

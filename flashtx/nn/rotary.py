@@ -108,7 +108,8 @@ class RotaryEmbedding(nn.Module):
             rotary (the remaining columns pass through).
         base: theta base; inv_freq = base ** (-arange(0, dim, 2) / dim), kept as an fp32 buffer.
             Default: scaling's "rope_theta" when it has one (transformers 5's rope_parameters), else 10000.
-        max_seq_len: initial table length; tables grow on demand beyond it. For dynamic NTK it is
+        max_seq_len: initial table length (built with the module, on its device, except the meta
+            device: then when it is materialised); tables grow on demand beyond it. For dynamic NTK it is
             also the original context length L0 (transformers' max_position_embeddings).
         scaling: None, or a transformers-style rope_scaling dict:
             {"type": "linear", "factor": f}: positions divided by f;
@@ -159,6 +160,22 @@ class RotaryEmbedding(nn.Module):
         # buffer (a meta-device buffer has no values: `with torch.device("meta")` model construction)
         self._inv_freq32 = self._inv_freq(self.base, "cpu")
         self._cache: tuple | None = None  # (key, length, cos, sin, built under inference mode)
+        if self.inv_freq.device.type != "meta":  # the tables now: a compiled first call then reads them (building
+            self.cos_sin(self.max_seq_len)  # them in its graph would compile the step again on the next call)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to() / cuda() / to_empty(): the tables follow inv_freq's device (staying float32, whatever
+        dtype fn casts to); tables without values (the meta device) are built on arrival."""
+        out = super()._apply(fn, recurse)
+        cached, dev = self._cache, self.inv_freq.device
+        if dev.type == "meta":
+            self._cache = None
+        elif cached is None or cached[2].device.type == "meta":
+            self._cache = None
+            self.cos_sin(self.max_seq_len)
+        elif cached[2].device != dev:
+            self._cache = (*cached[:2], cached[2].to(dev), cached[3].to(dev), cached[4])
+        return out
 
     def _inv_freq(self, base: float, device=None) -> Tensor:
         inv = base ** (-torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim)
