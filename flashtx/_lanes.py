@@ -17,6 +17,9 @@ _COMPILING = torch.compiler.is_compiling
 _DISPATCH_STACK = torch._C._len_torch_dispatch_stack
 _FUNCTORCH = torch._C._are_functorch_transforms_active
 _FORWARD_AD = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
+_DISPATCH_MODE = torch._C._get_dispatch_mode
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
 _TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # private
 
 
@@ -25,6 +28,13 @@ def eager() -> bool:
     dispatch mode or functorch transform intercepts it, and no forward-mode AD level is open (a dual tensor's
     tangent: the general path refuses it)."""
     return not (_COMPILING() or _DISPATCH_STACK() or _FUNCTORCH() or _FORWARD_AD._current_level >= 0)
+
+
+def traced() -> bool:
+    """Whether torch.compile or export traces this call (a backward included: torch 2.11's is_compiling() is False
+    while AOTAutograd traces one, under its fake, proxy and functional modes). Narrower than `not eager()`: other
+    dispatch modes (FlopCounterMode, memory trackers) and forward AD run eagerly."""
+    return _COMPILING() or any(_DISPATCH_MODE(k) is not None for k in _TRACING_MODES)
 
 
 def no_saved_tensor_hooks() -> bool:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch, reference
-from ._lanes import eager, no_saved_tensor_hooks
+from ._lanes import no_saved_tensor_hooks, traced
 from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .backends import triton_device_reasons
@@ -168,7 +168,7 @@ def _backward(ctx, dout):
     # compiled backward) too: the saved inputs are the backward graph's inputs, which it may not mutate, so
     # Inductor would copy them for the in-place op to write (more traffic than the out-of-place op, and no
     # memory saved)
-    if inplace_backward and not torch.is_grad_enabled() and eager():
+    if inplace_backward and not torch.is_grad_enabled() and not traced():
         call(swiglu_bwd_inplace_op, dout, gate, up, backend)
         return gate, up, None, None
     dg, du = call(swiglu_bwd_op, dout, gate, up, backend)
@@ -220,7 +220,7 @@ def _backward_packed(ctx, dout):
         return None, None, None
     (x,) = ctx.saved_tensors
     inplace_backward, backend = ctx.args
-    if inplace_backward and not torch.is_grad_enabled() and eager():  # else out of place (see _backward)
+    if inplace_backward and not torch.is_grad_enabled() and not traced():  # else out of place (see _backward)
         call(swiglu_packed_bwd_inplace_op, dout, x, backend)
         return x, None, None
     return call(swiglu_packed_bwd_op, dout, x, backend), None, None

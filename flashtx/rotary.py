@@ -34,7 +34,7 @@ from torch import Tensor
 from . import _dispatch, _rotary_lane
 from ._library import call
 from ._rotary_op import ROTARY_BACKENDS, RotaryInputs, rotary_inplace_op, rotary_op, rotary_qk_op  # noqa: F401
-from .triton_kernels.limits import surely, undecided
+from .triton_kernels.limits import least, surely, undecided
 from ._validate import (_values_readable, check_cu_seqlens_values, check_flag, check_tensor, grad_leaf,
                         has_internal_overlap, is_flag, views_overlap)
 
@@ -194,7 +194,7 @@ def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_
         check_cu_seqlens_values("cu_seqlens", cu_seqlens, S, "total (x.shape[0])", max_seqlen, "max_seqlen")
         # an upper bound (flash-attn); no sequence is longer than the total, so clamping to it bounds the
         # kernel's grid (max_seqlen rows per sequence) by the data, and looser bounds share a launch-cache entry
-        max_seqlen = seq = min(max_seqlen, S)
+        max_seqlen = seq = least(max_seqlen, S)
     else:
         if max_seqlen is not None:
             raise ValueError("max_seqlen is only meaningful with cu_seqlens (packed varlen input)")

@@ -131,6 +131,10 @@ def _trace_cases() -> dict:
         h = flashtx.swiglu_packed(o.reshape(-1, E))  # (total, E / 2): an MLP on the packed tokens
         return flashtx.pad_input(h, idx, B, S).float().sum()
 
+    def unpad_rope_host_bound(x, key_mask):  # the padded length as RoPE's max_seqlen (a host int, no sync)
+        h, _, cu_b, _, _ = flashtx.unpad_input(x, key_mask)
+        return flashtx.apply_rotary(h.view(-1, 4, 32), cos, cos, cu_seqlens=cu_b, max_seqlen=x.shape[1])
+
     key_mask = torch.arange(64).expand(2, 64) < torch.tensor([[64], [40]])  # (B, S) True = real token
     return {
         "rope-qk-inplace": (qk_inplace, [_h(2, 16, 8, 32)]),
@@ -141,6 +145,7 @@ def _trace_cases() -> dict:
         "rope-varlen-no-max-seqlen": (lambda x, cu: flashtx.apply_rotary(x, cos, cos, cu_seqlens=cu),
                                       [_h(64, 4, 32), cu]),
         "varlen-max-seqlen-item": (varlen_item, [_h(64, 4, 64), _h(64, 4, 64), _h(64, 4, 64), cu]),
+        "unpad-rope-host-max-seqlen": (unpad_rope_host_bound, [_h(2, 64, 128), key_mask]),
         "unpad-varlen-pad-train": (unpad_train, [_h(2, 64, 128, grad=True), key_mask, _h(128, 128, grad=True)]),
     }
 

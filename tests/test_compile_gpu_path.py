@@ -181,13 +181,14 @@ def test_value_reading_calls_trace_under_fullgraph():
     max_seqlen read with .item() (an unbacked size): each traces in one graph with its kernels; the RoPE module, whose
     tables are not grown there, asserts on the device that the positions fall in them. A training step over
     unpad_input's packed batch (its total an unbacked size: RoPE, attention and SwiGLU on the packed tokens) traces
-    forward and backward: until 2026-12-05 the launchers' empty-input early outs and row-count tile choices
-    guarded on that total."""
+    forward and backward, and so does RoPE bounded by a host int over that total: until 2026-12-05 the launchers'
+    empty-input early outs, row-count tile choices and min(max_seqlen, total) guarded on it."""
     res = _steps("--traces")
     want = {"rope-qk-inplace": ["_rotary_kernel"], "rope-module-position-ids": ["_rotary_kernel"],
             "rope-module-tensor-offsets": ["_rotary_kernel"],
             "rope-varlen-no-max-seqlen": ["_cu_seqlens_check", "_rotary_kernel"],
             "varlen-max-seqlen-item": ["_cu_seqlens_check", "_attn_fwd"],
+            "unpad-rope-host-max-seqlen": ["_cu_seqlens_check", "_rotary_kernel"],
             "unpad-varlen-pad-train": (["_cu_seqlens_check", "_rotary_kernel", "_cu_seqlens_check", "_attn_fwd",
                                         "_swiglu_kernel"],
                                        ["_cu_seqlens_check", "_cu_seqlens_check", "_swiglu_kernel",

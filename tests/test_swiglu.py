@@ -412,3 +412,21 @@ def test_state_dict_round_trips(bias):
     # strict loading still reports genuinely missing weights
     with pytest.raises(RuntimeError, match="Missing key"):
         flashtx.nn.SwiGLU(6, 10).load_state_dict({"gate_proj.weight": torch.zeros(10, 6)})
+
+
+def test_packed_inplace_backward_stays_in_place_under_dispatch_modes():
+    """Only tracing (torch.compile's fake, proxy and functional modes) makes the in-place backward run out of place
+    (a compiled backward may not write its saved inputs; tests/test_compile_gpu_path.py checks that): under another
+    dispatch mode (FlopCounterMode, a memory tracker) and with forward AD open, eager calls keep it, so such a
+    measurement sees the path the real run takes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x0 = randn(2, 5, 12, requires_grad=True)
+    d = randn(2, 5, 6)
+    ref_x, = torch.autograd.grad(flashtx.swiglu_packed(x0 * 1), x0, d)
+    for ctx in (FlopCounterMode(display=False), torch.autograd.forward_ad.dual_level()):
+        x0.grad = None
+        x = x0 * 1
+        with ctx:
+            flashtx.swiglu_packed(x, inplace_backward=True).backward(d)
+        assert torch.equal(x0.grad, ref_x) and torch.equal(x.detach(), ref_x), type(ctx).__name__

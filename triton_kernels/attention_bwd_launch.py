@@ -9,7 +9,7 @@ from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
-from .limits import INT32_MAX, LimitExceeded, bhsd, check_limits, check_spans, surely
+from .limits import INT32_MAX, LimitExceeded, bhsd, check_limits, check_spans, surely, undecided
 
 
 class GqaReduce:
@@ -190,6 +190,8 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
         if dbias is not None:
             dbias.zero_()
         return dq.zero_(), dk.zero_(), dv.zero_()
+    if dbias is not None and (undecided(q.numel() == 0) or undecided(k.numel() == 0)):
+        dbias.zero_()  # traced over a size read on the device: with no query or key row no kernel writes dbias
     delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
     parts, split = (None, None), 1
     if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):  # GQA: maybe split dK/dV

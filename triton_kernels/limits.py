@@ -49,6 +49,15 @@ def unbacked(n) -> bool:
     return has_free_unbacked_symbols(n)
 
 
+def least(a, b):
+    """min(a, b); for traced sizes torch.sym_min, which does not guard on which is smaller (min() does, and
+    cannot when one was read on the device: a max_seqlen bound against unpad_input's total)."""
+    import torch
+    if torch.compiler.is_compiling() or isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return torch.sym_min(a, b)
+    return a if a < b else b
+
+
 def _traced(cond) -> bool:
     """Whether cond may be symbolic: Dynamo is tracing (it shows a SymBool as a bool, and guards on isinstance), or
     cond is a SymBool (a traced op implementation's)."""

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .configs import Target, rotary_config
 from .launch import ACC_DTYPE, LAUNCHES, Launch, pow2_bucket, target_for
-from .limits import INT32_MAX, MAX_GRID_YZ, surely
+from .limits import INT32_MAX, MAX_GRID_YZ, least, surely
 
 MIN_BLOCK = 2  # smallest tl.arange width used for the pair and pass-through column blocks
 
@@ -269,7 +269,7 @@ def _plan(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seqlens, max
     nb = cu_seqlens.shape[0] - 1 if varlen else B
     # rows per sequence the grid covers: max_seqlen is an upper bound, clamped to the total (no sequence is
     # longer), so a loose one (10**9) cannot grow the grid past the data (or CUDA's grid limit)
-    seq = min(max_seqlen, S) if varlen else S
+    seq = least(max_seqlen, S) if varlen else S
     if nb <= 0 or surely(seq <= 0) or hq + hk == 0 or D == 0:
         return None
     if nb > MAX_GRID_YZ:  # grid axis 1 (CUDA's y); a host check, so the interpreter refuses what a GPU would
@@ -343,7 +343,7 @@ def rotary_launch(q, qo, k, ko, cos, sin, offsets, offset, position_ids, cu_seql
     """plan_rotary(...).run() with positional arguments (the per-call path); launches nothing for empty
     inputs (no rows, no heads, no sequences or no columns)."""
     if cu_seqlens is not None:  # the bound _plan uses, so that looser bounds share a launch-cache entry
-        max_seqlen = min(max_seqlen, _total(q, heads_first))
+        max_seqlen = least(max_seqlen, _total(q, heads_first))
     # Replayed from the launch cache for a repeated signature (a GPU then launches the compiled kernel
     # directly, see launch.DIRECT_LAUNCH). An int offset other than 0 (decoding: the cache length, a new
     # value each step) would key an entry per step: the tables are narrowed to the rows [offset, offset + S)

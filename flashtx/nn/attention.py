@@ -52,7 +52,7 @@ from ..functional import attention, flash_attn_func
 from ..rotary import apply_rotary_qk
 from ..triton_kernels.limits import MAX_SEQ
 from ._qkv_rotary import eligible, rotate_qk_
-from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int, _host_readable
+from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int, _host_readable, _static
 from .rotary import RotaryEmbedding
 from .swiglu import forward_hooked
 
@@ -324,8 +324,8 @@ class MultiheadAttention(nn.Module):
         idx = cache.length + torch.arange(S, device=q.device)  # (S,) positions (KVCache.append, checked above)
         if grad:  # out of place, as transformers' DynamicCache: later calls build on this call's graph (one
             # backward over all of them; a backward per call needs reset() or a no_grad prefix)
-            cache._k = cache._k.index_copy(1, idx, k)  # (B, max_len, Hkv, D)
-            cache._v = cache._v.index_copy(1, idx, v)
+            cache._k = _static(cache._k.index_copy(1, idx, k))  # (B, max_len, Hkv, D)
+            cache._v = _static(cache._v.index_copy(1, idx, v))
         else:
             cache._k.index_copy_(1, idx, k)
             cache._v.index_copy_(1, idx, v)

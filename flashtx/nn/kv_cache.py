@@ -49,8 +49,10 @@ def _static(t: Tensor) -> Tensor:
     """t marked as a static address: a compiled step writes the caches' buffers and lengths in place, and CUDA-graph
     trees (torch.compile(mode="reduce-overhead")) capture a step only when every input it mutates is static (as
     transformers' StaticCache marks its buffers). Unguarded: another cache's buffers re-record the graph instead of
-    recompiling the step."""
-    if not torch.compiler.is_compiling():
+    recompiling the step. Only a 16-byte aligned t (what the compiled kernels assume of a static input, whose
+    alignment is not checked again; a fresh allocation is): an unaligned one assigned by the user stays an ordinary
+    input."""
+    if not torch.compiler.is_compiling() and t.data_ptr() % 16 == 0:
         torch._dynamo.mark_static_address(t, guard=False)
     return t
 
