@@ -77,18 +77,22 @@ def _standin(gm):
             if isinstance(val, torch.Tensor):
                 res.append(torch.empty_strided(concrete(val.shape), concrete(val.stride()), dtype=val.dtype))
             else:  # a size saved for the backward (dynamic shapes), or nothing
-                res.append(concrete([val])[0] if isinstance(val, (int, torch.SymInt)) else None)
+                res.append(_hint(val) if isinstance(val, (torch.SymInt, torch.SymBool)) else
+                           val if isinstance(val, int) else None)  # (a SymBool: torch 2.11 saves size checks)
         return res
     return make_boxed_func(standin)
 
 
-def _hint(s) -> int:
-    """A traced size's value at the example inputs; one read on the device (unbacked: no value when tracing) takes
-    64 per unknown (nothing runs: only shapes flow between the stand-ins)."""
+def _hint(s):
+    """A traced size's (SymInt) or size condition's (SymBool) value at the example inputs; one read on the device
+    (unbacked: no value when tracing) takes 64 per unknown (nothing runs: only shapes flow between the stand-ins)."""
+    import torch
+    cast = bool if isinstance(s, torch.SymBool) else int
     if s.node.hint is not None:
-        return int(s.node.hint)
+        return cast(s.node.hint)
     e = s.node.expr
-    return int(e.xreplace({x: _known_values(s).get(x, 64) for x in e.free_symbols}))
+    return cast(e.xreplace({x: _known_values(s).get(x, 64) for x in e.free_symbols}))
+
 
 
 def _known_values(s) -> dict:
