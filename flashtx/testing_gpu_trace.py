@@ -94,7 +94,6 @@ def _hint(s):
     return cast(e.xreplace({x: _known_values(s).get(x, 64) for x in e.free_symbols}))
 
 
-
 def _known_values(s) -> dict:
     env = s.node.shape_env  # backed symbols' values at the example inputs (var_to_val before torch 2.12)
     return env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
