@@ -329,8 +329,8 @@ def cases() -> dict:
         "masks-bias-softcap": (masks, [*qkv(2, 4, 64, 64), key_mask, bias], True),
         "patch-sdpa": (patched, qkv(2, 4, 64, 64), True),
         "transformer-block": (block_step, [torch.randn(2, 64, 64, dtype=torch.float16, requires_grad=True)], True),
-        "decode": (decode, [torch.randn(2, 1, 8, 64, dtype=torch.float16), *(torch.randn(2, 1, 2, 64, dtype=torch.float16)
-                                                                            for _ in range(2)),
+        "decode": (decode, [torch.randn(2, 1, 8, 64, dtype=torch.float16),
+                            *(torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2)),
                             *(torch.randn(2, 256, 2, 64, dtype=torch.float16) for _ in range(2)),
                             torch.tensor([100, 37], dtype=torch.int32)], False),
         "decode-paged": (decode, [torch.randn(2, 1, 8, 64, dtype=torch.float16),
