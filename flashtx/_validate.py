@@ -22,6 +22,7 @@ def check_tensor(name: str, t) -> None:
 
 
 _STRIDED = torch.strided
+_COMPILING = torch.compiler.is_compiling
 
 
 def _check_layout(name: str, t) -> None:
@@ -30,6 +31,10 @@ def _check_layout(name: str, t) -> None:
     if t.is_nested:
         raise TypeError(f"{name} is a nested tensor; allowed: a dense tensor (for sequences of different lengths, "
                         f"pad them and pass key_mask / kv_lens, or pack them for flash_attn_varlen_func)")
+    if not _COMPILING() and t.is_neg():  # (the kernels read stored values: a wrong sign, which PyTorch's own ops
+        # resolve first. Dynamo cannot trace is_neg, a graph break: traced calls are not checked)
+        raise ValueError(f"{name} is a lazily negated view (its negative bit is set, e.g. z.conj().imag); "
+                         f"pass {name}.resolve_neg()")
 
 
 def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
@@ -153,6 +158,9 @@ def check_window(name: str, window) -> tuple[int, int]:
             raise TypeError(f"{name} must be a pair (left, right) of ints >= -1; got a {window.dtype} tensor of "
                             f"shape {tuple(window.shape)}")
         window = window.tolist()
+    elif not isinstance(window, (tuple, list)):  # (a set or dict unpacks in no fixed order; an iterator is spent)
+        raise TypeError(f"{name} must be a pair (left, right) of ints >= -1, a tuple or list; got "
+                        f"{type(window).__name__} {window!r}")
     try:
         left, right = window
     except (TypeError, ValueError):

@@ -361,8 +361,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             return out
     bias = None if attn_bias is None else check_attn_mask(
         "attn_bias", attn_bias, (B,), Hq, Sq, Sk, q, lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    probs = check_flag("return_attn_probs", return_attn_probs)
     res = _run(q, k, v, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
-               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs), bias=bias, bshd=True,
+               return_lse=probs, return_probs=probs, bias=bias, bshd=True,
                **_padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens),
                **_score_mods(B, Hq, q, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
     return res  # out (B, Sq, Hq, Dv) [, lse (B, Hq, Sq), probs (B, Hq, Sq, Sk)]
@@ -446,7 +447,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if out is not None:
             return out
     res = _run(q4, k4, v4, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
-               return_lse=bool(return_attn_probs), return_probs=bool(return_attn_probs),
+               return_lse=check_flag("return_attn_probs", return_attn_probs), return_probs=return_attn_probs,
                window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
                max_seqlen_q=msq, max_seqlen_k=msk, bshd=True,
                **_score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p, softcap=softcap,

@@ -43,7 +43,9 @@ def test_window_size_as_a_tensor_is_read_as_its_values():
     (torch.tensor([4, -2]), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
     ((torch.tensor(True), 1), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
     ((torch.tensor([2, 1]), 1), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
-], ids=["float", "three", "below-minus-one", "bool", "nested"])
+    ({5, 0}, TypeError, r"window_size must be a pair .*a tuple or list; got set"),  # its order: (0, 5)
+    ({5: 0, 1: 2}, TypeError, r"window_size must be a pair .*a tuple or list; got dict"),
+], ids=["float", "three", "below-minus-one", "bool", "nested", "set", "dict"])
 def test_bad_window_tensors_get_a_clear_error(window, error, pattern):
     q = randn(1, 4, 2, 16)
     with pytest.raises(error, match=pattern):
@@ -252,3 +254,13 @@ def test_apply_rotary_emb_takes_flash_attns_positional_call(interleaved):
     want = torch.cat([flashtx.apply_rotary(packed[None, :3], cos, sin, interleaved=interleaved, seqlen_offsets=1)[0],
                       flashtx.apply_rotary(packed[None, 3:], cos, sin, interleaved=interleaved, seqlen_offsets=1)[0]])
     torch.testing.assert_close(got, want, **SAME)
+
+
+def test_return_attn_probs_must_be_a_bool():
+    """A truthy non-bool ("no") returned the (out, lse, probs) tuple; refused by name, as other flags are."""
+    q = randn(1, 4, 2, 16)
+    with pytest.raises(TypeError, match="return_attn_probs must be a bool; got str 'no'"):
+        flashtx.flash_attn_func(q, q, q, return_attn_probs="no")
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="return_attn_probs must be a bool; got str 'no'"):
+        flashtx.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, return_attn_probs="no")

@@ -179,10 +179,26 @@ def test_empty_sequence_without_cache(rot):
     (dict(embed_dim=32, num_heads=4, dropout=1.5), r"dropout must be a number in \[0, 1\] .*; got 1.5"),
     (dict(embed_dim=32, num_heads=0), "num_heads must be an int >= 1; got 0"),
     (dict(embed_dim=32, num_heads=4, kdim=16), "kdim is only meaningful with cross=True"),
-], ids=["indivisible", "kv-heads", "rotary-dim", "cross-rotary", "cross-causal", "dropout", "heads", "kdim"])
+    (dict(embed_dim=32, num_heads=4, causal="False"), "causal must be a bool; got str 'False'"),  # truthy
+    (dict(embed_dim=32, num_heads=4, cross=1), "cross must be a bool; got int 1"),
+], ids=["indivisible", "kv-heads", "rotary-dim", "cross-rotary", "cross-causal", "dropout", "heads", "kdim",
+        "causal-str", "cross-int"])
 def test_constructor_errors(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         MultiheadAttention(**kwargs)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: flashtx.nn.TransformerBlock(32, 4, cross="no"), "cross must be a bool; got str 'no'"),
+    (lambda: RotaryEmbedding(8, interleaved="False"), "interleaved must be a bool; got str 'False'"),
+    (lambda: flashtx.nn.SwiGLU(8, 16, inplace_backward="False"), "inplace_backward must be a bool; got str"),
+    (lambda: flashtx.nn.SwiGLU(8, 16, packed=0), "packed must be a bool; got int 0"),
+], ids=["block-cross", "rotary-interleaved", "swiglu-inplace", "swiglu-packed"])
+def test_module_flags_must_be_bools(make, match):
+    """A flag given as a string or an int is refused, as SDPA refuses is_causal="no": bool("False") is True, which
+    turned on what the caller meant to turn off (the in-place backward, causality, GPT-J pairs)."""
+    with pytest.raises(TypeError, match=match):
+        make()
 
 
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])

@@ -74,7 +74,7 @@ def test_rotary_embedding_reads_rope_theta_from_transformers_rope_parameters():
     assert flashtx.nn.RotaryEmbedding(8).base == 10000.0
     with pytest.raises(ValueError, match=r"base \(10000.0\) and scaling's rope_theta \(500000.0\) disagree"):
         flashtx.nn.RotaryEmbedding(8, 10000.0, scaling=params)
-    with pytest.raises(ValueError, match=r"scaling's rope_theta must be a number > 1; got 'x'"):
+    with pytest.raises(ValueError, match=r"scaling's rope_theta must be a finite number > 1; got 'x'"):
         flashtx.nn.RotaryEmbedding(8, scaling={"rope_type": "default", "rope_theta": "x"})
 
 
@@ -156,8 +156,10 @@ def test_rotary_embedding_empty_sequence():
 
 RE_ERRORS = {
     "odd_dim": (dict(dim=7), ValueError, "even int"),
-    "bad_base": (dict(dim=8, base=1.0), ValueError, "base must be a number > 1"),
-    "bad_max_seq_len": (dict(dim=8, max_seq_len=0), ValueError, "max_seq_len must be an int >= 1"),
+    "bad_base": (dict(dim=8, base=1.0), ValueError, "base must be a finite number > 1"),
+    "inf_base": (dict(dim=8, base=math.inf), ValueError, "base must be a finite number > 1; got inf"),
+    "bad_max_seq_len": (dict(dim=8, max_seq_len=0), ValueError, r"max_seq_len must be an int in \[1, 536870912\]"),
+    "huge_max_seq_len": (dict(dim=8, max_seq_len=2**40), ValueError, "max_seq_len must be an int in .*; got 1099"),
     "scaling_not_dict": (dict(dim=8, scaling="linear"), TypeError, "scaling must be None or a dict"),
     "scaling_unknown": (dict(dim=8, scaling={"type": "yarn", "factor": 2.0}), ValueError, "scaling type must be"),
     "scaling_factor": (dict(dim=8, scaling={"type": "linear", "factor": 0}), ValueError,
@@ -193,8 +195,10 @@ def test_rotary_embedding_errors(case):
 
 def test_rotary_embedding_call_errors():
     rope = flashtx.nn.RotaryEmbedding(8)
-    with pytest.raises(ValueError, match="seq_len must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"seq_len must be an int in \[0, 536870912\]; got -1"):
         rope.cos_sin(-1)
+    with pytest.raises(ValueError, match=r"seq_len must be an int in \[0, 536870912\]; got 1099511627776"):
+        rope.cos_sin(2**40)  # (an allocator error before)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         rope("q")
     with pytest.raises(ValueError, match=r"rotary_dim = 2 \* cos.shape\[-1\] = 8"):

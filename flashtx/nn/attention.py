@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from ..decode import flash_attn_with_kvcache
 from ..functional import attention, flash_attn_func
+from .._validate import check_flag
 from ..rotary import apply_rotary_qk
 from ..triton_kernels.limits import MAX_SEQ
 from ._qkv_rotary import eligible, rotate_qk_
@@ -140,6 +141,7 @@ class MultiheadAttention(nn.Module):
                                  "or pass head_dim")
             head_dim = embed_dim // num_heads
         head_dim = _check_pos_int("head_dim", head_dim)
+        causal, cross = check_flag("causal", causal), check_flag("cross", cross)  # ("False" is truthy)
         if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout <= 1.0:
             raise ValueError(f"dropout must be a number in [0, 1] (as torch.nn.MultiheadAttention's); got {dropout!r}")
         if rotary is not None:

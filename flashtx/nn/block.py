@@ -6,6 +6,7 @@ import numbers
 
 from torch import Tensor, nn
 
+from .._validate import check_flag
 from .attention import MultiheadAttention
 from .kv_cache import KVCache, PagedKVCache, _check_pos_int
 from .norm import RMSNorm
@@ -87,6 +88,7 @@ class TransformerBlock(nn.Module):
             return nn.LayerNorm(dim, eps=norm_eps, bias=bias, **kw)
 
         self.attn_norm = make_norm()
+        cross = check_flag("cross", cross)  # ("False" is truthy)
         self.attn = MultiheadAttention(dim, num_heads, num_kv_heads, head_dim=head_dim, bias=bias, dropout=dropout,
                                        rotary=rotary, causal=causal, backend=backend, **kw)
         if cross:

@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from .._validate import check_tensor
+from .._validate import check_flag, check_tensor
 from ..rotary import _check_int, apply_rotary, apply_rotary_qk
 from ..triton_kernels.limits import MAX_SEQ
 
@@ -148,13 +148,15 @@ class RotaryEmbedding(nn.Module):
             base, base_name = (10000.0, "base") if theta is None else (theta, "scaling's rope_theta")
         elif theta is not None and theta != base:
             raise ValueError(f"base ({base!r}) and scaling's rope_theta ({theta!r}) disagree: pass one of them")
-        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 1:
-            raise ValueError(f"{base_name} must be a number > 1; got {base!r}")
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be an int >= 1; got {max_seq_len!r}")
+        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
+            raise ValueError(f"{base_name} must be a finite number > 1; got {base!r}")
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or \
+                not 1 <= max_seq_len <= MAX_SEQ:
+            raise ValueError(f"max_seq_len must be an int in [1, {MAX_SEQ}] (the longest tables built); "
+                             f"got {max_seq_len!r}")
         self.dim, self.base, self.max_seq_len = int(dim), float(base), int(max_seq_len)
         self.scaling = _parse_scaling(scaling, self.max_seq_len, self.dim)
-        self.interleaved = bool(interleaved)
+        self.interleaved = check_flag("interleaved", interleaved)  # ("False" is truthy)
         self.register_buffer("inv_freq", self._inv_freq(self.base, device), persistent=False)  # (dim/2,) fp32
         # what the tables use: immune to model.half() casting the buffer; computed on the CPU, not copied from the
         # buffer (a meta-device buffer has no values: `with torch.device("meta")` model construction)
@@ -189,8 +191,8 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, seq_len: int, device=None) -> tuple[Tensor, Tensor]:
         """(cos, sin), each (seq_len, dim/2) float32, for positions 0 .. seq_len - 1 (cached views)."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 0:
-            raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or not 0 <= seq_len <= MAX_SEQ:
+            raise ValueError(f"seq_len must be an int in [0, {MAX_SEQ}]; got {seq_len!r}")
         device = torch.device(device) if device is not None else self.inv_freq.device  # follows module.to()
         sc = self.scaling
         cached = self._cache

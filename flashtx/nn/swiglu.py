@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import _global_forward_hooks
 
+from .._validate import check_flag
 from ..swiglu import swiglu, swiglu_packed
 
 # Parameter names of the three projections in each supported checkpoint style.
@@ -57,8 +58,8 @@ class SwiGLU(nn.Module):
         for n, v in (("dim", dim), ("hidden_dim", hidden_dim)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"{n} must be an int >= 1; got {v!r}")
-        self.dim, self.hidden_dim, self.packed = int(dim), int(hidden_dim), bool(packed)
-        self.inplace_backward = bool(inplace_backward)
+        self.dim, self.hidden_dim, self.packed = int(dim), int(hidden_dim), check_flag("packed", packed)
+        self.inplace_backward = check_flag("inplace_backward", inplace_backward)  # ("False" is truthy)
         kw = dict(bias=bias, device=device, dtype=dtype)
         if self.packed:
             self.w13 = nn.Linear(dim, 2 * hidden_dim, **kw)  # rows [W1; W3]

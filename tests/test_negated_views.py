@@ -1,0 +1,52 @@
+"""Lazily negated views (the negative bit, e.g. z.conj().imag) are refused by name, on the general path and on the
+lanes that replay a plan for a layout seen before: the kernels read the stored, unnegated values (PyTorch's own
+ops resolve the bit first), so such a view gave results of the wrong sign (found by an audit, 2026-12-05)."""
+import pytest
+import torch
+from conftest import DEVICE
+
+import flashtx
+
+
+def negated(*shape):
+    """A float32 view with its negative bit set, strides (..., 2)."""
+    return torch.randn(*shape, dtype=torch.complex64, device=DEVICE).conj().imag
+
+
+def plain_like(*shape):
+    """A plain float32 view laid out as negated(*shape) (the lanes key on layouts)."""
+    return torch.randn(*shape[:-1], 2 * shape[-1], device=DEVICE)[..., 1::2]
+
+
+def rand(*shape):
+    return torch.randn(*shape, device=DEVICE)
+
+
+CASES = {
+    "swiglu gate": ("gate", lambda t: flashtx.swiglu(t(4, 8), rand(4, 8))),
+    "swiglu up": ("up", lambda t: flashtx.swiglu(rand(4, 8), t(4, 8))),
+    "swiglu_packed": ("x", lambda t: flashtx.swiglu_packed(t(4, 8))),
+    "rope x": ("x", lambda t: flashtx.apply_rotary(t(2, 6, 3, 8), rand(6, 4), rand(6, 4))),
+    "rope k": ("k", lambda t: flashtx.apply_rotary_qk(rand(2, 6, 3, 8), t(2, 6, 1, 8), rand(6, 4), rand(6, 4))),
+    "rope cos": ("cos", lambda t: flashtx.apply_rotary(rand(2, 6, 3, 8), t(6, 4), rand(6, 4))),
+    "attn_mask": ("attn_mask", lambda t: flashtx.attention(rand(1, 2, 5, 8), rand(1, 2, 5, 8), rand(1, 2, 5, 8),
+                                                           attn_mask=t(5, 5))),
+    "kvcache q": ("q", lambda t: flashtx.flash_attn_with_kvcache(t(2, 1, 4, 16), rand(2, 16, 4, 16),
+                                                                 rand(2, 16, 4, 16), cache_seqlens=5)),
+    "kvcache k_cache": ("k_cache", lambda t: flashtx.flash_attn_with_kvcache(rand(2, 1, 4, 16), t(2, 16, 4, 16),
+                                                                             rand(2, 16, 4, 16), cache_seqlens=5)),
+    "kvcache k": ("k", lambda t: flashtx.flash_attn_with_kvcache(
+        rand(2, 1, 4, 16), rand(2, 16, 4, 16), rand(2, 16, 4, 16), k=t(2, 1, 4, 16), v=rand(2, 1, 4, 16),
+        cache_seqlens=torch.full((2,), 5, dtype=torch.int32, device=DEVICE))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_negated_views_are_refused_by_name(case):
+    name, call = CASES[case]
+    for _ in range(2):  # the plain layout twice: any lane for it exists
+        call(plain_like)
+    assert negated(2, 2).is_neg()
+    for _ in range(2):
+        with pytest.raises(ValueError, match=rf"^{name} is a lazily negated view .*pass {name}\.resolve_neg\(\)"):
+            call(negated)
