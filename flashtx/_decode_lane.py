@@ -71,7 +71,7 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
     """flash_attn_with_kvcache's result for these arguments (its own, in its order), or None where the lane does not
     take the call (module docstring): the caller runs the general path."""
     if not LANE or type(q) is not _TENSOR or type(k_cache) is not _TENSOR or type(v_cache) is not _TENSOR or \
-            type(seqlens) is not _TENSOR or q.is_neg() or not _lanes.eager():
+            type(seqlens) is not _TENSOR or not _lanes.eager() or q.is_neg():  # (Dynamo cannot trace is_neg)
         return None
     if not (type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int) or \
             type(softcap) is not float or (scale is not None and type(scale) is not float) or \

@@ -171,15 +171,16 @@ _APPLY, _APPLY_PACKED = _bound(Swiglu), _bound(SwigluPacked)
 
 
 def _plain(t, inplace_backward, backend) -> bool:
-    return (type(t) is _TENSOR and t.layout is _STRIDED and not t.is_neg()  # (a negated view: refused there)
-            and (inplace_backward is False or inplace_backward is True) and (backend is None or type(backend) is str))
+    return (type(t) is _TENSOR and t.layout is _STRIDED and (inplace_backward is False or inplace_backward is True)
+            and (backend is None or type(backend) is str))
 
 
 def forward(gate, up, inplace_backward, backend):
     """swiglu(gate, up, inplace_backward=..., backend=...)'s result, or None where the lane does not take the call
     (module docstring): the caller runs the general path."""
     if not LANE or not _plain(gate, inplace_backward, backend) or type(up) is not _TENSOR or \
-            up.layout is not _STRIDED or up.is_neg() or not _lanes.eager() or _library._other_device(gate) is not None:
+            up.layout is not _STRIDED or not _lanes.eager() or _library._other_device(gate) is not None or \
+            gate.is_neg() or up.is_neg():  # (a negated view: refused there; Dynamo cannot trace is_neg)
         return None
     grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
     key = ("swiglu", gate.dtype, gate.device, gate.shape, gate.stride(), up.dtype, up.device, up.shape, up.stride(),
@@ -199,7 +200,7 @@ def forward(gate, up, inplace_backward, backend):
 def forward_packed(x, inplace_backward, backend):
     """swiglu_packed(x, ...)'s result, or None where the lane does not take the call."""
     if not LANE or not _plain(x, inplace_backward, backend) or not _lanes.eager() or \
-            _library._other_device(x) is not None:
+            _library._other_device(x) is not None or x.is_neg():
         return None
     grad = torch.is_grad_enabled() and x.requires_grad
     key = ("swiglu_packed", x.dtype, x.device, x.shape, x.stride(), grad, inplace_backward, backend)

@@ -39,7 +39,7 @@ def _check_index(name: str, t, shape: tuple, q: Tensor, doc: str = "") -> Tensor
 
 def _check_like(name: str, t, dims: int, q: Tensor, shape_doc: str) -> None:
     if type(t) is Tensor and t is not q and t.dtype == q.dtype and t.dim() == dims and t.device == q.device and \
-            not t.is_neg():
+            (torch.compiler.is_compiling() or not t.is_neg()):  # (check_tensor's rule: Dynamo cannot trace is_neg)
         return  # the common case (q itself passed check_tensor first)
     check_tensor(name, t)
     if t.dim() != dims:

@@ -50,12 +50,13 @@ def unbacked(n) -> bool:
 
 
 def least(a, b):
-    """min(a, b); for traced sizes torch.sym_min, which does not guard on which is smaller (min() does, and
-    cannot when one was read on the device: a max_seqlen bound against unpad_input's total)."""
+    """min(a, b); in a traced op implementation torch.sym_min, which does not guard on which is smaller (min()
+    does, and cannot when one was read on the device: a max_seqlen bound against unpad_input's total). Dynamo
+    traces min() itself so (and torch 2.11's cannot trace sym_min)."""
     import torch
-    if torch.compiler.is_compiling() or isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        return torch.sym_min(a, b)
-    return a if a < b else b
+    if torch.compiler.is_dynamo_compiling() or not (isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt)):
+        return min(a, b)
+    return torch.sym_min(a, b)
 
 
 def _traced(cond) -> bool:
