@@ -233,6 +233,8 @@ def train_clones(case: str) -> dict:
     """Per graph of `case`'s compiled training step (forward, then backward): its kernels, each with the arguments
     Inductor's reinplacing pass still clones (a copy per step; a backward that writes over its saved inputs has
     them cloned, since a graph may not mutate them)."""
+    import inspect
+
     import torch
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
@@ -245,7 +247,8 @@ def train_clones(case: str) -> dict:
     graphs = []
 
     def compiler(gm, example_inputs):
-        reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)  # as Inductor's post-grad passes run it
+        updater = FakeTensorUpdater(gm if "gm" in inspect.signature(FakeTensorUpdater).parameters else gm.graph)
+        reinplace_inplaceable_ops(updater, gm.graph)  # as Inductor's post-grad passes run it (torch 2.11: a graph)
         graphs.append([[_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"])),
                         sorted(n.kwargs.get("tensors_to_clone", ()))] for n in gm.graph.nodes
                        if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional])
