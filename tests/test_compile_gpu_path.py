@@ -194,9 +194,13 @@ def test_value_reading_calls_trace_under_fullgraph():
                                        ["_cu_seqlens_check", "_cu_seqlens_check", "_swiglu_kernel",
                                         "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq", "_rotary_kernel"])}
     assert sorted(res) == sorted(want)
+    def checks_once(graph):  # (torch 2.11 merges the backward's two cu_seqlens checks, of RoPE's and attention's)
+        return [k for i, k in enumerate(graph) if k != "_cu_seqlens_check" or k not in graph[:i]]
+
     for case, kernels in want.items():
         assert "error" not in res[case], (case, res[case].get("error"))
-        assert res[case]["kernels"] == (list(kernels) if isinstance(kernels, tuple) else [kernels]), \
+        graphs = kernels if isinstance(kernels, tuple) else [kernels]
+        assert [checks_once(g) for g in res[case]["kernels"]] == [checks_once(g) for g in graphs], \
             (case, res[case]["kernels"])
     for case in ("rope-module-position-ids", "rope-module-tensor-offsets"):  # positions past the tables: asserted
         assert res[case]["asserts"] == [1], (case, res[case]["asserts"])
