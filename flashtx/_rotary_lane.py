@@ -113,6 +113,13 @@ def _bound(fn):
 _APPLY_QK, _APPLY_X = _bound(RotaryQk), _bound(Rotary)
 
 
+def shares_tables(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether q or k shares memory with cos or sin: the in-place kernel would read table rows it already rotated,
+    so such a call rotates out of place and copies back (torch.compile cannot test it: it always does so)."""
+    return not torch.compiler.is_compiling() and any(
+        t is not None and (views_overlap(t, cos) or views_overlap(t, sin)) for t in (q, k))
+
+
 def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjugate: bool = False,
            disjoint: bool = False):
     """apply_rotary_qk's result (q_rot, k_rot) (k None: apply_rotary's, as (x_rot, None)), or None where the lane
@@ -163,8 +170,8 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjug
         qo, ko = torch.empty_like(q), torch.empty_like(k)
         lane.fire(q, qo, k, ko, cos, sin)
         return qo, ko
-    if k is not None and not disjoint and views_overlap(q, k):
-        return None  # refused (inplace=True) or rotated out of place (None) by the general path
+    if (k is not None and not disjoint and views_overlap(q, k)) or shares_tables(q, k, *tables):
+        return None  # refused (inplace=True) or rotated out of place (None, or over the tables) by the general path
     lane.fire(q, q, k, k, cos, sin)
     _INC_VERSION(q)  # as flashtx._library.call does for the in-place op
     if k is not None:

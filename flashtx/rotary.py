@@ -79,10 +79,10 @@ def _rotate_inplace(q, k, cos, sin, index, spec, backend: str, track: bool) -> N
     no copy). With autograd, and for q and k under torch.compile (which cannot test whether they overlap): the
     functional op, written back with copy_, which autograd records
     (torch.library gives mutating ops no autograd formula); the rotated values are what backward
-    keeps, not x."""
+    keeps, not x. So too for q or k that shares memory with the tables."""
     compiling = k is not None and torch.compiler.is_compiling()  # (q and k's overlap cannot be tested then)
     _refuse_overlap(q, k, compiling)
-    if not track and not compiling:
+    if not track and not compiling and not _rotary_lane.shares_tables(q, k, cos, sin):
         call(rotary_inplace_op, q, k, cos, sin, index, spec, backend)
         return
     for t in (q, k):  # refuse before mutating anything (autograd would refuse after q is rotated)

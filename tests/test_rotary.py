@@ -299,6 +299,31 @@ def test_inplace_qk_views_of_packed_qkv(dtype):
     assert torch.equal(d_inplace, d_ref)
 
 
+@pytest.mark.parametrize("inplace", [True, None], ids=["inplace", "auto"])
+@pytest.mark.parametrize("qk", [False, True], ids=["x", "qk"])
+def test_inplace_over_tables_that_share_memory_with_x(inplace, qk):
+    """x (or k) and cos/sin slices of one buffer: the in-place kernel read table rows it had already rotated (a wrong
+    answer, found by an audit, 2026-12-05); such a call now rotates out of place and writes back, equal to rotating
+    copies. Twice: the second call takes the lane of the first's signature."""
+    for _ in range(2):
+        buf = randn(400, dtype=PRECISE_DTYPE)
+        x, cos, sin = buf[:288].view(2, 6, 3, 8), buf[88:128].view(10, 4), buf[128:168].view(10, 4)  # inside x
+        q, k = buf[:192].view(2, 6, 2, 8), buf[288:384].view(2, 6, 1, 8)
+        if qk:  # k over the tables, q apart from them
+            cos, sin = buf[300:340].view(10, 4), buf[340:380].view(10, 4)
+        args = [t.clone() for t in ((q, k) if qk else (x,)) + (cos, sin)]
+        with torch.no_grad():
+            if qk:
+                want = flashtx.apply_rotary_qk(*args)
+                got = flashtx.apply_rotary_qk(q, k, cos, sin, inplace=inplace)
+                assert got[0] is q and got[1] is k
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            else:
+                want = flashtx.apply_rotary(*args)
+                got = flashtx.apply_rotary(x, cos, sin, inplace=inplace)
+                assert got is x and torch.equal(got, want)
+
+
 def test_inplace_on_leaf_requiring_grad_raises():
     cos, sin = tables(4, 2)
     x = randn(1, 4, 1, 4, requires_grad=True)
