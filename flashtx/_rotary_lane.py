@@ -116,8 +116,15 @@ _APPLY_QK, _APPLY_X = _bound(RotaryQk), _bound(Rotary)
 def shares_tables(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether q or k shares memory with cos or sin: the in-place kernel would read table rows it already rotated,
     so such a call rotates out of place and copies back (torch.compile cannot test it: it always does so)."""
-    return not torch.compiler.is_compiling() and any(
-        t is not None and (views_overlap(t, cos) or views_overlap(t, sin)) for t in (q, k))
+    if torch.compiler.is_compiling():
+        return False
+    c, s = cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()  # (the common case: other storages)
+    for t in (q, k):
+        if t is not None:
+            p = t.untyped_storage().data_ptr()
+            if (p == c and views_overlap(t, cos)) or (p == s and views_overlap(t, sin)):
+                return True
+    return False
 
 
 def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjugate: bool = False,
