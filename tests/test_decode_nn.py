@@ -150,9 +150,9 @@ def test_compiled_decode_step_no_breaks_one_trace(paged, scaling):
     torch.testing.assert_close(torch.cat(outs, 1), eager, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_decode_step_captured_in_cuda_graph(paged):
+def graph_decoding_setup(paged):
+    """A float16 block on the GPU, 12 tokens, their eager decoding (a 4-token prompt, then steps), and a fresh cache
+    holding the prompt (pages allocated up front: a graph cannot allocate): (block, x, eager, cache, [prompt out])."""
     torch.manual_seed(0)
     block = TransformerBlock(64, 8, 2, rotary=RotaryEmbedding(8), dtype=torch.float16).cuda().eval()
     x = torch.randn(4, 12, 64, device="cuda", dtype=torch.float16)
@@ -161,7 +161,23 @@ def test_decode_step_captured_in_cuda_graph(paged):
         cache = block.new_cache(4, max_len=64, paged=paged)
         if paged:
             cache.self_attn.allocate_all(64)
-        outs = [block(x[:, :4], cache=cache)]
+        return block, x, eager, cache, [block(x[:, :4], cache=cache)]
+
+
+def check_graph_decoding(label, block, x, eager, outs):
+    """eager and the graph's steps (outs) against the block's math: float64, and float16 eager (the tolerance rule)."""
+    with torch.no_grad():
+        out_ref = eager_block(copy.deepcopy(block).double(), x.double())
+        out_e = eager_block(block, x)
+    assert_close_to_reference("eager decoding", eager, out_ref, out_e)
+    assert_close_to_reference(label, torch.cat(outs, 1), out_ref, out_e)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_step_captured_in_cuda_graph(paged):
+    block, x, eager, cache, outs = graph_decoding_setup(paged)
+    with torch.no_grad():
         static_x = x[:, 4:5].clone()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -177,11 +193,7 @@ def test_decode_step_captured_in_cuda_graph(paged):
             static_x.copy_(x[:, t:t + 1])
             graph.replay()
             outs.append(static_out.clone())
-        # the tolerance rule: the block's math written out in float64 and, the eager baseline, in float16
-        out_ref = eager_block(copy.deepcopy(block).double(), x.double())
-        out_e = eager_block(block, x)
-    assert_close_to_reference("eager decoding", eager, out_ref, out_e)
-    assert_close_to_reference("graph-replayed decoding", torch.cat(outs, 1), out_ref, out_e)
+    check_graph_decoding("graph-replayed decoding", block, x, eager, outs)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
@@ -193,26 +205,16 @@ def test_compiled_decode_step_runs_in_cuda_graphs(paged):
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
 
-    torch.manual_seed(0)
-    block = TransformerBlock(64, 8, 2, rotary=RotaryEmbedding(8), dtype=torch.float16).cuda().eval()
-    x = torch.randn(4, 12, 64, device="cuda", dtype=torch.float16)
+    block, x, eager, cache, outs = graph_decoding_setup(paged)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda t: block(t, cache=cache), mode="reduce-overhead", fullgraph=True)
     with torch.no_grad():
-        eager = decode(block, x, block.new_cache(4, max_len=64, paged=paged), prompt=4)
-        cache = block.new_cache(4, max_len=64, paged=paged)
-        if paged:
-            cache.self_attn.allocate_all(64)
-        outs = [block(x[:, :4], cache=cache)]
-        torch._dynamo.reset()
-        counters.clear()
-        step = torch.compile(lambda t: block(t, cache=cache), mode="reduce-overhead", fullgraph=True)
         for t in range(4, 12):
             outs.append(step(x[:, t:t + 1]).clone())  # (a replay's output is overwritten by the next)
-        out_ref = eager_block(copy.deepcopy(block).double(), x.double())
-        out_e = eager_block(block, x)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False) is not None
-    assert_close_to_reference("eager decoding", eager, out_ref, out_e)
-    assert_close_to_reference("compiled decoding in CUDA graphs", torch.cat(outs, 1), out_ref, out_e)
+    check_graph_decoding("compiled decoding in CUDA graphs", block, x, eager, outs)
 
 
 def decode_masked(layer, x, mask, cache, prompt: int, **kw):
