@@ -467,7 +467,9 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
         (as flash-attn's), and counted in cu_seqlens and max_seqlen but not in seqused.
     Returns (packed (total, ...), indices (total,) int64 into the flattened (B * S) positions,
     cu_seqlens (B + 1,) int32, max_seqlen int (one device sync), seqused (B,) int32: the tokens
-    attention_mask selects). Differentiable in hidden_states.
+    attention_mask selects). Differentiable in hidden_states. Under torch.compile(fullgraph=True) the total and
+    max_seqlen are read on the device: set torch._dynamo.config.capture_dynamic_output_shape_ops and
+    capture_scalar_outputs, and flashtx's RoPE, varlen attention and SwiGLU trace over them.
     """
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
         got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
