@@ -239,8 +239,9 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
     unbounded), aligned as causal is; softcap: a validated float, 0.0 for none."""
     if not LANE or not _lanes.eager():
         return None
-    if type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR:
-        return None  # a subclass (a Parameter too) goes through the registered op
+    if type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR or q.is_neg() or k.is_neg() or \
+            v.is_neg():
+        return None  # a subclass (a Parameter too) goes through the registered op; a negated view is refused there
     if _library._other_device(q) is not None:
         return None  # the general path makes q's device current first (flashtx._library.call)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -408,7 +409,7 @@ def varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bo
     if not LANE or not _lanes.eager():
         return None
     if not (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and type(cu_q) is _TENSOR
-            and type(cu_k) is _TENSOR):
+            and type(cu_k) is _TENSOR) or q.is_neg() or k.is_neg() or v.is_neg():
         return None
     if _library._other_device(q) is not None:
         return None

@@ -1,6 +1,7 @@
 """Input checks with messages that name the argument, what it got and what is allowed."""
 from __future__ import annotations
 
+import collections.abc as _abc
 import math
 import numbers
 
@@ -33,8 +34,18 @@ def _check_layout(name: str, t) -> None:
                         f"pad them and pass key_mask / kv_lens, or pack them for flash_attn_varlen_func)")
     if not _COMPILING() and t.is_neg():  # (the kernels read stored values: a wrong sign, which PyTorch's own ops
         # resolve first. Dynamo cannot trace is_neg, a graph break: traced calls are not checked)
-        raise ValueError(f"{name} is a lazily negated view (its negative bit is set, e.g. z.conj().imag); "
-                         f"pass {name}.resolve_neg()")
+        _refuse_negated(name)
+
+
+def _refuse_negated(name: str):
+    raise ValueError(f"{name} is a lazily negated view (its negative bit is set, e.g. z.conj().imag); "
+                     f"pass {name}.resolve_neg()")
+
+
+def refuse_negated_qkv(q, k, v) -> None:
+    """check_tensor's negative-bit rule for q, k, v, which the attention shells check in ints and bools only."""
+    if not _COMPILING() and (q.is_neg() or k.is_neg() or v.is_neg()):
+        _refuse_negated("q" if q.is_neg() else "k" if k.is_neg() else "v")
 
 
 def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
@@ -158,8 +169,8 @@ def check_window(name: str, window) -> tuple[int, int]:
             raise TypeError(f"{name} must be a pair (left, right) of ints >= -1; got a {window.dtype} tensor of "
                             f"shape {tuple(window.shape)}")
         window = window.tolist()
-    elif not isinstance(window, (tuple, list)):  # (a set or dict unpacks in no fixed order; an iterator is spent)
-        raise TypeError(f"{name} must be a pair (left, right) of ints >= -1, a tuple or list; got "
+    elif isinstance(window, (_abc.Set, _abc.Mapping, _abc.Iterator)):  # (no fixed order, or read once)
+        raise TypeError(f"{name} must be a pair (left, right) of ints >= -1, a sequence such as a tuple; got "
                         f"{type(window).__name__} {window!r}")
     try:
         left, right = window

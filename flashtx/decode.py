@@ -11,8 +11,8 @@ from torch import Tensor
 from . import _decode_lane, _decode_op
 from ._device_checks import triton_checks as _triton_checks
 from ._library import call
-from ._validate import (_values_readable, check_alibi, check_flag, check_softcap, check_tensor, check_window,
-                        has_internal_overlap, resolve_scale, views_overlap)
+from ._validate import (_check_layout, _values_readable, check_alibi, check_flag, check_softcap, check_tensor,
+                        check_window, has_internal_overlap, resolve_scale, views_overlap)
 from .triton_kernels.limits import MAX_GRID_YZ, MAX_SEQ
 
 LN2 = math.log(2.0)
@@ -261,6 +261,7 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
                 raise ValueError(f"{n} must be a float tensor (seqlen_ro, rotary_dim / 2)")
             if t.device != q.device:
                 raise ValueError(f"{n} must be on q's device {q.device}; got {t.device}")
+            _check_layout(n, t)
         if rotary_cos.shape != rotary_sin.shape or not 0 < 2 * rotary_cos.shape[1] <= D:
             raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim "
                              f"<= D = {D}; got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")

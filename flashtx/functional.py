@@ -34,7 +34,8 @@ from ._library import call
 from .triton_kernels.limits import MAX_SEQ
 from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
                         check_cu_seqlens_pair, check_dropout, check_lens, check_max_seqlen, check_qkv,
-                        check_flag, check_seq_mask, check_softcap, check_tensor, check_window, resolve_scale)
+                        check_flag, check_seq_mask, check_softcap, check_tensor, check_window, refuse_negated_qkv,
+                        resolve_scale)
 
 LN2 = math.log(2.0)
 _NO_WINDOW = (-1, -1)
@@ -77,6 +78,7 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     Returns out (B, Hq, Sq, Dv) (bshd: (B, Sq, Hq, Dv)) [, lse (B, Hq, Sq)] [, probs (B, Hq, Sq, Sk)]. Plain
     ints, bools and lists only: this is what torch.compile traces around the op.
     """
+    refuse_negated_qkv(q, k, v)
     Sq, Sk = (q.shape[1], k.shape[1]) if bshd else (q.shape[2], k.shape[2])
     if Sq > MAX_SEQ or Sk > MAX_SEQ:  # every backend: window bounds >= MAX_SEQ were taken as unbounded
         raise ValueError(f"flashtx takes sequences of at most {MAX_SEQ} tokens (queries, keys, a varlen batch's "
@@ -361,7 +363,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             return out
     bias = None if attn_bias is None else check_attn_mask(
         "attn_bias", attn_bias, (B,), Hq, Sq, Sk, q, lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
-    probs = check_flag("return_attn_probs", return_attn_probs)
+    probs = return_attn_probs is not None and check_flag("return_attn_probs", return_attn_probs)  # (None: False)
     res = _run(q, k, v, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
                return_lse=probs, return_probs=probs, bias=bias, bshd=True,
                **_padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens),
@@ -432,7 +434,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_cu_seqlens_pair(("cu_seqlens_q", cuq, q.shape[0], "total_q (q.shape[0])", msq, "max_seqlen_q", True),
                           ("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])" if block_table is None else
                            "the rows block_table can hold", msk, "max_seqlen_k", block_table is None))
-    if return_attn_probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
+    probs = return_attn_probs is not None and check_flag("return_attn_probs", return_attn_probs)  # (None: False)
+    if probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
         msq, msk = int(msq), int(msk)
     # The kernels' grids span max_seqlen rows per sequence: bounded by the total (a larger bound only adds
     # empty programs); a 0-dim tensor max_seqlen (checked above, on the device) uses the total, so no
@@ -440,14 +443,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     msq = q.shape[0] if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
     msk = k.shape[0] if isinstance(msk, torch.Tensor) else min(msk, k.shape[0])
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
-    if (not return_attn_probs and alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0
+    if (not probs and alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0
             and type(causal) is bool and (backend is None or type(backend) is str)):
         out = _attention_lane.varlen(q, k, v, cuq, cuk, msq, msk, scale, causal, _lane_window(window_size),
                                      _lane_softcap(softcap), backend)  # planned once per signature
         if out is not None:
             return out
     res = _run(q4, k4, v4, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
-               return_lse=check_flag("return_attn_probs", return_attn_probs), return_probs=return_attn_probs,
+               return_lse=probs, return_probs=probs,
                window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
                max_seqlen_q=msq, max_seqlen_k=msk, bshd=True,
                **_score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p, softcap=softcap,

@@ -76,11 +76,11 @@ def _inplace_allowed(q: Tensor, k: Optional[Tensor]) -> bool:
 
 def _rotate_inplace(q, k, cos, sin, index, spec, backend: str, track: bool) -> None:
     """Rotate q (and k), in the caller's layout, in place. Without autograd: the in-place op (one launch,
-    no copy). With autograd, and for q and k under torch.compile (which cannot test whether they overlap): the
+    no copy). With autograd, and under torch.compile (which cannot test whether q, k and the tables overlap): the
     functional op, written back with copy_, which autograd records
     (torch.library gives mutating ops no autograd formula); the rotated values are what backward
     keeps, not x. So too for q or k that shares memory with the tables."""
-    compiling = k is not None and torch.compiler.is_compiling()  # (q and k's overlap cannot be tested then)
+    compiling = torch.compiler.is_compiling()  # (overlaps, of q and k or with the tables, cannot be tested then)
     _refuse_overlap(q, k, compiling)
     if not track and not compiling and not _rotary_lane.shares_tables(q, k, cos, sin):
         call(rotary_inplace_op, q, k, cos, sin, index, spec, backend)

@@ -199,8 +199,9 @@ def test_value_reading_calls_trace_under_fullgraph():
 
     for case, kernels in want.items():
         assert "error" not in res[case], (case, res[case].get("error"))
-        graphs = kernels if isinstance(kernels, tuple) else [kernels]
-        assert [checks_once(g) for g in res[case]["kernels"]] == [checks_once(g) for g in graphs], \
+        fwd, *bwd = kernels if isinstance(kernels, tuple) else [kernels]
+        got_fwd, *got_bwd = res[case]["kernels"]
+        assert got_fwd == fwd and [checks_once(g) for g in got_bwd] == [checks_once(g) for g in bwd], \
             (case, res[case]["kernels"])
     for case in ("rope-module-position-ids", "rope-module-tensor-offsets"):  # positions past the tables: asserted
         assert res[case]["asserts"] == [1], (case, res[case]["asserts"])

@@ -43,9 +43,10 @@ def test_window_size_as_a_tensor_is_read_as_its_values():
     (torch.tensor([4, -2]), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
     ((torch.tensor(True), 1), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
     ((torch.tensor([2, 1]), 1), ValueError, r"window_size must be a pair \(left, right\) of ints >= -1"),
-    ({5, 0}, TypeError, r"window_size must be a pair .*a tuple or list; got set"),  # its order: (0, 5)
-    ({5: 0, 1: 2}, TypeError, r"window_size must be a pair .*a tuple or list; got dict"),
-], ids=["float", "three", "below-minus-one", "bool", "nested", "set", "dict"])
+    ({5, 0}, TypeError, r"window_size must be a pair .*a sequence such as a tuple; got set"),  # its order: (0, 5)
+    ({5: 0, 1: 2}, TypeError, r"window_size must be a pair .*a sequence such as a tuple; got dict"),
+    (iter((5, 0)), TypeError, r"window_size must be a pair .*a sequence such as a tuple; got tuple_iterator"),
+], ids=["float", "three", "below-minus-one", "bool", "nested", "set", "dict", "iterator"])
 def test_bad_window_tensors_get_a_clear_error(window, error, pattern):
     q = randn(1, 4, 2, 16)
     with pytest.raises(error, match=pattern):
@@ -256,9 +257,22 @@ def test_apply_rotary_emb_takes_flash_attns_positional_call(interleaved):
     torch.testing.assert_close(got, want, **SAME)
 
 
+def test_window_size_sequences_and_arrays_are_read_in_order():
+    """Any sequence or 1-D array is a (left, right) pair (only unordered or read-once forms are refused)."""
+    import numpy as np
+
+    q = randn(1, 6, 2, 16)
+    want = flashtx.flash_attn_func(q, q, q, window_size=(2, 0))
+    for w in ([2, 0], np.array([2, 0]), range(2, -1, -2), torch.Size([2, 0])):
+        torch.testing.assert_close(flashtx.flash_attn_func(q, q, q, window_size=w), want, **SAME)
+
+
 def test_return_attn_probs_must_be_a_bool():
-    """A truthy non-bool ("no") returned the (out, lse, probs) tuple; refused by name, as other flags are."""
+    """A truthy non-bool ("no") returned the (out, lse, probs) tuple; refused by name, as other flags are. None
+    (a remote-code model's unset output_attentions) is False, as in flash-attn."""
     q = randn(1, 4, 2, 16)
+    torch.testing.assert_close(flashtx.flash_attn_func(q, q, q, return_attn_probs=None), flashtx.flash_attn_func(q, q, q),
+                               **SAME)
     with pytest.raises(TypeError, match="return_attn_probs must be a bool; got str 'no'"):
         flashtx.flash_attn_func(q, q, q, return_attn_probs="no")
     cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)

@@ -35,10 +35,42 @@ CASES = {
                                                                  rand(2, 16, 4, 16), cache_seqlens=5)),
     "kvcache k_cache": ("k_cache", lambda t: flashtx.flash_attn_with_kvcache(rand(2, 1, 4, 16), t(2, 16, 4, 16),
                                                                              rand(2, 16, 4, 16), cache_seqlens=5)),
+    "kvcache rotary_sin": ("rotary_sin", lambda t: flashtx.flash_attn_with_kvcache(
+        rand(2, 1, 4, 16), rand(2, 16, 4, 16), rand(2, 16, 4, 16), k=rand(2, 1, 4, 16), v=rand(2, 1, 4, 16),
+        rotary_cos=rand(16, 4), rotary_sin=t(16, 4),
+        cache_seqlens=torch.full((2,), 5, dtype=torch.int32, device=DEVICE))),
     "kvcache k": ("k", lambda t: flashtx.flash_attn_with_kvcache(
         rand(2, 1, 4, 16), rand(2, 16, 4, 16), rand(2, 16, 4, 16), k=t(2, 1, 4, 16), v=rand(2, 1, 4, 16),
         cache_seqlens=torch.full((2,), 5, dtype=torch.int32, device=DEVICE))),
 }
+
+
+def unit_negated(*shape):
+    """A float32 view with its negative bit set and a unit last stride (torch._neg_view; or as_strided over a
+    negated view): one the backends do not copy (a copy would resolve the bit)."""
+    return torch._neg_view(torch.randn(*shape, device=DEVICE))
+
+
+ATTENTION = {
+    "attention q": ("q", lambda t: flashtx.attention(t(1, 2, 5, 8), rand(1, 2, 5, 8), rand(1, 2, 5, 8))),
+    "attention v causal": ("v", lambda t: flashtx.attention(rand(1, 2, 5, 8), rand(1, 2, 5, 8), t(1, 2, 5, 8),
+                                                            is_causal=True)),
+    "flash_attn_func k": ("k", lambda t: flashtx.flash_attn_func(rand(1, 5, 2, 8), t(1, 5, 2, 8), rand(1, 5, 2, 8))),
+    "varlen q": ("q", lambda t: flashtx.flash_attn_varlen_func(
+        t(5, 2, 8), rand(5, 2, 8), rand(5, 2, 8), *[torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)] * 2, 5, 5)),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION))
+def test_negated_attention_inputs_are_refused_by_name(case):
+    """q, k, v are validated in ints and bools on the common path (and the lanes take them before): a negated view
+    with a unit last stride, which no backend copies, gave a wrong answer there."""
+    name, call = ATTENTION[case]
+    for _ in range(2):
+        call(lambda *s: rand(*s))  # a lane for the layout
+    for _ in range(2):
+        with pytest.raises(ValueError, match=rf"^{name} is a lazily negated view"):
+            call(unit_negated)
 
 
 @pytest.mark.parametrize("case", list(CASES))
