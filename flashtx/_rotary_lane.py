@@ -115,9 +115,8 @@ _APPLY_QK, _APPLY_X = _bound(RotaryQk), _bound(Rotary)
 
 def shares_tables(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether q or k shares memory with cos or sin: the in-place kernel would read table rows it already rotated,
-    so such a call rotates out of place and copies back (torch.compile cannot test it: it always does so)."""
-    if torch.compiler.is_compiling():
-        return False
+    so such a call rotates out of place and copies back. Eager calls only (it reads pointers): under torch.compile
+    every in-place call does so (flashtx.rotary._rotate_inplace)."""
     c, s = cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()  # (the common case: other storages)
     for t in (q, k):
         if t is not None:

@@ -219,10 +219,8 @@ def _train_cases() -> dict:
     from flashtx.nn import RotaryEmbedding, SwiGLU, TransformerBlock
 
     torch.manual_seed(0)
-    block = TransformerBlock(128, 4, 2, hidden_dim=192, rotary=RotaryEmbedding(32)).to(torch.float16)
-    for m in block.modules():
-        if isinstance(m, RotaryEmbedding):
-            m.cos_sin(64)  # the tables, built before the stand-ins (nothing runs then)
+    block = TransformerBlock(128, 4, 2, hidden_dim=192, rotary=RotaryEmbedding(32)).to(torch.float16)  # (its
+    # RoPE tables are built with it, before the stand-ins: nothing runs then)
     split = SwiGLU(128, 192, packed=False).to(torch.float16)
     x = _h(2, 64, 128, grad=True)
     return {"nn-block-train": (lambda x: block(x).float().sum(), (x,)),  # packed SwiGLU (w13), RoPE, attention
