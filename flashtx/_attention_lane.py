@@ -44,7 +44,8 @@ from __future__ import annotations
 import torch
 
 from . import _env, _lanes, _library, _small_q
-from ._attention_op import GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd, empty_like_layout, spec_of
+from ._attention_op import (GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd, empty_like_layout, out_layout,
+                            spec_of)
 from ._library import _C_APPLY, _unwrap_if_dead, call
 from ._packing import MIN_NUMEL, grads_like, part_stride
 from .triton_kernels import precision
@@ -61,7 +62,7 @@ class _Lane:
     """One call signature's plan: its key, the forward's launch entry (a list of launch.LaunchCache replays), the
     row statistics' shape and dtype, and the op's (aux, ints, floats, backend) for its backward."""
 
-    __slots__ = ("key", "entry", "aligned", "lse_shape", "acc", "dv", "args", "saved", "like")
+    __slots__ = ("key", "entry", "aligned", "lse_shape", "acc", "dv", "args", "saved", "like", "out_geometry")
 
     def __init__(self, key, entry, aligned, lse_shape, acc, dv, args, saved, packed=False):
         self.key, self.entry, self.aligned, self.lse_shape = key, entry, aligned, lse_shape
@@ -71,17 +72,29 @@ class _Lane:
         # (packed: varlen's (total, H, D) tensors) as (total, H, D) tensors whose unsqueeze(0) the launches were
         # planned on
         self.like = packed_like if packed else empty_like_layout
+        # the output's (size, stride), as _attention_op.out_layout allocates it (the key holds the shapes); packed: None
+        self.out_geometry = None if packed else _out_geometry(lse_shape, dv, bool(args[0][7]))  # args[0][7]: bshd
 
     def run(self, q, k, v, masks: tuple = ()):
         """(out, m2, l2) of the forward, allocated as the op allocates them. masks: () for a plain lane, else the
         option tensors in MASK_ROLES' order (masks_of)."""
-        out = self.like(q, self.dv)  # like q: (B, Hq, Sq, Dv), or (B, Sq, Hq, Dv) with bshd; packed (total, Hq, Dv)
+        geometry = self.out_geometry  # as the op allocates it (out_layout); packed: (total, Hq, Dv) like q
+        out = (packed_like(q, self.dv) if geometry is None else
+               torch.empty_strided(geometry[0], geometry[1], dtype=q.dtype, device=q.device))
         dev = q.device
         m2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)  # (B, Hq, Sq)
         l2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)
         tensors = (q, k, v, out, *masks, m2, l2)  # attention_fwd's roles, in order
         _lanes.fire(self.entry, tensors)
         return out, m2, l2
+
+
+def _out_geometry(lse_shape: tuple, dv: int, bshd: bool) -> tuple:
+    """(size, stride) of _attention_op.out_layout's output for q of these (B, Hq, Sq) and dv."""
+    B, H, S = lse_shape
+    if bshd:
+        return (B, S, H, dv), (S * H * dv, H * dv, dv, 1)
+    return (B, H, S, dv), (S * H * dv, dv, H * dv, 1)
 
 
 def packed_like(t, last_dim: int):
@@ -311,7 +324,7 @@ def _build(key, q, k, v, B, Hq, Sq, scale, causal, bottom_right, bshd, grad, bac
     floats = [scale, softcap, 0.0]  # _attention_op.Floats
     if _plan(q, k, v, None, _NO_AUX, ints, floats, backend, True) != "triton":  # raises as the op would
         return False
-    out = empty_like_layout(q, dv)
+    out = out_layout(q, dv, bshd)
     m2 = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
     try:
         entry = forward_entry(q, k, v, out, m2, torch.empty_like(m2), scale=scale, causal=causal,
@@ -377,7 +390,7 @@ def _make_op(key, q, k, v, bias, aux, ints, floats, backend, masks, packed: bool
         if _plan(q4, k4, v4, bias, aux, ints, floats, backend, no_aux) != "triton":  # raises as the op would
             return False
         acc, dv = TORCH_ACC_DTYPE[q.dtype], v.shape[-1]
-        out = packed_like(q, dv) if packed else empty_like_layout(q, dv)  # as _Lane.run allocates it
+        out = packed_like(q, dv) if packed else out_layout(q, dv, bool(ints[7]))  # as _Lane.run allocates it
         m2 = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
         try:
             entry = forward_entry(q4, k4, v4, out.unsqueeze(0) if packed else out, m2, torch.empty_like(m2),

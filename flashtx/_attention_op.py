@@ -109,6 +109,19 @@ def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
     return buf.permute(inverse)
 
 
+def out_layout(q: Tensor, last_dim: int, bshd: bool) -> Tensor:
+    """The uninitialised attention output of q: a (B, Hq, Sq, last_dim) view of a contiguous (B, Sq, Hq, last_dim)
+    tensor, or with bshd that tensor itself. Whatever q's layout, as SDPA's flash and memory-efficient
+    kernels lay out theirs, so merging the heads (``out.transpose(1, 2).reshape(B, Sq, -1)``, transformers'
+    attention functions) copies nothing."""
+    a, b, c = q.shape[:3]
+    if bshd:
+        return torch.empty(a, b, c, last_dim, dtype=q.dtype, device=q.device)
+    # one allocation, not a transposed view of one (no view bookkeeping)
+    return torch.empty_strided((a, b, c, last_dim), (b * c * last_dim, last_dim, b * last_dim, 1), dtype=q.dtype,
+                               device=q.device)
+
+
 _PLANS = _dispatch.plan_table("attention")  # _plan's key -> backend name (flashtx._dispatch.plan's answer)
 
 
@@ -171,7 +184,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], aux: list[
     v (B, Hkv, Sk, Dv) (with Ints.bshd: out (B, Sq, Hq, Dv) of (B, S, H, D) q, k, v); see the module docstring."""
     no_aux = _all_none(aux)
     name = _plan(q, k, v, bias, aux, ints, floats, backend, no_aux)
-    out = empty_like_layout(q, v.shape[-1])  # like q: (B, Hq, Sq, Dv), or (B, Sq, Hq, Dv) with bshd
+    out = out_layout(q, v.shape[-1], bool(ints[7]))  # (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv) memory; bshd: that
     masks = spec_of(bias, aux, ints, floats, no_aux)
     try:
         m2, l2 = _BACKENDS[name].forward(q, k, v, out, scale=floats[0], causal=bool(ints[0]),

@@ -18,8 +18,8 @@ transformers' padded batches pass a key mask and a top-left window (-1, Sk - Sq)
 a bool attn_mask that broadcasts over heads, (B | 1, 1, Sq | 1, Sk | 1), is a key mask, a row per query when it
 differs by query: transformers' static-cache steps pass one, (B, 1, Sq, max_len)), causal bottom-right aligned,
 windows either way where the bounds translate (top-left bounds are bottom-right ones shifted by Sk - Sq), unit
-last strides, q laid out (B, Sq, Hq, D) in memory (flash-attn's layout, and transformers' q views: attention's
-output keeps q's memory order, the decode kernels write (B, Sq, Hq, Dv)), and the attention dispatch choosing
+last strides (q in any layout: the decode kernels write (B, Sq, Hq, Dv), the memory order of attention's output
+whatever q's, see _attention_op.out_layout), and the attention dispatch choosing
 Triton's kernels within their limits (triton_kernels.limits.within_limits's, as the attention op checks). Under
 torch.compile a growing K/V (dynamic Sk) compiles once without a window or with transformers' (-1, Sk - Sq): the
 guard Sk > Sq stays true as it grows. A top-left window with a fixed bound shifts by Sk - Sq, which would
@@ -67,14 +67,6 @@ def _triton_takes(device_type: str, index, dtype, d_qk: int, d_v: int) -> bool:
     return ok
 
 
-def _bsh_ordered(B, S, H, sB, sS, sH) -> bool:
-    """Whether a (B, S, H, D) tensor of strides (sB, sS, sH, 1) lies in memory as (B, S, H): each stride at least
-    the next one's, dims of size 1 aside (their strides mean nothing). Ints only: this runs on every small call."""
-    if S != 1:
-        return (H == 1 or sS >= sH) and (B == 1 or sB >= sS)
-    return B == 1 or H == 1 or sB >= sH
-
-
 def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floats: list, backend: str,
               return_lse: bool):
     """out [, lse] of attention over validated q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) views
@@ -87,19 +79,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
     shape, st = q.shape, q.stride()
     if bshd:
         B, Sq, Hq = shape[0], shape[1], shape[2]
-        sB, sS, sH = st[0], st[1], st[2]
         Sk = k.shape[1]
     else:
         B, Hq, Sq = shape[0], shape[1], shape[2]
-        sB, sH, sS = st[0], st[1], st[2]
         Sk = k.shape[2]
     # the cheapest refusals first: every no-grad call of at most SMALL_Q_MAX queries pays for them
     if not 0 < Sq <= SMALL_Q_MAX or B > MAX_GRID_YZ or Hq * Sq > MAX_GRID_YZ:
         return None
     if st[3] != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return None
-    if not _bsh_ordered(B, Sq, Hq, sB, sS, sH):
-        return None  # attention's output keeps q's memory order; the decode kernels write (B, Sq, Hq, Dv)
     key_mask = aux[0]  # (B, Sk) bool, True = a real key
     if bias is not None and (bias.dtype != torch.bool or bias.shape[1] != 1 or key_mask is not None):
         return None  # additive, or differing per head (or beside a key mask)
@@ -134,5 +122,5 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
     out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, None, None, None, None, alibi, key_mask, floats[0],
                      bool(causal), left, right, floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)
     if not bshd:
-        out = out.transpose(1, 2)  # (B, Hq, Sq, Dv), laid out (B, Sq, Hq, Dv) as q (checked above)
+        out = out.transpose(1, 2)  # (B, Hq, Sq, Dv), laid out (B, Sq, Hq, Dv) as the attention op's
     return (out, lse2 * LN2) if return_lse else out

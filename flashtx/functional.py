@@ -206,7 +206,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         inputs are cast as autocast casts SDPA's); rows that see no key (all masked, or all -inf
         bias; SDPA gives NaN there; or Sk = 0, where SDPA gives 0 too) are 0 with lse -inf; with
         return_lse, (out, lse) with lse (..., Hq, Sq) in float32 (float64 for float64 inputs), natural
-        log. Differentiable in query, key, value, a float attn_mask (and through lse).
+        log. Differentiable in query, key, value, a float attn_mask (and through lse). out is laid out
+        (..., Sq, Hq, Dv) in memory whatever query's layout, as SDPA's flash kernel returns it: merging
+        the heads, out.transpose(-3, -2).reshape(..., Sq, Hq * Dv), copies nothing.
 
     Decoding: without autograd, up to 16 queries over more keys, with no query mask, lengths, dropout or bias
     (a bool attn_mask the same for every head aside), run the split-KV decode kernels of
@@ -328,8 +330,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             attn_mask, including the gradient of a float bias that requires grad.
 
     Returns:
-        out (B, Sq, Hq, Dv) in q's dtype (under torch.autocast the autocast dtype, as attention's), laid out
-        like q (contiguous for contiguous q);
+        out (B, Sq, Hq, Dv) contiguous, in q's dtype (under torch.autocast the autocast dtype, as attention's);
         with return_attn_probs, (out, softmax_lse, probs).
 
     Decoding: as flashtx.attention's, up to 16 queries over more keys without autograd run the split-KV decode

@@ -213,6 +213,48 @@ def test_reference_and_triton_backends_agree(backend):
         assert torch.allclose(g.double(), r, atol=atol)
 
 
+LAYOUTS = {  # (B, H, S, D) inputs of every memory order of (B, H, S), made from a (B, S, H, D)-shaped tensor
+    "bhsd": lambda t: t.transpose(1, 2).contiguous(),  # transformers' q and k after its RoPE
+    "bshd-views": lambda t: t.transpose(1, 2),  # nanoGPT's and transformers' projection views
+    "hsbd": lambda t: t.permute(2, 1, 0, 3).contiguous().permute(2, 0, 1, 3),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_output_is_laid_out_as_sdpa_flash_lays_out_its_own(layout, backend, grad):
+    """Whatever q's layout, out is a (B, Hq, Sq, Dv) view of a contiguous (B, Sq, Hq, Dv) tensor, as SDPA's flash
+    kernel returns it: merging the heads (out.transpose(1, 2).reshape(B, Sq, -1), transformers' attention
+    functions) copies nothing. Twice per case: the lanes replay a plan the first call made."""
+    import flashtx.integrations.transformers as ftx
+
+    for sq in (5, 1):  # 1: the decode route when nothing needs grad
+        q, k, v = (LAYOUTS[layout](randn(2, s, h, 16)).requires_grad_(grad)
+                   for s, h in ((sq, 4), (9, 2), (9, 2)))
+        for _ in range(2):
+            out = flashtx.attention(q, k, v, enable_gqa=True, backend=backend)
+            assert out.shape == (2, 4, sq, 16) and out.transpose(1, 2).is_contiguous(), out.stride()
+            want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                                    enable_gqa=True)
+            assert torch.allclose(out.double(), want, atol=1e-5)
+            if grad:
+                gq, gk = torch.autograd.grad(out.sum(), (q, k))
+                assert gq.stride() == q.stride() and gk.stride() == k.stride()  # gradients stay like their inputs
+    seen = []
+
+    def recording(*a, **kw):
+        seen.append(real(*a, **kw))
+        return seen[-1]
+
+    real, ftx.attention = ftx.attention, recording
+    try:
+        res, _ = ftx.flashtx_attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True)
+    finally:
+        ftx.attention = real
+    assert res.shape == (2, 1, 4, 16) and res.data_ptr() == seen[0].data_ptr()  # (B, Sq, Hq, Dv): no copy
+
+
 def test_torch_compile_fullgraph_has_no_graph_breaks():
     """flashtx.attention is a custom op with a fake impl and autograd: dynamo traces through it."""
     import torch._dynamo

@@ -46,10 +46,8 @@ def test_few_queries_run_the_decode_kernels(routes, case, dtype, api):
             if api == "attention":
                 qh, kh, vh = (t.contiguous() for t in (qh, kh, vh))
             out, lse = flashtx.attention(qh, kh, vh, is_causal=causal, enable_gqa=True, return_lse=True)
-    if api == "attention" and Sq > 1:  # q laid out (B, Hq, Sq, D): the training forward keeps that order
-        assert routes == ["train"] and out.is_contiguous(), (routes, out.stride())
-    else:
-        assert routes == ["decode"], routes
+    assert routes == ["decode"], routes  # q in any layout: out is (B, Sq, Hq, Dv) in memory either way
+    assert out.transpose(1, 2).is_contiguous(), out.stride()
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     want, want_lse = _ref(qh, kh, vh, causal=causal, bottom_right=True)
     eager, _ = _ref(qh, kh, vh, causal=causal, bottom_right=True, dtype=dtype)
@@ -100,11 +98,6 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
             q, k, v, attn_mask=_keys_seen(2, 1, 1, 40), key_mask=torch.ones(2, 40, dtype=torch.bool, device=DEVICE)),
         "dropout": lambda: flashtx.attention(q, k, v, dropout_p=0.5),
         "17 queries": lambda: flashtx.attention(randn(2, 17, 4, 16, dtype=dt).transpose(1, 2), k, v),
-        "q laid out (B, Hq, Sq, D)": lambda: flashtx.attention(q.contiguous(), k, v),
-        "flash_attn_func, q laid out (B, Hq, Sq, D)": lambda: flashtx.flash_attn_func(
-            q.contiguous().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
-        "flash_attn_func, q laid out (Sq, B, Hq, D)": lambda: flashtx.flash_attn_func(
-            randn(3, 2, 4, 16, dtype=dt).transpose(0, 1), k.transpose(1, 2), v.transpose(1, 2)),
         "strided last dim": lambda: flashtx.attention(randn(2, 3, 4, 32, dtype=dt)[..., ::2].transpose(1, 2), k, v),
         "backend='reference'": lambda: flashtx.attention(q, k, v, backend="reference"),
         "SMALL_Q_MAX lowered": lambda: _with_max(2, lambda: flashtx.attention(q, k, v)),
@@ -114,9 +107,6 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         "Sq > Sk, bottom-right causal": lambda: flashtx.flash_attn_func(q.transpose(1, 2), k[:, :, :2].transpose(1, 2),
                                                                         v[:, :, :2].transpose(1, 2), causal=True),
         "no keys": lambda: flashtx.attention(q, k[:, :, :0], v[:, :, :0]),
-        "one query laid out (Hq, B, D)": lambda: flashtx.attention(  # batch innermost: its output keeps that order
-            randn(4, 3, 16, dtype=dt).permute(1, 0, 2)[:, :, None], randn(3, 4, 20, 16, dtype=dt),
-            randn(3, 4, 20, 16, dtype=dt)),
     }
     for name, fn in calls.items():
         routes.clear()
@@ -127,6 +117,15 @@ def test_calls_the_decode_kernels_must_not_take_run_the_training_forward(routes)
         "backend='triton'": lambda: flashtx.attention(q[:, :, :1], k, v, backend="triton"),
         "one key more than queries": lambda: flashtx.attention(q, k[:, :, :4], v[:, :, :4]),
         "one query laid out (B, Hq, Sq, D)": lambda: flashtx.attention(q[:, :, :1].contiguous(), k, v),
+        # any q layout: attention's output is (B, Sq, Hq, Dv) in memory whatever q's, as the decode kernels write it
+        "q laid out (B, Hq, Sq, D)": lambda: flashtx.attention(q.contiguous(), k, v),
+        "flash_attn_func, q laid out (B, Hq, Sq, D)": lambda: flashtx.flash_attn_func(
+            q.contiguous().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+        "flash_attn_func, q laid out (Sq, B, Hq, D)": lambda: flashtx.flash_attn_func(
+            randn(3, 2, 4, 16, dtype=dt).transpose(0, 1), k.transpose(1, 2), v.transpose(1, 2)),
+        "one query laid out (Hq, B, D)": lambda: flashtx.attention(
+            randn(4, 3, 16, dtype=dt).permute(1, 0, 2)[:, :, None], randn(3, 4, 20, 16, dtype=dt),
+            randn(3, 4, 20, 16, dtype=dt)),
         "16 queries": lambda: flashtx.attention(randn(2, 16, 4, 16, dtype=dt).transpose(1, 2), k, v),
         "key_mask": lambda: flashtx.attention(q, k, v, key_mask=torch.ones(2, 40, dtype=torch.bool, device=DEVICE)),
         "bool attn_mask over keys": lambda: flashtx.attention(q, k, v, attn_mask=_keys_seen(2, 1, 1, 40)),
