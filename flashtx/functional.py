@@ -407,12 +407,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Example:
         >>> out = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
     """
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                   window_size, softcap, alibi_slopes, return_attn_probs, block_table, backend, _VARLEN_NAMES)
+
+
+# the argument names varlen errors use: cu_seqlens q/k, max_seqlen q/k, total q/k (flash_attn_varlen_func's)
+_VARLEN_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "total_q (q.shape[0])",
+                 "total_k (k.shape[0])")
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, return_attn_probs, block_table, backend, names: tuple):
+    """flash_attn_varlen_func's body; names: _VARLEN_NAMES, or a packed form's own argument names."""
+    n_cuq, n_cuk, n_msq, n_msk, n_tq, n_tk = names
+
     if _AUTOCAST_ANY() and isinstance(q, torch.Tensor):
         q, k, v = _autocast(q.device.type, q, k, v)
     if block_table is not None:  # keys and values from a paged cache: gathered into packed rows
         from ._paged_varlen import unpage
         check_tensor("q", q)
-        k, v = unpage(k, v, block_table, check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q), q, max_seqlen_k)
+        k, v = unpage(k, v, block_table, check_cu_seqlens(n_cuk, cu_seqlens_k, q), q, max_seqlen_k)
     for n, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(n, t)
         if t.dim() != 3:
@@ -421,20 +435,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not _qkv_ok(q4, k4, v4, True, heads=2):
         check_qkv(("q", "k", "v"), *(t.transpose(0, 1)[None] for t in (q, k, v)), "(total, H, D)",
                   allow_gqa=True, shown=(q, k, v))  # raises, naming what is wrong
-    cuq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
-    cuk = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
+    cuq = check_cu_seqlens(n_cuq, cu_seqlens_q, q)
+    cuk = check_cu_seqlens(n_cuk, cu_seqlens_k, q)
     if cuq.shape != cuk.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences; got shapes "
+        raise ValueError(f"{n_cuq} and {n_cuk} must describe the same number of sequences; got shapes "
                          f"{tuple(cuq.shape)} and {tuple(cuk.shape)}")
-    msq, msk = (check_max_seqlen("max_seqlen_q", max_seqlen_q, q.device),
-                check_max_seqlen("max_seqlen_k", max_seqlen_k, q.device))
+    msq, msk = (check_max_seqlen(n_msq, max_seqlen_q, q.device),
+                check_max_seqlen(n_msk, max_seqlen_k, q.device))
     # an int bound past the total bounds nothing more (no sequence is longer than the total): clamped first, so
     # looser bounds share a launch-cache entry of the check (and of the kernels, below)
     msq = msq if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
     msk = msk if isinstance(msk, torch.Tensor) else min(msk, k.shape[0])
-    check_cu_seqlens_pair(("cu_seqlens_q", cuq, q.shape[0], "total_q (q.shape[0])", msq, "max_seqlen_q", True),
-                          ("cu_seqlens_k", cuk, k.shape[0], "total_k (k.shape[0])" if block_table is None else
-                           "the rows block_table can hold", msk, "max_seqlen_k", block_table is None))
+    check_cu_seqlens_pair((n_cuq, cuq, q.shape[0], n_tq, msq, n_msq, True),
+                          (n_cuk, cuk, k.shape[0], n_tk if block_table is None else
+                           "the rows block_table can hold", msk, n_msk, block_table is None))
     probs = return_attn_probs is not None and check_flag("return_attn_probs", return_attn_probs)  # (None: False)
     if probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
         msq, msk = int(msq), int(msk)

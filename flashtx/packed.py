@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ._packing import unbind
 from ._validate import check_tensor
-from .functional import flash_attn_func, flash_attn_varlen_func
+from .functional import _varlen, flash_attn_func, flash_attn_varlen_func
 
 
 def _unpack(name: str, t, dim: int, parts: int, layout: str):
@@ -108,9 +108,16 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """
     q, k, v = _unpack("qkv", qkv, 1, 3, "(total, 3, H, D)")
     _check_kv(None, qkv, False, kwargs)  # (block_table only)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                  **kwargs)
+    backend = kwargs.pop("backend", None)
+    if kwargs:
+        raise TypeError(f"flash_attn_varlen_qkvpacked_func() got an unexpected keyword argument '{next(iter(kwargs))}'")
+    return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                   window_size, softcap, alibi_slopes, return_attn_probs, None, backend, _PACKED_NAMES)
+
+
+# varlen's error names (functional._VARLEN_NAMES) for one cu_seqlens and max_seqlen, as this form takes them
+_PACKED_NAMES = ("cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen", "total (qkv.shape[0])",
+                 "total (qkv.shape[0])")
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,

@@ -87,6 +87,18 @@ def test_varlen_packed_forms_match_the_unpacked_varlen_call():
     (lambda: flashtx.flash_attn_varlen_kvpacked_func(randn(8, 4, 16), randn(8, 2, 4, 16), None, None, 8, 8,
                                                      block_table=torch.zeros(1, 1, dtype=torch.int32)),
      r"block_table is not an argument of the packed forms"),
+    # the varlen qkv form's one cu_seqlens and max_seqlen, named as it takes them (not as cu_seqlens_q/_k)
+    (lambda: flashtx.flash_attn_varlen_qkvpacked_func(randn(8, 3, 4, 16), torch.tensor([0, 9], dtype=torch.int32),
+                                                      8),
+     r"^cu_seqlens\[-1\] must equal total \(qkv.shape\[0\]\) = 8"),
+    (lambda: flashtx.flash_attn_varlen_qkvpacked_func(randn(8, 3, 4, 16), torch.tensor([0, 8]), 8),
+     r"^cu_seqlens must be an int32 tensor \(as flash-attn\); got dtype torch.int64"),
+    (lambda: flashtx.flash_attn_varlen_qkvpacked_func(randn(8, 3, 4, 16), torch.tensor([0, 3, 8],
+                                                                                       dtype=torch.int32), 4),
+     r"^max_seqlen = 4 is less than the longest sequence in cu_seqlens \(sequence 1: 5 rows\)"),
+    (lambda: flashtx.flash_attn_varlen_qkvpacked_func(randn(8, 3, 4, 16), torch.tensor([0, 8], dtype=torch.int32),
+                                                      8, nonsense=1),
+     r"unexpected keyword argument 'nonsense'"),
 ])
 def test_bad_packing_gets_a_clear_error(call, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
