@@ -165,3 +165,33 @@ def test_block_without_inplace_backward_takes_a_second_backward():
     (g1,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
     (g2,) = torch.autograd.grad(y.sum(), x)
     assert torch.equal(g1, g2)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_meta_built_block_materialises_with_reset_parameters(norm):
+    """torch's meta-device recipe (FSDP's too): build on meta, to_empty(), then reset_parameters() on every module
+    that has one. Every parameter and buffer flashtx.nn owns gets a value (RMSNorm's weight ones, RotaryEmbedding's
+    inv_freq its frequencies), and the block computes what one built on the device computes with the same weights.
+    torch.empty is poisoned meanwhile: an uninitialised value would be NaN."""
+    from conftest import poisoned_allocations
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = TransformerBlock(E, H, 2, norm=norm, rotary=RotaryEmbedding(E // H))
+    with poisoned_allocations():
+        meta.to_empty(device=DEVICE)
+        for m in meta.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    for name, t in [*meta.named_parameters(), *meta.named_buffers()]:
+        assert torch.isfinite(t).all(), name
+    built = TransformerBlock(E, H, 2, norm=norm, rotary=RotaryEmbedding(E // H)).to(DEVICE)
+    for m in (meta.attn_norm, meta.mlp_norm):
+        assert torch.equal(m.weight, torch.ones_like(m.weight))
+    rope = [m for m in meta.modules() if isinstance(m, RotaryEmbedding)][0]
+    want = [m for m in built.modules() if isinstance(m, RotaryEmbedding)][0]
+    assert torch.equal(rope.inv_freq, want.inv_freq)
+    built.load_state_dict(meta.state_dict())
+    x = randn(2, 7, E)
+    with torch.no_grad():
+        torch.testing.assert_close(meta(x), built(x), rtol=0, atol=0)

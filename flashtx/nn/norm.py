@@ -32,6 +32,12 @@ class RMSNorm(nn.Module):
         self.dim, self.eps = int(dim), float(eps)
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
 
+    def reset_parameters(self) -> None:
+        """weight to ones, as at construction (how a module built on the meta device is initialised after
+        ``to_empty()``, e.g. by FSDP)."""
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, elementwise_affine={self.weight is not None}"
 

@@ -167,9 +167,14 @@ class RotaryEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """Module.to() / cuda() / to_empty(): the tables follow inv_freq's device (staying float32, whatever
-        dtype fn casts to); tables without values (the meta device) are built on arrival."""
+        dtype fn casts to); tables without values (the meta device) are built on arrival, and so is inv_freq's
+        content (to_empty() leaves it uninitialised; no state_dict holds it)."""
+        was_meta = self.inv_freq.device.type == "meta"
         out = super()._apply(fn, recurse)
         cached, dev = self._cache, self.inv_freq.device
+        if was_meta and dev.type != "meta":
+            self.reset_parameters()
+            return out
         if dev.type == "meta":
             self._cache = None
         elif cached is None or cached[2].device.type == "meta":
@@ -178,6 +183,15 @@ class RotaryEmbedding(nn.Module):
         elif cached[2].device != dev:
             self._cache = (*cached[:2], cached[2].to(dev), cached[3].to(dev), cached[4])
         return out
+
+    def reset_parameters(self) -> None:
+        """Recompute inv_freq in place and rebuild the tables (no learned parameters: a meta-device module's
+        initialisation after ``to_empty()``, as FSDP calls it; to_empty() itself already does this)."""
+        with torch.no_grad():
+            self.inv_freq.copy_(self._inv_freq32)  # (to the buffer's device and dtype)
+        self._cache = None
+        if self.inv_freq.device.type != "meta":
+            self.cos_sin(self.max_seq_len)
 
     def _inv_freq(self, base: float, device=None) -> Tensor:
         inv = base ** (-torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim)
