@@ -107,9 +107,9 @@ def _refuse_transforms(op, args) -> None:
     tensors, lists = _TENSORS[op]
     ts = [args[i] for i in tensors] + [t for i in lists for t in args[i]]
     if any(t is not None and _FORWARD_AD.unpack_dual(t).tangent is not None for t in ts):
+        sdpa = " (under flashtx.patch_sdpa, such an SDPA call goes to torch's SDPA)" if "att" in name else ""
         raise NotImplementedError(f"{name}: forward-mode AD (a dual tensor's tangent) is not supported: it has no jvp "
-                                  "formula; use backward-mode autograd (under flashtx.patch_sdpa, such a call goes "
-                                  "to torch's SDPA)")
+                                  f"formula; use backward-mode autograd{sdpa}")
 
 
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)  # absent from CPU-only builds (no CUDA tensor there)

@@ -97,8 +97,9 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if not is_flag(enable_gqa):
         return "enable_gqa must be a bool" + _TORCH_ERROR
     if _transformed():
-        what = "torch.func transforms (vmap, grad, jacrev, ...)" if _FUNCTORCH() else "forward-mode AD (a dual_level)"
-        return what + " are not supported by flashtx's kernels"
+        what = ("torch.func transforms (vmap, grad, jacrev, ...) are" if _FUNCTORCH() else
+                "forward-mode AD (a dual_level) is")
+        return what + " not supported by flashtx's kernels"
     if query.is_nested or key.is_nested or value.is_nested:
         return "nested (jagged) tensors are not supported"
     if not (query.layout is key.layout is value.layout is torch.strided):

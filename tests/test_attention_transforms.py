@@ -41,6 +41,18 @@ def test_forward_ad_tangents_are_refused_not_dropped(api):
     torch.testing.assert_close(out, CALLS[api](q, k, v))
 
 
+def test_forward_ad_errors_mention_patch_sdpa_only_for_attention():
+    """The hint that patch_sdpa sends such SDPA calls to torch belongs to attention's error, not SwiGLU's."""
+    q, k, v = _qkv()
+    gate, up = randn(3, 8), randn(3, 8)
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD.*patch_sdpa"):
+            flashtx.attention(fwAD.make_dual(q, torch.randn_like(q)), k, v, backend="triton")
+        with pytest.raises(NotImplementedError, match="forward-mode AD") as info:
+            flashtx.swiglu(fwAD.make_dual(gate, torch.randn_like(gate)), up)
+    assert "patch_sdpa" not in str(info.value)
+
+
 @pytest.mark.parametrize("api", sorted(CALLS))
 def test_torch_func_transforms_are_refused_clearly(api):
     q, k, v = _qkv(b=3)
