@@ -30,7 +30,7 @@ import torch
 
 from . import _env, _lanes, _library
 from ._library import _C_APPLY, _unwrap_if_dead
-from ._swiglu_op import _backward, _backward_packed
+from ._swiglu_op import _backward, _backward_packed, refuse_spent
 from ._validate import grad_leaf, views_overlap
 
 LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every call takes the general path
@@ -92,6 +92,7 @@ def _node_backward(ctx, dout, op_backward, n: int) -> tuple:
     """A lane node's gradients for its n tensor inputs (then None for lane and inplace): the lane's backward, or the
     op's (op_backward) where that one does not serve."""
     if ctx.lane is not None and dout is not None:
+        refuse_spent(ctx)
         grads = _lane_backward(ctx, dout)
         if grads is not None:
             return (*grads, None, None)
@@ -131,12 +132,14 @@ def _lane_backward(ctx, dout):
         _lanes.fire(entry, (x, x, dx, dout, dx))
         if inplace:
             _INC_VERSION(x)  # as the in-place op's call does
+            ctx.spent = True
         return (dx,)
     gate, up = saved
     if inplace:
         _lanes.fire(entry, (gate, up, gate, dout, up))
         _INC_VERSION(gate)
         _INC_VERSION(up)
+        ctx.spent = True
         return gate, up
     dg, du = torch.empty_like(gate, memory_format=_CONTIGUOUS), torch.empty_like(up, memory_format=_CONTIGUOUS)
     _lanes.fire(entry, (gate, up, dg, dout, du))

@@ -158,9 +158,19 @@ def _setup(ctx, inputs, output):
     ctx.args = (inplace_backward and no_saved_tensor_hooks(), backend)
 
 
+def refuse_spent(ctx) -> None:
+    """Raise for a second backward over a node whose in-place backward already overwrote its saved inputs
+    (retain_graph=True), before unpacking them: torch's own error would name neither the op nor the way out."""
+    if getattr(ctx, "spent", False):
+        raise RuntimeError("flashtx swiglu: a second backward through a call made with inplace_backward=True "
+                           "(retain_graph=True): the first one overwrote the saved inputs with their gradients; "
+                           "pass inplace_backward=False to backpropagate through it more than once")
+
+
 def _backward(ctx, dout):
     if dout is None:
         return None, None, None, None
+    refuse_spent(ctx)
     gate, up = ctx.saved_tensors
     inplace_backward, backend = ctx.args
     # create_graph=True: the out-of-place op, whose gradients refuse a double backward clearly (the
@@ -170,6 +180,7 @@ def _backward(ctx, dout):
     # memory saved)
     if inplace_backward and not torch.is_grad_enabled() and not traced():
         call(swiglu_bwd_inplace_op, dout, gate, up, backend)
+        ctx.spent = True
         return gate, up, None, None
     dg, du = call(swiglu_bwd_op, dout, gate, up, backend)
     return dg, du, None, None
@@ -218,10 +229,12 @@ def _setup_packed(ctx, inputs, output):
 def _backward_packed(ctx, dout):
     if dout is None:
         return None, None, None
+    refuse_spent(ctx)
     (x,) = ctx.saved_tensors
     inplace_backward, backend = ctx.args
     if inplace_backward and not torch.is_grad_enabled() and not traced():  # else out of place (see _backward)
         call(swiglu_packed_bwd_inplace_op, dout, x, backend)
+        ctx.spent = True
         return x, None, None
     return call(swiglu_packed_bwd_op, dout, x, backend), None, None
 

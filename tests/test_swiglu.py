@@ -95,13 +95,29 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(flashtx.swiglu_packed, (x,), fast_mode=True)
 
 
-def test_inplace_backward_twice_fails_loudly():
-    """In-place gradients consume the saved inputs: a second backward must raise, not be wrong."""
-    g = randn(3, 8, requires_grad=True)
-    out = flashtx.swiglu_packed(g * 1, inplace_backward=True)
-    out.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        out.sum().backward()
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "op"])
+@pytest.mark.parametrize("form", ["packed", "split"])
+def test_inplace_backward_twice_fails_loudly(form, lane, monkeypatch):
+    """In-place gradients consume the saved inputs: a second backward must raise, not be wrong, naming the op and
+    the way out (torch's own error named neither). inplace_backward=False backpropagates twice."""
+    from flashtx import _swiglu_lane
+
+    monkeypatch.setattr(_swiglu_lane, "LANE", lane)
+    for inplace in (True, False):
+        g = randn(3, 16, requires_grad=True)
+        x = g * 1
+        if form == "packed":
+            out = flashtx.swiglu_packed(x, inplace_backward=inplace)
+        else:
+            out = flashtx.swiglu(x[:, :8], x[:, 8:], inplace_backward=inplace)
+        out.sum().backward(retain_graph=True)
+        first = g.grad.clone()
+        if inplace:
+            with pytest.raises(RuntimeError, match="swiglu: a second backward .* pass inplace_backward=False"):
+                out.sum().backward()
+        else:
+            out.sum().backward()
+            torch.testing.assert_close(g.grad, 2 * first)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed_3d"])
