@@ -142,7 +142,7 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, LEFTPAD_ON: tl.constexpr, PAGED: tl.constexpr,
                 BATCH_IDX: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ACC: tl.constexpr,
                 DOT_PREC: tl.constexpr, LENS_ON: tl.constexpr = True, KEY_MASK: tl.constexpr = False,
-                QUERY_MASK: tl.constexpr = False):
+                QUERY_MASK: tl.constexpr = False, DOT_HALVES: tl.constexpr = False):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1) // M_TILES
     mt = tl.program_id(1) % M_TILES
@@ -162,11 +162,17 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
     i = offs_r // GROUP
     h = kvh * GROUP + offs_r % GROUP  # (BLOCK_M,) q head of each row
     row_ok = offs_r < GROUP * Sq
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D // 2 if DOT_HALVES else BLOCK_D)  # q's and K's columns (of each half)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + i[:, None].to(tl.int64) * stride_qm
-                + h[:, None].to(tl.int64) * stride_qh + offs_d[None, :].to(tl.int64) * stride_qd,
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (M, D)
+    q_rows = (Q + b.to(tl.int64) * stride_qb + i[:, None].to(tl.int64) * stride_qm
+              + h[:, None].to(tl.int64) * stride_qh)
+    q = tl.load(q_rows + offs_d[None, :].to(tl.int64) * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < D),
+                other=0.0)  # (M, D), or its first half
+    q_hi = q  # (DOT_HALVES: its second half)
+    if DOT_HALVES:
+        d_hi = offs_d + BLOCK_D // 2
+        q_hi = tl.load(q_rows + d_hi[None, :].to(tl.int64) * stride_qd, mask=row_ok[:, None] & (d_hi[None, :] < D),
+                       other=0.0)
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
     log2e = scalar_in(log2e_hi, log2e_lo, ACC)
     softcap2 = scalar_in(softcap_hi, softcap_lo, ACC)
@@ -203,11 +209,17 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
         vrow = _cache_rows(offs_n, page, cb, stride_vb, stride_vn, PAGE, PAGED)
         # int64 columns (a D-major cache's column x stride passes int32), hoisted by the compiler: the same loop and
         # registers as int32 ones (an int64 (D, 1) vector formed before the loop kept up to 44 more registers live)
-        kt = tl.load(KC + krow[None, :] + kvh.to(tl.int64) * stride_kh + offs_d[:, None].to(tl.int64) * stride_kd,
-                     mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # (D, N)
+        k_cols = KC + krow[None, :] + kvh.to(tl.int64) * stride_kh
+        kt = tl.load(k_cols + offs_d[:, None].to(tl.int64) * stride_kd, mask=n_ok[None, :] & (offs_d[:, None] < D),
+                     other=0.0)  # (D, N), or its first half
         v = tl.load(VC + vrow[:, None] + kvh.to(tl.int64) * stride_vh + offs_dv[None, :].to(tl.int64) * stride_vd,
                     mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (N, Dv)
         s = tl.dot(q, kt, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale  # (M, N), log2 units
+        if DOT_HALVES:  # q.k as two independent half-D sums (fp32/fp64 inputs: see plan_decode). Each half is scaled
+            # before the add: Triton folds dot(a, b) + dot(c, d) into one chained accumulation, the long sum again
+            kt_hi = tl.load(k_cols + d_hi[:, None].to(tl.int64) * stride_kd,
+                            mask=n_ok[None, :] & (d_hi[:, None] < D), other=0.0)
+            s = s + tl.dot(q_hi, kt_hi, out_dtype=ACC, input_precision=DOT_PREC) * qk_scale
         if SOFTCAP:
             s = softcap2 * tanh(s / softcap2)
         qpos = shift + i[:, None]
