@@ -21,7 +21,8 @@ the GROUP q heads sharing one K/V head, padded to BLOCK_M >= 16, so every K/V ti
 of them through one tl.dot. Program (split, kv head x M tile, batch) folds its split's share of the
 visible key tiles into an online softmax; with one split it writes out/lse directly, otherwise
 fp32 partials that `_decode_combine` merges by their log-sum-exp. Scores are in log2 units (see
-attention_common); rows that see no key give 0 and lse -inf.
+attention_common); rows that see no key give 0 and lse -inf. With DOT_HALVES (fp32 inputs, 32- and 64-wide
+heads: plan_decode) a score is the sum of two half-D dots, two short rounding chains instead of one long one.
 """
 from __future__ import annotations
 
