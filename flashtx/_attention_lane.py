@@ -49,7 +49,7 @@ from ._attention_op import (GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd
 from ._library import _C_APPLY, _unwrap_if_dead, call
 from ._packing import MIN_NUMEL, grads_like, part_stride
 from .triton_kernels import precision
-from .triton_kernels.limits import MAX_SEQ, LimitExceeded
+from .triton_kernels.limits import INT32_MAX, MAX_SEQ, LimitExceeded
 
 LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every call takes the general path
 
@@ -68,18 +68,18 @@ class _Lane:
         self.key, self.entry, self.aligned, self.lse_shape = key, entry, aligned, lse_shape
         self.acc, self.dv, self.args = acc, dv, args
         self.saved = saved  # _lanes.layouts of q, k, v, out and the mask tensors, as the forward saves them
-        # how outputs and gradients are allocated: like the op's (B, H, S, D) views or (B, S, H, D) tensors, or
-        # (packed: varlen's (total, H, D) tensors) as (total, H, D) tensors whose unsqueeze(0) the launches were
-        # planned on
+        # how gradients are allocated: like the op's (B, H, S, D) views or (B, S, H, D) tensors, or (packed: varlen's
+        # (total, H, D) tensors) as (total, H, D) tensors whose unsqueeze(0) the launches were planned on
         self.like = packed_like if packed else empty_like_layout
-        # the output's (size, stride), as _attention_op.out_layout allocates it (the key holds the shapes); packed: None
-        self.out_geometry = None if packed else _out_geometry(lse_shape, dv, bool(args[0][7]))  # args[0][7]: bshd
+        # the output's (size, stride), as _attention_op.out_layout allocates it (the key holds the shapes); None where
+        # out_layout lays it out as q (self.like's order)
+        self.out_geometry = _out_geometry(lse_shape, dv, bool(args[0][7]), packed)  # args[0][7]: Ints.bshd
 
     def run(self, q, k, v, masks: tuple = ()):
         """(out, m2, l2) of the forward, allocated as the op allocates them. masks: () for a plain lane, else the
         option tensors in MASK_ROLES' order (masks_of)."""
-        geometry = self.out_geometry  # as the op allocates it (out_layout); packed: (total, Hq, Dv) like q
-        out = (packed_like(q, self.dv) if geometry is None else
+        geometry = self.out_geometry  # as the op allocates it (out_layout)
+        out = (self.like(q, self.dv) if geometry is None else
                torch.empty_strided(geometry[0], geometry[1], dtype=q.dtype, device=q.device))
         dev = q.device
         m2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)  # (B, Hq, Sq)
@@ -89,9 +89,14 @@ class _Lane:
         return out, m2, l2
 
 
-def _out_geometry(lse_shape: tuple, dv: int, bshd: bool) -> tuple:
-    """(size, stride) of _attention_op.out_layout's output for q of these (B, Hq, Sq) and dv."""
+def _out_geometry(lse_shape: tuple, dv: int, bshd: bool, packed: bool) -> tuple | None:
+    """(size, stride) of _attention_op.out_layout's output for q of these (B, Hq, Sq) and dv (packed: of the
+    (total, Hq, Dv) tensor its (1, total, Hq, Dv) output views), or None where out_layout lays it out as q."""
     B, H, S = lse_shape
+    if S * H * dv > INT32_MAX:
+        return None
+    if packed:
+        return (S, H, dv), (H * dv, dv, 1)
     if bshd:
         return (B, S, H, dv), (S * H * dv, H * dv, dv, 1)
     return (B, H, S, dv), (S * H * dv, dv, H * dv, 1)
@@ -390,10 +395,11 @@ def _make_op(key, q, k, v, bias, aux, ints, floats, backend, masks, packed: bool
         if _plan(q4, k4, v4, bias, aux, ints, floats, backend, no_aux) != "triton":  # raises as the op would
             return False
         acc, dv = TORCH_ACC_DTYPE[q.dtype], v.shape[-1]
-        out = packed_like(q, dv) if packed else out_layout(q, dv, bool(ints[7]))  # as _Lane.run allocates it
+        out4 = out_layout(q4, dv, bool(ints[7]))  # as the op (and _Lane.run) allocates it; packed: (1, total, Hq, Dv)
+        out = out4.squeeze(0) if packed else out4  # the node's output (packed: (total, Hq, Dv))
         m2 = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
         try:
-            entry = forward_entry(q4, k4, v4, out.unsqueeze(0) if packed else out, m2, torch.empty_like(m2),
+            entry = forward_entry(q4, k4, v4, out4, m2, torch.empty_like(m2),
                                   scale=floats[0], causal=bool(ints[0]), bottom_right=bool(ints[1]),
                                   bshd=bool(ints[7]), spec=spec_of(bias, aux, ints, floats, no_aux))
         except LimitExceeded:

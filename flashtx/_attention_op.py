@@ -29,7 +29,7 @@ from ._library import call, register_autograd, triton_op
 from ._validate import refuse_double_backward
 from .backends import BACKENDS as _BACKENDS
 from .backends import AttentionInputs, inputs_summary
-from .triton_kernels.limits import LimitExceeded, bhsd, within_limits
+from .triton_kernels.limits import INT32_MAX, LimitExceeded, bhsd, surely, within_limits
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 
@@ -90,9 +90,10 @@ def spec_of(bias, aux: list, ints: list, floats: list, no_aux: bool | None = Non
 
 
 def empty_like_layout(t: Tensor, last_dim: int) -> Tensor:
-    """Uninitialised (B, H, S, last_dim) tensor whose first three dims are ordered in memory as t's.
+    """Uninitialised (B, H, S, last_dim) tensor whose first three dims are ordered in memory as t's: the
+    gradients (each like its input), and outputs too wide for out_layout's order.
 
-    So an output for (B, S, H, D) inputs viewed as (B, H, S, D) is itself (B, S, H, D) in memory.
+    So a gradient for (B, S, H, D) inputs viewed as (B, H, S, D) is itself (B, S, H, D) in memory.
     """
     if last_dim == t.shape[3] and t.stride(3) == 1:
         return torch.empty_like(t)  # keeps the memory order of t's dims (dense or not), in one call
@@ -113,8 +114,11 @@ def out_layout(q: Tensor, last_dim: int, bshd: bool) -> Tensor:
     """The uninitialised attention output of q: a (B, Hq, Sq, last_dim) view of a contiguous (B, Sq, Hq, last_dim)
     tensor, or with bshd that tensor itself. Whatever q's layout, as SDPA's flash and memory-efficient
     kernels lay out theirs, so merging the heads (``out.transpose(1, 2).reshape(B, Sq, -1)``, transformers'
-    attention functions) copies nothing."""
+    attention functions) copies nothing. Except where that layout's sequence span, Sq * Hq * last_dim, passes
+    the kernels' int32 offsets (limits.check_spans) while q's own may not: then laid out as q (empty_like_layout)."""
     a, b, c = q.shape[:3]
+    if surely(b * c * last_dim > INT32_MAX):  # (an undecided traced size: unpad_input's total, whose q spans as much)
+        return empty_like_layout(q, last_dim)
     if bshd:
         return torch.empty(a, b, c, last_dim, dtype=q.dtype, device=q.device)
     # one allocation, not a transposed view of one (no view bookkeeping)

@@ -96,6 +96,9 @@ _FUNCTORCH = torch._C._are_functorch_transforms_active
 _FORWARD_AD = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
 
 
+_SDPA_OPS = frozenset(("flashtx::attn_fwd", "flashtx::attn_bwd", "flashtx::attn_probs", "flashtx::kvcache_attention"))
+
+
 def _refuse_transforms(op, args) -> None:
     """Raise for a call under a torch.func transform (vmap, grad, jacrev, ...), or with a forward-mode AD tangent:
     the kernels read raw storage and the ops have no batching rule or jvp formula. Without this, a transform failed
@@ -107,7 +110,7 @@ def _refuse_transforms(op, args) -> None:
     tensors, lists = _TENSORS[op]
     ts = [args[i] for i in tensors] + [t for i in lists for t in args[i]]
     if any(t is not None and _FORWARD_AD.unpack_dual(t).tangent is not None for t in ts):
-        sdpa = " (under flashtx.patch_sdpa, such an SDPA call goes to torch's SDPA)" if "att" in name else ""
+        sdpa = " (under flashtx.patch_sdpa, such an SDPA call goes to torch's SDPA)" if name in _SDPA_OPS else ""
         raise NotImplementedError(f"{name}: forward-mode AD (a dual tensor's tangent) is not supported: it has no jvp "
                                   f"formula; use backward-mode autograd{sdpa}")
 

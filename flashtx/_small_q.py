@@ -70,11 +70,11 @@ def _triton_takes(device_type: str, index, dtype, d_qk: int, d_v: int) -> bool:
 def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floats: list, backend: str,
               return_lse: bool):
     """out [, lse] of attention over validated q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) views
-    (bshd: (B, S, H, D) tensors), as functional._run returns them (out in q's layout: (B, Hq, Sq, Dv), or
-    (B, Sq, Hq, Dv) with bshd; lse (B, Hq, Sq) natural log), through the decode kernels; None where they must
-    not take the call (module docstring). bias, aux, ints, floats, backend: the attention op's arguments; the
-    caller has checked that nothing needs grad, that there are more keys than queries and that no query mask,
-    lengths or dropout is given (a key mask, a bias and ALiBi may be)."""
+    (bshd: (B, S, H, D) tensors), as functional._run returns them (out (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv)
+    memory, or that tensor with bshd, as _attention_op.out_layout; lse (B, Hq, Sq) natural log), through the
+    decode kernels; None where they must not take the call (module docstring). bias, aux, ints, floats,
+    backend: the attention op's arguments; the caller has checked that nothing needs grad, that there are more
+    keys than queries and that no query mask, lengths or dropout is given (a key mask, a bias and ALiBi may be)."""
     causal, bottom_right, left, right, bshd = ints[0], ints[1], ints[2], ints[3], ints[7]
     shape, st = q.shape, q.stride()
     if bshd:

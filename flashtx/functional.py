@@ -207,8 +207,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         bias; SDPA gives NaN there; or Sk = 0, where SDPA gives 0 too) are 0 with lse -inf; with
         return_lse, (out, lse) with lse (..., Hq, Sq) in float32 (float64 for float64 inputs), natural
         log. Differentiable in query, key, value, a float attn_mask (and through lse). out is laid out
-        (..., Sq, Hq, Dv) in memory whatever query's layout, as SDPA's flash kernel returns it: merging
-        the heads, out.transpose(-3, -2).reshape(..., Sq, Hq * Dv), copies nothing.
+        (..., Sq, Hq, Dv) in memory whatever query's layout (unless Sq * Hq * Dv passes 2**31 - 1), as SDPA's
+        flash kernel returns it: merging the heads (out.transpose(1, 2).reshape(B, Sq, -1)) copies nothing.
 
     Decoding: without autograd, up to 16 queries over more keys, with no query mask, lengths, dropout or bias
     (a bool attn_mask the same for every head aside), run the split-KV decode kernels of

@@ -247,12 +247,13 @@ def test_output_is_laid_out_as_sdpa_flash_lays_out_its_own(layout, backend, grad
         seen.append(real(*a, **kw))
         return seen[-1]
 
-    real, ftx.attention = ftx.attention, recording
+    q, k, v = (LAYOUTS[layout](randn(2, s, h, 16)) for s, h in ((5, 4), (9, 2), (9, 2)))  # Sq > 1: not contiguous
+    real, ftx.attention = ftx.attention, recording  # either way when merged unless laid out (B, Sq, Hq, Dv)
     try:
         res, _ = ftx.flashtx_attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True)
     finally:
         ftx.attention = real
-    assert res.shape == (2, 1, 4, 16) and res.data_ptr() == seen[0].data_ptr()  # (B, Sq, Hq, Dv): no copy
+    assert res.shape == (2, 5, 4, 16) and res.data_ptr() == seen[0].data_ptr()  # (B, Sq, Hq, Dv): no copy
 
 
 def test_torch_compile_fullgraph_has_no_graph_breaks():
@@ -385,3 +386,51 @@ def test_autocast_leaves_float64_and_other_devices_alone():
         assert flashtx.attention(q, q, q, backend="reference").dtype == torch.float64
         m = torch.empty(1, 2, 5, 16, device="meta")
         assert flashtx.functional._autocast("meta", m, m, m, None)[0] is m
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bhsd", "varlen"])
+def test_outputs_too_wide_for_the_sdpa_layout_are_laid_out_as_q(packed, monkeypatch):
+    """Where (B, Sq, Hq, Dv) memory would span more than int32 offsets along the sequence (Sq * Hq * Dv > 2**31 - 1)
+    while q's own layout does not, the output is laid out as q, so the call stays on the Triton kernels (it fell to
+    the O(N^2) reference with a warning). INT32_MAX is lowered so a small call crosses it; the lanes and the op
+    (ALiBi: the general path) agree; and the layouts the lanes replay stay right on the second call."""
+    import warnings
+
+    from flashtx import _attention_lane, _attention_op
+    from flashtx.triton_kernels import limits
+
+    low = 16 * 4 * 16 - 1  # Sq * Hq * Dv of the calls below, minus 1; q's own span (Sq * D) fits
+    for mod in (_attention_op, _attention_lane, limits):
+        monkeypatch.setattr(mod, "INT32_MAX", low)
+    _dispatch.clear_plans()
+    ref = backends.BACKENDS["reference"]
+    calls = []
+    monkeypatch.setattr(ref, "forward", lambda *a, **kw: calls.append(1) or type(ref).forward(ref, *a, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        for alibi in (None, torch.rand(4, dtype=torch.float32, device=DEVICE)):
+            for _ in range(2):
+                if packed:  # (total, H, D) laid out (H, total, D)
+                    q, k, v = (randn(4, 16, 16).transpose(0, 1) for _ in range(3))
+                    cu = torch.tensor([0, 7, 16], dtype=torch.int32, device=DEVICE)
+                    out = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, alibi_slopes=alibi)
+                    assert out.stride() == (16, 256, 1), out.stride()
+                else:  # (B, H, S, D) contiguous
+                    q, k, v = (randn(1, 4, 16, 16) for _ in range(3))
+                    out = flashtx.attention(q, k, v, alibi_slopes=alibi)
+                    assert out.stride() == q.stride(), out.stride()
+    assert not calls
+    _dispatch.clear_plans()
+
+
+def test_varlen_output_is_contiguous_whatever_q_layout():
+    """flash_attn_varlen_func's out is (total, Hq, Dv) contiguous on the lane and on the op's path (ALiBi) alike,
+    as the op lays it out (the lane copied q's memory order), and equals the reference."""
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32, device=DEVICE)
+    q, k, v = (randn(4, 16, 16).transpose(0, 1) for _ in range(3))  # (total, H, D) laid out (H, total, D)
+    for alibi in (None, torch.rand(4, dtype=torch.float32, device=DEVICE)):
+        outs = [flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, alibi_slopes=alibi) for _ in range(2)]
+        want = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, alibi_slopes=alibi, backend="reference")
+        for out in outs:
+            assert out.is_contiguous(), out.stride()
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

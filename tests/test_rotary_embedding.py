@@ -356,3 +356,19 @@ def test_tables_are_built_at_construction_and_follow_the_module():
     lazy.to_empty(device="cpu")
     assert lazy._cache[2].device.type == "cpu"
     torch.testing.assert_close(lazy.cos_sin(40), fresh.cos_sin(40), rtol=0, atol=0)
+
+
+def test_reset_parameters_refills_inv_freq_from_any_mode():
+    """reset_parameters() (FSDP's materialisation call) refills inv_freq and rebuilds the tables, also for a module
+    made under inference mode and reset outside it (an in-place copy into an inference tensor would raise)."""
+    want = RotaryEmbedding(8).to(DEVICE)
+    with torch.inference_mode():
+        rope = RotaryEmbedding(8).to(DEVICE)
+    for r in (rope, RotaryEmbedding(8).to(DEVICE)):
+        if not r.inv_freq.is_inference():
+            with torch.no_grad():
+                r.inv_freq.fill_(float("nan"))  # (as to_empty leaves it: no values)
+        r.reset_parameters()
+        assert torch.equal(r.inv_freq, want.inv_freq)
+        x = randn(1, 5, 2, 8)
+        torch.testing.assert_close(r(x.clone(), inplace=False), want(x.clone(), inplace=False), rtol=0, atol=0)

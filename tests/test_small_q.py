@@ -1,7 +1,7 @@
 """Decoding through flashtx.attention / flash_attn_func / the patched SDPA (flashtx._small_q): a few queries
 without autograd run the split-KV decode kernels. Against the float64 reference under the tolerance rule, in
-every layout; the calls the decode kernels must not take run the training forward; the output keeps q's
-memory order; SMALL_Q_DECODE turns it off."""
+every layout; the calls the decode kernels must not take run the training forward; the output is laid out
+(B, Sq, Hq, Dv) in memory, as the training forward's; SMALL_Q_DECODE turns it off."""
 import pytest
 import torch
 from conftest import (DEVICE, KERNEL_DTYPES, PRECISE_DTYPE, assert_close_to_reference, dtype_id, poisoned_allocations,

@@ -186,9 +186,12 @@ class RotaryEmbedding(nn.Module):
 
     def reset_parameters(self) -> None:
         """Recompute inv_freq in place and rebuild the tables (no learned parameters: a meta-device module's
-        initialisation after ``to_empty()``, as FSDP calls it; to_empty() itself already does this)."""
-        with torch.no_grad():
-            self.inv_freq.copy_(self._inv_freq32)  # (to the buffer's device and dtype)
+        initialisation after ``to_empty()``, as FSDP calls it; to_empty() from the meta device already does this)."""
+        if self.inv_freq.is_inference() and not torch.is_inference_mode_enabled():  # (made under inference mode)
+            self.inv_freq = self._inv_freq32.to(self.inv_freq.device, self.inv_freq.dtype)  # (a buffer: reassigned)
+        else:
+            with torch.no_grad():
+                self.inv_freq.copy_(self._inv_freq32)  # (to the buffer's device and dtype)
         self._cache = None
         if self.inv_freq.device.type != "meta":
             self.cos_sin(self.max_seq_len)
