@@ -113,3 +113,32 @@ def test_families_that_compute_attention_themselves_are_refused_by_name():
     assert ftx._calls_attention_interface("t5") and ftx._calls_attention_interface("llama")
     assert not ftx._calls_attention_interface("mpt")
     assert ftx._calls_attention_interface("not-a-transformers-family")  # remote code: nothing to read
+
+
+def test_falcon_with_alibi_gets_the_full_mask_it_adds_alibi_to():
+    """Falcon with alibi=True asks for a full mask (allow_is_causal_skip=False) and adds its ALiBi bias to it. A
+    compact mask (None or (B, Sk) padding) lost the causal part: a one-row padded batch attended to future tokens
+    (logits off by ~0.25), others raised. Logits equal transformers' sdpa's."""
+    import warnings
+
+    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    alibi=True, new_decoder_architecture=False, multi_query=False)
+    torch.manual_seed(0)
+    sdpa = transformers.FalconForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="sdpa").to(DEVICE)
+    ftx.register()
+    try:
+        fused = transformers.FalconForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation=ftx.NAME)
+    except (KeyError, ValueError) as e:  # transformers versions whose Falcon computes attention itself
+        pytest.skip(f"this transformers' Falcon takes no registered attention: {e}")
+    fused = fused.to(DEVICE)
+    fused.load_state_dict(sdpa.state_dict())
+    ids = torch.randint(3, 64, (2, 9), device=DEVICE)
+    pad = torch.ones(2, 9, dtype=torch.long, device=DEVICE)
+    pad[0, :3] = 0
+    for kw in (dict(input_ids=ids[:1], attention_mask=pad[:1]), dict(input_ids=ids, attention_mask=pad),
+               dict(input_ids=ids)):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want, got = sdpa.eval()(**kw).logits, fused.eval()(**kw).logits
+        real = kw.get("attention_mask", torch.ones_like(kw["input_ids"])).bool()
+        torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)

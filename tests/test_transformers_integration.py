@@ -140,13 +140,13 @@ def test_mask_function_keeps_padding_compact():
 
     import inspect
 
-    def mask(q_length, kv_length, q_offset, attention_mask, mask_function=mu.causal_mask_function):
+    def mask(q_length, kv_length, q_offset, attention_mask, mask_function=mu.causal_mask_function, **kw):
         if "cache_position" in inspect.signature(mu.sdpa_mask).parameters:  # transformers 4.5x
             where = dict(cache_position=torch.arange(q_offset, q_offset + q_length))
         else:
             where = dict(q_length=q_length, q_offset=q_offset)
         return ftx.flashtx_mask(batch_size=2, kv_length=kv_length, kv_offset=0, mask_function=mask_function,
-                                attention_mask=attention_mask, device="cpu", **where)
+                                attention_mask=attention_mask, device="cpu", **where, **kw)
 
     pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(mask(4, 4, 0, pad), pad)  # prefill
@@ -155,6 +155,12 @@ def test_mask_function_keeps_padding_compact():
     assert decode.shape == (2, 5) and not decode[0, 0] and decode[0, 1:].all()
     window = mask(4, 4, 0, pad, mu.sliding_window_causal_mask_function(2))
     assert window.shape == (2, 1, 4, 4) and not window[1, 0, 3, 0]  # not expressible compactly: sdpa_mask's
+    # a caller that edits the mask it gets (Falcon adds ALiBi to it, Doge its dynamic mask) asks for a full one
+    for padding in (pad, torch.ones_like(pad), None):
+        full = mask(4, 4, 0, padding, allow_is_causal_skip=False)
+        keys = pad if padding is pad else torch.ones_like(pad)
+        want = torch.ones(4, 4, dtype=torch.bool).tril() & keys[:, None, None, :]  # (B, 1, Sq, Sk)
+        assert full.shape == (2, 1, 4, 4) and torch.equal(full, want)
 
 
 def test_apply_flashtx_keeps_parameters_and_undoes():

@@ -12,7 +12,8 @@ How masks reach flashtx (``flashtx_mask``, registered with transformers' Attenti
   (no padding, Sq == Sk or Sq == 1) or the (B, Sk) bool padding mask, and runs flashtx.attention
   with ``key_mask`` and bottom-right causal alignment (``window_size=(-1, Sk - Sq)``).
 - anything else (sliding windows, packed sequences, static caches, custom mask functions,
-  bidirectional masks): transformers' own ``sdpa_mask`` builds it, and the 4-D boolean mask (or
+  bidirectional masks, and callers that edit the mask they get, ``allow_is_causal_skip=False``:
+  Falcon with ALiBi, Doge): transformers' own ``sdpa_mask`` builds it, and the 4-D boolean mask (or
   None) is passed to flashtx.attention as ``attn_mask`` with SDPA's semantics. So is a 4-D mask
   a caller passes to the model.
 
@@ -21,8 +22,8 @@ How masks reach flashtx (``flashtx_mask``, registered with transformers' Attenti
 Not supported (clear errors): attention sinks (``s_aux``/``sinks``),
 ``output_attentions`` (flashtx never forms the attention weights; a warning, weights None), and model
 families whose modeling code computes attention itself instead of calling transformers'
-AttentionInterface (Bloom, MPT: the mask function refuses them; Falcon, GPT-Neo: transformers itself
-raises a KeyError for any registered name).
+AttentionInterface (Bloom, MPT: the mask function refuses them; GPT-Neo: transformers itself raises a
+KeyError for any registered name).
 """
 from __future__ import annotations
 
@@ -186,7 +187,9 @@ def flashtx_mask(**kwargs):
     Returns None or a (B, kv_length) bool padding mask for plain causal masks whose queries are
     the last positions of the keys (q_offset - kv_offset == kv_length - q_length); otherwise
     whatever ``transformers.masking_utils.sdpa_mask`` returns for the same arguments (a 4-D bool
-    (B, 1, Sq, Sk) mask, or None where SDPA's is_causal suffices).
+    (B, 1, Sq, Sk) mask, or None where SDPA's is_causal suffices). ``allow_is_causal_skip=False``
+    (models that edit the mask they get: Falcon with ALiBi adds its bias, Doge its dynamic mask)
+    always gets sdpa_mask's full 4-D mask.
     """
     mu = _masking_utils or _import_masking_utils()
     config = kwargs.get("config")
@@ -197,6 +200,7 @@ def flashtx_mask(**kwargs):
     geometry = _mask_geometry(kwargs)
     padding = kwargs.get("attention_mask")
     simple = (kwargs.get("mask_function", mu.causal_mask_function) is mu.causal_mask_function and geometry is not None
+              and kwargs.get("allow_is_causal_skip", True) is not False  # (False: the caller edits a 4-D mask)
               and (padding is None or (isinstance(padding, torch.Tensor) and padding.dim() == 2))
               and not (torch.compiler.is_compiling() and padding is not None))
     if simple:
