@@ -204,7 +204,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     Returns:
         out (..., Hq, Sq, Dv) in query's dtype (under torch.autocast the autocast dtype: fp16/bf16/fp32
         inputs are cast as autocast casts SDPA's); rows that see no key (all masked, or all -inf
-        bias; SDPA gives NaN there; or Sk = 0, where SDPA gives 0 too) are 0 with lse -inf; with
+        bias, as SDPA since torch 2.5; or Sk = 0) are 0 with lse -inf; with
         return_lse, (out, lse) with lse (..., Hq, Sq) in float32 (float64 for float64 inputs), natural
         log. Differentiable in query, key, value, a float attn_mask (and through lse). out is laid out
         (..., Sq, Hq, Dv) in memory whatever query's layout (unless Sq * Hq * Dv passes 2**31 - 1), as SDPA's
