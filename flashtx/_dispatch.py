@@ -104,7 +104,9 @@ _TABLES: dict[str, dict] = {}
 
 
 def clear_plans() -> None:
-    """Forget every cached plan and fallback warning (tests; after changing environment switches)."""
+    """Forget every cached plan, lane, memoised launch and fallback warning (tests; after changing environment
+    switches). Tile-config choices (configs._select, cuda_target) and the launchers' per-shape constants stay:
+    they are keyed by all they depend on, so only an edit of the config tables at run time needs them cleared."""
     _PLANS.clear()
     for table in _TABLES.values():
         table.clear()

@@ -16,6 +16,7 @@ TABLE: dict = {}  # key -> lane, or False (the general path's call); LaunchCache
 _COMPILING = torch.compiler.is_compiling
 _DISPATCH_STACK = torch._C._len_torch_dispatch_stack
 _FUNCTORCH = torch._C._are_functorch_transforms_active
+_JIT_TRACING = torch._C._get_tracing_state
 _FORWARD_AD = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
 _DISPATCH_MODE = torch._C._get_dispatch_mode
 _TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
@@ -27,7 +28,8 @@ def eager() -> bool:
     """Whether a lane may take this call: nothing traces it (torch.compile sees the registered ops), no
     dispatch mode or functorch transform intercepts it, and no forward-mode AD level is open (a dual tensor's
     tangent: the general path refuses it)."""
-    return not (_COMPILING() or _DISPATCH_STACK() or _FUNCTORCH() or _FORWARD_AD._current_level >= 0)
+    return not (_COMPILING() or _DISPATCH_STACK() or _FUNCTORCH() or _FORWARD_AD._current_level >= 0
+                or _JIT_TRACING())
 
 
 def traced() -> bool:

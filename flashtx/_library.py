@@ -118,6 +118,9 @@ def _refuse_transforms(op, args) -> None:
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)  # absent from CPU-only builds (no CUDA tensor there)
 
 
+_JIT_TRACING = torch._C._get_tracing_state  # torch.jit.trace
+
+
 def _other_device(t) -> int | None:
     """t's CUDA device index when it is not the current device, else None. Triton launches on the current
     device and its current stream, so a call on tensors elsewhere (a model split over GPUs, e.g. transformers'
@@ -137,6 +140,9 @@ def call(op, *args):
     argument requires grad, on the first argument's device (made current for the call if it is not)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return op(*args)  # traced: the compiled graph places each kernel itself
+    if _JIT_TRACING():  # (TorchScript cannot take the ops' optional-tensor lists; the kernels would run untraced)
+        raise RuntimeError(f"torch.jit.trace cannot trace flashtx ops (here {getattr(op, '_qualname', op)}): use "
+                           "torch.export.export or torch.compile, which trace them")
     if _FUNCTORCH() or _FORWARD_AD._current_level >= 0:
         _refuse_transforms(op, args)
     other = _other_device(args[0])

@@ -96,6 +96,8 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     floats = [scale, softcap, dropout_p]  # _attention_op.Floats
     if (needs_grad == NO_GRAD and _small_q.SMALL_Q_DECODE and rng is None and not return_probs
             and query_mask is None and q_lens is None and kv_lens is None and cu_seqlens_q is None
+            and not torch.compiler.is_exporting()  # (an exported program serves every size the Dims allow:
+            # no route decided by sizes; Dynamo shows strict export's symbolic sizes as ints)
             and Sk > Sq):  # decoding: see flashtx._small_q
         res = _small_q.attention(q, k, v, bias, aux, ints, floats, backend or "", return_lse)
         if res is not None:
@@ -148,10 +150,15 @@ def _padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_l
     if key_mask is None and query_mask is None and q_lens is None and kv_lens is None and (
             _no_window(window_size)):
         return {}
+    q_lens, kv_lens = check_lens("q_lens", q_lens, B, q), check_lens("kv_lens", kv_lens, B, q)
+    if (q_lens is None) != (kv_lens is None):  # the kernels read both: the missing one is full length, made here
+        # (made in the launch plan, it tied the launch to no input, so the call was planned anew every time)
+        given = q_lens if q_lens is not None else kv_lens
+        full = torch.full((B,), Sq if q_lens is None else Sk, dtype=given.dtype, device=q.device)
+        q_lens, kv_lens = (full, kv_lens) if q_lens is None else (q_lens, full)
     return dict(window=check_window("window_size", window_size),
                 key_mask=check_seq_mask("key_mask", key_mask, B, Sk, q),
-                query_mask=check_seq_mask("query_mask", query_mask, B, Sq, q),
-                q_lens=check_lens("q_lens", q_lens, B, q), kv_lens=check_lens("kv_lens", kv_lens, B, q))
+                query_mask=check_seq_mask("query_mask", query_mask, B, Sq, q), q_lens=q_lens, kv_lens=kv_lens)
 
 
 def _score_mods(batch, heads, q, *, dropout_p=0.0, softcap=0.0, alibi_slopes=None) -> dict:

@@ -117,7 +117,8 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     hq, hkv = _heads(query), _heads(key)
     if hkv == 0 and hq != 0:  # before the empty-sequence check (no heads at all: an empty output, flashtx's)
         return _NO_KV_HEADS
-    if min(query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]) == 0:
+    if query.shape[-2] == 0 or key.shape[-2] == 0 or query.shape[-1] == 0 or value.shape[-1] == 0:  # (not min():
+        # traced sizes would be compared with each other, and export would tie a dynamic length to the head dim)
         return "empty sequence or head dim"
     if hq != hkv and hkv != 1 and not (enable_gqa and hq % hkv == 0):  # one K/V head broadcasts, as in torch
         return "query and key/value head counts differ without enable_gqa" + _TORCH_ERROR
@@ -253,7 +254,9 @@ def disable() -> None:
 @contextlib.contextmanager
 def patch_sdpa():
     """Context manager: flashtx serves F.scaled_dot_product_attention inside the block; on exit the
-    previous state (patched or not) comes back. Nests, and composes with enable()/disable().
+    previous state (patched or not) comes back. Nests, and composes with enable()/disable(). The patch is
+    process-wide (it replaces the function in torch.nn.functional): other threads see it inside the block,
+    and blocks in several threads unpatch when the first that patched exits; with threads, call enable() once.
 
     Example:
         >>> with flashtx.patch_sdpa():

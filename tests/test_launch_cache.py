@@ -401,3 +401,33 @@ def test_rope_in_place_and_out_of_place_calls_keep_separate_entries():
             for g, w in zip(got, want):
                 assert (g - w).abs().max() < precise_atol(1e-12), (first_in_place, inplace)
         assert len(launch.LAUNCHES.entries) == 2
+
+
+@pytest.mark.parametrize("given", ["kv_lens", "q_lens"])
+def test_one_sided_lengths_replay_one_plan(given, monkeypatch, fresh_plans):
+    """kv_lens without q_lens (or the reverse) is planned once per signature: the missing lengths are a full-length
+    tensor made with the call's inputs (made inside the launch plan, they tied the launch to no input, so every
+    call was planned anew). Each call computes with its own lengths, as with both given."""
+    from flashtx.triton_kernels import attention_bwd_launch
+
+    plans = []
+    for mod, name in ((attention_fwd, "plan_forward"), (attention_bwd_launch, "plan_backward")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **kw: plans.append(_n) or _real(*a, **kw))
+    B, Sq, Sk = 2, 11, 17
+    for lens in ([17, 5], [3, 9], [0, 17]):
+        q = randn(B, Sq, 2, 16, dtype=PRECISE_DTYPE, requires_grad=True)
+        k, v = (randn(B, Sk, 2, 16, dtype=PRECISE_DTYPE, requires_grad=True) for _ in range(2))
+        n = torch.tensor(lens if given == "kv_lens" else [min(x, Sq) for x in lens], device=DEVICE)
+        full = torch.full((B,), Sq if given == "kv_lens" else Sk, dtype=n.dtype, device=DEVICE)
+        both = dict(kv_lens=n, q_lens=full) if given == "kv_lens" else dict(q_lens=n, kv_lens=full)
+        out = flashtx.flash_attn_func(q, k, v, causal=True, backend="triton", **{given: n})
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        want = flashtx.flash_attn_func(q, k, v, causal=True, backend="triton", **both)  # (the same entry)
+        want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+        assert torch.equal(out, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+        ref = flashtx.flash_attn_func(q, k, v, causal=True, backend="reference", **both)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        assert (out - ref).abs().max() < precise_atol(1e-12)
+        assert all((g - r).abs().max() < precise_atol(1e-11) for g, r in zip(grads, ref_grads))
+    assert plans == ["plan_forward", "plan_backward"]  # planned once, replayed for every other call

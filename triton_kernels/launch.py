@@ -424,7 +424,8 @@ def tma_ok(t: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def stub_launches(fn=None):
     """Replace every kernel launch by `fn(kernel, grid, args)` (default: do nothing), e.g. to time
-    the Python work from a public call down to the launch (bench/overhead.py)."""
+    the Python work from a public call down to the launch (bench/overhead.py). Process-wide: another thread's
+    calls meanwhile launch nothing either (their outputs stay unwritten), so use it single-threaded."""
     global _STUB
     prev, _STUB = _STUB, fn if fn is not None else (lambda kernel, grid, args: None)
     try:

@@ -83,12 +83,21 @@ def seq_span(t) -> int:
     return t.shape[2] * (st[2] if st[3] == 1 or t.shape[3] == 1 else t.shape[3])
 
 
+def span_too_wide(t) -> bool:
+    """Whether seq_span(t) passes INT32_MAX, compared as S > INT32_MAX // step (the same for positive ints): a traced
+    S is then bounded by an integer, not by a fraction (torch.export cannot phrase a fix for an unbounded Dim
+    against s <= 2147483647/64, and fails on an internal assertion)."""
+    st = t.stride()
+    step = st[2] if st[3] == 1 or t.shape[3] == 1 else t.shape[3]
+    return step > 0 and t.shape[2] > INT32_MAX // step
+
+
 def check_spans(**views) -> None:
     """Raise LimitExceeded when a (B, H, S, D) view's seq_span passes int32: for the tensors a launcher plans with
     beyond q, k, v (checked by within_limits, before dispatch): the outputs and gradients it allocates dense (whose
     rows can be wider than those of expanded or overlapping inputs) and the incoming gradient."""
     for name, t in views.items():
-        if t is not None and seq_span(t) > INT32_MAX:
+        if t is not None and span_too_wide(t):
             raise LimitExceeded(f"{name} {tuple(t.shape)} (B, H, S, D) with strides {t.stride()}: its sequence span "
                                 f"({seq_span(t)} elements) overflows the kernels' int32 offsets")
 
@@ -105,7 +114,7 @@ def within_limits(q, k, v, bias, cu_seqlens_q) -> bool:
     if qs[0] > MAX_GRID_YZ or qs[1] > MAX_GRID_YZ or (
             cu_seqlens_q is not None and cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ):
         return False
-    if seq_span(q) > INT32_MAX or seq_span(k) > INT32_MAX or seq_span(v) > INT32_MAX:
+    if span_too_wide(q) or span_too_wide(k) or span_too_wide(v):
         return False  # strides are never negative; a stride of 0 spans nothing
     if qs[2] > MAX_SEQ or k.shape[2] > MAX_SEQ:
         return False  # (a stride-0 view can be that long: window bounds would reach 2**31)

@@ -154,8 +154,9 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
 
 
 def _mask_geometry(kwargs) -> tuple | None:
-    """(batch, q_length, kv_length, q_offset, kv_offset) as ints from either mask signature
-    (transformers >= 5: q_length/q_offset; 4.5x: cache_position), or None when they are traced."""
+    """(batch, q_length, kv_length, q_offset, kv_offset) as ints (SymInts where torch.compile or export traces
+    sizes) from either mask signature (transformers >= 5: q_length/q_offset; 4.5x: cache_position), or None when
+    they are tensors."""
     batch, kv_length, kv_offset = kwargs.get("batch_size"), kwargs.get("kv_length"), kwargs.get("kv_offset", 0)
     if "cache_position" in kwargs:
         pos = kwargs["cache_position"]
@@ -166,7 +167,7 @@ def _mask_geometry(kwargs) -> tuple | None:
     vals = (batch, q_length, kv_length, q_offset, kv_offset)
     if any(isinstance(v, torch.Tensor) for v in vals) or any(v is None for v in vals):
         return None  # e.g. a static cache's tensor offset: leave it to sdpa_mask
-    return tuple(int(v) for v in vals)
+    return tuple(v if isinstance(v, torch.SymInt) else int(v) for v in vals)  # (int() would pin a traced size)
 
 
 _masking_utils = None  # transformers.masking_utils, bound by register(): flashtx_mask reads a plain global, as

@@ -228,6 +228,13 @@ class MultiheadAttention(nn.Module):
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         p = self.dropout if self.training else 0.0
         if cache is not None:
+            if torch.compiler.is_exporting():  # (constant under strict export's trace: no graph break)
+                raise RuntimeError(
+                    "torch.export cannot export a step with a KVCache or PagedKVCache: a cache keeps host-side "
+                    "state (lengths, padding, pages) and export would bake it into the program as constants (and "
+                    "non-strict export would write this trace's keys into the live cache). Export a step that calls "
+                    "flashtx.flash_attn_with_kvcache on cache tensors held as module buffers and cache_seqlens "
+                    "passed as an input; torch.compile takes a cache as it is")
             if attn_mask is not None:
                 raise ValueError("attn_mask cannot be combined with a KV cache (pass key_mask for padding)")
             if p > 0:
@@ -249,7 +256,7 @@ class MultiheadAttention(nn.Module):
             if memory is not None:
                 raise ValueError("memory is for cross-attention; this layer was built with cross=False")
             proj, rotated = self.qkv(x), False  # (B, S, (Hq + 2 Hkv) D)
-            if cache is None and type(self.rotary) is RotaryEmbedding and S <= MAX_SEQ and eligible(proj) \
+            if cache is None and type(self.rotary) is RotaryEmbedding and eligible(proj) and S <= MAX_SEQ \
                     and not forward_hooked(self.qkv, self.rotary):  # training: rotated in place (_qkv_rotary)
                 cos, sin = self.rotary.cos_sin(S, x.device)  # (S, dim / 2): RotaryEmbedding's for positions 0..S-1
                 proj = rotate_qk_(proj, (B, S, Hq + 2 * Hkv, D), (Hq, Hkv), cos, sin, self.rotary.interleaved,

@@ -208,7 +208,8 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, seq_len: int, device=None) -> tuple[Tensor, Tensor]:
         """(cos, sin), each (seq_len, dim/2) float32, for positions 0 .. seq_len - 1 (cached views)."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or not 0 <= seq_len <= MAX_SEQ:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, (numbers.Integral, torch.SymInt)) \
+                or not 0 <= seq_len <= MAX_SEQ:  # (a SymInt: a size that torch.export traces)
             raise ValueError(f"seq_len must be an int in [0, {MAX_SEQ}]; got {seq_len!r}")
         device = torch.device(device) if device is not None else self.inv_freq.device  # follows module.to()
         sc = self.scaling
