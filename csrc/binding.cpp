@@ -24,6 +24,7 @@
 namespace {
 
 constexpr int64_t MAX_SPLITS = 128;
+constexpr int64_t MAX_CAPACITY = int64_t(1) << 30;  // cache positions (check_cache)
 
 std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
 
@@ -125,6 +126,8 @@ CacheInfo check_cache(const char* op, const at::Tensor& q, const at::Tensor& k_c
     TORCH_CHECK(k_cache.size(0) >= B, op, ": k_cache has ", k_cache.size(0), " batch rows but q has B = ", B,
                 "; pass cache_batch_idx to map batch rows to cache rows");
   }
+  // positions and key tiles are ints in the kernels (a key loop near 2**31 would overflow); Triton's MAX_SEQ is 2**29
+  TORCH_CHECK(c.capacity <= MAX_CAPACITY, op, ": the cache capacity (", c.capacity, " positions) must be <= 2**30");
   return c;
 }
 
@@ -170,8 +173,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
               "]; got ", num_splits);
   TORCH_CHECK(B <= 65535 && Hq <= 65535 && Sq <= 65535, op, ": B, Sq and Hq must be <= 65535 (grid); got q ",
               shape_str(q));
+  const int64_t group_rows = (Hq / Hkv) * Sq, rows = ftx_decode_rows_per_cta((int)group_rows);
+  const int64_t chunks = (group_rows + rows - 1) / rows;  // blocks of `rows` query rows per KV head
+  TORCH_CHECK(Hkv * chunks <= 65535, op, ": Hkv x row chunks = ", Hkv, " x ", chunks, " passes the grid's 65535 ",
+              "(chunks of ", rows, " of the (Hq / Hkv) * Sq = ", group_rows, " query rows per KV head): pass fewer "
+              "queries per call");
   const c10::cuda::OptionalCUDAGuard guard(q.device());
-  if (check_values) check_cache_values(op, c, cache_seqlens, block_table, cache_batch_idx, 0);
+  if (check_values && B > 0) check_cache_values(op, c, cache_seqlens, block_table, cache_batch_idx, 0);
 
   auto out = at::empty({B, Sq, Hq, D}, q.options());                    // (B, Sq, Hq, D)
   auto lse = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));     // (B, Hq, Sq)
@@ -243,11 +251,14 @@ at::Tensor rotary_append(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 "] for ", q.scalar_type(), "; got ", rotary_dim);
     TORCH_CHECK(s_rot >= c.capacity, op, ": cos/sin must cover every cache position: ", s_rot,
                 " rows for a cache capacity of ", c.capacity);
+    TORCH_CHECK(s_rot <= INT32_MAX, op, ": cos/sin have ", s_rot, " rows; at most 2**31 - 1 (int positions)");
     cos_f32 = cos->scalar_type() == at::kFloat;
   }
   const c10::cuda::OptionalCUDAGuard guard(q.device());
-  if (check_values) check_cache_values(op, c, cache_seqlens, block_table, cache_batch_idx, Sq);
+  if (check_values && B > 0) check_cache_values(op, c, cache_seqlens, block_table, cache_batch_idx, Sq);
 
+  TORCH_CHECK((Hq + 2 * k.size(2)) * D <= INT32_MAX, op, ": (Hq + 2 Hkv) * D = (", Hq, " + 2 * ", k.size(2), ") * ",
+              D, " elements per token must fit int32");
   auto q_out = at::empty({B, Sq, Hq, D}, q.options());  // (B, Sq, Hq, D)
   if (B == 0 || Sq == 0) return q_out;
   ftx_rotary_append_params p{};

@@ -26,14 +26,34 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _lens(op: str, cache_seqlens, batch: int, device) -> torch.Tensor:
-    """cache_seqlens as a (B,) int32 tensor on device (an int is broadcast; int64 is converted)."""
+def _lens(op: str, cache_seqlens, batch: int, device, check_values: bool = False) -> torch.Tensor:
+    """cache_seqlens as a (B,) int32 tensor on device (an int is broadcast; int64 is converted: with check_values
+    its values are first checked to fit int32, as the binding then checks them against the capacity)."""
     if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= _ext.INT32_MAX:
+            raise ValueError(f"flashtx.cuda_ext.{op}: cache_seqlens must lie in [0, 2**31 - 1]; got {cache_seqlens}")
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"flashtx.cuda_ext.{op}: cache_seqlens must be an int or an int32/int64 tensor; got "
                         f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
+    if check_values and cache_seqlens.dtype == torch.int64 and cache_seqlens.numel():
+        lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
+        if lo < 0 or hi > _ext.INT32_MAX:
+            raise ValueError(f"flashtx.cuda_ext.{op}: cache_seqlens must lie in [0, 2**31 - 1] (int32 positions); "
+                             f"got values in [{lo}, {hi}]")
     return cache_seqlens.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _check_writes(q, k, v, k_cache, v_cache, paged: bool) -> None:
+    """The front end's checks of an append's writes (flashtx.flash_attn_with_kvcache): caches whose slots share
+    memory (an expanded view), and k_cache/v_cache or q/k/v sharing memory with a cache (the kernel's writes would
+    race: which value lands depends on scheduling)."""
+    from .decode import _check_writable_caches, _overlap_message, append_overlap
+
+    _check_writable_caches(k_cache, v_cache, paged)
+    pair = append_overlap(q, k, v, k_cache, v_cache)
+    if pair is not None:
+        raise ValueError("flashtx.cuda_ext.rotary_append: " + _overlap_message(*pair))
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, cache_batch_idx=None,
@@ -45,7 +65,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, ca
 
     Args:
         q: (B, Sq, Hq, D) CUDA tensor, float16, bfloat16 or float32, D = 64 or 128, last dim
-            contiguous; Sq small (1..4 is what the kernel is laid out for; any Sq works).
+            contiguous; Sq small (1..4 is what the kernel is laid out for; B, Sq, Hq <= 65535, and the
+            Hkv x ceil((Hq / Hkv) * Sq / rows) blocks of the grid too, rows 8 or 32: cuda_ext.grid_reason).
         k_cache, v_cache: (B_cache, S_cache, Hkv, D) contiguous caches, or with block_table paged
             (num_blocks, page_size, Hkv, D); q's dtype; Hq a multiple of Hkv (GQA/MQA).
         cache_seqlens: (B,) int32 (int64 is converted) or an int: batch row b attends to keys
@@ -66,7 +87,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, ca
         (cache_seqlens[b] == 0, or causal with Sq > cache_seqlens[b]) gives out 0 and lse -inf.
     """
     _require("decode_attention", q)
-    lens = _lens("decode_attention", cache_seqlens, q.shape[0], q.device)
+    lens = _lens("decode_attention", cache_seqlens, q.shape[0], q.device, check_values)
     cap = _ext.check_decode_args(q, k_cache, v_cache, lens, block_table, cache_batch_idx, num_splits or 1)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
@@ -102,12 +123,17 @@ def rotary_append(q, k, v, k_cache, v_cache, cache_seqlens, *, cos=None, sin=Non
         check_values: check cache_seqlens + Sq <= capacity, block_table and cache_batch_idx values
             on the host (one sync). Without it, writes to out-of-range positions/pages are dropped.
 
+    Caches whose slots share memory (an expanded view), k_cache and v_cache sharing memory, or q, k, v
+    sharing memory with a cache are refused (ValueError), as flashtx.flash_attn_with_kvcache refuses them.
+
     Returns:
         q rotated, (B, Sq, Hq, D) contiguous, q's dtype.
     """
     _require("rotary_append", q)
-    lens = _lens("rotary_append", cache_seqlens, q.shape[0], q.device)
+    lens = _lens("rotary_append", cache_seqlens, q.shape[0], q.device, check_values)
     _ext.check_rotary_append_args(q, k, v, k_cache, v_cache, cos, sin, lens, block_table, cache_batch_idx)
+    if not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()):  # (addresses: eager only)
+        _check_writes(q, k, v, k_cache, v_cache, block_table is not None)
     return _ops().rotary_append(q, k, v, k_cache, v_cache, cos, sin, lens, block_table,
                                                 cache_batch_idx, bool(interleaved), bool(q_causal),
                                                 bool(check_values))
@@ -136,7 +162,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              "or new k, v to append")
         cache_seqlens = k_cache.shape[1]
     _require(op, q)
-    lens = _lens(op, cache_seqlens, q.shape[0], q.device)
+    lens = _lens(op, cache_seqlens, q.shape[0], q.device, check_values)
     if k is not None:
         if k.dim() != 4 or k.shape[1] != q.shape[1]:
             raise ValueError(f"flashtx.cuda_ext.{op}: k must be (B, Sq, Hkv, D) with q's Sq = {q.shape[1]}; got "
@@ -193,7 +219,7 @@ class DecodeCUDA:
                 None if cos is None else (tuple(cos.shape), cos.dtype, cos.shape[0] >= call["capacity"]),
                 call.get("cache_leftpad") is not None, call.get("alibi") is not None,
                 tuple(call.get("window", (-1, -1))), float(call.get("softcap", 0.0)) > 0,
-                _vec_ok(k_cache) and _vec_ok(v_cache))
+                _vec_ok(k_cache) and _vec_ok(v_cache), _ext.grid_reason(q, k_cache))
 
     def not_supported_reasons(self, inp) -> list[str]:
         automatic = getattr(inp, "automatic", True)
@@ -201,6 +227,9 @@ class DecodeCUDA:
         reasons = _ext.not_supported_reasons(q, kc, automatic=automatic)
         if vc.shape[-1] != kc.shape[-1]:
             reasons.append(f"v head dim {vc.shape[-1]} differs from k's {kc.shape[-1]} (the kernels need Dv = D)")
+        grid = _ext.grid_reason(q, kc) if q.dim() == 4 and kc.dim() == 4 else None
+        if grid is not None:  # (refused here, before the append writes the caches; the binding says the same)
+            reasons.append(grid)
         if kc.is_floating_point() and not (_vec_ok(kc) and _vec_ok(vc)):
             reasons.append("k_cache/v_cache strides are not multiples of 16 bytes (or the data is not 16-byte "
                            "aligned): the kernels write the cache in place with 16-byte vectors")
@@ -243,6 +272,8 @@ class DecodeCUDA:
                interleaved, q_same_pos):
         self._refuse_unimplemented(**{"RoPE without an append": k is None,
                                       "Snew != Sq": k is not None and k.shape[1] != q.shape[1]})
+        if k.numel() == 0 and q.numel() == 0:  # nothing to write or rotate (B or Sq is 0; the binding would
+            return  # refuse the empty cache of a B = 0 call, which the Triton backend takes)
         if cos is not None:
             if cos.dtype not in (torch.float32, q.dtype):
                 cos, sin = cos.float(), sin.float()  # the Triton kernel reads the tables in fp32 too
@@ -258,6 +289,8 @@ class DecodeCUDA:
         self._refuse_unimplemented(cache_leftpad=leftpad is not None, alibi_slopes=alibi is not None,
                                    window_size=tuple(window) != (-1, -1), softcap=softcap > 0,
                                    key_mask=key_mask is not None)
+        if q.numel() == 0:  # an empty output (B, Sq or Hq is 0): nothing to launch, as the Triton backend
+            return
         if seqlens is None:  # the keys are the cache's first snew positions (kvcache_attention without lengths)
             seqlens = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
         if snew:  # the keys end after the tokens just appended

@@ -47,6 +47,10 @@ DEVICE_TYPES = ("cuda",)  # the tests add "cpu" to run the Python glue over stan
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_SPLITS = 128  # the binding's limit on num_splits
+MAX_GRID = 65535  # the binding's limit on B, Sq, Hq and the decode grid's y dim (Hkv x row chunks)
+MAX_CAPACITY = 2**30  # the binding's limit on cache positions (the kernels' positions and key tiles are ints)
+INT32_MAX = 2**31 - 1
+MIN_CAPABILITY = (8, 0)  # cp.async and bf16: sm_80 and newer
 MIN_KEYS_PER_SPLIT = 256  # the heuristic gives each split at least this many keys (unmeasured guess)
 MEASURED_FASTER = False  # True only once bench/RESULTS.md records it beating the Triton kernels (then
 # DecodeCUDA.call_key must also go into the automatic plan key: see _decode_op.select)
@@ -164,6 +168,10 @@ def not_supported_reasons(q: torch.Tensor | None = None, k_cache: torch.Tensor |
             reasons.append(f"{name} dtype {t.dtype} is not supported (float16, bfloat16, float32)")
         if t.dim() >= 1 and t.shape[-1] not in SUPPORTED_HEAD_DIMS:
             reasons.append(f"{name} head dim {t.shape[-1]} is not supported (64 or 128)")
+    if q is not None and q.is_cuda:
+        cc = torch.cuda.get_device_capability(q.device)
+        if cc < MIN_CAPABILITY:
+            reasons.append(f"compute capability {cc[0]}.{cc[1]} < 8.0: the CUDA kernels need sm_80 or newer")
     if automatic and not MEASURED_FASTER:
         reasons.append(NOT_MEASURED)
     return reasons
@@ -226,6 +234,10 @@ def _build_archs() -> list[int] | None:
         return None
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < MIN_CAPABILITY:  # (ptxas would fail on cp.async, after a minute of building)
+            raise RuntimeError(f"cannot build flashtx's CUDA extension for this GPU: compute capability "
+                               f"{major}.{minor} < 8.0 (the kernels need sm_80 or newer); pass archs=[80, ...] to "
+                               "build for other GPUs")
         return [major * 10 + minor]
     return list(_b.ARCHS)
 
@@ -293,7 +305,7 @@ def decode_ctas(batch: int, hq: int, hkv: int, sq: int) -> int:
 def num_splits_heuristic(ctas: int, num_sms: int, num_n_blocks: int, max_splits: int) -> int:
     """flash-attn 2's num_splits_heuristic: the fewest splits whose wave efficiency is within 85%
     of the best; 1 when the blocks of one split already fill 80% of the SMs."""
-    if ctas >= 0.8 * num_sms:
+    if ctas <= 0 or ctas >= 0.8 * num_sms:  # (no blocks: an empty q, nothing to split)
         return 1
     max_splits = min(max_splits, num_sms, num_n_blocks)
     if max_splits <= 1:
@@ -380,7 +392,25 @@ def check_cache_args(op, q, k_cache, v_cache, cache_seqlens, block_table, cache_
     elif k_cache.shape[0] < batch:
         _fail(op, f"k_cache has {k_cache.shape[0]} batch rows but q has B = {batch}; pass cache_batch_idx to "
                   "map batch rows to cache rows")
+    if capacity > MAX_CAPACITY:
+        _fail(op, f"the cache capacity ({capacity} positions) must be <= 2**30")
     return capacity
+
+
+def grid_reason(q, k_cache) -> str | None:
+    """Why the decode kernel's grid cannot cover q (B, Sq, Hq, D) over caches of Hkv heads, or None (the binding's
+    checks: B, Sq, Hq <= 65535, and Hkv x row chunks of (Hq / Hkv) * Sq query rows <= 65535)."""
+    batch, sq, hq = q.shape[:3]
+    hkv = k_cache.shape[2]
+    if max(batch, sq, hq) > MAX_GRID:
+        return f"B, Sq and Hq must be <= {MAX_GRID} (the grid); got q of shape {tuple(q.shape)}"
+    if hkv and hq % hkv == 0:
+        rows = (hq // hkv) * sq
+        chunks = -(-rows // rows_per_cta(rows))
+        if hkv * chunks > MAX_GRID:
+            return (f"Hkv x row chunks = {hkv} x {chunks} passes the grid's {MAX_GRID} (chunks of "
+                    f"{rows_per_cta(rows)} of the (Hq / Hkv) * Sq = {rows} query rows per KV head)")
+    return None
 
 
 def check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_batch_idx=None,
@@ -392,6 +422,9 @@ def check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table=None, cach
                                   f"({k_cache.shape[2]})")
     if not 1 <= num_splits <= MAX_SPLITS:
         _fail("decode_attention", f"num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
+    why = grid_reason(q, k_cache)
+    if why is not None:
+        _fail("decode_attention", why)
     return cap
 
 
@@ -410,6 +443,8 @@ def check_rotary_append_args(q, k, v, k_cache, v_cache, cos, sin, cache_seqlens,
         _fail(op, f"the caches' heads ({k_cache.shape[2]}) must be k's ({k.shape[2]})")
     if (cos is None) != (sin is None):
         _fail(op, "pass both cos and sin, or neither")
+    if (q.shape[2] + 2 * k.shape[2]) * d > INT32_MAX:
+        _fail(op, f"(Hq + 2 Hkv) * D = ({q.shape[2]} + 2 * {k.shape[2]}) * {d} elements per token must fit int32")
     if cos is None:
         return 0
     for name, t in (("cos", cos), ("sin", sin)):
@@ -426,6 +461,8 @@ def check_rotary_append_args(q, k, v, k_cache, v_cache, cos, sin, cache_seqlens,
                   f"{q.dtype}; got {rd}")
     if cos.shape[0] < cap:
         _fail(op, f"cos/sin must cover every cache position: {cos.shape[0]} rows for a cache capacity of {cap}")
+    if cos.shape[0] > INT32_MAX:
+        _fail(op, f"cos/sin have {cos.shape[0]} rows; at most 2**31 - 1 (int positions)")
     return rd
 
 

@@ -137,6 +137,7 @@ def test_num_splits_heuristic():
     assert h(1, 4, 8, 128) == 4  # efficiency .25, .5, .75, 1.0: all 4 SMs
     assert h(8, 108, 1, 128) == 1  # one block of keys: nothing to split
     assert h(1, 132, 5, 128) == 5  # capped by the key blocks
+    assert h(0, 132, 8, 128) == 1  # no blocks (an empty q): nothing to split (it divided by zero)
     for ctas, sms, nb in [(8, 108, 32), (16, 132, 32), (3, 80, 200), (40, 132, 7)]:
         s = h(ctas, sms, nb, 128)
         assert 1 <= s <= min(sms, nb, 128)
@@ -237,6 +238,30 @@ def test_rotary_append_argument_checks(case, words):
     assert cuda_ext.check_rotary_append_args(q, torch.randn(2, 2, 2, 64, dtype=torch.float16),
                                              torch.randn(2, 2, 2, 64, dtype=torch.float16), kc, vc,
                                              torch.randn(64, 16), torch.randn(64, 16), lens) == 32
+
+
+def test_binding_limits_on_meta_tensors():
+    """The binding's limits, mirrored by the checks the fakes run: the grid (Hkv x row chunks), a cache capacity
+    past 2**30 (int positions in the kernels' key loop), int32 per-token and table-row counts in rotary_append."""
+    m = dict(device="meta")
+    q, kc = torch.empty(1, 1024, 2048, 64, dtype=torch.float16, **m), torch.empty(1, 64, 2048, 64, dtype=torch.float16,
+                                                                                 **m)
+    lens = torch.empty(1, dtype=torch.int32, **m)
+    with pytest.raises(ValueError, match="Hkv x row chunks = 2048 x 32 passes the grid's 65535"):
+        cuda_ext.check_decode_args(q, kc, kc, lens)
+    q1, pages = torch.empty(1, 1, 8, 64, dtype=torch.float16, **m), torch.empty(10, 16, 2, 64, dtype=torch.float16, **m)
+    bt = torch.empty(1, 2**26 + 1, dtype=torch.int32, **m)
+    with pytest.raises(ValueError, match=r"the cache capacity \(1073741840 positions\) must be <= 2\*\*30"):
+        cuda_ext.check_decode_args(q1, pages, pages, lens, bt)
+    assert cuda_ext.check_decode_args(q1, pages, pages, lens, bt[:, :2**26]) == 2**30
+    k = torch.empty(1, 1, 2, 64, dtype=torch.float16, **m)
+    cos = torch.empty(2**31, 16, **m)
+    with pytest.raises(ValueError, match=r"cos/sin have 2147483648 rows; at most 2\*\*31 - 1"):
+        cuda_ext.check_rotary_append_args(q1, k, k, pages, pages, cos, cos, lens, bt[:, :2**26])
+    wide = torch.empty(1, 1, 2**25, 64, dtype=torch.float16, **m)
+    with pytest.raises(ValueError, match=r"\(Hq \+ 2 Hkv\) \* D = \(33554432 \+ 2 \* 33554432\) \* 64"):
+        cuda_ext.check_rotary_append_args(wide, wide, wide, torch.empty(1, 64, 2**25, 64, dtype=torch.float16, **m),
+                                          torch.empty(1, 64, 2**25, 64, dtype=torch.float16, **m), None, None, lens)
 
 
 def test_fakes_give_shapes_on_meta_tensors():

@@ -183,3 +183,66 @@ def test_cuda_backend_glue_matches_triton(standin, case):
     if case["causal"] and not case.get("append") and min(case["lens"]) < Sq:  # rows that see no key
         b = case["lens"].index(min(case["lens"]))
         assert torch.all(out[b] == 0) and torch.all(lse[b] == float("-inf"))
+
+
+@pytest.mark.parametrize("shape", [dict(Sq=0), dict(Hq=0), dict(B=0)], ids=lambda s: next(iter(s)) + "=0")
+@pytest.mark.parametrize("append", [False, True], ids=["attend", "append"])
+def test_cuda_backend_takes_empty_queries_as_triton(standin, shape, append):
+    """An empty q with a cache long enough to split (capacity 1024 > 256 keys a split) returned an empty output
+    through Triton but divided by zero in the split heuristic (no blocks) through "cuda" (a review of csrc)."""
+    B, Sq, Hq, Hkv = shape.get("B", 2), shape.get("Sq", 1), shape.get("Hq", 4), 2
+    torch.manual_seed(0)
+    q = torch.randn(B, Sq, Hq, 64)
+    kc, vc = torch.randn(B, 1024, Hkv, 64), torch.randn(B, 1024, Hkv, 64)  # (B = 0: an empty cache, as Triton takes)
+    kw = dict(cache_seqlens=torch.full((B,), 300, dtype=torch.int32), return_softmax_lse=True)
+    if append:
+        kw.update(k=torch.randn(B, Sq, Hkv, 64), v=torch.randn(B, Sq, Hkv, 64))
+    results = {}
+    for backend in ("triton", "cuda"):
+        kc_b, vc_b = kc.clone(), vc.clone()
+        out, lse = flashtx.flash_attn_with_kvcache(q, kc_b, vc_b, backend=backend, **kw)
+        results[backend] = out, lse, kc_b, vc_b
+    for a, b in zip(results["triton"], results["cuda"]):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_cuda_backend_refuses_a_grid_it_cannot_launch_before_writing(standin):
+    """Hkv x row chunks past 65535 (Triton's tiles of 64 rows fit where the extension's 32 do not) is a reason,
+    judged before the append (the binding's launch failed after it had written the caches)."""
+    impl = _dispatch.IMPLS["kvcache_attention"]["cuda"]
+    q = torch.empty(1, 1024, 2048, 64, device="meta")  # 2048 KV heads x 32 chunks of 32 rows
+    kc = torch.empty(1, 2048, 2048, 64, device="meta")
+    reasons = impl.not_supported_reasons(_decode_op.DecodeInputs(q, kc, kc, {}, automatic=False))
+    assert any("Hkv x row chunks = 2048 x 32 passes the grid's 65535" in r for r in reasons), reasons
+    assert "2048 x 32" in cuda_ext.grid_reason(q[:, :993], kc)  # 993 rows: still 32 chunks
+    assert cuda_ext.grid_reason(q[:, :992], kc) is None  # 992 rows: 2048 x 31 = 63488 blocks
+    assert "B, Sq and Hq must be <= 65535" in cuda_ext.grid_reason(torch.empty(65536, 1, 2, 64, device="meta"), kc)
+    assert impl.call_key(q, kc, kc, {}) != impl.call_key(q[:, :992], kc, kc, {})  # the plan key holds it
+
+
+def test_direct_rotary_append_refuses_writes_that_share_memory(standin):
+    """cuda_ext.rotary_append (the direct API) wrote k and v into one buffer, or through an expanded cache, where
+    flashtx.flash_attn_with_kvcache refuses (the kernel's writes would race)."""
+    q, kc, vc, _ = _kv_case(B=2, Sq=1, Hq=4, Hkv=2)
+    k, v = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
+    with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+        cuda_ext.rotary_append(q, k, v, kc, kc, 5)
+    with pytest.raises(ValueError, match="k_cache has stride 0 along batch"):
+        cuda_ext.rotary_append(q, k, v, kc[:1].expand_as(kc), vc, 5)
+    with pytest.raises(ValueError, match="k shares memory with k_cache"):
+        cuda_ext.rotary_append(q, kc[:, 5:6], v, kc, vc, 5)
+    kc0 = kc.clone()
+    cuda_ext.rotary_append(q, k, v, kc, vc, 5)  # the valid call writes position 5
+    assert torch.equal(kc[:, 5:6], k) and torch.equal(kc[:, :5], kc0[:, :5])
+
+
+def test_direct_api_checks_int64_lengths_before_narrowing(standin):
+    """An int64 cache_seqlens of 2**32 + 10 was narrowed to 10 (and passed check_values as 10)."""
+    q, kc, vc, _ = _kv_case(B=1)
+    big = torch.tensor([2**32 + 10])
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 2\*\*31 - 1\]"):
+        cuda_ext.decode_attention(q, kc, vc, big, check_values=True)
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 2\*\*31 - 1\]"):
+        cuda_ext.decode_attention(q, kc, vc, -1)
+    out = cuda_ext.decode_attention(q, kc, vc, torch.tensor([7]), check_values=True)  # int64 in range: converted
+    torch.testing.assert_close(out, cuda_ext.decode_attention(q, kc, vc, 7), atol=0, rtol=0)
