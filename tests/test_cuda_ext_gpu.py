@@ -2,11 +2,13 @@
 (flashtx/cuda_ext_reference.py) on the GPU.
 
 decode_attention: contiguous and paged caches (page sizes 16 and 64), ragged cache_seqlens (full,
-1, mid, 0), GQA groups 1/4/8, Sq 1-4, causal and not, forced and chosen num_splits,
-cache_batch_idx, strided q. Cache positions no row may read are poisoned with NaN, so a kernel that
-reads past cache_seqlens or an unused page gives NaN. rotary_append: NeoX and interleaved, full
-and partial rotary, cos/sin in fp32 and in the input dtype; written slots against the reference,
-every other slot (poisoned) unchanged. Plus the guards, check_values and torch.compile.
+1, mid, 0), GQA groups 1/4/8 (and 16/48: several blocks of rows per KV head), Sq 1-4, causal and not,
+forced and chosen num_splits, cache_batch_idx, strided q. Cache positions no row may read are poisoned
+with NaN, so a kernel that reads past cache_seqlens or an unused page gives NaN; the guard tests put the
+pages inside NaN (a page index just outside the pool reads NaN) and compare with the keys that remain.
+rotary_append: NeoX and interleaved, full and partial rotary, cos/sin in fp32 and in the input dtype;
+written slots against the reference, every other slot (poisoned) unchanged. Plus the guards, check_values
+and torch.compile.
 
 Skipped without a CUDA GPU, or without nvcc/a CUDA torch to build the extension (the reason says
 which); the CPU half of issue 16 is tests/test_cuda_ext.py.
@@ -95,6 +97,30 @@ def test_decode_matches_reference(dtype, d, page, group, sq):
     for causal in (True, False):
         out, lse = cuda_ext.decode_attention(q, kc, vc, lens, block_table=bt, causal=causal, return_lse=True)
         _check_decode(out, lse, dtype, q, kc, vc, lens, block_table=bt, causal=causal)
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("group", [16, 48])
+@pytest.mark.parametrize("page", [None, 16], ids=["contig", "page16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_with_several_row_chunks_and_unused_pages(d, page, group, sq):
+    """GQA groups whose (Hq / Hkv) * Sq rows take several blocks of 32 (MQA as StarCoder's 48 heads, Falcon's
+    71), and block-table entries past each row's used pages set to -1 (as vLLM pads), the pages inside NaN:
+    a kernel that read an unused entry, or mapped a chunk's rows wrong, fails."""
+    dtype = torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(d + group * 10 + sq)
+    batch, hkv = 3, 1 if group == 48 else 2
+    lens = torch.tensor([CAP, 37, 0], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _caches(batch, hkv, d, dtype, lens, page, gen=gen)
+    if page is not None:
+        kc, vc, bt = _inside_nan(kc), _inside_nan(vc), bt.clone()
+        for b in range(batch):
+            bt[b, -(-int(lens[b]) // page):] = -1
+    q = torch.randn(batch, sq, hkv * group, d, device="cuda", generator=gen).to(dtype)
+    for causal in (True, False):
+        out, lse = cuda_ext.decode_attention(q, kc, vc, lens, block_table=bt, causal=causal, return_lse=True)
+        ref_bt = None if bt is None else bt.clamp_min(0)  # (the reference reads no unused entry either)
+        _check_decode(out, lse, dtype, q, kc, vc, lens, block_table=ref_bt, causal=causal)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 16, 128])
@@ -209,22 +235,46 @@ def test_backend_cuda_equals_triton(paged, sq):
     assert _decode_op.select(q, kc, vc, None, {"capacity": CAP}) == "triton"
 
 
+def _inside_nan(t: torch.Tensor, margin: int = 10) -> torch.Tensor:
+    """t as a view into a larger NaN-filled buffer, `margin` pages of NaN on each side: a page index just
+    outside t (-1, len(t) + 5) lands on NaN, so a kernel that read it gives NaN, not finite garbage."""
+    pool = torch.full((t.shape[0] + 2 * margin, *t.shape[1:]), float("nan"), device=t.device, dtype=t.dtype)
+    pool[margin:margin + t.shape[0]] = t
+    return pool[margin:margin + t.shape[0]]
+
+
+def _without_positions(cache, bt, keep):
+    """(B, max kept, H, D) contiguous rows of a paged cache holding, per batch row b, its positions keep[b]."""
+    rows = [cache[bt[b].long()].reshape(-1, *cache.shape[2:])[keep[b]] for b in range(len(keep))]
+    out = torch.zeros(len(rows), max(r.shape[0] for r in rows), *cache.shape[2:], dtype=cache.dtype,
+                      device=cache.device)
+    for b, r in enumerate(rows):
+        out[b, :r.shape[0]] = r
+    return out
+
+
 def test_guards_and_check_values():
     dtype, batch, hkv, d = torch.float16, 2, 1, 64
     lens = torch.tensor([100, 30], dtype=torch.int32, device="cuda")
     kc, vc, bt = _caches(batch, hkv, d, dtype, lens, 16, gen=torch.Generator(device="cuda").manual_seed(0))
+    kc, vc = _inside_nan(kc), _inside_nan(vc)
     q = torch.randn(batch, 1, 4, d, device="cuda", dtype=dtype)
     bad = bt.clone()
-    bad[0, 2], bad[1, 0] = -1, kc.shape[0] + 5  # out-of-range pages inside the used range
-    out = cuda_ext.decode_attention(q, kc, vc, lens, block_table=bad)  # guarded: those keys are masked
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+    bad[0, 2], bad[1, 0] = -1, kc.shape[0] + 5  # out-of-range pages inside the used range (NaN if read)
+    out, lse = cuda_ext.decode_attention(q, kc, vc, lens, block_table=bad, return_lse=True)  # their keys masked
+    keep = [torch.cat([torch.arange(0, 32), torch.arange(48, 100)]).cuda(), torch.arange(16, 30).cuda()]
+    kept_k, kept_v = _without_positions(kc, bt, keep), _without_positions(vc, bt, keep)
+    kept = torch.tensor([84, 14], dtype=torch.int32, device="cuda")
+    _check_decode(out, lse, dtype, q, kept_k, kept_v, kept)  # attention over the keys that remain
     with pytest.raises(RuntimeError, match="block_table has entries outside"):
         cuda_ext.decode_attention(q, kc, vc, lens, block_table=bad, check_values=True)
     with pytest.raises(RuntimeError, match=r"cache_seqlens must lie in \[0, 320\]"):
         cuda_ext.decode_attention(q, kc, vc, lens + CAP, block_table=bt, check_values=True)
-    out = cuda_ext.decode_attention(q, kc, vc, lens + 10 * CAP, block_table=bt)  # clamped to the capacity
-    torch.cuda.synchronize()
+    full = torch.full_like(lens, CAP)
+    kf, vf, btf = _caches(batch, hkv, d, dtype, lens, 16, poison_from=full,
+                          gen=torch.Generator(device="cuda").manual_seed(1))  # every position finite
+    out, lse = cuda_ext.decode_attention(q, kf, vf, lens + 10 * CAP, block_table=btf, return_lse=True)
+    _check_decode(out, lse, dtype, q, kf, vf, full, block_table=btf)  # clamped to the capacity
     k = v = torch.randn(batch, 1, hkv, d, device="cuda", dtype=dtype)
     kc2 = kc.clone()
     cuda_ext.rotary_append(q, k, v, kc2, vc.clone(), torch.tensor([CAP, 5], dtype=torch.int32, device="cuda"),
