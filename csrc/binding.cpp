@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 
 #include "flashtx_cuda.h"
@@ -173,7 +174,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
               "]; got ", num_splits);
   TORCH_CHECK(B <= 65535 && Hq <= 65535 && Sq <= 65535, op, ": B, Sq and Hq must be <= 65535 (grid); got q ",
               shape_str(q));
-  const int64_t group_rows = (Hq / Hkv) * Sq, rows = ftx_decode_rows_per_cta((int)group_rows);
+  const int64_t group_rows = (Hq / Hkv) * Sq;
+  const int64_t rows = ftx_decode_rows_per_cta((int)std::min<int64_t>(group_rows, INT32_MAX));
   const int64_t chunks = (group_rows + rows - 1) / rows;  // blocks of `rows` query rows per KV head
   TORCH_CHECK(Hkv * chunks <= 65535, op, ": Hkv x row chunks = ", Hkv, " x ", chunks, " passes the grid's 65535 ",
               "(chunks of ", rows, " of the (Hq / Hkv) * Sq = ", group_rows, " query rows per KV head): pass fewer "
@@ -254,11 +256,11 @@ at::Tensor rotary_append(const at::Tensor& q, const at::Tensor& k, const at::Ten
     TORCH_CHECK(s_rot <= INT32_MAX, op, ": cos/sin have ", s_rot, " rows; at most 2**31 - 1 (int positions)");
     cos_f32 = cos->scalar_type() == at::kFloat;
   }
+  TORCH_CHECK((Hq + 2 * k.size(2)) * D <= INT32_MAX, op, ": (Hq + 2 Hkv) * D = (", Hq, " + 2 * ", k.size(2), ") * ",
+              D, " elements per token must fit int32");
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   if (check_values && B > 0) check_cache_values(op, c, cache_seqlens, block_table, cache_batch_idx, Sq);
 
-  TORCH_CHECK((Hq + 2 * k.size(2)) * D <= INT32_MAX, op, ": (Hq + 2 Hkv) * D = (", Hq, " + 2 * ", k.size(2), ") * ",
-              D, " elements per token must fit int32");
   auto q_out = at::empty({B, Sq, Hq, D}, q.options());  // (B, Sq, Hq, D)
   if (B == 0 || Sq == 0) return q_out;
   ftx_rotary_append_params p{};

@@ -167,6 +167,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k.dim() != 4 or k.shape[1] != q.shape[1]:
             raise ValueError(f"flashtx.cuda_ext.{op}: k must be (B, Sq, Hkv, D) with q's Sq = {q.shape[1]}; got "
                              f"{tuple(k.shape)}")
+        _ext.check_decode_args(q, k_cache, v_cache, lens, block_table, cache_batch_idx, num_splits or 1)  # (the
+        # attention's shape checks, the grid's included, before the append writes the caches)
         q_rot = rotary_append(q, k, v, k_cache, v_cache, lens, cos=rotary_cos, sin=rotary_sin,
                               interleaved=rotary_interleaved, q_causal=causal, block_table=block_table,
                               cache_batch_idx=cache_batch_idx, check_values=check_values)

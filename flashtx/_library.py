@@ -30,6 +30,22 @@ _MUTATED: dict = {}  # op -> positions of the arguments it writes in place
 _TENSORS: dict = {}  # op -> (positions of its Tensor arguments, positions of its Tensor-list arguments)
 
 
+_BACKEND_ARG: dict = {}  # op -> position of its `backend` argument (None: it has none)
+_JIT_TRACING = torch._C._get_tracing_state  # torch.jit.trace
+
+
+def _refuse_jit_kernels(op, args) -> None:
+    """Under torch.jit.trace: the reference backend (asked for, or CPU tensors without the interpreter) runs aten
+    ops, which TorchScript records; a kernel launch would not be recorded, so that is refused by name."""
+    i = _BACKEND_ARG.get(op)
+    requested = args[i] if i is not None else ""
+    if requested == "reference" or (not requested and args[0].device.type == "cpu" and not _env.INTERPRET):
+        return
+    raise RuntimeError(f"torch.jit.trace cannot trace flashtx's kernels (here {getattr(op, '_qualname', op)}): it "
+                       "would record no launch. Use torch.export.export or torch.compile, which trace them, or "
+                       "backend='reference'")
+
+
 def _opaque(mode, op, types, args, kwargs):
     return mode.__torch_dispatch__(op, types, args, kwargs)
 
@@ -48,6 +64,7 @@ def triton_op(name: str, *, mutates_args=()):
         kinds = [str(p.annotation) for p in params.values()]  # annotations as written ("Optional[Tensor]")
         _TENSORS[op] = (tuple(i for i, a in enumerate(kinds) if "Tensor" in a and "list" not in a),
                         tuple(i for i, a in enumerate(kinds) if "Tensor" in a and "list" in a))
+        _BACKEND_ARG[op] = names.index("backend") if "backend" in names else None
         return op
     return dec
 
@@ -118,9 +135,6 @@ def _refuse_transforms(op, args) -> None:
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)  # absent from CPU-only builds (no CUDA tensor there)
 
 
-_JIT_TRACING = torch._C._get_tracing_state  # torch.jit.trace
-
-
 def _other_device(t) -> int | None:
     """t's CUDA device index when it is not the current device, else None. Triton launches on the current
     device and its current stream, so a call on tensors elsewhere (a model split over GPUs, e.g. transformers'
@@ -140,11 +154,10 @@ def call(op, *args):
     argument requires grad, on the first argument's device (made current for the call if it is not)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return op(*args)  # traced: the compiled graph places each kernel itself
-    if _JIT_TRACING():  # (TorchScript cannot take the ops' optional-tensor lists; the kernels would run untraced)
-        raise RuntimeError(f"torch.jit.trace cannot trace flashtx ops (here {getattr(op, '_qualname', op)}): use "
-                           "torch.export.export or torch.compile, which trace them")
     if _FUNCTORCH() or _FORWARD_AD._current_level >= 0:
         _refuse_transforms(op, args)
+    if _JIT_TRACING():
+        _refuse_jit_kernels(op, args)
     other = _other_device(args[0])
     if other is not None:
         with torch.cuda.device(other):

@@ -101,7 +101,7 @@ class Unpack(torch.autograd.Function):
 def unbind(packed: Tensor, dim: int):
     """packed.unbind(dim) whose gradient reuses the slices' gradients' buffer where they are its slices (Unpack); the
     plain unbind where nothing records it or anything traces it."""
-    if eager() and torch.is_grad_enabled() and packed.requires_grad and type(packed) is Tensor \
-            and packed.numel() >= MIN_NUMEL:  # (eager() first: a traced size is not compared, so not guarded)
+    if torch.is_grad_enabled() and packed.requires_grad and type(packed) is Tensor and eager() \
+            and packed.numel() >= MIN_NUMEL:  # (eager() before numel(): a traced size is not compared, not guarded)
         return Unpack.apply(packed, dim)
     return packed.unbind(dim)

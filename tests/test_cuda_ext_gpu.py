@@ -2,7 +2,7 @@
 (flashtx/cuda_ext_reference.py) on the GPU.
 
 decode_attention: contiguous and paged caches (page sizes 16 and 64), ragged cache_seqlens (full,
-1, mid, 0), GQA groups 1/4/8 (and 16/48: several blocks of rows per KV head), Sq 1-4, causal and not,
+1, mid, 0), GQA groups 1/4/8 (and 16/48: up to 5 blocks of rows per KV head), Sq 1-4, causal and not,
 forced and chosen num_splits, cache_batch_idx, strided q. Cache positions no row may read are poisoned
 with NaN, so a kernel that reads past cache_seqlens or an unused page gives NaN; the guard tests put the
 pages inside NaN (a page index just outside the pool reads NaN) and compare with the keys that remain.
@@ -104,9 +104,10 @@ def test_decode_matches_reference(dtype, d, page, group, sq):
 @pytest.mark.parametrize("page", [None, 16], ids=["contig", "page16"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_decode_with_several_row_chunks_and_unused_pages(d, page, group, sq):
-    """GQA groups whose (Hq / Hkv) * Sq rows take several blocks of 32 (MQA as StarCoder's 48 heads, Falcon's
-    71), and block-table entries past each row's used pages set to -1 (as vLLM pads), the pages inside NaN:
-    a kernel that read an unused entry, or mapped a chunk's rows wrong, fails."""
+    """GQA groups of 16 and 48 (MQA as StarCoder's 48 heads): 16 x 3, 48 x 1 and 48 x 3 rows per KV head take
+    2, 2 and 5 blocks of 32 (16 x 1 one), and block-table entries past each row's used pages are -1 (as vLLM
+    pads; the kernel's page guard masks them), the pages inside NaN: a kernel that mapped a chunk's rows wrong,
+    or read through a -1 entry past its guard, fails."""
     dtype = torch.float16
     gen = torch.Generator(device="cuda").manual_seed(d + group * 10 + sq)
     batch, hkv = 3, 1 if group == 48 else 2

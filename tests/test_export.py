@@ -142,16 +142,29 @@ def test_patched_sdpa_exports_with_a_dynamic_sequence():
     torch.testing.assert_close(ep.module()(q, k, v), flashtx.attention(q, k, v, is_causal=True), atol=0, rtol=0)
 
 
+def _traceable(op, backend):
+    cos, sin = RotaryEmbedding(16).cos_sin(16, DEVICE)
+    return {"attention": lambda t: flashtx.attention(t, t, t, is_causal=True, backend=backend),
+            "rotary": lambda t: flashtx.apply_rotary(t, cos[:t.shape[1]], sin[:t.shape[1]], backend=backend),
+            "swiglu": lambda t: flashtx.swiglu(t, t * 2, backend=backend)}[op]
+
+
 @pytest.mark.parametrize("op", ["attention", "rotary", "swiglu"])
-def test_jit_trace_is_refused_by_name(op):
-    """torch.jit.trace failed inside Triton (its traced sizes) or could not take the ops' schemas."""
-    x = randn(2, 6, 2, 16)
-    cos, sin = RotaryEmbedding(16).cos_sin(8, DEVICE)
-    fn = {"attention": lambda t: flashtx.attention(t, t, t, is_causal=True),
-          "rotary": lambda t: flashtx.apply_rotary(t, cos, sin),
-          "swiglu": lambda t: flashtx.swiglu(t, t * 2)}[op]
-    with torch.no_grad(), pytest.raises(RuntimeError, match="torch.jit.trace cannot trace flashtx ops"):
-        torch.jit.trace(fn, (x,), check_trace=False)
+def test_jit_trace_of_the_kernels_is_refused_by_name(op):
+    """torch.jit.trace would record no Triton launch (the interpreter failed on its traced sizes instead)."""
+    with torch.no_grad(), pytest.raises(RuntimeError, match="torch.jit.trace cannot trace flashtx's kernels"):
+        torch.jit.trace(_traceable(op, "triton"), (randn(2, 6, 2, 16),), check_trace=False)
+
+
+@pytest.mark.parametrize("op", ["attention", "rotary", "swiglu"])
+def test_jit_trace_of_the_reference_backend_still_traces(op):
+    """The reference backend is aten ops, which TorchScript records (CPU users of torch.jit.trace: ONNX's
+    legacy exporter, graph viewers, FLOP counters): the trace reruns at another size."""
+    fn = _traceable(op, "reference")
+    with torch.no_grad():
+        traced = torch.jit.trace(fn, (randn(2, 6, 2, 16),), check_trace=False)
+        x = randn(3, 9, 2, 16)
+        torch.testing.assert_close(traced(x), fn(x), atol=0, rtol=0)
 
 
 def test_transformers_model_exports_with_dynamic_batch_and_sequence():

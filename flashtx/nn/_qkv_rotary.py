@@ -44,8 +44,8 @@ def eligible(proj: Tensor) -> bool:
     """Whether a training call rotates the projection in place: autograd records it, nothing traces or intercepts
     it (Dynamo sees the out-of-place form), the projection has MIN_NUMEL elements or more, and it is its own
     (B * S, N) tensor or a view of one."""
-    return _lanes.eager() and torch.is_grad_enabled() and proj.requires_grad and proj.numel() >= MIN_NUMEL \
-        and projection_base(proj) is not None  # (eager() first: a traced size is not compared, so not guarded)
+    return torch.is_grad_enabled() and proj.requires_grad and _lanes.eager() and proj.numel() >= MIN_NUMEL \
+        and projection_base(proj) is not None  # (eager() before numel(): a traced size is not compared, not guarded)
 
 
 class RotateQK(torch.autograd.Function):

@@ -215,7 +215,7 @@ class MultiheadAttention(nn.Module):
             attn_mask: SDPA semantics (bool True = attend, the opposite of nn.MultiheadAttention's
                 bool masks: pass ~mask; or float added to the scores), broadcastable to (B, Hq, S,
                 Sk); passed to flashtx.attention. Not with a cache. A query whose keys are all
-                masked attends to nothing: its attention output is 0 (flash-attn's rule; SDPA: NaN).
+                masked attends to nothing: its attention output is 0 (flash-attn's rule; SDPA's since torch 2.5).
             cache: a KVCache or PagedKVCache from ``new_cache`` for incremental decoding
                 (self-attention must be causal; see the module docstring for the alignment).
 
