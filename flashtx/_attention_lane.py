@@ -263,6 +263,9 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
     if _library._other_device(q) is not None:
         return None  # the general path makes q's device current first (flashtx._library.call)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not grad and (k.shape[1] > q.shape[1] if bshd else k.shape[2] > q.shape[2]) and \
+            (q.shape[1] if bshd else q.shape[2]) <= _small_q.SMALL_Q_MAX:
+        return None  # the small-query decode route's, before a key is built (_make would not store one)
     dtype = q.dtype
     key = (dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), scale, causal,
            bottom_right, bshd, grad, dtype is _F32 and precision.allow_tf32(), backend, _small_q.SMALL_Q_MAX, window,

@@ -138,9 +138,14 @@ class TransformerBlock(nn.Module):
                 "" if cache is None else ": the cross-attention cache is empty, pass memory on the first call"))
         h = self.attn(self.attn_norm(x), key_mask=key_mask, attn_mask=attn_mask,
                       cache=cache.self_attn if cache is not None else None)
-        x = x + self.resid_dropout(h)
+        x = x + self._resid(h)
         if self.cross_attn is not None:
             h = self.cross_attn(self.cross_norm(x), memory, key_mask=memory_mask,
                                 cache=cache.cross_attn if cache is not None else None)
-            x = x + self.resid_dropout(h)
-        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
+            x = x + self._resid(h)
+        return x + self._resid(self.mlp(self.mlp_norm(x)))
+
+    def _resid(self, h: Tensor) -> Tensor:
+        """h through resid_dropout; skipped where it is the identity (p = 0, or eval), a few us of Python a call."""
+        d = self.resid_dropout
+        return h if type(d) is nn.Dropout and (d.p == 0 or not d.training) else d(h)
