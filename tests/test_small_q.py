@@ -297,3 +297,31 @@ def test_bool_masks_per_query_are_rows_of_the_key_mask(routes, dtype, shape, Sq)
     assert_close_to_reference("out", out[seen], want[seen], eager[seen])
     assert (out[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
     assert (lse[seen].double() - want_lse[seen]).abs().max() < 1e-2
+
+
+def test_growing_keys_memoise_a_signature_on_its_second_call(fresh_plans, monkeypatch):
+    """Decoding over keys that grow by a token a call (transformers' DynamicCache) gives the launch cache a new
+    signature every call: the route's launches are planned and run without being memoised (memoising each cost
+    more than planning it, and a full table dropped every lane), and a signature that comes again is memoised,
+    then replayed. Every call computes with its own tensors."""
+    from flashtx.triton_kernels import decode, launch
+
+    plans = []
+    real = decode.plan_decode
+    monkeypatch.setattr(decode, "plan_decode", lambda *a, **kw: plans.append(1) or real(*a, **kw))
+    q = randn(2, 4, 1, 16, dtype=PRECISE_DTYPE)
+
+    def step(sk, seed):
+        torch.manual_seed(seed)
+        k, v = randn(2, 2, sk, 16, dtype=PRECISE_DTYPE), randn(2, 2, sk, 16, dtype=PRECISE_DTYPE)
+        with torch.no_grad():
+            out = flashtx.attention(q, k, v, enable_gqa=True)
+        want = reference.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+        assert (out - want).abs().max() < precise_atol(1e-12)
+    decode_entries = lambda: [s for s in launch.LAUNCHES.entries if s[0][0] == "decode"]  # noqa: E731
+    for sk in range(20, 25):
+        step(sk, sk)
+    assert len(plans) == 5 and not decode_entries()  # planned every call, nothing memoised
+    step(24, 1)  # the signature again: planned and memoised
+    step(24, 2)  # replayed with its own tensors
+    assert len(plans) == 6 and len(decode_entries()) == 1

@@ -249,7 +249,8 @@ def decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx
     if out.numel() == 0 and lse2.numel() == 0:
         return
     LAUNCHES.run(*_decode_cache_args(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi,
-                                     scale, causal, window, softcap, num_splits, snew, key_mask)[:4])
+                                     scale, causal, window, softcap, num_splits, snew, key_mask)[:4],
+                 twice=seqlens is None)  # (no lengths: the few-query route, whose keys may grow a token a call)
 
 
 def decode_entry(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *, scale: float,

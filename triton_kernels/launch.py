@@ -146,6 +146,7 @@ class LaunchCache:
 
     def __init__(self):
         self.entries: dict = {}
+        self.seen: dict = {}  # signatures run(..., twice=True) planned once (see run)
         self.enabled = True  # off while the autotuner forces configs (triton_kernels/autotune.py)
         # callers' own memos of entries (flashtx._lanes: the per-signature plans of attention, RoPE and SwiGLU), dropped
         # with them
@@ -155,15 +156,20 @@ class LaunchCache:
     def clear(self) -> None:
         self.drop_lanes()
         self.entries.clear()
+        self.seen.clear()
 
     def drop_lanes(self) -> None:
         self.generation += 1  # first: a lane being made now (another thread) sees it after it stores itself
         self.lanes.clear()
 
-    def run(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0) -> None:
+    def run(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0, twice: bool = False) -> None:
         """Run the launches build() returns for `tensors` (tensors or None; names[i] is tensors[i]'s role).
         derived: how many of the last tensors the launcher allocated itself, with shapes, strides and dtypes
-        that follow from the other tensors and `key` alone: they are left out of the signature."""
+        that follow from the other tensors and `key` alone: they are left out of the signature. twice: memoise a
+        signature on its second call only, for launchers whose signatures may change every call (the few-query
+        decode route over keys that grow by a token a step, transformers' DynamicCache: memoising each cost
+        more than planning it, ~100 us against ~45 with launches stubbed, and the full table dropped every lane
+        with it every MAX_ENTRIES steps)."""
         sig = self.enabled and _signature(tensors, len(tensors) - derived)
         if not sig:  # off, tracing, or a tensor subclass: plan this call
             for step in build():
@@ -171,7 +177,7 @@ class LaunchCache:
             return
         entry = self.entries.get((key, sig))
         if entry is None or (type(entry) is _AlignedEntry and not entry.holds(tensors)):
-            entry = self._miss((key, sig), names, tensors, build)
+            entry = self._miss((key, sig), names, tensors, build, twice)
             if entry is None:  # not cacheable, or planned for aligned inputs that these are not: already run
                 return
         for replay in entry:
@@ -194,12 +200,18 @@ class LaunchCache:
                 self._store(sig, entry, generation)
         return entry
 
-    def _miss(self, sig: tuple, names: tuple, tensors: tuple, build):
+    def _miss(self, sig: tuple, names: tuple, tensors: tuple, build, twice: bool = False):
         """Plan a call whose signature has no usable entry: the new entry (stored, not yet run), or None after
-        running the plan itself (not cacheable, or an aligned entry that these tensors do not fit)."""
+        running the plan itself (not cacheable, an aligned entry that these tensors do not fit, or with `twice`
+        the signature's first call)."""
         generation = self.generation
         steps = build()
-        entry = None if sig in self.entries else _memo(steps, names, tensors)
+        entry = None
+        if sig not in self.entries:
+            if twice and sig not in self.seen:
+                self.keep(self.seen, sig, True, generation)  # (a full table starts over; no lane holds it)
+            else:
+                entry = _memo(steps, names, tensors)
         if entry is None:
             for step in steps:
                 step.run()
