@@ -20,6 +20,7 @@ fullgraph=True).
     python -m flashtx.testing_gpu_trace [--dynamic] [--tma] [CASE ...]
     python -m flashtx.testing_gpu_trace --growing   # a compiled decode loop over growing K/V: graphs compiled
     python -m flashtx.testing_gpu_trace --packed    # a compiled training step over packed batches of changing sizes
+    python -m flashtx.testing_gpu_trace --export    # torch.export with a dynamic sequence Dim
 
 --tma: the attention kernels' configs are TMA tiles (streamed tiles read through tensor descriptors, as
 sm_90's tuning candidates), so the trace covers the descriptor-making kernels.
@@ -376,6 +377,51 @@ def _per_mode(study, names) -> dict:
     return out
 
 
+def exports() -> dict:
+    """torch.export (strict) with a dynamic sequence Dim in [2, 4096] of RoPE, SwiGLU, flash_attn_func and a
+    TransformerBlock (max_seq_len 4096) on the GPU path (the ops' bodies plan on fake tensors, as a GPU export
+    does), from a short and a long example: for each, the flashtx ops in the exported graph, or the error (a tile
+    chosen by length guarded the Dim to one bucket)."""
+    import torch
+    from torch.export import Dim, export
+
+    import flashtx
+
+    h = lambda *s: torch.randn(*s, dtype=torch.float16)  # noqa: E731
+    cos = torch.rand(4096, 32)
+
+    class Call(torch.nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, *args):
+            return self.fn(*args)
+
+    blk = flashtx.nn.TransformerBlock(256, 4, 2, rotary=flashtx.nn.RotaryEmbedding(64, max_seq_len=4096),
+                                      hidden_dim=512).half().eval()
+    studies = {"rope": (Call(lambda q, k: flashtx.apply_rotary_qk(q, k, cos, cos)),
+                        lambda s: (h(2, s, 4, 64), h(2, s, 2, 64))),
+               "swiglu": (Call(flashtx.swiglu_packed), lambda s: (h(2, s, 1024),)),
+               "flash_attn_func": (Call(lambda q, k, v: flashtx.flash_attn_func(q, k, v, causal=True)),
+                                   lambda s: (h(2, s, 4, 64), h(2, s, 2, 64), h(2, s, 2, 64))),
+               "transformer-block": (blk, lambda s: (h(2, s, 256),))}
+    out = {}
+    for name, (module, make) in studies.items():
+        for s in (8, 200):
+            args = make(s)
+            dims = {"args": tuple({1: Dim("s", min=2, max=4096)} for _ in args)} if isinstance(module, Call) \
+                else tuple({1: Dim("s", min=2, max=4096)} for _ in args)
+            try:
+                with torch.no_grad():
+                    ep = export(module, args, dynamic_shapes=dims, strict=True)
+                out[f"{name}/S={s}"] = {"ops": sorted({str(n.target) for n in ep.graph.nodes
+                                                       if "flashtx" in str(n.target)})}
+            except Exception as exc:
+                out[f"{name}/S={s}"] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+    return out
+
+
 def main(argv: list[str]) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import flashtx  # noqa: F401  (imports the kernels before the stand-ins patch their modules)
@@ -389,6 +435,9 @@ def main(argv: list[str]) -> int:
         tile = configs.TileConfig(64, 64, 4, 3, "testing_gpu_trace --tma", tma=True)
         tma_kernels = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
         configs._autotune_hook = lambda kernel, *a: tile if kernel in tma_kernels else None
+    if "--export" in argv:
+        print(json.dumps(exports(), indent=1))
+        return 0
     for flag, study, names in (("--growing", growing_cache, GROWING), ("--packed", packed_batches, PACKED)):
         if flag in argv:  # the study for automatic and dynamic shapes, each case
             print(json.dumps(_per_mode(study, names), indent=1))

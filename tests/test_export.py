@@ -6,6 +6,10 @@ other sizes against eager. What cannot be exported fails with an error that says
 written: a KV cache's host-side state, torch.jit.trace.
 """
 import copy
+import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -205,3 +209,23 @@ def test_transformers_model_exports_with_dynamic_batch_and_sequence():
             keep = mask.bool()
             torch.testing.assert_close(ep.module()(ids, mask)[keep], Logits(ref)(ids, mask)[keep],
                                        atol=2e-5, rtol=1e-5)
+
+
+def test_gpu_path_exports_a_dynamic_length():
+    """On a GPU the ops' bodies plan while export traces them (stand-ins: flashtx.testing_gpu_trace): RoPE's and
+    SwiGLU's row-count tiles (pow2_bucket) guarded a dynamic length to one power-of-two bucket, so no Dim in
+    [2, 4096] exported RoPE, SwiGLU or a TransformerBlock. Under export the tile is the largest, for every length."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "flashtx.testing_gpu_trace", "--export"], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    want = {"rope": ["flashtx.rotary_qk.default"], "swiglu": ["flashtx.swiglu_packed.default"],
+            "flash_attn_func": ["flashtx.attn_fwd.default"],
+            "transformer-block": ["flashtx.attn_fwd.default", "flashtx.rotary_qk.default",
+                                  "flashtx.swiglu_packed.default"]}
+    for name, ops in want.items():
+        for s in (8, 200):
+            got = results[f"{name}/S={s}"]
+            assert got.get("ops") == ops, (name, s, got.get("error", got)[:600] if "error" in got else got)

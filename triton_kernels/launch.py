@@ -476,9 +476,11 @@ def cdiv(a: int, b: int) -> int:
 def pow2_bucket(n, cap: int) -> int:
     """min(cap, the next power of two >= max(n, 1)) for a power of two `cap`, by comparisons only: a
     SymInt n (torch.compile, dynamic shapes) gets range guards, not int() specialisation. Launchers
-    use it to key per-row-count tile shrinking (decoding, tiny batches) without a key per length."""
-    if cap <= 1 or unbacked(n) or n > cap // 2:  # (a count read on the device, unpad_input's total: not comparable)
-        return cap
+    use it to key per-row-count tile shrinking (decoding, tiny batches) without a key per length. Under
+    torch.export it is cap, compared with nothing: an exported program serves every size its Dims allow (a guard
+    would cut a dynamic length to one bucket), and any tile is correct."""
+    if cap <= 1 or unbacked(n) or torch.compiler.is_exporting() or n > cap // 2:  # (unbacked: a count read on the
+        return cap  # device, unpad_input's total: not comparable)
     b = cap // 2
     while b > 1 and n <= b // 2:
         b //= 2
