@@ -18,7 +18,7 @@ from . import _dispatch, _env, reference
 from ._dispatch import BackendNotSupported  # noqa: F401  (public: flashtx.BackendNotSupported)
 from .triton_kernels.limits import INT32_MAX, MAX_GRID_YZ, bhsd
 from .triton_kernels.limits import mask_span as _mask_span
-from .triton_kernels.limits import seq_span
+from .triton_kernels.limits import seq_span, span_too_wide
 from .triton_kernels.mask_spec import NO_MASKS, MaskSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -153,7 +153,7 @@ class TritonBackend(Backend):
             reasons.append(f"batch {inp.q.shape[0]} x heads {inp.q.shape[1]}: each must be <= {MAX_GRID_YZ} "
                            "(CUDA grid y/z limit)")
         for name, t in (("query", inp.q), ("key", inp.k), ("value", inp.v)):
-            if seq_span(t) > INT32_MAX:  # the stride the kernels read (after _unit_last's copy)
+            if span_too_wide(t):  # the stride the kernels read (after _unit_last's copy), compared in ints
                 reasons.append(f"{name}'s sequence span ({t.shape[2]} rows, {seq_span(t)} elements) overflows int32 "
                                "offsets")
         m = inp.masks.attn_mask

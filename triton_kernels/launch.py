@@ -48,7 +48,6 @@ class Launch:
 
 _INTERPRET = interpreter_active()  # read once: Triton itself reads the switch only at import
 _STUB = None  # see stub_launches
-_JIT_TRACING = torch._C._get_tracing_state  # torch.jit.trace (run_kernel refuses it)
 
 # Triton compiler options every flashtx launch asks for, rather than inheriting Triton's default.
 # enable_fp_fusion: a * b + c as one FMA. Triton enables it by default up to 3.9, but 3.9 warns that
@@ -93,9 +92,6 @@ def run_kernel(kernel, grid, args: dict, launch_kwargs: dict, scratch: bool = Fa
     scratch: the kernel makes tensor descriptors on the device (global scratch memory, from Triton's allocator;
     Inductor sets its own in compiled code).
     """
-    if _JIT_TRACING():  # (TorchScript would record none of it; the interpreter fails on its traced sizes)
-        raise RuntimeError("torch.jit.trace cannot trace flashtx's Triton kernels (it would record no launch): use "
-                           "torch.export.export or torch.compile, which trace them, or backend='reference'")
     if _STUB is not None:
         _STUB(kernel, grid, args)
     elif _INTERPRET:
@@ -320,8 +316,8 @@ LAUNCHES = LaunchCache()  # every launcher's: keys start with the launcher's nam
 def _signature(tensors: tuple, n: int) -> tuple | None:
     """(dtype, shape, strides) of each of the first n tensors (None for None) in eager calls on plain
     tensors; None while anything traces or for a fake tensor or a subclass."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or _JIT_TRACING():
-        return None  # (torch.jit.trace: nothing memoised, so run_kernel refuses it by name)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return None
     sig = []
     for i in range(n):
         t = tensors[i]
