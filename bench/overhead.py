@@ -128,7 +128,7 @@ class Result:
 from bench.overhead_calls import (  # noqa: E402
     _fwd, _attention_fwd, _sdpa_fwd, _attention_grad_fwd, _attention_bwd, _attention_fwd_bwd, _flash_attn_func,
     _patched_sdpa, _rope_fwd, _rope_bwd, _swiglu_fwd, _swiglu_bwd, _decode, _decode_device_check, _window_softcap,
-    _key_mask, _varlen_device_check, _floor_fwd, _floor_bwd, _stub)
+    _key_mask, _varlen_device_check, _hf_decode, _floor_fwd, _floor_bwd, _stub)
 
 SDPA = "F.scaled_dot_product_attention, same call"
 ROWS = [
@@ -153,6 +153,8 @@ ROWS = [
     Row("varlen fwd+bwd, the GPU's cu_seqlens check", None, "SDPA causal fwd+bwd over the packed rows",
         _varlen_device_check, lane=True),
     Row("decode step (append + attend)", None, "SDPA over the cached keys (enable_gqa)", _decode, lane=True),
+    Row("attention decode step, transformers' padded form (no grad)", TARGET_FWD_US,
+        SDPA + ", the padding as a bool attn_mask", _hf_decode, lane=True),
     Row("decode step, the GPU's index check", None, "SDPA over the cached keys (enable_gqa)", _decode_device_check,
         lane=True),
 ]
@@ -286,16 +288,17 @@ def measure_row(row: Row, *, repeats: int, calls: int, warmup: int, benchmark=No
 
 
 def _without_lane(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn with flashtx's lanes (_attention_lane, _rotary_lane, _swiglu_lane, _decode_lane) off for the call: the
-    ops' general path (the switches cost ~0.4 us)."""
-    from flashtx import _attention_lane, _decode_lane, _rotary_lane, _swiglu_lane
+    """fn with flashtx's lanes (_attention_lane, _rotary_lane, _swiglu_lane, _decode_lane, _small_q_lane) off for
+    the call: the ops' general path (the switches cost ~0.4 us)."""
+    from flashtx import _attention_lane, _decode_lane, _rotary_lane, _small_q_lane, _swiglu_lane
 
     def general():
-        _attention_lane.LANE = _rotary_lane.LANE = _swiglu_lane.LANE = _decode_lane.LANE = False
+        _attention_lane.LANE = _rotary_lane.LANE = _swiglu_lane.LANE = _decode_lane.LANE = _small_q_lane.LANE = False
         try:
             return fn()
         finally:
             _attention_lane.LANE = _rotary_lane.LANE = _swiglu_lane.LANE = _decode_lane.LANE = True
+            _small_q_lane.LANE = True
     return general
 
 

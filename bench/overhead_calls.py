@@ -208,6 +208,26 @@ def _key_mask(dev, dtype):
                 & torch.ones(16, 16, dtype=torch.bool, device=dev).tril()))
 
 
+def _hf_decode(dev, dtype):
+    """One decoding step as transformers' attn_implementation="ftx" passes it to flashtx.attention (flashtx's
+    decoding lane: _small_q_lane): q (B, Hq, 1, D) and k, v (B, Hkv, Sk, D) views of (B, S, H, D) projections, a
+    (B, Sk) key mask with the bottom-right window (-1, Sk - 1); B=2, Hq/Hkv = 8/2, D=64, Sk = 100, one padded key.
+    Against SDPA with the same padding as the (B, 1, 1, Sk) bool mask transformers gives it."""
+    q = _rand(2, 1, 8, 64, dev=dev, dtype=dtype).transpose(1, 2)
+    k, v = (_rand(2, 100, 2, 64, dev=dev, dtype=dtype).transpose(1, 2) for _ in range(2))
+    keep = torch.ones(2, 100, dtype=torch.bool, device=dev)
+    keep[0, 0] = False  # left padding
+
+    def ours():
+        with torch.no_grad():
+            return flashtx.attention(q, k, v, key_mask=keep, window_size=(-1, 99), enable_gqa=True)
+
+    def base():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None], enable_gqa=True)
+    return ours, base
+
+
 def _varlen_device_check(dev, dtype):
     """flash_attn_varlen_func over two packed sequences (5 + 11 rows, H=2, D=64, causal), forward and backward,
     with the cu_seqlens check a GPU runs (one check kernel for both tensors and an assert of each flag), on CPU

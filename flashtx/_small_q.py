@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import has_static_value
 
-from . import _decode_op, _dispatch, _env
+from . import _decode_op, _dispatch, _env, _small_q_lane
 from ._library import call
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.limits import INT32_MAX, MAX_GRID_YZ, MAX_SEQ, mask_span
@@ -68,13 +68,14 @@ def _triton_takes(device_type: str, index, dtype, d_qk: int, d_v: int) -> bool:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floats: list, backend: str,
-              return_lse: bool):
+              return_lse: bool, lane=None):
     """out [, lse] of attention over validated q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) views
     (bshd: (B, S, H, D) tensors), as functional._run returns them (out (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv)
     memory, or that tensor with bshd, as _attention_op.out_layout; lse (B, Hq, Sq) natural log), through the
     decode kernels; None where they must not take the call (module docstring). bias, aux, ints, floats,
     backend: the attention op's arguments; the caller has checked that nothing needs grad, that there are more
-    keys than queries and that no query mask, lengths or dropout is given (a key mask, a bias and ALiBi may be)."""
+    keys than queries and that no query mask, lengths or dropout is given (a key mask, a bias and ALiBi may be).
+    lane: a shell's request for its call's lane (flashtx._small_q_lane), made here if this takes the call."""
     causal, bottom_right, left, right, bshd = ints[0], ints[1], ints[2], ints[3], ints[7]
     shape, st = q.shape, q.stride()
     if bshd:
@@ -118,6 +119,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
         key_mask = key_mask[:, None]  # (B, 1, Sk): every query's
     alibi = aux[6].detach() if aux[6] is not None else None  # slopes get no gradient (as the training forward)
     key_mask = key_mask.view(torch.uint8) if key_mask is not None else None  # (B, Sq | 1, Sk), nonzero = visible
+    if lane is not None and alibi is None:
+        _small_q_lane.make(lane, qd, kc, vc, key_mask, floats[0], bool(causal), left, right, floats[1], Sk, bool(bshd),
+                           return_lse)
     # no cache_seqlens: every sequence's keys are k's first snew = Sk rows
     out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, None, None, None, None, alibi, key_mask, floats[0],
                      bool(causal), left, right, floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)

@@ -28,7 +28,7 @@ import numbers
 
 import torch
 
-from . import _attention_lane, _small_q
+from . import _attention_lane, _lanes, _small_q, _small_q_lane
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, _all_none as _no_aux, attn_fwd, attn_probs
 from ._library import call
 from .triton_kernels.limits import MAX_SEQ
@@ -71,12 +71,14 @@ def _autocast(device_type: str, *ts):
 
 def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-1, -1), key_mask=None,
          query_mask=None, q_lens=None, kv_lens=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-         max_seqlen_k=0, bias=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, return_probs=False, bshd=False):
+         max_seqlen_k=0, bias=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, return_probs=False, bshd=False,
+         lane=None):
     """q, k, v: validated (B, H, S, D) views (varlen: (1, H, total, D)), or with bshd (B, S, H, D) tensors
     (varlen: (1, total, H, D)); the rest validated too.
 
     Returns out (B, Hq, Sq, Dv) (bshd: (B, Sq, Hq, Dv)) [, lse (B, Hq, Sq)] [, probs (B, Hq, Sq, Sk)]. Plain
-    ints, bools and lists only: this is what torch.compile traces around the op.
+    ints, bools and lists only: this is what torch.compile traces around the op. lane: a shell's request for a
+    decoding call's lane (flashtx._small_q_lane), made where flashtx._small_q takes the call.
     """
     refuse_negated_qkv(q, k, v)
     Sq, Sk = (q.shape[1], k.shape[1]) if bshd else (q.shape[2], k.shape[2])
@@ -99,7 +101,7 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
             and not torch.compiler.is_exporting()  # (an exported program serves every size the Dims allow:
             # no route decided by sizes; Dynamo shows strict export's symbolic sizes as ints)
             and Sk > Sq):  # decoding: see flashtx._small_q
-        res = _small_q.attention(q, k, v, bias, aux, ints, floats, backend or "", return_lse)
+        res = _small_q.attention(q, k, v, bias, aux, ints, floats, backend or "", return_lse, lane)
         if res is not None:
             return res
     if not (return_lse or return_probs) and needs_grad != BIAS_GRAD and (bias is not None or not _no_aux(aux)):
@@ -132,6 +134,14 @@ def _plain(mask, causal, extra_outputs, key_mask, query_mask, kv_lens, q_lens, a
     return (mask is None and type(causal) is bool and not extra_outputs and key_mask is None and query_mask is None
             and kv_lens is None and q_lens is None and alibi_slopes is None and type(dropout_p) is float
             and dropout_p == 0.0)
+
+
+def _decoding(mask, key_mask, causal, return_lse, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p) -> bool:
+    """Whether a shell's call may take a decoding lane (flashtx._small_q_lane): at most one mask, none of the
+    other tensor options or dropout, a bool causal and return_lse."""
+    return ((mask is None or key_mask is None) and type(causal) is bool and type(return_lse) is bool
+            and query_mask is None and kv_lens is None and q_lens is None and alibi_slopes is None
+            and type(dropout_p) is float and dropout_p == 0.0)
 
 
 def _lane_window(window) -> tuple:
@@ -226,12 +236,26 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     """
     if _AUTOCAST_ANY() and isinstance(query, torch.Tensor):
         query, key, value, attn_mask = _autocast(query.device.type, query, key, value, attn_mask)
+    lane = None
     if (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in ALLOWED_DTYPES
             and (backend is None or type(backend) is str) and type(enable_gqa) is bool
             and _qkv_ok(query, key, value, enable_gqa)):
         q, k, v = query, key, value  # the common case (plain 4-D tensors that check_qkv passes), in ints and bools
-        if _plain(attn_mask, is_causal, return_lse, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p):
+        if _decoding(attn_mask, key_mask, is_causal, return_lse, query_mask, kv_lens, q_lens, alibi_slopes,
+                     dropout_p) and _lanes.eager() and q.shape[2] <= _small_q.SMALL_Q_MAX and k.shape[2] > q.shape[2]:
+            # (eager first: a traced size compared would guard it)
+            mask, role = (attn_mask, "attn_mask") if key_mask is None else (key_mask, "key_mask")
+            lane_key = _small_q_lane.key(q, k, v, mask, role, resolve_scale("scale", scale, q.shape[3]), is_causal,
+                                         False, False, _lane_window(window_size), _lane_softcap(softcap), backend,
+                                         return_lse)
+            if lane_key is not None:  # a decoding step, planned once per signature (the general path plans it)
+                res = _small_q_lane.forward(lane_key, q, k, v, mask)
+                if res is not None:
+                    return res
+                lane = (lane_key, q, k, v, mask)
+        if lane is None and _plain(attn_mask, is_causal, return_lse, key_mask, query_mask, kv_lens, q_lens,
+                                   alibi_slopes, dropout_p):
             out = _attention_lane.forward(q, k, v, resolve_scale("scale", scale, q.shape[3]), is_causal, False,
                                           False, backend, _lane_window(window_size),
                                           _lane_softcap(softcap))  # the plain call, planned once per signature
@@ -247,7 +271,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if type(dropout_p) is not float or dropout_p >= 1.0:  # SDPA's forms: a 0-dim tensor, and p = 1
         dropout_p, drop_all = _sdpa_dropout_p(dropout_p)
     res = _run(q, k, v, scale=scale, causal=check_flag("is_causal", is_causal), bottom_right=False, backend=backend,
-               return_lse=check_flag("return_lse", return_lse), bias=bias,
+               return_lse=check_flag("return_lse", return_lse), bias=bias, lane=lane,
                **_padding_masks(q.shape[0], q.shape[2], k.shape[2], q, window_size, key_mask, query_mask, q_lens,
                                 kv_lens),
                **_score_mods(q.shape[0], q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
@@ -363,8 +387,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
     scale = resolve_scale("softmax_scale", softmax_scale, D)
-    if (backend is None or type(backend) is str) and _plain(attn_bias, causal, return_attn_probs, key_mask, query_mask,
-                                                            kv_lens, q_lens, alibi_slopes, dropout_p):
+    lane = None
+    if (backend is None or type(backend) is str) and return_attn_probs is False and _decoding(
+            attn_bias, key_mask, causal, False, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p) and \
+            _lanes.eager() and Sq <= _small_q.SMALL_Q_MAX and Sk > Sq:  # (eager first: as attention's)
+        mask, role = (attn_bias, "attn_bias") if key_mask is None else (key_mask, "key_mask")
+        lane_key = _small_q_lane.key(q, k, v, mask, role, scale, causal, True, True, _lane_window(window_size),
+                                     _lane_softcap(softcap), backend, False)
+        if lane_key is not None:  # a decoding step, planned once per signature (as attention's)
+            out = _small_q_lane.forward(lane_key, q, k, v, mask)
+            if out is not None:
+                return out
+            lane = (lane_key, q, k, v, mask)
+    if lane is None and (backend is None or type(backend) is str) and _plain(
+            attn_bias, causal, return_attn_probs, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p):
         out = _attention_lane.forward(q, k, v, scale, causal, True, True, backend, _lane_window(window_size),
                                       _lane_softcap(softcap))  # planned once per signature
         if out is not None:
@@ -373,7 +409,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         "attn_bias", attn_bias, (B,), Hq, Sq, Sk, q, lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
     probs = return_attn_probs is not None and check_flag("return_attn_probs", return_attn_probs)  # (None: False)
     res = _run(q, k, v, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
-               return_lse=probs, return_probs=probs, bias=bias, bshd=True,
+               return_lse=probs, return_probs=probs, bias=bias, bshd=True, lane=lane,
                **_padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens),
                **_score_mods(B, Hq, q, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
     return res  # out (B, Sq, Hq, Dv) [, lse (B, Hq, Sq), probs (B, Hq, Sq, Sk)]

@@ -23,10 +23,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import _attention_lane, _dispatch, functional
+from . import _attention_lane, _dispatch, _lanes, _small_q, _small_q_lane, functional
 from ._validate import _qkv_ok, is_flag, resolve_scale, scale_ok
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.mask_spec import MaskSpec
+
+_NO_WINDOW = (-1, -1)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ORIGINAL = F.scaled_dot_product_attention  # torch's, as found when flashtx was imported
@@ -197,11 +199,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         reason = _plain_reason(query, key, value)
         if reason is None:  # flashtx.attention's own paths for this call, its checks already made here
             scale = resolve_scale("scale", scale, query.shape[3])
-            out = _attention_lane.forward(query, key, value, scale, is_causal, False, False)
-            if out is not None:
-                return out
+            lane = None
+            if _lanes.eager() and query.shape[2] <= _small_q.SMALL_Q_MAX and key.shape[2] > query.shape[2]:
+                lane_key = _small_q_lane.key(query, key, value, None, "attn_mask", scale, is_causal, False, False,
+                                             _NO_WINDOW, 0.0, None, False)
+                if lane_key is not None:  # flashtx.attention's lane for this call (flashtx._small_q_lane)
+                    out = _small_q_lane.forward(lane_key, query, key, value, None)
+                    if out is not None:
+                        return out
+                    lane = (lane_key, query, key, value, None)
+            if lane is None:
+                out = _attention_lane.forward(query, key, value, scale, is_causal, False, False)
+                if out is not None:
+                    return out
             return functional._run(query, key, value, scale=scale, causal=is_causal, bottom_right=False, backend=None,
-                                   return_lse=False)
+                                   return_lse=False, lane=lane)
     else:  # (unsupported_reason's other checks, already made above)
         reason = _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:

@@ -241,13 +241,18 @@ def split_head_dims(monkeypatch):
 @pytest.fixture
 def routes(monkeypatch):
     """The ops each attention call ran, in order: 'decode' (the split-KV decode kernels, through
-    flashtx._small_q) or 'train' (the training forward, through the op or a plain call's lane; another op of
-    functional's: its name)."""
+    flashtx._small_q or a decoding call's lane, flashtx._small_q_lane) or 'train' (the training forward, through
+    the op or a plain call's lane; another op of functional's: its name)."""
     import flashtx
-    from flashtx import _attention_lane, _small_q
+    from flashtx import _attention_lane, _small_q, _small_q_lane
 
     seen = []
     real_decode, real_run, real_lane = _small_q.call, flashtx.functional.call, _attention_lane._Lane.run
+    real_small = _small_q_lane._Lane.run
+
+    def small(self, q, k, v, mask):
+        seen.append("decode")
+        return real_small(self, q, k, v, mask)
 
     def decode(op, *args):
         seen.append("decode")
@@ -264,17 +269,19 @@ def routes(monkeypatch):
     monkeypatch.setattr(_small_q, "call", decode)
     monkeypatch.setattr(flashtx.functional, "call", train)
     monkeypatch.setattr(_attention_lane._Lane, "run", lane)
+    monkeypatch.setattr(_small_q_lane._Lane, "run", small)
     return seen
 
 
 def spy_attention_calls(monkeypatch, record) -> None:
     """Call record(q) for each call that reaches flashtx's attention forward: the op's general path
-    (functional._run, which the shells and the SDPA patch call) or a plain call's lane (flashtx._attention_lane,
-    which they try first; it returns None for a call it leaves to the general path)."""
+    (functional._run, which the shells and the SDPA patch call) or a plain or decoding call's lane
+    (flashtx._attention_lane, _small_q_lane, which they try first; they return None for a call they leave to the
+    general path)."""
     import flashtx
-    from flashtx import _attention_lane
+    from flashtx import _attention_lane, _small_q_lane
 
-    real_run, real_lane = flashtx.functional._run, _attention_lane.forward
+    real_run, real_lane, real_small = flashtx.functional._run, _attention_lane.forward, _small_q_lane.forward
 
     def run(q, *a, **kw):
         record(q)
@@ -286,8 +293,15 @@ def spy_attention_calls(monkeypatch, record) -> None:
             record(q)
         return out
 
+    def small(lane_key, q, *a):
+        out = real_small(lane_key, q, *a)
+        if out is not None:
+            record(q)
+        return out
+
     monkeypatch.setattr(flashtx.functional, "_run", run)
     monkeypatch.setattr(_attention_lane, "forward", lane)
+    monkeypatch.setattr(_small_q_lane, "forward", small)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ EXPECTED_ROWS = ["attention fwd (no grad)", "attention fwd (with grad)", "attent
                  "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
                  "swiglu fwd", "swiglu bwd", "flash_attn_func window+softcap fwd+bwd", "attention key_mask fwd+bwd",
                  "varlen fwd+bwd, the GPU's cu_seqlens check", "decode step (append + attend)",
-                 "decode step, the GPU's index check"]
+                 "attention decode step, transformers' padded form (no grad)", "decode step, the GPU's index check"]
 
 
 def test_overhead_tool_reports_every_row(tmp_path, capsys):
@@ -53,6 +53,7 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
     assert rows["decode step, the GPU's index check"]["launches_per_call"] == 3  # + the check kernel first
     assert rows["flash_attn_func window+softcap fwd+bwd"]["launches_per_call"] == 4
     assert rows["attention key_mask fwd+bwd"]["launches_per_call"] == 4
+    assert rows["attention decode step, transformers' padded form (no grad)"]["launches_per_call"] == 1
     assert rows["varlen fwd+bwd, the GPU's cu_seqlens check"]["launches_per_call"] == 5  # the check kernel first
     assert {r["target_us"] for r in rows.values()} == {25.0, 80.0, 15.0, None}
     # the no-op autograd floor, timed in the same rounds, for the rows that go through autograd
@@ -64,7 +65,7 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
              "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
              "swiglu fwd", "swiglu bwd", "flash_attn_func window+softcap fwd+bwd", "attention key_mask fwd+bwd",
              "varlen fwd+bwd, the GPU's cu_seqlens check", "decode step (append + attend)",
-             "decode step, the GPU's index check"}
+             "attention decode step, transformers' padded form (no grad)", "decode step, the GPU's index check"}
     assert {n for n, r in rows.items() if r["general_path_us_per_call"] is not None} == laned
     assert all(rows[n]["general_path_us_per_call"] > 0 for n in laned)
 

@@ -51,11 +51,20 @@ def unit_negated(*shape):
     return torch._neg_view(torch.randn(*shape, device=DEVICE))
 
 
+def _no_grad(fn, *a, **kw):
+    with torch.no_grad():
+        return fn(*a, **kw)
+
+
 ATTENTION = {
     "attention q": ("q", lambda t: flashtx.attention(t(1, 2, 5, 8), rand(1, 2, 5, 8), rand(1, 2, 5, 8))),
     "attention v causal": ("v", lambda t: flashtx.attention(rand(1, 2, 5, 8), rand(1, 2, 5, 8), t(1, 2, 5, 8),
                                                             is_causal=True)),
     "flash_attn_func k": ("k", lambda t: flashtx.flash_attn_func(rand(1, 5, 2, 8), t(1, 5, 2, 8), rand(1, 5, 2, 8))),
+    "decoding attention q": ("q", lambda t: _no_grad(flashtx.attention, t(1, 2, 1, 8), rand(1, 2, 5, 8),
+                                                   rand(1, 2, 5, 8))),  # (flashtx._small_q_lane)
+    "decoding flash_attn_func v": ("v", lambda t: _no_grad(flashtx.flash_attn_func, rand(1, 2, 2, 8), rand(1, 5, 2, 8),
+                                                           t(1, 5, 2, 8), causal=True)),
     "varlen q": ("q", lambda t: flashtx.flash_attn_varlen_func(
         t(5, 2, 8), rand(5, 2, 8), rand(5, 2, 8), *[torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)] * 2, 5, 5)),
 }
@@ -67,7 +76,7 @@ def test_negated_attention_inputs_are_refused_by_name(case):
     with a unit last stride, which no backend copies, gave a wrong answer there."""
     name, call = ATTENTION[case]
     for _ in range(2):
-        call(lambda *s: rand(*s))  # a lane for the layout
+        call(lambda *s: rand(*s))  # a lane for the layout (a decoding call's: made on its second call)
     for _ in range(2):
         with pytest.raises(ValueError, match=rf"^{name} is a lazily negated view"):
             call(unit_negated)

@@ -153,6 +153,16 @@ def test_mask_function_keeps_padding_compact():
     assert mask(4, 4, 0, torch.ones_like(pad)) is None
     decode = mask(1, 5, 4, torch.cat([pad, torch.ones(2, 1, dtype=torch.bool)], 1))
     assert decode.shape == (2, 5) and not decode[0, 0] and decode[0, 1:].all()
+    # a step over a cache (decoding, a chunk) keeps an all-ones mask, unread: no host sync per generated token
+    real_all = torch.Tensor.all
+    try:
+        torch.Tensor.all = lambda *a, **kw: pytest.fail("a step over a cache read the padding mask (a host sync)")
+        for q_length in (1, 3, 17):
+            kept = mask(q_length, 20, 20 - q_length, torch.ones(2, 20, dtype=torch.bool))
+            assert kept.shape == (2, 20) and kept.dtype == torch.bool
+            assert real_all(kept)
+    finally:
+        torch.Tensor.all = real_all
     window = mask(4, 4, 0, pad, mu.sliding_window_causal_mask_function(2))
     assert window.shape == (2, 1, 4, 4) and not window[1, 0, 3, 0]  # not expressible compactly: sdpa_mask's
     # a caller that edits the mask it gets (Falcon adds ALiBi to it, Doge its dynamic mask) asks for a full one

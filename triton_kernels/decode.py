@@ -254,14 +254,15 @@ def decode_attention(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx
 
 
 def decode_entry(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, block_table, alibi, *, scale: float,
-                 causal: bool, window=(-1, -1), softcap: float = 0.0, num_splits: int = 0, snew: int = 0):
+                 causal: bool, window=(-1, -1), softcap: float = 0.0, num_splits: int = 0, snew: int = 0,
+                 key_mask=None):
     """(entry, splits): the memoised launches (LaunchCache.entry) decode_attention would replay for these tensors
     (or None where it plans every call), and the split count whose partials, (splits, B, Sq, Hq, Dv) and
     (splits, B, Hq, Sq) in the accumulator dtype, a replay binds as its last two tensors (None for 1 split), in
-    _DECODE_ROLES' order. flashtx._decode_lane keeps it per call signature and fires it itself."""
+    _DECODE_ROLES' order. flashtx._decode_lane and _small_q_lane keep it per call signature and fire it themselves."""
     key, roles, tensors, build, splits = _decode_cache_args(q, k_cache, v_cache, out, lse2, seqlens, leftpad,
                                                             batch_idx, block_table, alibi, scale, causal, window,
-                                                            softcap, num_splits, snew, None)
+                                                            softcap, num_splits, snew, key_mask)
     return LAUNCHES.entry(key, roles, tensors, build), splits
 
 

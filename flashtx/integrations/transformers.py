@@ -113,9 +113,9 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
                       stacklevel=2)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     Sq, Sk = query.shape[2], key.shape[2]
-    common = dict(dropout_p=float(dropout), scale=scaling, enable_gqa=True)
-    if not common["dropout_p"]:
-        del common["dropout_p"]
+    common = {"scale": scaling, "enable_gqa": True}
+    if dropout:
+        common["dropout_p"] = float(dropout)
     if softcap:  # scores -> softcap * tanh(scores / softcap) before the mask, as transformers' eager
         common["softcap"] = float(softcap)
     bias = kwargs.get("position_bias")  # T5's relative position bias: an additive float attn_mask
@@ -145,7 +145,9 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
         if causal and Sq > Sk:
             raise ValueError(f"causal attention with more queries ({Sq}) than keys ({Sk}) and a 2-D mask")
         window = (-1, Sk - Sq) if causal else (-1, -1)  # bottom-right causal: query i sees keys j <= i + Sk - Sq
-        out = attention(query, key, value, key_mask=attention_mask.to(torch.bool), window_size=window, **common)
+        if attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask.to(torch.bool)
+        out = attention(query, key, value, key_mask=attention_mask, window_size=window, **common)
     elif attention_mask.dim() == 4:
         out = attention(query, key, value, attn_mask=attention_mask[..., :Sk], **common)
     else:
@@ -212,8 +214,10 @@ def flashtx_mask(**kwargs):
                 if padding.shape[-1] < kv_offset + kv_length:  # as transformers' prepare_padding_mask
                     padding = torch.nn.functional.pad(padding, (0, kv_offset + kv_length - padding.shape[-1]))
                 padding = padding[:, kv_offset:kv_offset + kv_length]  # (B, kv_length)
-                if bool(padding.all()):
-                    padding = None
+                if q_length == kv_length and bool(padding.all()):  # (a host sync, once per prompt)
+                    padding = None  # no padding: the kernels without a mask
+                # a step over a cache keeps the mask as it is: correct either way, and a sync per generated token
+                # would stall the host until the GPU catches up (no launch could be queued ahead of it)
             if padding is None and (q_length == 1 or q_length == kv_length):
                 return None  # plain causal, SDPA's reading of None agrees with bottom-right here
             if padding is None:
