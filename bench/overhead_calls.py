@@ -210,11 +210,12 @@ def _key_mask(dev, dtype):
 
 def _hf_decode(dev, dtype):
     """One decoding step as transformers' attn_implementation="ftx" passes it to flashtx.attention (flashtx's
-    decoding lane: _small_q_lane): q (B, Hq, 1, D) and k, v (B, Hkv, Sk, D) views of (B, S, H, D) projections, a
-    (B, Sk) key mask with the bottom-right window (-1, Sk - 1); B=2, Hq/Hkv = 8/2, D=64, Sk = 100, one padded key.
-    Against SDPA with the same padding as the (B, 1, 1, Sk) bool mask transformers gives it."""
+    decoding lane: _small_q_lane): a (B, Sk) key mask with the bottom-right window (-1, Sk - 1); B=2, Hq/Hkv = 8/2,
+    D=64, Sk = 100, one padded key; q a (B, Hq, 1, D) view of the projection, k and v the DynamicCache's contiguous
+    (B, Hkv, Sk, D) tensors. Against SDPA with the same padding as the (B, 1, 1, Sk) bool mask transformers gives
+    it."""
     q = _rand(2, 1, 8, 64, dev=dev, dtype=dtype).transpose(1, 2)
-    k, v = (_rand(2, 100, 2, 64, dev=dev, dtype=dtype).transpose(1, 2) for _ in range(2))
+    k, v = (_rand(2, 2, 100, 64, dev=dev, dtype=dtype) for _ in range(2))
     keep = torch.ones(2, 100, dtype=torch.bool, device=dev)
     keep[0, 0] = False  # left padding
 

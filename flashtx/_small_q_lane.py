@@ -39,7 +39,7 @@ from .triton_kernels import precision
 LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every call takes the general path
 LN2 = math.log(2.0)
 
-_TENSOR, _F32, _BOOL, _U8 = torch.Tensor, torch.float32, torch.bool, torch.uint8
+_TENSOR, _F32, _BOOL, _U8, _STRIDED = torch.Tensor, torch.float32, torch.bool, torch.uint8, torch.strided
 
 
 class _Lane:
@@ -83,8 +83,9 @@ def key(q, k, v, mask, role: str, scale: float, causal: bool, bottom_right: bool
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None  # the training forward's (no decode backward)
-    if mask is not None and (type(mask) is not _TENSOR or mask.dtype is not _BOOL):
-        return None
+    if mask is not None and (type(mask) is not _TENSOR or mask.dtype is not _BOOL or mask.layout is not _STRIDED
+                             or mask.is_nested):
+        return None  # (the general path says what is wrong with a mask of another kind)
     if q.is_neg() or k.is_neg() or v.is_neg() or _library._other_device(q) is not None:
         return None  # refused, or run on q's device made current, by the general path
     dtype = q.dtype
@@ -94,13 +95,23 @@ def key(q, k, v, mask, role: str, scale: float, causal: bool, bottom_right: bool
 
 
 def forward(lane_key, q, k, v, mask):
-    """The lane's result for a call with this key (out [, lse], as the general path returns it), or None where it
-    has none yet (the caller hands (lane_key, q, k, v, mask) to the general path as its request) or the general
-    path takes these calls."""
+    """The lane's result for a call with this key (out [, lse], as the general path returns it); None where there is
+    no lane yet (the caller hands (lane_key, q, k, v, mask) to the general path as its request), False where the
+    general path takes these calls (a refusal remembered: no request)."""
     lane = _lanes.TABLE.get(lane_key)
     if not lane:
-        return None
+        return lane  # (None or False)
     return lane.run(q, k, v, mask)
+
+
+def refuse(request) -> None:
+    """Remember that the general path takes the calls of this request's key (flashtx._small_q refused the call:
+    for what the key alone decides, the shapes, strides, mask layout, scalars and backend)."""
+    _lanes.remember(request[0], _refused)
+
+
+def _refused():
+    return False
 
 
 def make(request, qd, kc, vc, km, scale: float, causal: bool, left: int, right: int, softcap: float, snew: int,
@@ -110,10 +121,12 @@ def make(request, qd, kc, vc, km, scale: float, causal: bool, left: int, right: 
     view does not start where the caller's tensor does (the lane binds the caller's), or the launches cannot be
     replayed (False kept: the general path plans each call)."""
     lane_key, q, k, v, mask = request
-    if qd.shape[0] == 0 or qd.shape[2] == 0:
-        return  # nothing to launch (decode_attention returns early)
-    if (qd.data_ptr() != q.data_ptr() or kc.data_ptr() != k.data_ptr() or vc.data_ptr() != v.data_ptr()
+    if qd.shape[0] == 0 or qd.shape[2] == 0 or (
+            qd.data_ptr() != q.data_ptr() or kc.data_ptr() != k.data_ptr() or vc.data_ptr() != v.data_ptr()
             or (mask is None) != (km is None) or (km is not None and km.data_ptr() != mask.data_ptr())):
+        # nothing to launch (decode_attention returns early), or views that do not start where the caller's
+        # tensors do (the layouts decide both)
+        refuse(request)
         return
     from .triton_kernels.decode import decode_entry
     from .triton_kernels.launch import LAUNCHES, TORCH_ACC_DTYPE

@@ -104,6 +104,8 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
         res = _small_q.attention(q, k, v, bias, aux, ints, floats, backend or "", return_lse, lane)
         if res is not None:
             return res
+        if lane is not None:
+            _small_q_lane.refuse(lane)  # the training forward's, for what the lane key decides
     if not (return_lse or return_probs) and needs_grad != BIAS_GRAD and (bias is not None or not _no_aux(aux)):
         out = _attention_lane.forward_op(q, k, v, bias, aux, ints, floats, backend or "")  # planned once per signature
         if out is not None:
@@ -251,9 +253,10 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          return_lse)
             if lane_key is not None:  # a decoding step, planned once per signature (the general path plans it)
                 res = _small_q_lane.forward(lane_key, q, k, v, mask)
-                if res is not None:
+                if res is None:
+                    lane = (lane_key, q, k, v, mask)  # no lane yet: the general path's request
+                elif res is not False:
                     return res
-                lane = (lane_key, q, k, v, mask)
         if lane is None and _plain(attn_mask, is_causal, return_lse, key_mask, query_mask, kv_lens, q_lens,
                                    alibi_slopes, dropout_p):
             out = _attention_lane.forward(q, k, v, resolve_scale("scale", scale, q.shape[3]), is_causal, False,
@@ -396,9 +399,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                      _lane_softcap(softcap), backend, False)
         if lane_key is not None:  # a decoding step, planned once per signature (as attention's)
             out = _small_q_lane.forward(lane_key, q, k, v, mask)
-            if out is not None:
+            if out is None:
+                lane = (lane_key, q, k, v, mask)
+            elif out is not False:
                 return out
-            lane = (lane_key, q, k, v, mask)
     if lane is None and (backend is None or type(backend) is str) and _plain(
             attn_bias, causal, return_attn_probs, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p):
         out = _attention_lane.forward(q, k, v, scale, causal, True, True, backend, _lane_window(window_size),

@@ -187,6 +187,21 @@ def _refuse_no_kv_heads(key, value) -> None:
                              f"such a call in some versions, so flashtx refuses it")
 
 
+def _masked_decoding(query, key, value, attn_mask, scale):
+    """flashtx.attention's lane result for a _plain call (but for its bool attn_mask, is_causal False) that decodes
+    (transformers' sdpa steps with padding or a static cache), or None: no lane (yet), and the patch's own path
+    follows (attention, which makes the lane). A lane's key holds the mask's layout, which attention's checks passed
+    when it was made; the patch's reasons for such a mask agree with them."""
+    if not (_lanes.eager() and query.shape[2] <= _small_q.SMALL_Q_MAX and key.shape[2] > query.shape[2]
+            and _plain_reason(query, key, value) is None):
+        return None
+    lane_key = _small_q_lane.key(query, key, value, attn_mask, "attn_mask", resolve_scale("scale", scale,
+                                                                                          query.shape[3]),
+                                 False, False, False, _NO_WINDOW, 0.0, None, False)
+    out = None if lane_key is None else _small_q_lane.forward(lane_key, query, key, value, attn_mask)
+    return None if out is False else out
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """torch's ``scaled_dot_product_attention`` signature and semantics, computed by
@@ -195,6 +210,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
     if scale is not None and not scale_ok(scale):
         reason = _SCALE_REASON
+    elif attn_mask is not None and is_causal is False and type(attn_mask) is torch.Tensor and \
+            attn_mask.dtype is torch.bool and _plain(query, key, value, None, dropout_p, False, enable_gqa):
+        out = _masked_decoding(query, key, value, attn_mask, scale)
+        if out is not None:
+            return out
+        reason = _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     elif _plain(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         reason = _plain_reason(query, key, value)
         if reason is None:  # flashtx.attention's own paths for this call, its checks already made here
@@ -205,9 +226,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                              _NO_WINDOW, 0.0, None, False)
                 if lane_key is not None:  # flashtx.attention's lane for this call (flashtx._small_q_lane)
                     out = _small_q_lane.forward(lane_key, query, key, value, None)
-                    if out is not None:
+                    if out is None:
+                        lane = (lane_key, query, key, value, None)  # no lane yet: the general path's request
+                    elif out is not False:
                         return out
-                    lane = (lane_key, query, key, value, None)
             if lane is None:
                 out = _attention_lane.forward(query, key, value, scale, is_causal, False, False)
                 if out is not None:

@@ -241,8 +241,8 @@ def split_head_dims(monkeypatch):
 @pytest.fixture
 def routes(monkeypatch):
     """The ops each attention call ran, in order: 'decode' (the split-KV decode kernels, through
-    flashtx._small_q or a decoding call's lane, flashtx._small_q_lane) or 'train' (the training forward, through
-    the op or a plain call's lane; another op of functional's: its name)."""
+    flashtx._small_q), 'lane' (those kernels through a decoding call's lane, flashtx._small_q_lane) or 'train'
+    (the training forward, through the op or a plain call's lane; another op of functional's: its name)."""
     import flashtx
     from flashtx import _attention_lane, _small_q, _small_q_lane
 
@@ -251,7 +251,7 @@ def routes(monkeypatch):
     real_small = _small_q_lane._Lane.run
 
     def small(self, q, k, v, mask):
-        seen.append("decode")
+        seen.append("lane")
         return real_small(self, q, k, v, mask)
 
     def decode(op, *args):

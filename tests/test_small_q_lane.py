@@ -10,7 +10,7 @@ from flashtx import _dispatch, _lanes, _small_q, _small_q_lane, reference
 
 
 def _lanes_made():
-    return [lane for key, lane in _lanes.TABLE.items() if key[0] == "small_q"]
+    return [lane for key, lane in _lanes.TABLE.items() if key[0] == "small_q" and lane]
 
 
 def _inputs(dtype, B=2, Hq=4, Hkv=2, Sq=1, Sk=37, D=32, bshd_views=True):
@@ -41,12 +41,14 @@ FORMS = {  # transformers' decoding calls through attn_implementation="ftx", and
     "flash-key-mask": lambda q, k, v: flashtx.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                               causal=True, key_mask=_key_mask(q.shape[0], k.shape[2])),
     "patched-sdpa": lambda q, k, v: _patched(q, k, v),
+    "patched-sdpa-mask": lambda q, k, v: _patched(  # transformers' "sdpa" steps with padding
+        q, k, v, attn_mask=_key_mask(q.shape[0], k.shape[2])[:, None, None]),
 }
 
 
-def _patched(q, k, v):
+def _patched(q, k, v, **kw):
     with flashtx.patch_sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
 
 
 def _run(form, seed, dtype, lane: bool, monkeypatch, **shape):
@@ -78,7 +80,7 @@ def test_a_lane_gives_the_general_paths_result_with_each_calls_own_tensors(fresh
         for g, w in zip(got, want):
             assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype
             assert torch.equal(g, w), (g - w).abs().max()
-    assert routes == ["decode"] * 4, routes  # the lane, then the general path (LANE off), for each seed
+    assert routes == ["lane", "decode"] * 2, routes  # the lane, then the general path (LANE off), for each seed
 
 
 def test_the_lane_is_the_only_work_of_a_hit(fresh_plans, monkeypatch):
@@ -111,8 +113,108 @@ def test_a_keys_first_call_makes_no_lane(fresh_plans, routes):
         k, v = randn(2, 2, 30, 16, dtype=PRECISE_DTYPE), randn(2, 2, 30, 16, dtype=PRECISE_DTYPE)
         for layer in range(4):
             got = flashtx.attention(q, k, v, enable_gqa=True)
-    assert len(_lanes_made()) == 1 and routes == ["decode"] * 9
+    assert len(_lanes_made()) == 1 and routes == ["decode"] * 7 + ["lane"] * 2
     want = reference.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    assert (got - want).abs().max() < 1e-12
+
+
+SPLIT = dict(B=1, Hq=2, Hkv=1, Sk=300)  # one (batch, KV head): the keys are split across programs (a combine)
+
+
+@pytest.mark.parametrize("lse", [False, True], ids=["out", "lse"])
+def test_a_lane_over_split_keys(fresh_plans, routes, monkeypatch, lse):
+    from flashtx.triton_kernels import decode
+
+    counts = []
+    real = decode.split_count
+    monkeypatch.setattr(decode, "split_count", lambda *a, **kw: counts.append(real(*a, **kw)) or counts[-1])
+    form = "lse-softcap-scale" if lse else "plain"
+    for seed in range(2):
+        _run(form, seed, PRECISE_DTYPE, True, monkeypatch, **SPLIT)
+    assert counts and counts[-1] > 1, counts  # the lane was planned with split partials
+    with poisoned_allocations():
+        got = _run(form, 7, PRECISE_DTYPE, True, monkeypatch, **SPLIT)
+    want = _run(form, 7, PRECISE_DTYPE, False, monkeypatch, **SPLIT)
+    got, want = (got, want) if lse else ((got,), (want,))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert routes == ["decode", "decode", "lane", "decode"], routes
+
+
+CHANGES = {  # one argument of the lane's call changed: another key, the general path's result
+    "scale": dict(scale=0.2),
+    "window": dict(window_size=(5, -1)),
+    "softcap": dict(softcap=2.0),
+    "return_lse": dict(return_lse=True),
+    "is_causal": dict(is_causal=True),  # (top-left with Sq < Sk: the training forward)
+    "backend": dict(backend="reference"),
+    "key_mask for attn_mask": "role",
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_changed_argument_is_another_key(fresh_plans, change):
+    """Each scalar of the call, and the mask's role, is in the key: a lane made without it is not used for it."""
+    B, Sk = 3, 37
+    q, k, v = _inputs(PRECISE_DTYPE, B=B, Sq=B, Sk=Sk)  # Sq = B: a (B, Sk) mask reads as either role
+    m = _key_mask(B, Sk)
+    base = dict(attn_mask=m) if change == "key_mask for attn_mask" else {}
+    new = dict(key_mask=m) if change == "key_mask for attn_mask" else CHANGES[change]
+    with torch.no_grad():
+        for _ in range(2):
+            flashtx.attention(q, k, v, enable_gqa=True, **base)
+        assert len(_lanes_made()) == 1
+        got = flashtx.attention(q, k, v, enable_gqa=True, **new)
+        was, _small_q_lane.LANE = _small_q_lane.LANE, False
+        try:
+            want = flashtx.attention(q, k, v, enable_gqa=True, **new)
+        finally:
+            _small_q_lane.LANE = was
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), change
+
+
+def test_refusals_hold_once_a_lane_exists(fresh_plans, routes, monkeypatch):
+    """After a lane is made: grad mode with an input that requires grad, SMALL_Q_DECODE off, a lower SMALL_Q_MAX,
+    fp32's TF32 switch: each call takes the path it would have taken without the lane."""
+    from flashtx.triton_kernels import precision
+
+    q, k, v = _inputs(torch.float32, Sq=3)
+    with torch.no_grad():
+        for _ in range(2):
+            flashtx.attention(q, k, v, enable_gqa=True)
+    assert len(_lanes_made()) == 1
+    routes.clear()
+    leaf = q.detach().clone().requires_grad_(True)
+    out = flashtx.attention(leaf, k, v, enable_gqa=True)
+    assert out.requires_grad and routes == ["train"], routes
+    want = reference.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    for name, value in (("SMALL_Q_DECODE", False), ("SMALL_Q_MAX", 2)):
+        routes.clear()
+        with monkeypatch.context() as m, torch.no_grad():
+            m.setattr(_small_q, name, value)
+            got = flashtx.attention(q, k, v, enable_gqa=True)
+        assert routes == ["train"], (name, routes)
+        assert (got - want).abs().max() < 1e-5
+    routes.clear()
+    tf32 = precision.allow_tf32()
+    with monkeypatch.context() as m, torch.no_grad():
+        m.setattr(precision, "allow_tf32", lambda: not tf32)
+        flashtx.attention(q, k, v, enable_gqa=True)
+    assert routes == ["decode"], routes  # another key: the general path (no lane yet for it)
+
+
+def test_a_refused_key_is_remembered(fresh_plans, monkeypatch):
+    """A call the decode route refuses for what its key shows (top-left causal with Sq < Sk) is not sent with a
+    request again: its key holds False, and later calls go straight to the general path."""
+    q, k, v = _inputs(PRECISE_DTYPE)
+    made = []
+    real = _small_q_lane.make
+    monkeypatch.setattr(_small_q_lane, "make", lambda *a: made.append(1) or real(*a))
+    with torch.no_grad():
+        for _ in range(3):
+            got = flashtx.attention(q, k, v, enable_gqa=True, is_causal=True)
+    assert [lane for key, lane in _lanes.TABLE.items() if key[0] == "small_q"] == [False] and not made
+    want = reference.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True)
     assert (got - want).abs().max() < 1e-12
 
 
@@ -133,7 +235,7 @@ def test_calls_the_lane_must_not_take(fresh_plans, routes):
     for call in calls:
         for _ in range(3):
             call()
-    assert not _lanes_made()
+    assert not _lanes_made()  # (neither a lane nor a remembered refusal: no request was made)
     was, _small_q.SMALL_Q_DECODE = _small_q.SMALL_Q_DECODE, False
     try:
         with torch.no_grad():

@@ -109,10 +109,11 @@ def test_logits_and_gradients_match_eager(family, side, mask_kind):
 
 
 @pytest.mark.parametrize("family, cache", [("llama", "dynamic"), ("qwen2", "dynamic"), ("llama", "static")])
-def test_greedy_generation_gives_the_eager_tokens(family, cache, routes):
+def test_greedy_generation_gives_the_eager_tokens(family, cache, routes, fresh_plans):
     """Static caches decode with a (B, 1, Sq, max_len) bool mask: the decode kernels take it as a key mask (a row
-    per query; flashtx._small_q), as they take the dynamic cache's steps."""
-    eager, _, fused = models(config(family))
+    per query; flashtx._small_q), as they take the dynamic cache's steps. Three layers: each step's third layer
+    fires the lane its second made (flashtx._small_q_lane), a static cache's every step after the first."""
+    eager, _, fused = models(config(family, num_hidden_layers=3))
     ids, mask = padded_batch("left")
     kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, cache_implementation=cache)
     with torch.no_grad():
@@ -127,10 +128,13 @@ def test_greedy_generation_gives_the_eager_tokens(family, cache, routes):
         finally:
             ftx.flashtx_attention_forward = real_fwd
             ftx.register()
-    assert seen == [9, 9] + [1, 1] * 4  # prefill, then one new token a step: the cache is used
+    assert seen == [9] * 3 + [1] * 3 * 4  # prefill, then one new token a step: the cache is used
     # each step's attention ran the decode kernels; so did a static cache's prefill (9 queries over max_len keys, a
     # (B, 1, 9, max_len) bool mask: a row per query), not a dynamic cache's (Sq = Sk)
-    assert routes.count("decode") == 8 + (2 if cache == "static" else 0), routes
+    assert routes.count("decode") + routes.count("lane") == 12 + (3 if cache == "static" else 0), routes
+    # a dynamic cache's key grows a token a step: two layers plan it, the third fires the lane; a static cache's
+    # steps share one key (Sk = max_len)
+    assert routes.count("lane") == (11 if cache == "static" else 4), routes
     assert torch.equal(got, want), f"flashtx {got[:, 9:].tolist()} vs eager {want[:, 9:].tolist()}"
 
 
