@@ -35,6 +35,14 @@ import torch
 from . import _cuda_build as _b
 from . import _env
 
+__all__ = [
+    # the ops (decode attention, fused RoPE + KV-cache append, and flash-attn's decoding signature over both)
+    "decode_attention", "rotary_append", "flash_attn_with_kvcache",
+    # getting and checking the extension
+    "available", "unavailable_reason", "load", "build", "not_supported_reasons", "grid_reason",
+    "choose_num_splits", "MEASURED_FASTER",
+]
+
 SCHEMAS = {  # must equal the m.def strings of csrc/binding.cpp (tests/test_cuda_ext.py checks)
     "decode_attention": "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
                         "Tensor? block_table, Tensor? cache_batch_idx, float softmax_scale, bool causal, "

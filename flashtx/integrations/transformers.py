@@ -37,6 +37,9 @@ from ..rotary import apply_rotary_pos_emb as _fused_rotary_pos_emb
 from ..nn.swiglu import forward_hooked
 from ..swiglu import swiglu
 
+__all__ = ["NAME", "ROPE_FAMILIES", "register", "apply_flashtx", "restore_rope", "remove_fused_mlp",
+           "flashtx_attention_forward", "flashtx_mask", "apply_rotary_pos_emb"]
+
 # The name models use: attn_implementation="ftx". Not "flashtx": transformers treats every name that
 # contains "flash" as a flash-attn kernel (it tries to import or download it, and takes
 # flash-attn-only code paths), so the registered name must not contain "flash".
@@ -354,7 +357,14 @@ def restore_rope() -> None:
 
 
 def remove_fused_mlp(model):
-    """Give apply_flashtx's fused MLPs their original class (and forward) back. Returns the model."""
+    """Undo apply_flashtx's MLP fusion in `model`: every MLP it gave flashtx's fused SwiGLU forward gets its
+    original class (and so its own forward) back, and loses its inplace_backward setting. Parameters are
+    untouched (the fusion never changed them); other models and the RoPE patch are not affected (see
+    restore_rope()). A model without fused MLPs is returned unchanged.
+
+    Returns:
+        the model (modified in place).
+    """
     for m in model.modules():
         if isinstance(m, _FusedMLPMixin):
             m.__class__ = m._flashtx_original_class

@@ -17,7 +17,21 @@ NORMS = ("rms", "layer")
 
 
 def llama_hidden_dim(dim: int, multiple_of: int = 32) -> int:
-    """LLaMA's MLP width for model width `dim`: 2/3 of 4 * dim, rounded up to `multiple_of`."""
+    """LLaMA's SwiGLU MLP width (hidden size) for model width `dim`, as Meta's reference computes it.
+
+    ``int(2 * 4 * dim / 3)`` (a SwiGLU MLP has three matrices, so 2/3 of the usual 4 * dim keeps the
+    parameter count of a two-matrix MLP), rounded up to a multiple of `multiple_of`. LLaMA uses
+    ``multiple_of=256``: ``llama_hidden_dim(4096, 256) == 11008`` (LLaMA-7B). The default 32 is what
+    TransformerBlock uses when no ``hidden_dim`` is given. Meta's ``ffn_dim_multiplier`` (LLaMA 2 70B,
+    LLaMA 3) is not applied: pass such a model's width as ``hidden_dim`` directly.
+
+    Args:
+        dim: the model (embedding) width.
+        multiple_of: the width is rounded up to a multiple of this.
+
+    Returns:
+        the MLP's hidden width, an int.
+    """
     h = int(2 * (4 * dim) / 3)
     return multiple_of * ((h + multiple_of - 1) // multiple_of)
 
