@@ -3,8 +3,8 @@
 Registration: `triton_op` wraps `torch.library.triton_op`, so torch.compile sees the kernels. A
 triton_op is a custom op whose body torch.compile traces (with `wrap_triton` launches, see
 flashtx.triton_kernels.launch.run_kernel): Inductor then calls the Triton kernels from generated
-code, and CUDA graphs capture them. Dynamo itself never looks inside: in its graph the op is one
-node, so what Dynamo traces is only the thin functional layer around it.
+code, designed for CUDA graphs to capture (not yet tried on a GPU). Dynamo itself never looks inside:
+in its graph the op is one node, so what Dynamo traces is only the thin functional layer around it.
 
 Triton's interpreter (CPU tests) cannot run on the fake tensors of a trace, so while it is on the
 ops stay opaque under torch.compile, as `torch.library.custom_op`s are: the Dynamo graph is the

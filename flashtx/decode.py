@@ -111,7 +111,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Args:
         q: (B, Sq, Hq, D): Sq = 1 for decoding, a few tokens for speculative decoding (any Sq runs;
-            long prefills are faster through flashtx.flash_attn_func). float16, bfloat16, float32
+            long prefills are expected to be faster through flashtx.flash_attn_func: unmeasured, decoding
+            has not been timed on a GPU). float16, bfloat16, float32
             (float64 in Triton's interpreter).
         k_cache, v_cache: (B_cache, S_cache, Hkv, D|Dv) contiguous caches, or with block_table
             paged pools (num_pages, page_size, Hkv, D|Dv), page_size a multiple of 16. q's dtype

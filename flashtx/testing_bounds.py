@@ -10,8 +10,9 @@ buffer" for the code that runs on a GPU.
     with flashtx.testing_bounds.checking():
         flashtx.attention(q, k, v)          # raises OutOfBounds on any stray access
 
-The tests turn it on for the whole suite with `FLASHTX_CHECK_BOUNDS=1` (tests/conftest.py). Only the
-interpreter is checked (`TRITON_INTERPRET=1` / `FLASHTX_INTERPRET=1`); compiled kernels are untouched.
+The CPU test suite runs every test inside it (an autouse fixture in tests/conftest.py; off on a GPU, and
+`FLASHTX_CHECK_BOUNDS=0` turns it off). Only the interpreter is checked (`TRITON_INTERPRET=1` /
+`FLASHTX_INTERPRET=1`); compiled kernels are untouched.
 """
 from __future__ import annotations
 

@@ -12,9 +12,10 @@ class RMSNorm(nn.Module):
     """Root-mean-square layer norm: ``weight * (x / sqrt(mean(x**2, -1) + eps))``.
 
     Normalises in float32 (float64 stays float64), casts back to x's dtype, then scales by
-    ``weight``, as transformers' ``LlamaRMSNorm``. The normalisation is torch's ``F.rms_norm`` (on CUDA one
-    fused kernel, forward and backward, where the formula written out launches five; its reduction order may
-    differ from the written-out mean in the last bit).
+    ``weight``, as transformers' ``LlamaRMSNorm``. The normalisation is torch's ``F.rms_norm``: on CUDA, per
+    torch's implementation, recent versions fuse it into one kernel forward and backward where the formula
+    written out launches five (not measured here); its reduction order may differ from the written-out mean
+    in the last bit.
 
     Args:
         dim: the size of the last dim of x.
