@@ -68,17 +68,37 @@ class _Lane:
         return (out, lse2 * LN2) if self.return_lse else out
 
 
+def decoding(Sq, Sk) -> bool:
+    """Whether a shell's call of Sq queries over Sk keys may be a decoding step with a lane: eager (checked first:
+    under a trace, comparing a size would guard it), 0 < Sq <= SMALL_Q_MAX, Sk > Sq. The cheap test every call of
+    the shells' common case pays before lookup."""
+    return _lanes.eager() and 0 < Sq <= _small_q.SMALL_Q_MAX and Sk > Sq
+
+
+def lookup(q, k, v, mask, role: str, scale: float, causal: bool, bottom_right: bool, bshd: bool, window: tuple,
+           softcap: float, backend, return_lse: bool) -> tuple:
+    """(result, request) of a shell's decoding call (decoding() passed; q, k, v: the shell's 4-D tensors, its common
+    case; mask: its one bool mask tensor or None, `role` naming the argument; the scalars validated). result: the
+    lane's (out [, lse], as the general path returns it), or None; request: (key, q, k, v, mask) for the general
+    path (functional._run's `lane`) where the call's key has no lane yet, else None."""
+    lane_key = key(q, k, v, mask, role, scale, causal, bottom_right, bshd, window, softcap, backend, return_lse)
+    if lane_key is None:
+        return _NOTHING
+    res = forward(lane_key, q, k, v, mask)
+    if res is None:
+        return None, (lane_key, q, k, v, mask)
+    return (None if res is False else res), None
+
+
+_NOTHING = (None, None)
+
+
 def key(q, k, v, mask, role: str, scale: float, causal: bool, bottom_right: bool, bshd: bool, window: tuple,
         softcap: float, backend, return_lse: bool):
-    """The lane key of a shell's call (q, k, v: the shell's 4-D tensors, its common case; mask: its one bool mask
-    tensor or None, `role` naming the argument; the scalars validated), or None where no lane may take it (the
-    general path's, with no request). The caller has checked _lanes.eager() (before comparing any size: under a
-    trace that would guard it)."""
+    """The lane key of a call lookup() takes, or None where no lane may take it (the general path's, with no
+    request)."""
     if not LANE or not _small_q.SMALL_Q_DECODE:
         return None
-    Sq, Sk = (q.shape[1], k.shape[1]) if bshd else (q.shape[2], k.shape[2])
-    if not (0 < Sq <= _small_q.SMALL_Q_MAX and Sk > Sq):
-        return None  # (the cheapest refusal first: every shell call with a tensor-free signature pays it)
     if type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -95,8 +115,7 @@ def key(q, k, v, mask, role: str, scale: float, causal: bool, bottom_right: bool
 
 
 def forward(lane_key, q, k, v, mask):
-    """The lane's result for a call with this key (out [, lse], as the general path returns it); None where there is
-    no lane yet (the caller hands (lane_key, q, k, v, mask) to the general path as its request), False where the
+    """The lane's result for a call with this key (out [, lse]); None where there is no lane yet, False where the
     general path takes these calls (a refusal remembered: no request)."""
     lane = _lanes.TABLE.get(lane_key)
     if not lane:

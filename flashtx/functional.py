@@ -28,7 +28,7 @@ import numbers
 
 import torch
 
-from . import _attention_lane, _lanes, _small_q, _small_q_lane
+from . import _attention_lane, _small_q, _small_q_lane
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, _all_none as _no_aux, attn_fwd, attn_probs
 from ._library import call
 from .triton_kernels.limits import MAX_SEQ
@@ -245,18 +245,13 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             and _qkv_ok(query, key, value, enable_gqa)):
         q, k, v = query, key, value  # the common case (plain 4-D tensors that check_qkv passes), in ints and bools
         if _decoding(attn_mask, key_mask, is_causal, return_lse, query_mask, kv_lens, q_lens, alibi_slopes,
-                     dropout_p) and _lanes.eager() and q.shape[2] <= _small_q.SMALL_Q_MAX and k.shape[2] > q.shape[2]:
-            # (eager first: a traced size compared would guard it)
+                     dropout_p) and _small_q_lane.decoding(q.shape[2], k.shape[2]):
             mask, role = (attn_mask, "attn_mask") if key_mask is None else (key_mask, "key_mask")
-            lane_key = _small_q_lane.key(q, k, v, mask, role, resolve_scale("scale", scale, q.shape[3]), is_causal,
-                                         False, False, _lane_window(window_size), _lane_softcap(softcap), backend,
-                                         return_lse)
-            if lane_key is not None:  # a decoding step, planned once per signature (the general path plans it)
-                res = _small_q_lane.forward(lane_key, q, k, v, mask)
-                if res is None:
-                    lane = (lane_key, q, k, v, mask)  # no lane yet: the general path's request
-                elif res is not False:
-                    return res
+            res, lane = _small_q_lane.lookup(q, k, v, mask, role, resolve_scale("scale", scale, q.shape[3]),
+                                             is_causal, False, False, _lane_window(window_size),
+                                             _lane_softcap(softcap), backend, return_lse)
+            if res is not None:  # a decoding step, planned once per signature (lane: the general path plans it)
+                return res
         if lane is None and _plain(attn_mask, is_causal, return_lse, key_mask, query_mask, kv_lens, q_lens,
                                    alibi_slopes, dropout_p):
             out = _attention_lane.forward(q, k, v, resolve_scale("scale", scale, q.shape[3]), is_causal, False,
@@ -393,16 +388,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     lane = None
     if (backend is None or type(backend) is str) and return_attn_probs is False and _decoding(
             attn_bias, key_mask, causal, False, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p) and \
-            _lanes.eager() and Sq <= _small_q.SMALL_Q_MAX and Sk > Sq:  # (eager first: as attention's)
+            _small_q_lane.decoding(Sq, Sk):
         mask, role = (attn_bias, "attn_bias") if key_mask is None else (key_mask, "key_mask")
-        lane_key = _small_q_lane.key(q, k, v, mask, role, scale, causal, True, True, _lane_window(window_size),
-                                     _lane_softcap(softcap), backend, False)
-        if lane_key is not None:  # a decoding step, planned once per signature (as attention's)
-            out = _small_q_lane.forward(lane_key, q, k, v, mask)
-            if out is None:
-                lane = (lane_key, q, k, v, mask)
-            elif out is not False:
-                return out
+        out, lane = _small_q_lane.lookup(q, k, v, mask, role, scale, causal, True, True, _lane_window(window_size),
+                                         _lane_softcap(softcap), backend, False)
+        if out is not None:  # a decoding step, planned once per signature (as attention's)
+            return out
     if lane is None and (backend is None or type(backend) is str) and _plain(
             attn_bias, causal, return_attn_probs, key_mask, query_mask, kv_lens, q_lens, alibi_slopes, dropout_p):
         out = _attention_lane.forward(q, k, v, scale, causal, True, True, backend, _lane_window(window_size),

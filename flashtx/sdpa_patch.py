@@ -23,7 +23,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import _attention_lane, _dispatch, _lanes, _small_q, _small_q_lane, functional
+from . import _attention_lane, _dispatch, _small_q_lane, functional
 from ._validate import _qkv_ok, is_flag, resolve_scale, scale_ok
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.mask_spec import MaskSpec
@@ -192,14 +192,11 @@ def _masked_decoding(query, key, value, attn_mask, scale):
     (transformers' sdpa steps with padding or a static cache), or None: no lane (yet), and the patch's own path
     follows (attention, which makes the lane). A lane's key holds the mask's layout, which attention's checks passed
     when it was made; the patch's reasons for such a mask agree with them."""
-    if not (_lanes.eager() and query.shape[2] <= _small_q.SMALL_Q_MAX and key.shape[2] > query.shape[2]
-            and _plain_reason(query, key, value) is None):
+    if not (_small_q_lane.decoding(query.shape[2], key.shape[2]) and _plain_reason(query, key, value) is None):
         return None
-    lane_key = _small_q_lane.key(query, key, value, attn_mask, "attn_mask", resolve_scale("scale", scale,
-                                                                                          query.shape[3]),
-                                 False, False, False, _NO_WINDOW, 0.0, None, False)
-    out = None if lane_key is None else _small_q_lane.forward(lane_key, query, key, value, attn_mask)
-    return None if out is False else out
+    return _small_q_lane.lookup(query, key, value, attn_mask, "attn_mask", resolve_scale("scale", scale,
+                                                                                         query.shape[3]),
+                                False, False, False, _NO_WINDOW, 0.0, None, False)[0]
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -221,15 +218,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if reason is None:  # flashtx.attention's own paths for this call, its checks already made here
             scale = resolve_scale("scale", scale, query.shape[3])
             lane = None
-            if _lanes.eager() and query.shape[2] <= _small_q.SMALL_Q_MAX and key.shape[2] > query.shape[2]:
-                lane_key = _small_q_lane.key(query, key, value, None, "attn_mask", scale, is_causal, False, False,
-                                             _NO_WINDOW, 0.0, None, False)
-                if lane_key is not None:  # flashtx.attention's lane for this call (flashtx._small_q_lane)
-                    out = _small_q_lane.forward(lane_key, query, key, value, None)
-                    if out is None:
-                        lane = (lane_key, query, key, value, None)  # no lane yet: the general path's request
-                    elif out is not False:
-                        return out
+            if _small_q_lane.decoding(query.shape[2], key.shape[2]):  # flashtx.attention's lane for this call
+                out, lane = _small_q_lane.lookup(query, key, value, None, "attn_mask", scale, is_causal, False,
+                                                 False, _NO_WINDOW, 0.0, None, False)
+                if out is not None:
+                    return out
             if lane is None:
                 out = _attention_lane.forward(query, key, value, scale, is_causal, False, False)
                 if out is not None:
