@@ -299,6 +299,15 @@ def test_in_place_rope_spares_projection_outputs_a_forward_hook_holds(monkeypatc
                 h.remove()
             assert torch.equal(store["out"], getattr(attn, proj)(store["x"])), f"the stored {proj} output changed"
             assert seen == [False, None], f"{proj} hooked: out of place in that layer only"
+        inner = attn.k_proj  # a wrapper (as PEFT's LoRA layers are) with the hook inside it
+        attn.k_proj, store, seen[:] = torch.nn.Sequential(inner), {}, []
+        h = inner.register_forward_hook(lambda m, i, o: store.update(x=i[0], out=o))
+        try:
+            assert torch.equal(fused(input_ids=ids).logits, want)
+        finally:
+            h.remove()
+            attn.k_proj = inner
+        assert torch.equal(store["out"], inner(store["x"])) and seen == [False, None], "a hook inside k_proj"
         store, seen[:] = {}, []
         h = torch.nn.modules.module.register_module_forward_hook(
             lambda m, i, o: store.update(x=i[0], out=o) if m is attn.k_proj else None)
