@@ -22,13 +22,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo root, for `import bench`
 
-from bench import report  # noqa: E402
+from bench import overhead, report  # noqa: E402
 
 # flashtx's quick cases: attention 3 passes x causal/full x N in {2k, 8k}; GQA 3 passes at 2k;
 # 4 variants x (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd); one decode case; the model training step;
-# bench/overhead.py's rows.
+# bench/overhead.py's rows (each one once).
 FLASHTX_CASES = {("attention", "mha"): 15, ("attention", "gqa"): 3, ("attention-variant", ""): 8,
-                 ("rope", ""): 2, ("swiglu", ""): 2, ("decode", ""): 1, ("model-train", ""): 1, ("overhead", ""): 15}
+                 ("rope", ""): 2, ("swiglu", ""): 2, ("decode", ""): 1, ("model-train", ""): 1,
+                 ("overhead", ""): len(overhead.ROWS)}
 ATTENTION_PROVIDERS = ["flashtx", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex",
                        "xformers", "flash_attn"]
 
