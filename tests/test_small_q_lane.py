@@ -3,7 +3,7 @@ calls fire it with their own tensors and get the general path's result bit for b
 shell and mask form transformers' generation passes; the calls it must not take go to the general path."""
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, PRECISE_DTYPE, dtype_id, poisoned_allocations, randn
+from conftest import DEVICE, KERNEL_DTYPES, PRECISE_DTYPE, dtype_id, poisoned_allocations, precise_atol, randn
 
 import flashtx
 from flashtx import _dispatch, _lanes, _small_q, _small_q_lane, reference
@@ -98,7 +98,7 @@ def test_the_lane_is_the_only_work_of_a_hit(fresh_plans, monkeypatch):
                           (flashtx.functional, "check_attn_mask")):
             monkeypatch.setattr(mod, name, boom)
         got = flashtx.attention(q, k, v, enable_gqa=True)
-    assert (got - want).abs().max() < 1e-12
+    assert (got - want).abs().max() < precise_atol(1e-12)
 
 
 def test_a_keys_first_call_makes_no_lane(fresh_plans, routes):
@@ -115,7 +115,7 @@ def test_a_keys_first_call_makes_no_lane(fresh_plans, routes):
             got = flashtx.attention(q, k, v, enable_gqa=True)
     assert len(_lanes_made()) == 1 and routes == ["decode"] * 7 + ["lane"] * 2
     want = reference.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
-    assert (got - want).abs().max() < 1e-12
+    assert (got - want).abs().max() < precise_atol(1e-12)
 
 
 SPLIT = dict(B=1, Hq=2, Hkv=1, Sk=300)  # one (batch, KV head): the keys are split across programs (a combine)
@@ -194,7 +194,7 @@ def test_refusals_hold_once_a_lane_exists(fresh_plans, routes, monkeypatch):
             m.setattr(_small_q, name, value)
             got = flashtx.attention(q, k, v, enable_gqa=True)
         assert routes == ["train"], (name, routes)
-        assert (got - want).abs().max() < 1e-5
+        assert (got - want).abs().max() < precise_atol(1e-5)
     routes.clear()
     tf32 = precision.allow_tf32()
     with monkeypatch.context() as m, torch.no_grad():
@@ -215,7 +215,7 @@ def test_a_refused_key_is_remembered(fresh_plans, monkeypatch):
             got = flashtx.attention(q, k, v, enable_gqa=True, is_causal=True)
     assert [lane for key, lane in _lanes.TABLE.items() if key[0] == "small_q"] == [False] and not made
     want = reference.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True)
-    assert (got - want).abs().max() < 1e-12
+    assert (got - want).abs().max() < precise_atol(1e-12)
 
 
 def test_calls_the_lane_must_not_take(fresh_plans, routes):
@@ -245,7 +245,7 @@ def test_calls_the_lane_must_not_take(fresh_plans, routes):
         _small_q.SMALL_Q_DECODE = was
     assert not _lanes_made() and routes[-3:] == ["train"] * 3
     want = reference.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
-    assert (got - want).abs().max() < 1e-12
+    assert (got - want).abs().max() < precise_atol(1e-12)
 
 
 def test_bad_input_still_raises_once_a_lane_exists(fresh_plans):
