@@ -313,9 +313,7 @@ def _make(key, q, k, v, scale, causal, bottom_right, bshd, grad, backend: str, w
     dims = _dims(q, k, v, bshd)
     if dims is None:
         return None
-    B, Hq, Sq, Sk = dims
-    if not grad and Sk > Sq and Sq <= _small_q.SMALL_Q_MAX:
-        return None  # the small-query decode route's (whether or not it takes them)
+    B, Hq, Sq, _ = dims  # (the small-query decode route's calls left in forward, before their key was built)
     from .triton_kernels.attention_fwd import forward_entry
     from .triton_kernels.launch import TORCH_ACC_DTYPE, _AlignedEntry
 
