@@ -31,7 +31,7 @@ import torch
 from . import _attention_lane, _small_q, _small_q_lane
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, _all_none as _no_aux, attn_fwd, attn_probs
 from ._library import call
-from .triton_kernels.limits import MAX_SEQ
+from .triton_kernels.limits import MAX_SEQ, exporting
 from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
                         check_cu_seqlens_pair, check_dropout, check_lens, check_max_seqlen, check_qkv,
                         check_flag, check_seq_mask, check_softcap, check_tensor, check_window, refuse_negated_qkv,
@@ -98,7 +98,7 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
     floats = [scale, softcap, dropout_p]  # _attention_op.Floats
     if (needs_grad == NO_GRAD and _small_q.SMALL_Q_DECODE and rng is None and not return_probs
             and query_mask is None and q_lens is None and kv_lens is None and cu_seqlens_q is None
-            and not torch.compiler.is_exporting()  # (an exported program serves every size the Dims allow:
+            and not exporting()  # (an exported program serves every size the Dims allow:
             # no route decided by sizes; Dynamo shows strict export's symbolic sizes as ints)
             and Sk > Sq):  # decoding: see flashtx._small_q
         res = _small_q.attention(q, k, v, bias, aux, ints, floats, backend or "", return_lse, lane)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .configs import INTERPRETER_TARGET, Target, TileConfig, cuda_target, interpreter_active
 from .precision import TORCH_ACC_DTYPE, dot_precision  # noqa: F401 (the launchers import them from here)
-from .limits import unbacked
+from .limits import exporting, unbacked
 
 # Accumulator dtype per input dtype: fp32 for the half types and fp32, fp64 for fp64 (tests).
 ACC_DTYPE = {
@@ -475,7 +475,7 @@ def pow2_bucket(n, cap: int) -> int:
     use it to key per-row-count tile shrinking (decoding, tiny batches) without a key per length. Under
     torch.export it is cap, compared with nothing: an exported program serves every size its Dims allow (a guard
     would cut a dynamic length to one bucket), and any tile is correct."""
-    if cap <= 1 or unbacked(n) or torch.compiler.is_exporting() or n > cap // 2:  # (unbacked: a count read on the
+    if cap <= 1 or unbacked(n) or exporting() or n > cap // 2:  # (unbacked: a count read on the
         return cap  # device, unpad_input's total: not comparable)
     b = cap // 2
     while b > 1 and n <= b // 2:

@@ -49,6 +49,16 @@ def unbacked(n) -> bool:
     return has_free_unbacked_symbols(n)
 
 
+def exporting() -> bool:
+    """torch.compiler.is_exporting(), right under torch.compile too: torch 2.11's Dynamo folds that call to True in
+    every trace, torch.compile's included (pytorch/pytorch#176347, fixed by #176499). This reads the flag strict and
+    non-strict export set (torch._export.utils._compiling_state_context), which the fixed call returns."""
+    import torch
+    if hasattr(torch.compiler, "_is_exporting_flag"):
+        return torch.compiler._is_exporting_flag
+    return torch.compiler.is_exporting()
+
+
 def least(a, b):
     """min(a, b); in a traced op implementation torch.sym_min, which does not guard on which is smaller (min()
     does, and cannot when one was read on the device: a max_seqlen bound against unpad_input's total). Dynamo

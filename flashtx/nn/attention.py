@@ -51,7 +51,7 @@ from ..decode import flash_attn_with_kvcache
 from ..functional import attention, flash_attn_func
 from .._validate import check_flag
 from ..rotary import apply_rotary_qk
-from ..triton_kernels.limits import MAX_SEQ
+from ..triton_kernels.limits import MAX_SEQ, exporting
 from ._qkv_rotary import eligible, rotate_qk_
 from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int, _host_readable, _static
 from .rotary import RotaryEmbedding
@@ -228,7 +228,7 @@ class MultiheadAttention(nn.Module):
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         p = self.dropout if self.training else 0.0
         if cache is not None:
-            if torch.compiler.is_exporting():  # (constant under strict export's trace: no graph break)
+            if exporting():  # (constant under strict export's trace: no graph break)
                 raise RuntimeError(
                     "torch.export cannot export a step with a KVCache or PagedKVCache: a cache keeps host-side "
                     "state (lengths, padding, pages) and export would bake it into the program as constants (and "
