@@ -3,6 +3,7 @@ rebound. A replay must launch exactly what planning would for the same tensors, 
 inputs are one object (self-attention), and fall back to planning where it cannot replay."""
 import pytest
 import torch
+from triton.compiler.compiler import CompiledKernel
 
 import flashtx
 from flashtx import reference
@@ -188,15 +189,23 @@ def test_the_autotuner_plans_afresh_while_it_forces_a_config():
 
 
 class _Compiled:
-    """Stands in for Triton's CompiledKernel: `compiled[grid](*args, stream=...)` records a direct launch."""
+    """Stands in for Triton's CompiledKernel: its own `compiled[grid](*args, stream=...)` (Triton's __getitem__, which
+    hands the launcher grid[0], grid[1] and grid[2]), with the launcher recording a direct launch."""
 
-    packed_metadata = ()
+    __getitem__ = CompiledKernel.__getitem__
+    packed_metadata = function = None
 
     def __init__(self, log):
         self.log = log
 
-    def __getitem__(self, grid):
-        return lambda *args, stream=None: self.log.append(("direct", grid, args, stream))
+    def _init_handles(self):
+        pass
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter, exit, *args):
+        self.log.append(("direct", (grid_0, grid_1, grid_2), args, stream))
 
 
 class _Kernel:
@@ -262,6 +271,23 @@ def test_gpu_replays_launch_the_compiled_kernel_directly(monkeypatch):
     with launch.stub_launches():
         call(x, y)
     assert len(kernel.log) == n  # the stub took it
+
+
+@pytest.mark.parametrize("grid", [(3,), (3, 2)], ids=["1d", "2d"])
+def test_gpu_replays_of_a_short_grid_launch_three_dims(monkeypatch, grid):
+    """SwiGLU's (n,) grid, RoPE's (n, nb), the KV append's and the index checks': JITFunction.run pads a grid to
+    three dims, Triton's compiled kernel does not (it reads grid[2]), so every replay's direct launch of these
+    raised IndexError on a GPU. A replay holds its grid padded: the same launch through either path."""
+    driver = _Driver()
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_driver", lambda: driver)
+    kernel = _Kernel()
+    x, y = torch.zeros(8), torch.zeros(8)
+    for _ in range(3):
+        launch.LAUNCHES.run(("short-grid", grid), ("X", "Y"), (x, y),
+                            lambda: [launch.Launch(kernel, grid, {"Y": y, "N": 7, "X": x, "BLOCK": 16})])
+    padded = grid + (1,) * (3 - len(grid))
+    assert [(how, g) for how, g, _, _ in kernel.log] == [("run", padded), ("direct", padded), ("direct", padded)]
 
 
 def test_a_plan_made_while_a_tuner_starts_is_used_once_and_not_kept():

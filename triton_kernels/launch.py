@@ -260,6 +260,9 @@ class _Replay:
     __slots__ = ("kernel", "grid", "launch_kwargs", "template", "values", "slots", "positional", "direct", "scratch")
 
     def __init__(self, kernel, grid, launch_kwargs, template, values, slots, positional, scratch=False):
+        # three dims: the compiled kernel's launcher reads grid[0], grid[1] and grid[2] (JITFunction.run pads a
+        # shorter grid itself; CompiledKernel[grid] does not, in Triton 3.6 and 3.9)
+        grid = tuple(grid) + (1,) * (3 - len(grid))
         self.kernel, self.grid, self.launch_kwargs = kernel, grid, launch_kwargs
         self.template, self.values, self.slots = template, values, slots
         self.positional = positional  # values are exactly the kernel's parameters, in order
