@@ -167,6 +167,27 @@ def test_forced_holds_for_launches_on_other_threads(cache_dir, monkeypatch):
     assert _ident(got[0]) == _ident(configs._select("attn_bwd_dq", 64, 64, 2, H100, False))
 
 
+def test_a_launch_planned_inside_a_dispatch_mode_tunes_nothing(cache_dir, monkeypatch):
+    """torch.compile's AOTAutograd runs an op's body under fake, proxy and functional dispatch modes; torch 2.11
+    leaves torch.compiler.is_compiling() False there, so every kernel of a compiled attention started tuning on
+    fake tensors. A launch planned inside a dispatch mode keeps the default and leaves the key to a later eager
+    launch (not marked failed)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tuned = []
+    monkeypatch.setattr(autotune, "tune_now", lambda key, *a, **kw: tuned.append(key))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)  # as torch 2.11 answers there
+    autotune.autotune()
+    default = configs._select("attn_fwd", 64, 64, 2, H100, False)
+    failed = set(autotune._failed)
+    with FakeTensorMode():
+        assert _ident(configs.select_config("attn_fwd", 64, 64, 2, H100)) == _ident(default)
+    assert not tuned and autotune._failed == failed
+    configs.select_config("attn_fwd", 64, 64, 2, H100)
+    assert len(tuned) == 1
+
+
 def test_a_key_that_cannot_be_tuned_is_not_retried_on_every_launch(cache_dir, monkeypatch):
     calls = []
 

@@ -462,9 +462,12 @@ def _capturing() -> bool:
 
 
 def _compiling() -> bool:
+    """Inside a trace, where timing cannot run real kernels: Dynamo's, or a dispatch mode's (fake tensors, the
+    proxy and functional modes AOTAutograd runs an op's body under; torch 2.11 leaves is_compiling() False there,
+    later torch holds it for the whole compile)."""
     try:
         import torch
-        return bool(torch.compiler.is_compiling())
+        return bool(torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack())
     except Exception:  # noqa: BLE001
         return False
 
