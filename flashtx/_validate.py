@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from . import _lanes
+from . import _lanes, _library
 from .triton_kernels.limits import INT32_MAX, MAX_SEQ, undecided
 
 ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -423,6 +423,8 @@ def _check_lane(specs: list) -> bool:
     signature (flashtx._lanes: the check's launch-cache entry and its messages): allocate the flag, fire the
     launch, assert each flag, as the op's path does. False where that path must run (a tensor bound or subclass,
     no Triton check on the device, a launch the cache cannot replay)."""
+    if _library._other_device(specs[0][1]) is not None:
+        return False  # tensors of another GPU: the op's path launches with their device current (_library.call)
     key = ["cu_seqlens_check"]
     for name, cu, total, total_name, max_seqlen, max_name, exact in specs:
         if type(cu) is not torch.Tensor or (max_name is not None and type(max_seqlen) is not int):

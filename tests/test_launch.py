@@ -57,7 +57,7 @@ def test_a_call_on_another_gpus_tensors_launches_with_that_device_current(monkey
     split over GPUs) launches every kernel, forward and backward, with their device made current. Stand-ins:
     the tensors' "device" (CPU tensors) and torch.cuda.device (records what was made current)."""
     import flashtx
-    from flashtx import _library
+    from flashtx import _library, _validate
 
     current = [0]
 
@@ -90,7 +90,17 @@ def test_a_call_on_another_gpus_tensors_launches_with_that_device_current(monkey
                 flashtx.apply_rotary_qk(q.clone(), k.clone(), cos, sin, inplace=True)
             r = flashtx.apply_rotary_qk(q, k, cos, sin)
             torch.autograd.grad(r, (q, k), [torch.randn_like(t) for t in r])
-    assert len(launched) >= 15 and set(launched) == {1}, launched
+        # packed sequences: cu_seqlens checked on the device as on a GPU (its flags' asserts stood in for too)
+        monkeypatch.setattr(_validate, "_values_readable", lambda t: False)
+        monkeypatch.setattr(torch, "_assert_async", lambda *a, **kw: None)
+        cu, x = torch.tensor([0, 3, 8], dtype=torch.int32), torch.randn(8, 2, 16, requires_grad=True)
+        n = len(launched)
+        for _ in range(3):  # the check's lane from the second call (_validate._check_lane)
+            o = flashtx.flash_attn_varlen_func(x, x, x, cu, cu, 5, 5, causal=True, backend="triton")
+            torch.autograd.grad(o, x, torch.randn_like(o))
+            flashtx.apply_rotary(x.detach(), cos, sin, cu_seqlens=cu, max_seqlen=5)
+        assert len(launched) >= n + 3 * 6
+    assert len(launched) >= 33 and set(launched) == {1}, launched
     assert current[0] == 0  # restored
 
 
