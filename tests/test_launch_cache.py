@@ -355,6 +355,8 @@ def test_plans_pass_every_kernel_parameter_so_gpu_replays_can_launch_directly():
     assert {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_rotary_kernel", "_swiglu_kernel"} <= kernels, kernels
     assert any("decode" in n for n in kernels), kernels
     assert all(r.positional for r in replays), [r.kernel.__name__ for r in replays if not r.positional]
+    # and a three-dim grid: Triton's compiled kernel reads grid[0..2] (RoPE's and SwiGLU's grids are shorter)
+    assert all(len(r.grid) == 3 for r in replays), [(r.kernel.__name__, r.grid) for r in replays]
 
 
 def test_rope_at_a_new_int_offset_each_step_replays_one_entry():
