@@ -13,7 +13,9 @@ Plan, within a wall-clock budget (default 330 s: 6 minutes on an H200 with margi
 compile of each config dominates):
   1. at N = 4k, time every candidate of every (kernel, D, causal, dtype) group, bf16 and D = 128
      first (the groups most users run), with triton.testing.do_bench (median, CUDA events);
-  2. at N = 1k and 16k, time the group's default and its two best from step 1.
+  2. at N = 1k and 16k, time the group's default and its two best from step 1;
+  3. on sm_90 and later, the TMA candidates at N = 4k (last: no GPU run has yet run a descriptor kernel, and one
+     that faults breaks the CUDA context; the sweep then stops and keeps what it timed).
 A group or N the budget does not reach is listed as "not timed (budget)". Forward candidates time
 the forward; dK/dV and dQ candidates time the whole backward with the other kernel at its default,
 so differences between candidates are the tuned kernel's.
@@ -74,9 +76,12 @@ def _config_args(ident) -> tuple[str, bool]:
 
 def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tuple = KERNELS,
           seqlens: tuple = (N_FIRST, *N_OTHERS), clock=time.monotonic,
-          log=lambda *a: print(*a, file=sys.stderr, flush=True)) -> dict:
+          log=lambda *a: print(*a, file=sys.stderr, flush=True), healthy=lambda: True) -> dict:
     """Run the plan. time_fn(group, cfg, seqlen) -> ms (raises when the candidate cannot run).
     kernels: the KERNELS to tune; seqlens: step 1's N, then step 2's.
+    The TMA candidates (sm_90 and later; never yet run on a GPU) come last, at step 1's N, after every other
+    timing: one that faults costs only their rows. healthy() is asked after a candidate raises; False (the
+    CUDA context is broken: an illegal address is sticky) stops the sweep with what was timed.
     Returns {"results": [{group fields, seqlen, config, ms | error}], "skipped": [...], "elapsed_s"}."""
     n_first, n_others = seqlens[0], tuple(seqlens[1:])
     from flashtx.triton_kernels import autotune
@@ -86,25 +91,34 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tup
     skipped: list[str] = []
     step1: dict[Group, dict] = {}
     todo = groups(quick, kernels)
+
+    def run(g: Group, cfg, n: int, default: bool, timed: dict | None = None) -> None:
+        if clock() - t0 > budget_s:
+            skipped.append(f"{g.name} N={n} {autotune.describe(cfg)}")
+            return
+        row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": n,
+               "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": default}
+        try:
+            row["ms"] = float(time_fn(g, cfg, n))
+            if timed is not None:
+                timed[_ident(cfg)] = (cfg, row["ms"])
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile or launch here
+            row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+            results.append(row)
+            if not healthy():
+                raise _Broken(f"{g.name} N={n} {autotune.describe(cfg)}") from exc
+            return
+        results.append(row)
+
     try:
         for g in todo:
             if clock() - t0 > budget_s:
                 skipped.append(f"{g.name} N={n_first}")
                 continue
-            cands = autotune.candidates(g.kernel, g.d, g.d, 2, target)
-            timed = {}
+            cands = autotune.candidates(g.kernel, g.d, g.d, 2, target, tma=False)
+            timed: dict = {}
             for cfg in cands:
-                if clock() - t0 > budget_s:
-                    skipped.append(f"{g.name} N={n_first} {autotune.describe(cfg)}")
-                    continue
-                row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": n_first,
-                       "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": cfg is cands[0]}
-                try:
-                    row["ms"] = float(time_fn(g, cfg, n_first))
-                    timed[_ident(cfg)] = (cfg, row["ms"])
-                except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile or launch here
-                    row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
-                results.append(row)
+                run(g, cfg, n_first, cfg is cands[0], timed)
             step1[g] = {"default": cands[0] if cands else None, "timed": timed}
             summary = autotune.summarize({autotune.describe(c): ms for c, ms in timed.values()})
             log(f"  {g.name} N={n_first}: " + (summary if timed else "no candidate ran") + f" [{clock() - t0:.0f}s]")
@@ -116,19 +130,38 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tup
                 ranked = sorted(s["timed"].values(), key=lambda cm: cm[1])[:TOP]
                 again = [s["default"]] + [c for c, _ in ranked if _ident(c) != _ident(s["default"])]
                 for cfg in again:
-                    if clock() - t0 > budget_s:
-                        skipped.append(f"{g.name} N={n} {autotune.describe(cfg)}")
-                        continue
-                    row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": n,
-                           "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": cfg is s["default"]}
-                    try:
-                        row["ms"] = float(time_fn(g, cfg, n))
-                    except Exception as exc:  # noqa: BLE001
-                        row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
-                    results.append(row)
+                    run(g, cfg, n, cfg is s["default"])
+        for g in todo:  # the TMA candidates, last
+            s = step1.get(g)
+            if not s or s["default"] is None or _ident(s["default"]) not in s["timed"]:
+                continue  # no default time at N to compare with
+            tma = [c for c in autotune.candidates(g.kernel, g.d, g.d, 2, target, tma=True) if c.tma]
+            for cfg in tma:
+                run(g, cfg, n_first, False)
+            if tma:
+                log(f"  {g.name} N={n_first}: {len(tma)} TMA candidates [{clock() - t0:.0f}s]")
     except KeyboardInterrupt:  # the device script's timeout sends SIGINT: keep what was timed
         skipped.append("interrupted (SIGINT): the rest was not timed")
+    except _Broken as exc:
+        skipped.append(f"stopped: the GPU failed after {exc} (a sticky CUDA error); the rest was not timed")
     return {"results": results, "skipped": skipped, "elapsed_s": clock() - t0}
+
+
+class _Broken(Exception):
+    """A candidate left the GPU unusable: nothing after it can be timed."""
+
+
+def gpu_healthy() -> bool:
+    """Whether the CUDA context still works after a candidate raised (an illegal address is sticky: every later
+    launch and sync raises it)."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+    except Exception:  # noqa: BLE001 - any error here means the context is gone
+        return False
+    return True
 
 
 def rank(results: list[dict]) -> dict[tuple[str, int], list[tuple[tuple, float, int]]]:
@@ -244,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     from flashtx.triton_kernels.launch import target_for
     target = target_for(torch.empty(1, device="cuda"))
     gpu = torch.cuda.get_device_name()
-    out = sweep(target, gpu_time_fn(), budget_s=args.budget_s, quick=args.quick, kernels=kernels, seqlens=seqlens)
+    out = sweep(target, gpu_time_fn(), budget_s=args.budget_s, quick=args.quick, kernels=kernels, seqlens=seqlens,
+                healthy=gpu_healthy)
     text = table(out, gpu, triton.__version__)
     print(text)
     if args.json:

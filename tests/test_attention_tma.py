@@ -251,10 +251,15 @@ def test_tma_tiles_are_tuning_candidates_on_sm90_only():
     h100, rtx3090 = KNOWN_TARGETS[90], KNOWN_TARGETS[86]
     for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
         for d in (64, 128):
-            on90 = autotune.candidates(kernel, d, d, 2, h100)
+            on90 = autotune.candidates(kernel, d, d, 2, h100, tma=True)
             assert any(c.tma for c in on90) and not on90[0].tma, (kernel, d)  # the default stays first
-            assert not any(c.tma for c in autotune.candidates(kernel, d, d, 2, rtx3090))
-            assert not any(c.tma for c in autotune.candidates(kernel, d, d, 4, h100))  # fp32: none
+            assert not any(c.tma for c in autotune.candidates(kernel, d, d, 2, rtx3090, tma=True))
+            assert not any(c.tma for c in autotune.candidates(kernel, d, d, 4, h100, tma=True))  # fp32: none
+            # a user's autotuning leaves them out until a GPU run has passed this file's tests on sm_90
+            assert not autotune.TMA_BY_DEFAULT
+            assert not any(c.tma for c in autotune.candidates(kernel, d, d, 2, h100))
+            assert [autotune.ident_of(c) for c in autotune.candidates(kernel, d, d, 2, h100)] == \
+                [autotune.ident_of(c) for c in on90 if not c.tma]
     # no shipped table entry uses TMA before a GPU run has timed it
     for fam in configs.TABLES.values():
         for per_kernel in fam.values():
@@ -287,9 +292,11 @@ def test_compile_check_covers_every_tma_candidate_on_sm90_only(kernel, module, r
 
 
 def test_a_tma_winner_is_cached_and_selected(tmp_path, monkeypatch):
-    """The tuner times the TMA candidates beside the others on sm_90; a TMA winner is stored with its flag and
-    select_config returns it (so the forward plans descriptors) from the cache."""
+    """With TMA_BY_DEFAULT on (once a GPU run has passed this file), the tuner times the TMA candidates beside
+    the others on sm_90; a TMA winner is stored with its flag and select_config returns it (so the forward plans
+    descriptors) from the cache, with TMA_BY_DEFAULT off too (bench.tune --write-cache stores such winners)."""
     monkeypatch.setenv("FLASHTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "TMA_BY_DEFAULT", True)
     autotune.reset_memory()
     h100 = KNOWN_TARGETS[90]
     cands = autotune.candidates("attn_fwd", 128, 128, 2, h100)
@@ -299,6 +306,7 @@ def test_a_tma_winner_is_cached_and_selected(tmp_path, monkeypatch):
                              time_fn=lambda c: 0.5 if c is winner else 1.0)
     assert best.tma and autotune.ident_of(best) == autotune.ident_of(winner)
     autotune.reset_memory()  # from the file
+    monkeypatch.setattr(autotune, "TMA_BY_DEFAULT", False)
     assert autotune.cached(key).tma
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(configs, "_autotune_hook", autotune._hook)

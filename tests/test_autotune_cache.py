@@ -110,7 +110,7 @@ def test_a_cached_config_the_tuner_would_not_time_is_ignored_and_retuned(cache_d
     cands = autotune.candidates("attn_fwd", 128, 128, 2, target)
     base, winner = cands[1], cands[2]
     if bad == "tma on sm_86":
-        entry = _entry(next(c for c in autotune.candidates("attn_fwd", 128, 128, 2, H100) if c.tma))
+        entry = _entry(next(c for c in autotune.candidates("attn_fwd", 128, 128, 2, H100, tma=True) if c.tma))
     elif _BAD[bad] in ("str", "float"):
         entry = _entry(base, block_m={"str": str, "float": float}[_BAD[bad]](base.block_m))
     else:

@@ -95,7 +95,7 @@ def test_a_focused_sweep_times_only_the_kernels_and_lengths_asked_for():
     for g in tune.groups(kernels=("attn_fwd",)):
         at_2k = [r for r in res if (r["d"], r["causal"], r["dtype"], r["seqlen"]) == (g.d, g.causal, g.dtype, 2048)]
         at_16k = [r for r in res if (r["d"], r["causal"], r["dtype"], r["seqlen"]) == (g.d, g.causal, g.dtype, 16384)]
-        assert len(at_2k) == len(autotune.candidates("attn_fwd", g.d, g.d, 2, H100))
+        assert len(at_2k) == len(autotune.candidates("attn_fwd", g.d, g.d, 2, H100, tma=True))
         assert 1 <= len(at_16k) <= 3 and any(r["default"] for r in at_16k)
 
 
@@ -106,3 +106,48 @@ def test_cli_refuses_unknown_kernels_and_bad_seqlens(capsys):
         with pytest.raises(SystemExit):
             tune.main(argv)
         assert what in capsys.readouterr().err
+
+
+def test_tma_candidates_are_timed_after_every_other_candidate():
+    """On sm_90 the TMA candidates (never yet run on a GPU) come after steps 1 and 2, so a fault in one cannot
+    cost the plain candidates' rows; they are ranked with the rest."""
+    clock = FakeClock()
+    out = tune.sweep(H100, fake_timer(clock), budget_s=1e9, clock=clock, log=lambda *a: None, quick=True)
+    res = out["results"]
+    is_tma = [r["ident"][4] for r in res]
+    first = is_tma.index(True)
+    assert any(is_tma) and not any(is_tma[:first]) and all(is_tma[first:])
+    assert {r["seqlen"] for r in res[first:]} == {4096}
+    n_tma = sum(len([c for c in autotune.candidates(g.kernel, g.d, g.d, 2, H100, tma=True) if c.tma])
+                for g in tune.groups(quick=True))
+    assert len(res) - first == n_tma
+    assert any(ident[4] for ranked in tune.rank(res).values() for ident, _, _ in ranked)
+    # not on sm_86
+    out86 = tune.sweep(Target(86, 101_376), fake_timer(FakeClock()), budget_s=1e9, clock=FakeClock(),
+                       log=lambda *a: None, quick=True)
+    assert not any(r["ident"][4] for r in out86["results"])
+
+
+def test_a_broken_gpu_stops_the_sweep_and_keeps_what_was_timed():
+    """After a candidate raises, healthy() is asked; False (a sticky CUDA error) stops the sweep at once, with
+    the rows timed so far and a 'stopped' line naming the candidate."""
+    clock = FakeClock()
+    timer = fake_timer(clock)
+    calls = []
+
+    def time_fn(g, cfg, seqlen):
+        calls.append(cfg)
+        if cfg.tma:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (fake)")
+        return timer(g, cfg, seqlen)
+    asked = []
+    out = tune.sweep(H100, time_fn, budget_s=1e9, clock=clock, log=lambda *a: None, quick=True,
+                     healthy=lambda: asked.append(1) or not calls[-1].tma)
+    res = out["results"]
+    assert res[-1]["error"].startswith("RuntimeError: CUDA error") and res[-1]["ident"][4]
+    assert sum(r["ident"][4] for r in res) == 1 and len(calls) == len(res)
+    assert any(s.startswith("stopped: the GPU failed after attn_fwd D=128 causal bfloat16 N=4096")
+               for s in out["skipped"])
+    assert len(asked) == sum("error" in r for r in res)  # the fake OutOfResources rows asked and went on
+    assert {r["seqlen"] for r in res} == {1024, 4096, 16384}  # steps 1 and 2 were complete
+    assert "stopped: the GPU failed" in tune.table(out, "FAKE-GPU", "0.0")

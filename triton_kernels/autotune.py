@@ -80,7 +80,7 @@ CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
     },
 }
 TUNED_KERNELS = tuple(CANDIDATES)
-# sm_90 and later also time tiles that read the streamed operands through tensor descriptors (TMA, issue 13's
+# sm_90 and later can also time tiles that read the streamed operands through tensor descriptors (TMA, issue 13's
 # Hopper path). The forward's are the tiles of Triton's fused-attention tutorial, which reads K/V through
 # descriptors on Hopper, and the sm_90 table's own. No table entry uses TMA until a GPU run has timed it faster
 # (bench.tune).
@@ -102,6 +102,11 @@ TMA_CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
     },
 }
 TMA_MIN_ARCH = 90
+# Whether a user's autotuning (FLASHTX_AUTOTUNE=1 / flashtx.autotune()) times the TMA candidates by default. Off
+# until a GPU run has passed tests/test_attention_tma.py on sm_90: a descriptor kernel that faults there (an illegal
+# address) would leave the user's CUDA context unusable. `python -m bench.tune` times them (after every other
+# candidate, so such a fault costs only their rows), and a TMA winner it caches (--write-cache) is used.
+TMA_BY_DEFAULT = False
 
 
 def _warn(message: str) -> None:
@@ -286,7 +291,8 @@ def cached(key: str) -> TileConfig | None:
 
 def _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified) -> TileConfig | None:
     """cached(key), if it is one of candidates() for the launch (checked once per key and config): a config the
-    tuner would not have timed here (edited, or from another flashtx) is ignored with a warning, like a miss."""
+    tuner would not have timed here (edited, or from another flashtx) is ignored with a warning, like a miss. A TMA
+    candidate is accepted on sm_90 whatever TMA_BY_DEFAULT says: only a timing that ran on this GPU stored it."""
     cfg = cached(key)
     if cfg is None:
         return None
@@ -294,7 +300,7 @@ def _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified) -> Tile
     ok = _checked.get(memo)
     if ok is None:
         ok = _checked[memo] = memo[-1] in {ident_of(c) for c in
-                                           candidates(kernel, block_dqk, block_dv, elt, target, modified)}
+                                           candidates(kernel, block_dqk, block_dv, elt, target, modified, tma=True)}
         if not ok:
             _warn(f"flashtx autotune: ignoring the cached config {describe(cfg)} for {key} in {cache_path()}: not "
                   "one of the candidates for this GPU, kernel and head dims; tuning afresh")
@@ -313,9 +319,10 @@ def reset_memory() -> None:
 
 # ------------------------------------------------------------------------------------- candidates
 def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
-               modified: bool = False) -> list[TileConfig]:
-    """configs.py's choice first, then this module's list (on sm_90 and later, then the TMA candidates); only
-    those whose estimated shared memory fits `target`; no duplicates (the reason is not part of the identity)."""
+               modified: bool = False, tma: bool | None = None) -> list[TileConfig]:
+    """configs.py's choice first, then this module's list (on sm_90 and later with `tma`, then the TMA
+    candidates; None: TMA_BY_DEFAULT); only those whose estimated shared memory fits `target`; no duplicates (the
+    reason is not part of the identity)."""
     size, bucket = (2 if elt <= 2 else 4), configs.head_dim_bucket(max(block_dqk, block_dv))
     out: list[TileConfig] = []
     seen = set()
@@ -323,7 +330,8 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
         default = [configs._select(kernel, block_dqk, block_dv, elt, target, modified)]
     except (RuntimeError, KeyError):
         default = []
-    extra = TMA_CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []) if target.arch >= TMA_MIN_ARCH else []
+    with_tma = (TMA_BY_DEFAULT if tma is None else tma) and target.arch >= TMA_MIN_ARCH
+    extra = TMA_CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []) if with_tma else []
     for cfg in default + CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []) + extra:
         ident = ident_of(cfg)
         if ident in seen:
