@@ -44,7 +44,8 @@
 # the overhead rows fit the step's limit; set it empty (DEVICE_CHECK_BENCH_K=) to run every quick case;
 # DEVICE_CHECK_COMMIT: the commit recorded in bench.json (pass it: the device's copy of .git may be stale;
 # without it, `git rev-parse --short HEAD` plus " (dirty)" when the tree differs from it);
-# DEVICE_CHECK_TUNE_ARGS, extra arguments for bench.tune (--kernels, --seqlens, --quick).
+# DEVICE_CHECK_TUNE_ARGS, extra arguments for bench.tune (--kernels, --seqlens, --quick); DEVICE_CHECK_WHEELS, the
+# folder of carried wheels (default .whl: xformers, Liger-Kernel; every wheel there is installed).
 # tests/test_bench_smoke.py runs the bench,models,report steps of this script with BENCH_SMOKE=1
 # (bench/harness.py: CPU, tiny shapes, Triton's interpreter), so the script cannot rot unseen;
 # tests/test_device_check_plan.py runs the whole plan with a python that sleeps.
@@ -195,15 +196,22 @@ INSTALL_RESERVE=$(( BUDGET_MS - $(P 70) )); ((INSTALL_RESERVE > $(P 480))) && IN
 want install && step install "install" "$(P $L_INSTALL)" "$INSTALL_RESERVE" \
   $PY -m pip install -q --no-deps --no-build-isolation -e .
 
-# xformers (issue 3, 13): carried as a wheel, see bench/README.md "xformers on the GPU machine".
-if want xformers && ls .whl/xformers-*.whl >/dev/null 2>&1; then
-  step xformers "xformers install" "$(P $L_XFORMERS)" "$(reserve_after xformers)" $PY -m pip install -q --no-index \
-    --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# xformers and Liger-Kernel (issues 3, 13, 14): carried as wheels, see bench/README.md "xformers and Liger on the
+# GPU machine". Every carried wheel is installed, xformers or not (a Liger wheel alone too).
+WHL=${DEVICE_CHECK_WHEELS:-.whl}
+if want xformers && ls "$WHL"/*.whl >/dev/null 2>&1; then
+  step xformers "carried wheels install ($(cd "$WHL" && echo *.whl))" "$(P $L_XFORMERS)" "$(reserve_after xformers)" \
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  step xformers "xformers info" "$(P $L_XFORMERS_INFO)" "$(reserve_after xformers)" \
-    bash -c "$PY -m xformers.info 2>&1 | grep -v '^build.env\|^source' | head -45"
+  if ls "$WHL"/xformers-*.whl >/dev/null 2>&1; then
+    step xformers "xformers info" "$(P $L_XFORMERS_INFO)" "$(reserve_after xformers)" \
+      bash -c "$PY -m xformers.info 2>&1 | grep -v '^build.env\|^source' | head -45"
+  else
+    echo "(no $WHL/xformers-*.whl carried: the xformers provider will be skipped)"
+  fi
+  ls "$WHL"/liger_kernel-*.whl >/dev/null 2>&1 || echo "(no $WHL/liger_kernel-*.whl carried: the liger rows will be skipped)"
 elif want xformers; then
-  echo "(no .whl/xformers-*.whl carried: the xformers provider will be skipped)"
+  echo "(no $WHL/*.whl carried: the xformers provider and the liger rows will be skipped)"
 fi
 
 # Bisect (issue 13, opt-in: DEVICE_CHECK_STEPS=install,bisect,...): the first GPU run of split head dims + the

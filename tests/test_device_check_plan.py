@@ -96,7 +96,8 @@ def runs(tmp_path_factory):
         (out / "log.txt").write_text("OLD LOG\n")
         env = {**clean, "OUT": str(out), "PYTHON": str(stub), "SIM_REAL_PY": sys.executable,
                "SIM_LOG": str(base / f"{name}.sim.log"), "SIM_SCALE": sc["scale"],
-               "DEVICE_CHECK_TIME_SCALE": sc["scale"], **sc["env"]}
+               "DEVICE_CHECK_TIME_SCALE": sc["scale"], "DEVICE_CHECK_WHEELS": str(base / "no-wheels"),
+               **sc["env"]}  # no wheels: a developer's own .whl/ must not change the plan
         procs[name] = (subprocess.Popen(["bash", str(SCRIPT)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True), out)
     res = {}
@@ -209,3 +210,28 @@ def test_a_previous_runs_outputs_are_removed(runs, name):
     assert "OLD LOG" not in (out / "log.txt").read_text() and "=== summary" in (out / "log.txt").read_text()
     assert "old-run" not in (out / "bench.json").read_text()
     assert (out / "keep.txt").read_text() == "old"  # only the script's own outputs
+
+
+def test_every_carried_wheel_is_installed_liger_alone_too(tmp_path):
+    """A carried Liger wheel without xformers is installed (it was not: only an xformers wheel triggered the
+    install), and the log says which provider will be skipped."""
+    stub = tmp_path / "python"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    whl = tmp_path / "wheels"
+    whl.mkdir()
+    (whl / "liger_kernel-0.8.5-py3-none-any.whl").write_text("stub")
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PYTEST_XDIST", "BENCH_", "DEVICE_CHECK_", "SIM_", "OUT"))}
+    env = {**clean, "OUT": str(tmp_path / "out"), "PYTHON": str(stub), "SIM_REAL_PY": sys.executable,
+           "SIM_LOG": str(tmp_path / "sim.log"), "SIM_SCALE": "0.01", "DEVICE_CHECK_TIME_SCALE": "0.1",
+           "DEVICE_CHECK_STEPS": "xformers", "DEVICE_CHECK_WHEELS": str(whl), "DEVICE_CHECK_COMMIT": "abc (test)"}
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    log = proc.stdout
+    assert "=== carried wheels install (liger_kernel-0.8.5-py3-none-any.whl)" in log, log
+    assert "xformers-*.whl carried: the xformers provider will be skipped" in log, log
+    assert "liger rows will be skipped" not in log, log
+    assert [line.split()[1:] for line in (tmp_path / "sim.log").read_text().splitlines()] == \
+        [["START", "install"], ["END", "install"]]
+    assert [s["verdict"] for s in _run_record(tmp_path / "out")["steps"]] == ["ok"], log
