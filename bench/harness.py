@@ -295,10 +295,12 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
     try:
         return build()
     except Unavailable as exc:
+        synchronize()  # a probe's sticky CUDA error (an illegal address) raises here: an error, not a quiet skip
         pytest.skip(f"{provider}: {exc}")
     except (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError) as exc:
         if fail_fast:
             raise
+        synchronize()
         pytest.skip(f"{provider} cannot be set up: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
 
 
@@ -314,6 +316,7 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
     try:
         with warnings.catch_warnings(record=True) as caught:  # SDPA says in warnings why a backend refuses
             warnings.simplefilter("always")
+            flush_l2()  # its buffer (256 MB) is allocated once, here, where an OOM is recorded as one
             state = prepare()
             for i in range(WARMUP):
                 if i == 1:
@@ -329,6 +332,7 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
         benchmark.pedantic(lambda: None, rounds=1, iterations=1)
         return benchmark.extra_info
     except Unavailable as exc:
+        synchronize()  # a sticky CUDA error raises here (free_memory's synchronize does on the path below)
         pytest.skip(f"{info.get('provider')}: {exc}")
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         if fail_fast:

@@ -105,6 +105,47 @@ def test_steady_state_is_sized_by_the_budget(monkeypatch):
     assert harness.steady_plan(None) == harness.steady_plan(0.0) == harness.steady_plan(float("nan")) == (5, 20)
 
 
+def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
+    """A provider that refuses (Unavailable, or an error while setting up or warming up) is skipped with the
+    reason, but only after a synchronize: a sticky CUDA error (an illegal address in a probe) raises there, so
+    the case errors instead of reading as a quiet skip while every later case fails."""
+    from bench import harness
+
+    monkeypatch.setattr(harness, "SMOKE", True)  # no CUDA call but the synchronize below
+
+    def refuse():
+        raise harness.Unavailable("refuses (test)")
+
+    def crash():
+        raise RuntimeError("set-up failed (test)")
+    for build in (refuse, crash):
+        with pytest.raises(pytest.skip.Exception, match="test"):
+            harness.build_or_skip("p", build)
+    syncs = []
+
+    def broken():
+        syncs.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
+    monkeypatch.setattr(harness, "synchronize", broken)
+
+    class Bench:
+        extra_info: dict = {}
+
+    def raises_the_cuda_error(call):
+        try:
+            call()
+        except pytest.skip.Exception as exc:  # the defect: a quiet skip (not one of this test's outcomes)
+            pytest.fail(f"skipped where the CUDA error should raise: {exc}")
+        except RuntimeError as exc:
+            return "illegal memory access" in str(exc)
+        return False
+    for build in (refuse, crash):
+        assert raises_the_cuda_error(lambda: harness.build_or_skip("p", build))
+    assert raises_the_cuda_error(lambda: harness.run_case(Bench(), prepare=refuse, step=lambda s: None,
+                                                          info={"provider": "p"}))
+    assert len(syncs) == 3
+
+
 def test_every_flashtx_quick_case_ran(smoke):
     _, log, out = smoke
     data = json.loads((out / "bench.json").read_text())
