@@ -231,3 +231,31 @@ def test_a_full_half_precision_bias_gradient_is_stored_in_its_dtype():
                 out = flashtx.attention(q, k, v, attn_mask=b, is_causal=True, enable_gqa=True, backend="triton")
                 grads.append(torch.autograd.grad(out, b, dout)[0])
         assert grads[0].dtype == torch.float16 and torch.equal(grads[0], grads[1].to(torch.float16)), shape
+
+
+_BARRIERS = r"""
+from flashtx.triton_kernels.compile_check import _all_plans, compile_launch
+from flashtx.triton_kernels.configs import KNOWN_TARGETS
+plans = _all_plans(KNOWN_TARGETS[80])
+for want in ("attn_bwd_dq+dbias D=64", "attn_bwd_dq D=64"):
+    label, launch = next((lab, p) for lab, p in plans if lab.startswith(want))
+    ttir = compile_launch(launch, KNOWN_TARGETS[80]).asm["ttir"]
+    print(want, sum("barrier" in line for line in ttir.splitlines()))
+"""
+
+
+def test_the_bias_gradient_read_back_is_ordered_by_a_barrier():
+    """The dQ kernel folds the bias gradient of each (batch, head) into what an earlier one of the same program
+    stored, and other threads do the load and the store: only a barrier orders them on a GPU (the interpreter runs
+    a program's tensor ops whole, so no CPU test sees it). The kernel's own barrier is in its TTIR (Triton 3.6:
+    gpu.barrier, 3.9: ttg.barrier), before any barrier the compiler adds for its own staging; without a bias
+    gradient there is none. Compiled for sm_80 in a subprocess, as the compile check does."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _BARRIERS], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines())
+    assert int(counts["attn_bwd_dq+dbias D=64"]) >= 1 and int(counts["attn_bwd_dq D=64"]) == 0, proc.stdout

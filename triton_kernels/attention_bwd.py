@@ -399,6 +399,8 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
             b, Sq, Sk, lq, lk, cq0, cq1, ck0, ck1, bottom_right, right, left, LENS, VARLEN)
         row_ok = offs_m < Sq_b
         for hi_ in range(0, n_h):
+            if DBIAS:  # the bias gradient is read back below where an earlier (batch, head) of this program stored
+                tl.debug_barrier()  # it, by other threads: a barrier orders those stores before these loads
             h = tl.program_id(1) + hi_
             first = tl.where((bi == 0) & (hi_ == 0), 1, 0)  # the first (batch, head) stores, later ones add
             kvh = h // GROUP
