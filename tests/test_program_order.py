@@ -5,10 +5,12 @@ reads back its own stores without a barrier, and the results are bit-identical i
 serial loop hides all of these; a GPU does not (a split-KV combine fused with its partials, an in-place op whose
 tiles overlap, a reduction into a buffer by whichever program comes last).
 
-The calls cover the launches users make: the attention forward and backward (causal GQA with the dK/dV split
-over the group; a learned bias broadcast over heads, whose gradient each dQ program folds over (batch, head);
-varlen with a window), decoding (a paged cache with rotary append, split-KV and its combine; the few-query lane),
-RoPE in place on q and k and its backward, SwiGLU with an in-place backward, and the device-side index checks.
+The calls cover the launches users make: the attention forward and backward (causal GQA with and without the
+dK/dV split over the group; a learned bias broadcast over heads, whose gradient each dQ program folds over (batch,
+head); varlen with a window; dropout, ALiBi, softcap, a key mask and the probabilities), decoding (a paged cache with
+rotary append, split-KV and its combine; a contiguous cache with cache_batch_idx and left padding; the few-query
+lane), RoPE in place on q and k and its backward, varlen and position_ids RoPE, SwiGLU and packed SwiGLU with an
+in-place backward, and the device-side index and cu_seqlens checks.
 """
 import pytest
 import torch
@@ -87,6 +89,51 @@ def _swiglu_inplace_backward():
     return (out, *torch.autograd.grad(out, (g0, u0), _randn(*out.shape, seed=33)))
 
 
+def _attention_modifiers():
+    """Dropout (its keep mask is a function of the position: order-free), ALiBi, softcap, a key mask and a window,
+    forward and backward, and the probabilities flash_attn_func returns for tests."""
+    q, k, v = (_randn(2, 29, 4, 16, seed=s, grad=True) for s in (34, 35, 36))
+    keep = torch.rand(2, 29, generator=torch.Generator().manual_seed(37)) > 0.2
+    slopes = torch.rand(4, generator=torch.Generator().manual_seed(38)).to(DEVICE)
+    torch.manual_seed(39)
+    out = flashtx.flash_attn_func(q, k, v, dropout_p=0.25, causal=True, window_size=(9, 0), softcap=3.0,
+                                  alibi_slopes=slopes, key_mask=keep.to(DEVICE))
+    grads = torch.autograd.grad(out, (q, k, v), _randn(*out.shape, seed=40))
+    with torch.no_grad():
+        probs = flashtx.flash_attn_func(q, k, v, causal=True, softcap=3.0, return_attn_probs=True)
+    return (out, *grads, *probs)
+
+
+def _swiglu_packed():
+    x0 = _randn(7, 2 * 150, seed=41, grad=True)
+    x = x0 * 1.0
+    out = flashtx.swiglu_packed(x, inplace_backward=True)
+    return (out, *torch.autograd.grad(out, (x0,), _randn(*out.shape, seed=42)))
+
+
+def _rope_varlen_positions():
+    x = _randn(23, 3, 16, seed=43)  # packed (total, H, D) rows of sequences 5, 11, 7
+    cu = torch.tensor([0, 5, 16, 23], dtype=torch.int32, device=DEVICE)
+    ang = torch.arange(40)[:, None].double() * torch.rand(1, 8, dtype=torch.float64,
+                                                          generator=torch.Generator().manual_seed(44))
+    cos, sin = ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
+    a = flashtx.apply_rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=11, seqlen_offsets=3)
+    y = _randn(2, 9, 3, 16, seed=45)
+    pos = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(46)).to(DEVICE)
+    return a, flashtx.apply_rotary(y, cos, sin, position_ids=pos, interleaved=True)
+
+
+def _decode_contiguous_batch_idx():
+    kc, vc = _randn(5, 60, 2, 16, seed=47), _randn(5, 60, 2, 16, seed=48)
+    q, k, v = _randn(3, 1, 4, 16, seed=49), _randn(3, 1, 2, 16, seed=50), _randn(3, 1, 2, 16, seed=51)
+    out, lse = flashtx.flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=torch.tensor([30, 3, 58], dtype=torch.int32, device=DEVICE),
+        cache_batch_idx=torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE),
+        cache_leftpad=torch.tensor([2, 0, 5], dtype=torch.int32, device=DEVICE), softcap=5.0, window_size=(20, 0),
+        num_splits=0, return_softmax_lse=True)
+    return out, lse, kc, vc
+
+
 def _device_checks(monkeypatch):
     """The GPU's device-side checks of cu_seqlens and of the decode indices (one-program kernels), not the CPU's
     host reads."""
@@ -114,7 +161,13 @@ CALLS = {
     "varlen-window": (_varlen_window, _device_checks, {"_cu_seqlens_check", "_attn_fwd", "_attn_bwd_dkdv"}),
     "decode-paged-rotary-split": (_decode_paged_rotary_split, _device_checks, {"_decode_check", "_kv_append",
                                                                                "_decode_fwd", "_decode_combine"}),
+    "decode-contiguous-batch-idx": (_decode_contiguous_batch_idx, _device_checks, {"_decode_check", "_kv_append",
+                                                                                   "_decode_fwd"}),
+    "attention-modifiers": (_attention_modifiers, None, {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq",
+                                                         "_attn_probs"}),
     "few-query-lane": (_few_query_lane, None, {"_decode_fwd"}),
+    "rope-varlen-positions": (_rope_varlen_positions, _device_checks, {"_cu_seqlens_check", "_rotary_kernel"}),
+    "swiglu-packed": (_swiglu_packed, None, {"_swiglu_kernel"}),
     "rope-inplace": (_rope_inplace, None, {"_rotary_kernel"}),
     "swiglu-inplace-backward": (_swiglu_inplace_backward, None, {"_swiglu_kernel"}),
 }
