@@ -5,7 +5,7 @@
 # of the old plan: `python -m flashtx` alone took 60 s). One call: run(command="DEVICE_CHECK_COMMIT=<sha>
 # bash bench/device_check.sh", timeout_s=590); the steps share DEVICE_CHECK_BUDGET_S (default 540 s), each
 # under `timeout` (SIGINT first, so pytest still writes its JSON and bench.tune its table), in order of priority:
-#   install -> [xformers wheel from .whl/, if carried]
+#   install -> [carried wheels from .whl/: xformers, Liger-Kernel]
 #   -> tests_gpu: the GPU-only tests and the torch.compile / graph-break tests (pytest -n 8), while
 #      prewarm compiles the quick benchmarks' kernels and the model's compiled graphs in parallel
 #      workers (BENCH_PREWARM=1 pytest ... -n 4 / -n 3 --benchmark-disable: nothing timed) into the caches;

@@ -316,7 +316,8 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
     try:
         with warnings.catch_warnings(record=True) as caught:  # SDPA says in warnings why a backend refuses
             warnings.simplefilter("always")
-            flush_l2()  # its buffer (256 MB) is allocated once, here, where an OOM is recorded as one
+            if not PREWARM:  # the buffer (256 MB, once), here where an OOM is recorded; prewarm times nothing
+                flush_l2()
             state = prepare()
             for i in range(WARMUP):
                 if i == 1:

@@ -14,8 +14,9 @@ compile of each config dominates):
   1. at N = 4k, time every candidate of every (kernel, D, causal, dtype) group, bf16 and D = 128
      first (the groups most users run), with triton.testing.do_bench (median, CUDA events);
   2. at N = 1k and 16k, time the group's default and its two best from step 1;
-  3. on sm_90 and later, the TMA candidates at N = 4k (last: no GPU run has yet run a descriptor kernel, and one
-     that faults breaks the CUDA context; the sweep then stops and keeps what it timed).
+  3. on sm_90 and later, the TMA candidates at N = 4k, and those faster than the group's best other candidate
+     at 1k and 16k (last: no GPU run has yet run a descriptor kernel, and one that faults breaks the CUDA
+     context; the sweep then stops and keeps what it timed, and --write-cache caches no TMA tile).
 A group or N the budget does not reach is listed as "not timed (budget)". Forward candidates time
 the forward; dK/dV and dQ candidates time the whole backward with the other kernel at its default,
 so differences between candidates are the tuned kernel's.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import defaultdict
@@ -76,12 +78,15 @@ def _config_args(ident) -> tuple[str, bool]:
 
 def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tuple = KERNELS,
           seqlens: tuple = (N_FIRST, *N_OTHERS), clock=time.monotonic,
-          log=lambda *a: print(*a, file=sys.stderr, flush=True), healthy=lambda: True) -> dict:
+          log=lambda *a: print(*a, file=sys.stderr, flush=True), healthy=lambda: True,
+          progress=lambda out: None) -> dict:
     """Run the plan. time_fn(group, cfg, seqlen) -> ms (raises when the candidate cannot run).
     kernels: the KERNELS to tune; seqlens: step 1's N, then step 2's.
     The TMA candidates (sm_90 and later; never yet run on a GPU) come last, at step 1's N, after every other
-    timing: one that faults costs only their rows. healthy() is asked after a candidate raises; False (the
-    CUDA context is broken: an illegal address is sticky) stops the sweep with what was timed.
+    timing: one that faults costs only their rows; those faster than the group's best other candidate there are
+    timed at the other N too. healthy() is asked after a candidate raises; False (the CUDA context is broken: an
+    illegal address is sticky) stops the sweep with what was timed. progress(out) gets the results so far after
+    each row (main writes --json as it goes: a kernel that hangs the GPU ends the process with SIGKILL).
     Returns {"results": [{group fields, seqlen, config, ms | error}], "skipped": [...], "elapsed_s"}."""
     n_first, n_others = seqlens[0], tuple(seqlens[1:])
     from flashtx.triton_kernels import autotune
@@ -105,10 +110,12 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tup
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile or launch here
             row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
             results.append(row)
+            progress({"results": results, "skipped": skipped, "elapsed_s": clock() - t0})
             if not healthy():
                 raise _Broken(f"{g.name} N={n} {autotune.describe(cfg)}") from exc
             return
         results.append(row)
+        progress({"results": results, "skipped": skipped, "elapsed_s": clock() - t0})
 
     try:
         for g in todo:
@@ -136,10 +143,17 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tup
             if not s or s["default"] is None or _ident(s["default"]) not in s["timed"]:
                 continue  # no default time at N to compare with
             tma = [c for c in autotune.candidates(g.kernel, g.d, g.d, 2, target, tma=True) if c.tma]
+            timed = {}
             for cfg in tma:
-                run(g, cfg, n_first, False)
+                run(g, cfg, n_first, False, timed)
+            best_plain = min(ms for _, ms in s["timed"].values())
+            faster = [c for c, ms in timed.values() if ms < best_plain]
+            for n in n_others:  # as the plain finalists were: the cache keeps only configs timed at every N
+                for cfg in faster:
+                    run(g, cfg, n, False)
             if tma:
-                log(f"  {g.name} N={n_first}: {len(tma)} TMA candidates [{clock() - t0:.0f}s]")
+                log(f"  {g.name} N={n_first}: {len(tma)} TMA candidates, {len(faster)} faster than the best other "
+                    f"[{clock() - t0:.0f}s]")
     except KeyboardInterrupt:  # the device script's timeout sends SIGINT: keep what was timed
         skipped.append("interrupted (SIGINT): the rest was not timed")
     except _Broken as exc:
@@ -205,9 +219,11 @@ def table(sweep_out: dict, gpu: str, triton_version: str) -> str:
                      f"{len(ok)} timed{f', {failed} failed' if failed else ''} |" if best else
                      f"| {kernel} | {d} | {'yes' if causal else 'no'} | {dtype} | {n} | - | - | - | - | - | "
                      f"{failed} failed |")
-    if sweep_out["skipped"]:
-        lines += ["", f"Not timed (budget): {len(sweep_out['skipped'])} candidate runs, e.g. "
-                  + "; ".join(sweep_out["skipped"][:6])]
+    stops = [x for x in sweep_out["skipped"] if x.startswith(("stopped:", "interrupted"))]
+    budget = [x for x in sweep_out["skipped"] if x not in stops]
+    lines += [""] + [f"**{x}**" for x in stops] if stops else []
+    if budget:
+        lines += ["", f"Not timed (budget): {len(budget)} candidate runs, e.g. " + "; ".join(budget[:6])]
     lines += ["", "Paste into triton_kernels/configs.py (16-bit tables), best first per kernel and head dim; "
               "the number is the geometric mean of time / default's over the (dtype, causal, N) cases timed:", ""]
     for (kernel, d), ranked in sorted(rank(res).items()):
@@ -232,12 +248,22 @@ def gpu_time_fn(seed: int = 0):
 
 
 def write_cache(sweep_out: dict, target, gpu: str, triton_version: str) -> list[str]:
-    """The overall winner per (kernel, D) into the autotune cache under the runtime keys."""
+    """The overall winner per (kernel, D) into the autotune cache under the runtime keys: ranked first among the
+    configs timed in as many cases as any (a tile timed at one N only cannot win on less evidence). TMA tiles
+    are left out when the sweep stopped on a broken GPU or any TMA candidate failed: users' autotuning trusts a
+    cached TMA winner."""
     from flashtx.triton_kernels import autotune
     from flashtx.triton_kernels.configs import TileConfig
+    res = sweep_out["results"]
+    tma_ok = not any(x.startswith("stopped:") for x in sweep_out["skipped"]) and \
+        not any("error" in r and _config_args(r["ident"])[1] for r in res)
     keys = []
-    for (kernel, d), ranked in rank(sweep_out["results"]).items():
-        (bm, bn, w, s, *tma), gm, cases = ranked[0]
+    for (kernel, d), ranked in rank(res).items():
+        most = max(cases for _, _, cases in ranked)
+        eligible = [x for x in ranked if x[2] == most and (tma_ok or not _config_args(x[0])[1])]
+        if not eligible:
+            continue
+        (bm, bn, w, s, *tma), gm, cases = eligible[0]
         key = autotune.make_key(gpu=gpu, arch=target.arch, triton_version=triton_version, kernel=kernel,
                                 dtype=autotune.DTYPE_ANY_16, block_dqk=d, block_dv=d, causal="any", modified=False)
         autotune.store(key, TileConfig(bm, bn, w, s, f"bench.tune: {gm:.2f}x the default's time over {cases} cases",
@@ -277,14 +303,19 @@ def main(argv: list[str] | None = None) -> int:
     from flashtx.triton_kernels.launch import target_for
     target = target_for(torch.empty(1, device="cuda"))
     gpu = torch.cuda.get_device_name()
+
+    def dump(out: dict) -> None:
+        if args.json:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"gpu": gpu, "arch": target.arch, "triton": triton.__version__, "torch": torch.__version__,
+                           **out}, f, indent=1)
+            os.replace(tmp, args.json)
     out = sweep(target, gpu_time_fn(), budget_s=args.budget_s, quick=args.quick, kernels=kernels, seqlens=seqlens,
-                healthy=gpu_healthy)
+                healthy=gpu_healthy, progress=dump)
     text = table(out, gpu, triton.__version__)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "arch": target.arch, "triton": triton.__version__, "torch": torch.__version__,
-                       **out}, f, indent=1)
+    dump(out)
     if args.write_cache:
         for key in write_cache(out, target, gpu, triton.__version__):
             print("cached:", key)

@@ -14,8 +14,9 @@ every interpreter test and is wrong on a GPU. `program_order(order)` makes both 
 Findings are collected in the list the context manager yields ("kernel: what"; its .launched names every
 launch). It patches the interpreter's
 InterpreterBuilder (set_grid_dim, set_grid_idx, create_masked_load/store, create_barrier) and GridExecutor
-.__call__ (wrapped, not copied), which Triton 3.6 to 3.9 share; tensor-descriptor (TMA) loads are not recorded
-(they only read inputs). Single-threaded use only.
+.__call__ (wrapped, not copied), which Triton 3.6 to 3.9 share. Plain and tensor-descriptor loads and stores go
+through create_masked_load/store there and are recorded; atomics are not (no flashtx kernel uses one).
+Single-threaded use only.
 """
 from __future__ import annotations
 

@@ -151,3 +151,87 @@ def test_a_broken_gpu_stops_the_sweep_and_keeps_what_was_timed():
     assert len(asked) == sum("error" in r for r in res)  # the fake OutOfResources rows asked and went on
     assert {r["seqlen"] for r in res} == {1024, 4096, 16384}  # steps 1 and 2 were complete
     assert "stopped: the GPU failed" in tune.table(out, "FAKE-GPU", "0.0")
+
+
+def _tma_wins_timer(clock, at=(4096, 1024, 16384)):
+    """fake_timer, but every TMA tile takes 0.5 ms at the lengths in `at` (3.0 elsewhere)."""
+    plain = fake_timer(clock)
+
+    def time_fn(g, cfg, seqlen):
+        if cfg.tma:
+            clock.t += 1.0
+            return (0.5 if seqlen in at else 3.0) * seqlen / 4096
+        return plain(g, cfg, seqlen)
+    return time_fn
+
+
+def test_a_faster_tma_tile_is_timed_at_every_length_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHTX_CACHE_DIR", str(tmp_path))
+    autotune.reset_memory()
+    clock = FakeClock()
+    out = tune.sweep(H100, _tma_wins_timer(clock), budget_s=1e9, clock=clock, log=lambda *a: None, quick=True,
+                     kernels=("attn_fwd",))
+    tma_rows = [r for r in out["results"] if r["ident"][4]]
+    assert {r["seqlen"] for r in tma_rows} == {1024, 4096, 16384}
+    tune.write_cache(out, H100, "FAKE-GPU", "0.0")
+    key = autotune.make_key(gpu="FAKE-GPU", arch=90, triton_version="0.0", kernel="attn_fwd",
+                            dtype=autotune.DTYPE_ANY_16, block_dqk=128, block_dv=128, causal="any", modified=False)
+    autotune.reset_memory()
+    assert autotune.cached(key).tma
+    autotune.reset_memory()
+
+
+def test_write_cache_needs_every_length_and_a_clean_tma_run(tmp_path, monkeypatch):
+    """A tile timed at one N only cannot be cached over tiles timed at three (it used to rank on less evidence);
+    after a TMA candidate failed, or the sweep stopped on a broken GPU, no TMA tile is cached."""
+    monkeypatch.setenv("FLASHTX_CACHE_DIR", str(tmp_path))
+    key = autotune.make_key(gpu="FAKE-GPU", arch=90, triton_version="0.0", kernel="attn_fwd",
+                            dtype=autotune.DTYPE_ANY_16, block_dqk=128, block_dv=128, causal="any", modified=False)
+
+    def cached_after(out):
+        autotune.reset_memory()
+        (tmp_path / "autotune.json").unlink(missing_ok=True)
+        tune.write_cache(out, H100, "FAKE-GPU", "0.0")
+        autotune.reset_memory()
+        got = autotune.cached(key)
+        autotune.reset_memory()
+        return got
+    clock = FakeClock()
+    out = tune.sweep(H100, _tma_wins_timer(clock), budget_s=1e9, clock=clock, log=lambda *a: None, quick=True,
+                     kernels=("attn_fwd",))
+    assert cached_after(out).tma
+    one_length = {**out, "results": [r for r in out["results"] if not (r["ident"][4] and r["seqlen"] != 4096)]}
+    assert not cached_after(one_length).tma  # faster at 4k, but timed there only
+    failed = {**out, "results": out["results"] + [dict(next(r for r in out["results"] if r["ident"][4]),
+                                                       ms=None, error="RuntimeError: fake")]}
+    for r in failed["results"][-1:]:
+        del r["ms"]
+    assert not cached_after(failed).tma
+    stopped = {**out, "skipped": ["stopped: the GPU failed after x (a sticky CUDA error); the rest was not timed"]}
+    assert not cached_after(stopped).tma
+    assert "**stopped: the GPU failed" in tune.table(stopped, "FAKE-GPU", "0.0")
+
+
+def test_main_writes_the_json_as_it_goes(tmp_path, monkeypatch):
+    """--json is rewritten after every timed row (a kernel that hangs the GPU ends the process with SIGKILL, and
+    the rows timed before it must survive)."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FAKE-GPU")
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(1))
+    from flashtx.triton_kernels import launch
+    monkeypatch.setattr(launch, "target_for", lambda t: H100)
+    path = tmp_path / "tune.json"
+    seen = []
+
+    def time_fn(g, cfg, seqlen):
+        if path.exists():
+            seen.append(len(json.loads(path.read_text())["results"]))
+        if len(seen) == 5:
+            raise SystemExit("killed (fake)")
+        return 1.0
+    monkeypatch.setattr(tune, "gpu_time_fn", lambda: time_fn)
+    import pytest
+    with pytest.raises(SystemExit):
+        tune.main(["--json", str(path), "--kernels", "attn_fwd"])
+    assert seen == [1, 2, 3, 4, 5] and len(json.loads(path.read_text())["results"]) == 5

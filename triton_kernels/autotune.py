@@ -292,7 +292,8 @@ def cached(key: str) -> TileConfig | None:
 def _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified) -> TileConfig | None:
     """cached(key), if it is one of candidates() for the launch (checked once per key and config): a config the
     tuner would not have timed here (edited, or from another flashtx) is ignored with a warning, like a miss. A TMA
-    candidate is accepted on sm_90 whatever TMA_BY_DEFAULT says: only a timing that ran on this GPU stored it."""
+    candidate is accepted on sm_90 whatever TMA_BY_DEFAULT says: it was timed on this GPU (bench.tune --write-cache
+    caches one only when it was timed at every length and no TMA tile failed)."""
     cfg = cached(key)
     if cfg is None:
         return None
