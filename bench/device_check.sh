@@ -275,6 +275,8 @@ fi
 # CPU compile check, minutes, no GPU needed). lane_masks: the option-tensor and varlen lanes' direct launches
 # (varlen's bind packed (total, H, D) tensors to launches planned on (1, total, H, D) views). wide_offsets: the
 # int64-offset kernels (SwiGLU/RoPE WIDE, decode) and the span checks on real GPU memory (a few GB each).
+# cuda_ext_gpu: the CUDA extension (csrc/, issue 16) JIT-built once (one xdist group) and checked against float64
+# references and the Triton path; the bench step's decode case then times it (provider flashtx-cuda) from that build.
 if want tests_gpu; then
   XDIST=""
   ((HAVE_XDIST)) && XDIST="-n $(( NCPU < 8 ? NCPU : 8 )) --dist loadgroup"  # 8 here + 7 prewarm workers on 16 cores
@@ -285,7 +287,7 @@ if want tests_gpu; then
     $PY -m pytest tests -v -rf --maxfail=40 $XDIST \
     -p no:cacheprovider --ignore=tests/test_compile.py --ignore=tests/test_bench_smoke.py \
     --ignore=tests/test_device_check_plan.py \
-    -k "gpu_large or test_memory or compile or trace or graph or readme or device_asserts or lane_masks or wide_offsets"
+    -k "gpu_large or test_memory or compile or trace or graph or readme or device_asserts or lane_masks or wide_offsets or cuda_ext_gpu"
 fi
 
 if ((${#PREWARM_PIDS[@]})); then  # the timed steps must not share the machine with compiles

@@ -334,8 +334,8 @@ def decode_table(groups: dict) -> list[str]:
     cases = {k: v for k, v in groups.items() if k[0] == "decode"}
     if not cases:
         return []
-    others = [p for p in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "xformers-splitk", "flashtx-attention",
-                          "flashtx-train") if any(p in c for c in cases.values())]
+    others = [p for p in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "xformers-splitk", "flashtx-cuda",
+                          "flashtx-attention", "flashtx-train") if any(p in c for c in cases.values())]
     lines = ["| B | Hq/Hkv | context | dtype | " + BANDWIDTH_HEAD + " | " + " | ".join(f"vs {p}" for p in others)
              + " |", "|" + "---|" * (11 + len(others))]
     for (_, _, batch, hq, hkv, ctx, dtype), c in cases.items():

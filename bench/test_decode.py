@@ -7,9 +7,10 @@ Providers: flashtx.flash_attn_with_kvcache (split-KV kernels, num_splits heurist
 backends given q (B, Hq, 1, D) and the whole cache as k/v (enable_gqa for GQA); xformers'
 Triton split-K kernel (`triton_splitKF`, passed explicitly with op=); flashtx.attention over the
 cache (what transformers' attn_implementation="ftx" and the patched SDPA call: the same decode kernels,
-through flashtx._small_q); flashtx's training forward (flash_attn_func with flashtx._small_q off), to
-show what the split-KV path buys; and `copy`, a
-device-to-device copy of as many bytes, the bandwidth a read of the cache can reach. GPU only: without
+through flashtx._small_q); the CUDA extension's decode (backend="cuda", csrc/), when it was built (the device
+script's tests_gpu step builds it; never a first build here); flashtx's training forward (flash_attn_func with
+flashtx._small_q off), to show what the split-KV path buys; and `copy`, a device-to-device copy of as many bytes,
+the bandwidth a read of the cache can reach. GPU only: without
 one every case is skipped (bench/conftest.py). The quick subset is batch 8 at 8k context, GQA 32/8; a
 smoke run (BENCH_SMOKE=1) runs it at 1/4 of the batch, 1/8 of the heads and 1/64 of the context.
 """
@@ -37,6 +38,8 @@ PROVIDERS = {
     "xformers-splitk": "xformers memory_efficient_attention_forward with op=triton_splitKF",
     "flashtx-attention": "flashtx.attention, q (B, Hq, 1, D) over the cache (the decode kernels via flashtx._small_q)",
     "flashtx-train": "flashtx.flash_attn_func over the cache, on the training forward (flashtx._small_q off)",
+    "flashtx-cuda": "flashtx.flash_attn_with_kvcache(backend='cuda'): the CUDA extension's split-KV decode (csrc/), "
+                    "when built (issue 16)",
     "copy": "device-to-device copy moving as many bytes as K/V read (bandwidth reference)",
 }
 
@@ -57,6 +60,10 @@ def _build(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype):
     if provider == "flashtx":
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
         return lambda: flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
+    if provider == "flashtx-cuda":
+        _load_cuda_ext()
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+        return lambda: flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, backend="cuda")
     if provider == "flashtx-attention":  # transformers' attn_implementation="ftx" and the patched SDPA call this
         qh, kh, vh = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)  # (B, H, S, D) views
         return lambda: flashtx.attention(qh, kh, vh, enable_gqa=hq != hkv)
@@ -93,6 +100,29 @@ def _build(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype):
         k5, v5 = (t[:, :, :, None].expand(batch, ctx, hkv, g, D) for t in (kc, vc))
         return lambda: xops.memory_efficient_attention_forward(q5, k5, v5, op=op)
     raise KeyError(provider)
+
+
+def _load_cuda_ext() -> None:
+    """The CUDA extension, loaded (AOT) or from a JIT build already on disk (bench/device_check.sh's tests_gpu step
+    builds it in tests/test_cuda_ext_gpu.py; reloading an unchanged build takes ~2 s). Never a first build here:
+    it takes a minute, inside the timed benchmarks' limit. Unavailable says why."""
+    import os
+
+    from flashtx import cuda_ext
+    from flashtx._cuda_build import EXT_NAME
+
+    if not cuda_ext.load(build_if_missing=False):
+        build_dir = cuda_ext.build_directory()
+        if not os.path.exists(os.path.join(build_dir, f"{EXT_NAME}.so")):
+            raise Unavailable(f"the CUDA extension is not loaded ({cuda_ext.unavailable_reason(False)}) and has no "
+                              f"JIT build in {build_dir} (flashtx.cuda_ext.build() or the tests_gpu step makes one)")
+        busy = cuda_ext.lock_problem(build_dir)
+        if busy is not None:
+            raise Unavailable(f"the CUDA extension's JIT build is busy: {busy}")
+        cuda_ext.build()  # nothing to compile: loads the library
+    why = cuda_ext.unavailable_reason(False)
+    if why is not None:
+        raise Unavailable(f"the CUDA extension cannot run here: {why}")
 
 
 QUICK = (8, 32, 8, 8192)  # (batch, Hq, Hkv, context) in the quick subset: bench/device_check.sh's bench step

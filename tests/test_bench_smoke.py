@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo root, for `import bench`
@@ -144,6 +145,38 @@ def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
     assert raises_the_cuda_error(lambda: harness.run_case(Bench(), prepare=refuse, step=lambda s: None,
                                                           info={"provider": "p"}))
     assert len(syncs) == 3
+
+
+def test_the_cuda_extension_decode_provider_loads_a_build_and_never_builds(monkeypatch, tmp_path):
+    """bench/test_decode.py's flashtx-cuda: skipped with the reason while there is no build (or one is being made),
+    else the existing JIT build is reloaded (build(): nothing to compile) and the case runs flash_attn_with_kvcache
+    with backend="cuda". A first build (a minute) never starts inside the timed step."""
+    from bench import harness, test_decode
+    import flashtx
+    from flashtx import cuda_ext
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    monkeypatch.setattr(test_decode, "DEVICE", "cpu")
+    monkeypatch.setattr(cuda_ext, "load", lambda build_if_missing=None: False)
+    monkeypatch.setattr(cuda_ext, "build_directory", lambda *a: str(tmp_path))
+    builds, calls = [], []
+    monkeypatch.setattr(cuda_ext, "build", lambda **k: builds.append(k) or "lib")
+    monkeypatch.setattr(cuda_ext, "unavailable_reason",
+                        lambda build_if_missing=None: None if builds else "not built: (test)")
+    monkeypatch.setattr(flashtx, "flash_attn_with_kvcache", lambda *a, **k: calls.append(k))
+
+    def build():
+        return test_decode._build("flashtx-cuda", 2, 4, 2, 64, torch.float16)
+    with pytest.raises(harness.Unavailable, match="no JIT build in"):
+        build()
+    (tmp_path / "flashtx_cuda.so").write_text("stub")
+    (tmp_path / "lock").write_text("")
+    with pytest.raises(harness.Unavailable, match="busy"):
+        build()
+    assert not builds
+    (tmp_path / "lock").unlink()
+    build()()
+    assert len(builds) == 1 and calls[0]["backend"] == "cuda" and calls[0]["causal"] is True
 
 
 def test_every_flashtx_quick_case_ran(smoke):
