@@ -41,6 +41,7 @@ case "$a" in
   *"pip install"*) key=install d=${SIM_INSTALL:-20};;
   *"pytest bench --quick -n 4"*) key=prewarm d=${SIM_PREWARM:-150};;
   *"test_models.py -n 3"*) key=prewarm_models d=${SIM_PREWARM:-150};;
+  *"pytest tests/test_cuda_ext_gpu.py"*) key=cuda_ext d=${SIM_CUDA_EXT:-40}; echo "cuda ext tests (stub) ran";;
   *"pytest tests"*) key=tests_gpu d=${SIM_TESTS:-140};;
   *"test_attention_split"*|*"test_attention_tma"*) key=bisect d=40;;
   *"pytest bench --benchmark-only"*) key=bench d=${SIM_BENCH:-400}
@@ -73,6 +74,9 @@ SCENARIOS = {
         "DEVICE_CHECK_STEPS": "install,tests_gpu,prewarm,bench,models,report", "DEVICE_CHECK_BENCH_K": "",
         "SIM_INSTALL": "50", "SIM_PREWARM": "400", "SIM_IGNORE_INT": "prewarm,prewarm_models", "SIM_TESTS": "100",
         "SIM_BENCH": "10", "SIM_MODELS": "10", "SIM_BENCH_NOJSON": "1"}),
+    # the CUDA extension's tests (beside the GPU tests) would outlast the step: they must end with it
+    "slow_cuda_ext": dict(scale="0.1", env={"DEVICE_CHECK_STEPS": "install,tests_gpu,bench", "SIM_CUDA_EXT": "400",
+                                            "SIM_BENCH": "10"}),
 }
 
 
@@ -137,6 +141,12 @@ def test_bench_gets_its_whole_limit_and_models_and_report_run(runs):
     # the order of priority, and the timed benchmarks alone on the machine: started after the prewarm ended
     keys = [line.split()[2].replace("prewarm_models", "prewarm") for line in sim if " START " in line]
     keys = keys[:-1] if keys[-1] == "tune" else keys  # tune takes what is left: none on a loaded machine
+    # the CUDA extension's tests run beside the GPU tests, in the same step, and end before it does
+    assert keys.count("cuda_ext") == 1 and abs(keys.index("cuda_ext") - keys.index("tests_gpu")) == 1, sim
+    ext_end = next(int(line.split()[0]) for line in sim if " END cuda_ext" in line)
+    assert ext_end <= next(int(line.split()[0]) for line in sim if " END tests_gpu" in line)
+    assert "=== the CUDA extension tests beside it (tests/test_cuda_ext_gpu.py, rc=0):\ncuda ext tests (stub) ran" in log
+    keys.remove("cuda_ext")
     assert keys[:1] + sorted(keys[1:4]) + keys[4:] == ["install", "prewarm", "prewarm", "tests_gpu", "bench", "models",
                                                        "report", "hostprof"], sim
     end_prewarm = max(int(line.split()[0]) for line in sim if re.search(r" (END|INT) prewarm", line))
@@ -235,3 +245,15 @@ def test_every_carried_wheel_is_installed_liger_alone_too(tmp_path):
     assert [line.split()[1:] for line in (tmp_path / "sim.log").read_text().splitlines()] == \
         [["START", "install"], ["END", "install"]]
     assert [s["verdict"] for s in _run_record(tmp_path / "out")["steps"]] == ["ok"], log
+
+
+def test_the_cuda_extension_tests_end_with_their_step(runs):
+    """They run in a background job, which ignores SIGINT: the step's wrapper ends them with SIGTERM when the step's
+    time is up, prints their log, and the benchmarks start with them gone."""
+    rc, log, out, sim, scale = runs["slow_cuda_ext"]
+    assert "=== the CUDA extension tests beside it (tests/test_cuda_ext_gpu.py, rc=143):\ncuda ext tests (stub) ran" \
+        in log, log
+    assert not any(" END cuda_ext" in line for line in sim), sim  # ended by the signal, not by itself
+    assert f"pytest tests (GPU-only, compile and graph breaks): TIMED OUT after {_limit(PLAN['tests_gpu'] * scale)}s" \
+        in log
+    assert "=== pytest bench --quick" in log and rc == 124
