@@ -297,11 +297,13 @@ if want tests_gpu; then
   step tests_gpu "pytest tests (GPU-only, compile and graph breaks)" "$(P $L_TESTS)" "$TAIL" \
     bash -c 'log=$1 n=$2; shift 2
       "${@:1:n}" > "$log" 2>&1 & ext=$!
-      trap "kill -TERM $ext 2>/dev/null" INT TERM
+      trap "stop=1; kill -TERM $ext 2>/dev/null" INT TERM
       shift "$n"
       "$@"; rc=$?
       wait "$ext"; erc=$?
-      if ((erc > 128)) && kill -0 "$ext" 2>/dev/null; then wait "$ext"; erc=$?; fi  # a wait the trap cut short
+      if [ -n "${stop:-}" ]; then  # the trap may have cut that wait short (130): the status, once it has ended
+        wait "$ext" 2>/dev/null; e=$?; ((e != 127)) && erc=$e
+      fi
       echo; echo "=== the CUDA extension tests beside it (tests/test_cuda_ext_gpu.py, rc=$erc):"; cat "$log"
       exit $(( rc ? rc : erc ))' _ "$EXT_LOG" "${#EXT[@]}" "${EXT[@]}" "${MAIN[@]}"
   rm -f "$EXT_LOG"
