@@ -394,6 +394,7 @@ if want tune; then
     # shellcheck disable=SC2086
     step tune "bench.tune${DEVICE_CHECK_TUNE_ARGS:+ $DEVICE_CHECK_TUNE_ARGS}" $(( TUNE_MS + $(P 15) )) 0 $PY -m bench.tune \
       --budget-s "$(secs "$TUNE_MS")" --json "$OUT/tune.json" ${DEVICE_CHECK_TUNE_ARGS:-}
+    rm -f "$OUT/tune.json.tmp"  # bench.tune's half-written rewrite, if it was killed mid-write ($OUT: 8 files at most)
   else
     skip tune "bench.tune" "out of time ($(secs "$TUNE_MS")s left for it)" norc
   fi
