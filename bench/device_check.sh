@@ -301,7 +301,9 @@ if want tests_gpu; then
       shift "$n"
       "$@"; rc=$?
       wait "$ext"; erc=$?
-      if [ -n "${stop:-}" ]; then  # the trap may have cut that wait short (130): the status, once it has ended
+      if [ -n "${stop:-}" ]; then  # the trap cut that wait short (130), maybe twice: timeout signals the wrapper,
+        # then its process group. Wait until the run has ended, then read its own status (143 after SIGTERM)
+        while kill -0 "$ext" 2>/dev/null; do wait "$ext" 2>/dev/null; e=$?; ((e != 127)) && erc=$e; done
         wait "$ext" 2>/dev/null; e=$?; ((e != 127)) && erc=$e
       fi
       echo; echo "=== the CUDA extension tests beside it (tests/test_cuda_ext_gpu.py, rc=$erc):"; cat "$log"
