@@ -330,16 +330,17 @@ def memory_bound_table(groups: dict) -> list[str]:
 
 def decode_table(groups: dict) -> list[str]:
     """Decoding (bench/test_decode.py): GB/s of K/V read against the same run's copy, and each provider's
-    time over flashtx's."""
+    time over flashtx's. Step: `attend` (Sq = 1 over the cache) or `append-rotary` (RoPE + append + attend)."""
     cases = {k: v for k, v in groups.items() if k[0] == "decode"}
     if not cases:
         return []
     others = [p for p in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "xformers-splitk", "flashtx-cuda",
-                          "flashtx-attention", "flashtx-train") if any(p in c for c in cases.values())]
-    lines = ["| B | Hq/Hkv | context | dtype | " + BANDWIDTH_HEAD + " | " + " | ".join(f"vs {p}" for p in others)
-             + " |", "|" + "---|" * (11 + len(others))]
-    for (_, _, batch, hq, hkv, ctx, dtype), c in cases.items():
-        lines.append(f"| {batch} | {hq}/{hkv} | {ctx} | {dtype} | {_bandwidth_cells(c)} | "
+                          "flashtx-attention", "flashtx-train", "sdpa-eager") if any(p in c for c in cases.values())]
+    lines = ["| step | B | Hq/Hkv | context | dtype | " + BANDWIDTH_HEAD + " | "
+             + " | ".join(f"vs {p}" for p in others) + " |", "|" + "---|" * (12 + len(others))]
+    for (_, pass_, batch, hq, hkv, ctx, dtype), c in cases.items():
+        step = "attend" if pass_ == "fwd" else pass_
+        lines.append(f"| {step} | {batch} | {hq}/{hkv} | {ctx} | {dtype} | {_bandwidth_cells(c)} | "
                      + " | ".join(_pair(c, p) for p in others) + " |")
     return lines
 

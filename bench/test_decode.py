@@ -13,6 +13,13 @@ flashtx._small_q off), to show what the split-KV path buys; and `copy`, a device
 the bandwidth a read of the cache can reach. GPU only: without
 one every case is skipped (bench/conftest.py). The quick subset is batch 8 at 8k context, GQA 32/8; a
 smoke run (BENCH_SMOKE=1) runs it at 1/4 of the batch, 1/8 of the heads and 1/64 of the context.
+
+test_decode_append times a whole generation step of one layer (pass "append-rotary"): the new token's k and v
+appended into the cache at cache_seqlens, q and k rotated there first (NeoX RoPE over all of D, LLaMA's), then
+attention over the context. Providers: flashtx.flash_attn_with_kvcache with k, v and the rotary tables (RoPE and
+append fused in the Triton decode path), the same with backend="cuda" (the extension's rotary_append, then its
+decode), `sdpa-eager` (what transformers' static cache does: eager RoPE, index_copy_ into the cache, SDPA's own
+backend choice) and copy. GQA 32/8 only; the quick case is QUICK's.
 """
 from __future__ import annotations
 
@@ -159,3 +166,90 @@ def test_decode(benchmark, batch, hq, hkv, ctx, provider):
     with torch.no_grad():
         harness.run_case(benchmark, prepare=prepare, step=lambda step: step(), info=info, nbytes=nbytes,
                          dtype=dtype, fail_fast=is_ours)
+
+
+APPEND_PROVIDERS = {
+    "flashtx": "flashtx.flash_attn_with_kvcache(k=, v=, rotary_cos=, rotary_sin=): RoPE + append + decode (Triton)",
+    "flashtx-cuda": "the same with backend='cuda': the CUDA extension's rotary_append, then its decode (issue 16)",
+    "sdpa-eager": "eager RoPE of q and k, index_copy_ of k/v into the cache, SDPA's default backend over it "
+                  "(transformers' static cache)",
+    "copy": "device-to-device copy moving as many bytes as K/V read (bandwidth reference)",
+}
+
+
+def _rotary_tables(n: int, dtype):
+    """NeoX RoPE tables (n, D / 2), base 10000, in the inputs' dtype (as transformers casts them)."""
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device=DEVICE, dtype=torch.float32) / D)
+    ang = torch.arange(n, device=DEVICE, dtype=torch.float32)[:, None] * inv  # (n, D / 2)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _build_append(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype):
+    """One step: ctx - 1 tokens cached, the new one appended at ctx - 1, attention over ctx keys. The cache holds
+    ctx positions, so every provider reads all of them; a step at a fixed position is idempotent when repeated."""
+    if provider == "copy":
+        prepare, step = harness.copy_case(_kv_bytes(batch, hkv, ctx, dtype), dtype)
+        state = prepare()
+        return lambda: step(state)
+    q = torch.randn(batch, 1, hq, D, device=DEVICE, dtype=dtype)  # (B, 1, Hq, D)
+    k, v = (torch.randn(batch, 1, hkv, D, device=DEVICE, dtype=dtype) for _ in range(2))  # (B, 1, Hkv, D)
+    kc = torch.randn(batch, ctx, hkv, D, device=DEVICE, dtype=dtype)  # (B, ctx, Hkv, D)
+    vc = torch.randn_like(kc)
+    cos, sin = _rotary_tables(ctx, dtype)  # (ctx, D / 2)
+    if provider in ("flashtx", "flashtx-cuda"):
+        backend = None
+        if provider == "flashtx-cuda":
+            _load_cuda_ext()
+            backend = "cuda"
+        lens = torch.full((batch,), ctx - 1, dtype=torch.int32, device=DEVICE)
+        return lambda: flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin,
+                                                       cache_seqlens=lens, causal=True, rotary_interleaved=False,
+                                                       backend=backend)
+    if provider == "sdpa-eager":
+        pos = torch.tensor([ctx - 1], device=DEVICE)
+        half = D // 2
+
+        def rope(x, c, s):  # (B, 1, H, D); c, s: (1, 1, 1, D / 2)
+            x1, x2 = x[..., :half], x[..., half:]
+            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+        def step():
+            c, s = cos[pos][None, :, None], sin[pos][None, :, None]
+            qr, kr = rope(q, c, s), rope(k, c, s)
+            kc.index_copy_(1, pos, kr)
+            vc.index_copy_(1, pos, v)
+            return F.scaled_dot_product_attention(qr.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                                  enable_gqa=hq != hkv)
+        return step
+    raise KeyError(provider)
+
+
+def _append_params():
+    hq, hkv = HEADS[0]
+    for batch in BATCHES:
+        for ctx in CONTEXTS:
+            for provider in APPEND_PROVIDERS:
+                marks = [pytest.mark.quick] if (batch, hq, hkv, ctx) == QUICK else []
+                yield pytest.param(batch, hq, hkv, ctx, provider, marks=marks,
+                                   id=f"append-rotary-b{batch}-hq{hq}-hkv{hkv}-ctx{ctx}-{provider}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, hq, hkv, ctx, provider", list(_append_params()))
+def test_decode_append(benchmark, batch, hq, hkv, ctx, provider):
+    batch, hq, hkv, ctx = harness.smoke_dims(batch=(batch, 4), hq=(hq, 8), hkv=(hkv, 8), ctx=(ctx, 64)).values()
+    benchmark.group = f"decode step (RoPE + append + attend) D={D} Hq/Hkv={hq}/{hkv} B={batch} ctx={ctx}"
+    dtype = harness.DTYPE
+    info = {"op": "decode", "pass": "append-rotary", "batch": batch, "heads": hq, "kv_heads": hkv, "seqlen": ctx,
+            "headdim": D, "dtype": str(dtype).replace("torch.", ""), "provider": provider,
+            "provider_desc": APPEND_PROVIDERS[provider],
+            "shape": f"B={batch} Hq={hq} Hkv={hkv} ctx={ctx} D={D} Sq=1, RoPE + append"}
+    is_ours = provider == "flashtx"
+
+    def prepare():
+        return harness.build_or_skip(provider, lambda: _build_append(provider, batch, hq, hkv, ctx, dtype),
+                                     fail_fast=is_ours)
+
+    with torch.no_grad():
+        harness.run_case(benchmark, prepare=prepare, step=lambda step: step(), info=info,
+                         nbytes=_kv_bytes(batch, hkv, ctx, dtype), dtype=dtype, fail_fast=is_ours)

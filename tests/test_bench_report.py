@@ -328,17 +328,22 @@ def test_report_gives_steady_state_ratios_beside_the_idle_ones():
     assert "attention backward >= 1.0x SDPA-FLASH at N >= 2k, back to back (issue 13): **MET** in all 4" in md
 
 
-def _decode(provider, batch, ctx, ms, gbs):
+def _decode(provider, batch, ctx, ms, gbs, pass_="fwd"):
     """A synthetic bench/test_decode.py record (bench.test_decode's extra_info keys)."""
-    return {"op": "decode", "pass": "fwd", "provider": provider, "batch": batch, "heads": 32, "kv_heads": 8,
+    return {"op": "decode", "pass": pass_, "provider": provider, "batch": batch, "heads": 32, "kv_heads": 8,
             "seqlen": ctx, "headdim": 128, "dtype": "bfloat16", "status": "ok", "median_ms": ms, "gbs": gbs,
             "steady_ms": ms / 2, "gbs_steady": 2 * gbs}
 
 
 def test_report_decode_table_and_targets():
     """Decode records get their own table (GB/s of K/V read against the same run's copy) and issue 15's targets;
-    before, a JSON with decode records crashed the report (KeyError: 'pass')."""
-    recs = [_decode("flashtx", 8, 8192, 1.0, 900.0), _decode("copy", 8, 8192, 0.9, 1000.0),
+    before, a JSON with decode records crashed the report (KeyError: 'pass'). The RoPE + append step's rows
+    (bench.test_decode.test_decode_append) are tabled on rows of their own and not judged."""
+    append = [_decode("flashtx", 8, 8192, 3.0, 300.0, "append-rotary"), _decode("copy", 8, 8192, 0.9, 1000.0,
+                                                                              "append-rotary"),
+              _decode("sdpa-flash", 8, 8192, 1.0, 900.0, "append-rotary"),
+              _decode("sdpa-eager", 8, 8192, 6.0, 150.0, "append-rotary")]
+    recs = append + [_decode("flashtx", 8, 8192, 1.0, 900.0), _decode("copy", 8, 8192, 0.9, 1000.0),
             _decode("sdpa-flash", 8, 8192, 2.0, 450.0), _decode("sdpa-cudnn", 8, 8192, 1.2, 750.0),
             _decode("flashtx", 1, 8192, 1.0, 500.0), _decode("copy", 1, 8192, 0.5, 1000.0),
             _decode("xformers-splitk", 1, 8192, 0.9, 550.0),
@@ -346,9 +351,11 @@ def test_report_decode_table_and_targets():
     data = {"machine_info": {}, "benchmarks": [{"name": f"d{i}", "extra_info": r, "stats": {}}
                                                for i, r in enumerate(recs)]}
     md = report.build_report(data, "synthetic", None)
-    assert "| 8 | 32/8 | 8192 | bfloat16 | 1.000 | 0.500 | 900 | 1800 | 90% | 90% | - | 2.00x / 2.00x | " \
-           "1.20x / 1.20x | - |" in md
-    assert "| 8 | 32/8 | 1024 | bfloat16 |" in md
+    assert "| attend | 8 | 32/8 | 8192 | bfloat16 | 1.000 | 0.500 | 900 | 1800 | 90% | 90% | - | 2.00x / 2.00x | " \
+           "1.20x / 1.20x | - | - |" in md
+    assert "| attend | 8 | 32/8 | 1024 | bfloat16 |" in md
+    assert "| append-rotary | 8 | 32/8 | 8192 | bfloat16 | 3.000 | 1.500 | 300 | 600 | 30% | 30% | - | " \
+           "0.33x / 0.33x | - | - | 2.00x / 2.00x |" in md
     assert ("batch >= 8: K/V read >= 80% of the measured copy bandwidth (issue 15), from idle: **MET** in all 1 cases "
             "(min 90.0%") in md
     assert ("batch 1: K/V read >= 60% of the measured copy bandwidth (issue 15), from idle: **MISSED** in 1 of 1 "

@@ -26,10 +26,11 @@ sys.path.insert(0, str(ROOT))  # the repo root, for `import bench`
 from bench import overhead, report  # noqa: E402
 
 # flashtx's quick cases: attention 3 passes x causal/full x N in {2k, 8k}; GQA 3 passes at 2k;
-# 4 variants x (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd); one decode case; the model training step;
+# 4 variants x (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd); two decode cases (attend, RoPE + append + attend);
+# the model training step;
 # bench/overhead.py's rows (each one once).
 FLASHTX_CASES = {("attention", "mha"): 15, ("attention", "gqa"): 3, ("attention-variant", ""): 8,
-                 ("rope", ""): 2, ("swiglu", ""): 2, ("decode", ""): 1, ("model-train", ""): 1,
+                 ("rope", ""): 2, ("swiglu", ""): 2, ("decode", ""): 2, ("model-train", ""): 1,
                  ("overhead", ""): len(overhead.ROWS)}
 ATTENTION_PROVIDERS = ["flashtx", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex",
                        "xformers", "flash_attn"]
@@ -147,6 +148,24 @@ def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
     assert len(syncs) == 3
 
 
+def test_the_decode_append_providers_time_the_same_step(monkeypatch):
+    """bench/test_decode.py's RoPE + append step: flashtx's fused path and sdpa-eager (RoPE, index_copy_, SDPA)
+    give the same output on the same inputs (q and the new k rotated at position ctx - 1, k/v appended there, all
+    ctx keys attended), also when the step repeats, as it does while timed: the comparison is like for like."""
+    from bench import harness, test_decode
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    monkeypatch.setattr(test_decode, "DEVICE", "cpu")
+    outs = {}
+    for provider in ("flashtx", "sdpa-eager"):
+        torch.manual_seed(0)
+        step = test_decode._build_append(provider, 2, 4, 2, 48, torch.float64)
+        first, again = step(), step()
+        outs[provider] = first if provider == "flashtx" else first.transpose(1, 2)  # (B, 1, Hq, D)
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+    torch.testing.assert_close(outs["flashtx"], outs["sdpa-eager"], rtol=1e-10, atol=1e-10)
+
+
 def test_the_cuda_extension_decode_provider_loads_a_build_and_never_builds(monkeypatch, tmp_path):
     """bench/test_decode.py's flashtx-cuda: skipped with the reason while there is no build (or one is being made),
     else the existing JIT build is reloaded (build(): nothing to compile) and the case runs flash_attn_with_kvcache
@@ -203,8 +222,10 @@ def test_no_provider_is_dropped_silently(smoke):
         assert re.search(rf"SKIPPED \[\d+\] \S+: {re.escape(p)}(:| cannot)", log), f"{p}: neither ran nor skipped"
     for op in ("rope", "swiglu"):
         assert {"flashtx", "eager", "copy"} <= {r["provider"] for r in _records(out) if r["op"] == op}
-    decode_providers = {r["provider"] for r in _records(out) if r["op"] == "decode"}
+    decode_providers = {r["provider"] for r in _records(out) if r["op"] == "decode" and r["pass"] == "fwd"}
     assert {"flashtx", "flashtx-attention", "flashtx-train", "copy"} <= decode_providers, decode_providers
+    append_providers = {r["provider"] for r in _records(out) if r["op"] == "decode" and r["pass"] == "append-rotary"}
+    assert {"flashtx", "sdpa-eager", "copy"} <= append_providers, append_providers
 
 
 def test_extra_info_fields_and_arithmetic(smoke):
