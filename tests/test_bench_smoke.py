@@ -148,22 +148,33 @@ def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
     assert len(syncs) == 3
 
 
-def test_the_decode_append_providers_time_the_same_step(monkeypatch):
-    """bench/test_decode.py's RoPE + append step: flashtx's fused path and sdpa-eager (RoPE, index_copy_, SDPA)
-    give the same output on the same inputs (q and the new k rotated at position ctx - 1, k/v appended there, all
-    ctx keys attended), also when the step repeats, as it does while timed: the comparison is like for like."""
+def test_the_decode_append_providers_time_the_same_step(monkeypatch, fresh_plans):
+    """bench/test_decode.py's RoPE + append step: flashtx's fused path, the CUDA extension's (its ops stood in by
+    the float64 references behind the binding's checks, as tests/test_cuda_ext_dispatch.py does) and sdpa-eager
+    (RoPE, index_copy_, SDPA) give the same output on the same inputs (q and the new k rotated at position
+    ctx - 1, k/v appended there, all ctx keys attended), also when the step repeats, as it does while timed: the
+    comparison is like for like."""
+    from test_cuda_ext_dispatch import _StandinOps
+
     from bench import harness, test_decode
+    from flashtx import _cuda_ext_api, cuda_ext
 
     monkeypatch.setattr(harness, "DEVICE", "cpu")
     monkeypatch.setattr(test_decode, "DEVICE", "cpu")
+    monkeypatch.setattr(cuda_ext, "unavailable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(cuda_ext, "load", lambda *a, **k: True)
+    monkeypatch.setattr(cuda_ext, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(_cuda_ext_api, "_ops", lambda: _StandinOps)
+    monkeypatch.setattr(_cuda_ext_api, "_num_sms", lambda index: 4)
     outs = {}
-    for provider in ("flashtx", "sdpa-eager"):
+    for provider in ("flashtx", "flashtx-cuda", "sdpa-eager"):
         torch.manual_seed(0)
-        step = test_decode._build_append(provider, 2, 4, 2, 48, torch.float64)
+        step = test_decode._build_append(provider, 2, 4, 2, 48, torch.float32)
         first, again = step(), step()
-        outs[provider] = first if provider == "flashtx" else first.transpose(1, 2)  # (B, 1, Hq, D)
+        outs[provider] = first if provider != "sdpa-eager" else first.transpose(1, 2)  # (B, 1, Hq, D)
         torch.testing.assert_close(again, first, rtol=0, atol=0)
-    torch.testing.assert_close(outs["flashtx"], outs["sdpa-eager"], rtol=1e-10, atol=1e-10)
+    for provider in ("flashtx", "flashtx-cuda"):
+        torch.testing.assert_close(outs[provider], outs["sdpa-eager"], rtol=1e-5, atol=1e-5)
 
 
 def test_the_cuda_extension_decode_provider_loads_a_build_and_never_builds(monkeypatch, tmp_path):
