@@ -14,7 +14,7 @@ the bandwidth a read of the cache can reach. GPU only: without
 one every case is skipped (bench/conftest.py). The quick subset is batch 8 at 8k context, GQA 32/8; a
 smoke run (BENCH_SMOKE=1) runs it at 1/4 of the batch, 1/8 of the heads and 1/64 of the context.
 
-test_decode_append times a whole generation step of one layer (pass "append-rotary"): the new token's k and v
+The pass "append-rotary" times a whole generation step of one layer: the new token's k and v
 appended into the cache at cache_seqlens, q and k rotated there first (NeoX RoPE over all of D, LLaMA's), then
 attention over the context. Providers: flashtx.flash_attn_with_kvcache with k, v and the rotary tables (RoPE and
 append fused in the Triton decode path), the same with backend="cuda" (the extension's rotary_append, then its
@@ -132,42 +132,6 @@ def _load_cuda_ext() -> None:
         raise Unavailable(f"the CUDA extension cannot run here: {why}")
 
 
-QUICK = (8, 32, 8, 8192)  # (batch, Hq, Hkv, context) in the quick subset: bench/device_check.sh's bench step
-
-
-def _params():
-    for hq, hkv in HEADS:
-        for batch in BATCHES:
-            for ctx in CONTEXTS:
-                for provider in PROVIDERS:
-                    marks = [pytest.mark.quick] if (batch, hq, hkv, ctx) == QUICK else []
-                    yield pytest.param(batch, hq, hkv, ctx, provider, marks=marks,
-                                       id=f"b{batch}-hq{hq}-hkv{hkv}-ctx{ctx}-{provider}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch, hq, hkv, ctx, provider", list(_params()))
-def test_decode(benchmark, batch, hq, hkv, ctx, provider):
-    # a smoke run (BENCH_SMOKE=1): batch / 4, heads / 8, context / 64 (B=2, Hq/Hkv=4/1, 128 keys for the quick case)
-    batch, hq, hkv, ctx = harness.smoke_dims(batch=(batch, 4), hq=(hq, 8), hkv=(hkv, 8), ctx=(ctx, 64)).values()
-    benchmark.group = f"decode Sq=1 D={D} Hq/Hkv={hq}/{hkv} B={batch} ctx={ctx}"
-    dtype = harness.DTYPE
-    info = {"op": "decode", "pass": "fwd", "batch": batch, "heads": hq, "kv_heads": hkv, "seqlen": ctx, "headdim": D,
-            "dtype": str(dtype).replace("torch.", ""), "provider": provider, "provider_desc": PROVIDERS[provider],
-            "shape": f"B={batch} Hq={hq} Hkv={hkv} ctx={ctx} D={D} Sq=1"}
-    is_ours = provider == "flashtx"
-    nbytes = _kv_bytes(batch, hkv, ctx, dtype)
-
-    def prepare():
-        step = harness.build_or_skip(provider, lambda: _build(provider, batch, hq, hkv, ctx, dtype),
-                                     fail_fast=is_ours)
-        return step
-
-    with torch.no_grad():
-        harness.run_case(benchmark, prepare=prepare, step=lambda step: step(), info=info, nbytes=nbytes,
-                         dtype=dtype, fail_fast=is_ours)
-
-
 APPEND_PROVIDERS = {
     "flashtx": "flashtx.flash_attn_with_kvcache(k=, v=, rotary_cos=, rotary_sin=): RoPE + append + decode (Triton)",
     "flashtx-cuda": "the same with backend='cuda': the CUDA extension's rotary_append, then its decode (issue 16)",
@@ -224,31 +188,38 @@ def _build_append(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype)
     raise KeyError(provider)
 
 
-def _append_params():
-    hq, hkv = HEADS[0]
-    for batch in BATCHES:
-        for ctx in CONTEXTS:
-            for provider in APPEND_PROVIDERS:
-                marks = [pytest.mark.quick] if (batch, hq, hkv, ctx) == QUICK else []
-                yield pytest.param(batch, hq, hkv, ctx, provider, marks=marks,
-                                   id=f"append-rotary-b{batch}-hq{hq}-hkv{hkv}-ctx{ctx}-{provider}")
+QUICK = (8, 32, 8, 8192)  # (batch, Hq, Hkv, context) in the quick subset: bench/device_check.sh's bench step
+# pass -> (providers, builder, id prefix, what the step does); the RoPE + append step runs GQA 32/8 only
+STEPS = {"fwd": (PROVIDERS, _build, "", "Sq=1"),
+         "append-rotary": (APPEND_PROVIDERS, _build_append, "append-rotary-", "Sq=1, RoPE + append")}
+
+
+def _params():
+    for pass_, (providers, _, prefix, _) in STEPS.items():
+        for hq, hkv in HEADS if pass_ == "fwd" else HEADS[:1]:
+            for batch in BATCHES:
+                for ctx in CONTEXTS:
+                    for provider in providers:
+                        marks = [pytest.mark.quick] if (batch, hq, hkv, ctx) == QUICK else []
+                        yield pytest.param(pass_, batch, hq, hkv, ctx, provider, marks=marks,
+                                           id=f"{prefix}b{batch}-hq{hq}-hkv{hkv}-ctx{ctx}-{provider}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, hq, hkv, ctx, provider", list(_append_params()))
-def test_decode_append(benchmark, batch, hq, hkv, ctx, provider):
+@pytest.mark.parametrize("pass_, batch, hq, hkv, ctx, provider", list(_params()))
+def test_decode(benchmark, pass_, batch, hq, hkv, ctx, provider):
+    # a smoke run (BENCH_SMOKE=1): batch / 4, heads / 8, context / 64 (B=2, Hq/Hkv=4/1, 128 keys for the quick case)
     batch, hq, hkv, ctx = harness.smoke_dims(batch=(batch, 4), hq=(hq, 8), hkv=(hkv, 8), ctx=(ctx, 64)).values()
-    benchmark.group = f"decode step (RoPE + append + attend) D={D} Hq/Hkv={hq}/{hkv} B={batch} ctx={ctx}"
+    providers, build, _, what = STEPS[pass_]
+    benchmark.group = f"decode {what} D={D} Hq/Hkv={hq}/{hkv} B={batch} ctx={ctx}"
     dtype = harness.DTYPE
-    info = {"op": "decode", "pass": "append-rotary", "batch": batch, "heads": hq, "kv_heads": hkv, "seqlen": ctx,
-            "headdim": D, "dtype": str(dtype).replace("torch.", ""), "provider": provider,
-            "provider_desc": APPEND_PROVIDERS[provider],
-            "shape": f"B={batch} Hq={hq} Hkv={hkv} ctx={ctx} D={D} Sq=1, RoPE + append"}
+    info = {"op": "decode", "pass": pass_, "batch": batch, "heads": hq, "kv_heads": hkv, "seqlen": ctx, "headdim": D,
+            "dtype": str(dtype).replace("torch.", ""), "provider": provider, "provider_desc": providers[provider],
+            "shape": f"B={batch} Hq={hq} Hkv={hkv} ctx={ctx} D={D} {what}"}
     is_ours = provider == "flashtx"
 
     def prepare():
-        return harness.build_or_skip(provider, lambda: _build_append(provider, batch, hq, hkv, ctx, dtype),
-                                     fail_fast=is_ours)
+        return harness.build_or_skip(provider, lambda: build(provider, batch, hq, hkv, ctx, dtype), fail_fast=is_ours)
 
     with torch.no_grad():
         harness.run_case(benchmark, prepare=prepare, step=lambda step: step(), info=info,

@@ -338,7 +338,7 @@ def _decode(provider, batch, ctx, ms, gbs, pass_="fwd"):
 def test_report_decode_table_and_targets():
     """Decode records get their own table (GB/s of K/V read against the same run's copy) and issue 15's targets;
     before, a JSON with decode records crashed the report (KeyError: 'pass'). The RoPE + append step's rows
-    (bench.test_decode.test_decode_append) are tabled on rows of their own and not judged."""
+    (bench.test_decode, pass "append-rotary") are tabled on rows of their own and not judged."""
     append = [_decode("flashtx", 8, 8192, 3.0, 300.0, "append-rotary"), _decode("copy", 8, 8192, 0.9, 1000.0,
                                                                               "append-rotary"),
               _decode("sdpa-flash", 8, 8192, 1.0, 900.0, "append-rotary"),
