@@ -101,7 +101,7 @@ def rand(*shape, dtype):
 
 
 def run_case(dtype, *, B=3, Sq=1, Snew=1, Hq=4, Hkv=2, D=16, cap=80, page=None, lens=None, rotary=None,
-             splits=1, batch_idx=None, leftpad=None, extra_rows=0, backend="triton", **kw):
+             splits=1, batch_idx=None, leftpad=None, extra_rows=0, backend="triton", tables=torch.float32, **kw):
     """One call of flash_attn_with_kvcache (fresh random caches and tokens) against loop_reference under the
     tolerance rule: out with the reference backend's out in `dtype` as the eager baseline, lse (float32 for
     half inputs) with its lse, computed in lse's dtype (the reference backend computes in float32 for half
@@ -114,7 +114,7 @@ def run_case(dtype, *, B=3, Sq=1, Snew=1, Hq=4, Hkv=2, D=16, cap=80, page=None, 
     cos = sin = None
     if rotary is not None:
         ang = torch.arange(cap)[:, None].double() * torch.rand(1, D // 4, dtype=torch.float64)
-        cos, sin = ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
+        cos, sin = ang.cos().to(tables).to(DEVICE), ang.sin().to(tables).to(DEVICE)  # (cap, D / 4)
     bi = torch.tensor(batch_idx, dtype=torch.int32).to(DEVICE) if batch_idx is not None else None
     lp = torch.tensor(leftpad, dtype=torch.int32).to(DEVICE) if leftpad is not None else None
     ref = loop_reference(q, kc, vc, k, v, lens=lens, batch_idx=bi, leftpad=lp, block_table=bt, cos=cos, sin=sin,
@@ -186,6 +186,14 @@ def test_window_softcap_alibi():
     alibi = torch.rand(2, 4, dtype=torch.float32).to(DEVICE)
     run_case(PRECISE_DTYPE, B=2, Sq=3, Snew=3, window=(20, 0), softcap=5.0, alibi=alibi, splits=3, page=16)
     run_case(torch.float32, B=2, Sq=2, Snew=1, window=(10, 1), alibi=alibi[0], splits=2)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("rotary", ["interleaved", "neox"])
+def test_rotary_tables_in_q_dtype(dtype, rotary):
+    """rotary_cos/rotary_sin in q's dtype, as flash-attn's flash_attn_with_kvcache requires them (fp16/bf16 tables:
+    the drop-in's common case; the other tests pass float32 tables): the append kernel reads them as they are."""
+    run_case(dtype, Sq=2, Snew=2, rotary=rotary, causal=True, page=16, splits=2, tables=dtype)
 
 
 def test_features_in_half_precision():

@@ -339,14 +339,18 @@ def compile_plans(target) -> list:
                                            None, scale=d ** -0.5, causal=False, num_splits=4, snew=S, target=target,
                                            key_mask=torch.empty(B, 4, S, dtype=torch.uint8))
                     plans.append((name.replace(f"Sq={sq}", "Sq=4") + " no-lengths query-mask splits=4", launches[0]))
-            cos = torch.empty(S, d // 4, dtype=torch.float32)
             kn = torch.empty(B, 1, Hkv, d, dtype=dtype)
             q = torch.empty(B, 1, 4 * Hkv, d, dtype=dtype)
             kc = torch.empty(B * S // P, P, Hkv, d, dtype=dtype)
-            plans.append((f"kv_append D={d} {str(dtype)[6:]} paged rotary",
-                          plan_append(q, torch.empty_like(q), kn, kn, kc, kc, cos, cos,
-                                      torch.zeros(B, dtype=torch.int32), None, torch.zeros(B, S // P, dtype=torch.int32),
-                                      interleaved=False, q_same_pos=False, target=target)))
+            # float32 tables, and tables in q's dtype (flash-attn's flash_attn_with_kvcache requires those)
+            for tdt in dict.fromkeys((torch.float32, dtype)):
+                cos = torch.empty(S, d // 4, dtype=tdt)
+                plans.append((f"kv_append D={d} {str(dtype)[6:]} paged rotary"
+                              + (f" {str(tdt)[6:]} tables" if tdt != torch.float32 else ""),
+                              plan_append(q, torch.empty_like(q), kn, kn, kc, kc, cos, cos,
+                                          torch.zeros(B, dtype=torch.int32), None,
+                                          torch.zeros(B, S // P, dtype=torch.int32),
+                                          interleaved=False, q_same_pos=False, target=target)))
     return plans
 
 
