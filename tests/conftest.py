@@ -204,6 +204,44 @@ def fresh_plans():
     _dispatch.clear_plans()
 
 
+class StandinOps:
+    """torch.ops.flashtx_cuda as the float64 references, behind the binding's own argument checks
+    (the fakes run them): what a GPU would run, minus the kernels."""
+
+    @staticmethod
+    def decode_attention(q, k_cache, v_cache, lens, bt, bidx, scale, causal, num_splits, check_values):
+        from flashtx import cuda_ext
+        from flashtx.cuda_ext_reference import decode_attention_ref
+
+        cuda_ext._decode_fake(q, k_cache, v_cache, lens, bt, bidx, scale, causal, num_splits, check_values)
+        out, lse = decode_attention_ref(q, k_cache, v_cache, lens, bt, bidx, scale, causal)
+        return out.to(q.dtype), lse.float()
+
+    @staticmethod
+    def rotary_append(q, k, v, k_cache, v_cache, cos, sin, lens, bt, bidx, interleaved, q_causal, check_values):
+        from flashtx import cuda_ext
+        from flashtx.cuda_ext_reference import rotary_append_ref
+
+        cuda_ext._rotary_append_fake(q, k, v, k_cache, v_cache, cos, sin, lens, bt, bidx, interleaved, q_causal,
+                                     check_values)
+        q_rot, kc, vc = rotary_append_ref(q, k, v, k_cache, v_cache, lens, cos, sin, interleaved, q_causal, bt, bidx)
+        k_cache.copy_(kc)
+        v_cache.copy_(vc)
+        return q_rot.to(q.dtype)
+
+
+@pytest.fixture
+def standin(monkeypatch, fresh_plans):
+    """The CUDA extension 'available' on CPU tensors, its ops replaced by StandinOps."""
+    from flashtx import _cuda_ext_api, cuda_ext
+
+    monkeypatch.setattr(cuda_ext, "unavailable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(cuda_ext, "load", lambda *a, **k: True)
+    monkeypatch.setattr(cuda_ext, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(_cuda_ext_api, "_ops", lambda: StandinOps)
+    monkeypatch.setattr(_cuda_ext_api, "_num_sms", lambda index: 4)
+
+
 def count_calls(monkeypatch, owner, name: str) -> list:
     """Patch owner.name (a function or method) to record each call, then run it; returns the record (a list that
     grows by one per call)."""

@@ -148,24 +148,16 @@ def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
     assert len(syncs) == 3
 
 
-def test_the_decode_append_providers_time_the_same_step(monkeypatch, fresh_plans):
+def test_the_decode_append_providers_time_the_same_step(monkeypatch, standin):
     """bench/test_decode.py's RoPE + append step: flashtx's fused path, the CUDA extension's (its ops stood in by
-    the float64 references behind the binding's checks, as tests/test_cuda_ext_dispatch.py does) and sdpa-eager
-    (RoPE, index_copy_, SDPA) give the same output on the same inputs (q and the new k rotated at position
-    ctx - 1, k/v appended there, all ctx keys attended), also when the step repeats, as it does while timed: the
-    comparison is like for like."""
-    from test_cuda_ext_dispatch import _StandinOps
-
+    the float64 references behind the binding's checks: conftest's `standin`) and sdpa-eager (RoPE, index_copy_,
+    SDPA) give the same output on the same inputs (q and the new k rotated at position ctx - 1, k/v appended
+    there, all ctx keys attended), also when the step repeats, as it does while timed: the comparison is like
+    for like."""
     from bench import harness, test_decode
-    from flashtx import _cuda_ext_api, cuda_ext
 
     monkeypatch.setattr(harness, "DEVICE", "cpu")
     monkeypatch.setattr(test_decode, "DEVICE", "cpu")
-    monkeypatch.setattr(cuda_ext, "unavailable_reason", lambda *a, **k: None)
-    monkeypatch.setattr(cuda_ext, "load", lambda *a, **k: True)
-    monkeypatch.setattr(cuda_ext, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(_cuda_ext_api, "_ops", lambda: _StandinOps)
-    monkeypatch.setattr(_cuda_ext_api, "_num_sms", lambda index: 4)
     outs = {}
     for provider in ("flashtx", "flashtx-cuda", "sdpa-eager"):
         torch.manual_seed(0)

@@ -1,46 +1,15 @@
 """The CUDA extension as flashtx's decode backend "cuda" (flashtx.flash_attn_with_kvcache(...,
 backend="cuda")), without a GPU: registration order, the reasons it refuses with, automatic dispatch
 never picking it while unmeasured, and the Python glue against the Triton path with the extension's ops
-stood in by the float64 references."""
+stood in by the float64 references (conftest's `standin` fixture)."""
 import pytest
 import torch
 
 import flashtx
 from flashtx import cuda_ext
-from flashtx.cuda_ext_reference import decode_attention_ref, rotary_append_ref
 
 from flashtx import _cuda_ext_api, _decode_op, _dispatch
 from flashtx._dispatch import BackendNotSupported
-
-
-class _StandinOps:
-    """torch.ops.flashtx_cuda as the float64 references, behind the binding's own argument checks
-    (the fakes run them): what a GPU would run, minus the kernels."""
-
-    @staticmethod
-    def decode_attention(q, k_cache, v_cache, lens, bt, bidx, scale, causal, num_splits, check_values):
-        cuda_ext._decode_fake(q, k_cache, v_cache, lens, bt, bidx, scale, causal, num_splits, check_values)
-        out, lse = decode_attention_ref(q, k_cache, v_cache, lens, bt, bidx, scale, causal)
-        return out.to(q.dtype), lse.float()
-
-    @staticmethod
-    def rotary_append(q, k, v, k_cache, v_cache, cos, sin, lens, bt, bidx, interleaved, q_causal, check_values):
-        cuda_ext._rotary_append_fake(q, k, v, k_cache, v_cache, cos, sin, lens, bt, bidx, interleaved, q_causal,
-                                     check_values)
-        q_rot, kc, vc = rotary_append_ref(q, k, v, k_cache, v_cache, lens, cos, sin, interleaved, q_causal, bt, bidx)
-        k_cache.copy_(kc)
-        v_cache.copy_(vc)
-        return q_rot.to(q.dtype)
-
-
-@pytest.fixture
-def standin(monkeypatch, fresh_plans):
-    """The extension 'available' on CPU tensors, its ops replaced by _StandinOps."""
-    monkeypatch.setattr(cuda_ext, "unavailable_reason", lambda *a, **k: None)
-    monkeypatch.setattr(cuda_ext, "load", lambda *a, **k: True)
-    monkeypatch.setattr(cuda_ext, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(_cuda_ext_api, "_ops", lambda: _StandinOps)
-    monkeypatch.setattr(_cuda_ext_api, "_num_sms", lambda index: 4)
 
 
 def _kv_case(B=2, Sq=1, Hq=4, Hkv=2, D=64, cap=48, paged=False, dtype=torch.float32):
