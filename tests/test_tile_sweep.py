@@ -60,3 +60,13 @@ def test_one_candidate_compiles_for_sm86_with_its_resources():
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["config"] == "M64 N32 w4 s2" and not row.get("error"), row
     assert 0 < row["shared"] <= KNOWN_TARGETS[86].max_shared and 0 < row["registers"] <= 255 and row["spill"] >= 0
+    assert row["mma"] == "mma", row  # sm_86's tensor cores: mma.sync, never wgmma
+
+
+def test_mma_kind_names_the_tensor_core_instructions():
+    from flashtx.triton_kernels.compile_check import mma_kind
+
+    wgmma = "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%r1}, %rd2, %rd3;"
+    sync = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f2};"
+    assert mma_kind(wgmma) == "wgmma" and mma_kind(sync) == "mma"
+    assert mma_kind(wgmma + "\n" + sync) == "wgmma+mma" and mma_kind("fma.rn.f32 %f1, %f2, %f3, %f4;") == "-"

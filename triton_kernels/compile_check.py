@@ -47,6 +47,7 @@ class Result:
     # bandwidth (static instruction counts, not executed bytes; None without any such instruction)
     ld16: float | None = None
     st16: float | None = None
+    mma: str = ""  # the tensor-core instructions the PTX issues (mma_kind)
 
     @property
     def ok(self) -> bool:
@@ -111,6 +112,14 @@ def vector_shares(ptx: str) -> tuple[float | None, float | None]:
     return tuple(wide[op] / total[op] if total[op] else None for op in ("ld", "st"))
 
 
+def mma_kind(ptx: str) -> str:
+    """The tensor-core instructions a kernel's PTX issues: "wgmma" (Hopper's warpgroup MMA, sm_90a), "mma"
+    (mma.sync, sm_80's, which Hopper runs at a fraction of wgmma's rate), both, or "-" (no dot). A dot tile
+    too small for a warpgroup (64 rows per 4 warps) falls back to mma.sync on sm_90."""
+    kinds = [name for name, pat in (("wgmma", "wgmma.mma_async"), ("mma", "mma.sync")) if pat in ptx]
+    return "+".join(kinds) or "-"
+
+
 def compile_launch(launch, target: Target):
     """Compile one Launch for `target` exactly as JITFunction.run would; return the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -144,7 +153,7 @@ def _check_one(arch: int, index: int) -> Result:
         regs, spill = _resource_usage(compiled.asm["cubin"])
         ld16, st16 = vector_shares(compiled.asm["ptx"])
         return Result(label, arch, int(compiled.metadata.shared), target.max_shared, regs, spill, cfg_s,
-                      launch.shared_estimate, ld16=ld16, st16=st16)
+                      launch.shared_estimate, ld16=ld16, st16=st16, mma=mma_kind(compiled.asm["ptx"]))
     except Exception as exc:  # report, don't stop: the table shows every failure
         return Result(label, arch, -1, target.max_shared, -1, -1, cfg_s, launch.shared_estimate,
                       f"{type(exc).__name__}: {exc}"[:300])
@@ -184,12 +193,13 @@ def run(archs, jobs: int, only: str = "") -> list[Result]:
 
 def format_table(results: list[Result]) -> str:
     rows = [f"{'kernel':<48} {'config':<18} {'target':<7} {'shared':>8} {'estim.':>8} {'limit':>8} {'regs':>5} "
-            f"{'spill':>6} {'16B ld/st':>9}  status"]
+            f"{'spill':>6} {'16B ld/st':>9} {'mma':>9}  status"]
     share = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     for r in results:
         est = "-" if r.estimate is None else str(r.estimate)
         rows.append(f"{r.label:<48} {r.config:<18} sm_{r.arch:<4} {r.shared:>8} {est:>8} {r.limit:>8} "
-                    f"{r.registers:>5} {r.spill_bytes:>6} {share(r.ld16) + '/' + share(r.st16):>9}  {r.status}")
+                    f"{r.registers:>5} {r.spill_bytes:>6} {share(r.ld16) + '/' + share(r.st16):>9} {r.mma or '-':>9}  "
+                    f"{r.status}")
     return "\n".join(rows)
 
 

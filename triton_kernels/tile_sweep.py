@@ -6,7 +6,8 @@ nobody here can time (sm_80, sm_86/89).
 For each compile-check launch whose label contains `--only` (compile_check's labels), it forces each
 candidate tile (block_m x block_n x warps x stages, those whose estimated shared memory fits the
 target) through `autotune.forced`, compiles the launch exactly as compile_check does, and prints
-shared memory, registers and spilled bytes, spill-free tiles first, largest work per program first.
+shared memory, registers, spilled bytes and the tensor-core instructions (compile_check.mma_kind: on sm_90,
+wgmma or mma.sync), spill-free tiles first, largest work per program first.
 It is the source of the configs.py entries marked COMPILE_SWEEP: a GPU run (bench.tune) replaces
 them with timed ones. Needs TRITON_INTERPRET unset.
 """
@@ -61,7 +62,7 @@ def grid(label: str, target) -> list[TileConfig]:
 
 def _one(arch: int, label: str, m: int, n: int, w: int, s: int) -> dict:
     from . import autotune
-    from .compile_check import _resource_usage, compile_launch, launch_plans
+    from .compile_check import _resource_usage, compile_launch, launch_plans, mma_kind
 
     target = KNOWN_TARGETS[arch]
     cfg = TileConfig(m, n, w, s, "tile_sweep")
@@ -72,7 +73,8 @@ def _one(arch: int, label: str, m: int, n: int, w: int, s: int) -> dict:
             plans = dict(launch_plans(target))
         compiled = compile_launch(plans[label], target)
         regs, spill = _resource_usage(compiled.asm["cubin"])
-        row.update(shared=int(compiled.metadata.shared), registers=regs, spill=spill)
+        row.update(shared=int(compiled.metadata.shared), registers=regs, spill=spill,
+                   mma=mma_kind(compiled.asm["ptx"]))
     except Exception as exc:  # noqa: BLE001 - report every failure in the table
         row.update(shared=-1, registers=-1, spill=-1, error=f"{type(exc).__name__}: {exc}"[:200])
     return row
@@ -126,9 +128,9 @@ def main(argv=None) -> int:
     only_configs = [parse_config(c) for c in args.configs.split(",") if c.strip()] or None
     rows = sweep(args.arch, labels, args.jobs, only_configs)
     for label in labels:
-        print(f"\n{label} (sm_{args.arch})\n{'config':<18} {'shared':>8} {'regs':>5} {'spill':>6}")
+        print(f"\n{label} (sm_{args.arch})\n{'config':<18} {'shared':>8} {'regs':>5} {'spill':>6} {'mma':>9}")
         for r in ranked([r for r in rows if r["label"] == label]):
-            print(f"{r['config']:<18} {r['shared']:>8} {r['registers']:>5} {r['spill']:>6}")
+            print(f"{r['config']:<18} {r['shared']:>8} {r['registers']:>5} {r['spill']:>6} {r['mma']:>9}")
         for r in rows:
             if r["label"] == label and r.get("error"):
                 print(f"{r['config']:<18} ERROR {r['error']}")
