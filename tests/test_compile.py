@@ -85,7 +85,8 @@ def test_sm86_limit_is_the_rtx3090s():
 # kernels, plain (causal or not), with visibility masks (MASKED) and with every score modifier at once (MODIFIED),
 # and the bias-gradient dQ in both of its bias layouts, at head dims 64, 128 and 256; on sm_90, whose plain tiles
 # at head dims 64 and 128 were timed (bench.tune; masked launches use them too), only the modifier tiles there.
-NO_SPILL_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window", "all-options")
+# A GQA group's dK/dV ("gqa": GROUP > 1, its own specialisation) is in the set too.
+NO_SPILL_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window", "all-options", "gqa")
 
 
 def _untimed_no_spill_case(label: str, arch: int) -> bool:
@@ -105,11 +106,37 @@ def _untimed_no_spill_case(label: str, arch: int) -> bool:
 def test_untimed_tiles_do_not_spill(compile_results, arch):
     _, results = compile_results
     checked = [r for r in results if r["arch"] == arch and _untimed_no_spill_case(r["label"], arch)]
-    # 3 kernels x 3 head dims x (fp16: 5 specs, bf16: 4) + the bias-gradient dQ: 3 head dims x 2 dtypes x 2 layouts;
-    # sm_90 at head dims 64 and 128: all-options only (2 dtypes)
-    assert len(checked) >= (3 * 9 + 3 * 2 * 2 + 12 if arch == 90 else 3 * 3 * 9 + 12), len(checked)
+    # 3 kernels x 3 head dims x (fp16: 5 specs, bf16: 4) + the bias-gradient dQ: 3 head dims x 2 dtypes x 2 layouts
+    # + GQA dK/dV at 3 head dims; sm_90's forward at head dims 64 and 128: all-options only (2 of 9)
+    assert len(checked) >= 3 * 3 * 9 + 12 + 3 - (3 * 2 * 7 + 2 if arch == 90 else 0), len(checked)
+    assert sum(r["label"].split()[3] == "gqa" for r in checked) == (1 if arch == 90 else 3)
     spilling = [f"{r['label']} {r['config']}: {r['spill_bytes']} bytes" for r in checked if r["spill_bytes"]]
     assert not spilling, "untimed tiles that spill:\n" + "\n".join(spilling)
+
+
+# Hopper's tensor cores are fed by wgmma (warpgroup MMA); mma.sync, sm_80's instruction, runs there at a fraction of
+# wgmma's rate, and Triton falls back to it for a dot with fewer than 64 rows per warpgroup (e.g. dK/dV's
+# S^T = K Q^T over 32 K/V rows). sm_90's 16-bit forward, dK/dV and dQ tiles at head dims 64 and 128, plain and with
+# visibility masks, issue wgmma; sm_80/86 never do (the measure's control). Where a GPU times an mma.sync tile
+# faster, the table takes it and this list names the exception.
+MMA_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window")
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
+def test_hopper_attention_tiles_issue_warpgroup_mma(compile_results, arch):
+    _, results = compile_results
+    ours = [r for r in results if r["arch"] == arch and r["ok"] and r["label"].startswith("attn_")]
+    assert ours and all("mma" in r for r in ours), "the compile check reports no tensor-core instructions"
+    if arch != 90:
+        assert not [r["label"] for r in ours if "wgmma" in r["mma"]], "wgmma exists on sm_90 only"
+        assert any(r["mma"] == "mma" for r in ours)
+        return
+    checked = [r for r in ours if r["label"].split()[0] in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+               and r["label"].split()[1] in ("D=64", "D=128") and r["label"].split()[2] in ("float16", "bfloat16")
+               and r["label"].split()[3] in MMA_SPECS]
+    assert len(checked) == 3 * 2 * 7, len(checked)  # 3 kernels x 2 head dims x (fp16: 4 specs, bf16: 3)
+    fallback = [f"{r['label']} {r['config']}: {r['mma']}" for r in checked if r["mma"] != "wgmma"]
+    assert not fallback, "sm_90 tiles without warpgroup MMA:\n" + "\n".join(fallback)
 
 
 # RoPE and SwiGLU are bandwidth-bound: their tensors must move in 16-byte accesses (issue 14: vectorised loads in

@@ -144,7 +144,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     tma1 = c1.tma and unsplit and tma_ok(q) and tma_ok(do)  # the streamed Q / dO tiles
     dkdv = Launch(_attn_bwd_dkdv, (tiles_n, Hkv * split, B), dict(
         common, DK=dk_out, DV=dv_out, **stride_args("dk", dk_out, spec), **stride_args("dv", dv_out, spec), H=H,
-        GROUP=group, SPLIT=split,
+        GROUP=group, SPLIT=split, ONE_HEAD=group // split == 1,
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, TMA=tma1), c1,
         estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target),
         descriptors=("Q", "DO") if tma1 else ())
@@ -263,8 +263,9 @@ def compile_plans(target) -> list:
 
 def _fused_compile_plans(target) -> list:
     """The dQ kernel writing the attn_mask gradient (fp16/bf16 with every option, the mask broadcast
-    over batch, or over heads and queries, or full (stored in its dtype); fp32 with a full mask), and dK/dV split over GQA heads; head dims
-    64/128/192 (split 128 + 64)/256."""
+    over batch, or over heads and queries, or full (stored in its dtype); fp32 with a full mask), and dK/dV of a
+    GQA group (4 q heads a K/V head, causal fp16), unsplit and split over its heads; head dims 64/128/192 (split
+    128 + 64)/256."""
     from .attention_fwd import all_options_spec
 
     B, H, S = 2, 2, 128
@@ -289,10 +290,14 @@ def _fused_compile_plans(target) -> list:
         m2, l2, delta = (torch.empty(1, 4, S, dtype=torch.float32) for _ in range(3))
         try:
             launches = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
-                                     bottom_right=False, target=target, gqa_parts=gqa_partials(dk, dv, 4, q.dtype))
+                                     bottom_right=False, target=target)
+            split = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
+                                  bottom_right=False, target=target, gqa_parts=gqa_partials(dk, dv, 4, q.dtype))
         except RuntimeError:
             continue
-        plans.append((f"attn_bwd_dkdv+gqa-split D={d} float16 causal", launches[1]))
+        # a GQA group (GROUP > 1) is its own specialisation of the dK/dV kernel: the tiles' loop covers its heads
+        plans += [(f"attn_bwd_dkdv D={d} float16 gqa", launches[1]),
+                  (f"attn_bwd_dkdv+gqa-split D={d} float16 causal", split[1])]
     return plans + _tma_compile_plans(target)
 
 
