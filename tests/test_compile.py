@@ -83,8 +83,9 @@ def test_sm86_limit_is_the_rtx3090s():
 
 # What nobody here has timed ships without register spills (configs.py): the fp16/bf16 forward, dK/dV and dQ
 # kernels, plain (causal or not), with visibility masks (MASKED) and with every score modifier at once (MODIFIED),
-# and the bias-gradient dQ in both of its bias layouts, at head dims 64, 128 and 256; on sm_90, whose plain tiles
-# at head dims 64 and 128 were timed (bench.tune; masked launches use them too), only the modifier tiles there.
+# and the bias-gradient dQ in both of its bias layouts, at head dims 64, 128 and 256; on sm_90, whose plain forward
+# tiles at head dims 64 and 128 were timed (bench.tune; masked launches use them too), only the modifier tiles of
+# the forward there. The backward was never timed (the 2026-11-30 sweep's backward rows were void: bench/RESULTS.md).
 # A GQA group's dK/dV ("gqa": GROUP > 1, its own specialisation) is in the set too.
 NO_SPILL_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window", "all-options", "gqa")
 
@@ -98,7 +99,7 @@ def _untimed_no_spill_case(label: str, arch: int) -> bool:
         return False
     if kernel == "attn_bwd_dq+dbias":
         return True
-    timed = arch == 90 and dims != "D=256" and spec != "all-options"
+    timed = arch == 90 and kernel == "attn_fwd" and dims != "D=256" and spec != "all-options"
     return kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq") and spec in NO_SPILL_SPECS and not timed
 
 
@@ -108,8 +109,8 @@ def test_untimed_tiles_do_not_spill(compile_results, arch):
     checked = [r for r in results if r["arch"] == arch and _untimed_no_spill_case(r["label"], arch)]
     # 3 kernels x 3 head dims x (fp16: 5 specs, bf16: 4) + the bias-gradient dQ: 3 head dims x 2 dtypes x 2 layouts
     # + GQA dK/dV at 3 head dims; sm_90's forward at head dims 64 and 128: all-options only (2 of 9)
-    assert len(checked) >= 3 * 3 * 9 + 12 + 3 - (3 * 2 * 7 + 2 if arch == 90 else 0), len(checked)
-    assert sum(r["label"].split()[3] == "gqa" for r in checked) == (1 if arch == 90 else 3)
+    assert len(checked) >= 3 * 3 * 9 + 12 + 3 - (2 * 7 if arch == 90 else 0), len(checked)
+    assert sum(r["label"].split()[3] == "gqa" for r in checked) == 3
     spilling = [f"{r['label']} {r['config']}: {r['spill_bytes']} bytes" for r in checked if r["spill_bytes"]]
     assert not spilling, "untimed tiles that spill:\n" + "\n".join(spilling)
 

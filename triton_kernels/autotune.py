@@ -56,7 +56,8 @@ DTYPE_ANY_16 = "16-bit"
 # first, so tuning never picks something worse than the default without having timed it). They are
 # the tiles FlashAttention-2's Triton tutorial and Triton's fused-attention tutorial use, and their
 # neighbours; shared memory is checked per GPU with configs.estimate_shared_memory before timing,
-# and a candidate that fails to compile or launch (registers, OutOfResources) is skipped.
+# and a candidate that fails to compile or launch (registers, OutOfResources) is skipped. The dK/dV lists open
+# with FlexAttention's sm_90 tiles, which spill there and which sm_90's table replaced untimed (configs.py).
 _T = TileConfig
 CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
     "attn_fwd": {
@@ -67,9 +68,10 @@ CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
         4: {64: [_T(64, 64, 4, 2), _T(32, 32, 4, 2)], 128: [_T(32, 32, 4, 1), _T(32, 16, 4, 2)]},
     },
     "attn_bwd_dkdv": {
-        2: {64: [_T(32, 128, 8, 2), _T(32, 64, 4, 3), _T(64, 128, 8, 2), _T(16, 64, 4, 3), _T(32, 128, 4, 3)],
-            128: [_T(32, 128, 8, 2), _T(64, 128, 8, 2), _T(16, 128, 8, 2), _T(32, 64, 4, 3), _T(64, 64, 8, 2),
-                  _T(16, 64, 4, 2)]},
+        2: {64: [_T(64, 64, 4, 3), _T(32, 128, 8, 2), _T(32, 64, 4, 3), _T(64, 128, 8, 2), _T(16, 64, 4, 3),
+                 _T(32, 128, 4, 3)],
+            128: [_T(64, 128, 8, 3), _T(32, 128, 8, 2), _T(64, 128, 8, 2), _T(16, 128, 8, 2), _T(32, 64, 4, 3),
+                  _T(64, 64, 8, 2), _T(16, 64, 4, 2)]},
         4: {64: [_T(16, 64, 4, 2), _T(32, 64, 8, 1)], 128: [_T(16, 32, 4, 1), _T(32, 32, 8, 1)]},
     },
     "attn_bwd_dq": {
@@ -84,7 +86,8 @@ TUNED_KERNELS = tuple(CANDIDATES)
 # Hopper path). The forward's are the tiles of Triton's fused-attention tutorial, which reads K/V through
 # descriptors on Hopper, and the sm_90 table's own. No table entry uses TMA until a GPU run has timed it faster
 # (bench.tune).
-# The backward's are the sm_90 table's tiles and one neighbour each, streaming Q/dO (dK/dV) or K/V (dQ) that way.
+# The backward's are FlexAttention's sm_90 tiles (the table's until it was compile-swept) and one neighbour each,
+# streaming Q/dO (dK/dV) or K/V (dQ) that way.
 # Triton 3.6's ptxas crashes (error -11) on three 2-stage TMA tiles the compile check tried (forward 128x128 w8 at
 # D = 128, dQ 128x64 w8 at D = 64 and 128), which Triton 3.9 compiles: they are not candidates.
 TMA_CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {

@@ -7,15 +7,18 @@ fused-attention tutorial, FlagAttention's RTX 3090 configs) and, where ours diff
 
 Spills: a tile that spills registers should ship only where a GPU timed it faster. Every 16-bit
 forward, dK/dV and dQ tile nobody has timed compiles without spills under Triton 3.6, 3.8 and 3.9, at
-head dims 64, 128 and 256, in every specialisation the compile check covers: plain (causal or not),
-with visibility masks (MASKED below), with every score modifier at once (MODIFIED), and the
-bias-gradient dQ. That is all of sm_80 and sm_86/89, which nobody here can time, and sm_90 apart
-from its plain tiles at head dims 64 and 128 (masked launches use them too), which bench.tune timed
-on an H200 in plain launches (some spill: they were the fastest or within 2% of it). Where the anchor's tile spills, the entry is the nearest
-spill-free tile of a compile sweep (tile_sweep.py), often the same tile with 8 warps. The compile
-check (tests/test_compile.py) compiles every entry for its architecture, proves it fits shared
-memory, reports every spill and fails on one in that set. Still spilling, and listed by the
-compile check: fp32 and the split head dims (off by default); they wait for a sweep or a GPU.
+head dims 64, 128 and 256, in every specialisation the compile check covers: plain (causal or not,
+MHA or a GQA group), with visibility masks (MASKED below), with every score modifier at once
+(MODIFIED), and the bias-gradient dQ. That is all of sm_80 and sm_86/89, which nobody here can time,
+and all of sm_90 but its plain forward tiles at head dims 64 and 128 (masked launches use them too),
+which bench.tune timed on an H200 (some spill: they were the fastest or within 2% of it); its
+backward sweep was void (bench/RESULTS.md), so sm_90's dK/dV and dQ tiles are compile-swept too.
+Where the anchor's tile spills, the entry is the nearest spill-free tile of a compile sweep
+(tile_sweep.py), often the same tile with 8 warps; on sm_90 one whose dots issue wgmma
+(compile_check.mma_kind). The compile check (tests/test_compile.py) compiles every entry for its
+architecture, proves it fits shared memory, reports every spill and fails on one in that set. Still
+spilling, and listed by the compile check: fp32, head dim 192 and the split head dims, and the
+opt-in GQA split and TMA tiles; they wait for a sweep or a GPU.
 bench/RESULTS.md records every GPU run.
 
 Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
@@ -112,8 +115,14 @@ TABLES = {
                 256: C(32, 32, 4, 2, FLEX_H100 + " with 2 stages: 3 exceed 232,448 bytes by our estimate")},
         },
         "attn_bwd_dkdv": {
-            2: {64: C(64, 64, 4, 3, FLEX_H100),
-                128: C(64, 128, 8, 3, FLEX_H100),
+            2: {64: C(64, 64, 8, 3, SWEEP + FLEX_H100 + " (64x64 4 warps) spills 8-112 bytes plain or masked; 8 "
+                       "warps none (255 registers at most), MHA or GQA, with wgmma. The backward was never timed on a "
+                       "GPU (the 2026-11-30 sweep's backward rows were void: bench/RESULTS.md); bench.tune times "
+                       "the anchor beside it"),
+                128: C(32, 64, 8, 3, SWEEP + FLEX_H100 + " 64x128 8 warps spills 120-304 bytes, 64x64 8 warps "
+                       "80-136, 32x128 8 warps 16-48 (Triton 3.9); 32x64 8 warps 3 stages (sm_80's tile) none, "
+                       "plain or masked, MHA or GQA, with wgmma (64x32 none, but fewer than 64 K/V rows fall back "
+                       "to mma.sync). Never timed, as the 64 entry; bench.tune times the anchor beside it"),
                 192: C(64, 64, 8, 2, FA2_BWD_192 + " with 2 stages: 180,224 bytes by our estimate"),
                 256: C(32, 32, 8, 3, SWEEP + FLEX_H100 + " is 64x64 4 warps 2 stages (over our shared-memory "
                        "estimate); our previous 32x64 8 warps spilled 328-624 bytes; 32x32 8 warps 3 stages "
@@ -258,7 +267,7 @@ for _family in TABLES.values():
 # here are tried before TABLES for launches that modify scores, so a tile trimmed for them never
 # slows the plain launch. Each is the tile_sweep's spill-free tile closest to the plain one with
 # every score modifier at once (the compile check's all-options case); where the plain tile spills
-# none there, no entry. sm_90's plain tiles were timed (bench.tune) without modifiers; these were
+# none there, no entry. sm_90's plain forward tiles were timed (bench.tune) without modifiers; these were
 # not: bench/test_attention_variants.py's flashtx-plain-tiles provider times them against the plain.
 _MOD = SWEEP + "the plain tile spills with every score modifier at once ("
 MODIFIED: dict = {
@@ -266,9 +275,10 @@ MODIFIED: dict = {
                                      "3.8); 8 warps, half the K/V rows, as sm_80/86's"),
                               128: C(64, 32, 4, 3, _MOD + "64x64: 16 bytes); half the K/V rows"),
                               256: C(64, 32, 8, 3, _MOD + "4 warps: 64 bytes); 8 warps, the same tile")}},
-             "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "64x64 4 warps: 288 bytes); half the K/V rows, 8 "
-                                         "warps (32x64 4 warps needs more shared memory than estimated under Triton "
-                                         "3.6)"),
+             "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "64x64 8 warps: 64-192 bytes); half the K/V rows. It "
+                                         "falls back to mma.sync (fewer than 64 K/V rows); 32x64 and 32x128 8 warps "
+                                         "keep wgmma without spills but need more shared memory than estimated "
+                                         "(Triton 3.6 and 3.9)"),
                                    128: C(32, 32, 8, 3, _MOD + "64x128: 904 bytes; 32x64 still 96-112); a quarter "
                                           "of the K/V rows, half the q rows")}},
              "attn_bwd_dq": {2: {64: C(64, 32, 4, 3, _MOD + "64x64: 624 bytes); half the K/V rows"),
@@ -294,7 +304,8 @@ MODIFIED: dict = {
 # and with varlen + window (the compile check's masked cases); no entry where the plain tile spills none.
 _MASK = SWEEP + "the plain tile spills with visibility masks ("
 MASKED: dict = {
-    "sm90": {},
+    "sm90": {"attn_bwd_dq": {2: {128: C(128, 64, 8, 2, _MASK + "64 bytes with varlen + window under Triton 3.9); "
+                                      "the same tile, 2 stages")}}},
     "sm80": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MASK + "4 warps: 8 bytes); 8 warps, the same tile"),
                               128: C(128, 32, 8, 3, _MASK + "128x64: 8-24 bytes with varlen + window); half the "
                                      "K/V rows"),
