@@ -59,6 +59,79 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA,
 
 
 @triton.jit
+def _dkdv_tile(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows, l2_rows, delta_rows, mb_rows,
+               h, start_m, slope2, bH, offs_n, Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_qh, stride_qm,
+               stride_qd, stride_doh, stride_dom, stride_dod, stride_lh, stride_mh, stride_mm, stride_mn, D_QK, D_V,
+               softcap2, log2e, seed, dropout_p, drop_scale,
+               BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_DV2: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               KEY_MASK: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+               DROPOUT: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    """Add q head h's rows [start_m, start_m + BLOCK_M) to this K/V tile's dK, dV (see _dkdv_tiles)."""
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    hq = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    # rows past Sq_b read as zeros (q, dO, delta) and m2 -inf, so they add nothing
+    row_ok = offs_m < Sq_b
+    q_base = q_rows  # (TMA: the descriptor)
+    if TMA:
+        qt = q_rows.load([start_m, 0]).T  # (BLOCK_DQK, BLOCK_M)
+        do = do_rows.load([start_m, 0])  # (BLOCK_M, BLOCK_DV)
+        do_base = do_rows
+    else:
+        q_base = q_rows + hq * stride_qh
+        do_base = do_rows + hq * stride_doh
+        qt = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
+                     mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)  # (BLOCK_DQK, BLOCK_M)
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV)
+    row = hq * stride_lh
+    m2 = tl.load(m2_rows + row + offs_m, mask=row_ok, other=float("-inf"))
+    inv_l = tl.exp2(-tl.load(l2_rows + row + offs_m, mask=row_ok, other=0.0))  # 1 / row sum
+    delta = tl.load(delta_rows + row + offs_m, mask=row_ok, other=0.0)
+    m2 = tl.where(m2 == float("-inf"), float("inf"), m2)  # rows that see no key: P = exp2(s - inf) = 0
+    st = tl.dot(k, qt, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) = S^T
+    qt2 = qt  # placeholder: read only when the head dim is split
+    if BLOCK_DQK2 > 0:  # Q's second column piece, (BLOCK_DQK2, BLOCK_M), accumulated into S^T
+        offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+        qt2 = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk2[:, None] * stride_qd,
+                      mask=row_ok[None, :] & (offs_dqk2[:, None] < D_QK), other=0.0)
+        st = tl.dot(k2, qt2, st, out_dtype=ACC, input_precision=DOT_PREC)
+    st = st * qk_scale
+    st, tt = score_mods(st, offs_m[None, :], offs_n[:, None], row_ok[None, :] & (offs_n[:, None] < Sk_b),
+                        mb_rows + hq * stride_mh, stride_mm, stride_mn, softcap2, slope2, Sk_b - Sq_b, log2e,
+                        MASK_KIND, SOFTCAP, ALIBI)
+    pt = tl.exp2(st - m2[None, :]) * inv_l[None, :]
+    if MASKED:
+        pt = tl.where(visible(offs_m[None, :], offs_n[:, None], Sq_b, Sk_b, causal_shift, window_shift, key_ok,
+                              CAUSAL, WINDOW, KEY_MASK), pt, 0.0)
+    dpt = tl.dot(v, tl.trans(do), out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) = dP^T
+    do2 = do  # placeholder: read only when the value head dim is split
+    if BLOCK_DV2 > 0:  # dO's second column piece, (BLOCK_M, BLOCK_DV2), accumulated into dP^T
+        offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+        do2 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv2[None, :] * stride_dod,
+                      mask=row_ok[:, None] & (offs_dv2[None, :] < D_V), other=0.0)
+        dpt = tl.dot(v2, tl.trans(do2), dpt, out_dtype=ACC, input_precision=DOT_PREC)
+    pv = pt  # the P^T that dV sees
+    if DROPOUT:  # out = (P * keep / (1 - p)) V: the same factor scales dV's P and dP
+        keep = dropout_keep(seed, bH + h, offs_m[None, :], offs_n[:, None], Sk_b, dropout_p, DROPOUT)
+        pv = tl.where(keep, pt * drop_scale, 0.0)
+        dpt = tl.where(keep, dpt * drop_scale, 0.0)
+    dv += tl.dot(pv.to(do.dtype), do, out_dtype=ACC, input_precision=DOT_PREC)
+    if BLOCK_DV2 > 0:
+        dv2 += tl.dot(pv.to(do2.dtype), do2, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_DV2)
+    dst = pt * (dpt - delta[None, :])  # dL/d(scores), natural units
+    if SOFTCAP:
+        dst = dst * (1.0 - tt * tt)  # d/dx softcap * tanh(x / softcap)
+    dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), out_dtype=ACC, input_precision=DOT_PREC)
+    if BLOCK_DQK2 > 0:
+        # (BLOCK_N, BLOCK_DQK2)
+        dk2 += tl.dot(dst.to(qt2.dtype), tl.trans(qt2), out_dtype=ACC, input_precision=DOT_PREC)
+    return dk, dv, dk2, dv2
+
+
+@triton.jit
 def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows, l2_rows, delta_rows, mb_rows,
                 al_row, h0, n_heads, bH, offs_n, start, end,
                 Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_qh, stride_qm, stride_qd, stride_doh,
@@ -71,7 +144,7 @@ def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows
                 ONE_HEAD: tl.constexpr):
     """Add the contributions of q rows [start, end) of q heads h0 .. h0 + n_heads - 1 to this K/V tile's dK, dV.
 
-    ONE_HEAD (n_heads 1: MHA, a GQA split, TMA): the q tiles of head h0. Else (a GQA group): one loop over
+    ONE_HEAD (n_heads 1: MHA, a GQA split, TMA): a loop over head h0's q tiles. Else (a GQA group): one loop over
     (head, q tile) pairs, not a loop of heads around a loop of tiles: that runtime-bounded outer loop made ptxas
     spill 4-8x more (sm_90: 632 bytes against 112 at D = 64, 864 against 272 at D = 128; sm_80 spilled where one
     head spills none). q_rows / do_rows / m2_rows / l2_rows / delta_rows / mb_rows point at head 0's rows of this
@@ -80,79 +153,31 @@ def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows
 
     Split head dims (BLOCK_DQK2 / BLOCK_DV2 > 0): k2 / v2 hold K's / V's second column piece and dk2 / dv2
     accumulate the gradients' second pieces; unsplit they are placeholders, never read, returned unchanged."""
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    slope2 = log2e * 0.0
-    if ALIBI:
-        if ONE_HEAD:  # (a group's heads load theirs per tile)
+    if ONE_HEAD:
+        slope2 = log2e * 0.0
+        if ALIBI:
             slope2 = tl.load(al_row + h0).to(ACC) * log2e
-    n_m = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M)  # q tiles of one head in [start, end)
-    for it in range(0, n_m * n_heads):
-        h = h0
-        start_m = start + it * BLOCK_M
-        if not ONE_HEAD:
+        for start_m in range(start, end, BLOCK_M):
+            dk, dv, dk2, dv2 = _dkdv_tile(
+                dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows, l2_rows, delta_rows, mb_rows, h0,
+                start_m, slope2, bH, offs_n, Sq_b, Sk_b, causal_shift, window_shift, qk_scale, stride_qh, stride_qm,
+                stride_qd, stride_doh, stride_dom, stride_dod, stride_lh, stride_mh, stride_mm, stride_mn, D_QK, D_V,
+                softcap2, log2e, seed, dropout_p, drop_scale, BLOCK_M, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_DV2,
+                MASKED, CAUSAL, WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC, DOT_PREC, TMA)
+    else:
+        n_m = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M)  # q tiles of one head in [start, end)
+        for it in range(0, n_m * n_heads):
             h = h0 + it // n_m
-            start_m = start + (it % n_m) * BLOCK_M
+            slope2 = log2e * 0.0
             if ALIBI:
                 slope2 = tl.load(al_row + h).to(ACC) * log2e
-        hq = h.to(tl.int64)
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        # rows past Sq_b read as zeros (q, dO, delta) and m2 -inf, so they add nothing
-        row_ok = offs_m < Sq_b
-        q_base = q_rows  # (TMA: the descriptor)
-        if TMA:
-            qt = q_rows.load([start_m, 0]).T  # (BLOCK_DQK, BLOCK_M)
-            do = do_rows.load([start_m, 0])  # (BLOCK_M, BLOCK_DV)
-            do_base = do_rows
-        else:
-            q_base = q_rows + hq * stride_qh
-            do_base = do_rows + hq * stride_doh
-            qt = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
-                         mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)  # (BLOCK_DQK, BLOCK_M)
-            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # (BLOCK_M, BLOCK_DV)
-        row = hq * stride_lh
-        m2 = tl.load(m2_rows + row + offs_m, mask=row_ok, other=float("-inf"))
-        inv_l = tl.exp2(-tl.load(l2_rows + row + offs_m, mask=row_ok, other=0.0))  # 1 / row sum
-        delta = tl.load(delta_rows + row + offs_m, mask=row_ok, other=0.0)
-        m2 = tl.where(m2 == float("-inf"), float("inf"), m2)  # rows that see no key: P = exp2(s - inf) = 0
-        st = tl.dot(k, qt, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) = S^T
-        qt2 = qt  # placeholder: read only when the head dim is split
-        if BLOCK_DQK2 > 0:  # Q's second column piece, (BLOCK_DQK2, BLOCK_M), accumulated into S^T
-            offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
-            qt2 = tl.load(q_base + offs_m[None, :] * stride_qm + offs_dqk2[:, None] * stride_qd,
-                          mask=row_ok[None, :] & (offs_dqk2[:, None] < D_QK), other=0.0)
-            st = tl.dot(k2, qt2, st, out_dtype=ACC, input_precision=DOT_PREC)
-        st = st * qk_scale
-        st, tt = score_mods(st, offs_m[None, :], offs_n[:, None], row_ok[None, :] & (offs_n[:, None] < Sk_b),
-                            mb_rows + hq * stride_mh, stride_mm, stride_mn, softcap2, slope2, Sk_b - Sq_b, log2e,
-                            MASK_KIND, SOFTCAP, ALIBI)
-        pt = tl.exp2(st - m2[None, :]) * inv_l[None, :]
-        if MASKED:
-            pt = tl.where(visible(offs_m[None, :], offs_n[:, None], Sq_b, Sk_b, causal_shift, window_shift, key_ok,
-                                  CAUSAL, WINDOW, KEY_MASK), pt, 0.0)
-        dpt = tl.dot(v, tl.trans(do), out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) = dP^T
-        do2 = do  # placeholder: read only when the value head dim is split
-        if BLOCK_DV2 > 0:  # dO's second column piece, (BLOCK_M, BLOCK_DV2), accumulated into dP^T
-            offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
-            do2 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv2[None, :] * stride_dod,
-                          mask=row_ok[:, None] & (offs_dv2[None, :] < D_V), other=0.0)
-            dpt = tl.dot(v2, tl.trans(do2), dpt, out_dtype=ACC, input_precision=DOT_PREC)
-        pv = pt  # the P^T that dV sees
-        if DROPOUT:  # out = (P * keep / (1 - p)) V: the same factor scales dV's P and dP
-            keep = dropout_keep(seed, bH + h, offs_m[None, :], offs_n[:, None], Sk_b, dropout_p, DROPOUT)
-            pv = tl.where(keep, pt * drop_scale, 0.0)
-            dpt = tl.where(keep, dpt * drop_scale, 0.0)
-        dv += tl.dot(pv.to(do.dtype), do, out_dtype=ACC, input_precision=DOT_PREC)
-        if BLOCK_DV2 > 0:
-            dv2 += tl.dot(pv.to(do2.dtype), do2, out_dtype=ACC, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_DV2)
-        dst = pt * (dpt - delta[None, :])  # dL/d(scores), natural units
-        if SOFTCAP:
-            dst = dst * (1.0 - tt * tt)  # d/dx softcap * tanh(x / softcap)
-        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), out_dtype=ACC, input_precision=DOT_PREC)
-        if BLOCK_DQK2 > 0:
-            # (BLOCK_N, BLOCK_DQK2)
-            dk2 += tl.dot(dst.to(qt2.dtype), tl.trans(qt2), out_dtype=ACC, input_precision=DOT_PREC)
+            dk, dv, dk2, dv2 = _dkdv_tile(
+                dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows, l2_rows, delta_rows, mb_rows, h,
+                start + (it % n_m) * BLOCK_M, slope2, bH, offs_n, Sq_b, Sk_b, causal_shift, window_shift, qk_scale,
+                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, stride_lh, stride_mh, stride_mm,
+                stride_mn, D_QK, D_V, softcap2, log2e, seed, dropout_p, drop_scale, BLOCK_M, BLOCK_DQK, BLOCK_DQK2,
+                BLOCK_DV, BLOCK_DV2, MASKED, CAUSAL, WINDOW, KEY_MASK, MASK_KIND, SOFTCAP, ALIBI, DROPOUT, ACC,
+                DOT_PREC, TMA)
     return dk, dv, dk2, dv2
 
 
