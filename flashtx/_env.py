@@ -55,6 +55,10 @@ TRITON_IMPORT_ERROR = _triton_import_error()
 
 HAS_TRITON = TRITON_IMPORT_ERROR is None
 INTERPRET = INTERPRET_REQUESTED and not INTERPRET_TOO_LATE and HAS_TRITON
+if INTERPRET:  # device function calls without re-patching triton.language each time (what kernels compute is unchanged)
+    from ._interpreter import speed_up_device_calls
+
+    speed_up_device_calls()
 
 
 def interpreter_off_reason() -> str | None:
