@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_common import (dropout_keep, kv_loop_bounds, loop_part, modifier_scalars, q_loop_bounds, scalar_in,
-                               score_mods, seq_bounds, visible)
+from .attention_common import (alibi_slope2, dropout_keep, kv_loop_bounds, loop_part, modifier_scalars, q_loop_bounds,
+                               scalar_in, score_mods, seq_bounds, visible)
 
 
 @triton.jit
@@ -154,9 +154,7 @@ def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows
     Split head dims (BLOCK_DQK2 / BLOCK_DV2 > 0): k2 / v2 hold K's / V's second column piece and dk2 / dv2
     accumulate the gradients' second pieces; unsplit they are placeholders, never read, returned unchanged."""
     if ONE_HEAD:
-        slope2 = log2e * 0.0
-        if ALIBI:
-            slope2 = tl.load(al_row + h0).to(ACC) * log2e
+        slope2 = alibi_slope2(al_row, h0, log2e, ALIBI, ACC)
         for start_m in range(start, end, BLOCK_M):
             dk, dv, dk2, dv2 = _dkdv_tile(
                 dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows, l2_rows, delta_rows, mb_rows, h0,
@@ -168,9 +166,7 @@ def _dkdv_tiles(dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows
         n_m = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M)  # q tiles of one head in [start, end)
         for it in range(0, n_m * n_heads):
             h = h0 + it // n_m
-            slope2 = log2e * 0.0
-            if ALIBI:
-                slope2 = tl.load(al_row + h).to(ACC) * log2e
+            slope2 = alibi_slope2(al_row, h, log2e, ALIBI, ACC)
             dk, dv, dk2, dv2 = _dkdv_tile(
                 dk, dv, dk2, dv2, k, v, k2, v2, key_ok, q_rows, do_rows, m2_rows, l2_rows, delta_rows, mb_rows, h,
                 start + (it % n_m) * BLOCK_M, slope2, bH, offs_n, Sq_b, Sk_b, causal_shift, window_shift, qk_scale,

@@ -244,14 +244,22 @@ def dropout_keep(seed, bh, q_idx, k_idx, Sk_b, p_drop, DROPOUT: tl.constexpr):
 
 
 @triton.jit
+def alibi_slope2(al_row, h, log2e, ALIBI: tl.constexpr, ACC: tl.constexpr):
+    """q head h's ALiBi slope in log2 units (slope * log2e; al_row = AL + b * stride_alb: batch b's slopes),
+    0 without ALiBi."""
+    slope2 = log2e * 0.0
+    if ALIBI:
+        slope2 = tl.load(al_row + h).to(ACC) * log2e
+    return slope2
+
+
+@triton.jit
 def modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo, log2e_hi, log2e_lo,
                      ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr):
     """(softcap2, log2e, slope2, seed) of a (batch, q head) program; unused ones are 0."""
     log2e = scalar_in(log2e_hi, log2e_lo, ACC)
     softcap2 = scalar_in(softcap_hi, softcap_lo, ACC)
-    slope2 = log2e * 0.0
-    if ALIBI:
-        slope2 = tl.load(AL + b.to(tl.int64) * stride_alb + h).to(ACC) * log2e
+    slope2 = alibi_slope2(AL + b.to(tl.int64) * stride_alb, h, log2e, ALIBI, ACC)
     seed = b.to(tl.int64) * 0
     if DROPOUT:
         seed = tl.load(RNG)
