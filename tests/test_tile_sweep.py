@@ -70,3 +70,25 @@ def test_mma_kind_names_the_tensor_core_instructions():
     sync = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f2};"
     assert mma_kind(wgmma) == "wgmma" and mma_kind(sync) == "mma"
     assert mma_kind(wgmma + "\n" + sync) == "wgmma+mma" and mma_kind("fma.rn.f32 %f1, %f2, %f3, %f4;") == "-"
+
+
+def test_ptx_digest_sees_code_not_debug_info():
+    from flashtx.triton_kernels.compile_check import Result, compare, ptx_digest
+
+    code = ["\tld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];", "$L__BB0_2:", "\tadd.s32 %r5, %r1, %r2;",
+            "\tbra.uni $L__BB0_2;"]
+    plain = "\n".join(code[:1] + [".loc 1 40 12", "$L__tmp3:"] + code[1:] + [".section\t.debug_info", "{ 1 }"])
+    # another source layout: other line numbers, another file, one more inlined call's labels, other debug data
+    moved = "\n".join(['.file 2 "/x/helpers.py"', "$L__tmp0:", "$L__tmp1:"] + code[:2] + [".loc 2 7 3", "// c"]
+                      + code[2:] + [".section\t.debug_abbrev", "{ 9 }"])
+    assert ptx_digest(plain) == ptx_digest(moved)
+    for i, changed in ((0, "\tld.global.v2.b32 {%r1, %r2}, [%rd1];"), (2, "\tadd.s32 %r5, %r1, %r3;"),
+                       (3, "\tbra.uni $L__BB0_3;")):  # a narrower load, another register, another branch target
+        assert ptx_digest("\n".join(code[:i] + [changed] + code[i + 1:])) != ptx_digest(plain), changed
+
+    def res(label, digest):
+        return Result(label, 90, 1, 2, 3, 0, "-", ptx_digest=digest)
+
+    old = [{"label": "a", "arch": 90, "ptx_digest": "d1"}, {"label": "b", "arch": 90, "ptx_digest": "d2"}]
+    assert compare([res("a", "d1"), res("b", "d3"), res("c", "d4")], old) == ["changed   sm_90 b", "new       sm_90 c"]
+    assert compare([res("a", "d1")], old) == []

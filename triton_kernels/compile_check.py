@@ -2,6 +2,7 @@
 
     python -m flashtx.triton_kernels.compile_check            # sm_80, sm_86, sm_90
     python -m flashtx.triton_kernels.compile_check --arch 86
+    python -m flashtx.triton_kernels.compile_check --only attn_ --json new.json --compare old.json  # a refactor
 
 For each module of flashtx.triton_kernels that defines `compile_plans(target)`, and each target,
 it builds the launches the launchers would make on that GPU, specialises their arguments the
@@ -11,6 +12,10 @@ per-block limit), registers, spills and the share of global-memory bytes moved b
 (vector_shares). Exits non-zero if any config fails to compile, exceeds
 shared memory, or needs more than config selection estimated. Spills are reported, not failed:
 only a GPU run can say whether a spilling tile is slower than a smaller one (configs.py).
+Each result carries a digest of its PTX without debug info (ptx_digest): `--compare` an earlier run's
+JSON to see which plans a source change really changed (an extracted helper should change none).
+Run it on an empty TRITON_CACHE_DIR: a cached compile is the old one only when the source is unchanged,
+but a check of a Triton or ptxas change must not reuse it.
 Needs TRITON_INTERPRET unset (it compiles; it does not interpret).
 """
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import hashlib
 import importlib
 import json
 import os
@@ -48,6 +54,7 @@ class Result:
     ld16: float | None = None
     st16: float | None = None
     mma: str = ""  # the tensor-core instructions the PTX issues (mma_kind)
+    ptx_digest: str = ""  # ptx_digest: equal digests are the same code
 
     @property
     def ok(self) -> bool:
@@ -112,6 +119,37 @@ def vector_shares(ptx: str) -> tuple[float | None, float | None]:
     return tuple(wide[op] / total[op] if total[op] else None for op in ("ld", "st"))
 
 
+_DEBUG_LABEL = re.compile(r"\$L__tmp\d+")
+
+
+def ptx_digest(ptx: str) -> str:
+    """A digest of the PTX's code without its debug info: .loc/.file lines, comments, the $L__tmp labels that
+    line info adds (an inlined device call adds some) and the debug sections. Moving or extracting source
+    changes only those; any instruction, register or constant that differs changes the digest."""
+    h = hashlib.sha1()
+    for line in ptx.splitlines():
+        s = line.strip()
+        if not s or s.startswith((".loc", ".file", "//")) or (s.startswith("$L__tmp") and s.endswith(":")):
+            continue
+        if s.startswith(".section") and ".debug" in s:
+            break  # the debug sections close the file
+        h.update(_DEBUG_LABEL.sub("$L", s).encode() + b"\n")
+    return h.hexdigest()[:16]
+
+
+def compare(results: list, old: list[dict]) -> list[str]:
+    """Lines naming the plans whose ptx_digest differs from `old` (an earlier --json) or that `old` lacks."""
+    before = {(r["label"], r["arch"]): r.get("ptx_digest", "") for r in old}
+    lines = []
+    for r in results:
+        was = before.get((r.label, r.arch))
+        if was is None:
+            lines.append(f"new       sm_{r.arch} {r.label}")
+        elif was != r.ptx_digest or not was:
+            lines.append(f"changed   sm_{r.arch} {r.label}")
+    return lines
+
+
 def mma_kind(ptx: str) -> str:
     """The tensor-core instructions a kernel's PTX issues: "wgmma" (Hopper's warpgroup MMA, sm_90a), "mma"
     (mma.sync, sm_80's, which Hopper runs at a fraction of wgmma's rate), both, or "-" (no dot). A dot tile
@@ -153,7 +191,8 @@ def _check_one(arch: int, index: int) -> Result:
         regs, spill = _resource_usage(compiled.asm["cubin"])
         ld16, st16 = vector_shares(compiled.asm["ptx"])
         return Result(label, arch, int(compiled.metadata.shared), target.max_shared, regs, spill, cfg_s,
-                      launch.shared_estimate, ld16=ld16, st16=st16, mma=mma_kind(compiled.asm["ptx"]))
+                      launch.shared_estimate, ld16=ld16, st16=st16, mma=mma_kind(compiled.asm["ptx"]),
+                      ptx_digest=ptx_digest(compiled.asm["ptx"]))
     except Exception as exc:  # report, don't stop: the table shows every failure
         return Result(label, arch, -1, target.max_shared, -1, -1, cfg_s, launch.shared_estimate,
                       f"{type(exc).__name__}: {exc}"[:300])
@@ -210,6 +249,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--only", default="", help="check only kernels whose label contains this text")
+    ap.add_argument("--compare", help="an earlier --json: name the plans whose PTX (debug info aside) changed")
     args = ap.parse_args(argv)
     if interpreter_active():
         print("compile_check compiles kernels: run it with TRITON_INTERPRET unset", file=sys.stderr)
@@ -219,6 +259,11 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) | {"ok": r.ok} for r in results], f, indent=1)
+    if args.compare:
+        with open(args.compare) as f:
+            changed = compare(results, json.load(f))
+        print(f"\nagainst {args.compare}: {len(results) - len(changed)} of {len(results)} plans compile to the same "
+              "PTX (debug info aside)" + "".join("\n  " + line for line in changed))
     bad = [r for r in results if not r.ok]
     spilling = sum(1 for r in results if r.ok and r.spill_bytes)
     print(f"\n{len(results) - len(bad)} of {len(results)} kernel configs compile and fit shared memory (and the "
