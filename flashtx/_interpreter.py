@@ -11,6 +11,9 @@ body): measured on the float64 gradchecks, 22% of their time (18 s of 80 s, 14,8
 right now (probed on the modules themselves, so no bookkeeping can drift), and otherwise calls Triton's own
 code. It changes what the interpreter does, never what a kernel computes or what compiles for a GPU; it is
 installed only when the interpreter is on and only over the `__call__` it knows (Triton 3.6 through 3.9).
+(Triton's standard-library device functions, tl.cdiv say, see `triton.language.core`, which a launch of a kernel
+that sees `tl` does not patch: their first call takes Triton's path, which patches it and never restores it.
+That is Triton's behaviour, kept; the calls after it are fast too.)
 """
 from __future__ import annotations
 

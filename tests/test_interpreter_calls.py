@@ -32,6 +32,12 @@ if not ON_GPU:
         tl.store(Y + offs, _outer(x, k, N_CALLS), mask=offs < n)
 
 
+    @triton.jit
+    def _cdiv_kernel(X, Y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Y + offs, tl.cdiv(tl.load(X + offs, mask=offs < n, other=0), 5), mask=offs < n)
+
+
 def _run(n=37, k=0.5, n_calls=3):
     x = torch.randn(n, dtype=torch.float64)
     y = torch.full_like(x, float("nan"))  # poisoned
@@ -63,7 +69,10 @@ def test_installed_on_this_triton():
 
 def test_a_launch_patches_once_and_nested_calls_reuse_it(monkeypatch):
     calls = _count_patches(monkeypatch)
-    assert not _interpreter.patched(tl) and not _interpreter.patched(tl.core)  # outside a launch
+    # outside a launch. (Not tl.core: a kernel that calls a standard-library device function, tl.cdiv say,
+    # leaves it patched for good, Triton's own behaviour: standard.py sees only `core`, which the launch of a
+    # kernel seeing `tl` does not patch, so that call patches it and drops the scope.)
+    assert not _interpreter.patched(tl)
     y, want = _run()
     # 3 programs x (1 _outer + 3 _inner) device calls, none re-patching: only the launch patched, once
     assert calls == [("_kernel", False)]
@@ -79,6 +88,22 @@ def test_a_call_on_unpatched_modules_takes_tritons_path(monkeypatch):
     y, want = _run()
     assert [name for name, _ in calls] == ["_kernel"] + ["_outer", "_inner", "_inner", "_inner"] * 3
     np.testing.assert_array_equal(y.numpy(), want.numpy())
+
+
+def test_a_standard_library_call_patches_tl_core_at_most_once(monkeypatch):
+    # tl.cdiv is a device function of triton.language.standard, whose globals hold `core`, not `tl`: while
+    # tl.core is unpatched its call takes Triton's path, which patches tl.core and keeps it patched (Triton's own
+    # behaviour); from then on it is as fast as the rest, and the kernel computes the same either way
+    calls = _count_patches(monkeypatch)
+    n = 37
+    x = torch.arange(n, dtype=torch.int32) * 7
+    for _ in range(2):
+        y = torch.full_like(x, -1)
+        _cdiv_kernel[(triton.cdiv(n, 16),)](x, y, n, BLOCK=16)  # 3 programs
+        torch.testing.assert_close(y, (x + 4) // 5, rtol=0, atol=0)  # ceil division
+    names = [name for name, _ in calls]
+    assert names.count("_cdiv_kernel") == 2 and names.count("cdiv") <= 1, names
+    assert _interpreter.patched(tl.core)
 
 
 def test_device_errors_still_name_the_failure():
