@@ -14,8 +14,7 @@ shared memory, or needs more than config selection estimated. Spills are reporte
 only a GPU run can say whether a spilling tile is slower than a smaller one (configs.py).
 Each result carries a digest of its PTX without debug info (ptx_digest): `--compare` an earlier run's
 JSON to see which plans a source change really changed (an extracted helper should change none).
-Run it on an empty TRITON_CACHE_DIR: a cached compile is the old one only when the source is unchanged,
-but a check of a Triton or ptxas change must not reuse it.
+Check registers and spills on an empty TRITON_CACHE_DIR: a reused cached compile once hid an 8-byte spill.
 Needs TRITON_INTERPRET unset (it compiles; it does not interpret).
 """
 from __future__ import annotations
