@@ -122,6 +122,8 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if query.shape[-2] == 0 or key.shape[-2] == 0 or query.shape[-1] == 0 or value.shape[-1] == 0:  # (not min():
         # traced sizes would be compared with each other, and export would tie a dynamic length to the head dim)
         return "empty sequence or head dim"
+    if hq == 1 and hkv > 1:  # torch broadcasts one query head over the K/V heads; flashtx does not
+        return "one query head broadcast over several key/value heads is not supported"
     if hq != hkv and hkv != 1 and not (enable_gqa and hq % hkv == 0):  # one K/V head broadcasts, as in torch
         return "query and key/value head counts differ without enable_gqa" + _TORCH_ERROR
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:

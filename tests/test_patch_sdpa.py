@@ -165,6 +165,9 @@ FALLBACKS = {  # id: (make inputs -> (args, kwargs), reason the warning names)
     "rank-mismatch": (lambda: ((randn(2, 2, 5, 8), randn(5, 8), randn(5, 8)), {}), "query, key, value must have the same rank"),
     "unbatched-key": (lambda: ((randn(2, 2, 5, 8), randn(2, 5, 8), randn(2, 5, 8)), {}),
                       "query, key, value must have the same rank"),
+    # torch broadcasts one query head over the K/V heads (an output of Hkv heads); flashtx.attention refuses it
+    "one-query-head": (lambda: ((randn(2, 1, 5, 8), randn(2, 4, 6, 8), randn(2, 4, 6, 8)), {}),
+                       "one query head broadcast over several key/value heads"),
     # scales torch takes and flashtx's float32 kernels do not (a plain call, and one with a mask)
     "scale-tiny": (lambda: ((randn(1, 2, 5, 8), randn(1, 2, 5, 8), randn(1, 2, 5, 8)), dict(scale=1e-40)),
                    r"a scale outside flashtx's range"),
