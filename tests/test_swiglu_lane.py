@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import flashtx
 from flashtx import _dispatch, _lanes, _swiglu_lane, _swiglu_op
 
-from conftest import DEVICE, PRECISE_DTYPE, count_calls, poisoned_allocations, precise_atol, randn
+from conftest import PRECISE_DTYPE, count_calls, poisoned_allocations, precise_atol, randn
 
 
 pytestmark = pytest.mark.usefixtures("fresh_plans")
