@@ -36,7 +36,7 @@ from .triton_kernels.precision import TORCH_ACC_DTYPE
 LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every call takes the general path
 LN2 = math.log(2.0)
 
-_TENSOR, _F32 = torch.Tensor, torch.float32
+_TENSOR, _F32, _STRIDED = torch.Tensor, torch.float32, torch.strided
 _INC_VERSION = torch.autograd.graph.increment_version
 
 
@@ -61,7 +61,7 @@ def _sig(t):
     (a subclass, a number): the general path's."""
     if t is None:
         return None
-    if type(t) is not _TENSOR or t.is_neg():  # (a negated view: refused there)
+    if type(t) is not _TENSOR or t.layout is not _STRIDED or t.is_nested or t.is_neg():  # (refused there)
         return False
     return t.dtype, t.device, t.shape, t.stride()
 
@@ -71,7 +71,8 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
     """flash_attn_with_kvcache's result for these arguments (its own, in its order), or None where the lane does not
     take the call (module docstring): the caller runs the general path."""
     if not LANE or type(q) is not _TENSOR or type(k_cache) is not _TENSOR or type(v_cache) is not _TENSOR or \
-            type(seqlens) is not _TENSOR or not _lanes.eager() or q.is_neg():  # (Dynamo cannot trace is_neg)
+            type(seqlens) is not _TENSOR or not _lanes.eager() or q.is_neg() or q.layout is not _STRIDED or \
+            q.is_nested:  # (Dynamo cannot trace is_neg)
         return None
     if not (type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int) or \
             type(softcap) is not float or (scale is not None and type(scale) is not float) or \

@@ -17,6 +17,7 @@ from .triton_kernels.limits import MAX_GRID_YZ, MAX_SEQ
 
 LN2 = math.log(2.0)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_STRIDED = torch.strided
 
 
 def _check_index(name: str, t, shape: tuple, q: Tensor, doc: str = "") -> Tensor | None:
@@ -30,6 +31,8 @@ def _check_index(name: str, t, shape: tuple, q: Tensor, doc: str = "") -> Tensor
     if not isinstance(t, Tensor) or t.dtype not in _INDEX_DTYPES:
         got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
         raise TypeError(f"{name} must be an int32 (or int64) tensor of shape {want()}; got {got}")
+    if t.layout is not _STRIDED or t.is_nested:
+        _check_layout(name, t)
     if t.shape != shape and (t.dim() != len(shape) or any(n != w and w != -1 for n, w in zip(t.shape, shape))):
         raise ValueError(f"{name} must have shape {want()}; got {tuple(t.shape)}")
     if t.device != q.device:
@@ -39,6 +42,7 @@ def _check_index(name: str, t, shape: tuple, q: Tensor, doc: str = "") -> Tensor
 
 def _check_like(name: str, t, dims: int, q: Tensor, shape_doc: str) -> None:
     if type(t) is Tensor and t is not q and t.dtype == q.dtype and t.dim() == dims and t.device == q.device and \
+            t.layout is _STRIDED and not t.is_nested and \
             (torch.compiler.is_compiling() or not t.is_neg()):  # (check_tensor's rule: Dynamo cannot trace is_neg)
         return  # the common case (q itself passed check_tensor first)
     check_tensor(name, t)
@@ -132,7 +136,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache (before the append); None = the whole cache is in use (then k, v must be None).
         cache_batch_idx: (B,) int32: sequence b uses cache row cache_batch_idx[b] (contiguous
             caches only; distinct rows when appending: a repeat is refused on CPU, and on a GPU for
-            batches of up to 256). Default b.
+            batches of up to 256). Default b (then B_cache >= B: rows past B are left alone).
         cache_leftpad: (B,) int32: sequence b's keys start at cache index cache_leftpad[b] (left
             padding); positions (RoPE, causal, ALiBi) stay cache indices, as flash-attn's.
         block_table: (B, max_pages_per_seq) int32 page indices for a paged cache: position j of
@@ -249,9 +253,9 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         capacity = block_table.shape[1] * page
     else:
         capacity = k_cache.shape[1]
-        if cache_batch_idx is None and k_cache.shape[0] != B:
-            raise ValueError(f"k_cache's batch ({k_cache.shape[0]}) must equal q's ({B}) unless cache_batch_idx "
-                             "picks the rows")
+        if cache_batch_idx is None and k_cache.shape[0] < B:  # (more rows: sequence b uses row b, as flash-attn)
+            raise ValueError(f"k_cache has {k_cache.shape[0]} rows but q's batch is {B}: the cache needs at least B "
+                             "rows (sequence b uses row b), unless cache_batch_idx picks the rows")
     if capacity > MAX_SEQ:
         raise ValueError(f"the cache holds {capacity} positions per sequence; the kernels take at most {MAX_SEQ}")
     if rotary_cos is not None or rotary_sin is not None:

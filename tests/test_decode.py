@@ -174,6 +174,17 @@ def test_append_crosses_page_boundaries_ragged():
 def test_batch_idx_and_leftpad():
     run_case(torch.float32, B=3, batch_idx=[4, 0, 2], extra_rows=2, leftpad=[3, 0, 20], lens=[40, 9, 60],
              causal=True, splits=2)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_cache_with_more_rows_than_the_batch_serves_its_first_rows(backend):
+    """Without cache_batch_idx, sequence b uses cache row b (flash-attn's rule): a cache allocated for a larger
+    batch serves a smaller one, and its rows past B are left bit-identical (run_case checks)."""
+    run_case(PRECISE_DTYPE, B=2, extra_rows=3, lens=[40, 9], causal=True, splits=2, rotary="neox", backend=backend)
+    a = _args(page=None)
+    a.pop("block_table")
+    with pytest.raises(ValueError, match=r"k_cache has 1 rows but q's batch is 2: the cache needs at least B rows"):
+        flashtx.flash_attn_with_kvcache(**dict(a, k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]))
     run_case(PRECISE_DTYPE, B=2, leftpad=[5, 17], lens=[40, 60], page=16, causal=True, splits=4, rotary="neox")
 
 
@@ -283,14 +294,23 @@ def _args(B=2, page=16):
     (lambda a: a.update(block_table=a["block_table"].short()), TypeError, r"block_table must be an int32 \(or int64\)"),
     (lambda a: a.update(q=a["q"][..., :0], k_cache=a["k_cache"][..., :0], k=a["k"][..., :0]), ValueError,
      "head dim >= 1; got 0"),
+    # sparse and nested tensors: the layout named (they were let through to the kernels' launchers)
+    (lambda a: a.update(k_cache=a["k_cache"].to_sparse()), TypeError, "k_cache has layout torch.sparse_coo"),
+    (lambda a: a.update(v=a["v"].to_sparse()), TypeError, "v has layout torch.sparse_coo"),
+    (lambda a: a.update(k_cache=torch.nested.nested_tensor(list(a["k_cache"]))), TypeError,
+     "k_cache is a nested tensor"),
+    (lambda a: a.update(cache_seqlens=a["cache_seqlens"].to_sparse()), TypeError,
+     "cache_seqlens has layout torch.sparse_coo"),
+    (lambda a: a.update(block_table=a["block_table"].to_sparse()), TypeError, "block_table has layout torch.sparse_coo"),
 ])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_bad_input_names_the_argument(change, error, match):
     a = _args()
     change(a)
     kc0 = a["k_cache"].clone()
     with pytest.raises(error, match=match):
         flashtx.flash_attn_with_kvcache(**a)
-    if a["k_cache"].device.type != "meta":
+    if a["k_cache"].device.type != "meta" and a["k_cache"].layout is torch.strided and not a["k_cache"].is_nested:
         assert torch.equal(a["k_cache"], kc0), "a refused call must not write"
 
 
