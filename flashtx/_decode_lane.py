@@ -44,11 +44,12 @@ class _Lane:
     """One call signature's plan: the append's and the attention's launch entries, the split partials' shapes,
     what the range check reads (Snew, capacity, q_moves), and the output shapes."""
 
-    __slots__ = ("append", "rotary", "attend", "parts", "snew", "capacity", "q_moves", "out_shape", "lse_shape", "acc")
+    __slots__ = ("append", "rotary", "attend", "parts", "snew", "capacity", "q_moves", "left", "out_shape",
+                 "lse_shape", "acc")
 
-    def __init__(self, append, rotary, attend, parts, snew, capacity, q_moves, out_shape, lse_shape, acc):
+    def __init__(self, append, rotary, attend, parts, snew, capacity, q_moves, left, out_shape, lse_shape, acc):
         self.append, self.rotary, self.attend, self.parts = append, rotary, attend, parts
-        self.snew, self.capacity, self.q_moves = snew, capacity, q_moves
+        self.snew, self.capacity, self.q_moves, self.left = snew, capacity, q_moves, left
         self.out_shape, self.lse_shape, self.acc = out_shape, lse_shape, acc
 
 
@@ -104,7 +105,7 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
         if lane.snew and append_overlap(q, k, v, k_cache, v_cache) is not None:
             return None  # refused by the general path (it depends on addresses)
         _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, lane.snew, lane.capacity,
-                      lane.q_moves)
+                      lane.q_moves, lane.left)
     if lane.append is not None:
         q_out = torch.empty_like(q) if lane.rotary else None
         _lanes.fire(lane.append, (q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table))
@@ -143,7 +144,8 @@ def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
     B, Sq, Hq, _ = q.shape
     if B == 0 or Sq == 0 or Hq == 0:
         return None  # nothing to launch: the general path's
-    _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, snew, capacity, q_moves)  # as it does
+    _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, snew, capacity, q_moves,
+                  window2[0])  # as it does
     same = all(a is b or (a is not None and b is not None and a.data_ptr() == b.data_ptr()
                           and (a.shape == b.shape or a is alibi))
                for a, b in ((cos, cos2), (sin, sin2), (seqlens, seqlens2), (batch_idx, batch_idx2),
@@ -173,5 +175,6 @@ def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
         if type(attend) is not list:
             return False
         parts = ((splits, B, Sq, Hq, v_cache.shape[3]), (splits, B, Hq, Sq)) if splits > 1 else None
-        return _Lane(append, cos is not None, attend, parts, snew, capacity, q_moves, out_shape, lse_shape, acc)
+        return _Lane(append, cos is not None, attend, parts, snew, capacity, q_moves, window2[0], out_shape,
+                     lse_shape, acc)
     return _lanes.remember(key, build)

@@ -241,11 +241,12 @@ def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
 @triton_op("flashtx::kvcache_check", mutates_args=())
 def kvcache_check(cache_seqlens: Tensor, cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
                   block_table: Optional[Tensor], snew: int, capacity: int, rows: int, page: int, cos_rows: int,
-                  q_extra: int) -> Tensor:
+                  q_extra: int, key_span: int) -> Tensor:
     """(1,) int32: 1 when every index is in range (see triton_kernels/decode_check.py). Triton only."""
     flag = torch.empty(1, dtype=torch.int32, device=cache_seqlens.device)
     if cache_seqlens.shape[0] == 0:
         return flag.fill_(1)
     _TRITON.checks.decode_check(flag, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, snew=snew,
-                                capacity=capacity, rows=rows, page=page, cos_rows=cos_rows, q_extra=q_extra)
+                                capacity=capacity, rows=rows, page=page, cos_rows=cos_rows, q_extra=q_extra,
+                                key_span=key_span)
     return flag

@@ -140,10 +140,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_leftpad: (B,) int32: sequence b's keys start at cache index cache_leftpad[b] (left
             padding); positions (RoPE, causal, ALiBi) stay cache indices, as flash-attn's.
         block_table: (B, max_pages_per_seq) int32 page indices for a paged cache: position j of
-            sequence b is row j % page_size of page block_table[b, j // page_size]. Entries past a
-            sequence's length are never read. Sequences may share pages they only read (a common
-            prefix), but no two may append into the same page row (refused for CPU tensors; on a GPU
-            the caller must ensure it, as with flash-attn). When appending, caches whose slots share
+            sequence b is row j % page_size of page block_table[b, j // page_size]. Only the pages
+            the call touches are read (and checked): those of the appended positions and of the keys
+            some query may see. Entries past a sequence's length, before cache_leftpad or behind a
+            sliding window may hold anything (pages a serving engine freed), as with flash-attn.
+            Sequences may share pages they only read (a common prefix), but no two may append into
+            the same page row (refused for CPU tensors; on a GPU the caller must ensure it, as with
+            flash-attn). When appending, caches whose slots share
             memory (stride 0: an expanded view) or that share memory with each other are refused.
         softmax_scale: default 1 / sqrt(D).
         causal, window_size: aligned bottom-right: query i sits at position L_b - Sq + i, where
@@ -181,7 +184,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
     _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew, capacity,
-                  q_moves)
+                  q_moves, window[0])
     name = _backend(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, alibi, window, softcap, capacity, backend)
     if name == "triton" and (q.shape[0] > MAX_GRID_YZ or q.shape[1] * q.shape[2] > MAX_GRID_YZ):
         # (kv heads x query tiles <= Hq x Sq) the kernels' grid limits, before the append writes the caches
@@ -328,7 +331,7 @@ def _assert_message(leftpad: bool, batch_idx: bool, paged: bool, rotary: bool) -
         conds.append("cache_batch_idx must be in [0, k_cache.shape[0]) (and name no row twice when k, v are "
                      "appended)")
     if paged:
-        conds.append("the block_table entries of the pages in use must be in [0, num_pages)")
+        conds.append("the block_table entries of the pages read or written must be in [0, num_pages)")
     if rotary:
         conds.append("every rotated position must be a row of rotary_cos/rotary_sin")
     return (f"flashtx.flash_attn_with_kvcache: an index is out of range: {'; '.join(conds)} (run the call on CPU "
@@ -340,18 +343,21 @@ _ASSERT_MESSAGES = {flags: _assert_message(*flags) for flags in itertools.produc
 
 
 def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Snew: int, capacity: int,
-                  q_moves: bool) -> None:
+                  q_moves: bool, win_left: int = -1) -> None:
     """Every index the kernels will follow stays inside its tensor: on CPU read on the host (a ValueError
     naming the first bad entry); otherwise on the device without a sync, by the check kernel
     (flashtx::kvcache_check) and one torch._assert_async of its flag, launched before the append and
-    attention kernels (an assert stops every later kernel of the stream)."""
+    attention kernels (an assert stops every later kernel of the stream). win_left: the window's left side
+    (-1: none). The block_table entries checked are those of the pages the kernels touch: the appended
+    positions and the keys some query may see (decode_check.py); a serving engine may free the others."""
     readable = _values_readable(seqlens)
     dev = seqlens.device
+    key_span = q.shape[1] + win_left if win_left >= 0 else -1  # keys before end - key_span are never read
     if not readable and _triton_checks(dev.type, dev.index):
         paged = block_table is not None
         flag = call(_decode_op.kvcache_check, seqlens, leftpad, batch_idx, block_table, Snew, capacity,
                     k_cache.shape[0], k_cache.shape[1] if paged else 1, cos.shape[0] if cos is not None else -1,
-                    q.shape[1] - 1 if q_moves and cos is not None else 0)
+                    q.shape[1] - 1 if q_moves and cos is not None else 0, key_span)
         torch._assert_async(flag, _ASSERT_MESSAGES[leftpad is not None, batch_idx is not None, paged,
                                                    cos is not None])
         return
@@ -377,7 +383,13 @@ def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Sne
                           "v are appended (two sequences would write the same cache row)", "cache_batch_idx")
     if block_table is not None:
         page = k_cache.shape[1]
-        used = torch.arange(block_table.shape[1], device=q.device)[None, :] * page < end[:, None]  # (B, pages)
+        first = leftpad.long() if leftpad is not None else torch.zeros_like(lens)  # the first key a query may see
+        if key_span >= 0:
+            first = torch.maximum(first, end - key_span)
+        if Snew:
+            first = torch.minimum(first, lens)  # the first appended position
+        cols = torch.arange(block_table.shape[1], device=q.device)[None, :]
+        used = (cols * page < end[:, None]) & ((cols + 1) * page > first[:, None])  # (B, pages) the pages touched
         bt = block_table.long()
         ok = ~used | ((bt >= 0) & (bt < k_cache.shape[0]))
         _check_values(ok, readable, lambda ok: (

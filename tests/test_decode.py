@@ -176,6 +176,48 @@ def test_batch_idx_and_leftpad():
              causal=True, splits=2)
 
 
+@pytest.mark.parametrize("lane", [False, True])
+@pytest.mark.parametrize("case", ["window", "leftpad", "window-append-more-than-sq"])
+def test_pages_the_kernels_never_touch_may_hold_anything(case, lane, monkeypatch):
+    """A serving engine frees the pages behind a sliding window or before the left padding (flash-attn never
+    reads them): their block_table entries may hold anything (-1, a huge index), and the call runs (the
+    interpreter's bounds check proves nothing there is read). An entry of a page the kernels touch is refused."""
+    monkeypatch.setattr(_decode_lane, "LANE", lane)
+    B, Sq, Hq, Hkv, D, page, cap = 3, 2, 4, 2, 16, 16, 128
+    Snew = 5 if case == "window-append-more-than-sq" else Sq
+    window = (-1, -1) if case == "leftpad" else (19, 0)
+    lens = torch.tensor([100, 77, 40], dtype=torch.int32)
+    leftpad = torch.tensor([70, 33, 17], dtype=torch.int32) if case == "leftpad" else None
+    end = lens.long() + Snew
+    first = leftpad.long() if leftpad is not None else end - Sq - window[0]
+    first = torch.minimum(first, lens.long())  # the appended positions are written
+    kc, vc, bt = make_cache(B, Hkv, D, cap, PRECISE_DTYPE, page, seed=int(torch.randint(2**31, ())))
+    bt = bt.cpu()
+    freed = torch.arange(bt.shape[1])[None, :] * page + page <= first[:, None]  # (B, pages) wholly before first
+    assert freed.sum(1).min() >= 1, freed  # every sequence has a freed page
+    bt[freed] = torch.tensor([-1, 10**6, -(2**30)]).repeat(B, bt.shape[1])[: B, : bt.shape[1]][freed].int()
+    bt = bt.to(DEVICE)
+    q = rand(B, Sq, Hq, D, dtype=PRECISE_DTYPE)
+    k, v = rand(B, Snew, Hkv, D, dtype=PRECISE_DTYPE), rand(B, Snew, Hkv, D, dtype=PRECISE_DTYPE)
+    lp = leftpad.to(DEVICE) if leftpad is not None else None
+    ref = loop_reference(q, kc, vc, k, v, lens=lens, leftpad=lp, block_table=bt.cpu(), causal=True, window=window)
+    kc0, vc0 = kc.clone(), vc.clone()
+    args = dict(cache_seqlens=lens.to(DEVICE), cache_leftpad=lp, block_table=bt, causal=True, window_size=window,
+                num_splits=2, return_softmax_lse=True)
+    for _ in range(2):  # (the second call: a lane's, where on)
+        kc.copy_(kc0), vc.copy_(vc0)
+        out, lse = flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, **args)
+        kce, vce = kc0.clone(), vc0.clone()
+        out_e, lse_e = flashtx.flash_attn_with_kvcache(q, kce, vce, k, v, backend="reference", **args)
+        assert_close_to_reference("out", out, ref[0].to(DEVICE), out_e)
+        assert_close_to_reference("lse", lse, ref[1].to(DEVICE), lse_e)
+        assert torch.equal(kc.cpu(), ref[2].to(PRECISE_DTYPE)) and torch.equal(vc.cpu(), ref[3].to(PRECISE_DTYPE))
+    touched = (~freed).int().argmax(1)  # each sequence's first page in use
+    bt[1, touched[1]] = -1
+    with pytest.raises(ValueError, match=rf"block_table\[1, {int(touched[1])}\] = -1 is not a page index"):
+        flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, **args)
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_a_cache_with_more_rows_than_the_batch_serves_its_first_rows(backend):
     """Without cache_batch_idx, sequence b uses cache row b (flash-attn's rule): a cache allocated for a larger
@@ -301,7 +343,8 @@ def _args(B=2, page=16):
      "k_cache is a nested tensor"),
     (lambda a: a.update(cache_seqlens=a["cache_seqlens"].to_sparse()), TypeError,
      "cache_seqlens has layout torch.sparse_coo"),
-    (lambda a: a.update(block_table=a["block_table"].to_sparse()), TypeError, "block_table has layout torch.sparse_coo"),
+    (lambda a: a.update(block_table=a["block_table"].to_sparse()), TypeError,
+     "block_table has layout torch.sparse_coo"),
 ])
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_bad_input_names_the_argument(change, error, match):

@@ -157,8 +157,9 @@ def test_the_flag_is_always_written(device_path):
 
 def test_kernel_and_host_agree_on_random_indices():
     """fd._check_ranges on the device path (check kernel) raises exactly when the host path does,
-    for random lengths, left pads, batch rows, tables, rotary tables and query counts (int32/int64)."""
-    g = torch.Generator().manual_seed(3)
+    for random lengths, left pads, batch rows, tables, windows (the pages checked), rotary tables and query
+    counts (int32/int64)."""
+    g, g_win = torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)
 
     def ri(lo, hi, *shape, dtype=torch.int32):
         return torch.randint(lo, hi, shape, generator=g).to(dtype)
@@ -177,6 +178,7 @@ def test_kernel_and_host_agree_on_random_indices():
         bidx = ri(-1, rows + 1, B, dtype=dtype) if not paged and trial % 2 else None
         bt = ri(-1, rows + 1, B, pages, dtype=dtype) if paged else None
         cos = torch.zeros(int(ri(1, capacity + 4)), 2) if trial % 5 else None
+        win_left = int(torch.randint(-1, 20, (), generator=g_win)) if trial % 3 else -1  # (its own draws)
         kc = torch.zeros(rows, page if paged else capacity, 1, 1)
         q = q4.expand(B, Sq, 1, 1)
         results = []
@@ -184,12 +186,13 @@ def test_kernel_and_host_agree_on_random_indices():
             with pytest.MonkeyPatch.context() as m:
                 m.setattr(fd, "_values_readable", lambda t: readable)
                 try:
-                    fd._check_ranges(q, kc, lens, bidx, leftpad, bt, cos, Snew, capacity, trial % 2 == 0)
+                    fd._check_ranges(q, kc, lens, bidx, leftpad, bt, cos, Snew, capacity, trial % 2 == 0, win_left)
                     results.append(True)
                 except (ValueError, RuntimeError) as e:
                     assert isinstance(e, ValueError if readable else RuntimeError)
                     results.append(False)
-        assert results[0] == results[1], (trial, lens, leftpad, bidx, bt, cos is not None and cos.shape, Snew, Sq)
+        assert results[0] == results[1], (trial, lens, leftpad, bidx, bt, cos is not None and cos.shape, Snew, Sq,
+                                          win_left)
         outcomes.append(results[0])
     assert 10 <= sum(outcomes) <= 50, sum(outcomes)  # both outcomes well represented
 
@@ -253,3 +256,29 @@ def test_decode_replays_launch_what_planning_would(device_path, splits, append):
     for (kernel, grid, args), w in zip(calls, want):
         assert kernel is w.kernel and grid == w.grid + (1,) * (3 - len(w.grid))  # (a replay's grid has 3 dims)
         assert same_launch_args(args, w.args), [k for k in args if not same_launch_args({k: args[k]}, {k: w.args[k]})]
+
+
+@pytest.mark.parametrize("case, Snew, Sq, win_left, leftpad, bad_page, ok", [
+    ("window: the pages before it are not read", 1, 1, 5, None, 0, True),
+    ("window: its first key's page is read", 1, 1, 5, None, 2, False),  # keys 35..40 (page 2 holds 32..47)
+    ("an append longer than the window writes pages before it", 20, 1, 5, None, 1, False),  # writes 21..40
+    ("left padding: the pages before it are not read", 1, 1, -1, 33, 1, True),
+    ("left padding past the old length: the appended pages are written", 10, 1, -1, 33, 1, False),  # writes 31..40
+])
+def test_the_pages_checked_are_those_the_kernels_touch(case, Snew, Sq, win_left, leftpad, bad_page, ok):
+    """One sequence of 41 keys after the append (16-row pages): a -1 block_table entry is refused exactly where
+    the append writes or a query may read its page, on the host and by the check kernel alike."""
+    lens = torch.tensor([41 - Snew], dtype=torch.int32)
+    lp = torch.tensor([leftpad], dtype=torch.int32) if leftpad is not None else None
+    bt = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    bt[0, bad_page] = -1
+    kc, q = torch.zeros(4, 16, 1, 1), torch.zeros(1, 1, 1, 1).expand(1, Sq, 1, 1)
+    for readable in (True, False):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(fd, "_values_readable", lambda t: readable)
+            try:
+                fd._check_ranges(q, kc, lens, None, lp, bt, None, Snew, 64, True, win_left)
+                passed = True
+            except (ValueError, RuntimeError):
+                passed = False
+        assert passed == ok, (case, readable)

@@ -10,8 +10,11 @@ append and attention kernels run (a device-side assert stops every later kernel 
 - 0 <= cache_leftpad[b] <= end_b;
 - 0 <= cache_batch_idx[b] < k_cache.shape[0], and, when k, v are appended to at most DISTINCT_MAX_B sequences,
   no row twice (two sequences would write one cache row);
-- 0 <= block_table[b, p] < num_pages (= k_cache.shape[0]) for every page the sequence uses
-  (p * page_size < end_b: entries past a sequence's length are never read, so they may hold anything);
+- 0 <= block_table[b, p] < num_pages (= k_cache.shape[0]) for every page the kernels touch: those that hold a
+  position in [first_b, end_b), where first_b is the first appended position (Snew > 0) or the first key a query
+  may see, whichever is lower: max(cache_leftpad[b], end_b - key_span) with key_span = Sq + the window's left
+  side (windowed), else cache_leftpad[b] (or 0). Other entries are never read, so they may hold anything (past a
+  sequence's length, or pages that a serving engine freed behind a sliding window or before the left padding);
 - the last rotated position, max(end_b - 1, cache_seqlens[b] + q_extra), is a row of the RoPE tables.
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ from .launch import LAUNCHES, Launch, target_for
 
 @triton.jit
 def _decode_check(FLAG, SEQLENS, LEFTPAD, BIDX, BT, B, SNEW, CAPACITY, ROWS, stride_btb, PAGES, PAGE, COS_ROWS,
-                  Q_EXTRA, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, LEFTPAD_ON: tl.constexpr,
+                  Q_EXTRA, KEY_SPAN, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, LEFTPAD_ON: tl.constexpr,
                   BATCH_IDX: tl.constexpr, DISTINCT: tl.constexpr, PAGED: tl.constexpr, ROTARY: tl.constexpr):
     """One program over the batch in BLOCK_B blocks (and each block's table in BLOCK_P columns)."""
     bad = tl.zeros([BLOCK_B], dtype=tl.int32)
@@ -36,9 +39,11 @@ def _decode_check(FLAG, SEQLENS, LEFTPAD, BIDX, BT, B, SNEW, CAPACITY, ROWS, str
         lens = tl.load(SEQLENS + offs, mask=live, other=0).to(tl.int64)
         end = lens + SNEW
         ok = (lens >= 0) & (end <= CAPACITY)
+        first = lens * 0  # the first position the kernels touch (the pages checked)
         if LEFTPAD_ON:
             lp = tl.load(LEFTPAD + offs, mask=live, other=0).to(tl.int64)
             ok = ok & (lp >= 0) & (lp <= end)
+            first = lp
         if BATCH_IDX:
             bi = tl.load(BIDX + offs, mask=live, other=0).to(tl.int64)
             ok = ok & (bi >= 0) & (bi < ROWS)
@@ -51,9 +56,13 @@ def _decode_check(FLAG, SEQLENS, LEFTPAD, BIDX, BT, B, SNEW, CAPACITY, ROWS, str
         if ROTARY:
             ok = ok & (tl.maximum(end - 1, lens + Q_EXTRA) < COS_ROWS)
         if PAGED:
+            first = tl.where(KEY_SPAN >= 0, tl.maximum(first, end - KEY_SPAN), first)  # (a window's first key)
+            first = tl.where(SNEW > 0, tl.minimum(first, lens), first)  # (the first appended position)
             for p0 in range(0, PAGES, BLOCK_P):
                 cols = p0 + tl.arange(0, BLOCK_P)
-                used = live[:, None] & (cols[None, :] < PAGES) & (cols[None, :].to(tl.int64) * PAGE < end[:, None])
+                start = cols[None, :].to(tl.int64) * PAGE  # (1, BLOCK_P) the pages' first positions
+                used = live[:, None] & (cols[None, :] < PAGES) & (start < end[:, None]) & \
+                    (start + PAGE > first[:, None])
                 pg = tl.load(BT + offs[:, None].to(tl.int64) * stride_btb + cols[None, :], mask=used,
                              other=0).to(tl.int64)  # (BLOCK_B, BLOCK_P)
                 page_bad = tl.where(used & ((pg < 0) | (pg >= ROWS)), 1, 0)
@@ -68,13 +77,13 @@ DISTINCT_MAX_B = 256
 
 
 def plan_check(flag, seqlens, leftpad, batch_idx, block_table, *, snew: int, capacity: int, rows: int, page: int,
-               cos_rows: int, q_extra: int, target=None) -> Launch:
+               cos_rows: int, q_extra: int, key_span: int = -1, target=None) -> Launch:
     """The check of seqlens (B,) [, leftpad (B,), batch_idx (B,), block_table (B, pages)] into flag (1,) int32.
 
     capacity: positions per sequence (cache length, or pages x page size); rows: k_cache.shape[0] (cache
     rows, or pages); page: the page size (paged caches); cos_rows: the RoPE tables' rows (-1: no tables);
-    q_extra: Sq - 1 when the queries are rotated at successive positions, else 0. Index tensors int32 or
-    int64, contiguous.
+    q_extra: Sq - 1 when the queries are rotated at successive positions, else 0; key_span: Sq + the window's
+    left side (-1: no window). Index tensors int32 or int64, contiguous.
     """
     B = seqlens.shape[0]
     paged = block_table is not None
@@ -89,7 +98,7 @@ def plan_check(flag, seqlens, leftpad, batch_idx, block_table, *, snew: int, cap
                 B=B, SNEW=snew, CAPACITY=capacity, ROWS=rows,
                 stride_btb=block_table.stride(0) if paged else 0, PAGES=pages,
                 PAGE=page if paged else 1, COS_ROWS=cos_rows if cos_rows >= 0 else 0,
-                Q_EXTRA=q_extra, BLOCK_B=block_b, BLOCK_P=block_p, LEFTPAD_ON=leftpad is not None,
+                Q_EXTRA=q_extra, KEY_SPAN=key_span, BLOCK_B=block_b, BLOCK_P=block_p, LEFTPAD_ON=leftpad is not None,
                 BATCH_IDX=batch_idx is not None, DISTINCT=batch_idx is not None and snew > 0 and B <= DISTINCT_MAX_B,
                 PAGED=paged,
                 ROTARY=cos_rows >= 0)
@@ -101,14 +110,14 @@ _ROLES = ("FLAG", "SEQLENS", "LEFTPAD", "BIDX", "BT")  # the kernel argument of 
 
 
 def decode_check(flag, seqlens, leftpad, batch_idx, block_table, *, snew: int, capacity: int, rows: int, page: int,
-                 cos_rows: int, q_extra: int) -> None:
+                 cos_rows: int, q_extra: int, key_span: int = -1) -> None:
     """Launch the check (see plan_check); nothing for an empty batch (flag stays as the caller set it)."""
     if seqlens.shape[0] == 0:
         return
-    LAUNCHES.run(("decode_check", seqlens.device, snew, capacity, rows, page, cos_rows, q_extra), _ROLES,
+    LAUNCHES.run(("decode_check", seqlens.device, snew, capacity, rows, page, cos_rows, q_extra, key_span), _ROLES,
                  (flag, seqlens, leftpad, batch_idx, block_table),
                  lambda: [plan_check(flag, seqlens, leftpad, batch_idx, block_table, snew=snew, capacity=capacity,
-                                     rows=rows, page=page, cos_rows=cos_rows, q_extra=q_extra)])
+                                     rows=rows, page=page, cos_rows=cos_rows, q_extra=q_extra, key_span=key_span)])
 
 
 def compile_plans(target) -> list:
