@@ -92,7 +92,8 @@ class KVCache:
         holes: True once a stored key mask is not left padding (see below).
 
     Create one per layer with ``MultiheadAttention.new_cache`` (or ``TransformerBlock.new_cache``);
-    ``reset()`` empties it for a new batch. Positions are shared by the batch: with left padding,
+    ``reset()`` empties it for a new batch, ``crop(n)`` keeps its first n positions (speculative decoding's
+    rollback). Positions are shared by the batch: with left padding,
     every sequence's first real token sits at its own position, which RoPE does not notice (it
     only sees relative positions) and ``leftpad`` hides the padding from flash_attn_with_kvcache.
     A key mask whose row has padding after a real token (right padding followed by more tokens,
@@ -159,6 +160,29 @@ class KVCache:
         self.padded = self.filled = self.holes = False
         self._ends = None
         self._host_length = 0
+        return self
+
+    def crop(self, length: int) -> "KVCache":
+        """Keep positions [0, length) and drop the rest, e.g. the draft tokens that speculative decoding
+        rejected (transformers' DynamicCache.crop): the next call writes at `length`. A negative length
+        drops that many positions from the end. Eager, between steps (with no host count, after a
+        compiled or captured step, it reads `length`: a sync on a GPU); a self-attention cache only (a
+        cross-attention memory is stored whole: reset() it)."""
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral):
+            raise TypeError(f"KVCache.crop: length must be an int; got {type(length).__name__}")
+        if self.filled:
+            raise ValueError("KVCache.crop: this cache holds a cross-attention memory, which is stored whole; "
+                             "reset() it instead")
+        held = self._host_length if self._host_length is not None else int(self.length)
+        new = held + int(length) if length < 0 else int(length)
+        if not 0 <= new <= held:
+            raise ValueError(f"KVCache.crop: length must be in [-{held}, {held}] (the cache holds {held} positions); "
+                             f"got {length}")
+        self.length.fill_(new)
+        self.key_mask[:, new:] = True  # positions past `length` hold True, as since reset()
+        self.leftpad.clamp_(max=new)  # a row whose real tokens were all dropped holds none again
+        if self._host_length is not None:
+            self._host_length = new
         return self
 
     def _claim(self, S: int) -> None:
@@ -264,7 +288,8 @@ class PagedKVCache:
 
     Pages are handed out on the host: `allocate(b, n)` makes sequence b able to hold n tokens,
     `free(b)` returns its pages and empties it (continuous batching: a finished sequence's slot is
-    refilled). In eager mode MultiheadAttention allocates on demand; a step traced by torch.compile
+    refilled), `crop(lengths)` drops each sequence's tokens past its length (speculative decoding's
+    rollback). In eager mode MultiheadAttention allocates on demand; a step traced by torch.compile
     or captured in a CUDA graph cannot, so allocate the pages first (`allocate_all(max_len)`).
     Writing past a sequence's pages fails (ValueError on CPU, a device-side assert on a GPU).
 
@@ -373,6 +398,38 @@ class PagedKVCache:
         for b in range(self.batch_size):
             self.free(b)
         self._host_lens = [0] * self.batch_size
+        return self
+
+    def crop(self, lengths) -> "PagedKVCache":
+        """Keep each sequence's first lengths[b] tokens and drop the rest, e.g. the draft tokens that speculative
+        decoding rejected: sequence b's next token is written at lengths[b]. lengths: an int for every sequence
+        (a negative int drops that many tokens from each), or B ints (a list, tuple or (B,) int tensor), each in
+        [0, seqlens[b]]. Pages stay with their sequences (free() returns them). Eager, between steps (with no
+        host count, after a compiled or captured step, it reads `seqlens`: a sync on a GPU)."""
+        held = list(self._host_lens) if self._host_lens is not None else self.seqlens.tolist()
+        B = self.batch_size
+        if isinstance(lengths, numbers.Integral) and not isinstance(lengths, bool):
+            new = [n + int(lengths) if lengths < 0 else int(lengths) for n in held]
+        else:
+            if isinstance(lengths, Tensor):
+                if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.dim() != 1:
+                    raise TypeError(f"PagedKVCache.crop: lengths must be an int or ({B},) ints; got a tensor of "
+                                    f"dtype {lengths.dtype} and shape {tuple(lengths.shape)}")
+                lengths = lengths.tolist()
+            if not isinstance(lengths, (list, tuple)) or len(lengths) != B or \
+                    any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in lengths):
+                raise TypeError(f"PagedKVCache.crop: lengths must be an int or {B} ints (one per sequence); "
+                                f"got {lengths!r}")
+            new = [int(n) for n in lengths]
+        for b, (n, h) in enumerate(zip(new, held)):
+            if not 0 <= n <= h:
+                raise ValueError(f"PagedKVCache.crop: sequence {b} holds {h} tokens, so it can keep 0 to {h}; "
+                                 f"got {n}")
+        new_t = torch.tensor(new, dtype=torch.int32, device=self.seqlens.device)
+        self.seqlens.copy_(new_t)
+        torch.minimum(self.leftpad, new_t, out=self.leftpad)  # a sequence whose real tokens were all dropped
+        if self._host_lens is not None:
+            self._host_lens = new
         return self
 
     def _claim(self, S: int, keep: list[int] | None = None) -> None:
