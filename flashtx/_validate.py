@@ -329,7 +329,7 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name:
     if not _values_readable(cu):
         check_cu_seqlens_on_device([(name, cu, total, total_name, max_seqlen, max_name, exact)])
         return
-    lens = cu[1:] - cu[:-1]  # (nseq,)
+    lens = cu[1:].long() - cu[:-1]  # (nseq,) in int64: int32 differences of far-apart entries would wrap
     allowed = (f"cumulative sequence lengths starting at 0, non-decreasing, ending at {'' if exact else 'most '}"
                f"{total_name} = {total}")
     if int(cu[0]) != 0:
@@ -401,7 +401,7 @@ def check_cu_seqlens_on_device(specs: list) -> None:
                                              [_cu_message(s[0], s[2], s[3], s[5], s[6]) for s in specs])
             return
     for name, cu, total, total_name, max_seqlen, max_name, exact in specs:
-        lens = cu[1:] - cu[:-1]  # (nseq,)
+        lens = cu[1:].long() - cu[:-1]  # (nseq,) in int64 (int32 differences would wrap)
         ok = (cu[0] == 0) & ((cu[-1] == total) if exact else (cu[-1] <= total)) & (lens >= 0).all()
         if max_name is not None and lens.numel():
             ok = ok & (lens.max() <= max_seqlen)

@@ -374,6 +374,9 @@ CU_VALUE_ERRORS = [
     ("cu-negative-start", dict(cu_seqlens_q=[-4, 4, 10]), r"cu_seqlens_q\[0\] must be 0 .*got -4"),
     ("cu-decreasing", dict(cu_seqlens_k=[0, 7, 3, 10]), r"cu_seqlens_k must be non-decreasing.*"
      r"got cu_seqlens_k\[1\] = 7 > cu_seqlens_k\[2\] = 3"),
+    # int32 differences wrap to three lengths >= 0 that sum to 10: checked in int64 (it ran the kernels out of bounds)
+    ("cu-wraps-int32", dict(cu_seqlens_k=[0, 1431655769, -1431655758, 10]), r"cu_seqlens_k must be non-decreasing.*"
+     r"got cu_seqlens_k\[1\] = 1431655769 > cu_seqlens_k\[2\] = -1431655758"),
     ("max-seqlen-q-small", dict(max_seqlen_q=5), r"max_seqlen_q = 5 is less than the longest sequence in "
      r"cu_seqlens_q \(sequence 1: 6 rows\); it must be at least 6"),
     ("max-seqlen-k-small-tensor", dict(max_seqlen_k=torch.tensor(2)), r"max_seqlen_k = 2 is less than the longest"),
@@ -392,19 +395,27 @@ def test_bad_cu_seqlens_values_get_a_clear_error(bad, pattern):
         flashtx.flash_attn_varlen_func(q, k, v, **args)
 
 
-def test_cu_seqlens_values_are_checked_on_device_without_a_sync(monkeypatch):
+@pytest.mark.parametrize("triton_check", [True, False], ids=["check-kernel", "torch-ops"])
+def test_cu_seqlens_values_are_checked_on_device_without_a_sync(triton_check, monkeypatch):
     """Where values cannot be read for free (CUDA tensors, torch.compile), the same checks run
-    through torch._assert_async: on CPU it raises at once, which is what this shows."""
+    through torch._assert_async: on CPU it raises at once, which is what this shows. The check kernel, or
+    torch ops where Triton cannot run on the device."""
+    import flashtx._device_checks as device_checks
     import flashtx._validate as validate
 
     monkeypatch.setattr(validate, "_values_readable", lambda t: False)
+    if not triton_check:
+        monkeypatch.setattr(device_checks, "triton_checks", lambda *a: False)
     q, k, v = (torch.randn(10, 2, 16, dtype=torch.float64) for _ in range(3))
     good = torch.tensor([0, 4, 10], dtype=torch.int32)
     flashtx.flash_attn_varlen_func(q, k, v, good, good, 6, 6)  # passes
-    for cu, m in (([0, 4, 20], 6), ([0, 7, 3], 7), ([0, 4, 10], 5)):
+    wraps = [0, 1431655769, -1431655758, 10]  # int32 differences >= 0 that sum to 10 (a tensor bound: not clamped)
+    for cu, m in (([0, 4, 20], 6), ([0, 7, 3], 7), ([0, 4, 10], 5), (wraps, torch.tensor(2**40))):
         with pytest.raises(RuntimeError, match="flashtx: cu_seqlens_q must start at 0, never decrease and end at "
                                                "total_q"):
-            flashtx.flash_attn_varlen_func(q, k, v, torch.tensor(cu, dtype=torch.int32), good, m, 6)
+            flashtx.flash_attn_varlen_func(q, k, v, torch.tensor(cu, dtype=torch.int32),
+                                           good if len(cu) == 3 else torch.tensor([0, 3, 6, 10], dtype=torch.int32),
+                                           m, 6)
 
 
 def test_reference_backend_takes_every_mask():
