@@ -173,6 +173,16 @@ def _padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_l
                 query_mask=check_seq_mask("query_mask", query_mask, B, Sq, q), q_lens=q_lens, kv_lens=kv_lens)
 
 
+# flash-attn computes the probabilities of return_attn_probs only with dropout (S_dmask is None without): tests set
+# this to see them without dropout too (the same kernel, flashtx::attn_probs)
+PROBS_WITHOUT_DROPOUT = False
+
+
+def _with_probs(mods: dict) -> bool:
+    """Whether a call with return_attn_probs and these _score_mods returns the probabilities (flash-attn's rule)."""
+    return PROBS_WITHOUT_DROPOUT or mods.get("dropout_p", 0.0) > 0.0
+
+
 def _score_mods(batch, heads, q, *, dropout_p=0.0, softcap=0.0, alibi_slopes=None) -> dict:
     """Validated score-modifier keywords of _run (batch and query heads for ALiBi's slopes)."""
     if alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0 and type(softcap) is float and (
@@ -347,9 +357,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softcap: > 0: scores s -> softcap * tanh(s / softcap), as flash-attn's.
         alibi_slopes: (Hq,) or (B, Hq) float32: adds -slope * |i + Sk - Sq - j| (bottom-right).
         deterministic: accepted; flashtx's backward is always deterministic (no atomics).
-        return_attn_probs: also return (softmax_lse (B, Hq, Sq) natural log, probs (B, Hq, Sq, Sk)
-            float32) as flash-attn does for tests: probs are P with entries dropped by dropout
-            negated. O(Sq * Sk) memory: for tests and small sizes; probs are not differentiable.
+        return_attn_probs: also return (softmax_lse (B, Hq, Sq) natural log, probs), as flash-attn:
+            probs only with dropout_p > 0 (else None: the usual way to get the lse costs no O(Sq * Sk)
+            tensor), (B, Hq, Sq, Sk) float32, P with the entries dropout dropped negated, for tests and
+            small sizes; not differentiable.
         backend: as in flashtx.attention.
         key_mask, query_mask: (B, Sk) / (B, Sq) bool, True = real token (keyword-only).
         kv_lens, q_lens: (B,) int valid lengths, right padding (keyword-only). The causal/window
@@ -402,12 +413,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             return out
     bias = None if attn_bias is None else check_attn_mask(
         "attn_bias", attn_bias, (B,), Hq, Sq, Sk, q, lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)}")
-    probs = return_attn_probs is not None and check_flag("return_attn_probs", return_attn_probs)  # (None: False)
+    lse = return_attn_probs is not None and check_flag("return_attn_probs", return_attn_probs)  # (None: False)
+    mods = _score_mods(B, Hq, q, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
+    probs = lse and _with_probs(mods)
     res = _run(q, k, v, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
-               return_lse=probs, return_probs=probs, bias=bias, bshd=True, lane=lane,
-               **_padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens),
-               **_score_mods(B, Hq, q, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes))
-    return res  # out (B, Sq, Hq, Dv) [, lse (B, Hq, Sq), probs (B, Hq, Sq, Sk)]
+               return_lse=lse, return_probs=probs, bias=bias, bshd=True, lane=lane,
+               **_padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_lens), **mods)
+    return (*res, None) if lse and not probs else res  # out (B, Sq, Hq, Dv) [, lse (B, Hq, Sq), probs | None]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -429,8 +441,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         causal, window_size: as flash_attn_func, aligned bottom-right per sequence.
         dropout_p, softcap, alibi_slopes ((Hq,) or (nseq, Hq)), softmax_scale, deterministic,
             backend: as flash_attn_func, per sequence.
-        return_attn_probs: also return (softmax_lse (Hq, total_q), probs (nseq, Hq, max_seqlen_q,
-            max_seqlen_k)), as flash-attn, for tests (tensor max_seqlens are then read: a host sync).
+        return_attn_probs: also return (softmax_lse (Hq, total_q), probs), as flash-attn: probs only
+            with dropout_p > 0 (else None), (nseq, Hq, max_seqlen_q, max_seqlen_k), for tests (tensor
+            max_seqlens are then read: a host sync).
         block_table: None, or (nseq, max_pages_per_seq) int32 for keys and values in a paged cache, as
             flash-attn >= 2.6: k, v are then (num_blocks, page_block_size, Hkv, D|Dv) and position j of
             sequence b (cu_seqlens_k[b+1] - cu_seqlens_k[b] keys) is row j % page_block_size of page
@@ -487,7 +500,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     check_cu_seqlens_pair((n_cuq, cuq, q.shape[0], n_tq, msq, n_msq, True),
                           (n_cuk, cuk, k.shape[0], n_tk if block_table is None else
                            "the rows block_table can hold", msk, n_msk, block_table is None))
-    probs = return_attn_probs is not None and check_flag("return_attn_probs", return_attn_probs)  # (None: False)
+    lse = return_attn_probs is not None and check_flag("return_attn_probs", return_attn_probs)  # (None: False)
+    mods = _score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
+                       alibi_slopes=alibi_slopes) if lse else None  # (a lane's call: checked after it)
+    probs = lse and _with_probs(mods)
     if probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
         msq, msk = int(msq), int(msk)
     # The kernels' grids span max_seqlen rows per sequence: bounded by the total (a larger bound only adds
@@ -496,22 +512,21 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     msq = q.shape[0] if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
     msk = k.shape[0] if isinstance(msk, torch.Tensor) else min(msk, k.shape[0])
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
-    if (not probs and alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0
+    if (not lse and alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0
             and type(causal) is bool and (backend is None or type(backend) is str)):
         out = _attention_lane.varlen(q, k, v, cuq, cuk, msq, msk, scale, causal, _lane_window(window_size),
                                      _lane_softcap(softcap), backend)  # planned once per signature
         if out is not None:
             return out
     res = _run(q4, k4, v4, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
-               return_lse=probs, return_probs=probs,
+               return_lse=lse, return_probs=probs,
                window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
                max_seqlen_q=msq, max_seqlen_k=msk, bshd=True,
-               **_score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
-                             alibi_slopes=alibi_slopes))
+               **(mods if mods is not None else _score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p,
+                                                            softcap=softcap, alibi_slopes=alibi_slopes)))
     # squeeze, not [0]: select's backward writes the gradient into a zero-filled (1, total, H, D) copy
-    if return_attn_probs:
-        out, lse, probs = res
-        return out.squeeze(0), lse.squeeze(0), probs  # (total_q, Hq, Dv), (Hq, total_q), (nseq, Hq, Mq, Mk)
+    if lse:  # (total_q, Hq, Dv), (Hq, total_q), (nseq, Hq, Mq, Mk) or None (flash_attn_func's rule)
+        return res[0].squeeze(0), res[1].squeeze(0), res[2] if probs else None
     return res.squeeze(0)  # (total_q, Hq, Dv)
 
 

@@ -300,7 +300,8 @@ def cases() -> dict:
         return flashtx.attention(q, k, v, dropout_p=0.1, is_causal=True).float().sum()
 
     def probs(q, k, v):
-        out, lse, p = flashtx.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        out, lse, p = flashtx.flash_attn_func(q, k, v, dropout_p=0.1, causal=True, return_attn_probs=True)  # (p: None
+        # without dropout, as flash-attn's)
         return out.float().sum() + lse.sum() + p.float().sum()
 
     cos, sin = (torch.randn(64, 8) for _ in range(2))

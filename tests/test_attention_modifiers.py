@@ -187,9 +187,19 @@ def test_dropout_equals_reference_with_the_kernels_own_mask(causal, extra):
     assert 0.15 < dropped.sum() / vis[:, None].expand_as(probs).sum() < 0.35  # about p of the visible entries
 
 
-def test_return_attn_probs_without_dropout_are_the_softmax():
+def test_return_attn_probs_without_dropout_are_the_softmax(monkeypatch):
+    """flash-attn returns no probabilities without dropout (None: its way to the lse costs no O(Sq * Sk) tensor);
+    the kernel's probabilities (what tests read with PROBS_WITHOUT_DROPOUT) are the softmax."""
     q, k, v = _flash_qkv(sq=30, sk=41, dtype=PRECISE_DTYPE, requires_grad=False)  # float32 on a GPU
+    out0, lse0, none = flashtx.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, backend="triton")
+    assert none is None
+    cu = torch.tensor([0, 30], dtype=torch.int32, device=DEVICE)
+    cuk = torch.tensor([0, 41], dtype=torch.int32, device=DEVICE)
+    res = flashtx.flash_attn_varlen_func(q[0], k[0], v[0], cu, cuk, 30, 41, causal=True, return_attn_probs=True)
+    assert len(res) == 3 and res[2] is None and res[1].shape == (HQ, 30)
+    monkeypatch.setattr(flashtx.functional, "PROBS_WITHOUT_DROPOUT", True)
     out, lse, probs = flashtx.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, backend="triton")
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
     q, k, v = (t.double() for t in (q, k, v))  # the reference in float64
     ref_out, ref_lse = reference.attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, bottom_right=True,
                                            return_lse=True)
@@ -229,7 +239,8 @@ def test_dropout_in_the_sdpa_shell_and_the_reference_backend():
 
 
 @pytest.mark.skipif(ON_GPU, reason="float64 comparison of the two backends runs in the interpreter")
-def test_varlen_with_softcap_alibi_matches_the_reference_backend():
+def test_varlen_with_softcap_alibi_matches_the_reference_backend(monkeypatch):
+    monkeypatch.setattr(flashtx.functional, "PROBS_WITHOUT_DROPOUT", True)  # (flash-attn's: none without dropout)
     torch.manual_seed(49)
     cu_q = torch.tensor([0, 17, 18, 40], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 25, 31, 52], dtype=torch.int32, device=DEVICE)

@@ -254,7 +254,8 @@ def test_attention_leading_dims_and_broadcast_masks(seed):
 
 # --------------------------------------------------------------------------------------------- varlen
 @pytest.mark.parametrize("seed", [3001, 3012, 3027, 3040, 3056, 3071, 3088, 3095])
-def test_varlen_random_combination(seed, kernel_paths):
+def test_varlen_random_combination(seed, kernel_paths, monkeypatch):
+    monkeypatch.setattr(flashtx.functional, "PROBS_WITHOUT_DROPOUT", True)  # (flash-attn's: none without dropout)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     n = rng.choice([1, 2, 3, 4])

@@ -105,7 +105,11 @@ def _attention_modifiers():
                                   alibi_slopes=slopes, key_mask=keep.to(DEVICE))
     grads = torch.autograd.grad(out, (q, k, v), _randn(*out.shape, seed=40))
     with torch.no_grad():
-        probs = flashtx.flash_attn_func(q, k, v, causal=True, softcap=3.0, return_attn_probs=True)
+        flashtx.functional.PROBS_WITHOUT_DROPOUT = True  # (flash-attn's: none without dropout)
+        try:
+            probs = flashtx.flash_attn_func(q, k, v, causal=True, softcap=3.0, return_attn_probs=True)
+        finally:
+            flashtx.functional.PROBS_WITHOUT_DROPOUT = False
     return (out, *grads, *probs)
 
 
