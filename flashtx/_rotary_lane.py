@@ -37,6 +37,7 @@ LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every 
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
 _NO_INDEX = (None, None, None)  # offsets, position_ids, cu_seqlens
 _INC_VERSION = torch.autograd.graph.increment_version
+_INFERENCE_MODE = torch.is_inference_mode_enabled
 
 
 class _Lane:
@@ -176,8 +177,10 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjug
         qo, ko = torch.empty_like(q), torch.empty_like(k)
         lane.fire(q, qo, k, ko, cos, sin)
         return qo, ko
-    if (k is not None and not disjoint and views_overlap(q, k)) or shares_tables(q, k, *tables):
-        return None  # refused (inplace=True) or rotated out of place (None, or over the tables) by the general path
+    if (k is not None and not disjoint and views_overlap(q, k)) or shares_tables(q, k, *tables) or \
+            (not _INFERENCE_MODE() and (q.is_inference() or (k is not None and k.is_inference()))):
+        return None  # refused (inplace=True) or rotated out of place (None, or over the tables, or an inference
+        # tensor outside inference mode) by the general path
     lane.fire(q, q, k, k, cos, sin)
     _INC_VERSION(q)  # as flashtx._library.call does for the in-place op
     if k is not None:

@@ -64,10 +64,16 @@ def _records_grad(q: Tensor, k: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
 
 
+def _inference_outside(q: Tensor, k: Optional[Tensor]) -> bool:
+    """Whether q or k is an inference tensor while inference mode is off: torch refuses in-place updates there."""
+    return not torch.is_inference_mode_enabled() and (q.is_inference() or (k is not None and k.is_inference()))
+
+
 def _inplace_allowed(q: Tensor, k: Optional[Tensor]) -> bool:
     """inplace=None: rotate in place when autograd records nothing (inference, no_grad) and the memory
-    allows it; under torch.compile the functional op is used (its overlap test reads pointers)."""
-    if torch.compiler.is_compiling() or _records_grad(q, k):
+    allows it (and torch would: not an inference tensor outside inference mode); under torch.compile the
+    functional op is used (its overlap test reads pointers)."""
+    if torch.compiler.is_compiling() or _records_grad(q, k) or _inference_outside(q, k):
         return False
     if has_internal_overlap(q) or (k is not None and (has_internal_overlap(k) or views_overlap(q, k))):
         return False
@@ -82,6 +88,10 @@ def _rotate_inplace(q, k, cos, sin, index, spec, backend: str, track: bool) -> N
     keeps, not x. So too for q or k that shares memory with the tables."""
     compiling = torch.compiler.is_compiling()  # (overlaps, of q and k or with the tables, cannot be tested then)
     _refuse_overlap(q, k, compiling)
+    if not compiling and _inference_outside(q, k):
+        raise RuntimeError("inplace=True: an in-place update to an inference tensor outside InferenceMode is not "
+                           "allowed (torch refuses it too); rotate under torch.inference_mode(), or pass "
+                           "inplace=False")
     if not track and not compiling and not _rotary_lane.shares_tables(q, k, cos, sin):
         call(rotary_inplace_op, q, k, cos, sin, index, spec, backend)
         return
@@ -336,12 +346,13 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
 
     x: (B, S, H, D), or packed (total, H, D) with cu_seqlens / max_seqlen; cos, sin: (seqlen_ro, rotary_dim / 2);
     seqlen_offsets: int or (B,) int tensor. Returns x rotated (x itself when inplace), as apply_rotary.
+    max_seqlen is ignored without cu_seqlens, as flash-attn's (apply_rotary refuses it there).
 
     Example:
         >>> q = flashtx.apply_rotary_emb(q, cos, sin, False, False, cache_len)   # flash-attn's positional call
     """
     return apply_rotary(x, cos, sin, interleaved=interleaved, inplace=inplace, seqlen_offsets=seqlen_offsets,
-                        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                        cu_seqlens=cu_seqlens, max_seqlen=None if cu_seqlens is None else max_seqlen)
 
 
 def apply_rotary_qk(q, k, cos, sin, *, interleaved=False, seqlen_offsets=0, position_ids=None, cu_seqlens=None,
@@ -413,8 +424,11 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, 
             raise TypeError(f"apply_rotary_pos_emb got unsqueeze_dim twice: {position_ids!r} as the fifth argument "
                             f"(transformers 5's position) and unsqueeze_dim={unsqueeze_dim!r}")
         position_ids, unsqueeze_dim = None, position_ids
+    if unsqueeze_dim in (-3, -2) and type(unsqueeze_dim) is int:  # as transformers' cos.unsqueeze(unsqueeze_dim)
+        unsqueeze_dim += 4
     if unsqueeze_dim not in (1, 2):
-        raise ValueError(f"unsqueeze_dim must be 1 ((B, H, S, D) q/k) or 2 ((B, S, H, D)); got {unsqueeze_dim!r}")
+        raise ValueError(f"unsqueeze_dim must be 1 (or -3: (B, H, S, D) q/k) or 2 (or -2: (B, S, H, D)); "
+                         f"got {unsqueeze_dim!r}")
     layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
     for n, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         check_tensor(n, t)
@@ -423,6 +437,13 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, 
                          f"got shape {tuple(cos.shape)}")
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape; got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if q.dim() == 4:  # (checks apply_rotary_qk makes too, naming the tables the caller passed, not their halves)
+        if cos.dim() == 3 and cos.shape[0] not in (1, q.shape[0]):
+            raise ValueError(f"cos/sin (B, S, rotary_dim) must have batch size 1 or q's {q.shape[0]}; got shape "
+                             f"{tuple(cos.shape)}")
+        if cos.shape[-1] > q.shape[-1]:
+            raise ValueError(f"cos/sin's rotary_dim = cos.shape[-1] = {cos.shape[-1]} must be at most the head dim "
+                             f"{q.shape[-1]} of q {tuple(q.shape)}")
     half = cos.shape[-1] // 2
     cos_h, sin_h = cos[..., :half], sin[..., :half]  # views: the halves are duplicates
     if cos.dim() == 3:

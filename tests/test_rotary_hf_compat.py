@@ -118,3 +118,62 @@ def test_partial_rotary_factor_of_a_transformers_config_is_refused():
     cos, _ = GPTNeoXRotaryEmbedding(cfg)(torch.zeros(1), torch.arange(6)[None])
     assert cos.shape[-1] == 8
     torch.testing.assert_close(rope.cos_sin(6)[0], cos[0, :, :4], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", DROP_INS)
+@pytest.mark.parametrize("dim", [-3, -2])
+def test_negative_unsqueeze_dim_as_transformers(name, dim):
+    """transformers unsqueezes cos/sin at unsqueeze_dim: -3 is 1 ((B, H, S, D) q/k), -2 is 2 ((B, S, H, D))."""
+    shape = (2, 3, 5, 8) if dim == -3 else (2, 5, 3, 8)  # (B, H, S, D) or (B, S, H, D)
+    q, k = randn(*shape), randn(*shape)
+    cos, sin = hf_cos_sin(5, 8)
+    got = DROP_INS[name](q, k, cos, sin, unsqueeze_dim=dim)
+    want = hf5_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=dim)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"unsqueeze_dim must be 1 \(or -3"):
+        DROP_INS[name](q, k, cos, sin, unsqueeze_dim=-1)
+
+
+def test_table_errors_name_the_tables_given():
+    """The checks read the caller's full-width tables: an error names their shape, not the half it reads."""
+    q, k = randn(2, 3, 5, 8), randn(2, 1, 5, 8)
+    c = randn(3, 5, 8)
+    with pytest.raises(ValueError, match=r"batch size 1 or q's 2; got shape \(3, 5, 8\)"):
+        flashtx.apply_rotary_pos_emb(q, k, c, c)
+    c = randn(2, 5, 12)
+    with pytest.raises(ValueError, match=r"rotary_dim = cos.shape\[-1\] = 12 must be at most the head dim 8"):
+        flashtx.apply_rotary_pos_emb(q, k, c, c)
+
+
+def test_max_seqlen_without_cu_seqlens_is_ignored_as_flash_attn():
+    x = randn(2, 5, 3, 8)
+    cos, sin = (randn(16, 4) for _ in range(2))
+    want = flashtx.apply_rotary_emb(x, cos, sin)
+    torch.testing.assert_close(flashtx.apply_rotary_emb(x, cos, sin, False, False, 0, None, 5), want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("qk", [False, True])
+def test_inference_tensors_outside_inference_mode_are_not_rotated_in_place(qk):
+    """torch refuses in-place updates of inference tensors outside inference mode: inplace=True says so (nothing
+    written), inplace=None (nn.RotaryEmbedding's default) rotates out of place; inside inference mode both are in
+    place."""
+    with torch.inference_mode():
+        x, y = randn(2, 5, 3, 8), randn(2, 5, 3, 8)
+    cos, sin = (randn(16, 4) for _ in range(2))
+    x0, y0 = x.clone(), y.clone()
+
+    def rotate(inplace):
+        if qk:
+            return flashtx.apply_rotary_qk(x, y, cos, sin, inplace=inplace)
+        return flashtx.apply_rotary(x, cos, sin, inplace=inplace), None
+
+    with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
+        rotate(True)
+    for _ in range(2):  # (the second: a lane's call)
+        xr, yr = rotate(None)
+        assert torch.equal(x, x0) and torch.equal(y, y0) and xr is not x
+        torch.testing.assert_close(xr, flashtx.apply_rotary(x0, cos, sin), atol=0, rtol=0)
+    with torch.inference_mode():
+        for _ in range(2):
+            assert rotate(True)[0] is x
