@@ -37,6 +37,13 @@ def unpage(k_cache, v_cache, block_table, cu_seqlens_k: torch.Tensor, q: torch.T
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k and v must have the same (num_blocks, page_block_size, Hkv); got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
+    if q.dim() == 3:  # (what the packed call's checks find too, but with the caches' shapes, not the gathered rows')
+        if k_cache.shape[3] != q.shape[2]:
+            raise ValueError(f"k must have q's head dim {q.shape[2]}; got k {tuple(k_cache.shape)} (num_blocks, "
+                             f"page_block_size, Hkv, D)")
+        if k_cache.shape[2] == 0 or q.shape[1] % k_cache.shape[2]:
+            raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of k's heads ({k_cache.shape[2]}); got q "
+                             f"{tuple(q.shape)} and k {tuple(k_cache.shape)} (num_blocks, page_block_size, Hkv, D)")
     nseq = cu_seqlens_k.shape[0] - 1
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
         got = f"dtype {block_table.dtype}" if isinstance(block_table, torch.Tensor) else type(block_table).__name__

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ._packing import unbind
 from ._validate import check_tensor
-from .functional import _varlen, flash_attn_func, flash_attn_varlen_func
+from .functional import _VARLEN_NAMES, _varlen, flash_attn_func
 
 
 def _unpack(name: str, t, dim: int, parts: int, layout: str):
@@ -137,9 +137,14 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """
     k, v = _unpack("kv", kv, 1, 2, "(total, 2, H, D)")
     _check_kv(q, kv, False, kwargs)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs, **kwargs)
+    backend = kwargs.pop("backend", None)
+    if kwargs:
+        raise TypeError(f"flash_attn_varlen_kvpacked_func() got an unexpected keyword argument '{next(iter(kwargs))}'")
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                   window_size, softcap, alibi_slopes, return_attn_probs, None, backend, _KVPACKED_NAMES)
+
+
+_KVPACKED_NAMES = (*_VARLEN_NAMES[:5], "total_k (kv.shape[0])")  # (varlen's, kv named)
 
 
 __all__ = ["flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",

@@ -165,6 +165,10 @@ def test_varlen_paged_shared_prefix_pages_and_gradients():
     ("cu-decreasing", ValueError, r"cu_seqlens_k must be non-decreasing"),
     ("max-seqlen-short", ValueError, r"max_seqlen_k = 5 is less than the longest sequence in cu_seqlens_k "
                                      r"\(sequence 1: 6 keys\); it must be at least 6"),
+    # the caches named with the shapes passed (not the gathered rows')
+    ("cache-heads", ValueError, r"q's heads \(2\) must be a multiple of k's heads \(3\); got q \(6, 2, 16\) and k "
+                                r"\(6, 4, 3, 16\)"),
+    ("cache-head-dim", ValueError, r"k must have q's head dim 16; got k \(6, 4, 2, 8\)"),
 ])
 def test_bad_paged_varlen_calls_name_the_argument(case, error, pattern):
     q = randn(6, 2, 16)
@@ -189,6 +193,10 @@ def test_bad_paged_varlen_calls_name_the_argument(case, error, pattern):
         vc = vc.to("meta")
     if case == "cu-start":
         cuk = torch.tensor([-3, 5, 11], dtype=torch.int32, device=DEVICE)
+    if case == "cache-heads":
+        kc, vc = randn(6, 4, 3, 16), randn(6, 4, 3, 16)
+    if case == "cache-head-dim":
+        kc = randn(6, 4, 2, 8)
     if case == "cu-decreasing":  # every sequence fits its table: the values' own check names the entry
         cuk = torch.tensor([0, 9, 5], dtype=torch.int32, device=DEVICE)
     with pytest.raises(error, match=pattern):

@@ -99,6 +99,15 @@ def test_varlen_packed_forms_match_the_unpacked_varlen_call():
     (lambda: flashtx.flash_attn_varlen_qkvpacked_func(randn(8, 3, 4, 16), torch.tensor([0, 8], dtype=torch.int32),
                                                       8, nonsense=1),
      r"unexpected keyword argument 'nonsense'"),
+    # the varlen kv form's total is kv's
+    (lambda: flashtx.flash_attn_varlen_kvpacked_func(randn(8, 4, 16), randn(7, 2, 4, 16),
+                                                     torch.tensor([0, 8], dtype=torch.int32),
+                                                     torch.tensor([0, 8], dtype=torch.int32), 8, 8),
+     r"^cu_seqlens_k\[-1\] must equal total_k \(kv.shape\[0\]\) = 7"),
+    (lambda: flashtx.flash_attn_varlen_kvpacked_func(randn(8, 4, 16), randn(8, 2, 4, 16),
+                                                     torch.tensor([0, 8], dtype=torch.int32),
+                                                     torch.tensor([0, 8], dtype=torch.int32), 8, 8, nonsense=1),
+     r"flash_attn_varlen_kvpacked_func\(\) got an unexpected keyword argument 'nonsense'"),
 ])
 def test_bad_packing_gets_a_clear_error(call, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
