@@ -1,7 +1,7 @@
-"""KVCache.crop / PagedKVCache.crop: speculative decoding's rollback. A step of draft tokens, the rejected ones
-cropped, then more steps: every kept output equals the uncached forward over the accepted tokens alone
-(PRECISE_DTYPE), through flash_attn_with_kvcache, and the host's counts stay right (a full cache is still
-refused by name, not early)."""
+"""The caches' lifecycle. KVCache.crop / PagedKVCache.crop: speculative decoding's rollback. A step of draft
+tokens, the rejected ones cropped, then more steps: every kept output equals the uncached forward over the accepted
+tokens alone (PRECISE_DTYPE), through flash_attn_with_kvcache, and the host's counts stay right (a full cache is
+still refused by name, not early). KVCache.reset after calls with gradients."""
 import pytest
 import torch
 from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn
@@ -111,3 +111,22 @@ def test_crop_into_left_padding_leaves_the_row_without_real_tokens():
         cross(randn(2, 1, E, dtype=PRECISE_DTYPE), memory=randn(2, 8, E, dtype=PRECISE_DTYPE), cache=mem_cache)
     with pytest.raises(ValueError, match="KVCache.crop: this cache holds a cross-attention memory"):
         mem_cache.crop(4)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_reset_drops_the_graph_of_calls_with_gradients(cross):
+    """A call with gradients writes a KVCache out of place (its graph held by the cache); reset() gives it fresh
+    buffers, so the next call with gradients builds a new graph (it failed: 'backward through the graph a second
+    time'), and nothing of the old graph stays held."""
+    torch.manual_seed(0)
+    layer = MultiheadAttention(E, H, HKV, causal=not cross, cross=cross, dtype=PRECISE_DTYPE).to(DEVICE).train()
+    cache = layer.new_cache(1, max_len=8)
+    for _ in range(2):
+        x, mem = randn(1, 3, E, dtype=PRECISE_DTYPE), randn(1, 5, E, dtype=PRECISE_DTYPE)
+        args = (x, mem) if cross else (x,)
+        out = layer(*args, cache=cache)
+        assert cache._k.requires_grad
+        torch.testing.assert_close(out, layer(*args), atol=precise_atol(1e-12), rtol=0)
+        out.sum().backward()
+        cache.reset()
+        assert not cache._k.requires_grad and not cache._v.requires_grad and int(cache.length) == 0

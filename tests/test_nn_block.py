@@ -127,6 +127,8 @@ def test_rms_norm(dtype):
         norm(randn(2, 16))
     with pytest.raises(ValueError, match="dim must be an int >= 1"):
         RMSNorm(0)
+    with pytest.raises(TypeError, match="RMSNorm needs a floating-point x; got dtype torch.int64"):
+        norm(torch.ones(2, E, dtype=torch.int64, device=DEVICE))  # (its result was truncated to integers)
 
 
 def test_a_bare_layer_cache_is_refused_by_name():
@@ -136,6 +138,21 @@ def test_a_bare_layer_cache_is_refused_by_name():
     with torch.no_grad(), pytest.raises(TypeError, match="cache must be a BlockCache from TransformerBlock.new_cache"
                                                          ".*got KVCache"):
         block(torch.randn(1, 2, 32), cache=cache)
+
+
+def test_a_cache_of_a_block_with_other_cross_attention_is_refused_by_name():
+    """A cross block given a self block's BlockCache crashed (no memory) or ran its cross-attention uncached."""
+    torch.manual_seed(0)
+    cross, plain = (TransformerBlock(32, 4, 2, hidden_dim=48, cross=c).eval() for c in (True, False))
+    x, memory = torch.randn(1, 2, 32), torch.randn(1, 5, 32)
+    with torch.no_grad():
+        for block, cache, args in ((cross, plain.new_cache(1, max_len=8), (memory,)),
+                                   (cross, plain.new_cache(1, max_len=8), ()),
+                                   (plain, cross.new_cache(1, max_len=8, memory_len=5), ())):
+            with pytest.raises(ValueError, match="cache is a BlockCache (with|without) a cross-attention cache, but "
+                                                 "this block has"):
+                block(x, *args, cache=cache)
+            assert int(cache.self_attn.length) == 0  # refused before anything was stored
 
 
 def test_block_arguments_are_checked_by_name():
@@ -152,7 +169,8 @@ def test_block_arguments_are_checked_by_name():
     block = TransformerBlock(E, H, cross=True).to(DEVICE).eval()
     cache = block.new_cache(1, 8, memory_len=4)
     with torch.no_grad(), pytest.raises(ValueError, match=r"memory has 6 positions but the cross-attention cache "
-                                                          r"holds 4: create it with new_cache\(..., memory_len>=6\)"):
+                                                          r"holds 4: create it with new_cache\(..., max_len>=6\) \(a "
+                                                          r"TransformerBlock's: memory_len>=6\)"):
         block(randn(1, 2, E), randn(1, 6, E), cache=cache)
 
 

@@ -323,3 +323,35 @@ def test_in_place_rope_spares_projection_outputs_a_forward_hook_holds(monkeypatc
         q0, k0 = q.clone(), k.clone()
         qo, ko = ftx.apply_rotary_pos_emb(q, k, cos, sin)
         assert qo is not q and torch.equal(q, q0) and torch.equal(k, k0)
+
+
+def test_fused_mlp_honours_a_swapped_or_hooked_act_fn_and_pickles(monkeypatch):
+    """The fused forward is silu(gate) * up: an act_fn hooked or swapped after apply_flashtx runs the model's own
+    forward (hooks fire, the new activation is used); a fused MLP pickles as the model's class and is fused again
+    on load."""
+    import io
+
+    eager, _, fused = models(config("llama"))
+    ftx.apply_flashtx(fused, attention=False, rope=False)
+    mlp, ref = fused.model.layers[0].mlp, eager.model.layers[0].mlp
+    calls = []
+    monkeypatch.setattr(ftx, "swiglu", lambda g, u, **kw: calls.append(1) or flashtx.swiglu(g, u, **kw))
+    x = torch.randn(2, 3, fused.config.hidden_size, device=DEVICE)
+    torch.testing.assert_close(mlp(x), ref(x), atol=1e-5, rtol=1e-5)
+    assert calls == [1]
+    seen = []
+    handle = mlp.act_fn.register_forward_hook(lambda *a: seen.append(1))
+    torch.testing.assert_close(mlp(x), ref(x), atol=1e-5, rtol=1e-5)
+    assert seen == [1] and calls == [1]  # the hook saw the activation; swiglu did not run
+    handle.remove()
+    mlp.act_fn = ref.act_fn = torch.nn.GELU()
+    torch.testing.assert_close(mlp(x), ref(x), atol=1e-6, rtol=1e-6)
+    assert calls == [1]
+    mlp.act_fn = torch.nn.SiLU()
+    buf = io.BytesIO()
+    torch.save(mlp, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert isinstance(loaded, ftx._FusedMLPMixin) and type(loaded) is type(mlp)
+    torch.testing.assert_close(loaded(x), mlp(x), atol=0, rtol=0)
+    assert calls == [1, 1, 1]

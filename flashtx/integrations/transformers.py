@@ -278,8 +278,23 @@ class _FusedMLPMixin:
     _flashtx_inplace_backward = True
 
     def forward(self, x):
+        act = self.act_fn
+        if not _is_silu(act) or act._forward_hooks or act._forward_pre_hooks:  # swapped or hooked since: the
+            return self._flashtx_original_class.forward(self, x)  # model's own forward runs it
         inplace = self._flashtx_inplace_backward and not forward_hooked(self.gate_proj, self.up_proj)
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=inplace))
+
+    def __reduce_ex__(self, protocol):
+        """Pickled as the model's own class (importable; the fused class is made at run time) and fused again
+        on load: torch.save(model) works after apply_flashtx."""
+        return _unpickle_fused, (self._flashtx_original_class, self.__dict__.copy())
+
+
+def _unpickle_fused(original_cls, state):
+    m = original_cls.__new__(original_cls)
+    m.__setstate__(state)
+    m.__class__ = _fused_mlp_class(original_cls)
+    return m
 
 
 _fused_classes: dict = {}
@@ -291,10 +306,13 @@ def _fused_mlp_class(cls):
     return _fused_classes[cls]
 
 
+def _is_silu(act) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' ACT2FN["silu"]
+
+
 def _is_silu_mlp(m) -> bool:
     return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) \
-        and (isinstance(getattr(m, "act_fn", None), torch.nn.SiLU)
-             or type(getattr(m, "act_fn", None)).__name__ == "SiLUActivation")  # transformers' ACT2FN["silu"]
+        and _is_silu(getattr(m, "act_fn", None))
 
 
 def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool = True,

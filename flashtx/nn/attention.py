@@ -364,7 +364,8 @@ class MultiheadAttention(nn.Module):
             k, v = self._kv(memory, B)
             if k.shape[1] > cache.max_len:
                 raise ValueError(f"memory has {k.shape[1]} positions but the cross-attention cache holds "
-                                 f"{cache.max_len}: create it with new_cache(..., memory_len>={k.shape[1]})")
+                                 f"{cache.max_len}: create it with new_cache(..., max_len>={k.shape[1]}) (a "
+                                 f"TransformerBlock's: memory_len>={k.shape[1]})")
             cache.reset()
             cache.append(k.transpose(1, 2), v.transpose(1, 2))
             cache._store_memory_mask(key_mask, k.shape[1])  # per-row [leftpad, end) of the real memory, or holes

@@ -144,6 +144,10 @@ class TransformerBlock(nn.Module):
         if cache is not None and not isinstance(cache, BlockCache):
             raise TypeError(f"cache must be a BlockCache from TransformerBlock.new_cache (it holds the self- and "
                             f"cross-attention caches); got {type(cache).__name__}")
+        if cache is not None and (cache.cross_attn is None) != (self.cross_attn is None):
+            raise ValueError(f"cache is a BlockCache {'without' if cache.cross_attn is None else 'with'} a "
+                             f"cross-attention cache, but this block has {'a' if self.cross_attn else 'no'} "
+                             f"cross-attention: make it with this block's new_cache")
         if self.cross_attn is None and (memory is not None or memory_mask is not None):
             raise ValueError("memory/memory_mask given to a TransformerBlock built with cross=False")
         if self.cross_attn is not None and memory is None and (cache is None or not cache.cross_attn.filled):

@@ -153,7 +153,11 @@ class KVCache:
                 f"head_dim={self._k.shape[3]}, dtype={self._k.dtype}, device={self._k.device})")
 
     def reset(self) -> "KVCache":
-        """Empty the cache (keeps the buffers)."""
+        """Empty the cache (keeps the buffers; fresh ones if a call with gradients wrote them, dropping its graph:
+        a later call with gradients must not build on a graph that was freed)."""
+        if self._k.requires_grad or self._v.requires_grad:
+            self._k = _static(torch.zeros_like(self._k))
+            self._v = _static(torch.zeros_like(self._v))
         self.length.zero_()
         self.key_mask.fill_(True)
         self.leftpad.zero_()

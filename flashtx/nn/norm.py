@@ -49,6 +49,8 @@ class RMSNorm(nn.Module):
         """x: (..., dim) -> (..., dim)."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm({self.dim}) got x of shape {tuple(x.shape)}: the last dim must be {self.dim}")
+        if not x.is_floating_point():  # (its result cast back to an integer dtype would be truncated)
+            raise TypeError(f"RMSNorm needs a floating-point x; got dtype {x.dtype}")
         h = x if x.dtype == torch.float64 else x.float()
         h = F.rms_norm(h, (self.dim,), None, self.eps).to(x.dtype)  # h * rsqrt(mean(h**2) + eps), one kernel
         return h if self.weight is None else self.weight * h
