@@ -130,3 +130,25 @@ def test_reset_drops_the_graph_of_calls_with_gradients(cross):
         out.sum().backward()
         cache.reset()
         assert not cache._k.requires_grad and not cache._v.requires_grad and int(cache.length) == 0
+
+
+def test_crop_before_the_holes_decodes_on_the_kvcache_kernels_again(monkeypatch):
+    """A key mask with padding after a real token (holes) keeps a KVCache on flash_attn_func; cropping away the
+    positions after the last left-padding-only prefix brings decoding back to flash_attn_with_kvcache, equal to
+    the uncached forward over the kept tokens."""
+    layer = _layer()
+    x = randn(2, 9, E, dtype=PRECISE_DTYPE)
+    mask = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
+    mask[1, :2] = False  # left padding: fine
+    mask[0, 4] = False  # a hole in row 0 at position 4
+    cache = layer.new_cache(2, max_len=16)
+    with torch.no_grad():
+        layer(x[:, :6], key_mask=mask, cache=cache)
+        assert cache.holes
+        cache.crop(4)
+        assert not cache.holes and cache.leftpad.tolist() == [0, 2]
+        monkeypatch.setattr("flashtx.nn.attention.flash_attn_func", no_flash_attn_func)
+        keep = torch.cat((mask[:, :4], torch.ones(2, 3, dtype=torch.bool, device=DEVICE)), 1)
+        full = layer(torch.cat((x[:, :4], x[:, 6:]), 1), key_mask=keep)  # (2, 7, E)
+        for t in range(3):
+            _close(layer(x[:, 6 + t:7 + t], cache=cache), full[:, 4 + t:5 + t], f"token {t}")

@@ -185,6 +185,12 @@ class KVCache:
         self.length.fill_(new)
         self.key_mask[:, new:] = True  # positions past `length` hold True, as since reset()
         self.leftpad.clamp_(max=new)  # a row whose real tokens were all dropped holds none again
+        if self.holes:  # the holes may have been cropped away: the kept mask may be left padding again
+            kept = self.key_mask[:, :new]
+            lead, _, ar = _mask_runs(kept)
+            if bool((kept == (ar[None, :] >= lead[:, None])).all()):
+                self.holes = False
+                self.leftpad.copy_(lead)  # (a row of padding only: lead = new, no real token)
         if self._host_length is not None:
             self._host_length = new
         return self
