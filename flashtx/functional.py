@@ -215,7 +215,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         enable_gqa: allow Hq to be a multiple of Hkv (GQA/MQA). Q head h uses K/V head
             h // (Hq // Hkv); K/V are never expanded. Without it Hq must equal Hkv unless Hkv == 1,
             which broadcasts over the query heads, as in SDPA.
-        backend: None (automatic), "triton", "reference" or "cuda" (see flashtx.backends).
+        backend: None (automatic), "triton" or "reference" (flashtx.BACKENDS; the optional CUDA extension
+            serves flash_attn_with_kvcache only).
         return_lse: also return the log-sum-exp of each row's scaled scores.
         window_size: (left, right) sliding window, -1 = unbounded: query i sees keys
             i - left <= j <= i + right (top-left aligned, like is_causal; is_causal sets right = 0).
@@ -359,8 +360,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         deterministic: accepted; flashtx's backward is always deterministic (no atomics).
         return_attn_probs: also return (softmax_lse (B, Hq, Sq) natural log, probs), as flash-attn:
             probs only with dropout_p > 0 (else None: the usual way to get the lse costs no O(Sq * Sk)
-            tensor), (B, Hq, Sq, Sk) float32, P with the entries dropout dropped negated, for tests and
-            small sizes; not differentiable.
+            tensor), (B, Hq, Sq, Sk) float32 (float64 for float64 inputs), P with the entries dropout
+            dropped negated, for tests and small sizes; not differentiable.
         backend: as in flashtx.attention.
         key_mask, query_mask: (B, Sk) / (B, Sq) bool, True = real token (keyword-only).
         kv_lens, q_lens: (B,) int valid lengths, right padding (keyword-only). The causal/window
@@ -440,7 +441,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             the program, as PyTorch's indexing does, rather than read out of bounds.
         causal, window_size: as flash_attn_func, aligned bottom-right per sequence.
         dropout_p, softcap, alibi_slopes ((Hq,) or (nseq, Hq)), softmax_scale, deterministic,
-            backend: as flash_attn_func, per sequence.
+            backend: as flash_attn_func, per sequence (with block_table, the gather's backward sums the
+            gradients of pages that sequences share with atomics on CUDA: not bit-reproducible).
         return_attn_probs: also return (softmax_lse (Hq, total_q), probs), as flash-attn: probs only
             with dropout_p > 0 (else None), (nseq, Hq, max_seqlen_q, max_seqlen_k), for tests (tensor
             max_seqlens are then read: a host sync).
