@@ -173,9 +173,7 @@ def _padding_masks(B, Sq, Sk, q, window_size, key_mask, query_mask, q_lens, kv_l
                 query_mask=check_seq_mask("query_mask", query_mask, B, Sq, q), q_lens=q_lens, kv_lens=kv_lens)
 
 
-# flash-attn computes the probabilities of return_attn_probs only with dropout (S_dmask is None without): tests set
-# this to see them without dropout too (the same kernel, flashtx::attn_probs)
-PROBS_WITHOUT_DROPOUT = False
+PROBS_WITHOUT_DROPOUT = False  # return_attn_probs' probabilities without dropout too (tests; flash-attn gives None)
 
 
 def _with_probs(mods: dict) -> bool:

@@ -181,8 +181,10 @@ def test_empty_sequence_without_cache(rot):
     (dict(embed_dim=32, num_heads=4, kdim=16), "kdim is only meaningful with cross=True"),
     (dict(embed_dim=32, num_heads=4, causal="False"), "causal must be a bool; got str 'False'"),  # truthy
     (dict(embed_dim=32, num_heads=4, cross=1), "cross must be a bool; got int 1"),
+    (dict(embed_dim=32, num_heads=4, backend="bogus"), r"backend must be None or one of \['reference', 'triton'\] "
+                                                       r".*got 'bogus'"),  # (it was refused at the first call)
 ], ids=["indivisible", "kv-heads", "rotary-dim", "cross-rotary", "cross-causal", "dropout", "heads", "kdim",
-        "causal-str", "cross-int"])
+        "causal-str", "cross-int", "backend"])
 def test_constructor_errors(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         MultiheadAttention(**kwargs)

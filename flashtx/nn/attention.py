@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from ..decode import flash_attn_with_kvcache
 from ..functional import attention, flash_attn_func
+from .. import _dispatch
 from .._validate import check_flag
 from ..rotary import apply_rotary_qk
 from ..triton_kernels.limits import MAX_SEQ, exporting
@@ -116,7 +117,8 @@ class MultiheadAttention(nn.Module):
         backend: passed to flashtx's ops (None = automatic, "triton", "reference").
         device, dtype: for the parameters.
 
-    Parameters: ``qkv`` (self) or ``q_proj`` + ``kv_proj`` (cross), and ``out_proj`` (Hq * D -> E).
+    Parameters: ``qkv`` (self) or ``q_proj`` + ``kv_proj`` (cross), and ``out_proj`` (Hq * D -> E), initialised
+    as nn.Linear's (torch.nn.MultiheadAttention's in_proj is xavier-uniform with zero biases instead).
     The fused rows are ordered [q heads | k heads | v heads] (and [k heads | v heads]).
 
     Example:
@@ -154,6 +156,9 @@ class MultiheadAttention(nn.Module):
                 raise ValueError(f"rotary.dim ({rotary.dim}) must be <= head_dim ({head_dim})")
         if cross and causal:
             raise ValueError("cross=True with causal=True: cross-attention sees the whole memory (use key masks)")
+        if backend is not None and backend not in _dispatch.IMPLS["attention"]:  # (refused here, not at a first call)
+            raise ValueError(f"backend must be None or one of {sorted(_dispatch.IMPLS['attention'])} (the "
+                             f"attention backends: the layer's ops take the same name); got {backend!r}")
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
         self.dropout, self.causal, self.cross, self.backend = float(dropout), bool(causal), bool(cross), backend
         self.rotary = rotary
