@@ -37,7 +37,6 @@ LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every 
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
 _NO_INDEX = (None, None, None)  # offsets, position_ids, cu_seqlens
 _INC_VERSION = torch.autograd.graph.increment_version
-_INFERENCE_MODE = torch.is_inference_mode_enabled
 
 
 class _Lane:
@@ -114,6 +113,12 @@ def _bound(fn):
 _APPLY_QK, _APPLY_X = _bound(RotaryQk), _bound(Rotary)
 
 
+def inference_outside(q: torch.Tensor, k: torch.Tensor | None) -> bool:
+    """Whether q or k is an inference tensor while inference mode is off: torch refuses in-place updates there
+    (flashtx.rotary refuses inplace=True and rotates inplace=None out of place)."""
+    return not torch.is_inference_mode_enabled() and (q.is_inference() or (k is not None and k.is_inference()))
+
+
 def shares_tables(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether q or k shares memory with cos or sin: the in-place kernel would read table rows it already rotated,
     so such a call rotates out of place and copies back. Eager calls only (it reads pointers): under torch.compile
@@ -178,7 +183,7 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjug
         lane.fire(q, qo, k, ko, cos, sin)
         return qo, ko
     if (k is not None and not disjoint and views_overlap(q, k)) or shares_tables(q, k, *tables) or \
-            (not _INFERENCE_MODE() and (q.is_inference() or (k is not None and k.is_inference()))):
+            inference_outside(q, k):
         return None  # refused (inplace=True) or rotated out of place (None, or over the tables, or an inference
         # tensor outside inference mode) by the general path
     lane.fire(q, q, k, k, cos, sin)

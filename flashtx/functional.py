@@ -501,29 +501,27 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                           (n_cuk, cuk, k.shape[0], n_tk if block_table is None else
                            "the rows block_table can hold", msk, n_msk, block_table is None))
     lse = return_attn_probs is not None and check_flag("return_attn_probs", return_attn_probs)  # (None: False)
-    mods = _score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
-                       alibi_slopes=alibi_slopes) if lse else None  # (a lane's call: checked after it)
-    probs = lse and _with_probs(mods)
-    if probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
-        msq, msk = int(msq), int(msk)
     # The kernels' grids span max_seqlen rows per sequence: bounded by the total (a larger bound only adds
     # empty programs); a 0-dim tensor max_seqlen (checked above, on the device) uses the total, so no
     # host sync and nothing data-dependent for torch.compile.
-    msq = q.shape[0] if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
-    msk = k.shape[0] if isinstance(msk, torch.Tensor) else min(msk, k.shape[0])
+    grid_q = q.shape[0] if isinstance(msq, torch.Tensor) else msq
+    grid_k = k.shape[0] if isinstance(msk, torch.Tensor) else msk
     scale = resolve_scale("softmax_scale", softmax_scale, q.shape[-1])
     if (not lse and alibi_slopes is None and type(dropout_p) is float and dropout_p == 0.0
             and type(causal) is bool and (backend is None or type(backend) is str)):
-        out = _attention_lane.varlen(q, k, v, cuq, cuk, msq, msk, scale, causal, _lane_window(window_size),
+        out = _attention_lane.varlen(q, k, v, cuq, cuk, grid_q, grid_k, scale, causal, _lane_window(window_size),
                                      _lane_softcap(softcap), backend)  # planned once per signature
         if out is not None:
             return out
+    mods = _score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p, softcap=softcap,
+                       alibi_slopes=alibi_slopes)
+    probs = lse and _with_probs(mods)
+    if probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
+        grid_q, grid_k = min(int(msq), q.shape[0]), min(int(msk), k.shape[0])
     res = _run(q4, k4, v4, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
                return_lse=lse, return_probs=probs,
                window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
-               max_seqlen_q=msq, max_seqlen_k=msk, bshd=True,
-               **(mods if mods is not None else _score_mods(cuq.shape[0] - 1, q.shape[1], q, dropout_p=dropout_p,
-                                                            softcap=softcap, alibi_slopes=alibi_slopes)))
+               max_seqlen_q=grid_q, max_seqlen_k=grid_k, bshd=True, **mods)
     # squeeze, not [0]: select's backward writes the gradient into a zero-filled (1, total, H, D) copy
     if lse:  # (total_q, Hq, Dv), (Hq, total_q), (nseq, Hq, Mq, Mk) or None (flash_attn_func's rule)
         return res[0].squeeze(0), res[1].squeeze(0), res[2] if probs else None

@@ -64,16 +64,11 @@ def _records_grad(q: Tensor, k: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
 
 
-def _inference_outside(q: Tensor, k: Optional[Tensor]) -> bool:
-    """Whether q or k is an inference tensor while inference mode is off: torch refuses in-place updates there."""
-    return not torch.is_inference_mode_enabled() and (q.is_inference() or (k is not None and k.is_inference()))
-
-
 def _inplace_allowed(q: Tensor, k: Optional[Tensor]) -> bool:
     """inplace=None: rotate in place when autograd records nothing (inference, no_grad) and the memory
     allows it (and torch would: not an inference tensor outside inference mode); under torch.compile the
     functional op is used (its overlap test reads pointers)."""
-    if torch.compiler.is_compiling() or _records_grad(q, k) or _inference_outside(q, k):
+    if torch.compiler.is_compiling() or _records_grad(q, k) or _rotary_lane.inference_outside(q, k):
         return False
     if has_internal_overlap(q) or (k is not None and (has_internal_overlap(k) or views_overlap(q, k))):
         return False
@@ -88,7 +83,7 @@ def _rotate_inplace(q, k, cos, sin, index, spec, backend: str, track: bool) -> N
     keeps, not x. So too for q or k that shares memory with the tables."""
     compiling = torch.compiler.is_compiling()  # (overlaps, of q and k or with the tables, cannot be tested then)
     _refuse_overlap(q, k, compiling)
-    if not compiling and _inference_outside(q, k):
+    if not compiling and _rotary_lane.inference_outside(q, k):
         raise RuntimeError("inplace=True: an in-place update to an inference tensor outside InferenceMode is not "
                            "allowed (torch refuses it too); rotate under torch.inference_mode(), or pass "
                            "inplace=False")

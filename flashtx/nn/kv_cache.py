@@ -71,6 +71,13 @@ def _mask_runs(key_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return lead, key_mask.sum(1), torch.arange(S, device=key_mask.device)
 
 
+def _left_padded(key_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(lead, ok): per row the count of leading padding (S for a row of padding only) and whether the row is left
+    padding only (pad* real*)."""
+    lead, _, ar = _mask_runs(key_mask)
+    return lead, (key_mask == (ar[None, :] >= lead[:, None])).all(1)
+
+
 def _check_ok(ok: Tensor, readable: bool, message: str) -> None:
     """Raise ValueError(message) where a row of ok (B,) is False; traced/captured: a device-side assert."""
     if readable:
@@ -186,9 +193,8 @@ class KVCache:
         self.key_mask[:, new:] = True  # positions past `length` hold True, as since reset()
         self.leftpad.clamp_(max=new)  # a row whose real tokens were all dropped holds none again
         if self.holes:  # the holes may have been cropped away: the kept mask may be left padding again
-            kept = self.key_mask[:, :new]
-            lead, _, ar = _mask_runs(kept)
-            if bool((kept == (ar[None, :] >= lead[:, None])).all()):
+            lead, ok = _left_padded(self.key_mask[:, :new])
+            if bool(ok.all()):
                 self.holes = False
                 self.leftpad.copy_(lead)  # (a row of padding only: lead = new, no real token)
         if self._host_length is not None:
@@ -252,9 +258,9 @@ class KVCache:
         self.padded = True
         if self.holes:
             return
-        lead, _, ar = _mask_runs(key_mask)
+        lead, ok = _left_padded(key_mask)
         fresh = self.leftpad.long() == self.length  # rows holding no real token yet
-        ok = (key_mask == (ar[None, :] >= lead[:, None])).all(1) & (fresh | (lead == 0))
+        ok = ok & (fresh | (lead == 0))
         readable = _host_readable()
         if readable and not bool(ok.all()):
             self.holes = True  # not left padding: flash_attn_func over key_mask from now on
