@@ -147,9 +147,10 @@ def rotate(q, k, cos, sin, offset, interleaved, layout, inplace, backend, conjug
             (inplace is not False and inplace is not True and inplace is not None) or \
             cos.requires_grad or sin.requires_grad or q.layout is not _STRIDED or cos.layout is not _STRIDED or \
             sin.layout is not _STRIDED or (k is not None and (k.layout is not _STRIDED or k.is_neg())) or \
-            q.is_neg() or cos.is_neg() or sin.is_neg():
+            q.is_neg() or cos.is_neg() or sin.is_neg() or q.is_nested or cos.is_nested or sin.is_nested or \
+            (k is not None and k.is_nested):
         return None  # the general path's (subclasses, Parameters too, go through the registered ops; tables with
-        # grad, sparse tensors, negated views and arguments of other types are refused there)
+        # grad, sparse and nested tensors, negated views and arguments of other types are refused there)
     if q.dim() != 4 or cos.dim() < 2 or sin.dim() < 2 or _library._other_device(q) is not None:
         return None  # (the general path makes q's device current first: flashtx._library.call)
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))

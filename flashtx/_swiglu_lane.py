@@ -133,6 +133,7 @@ def _lane_backward(ctx, dout):
         if inplace:
             _INC_VERSION(x)  # as the in-place op's call does
             ctx.spent = True
+            return (x.detach(),)  # (the saved x itself carries the forward's graph: a gradient must not)
         return (dx,)
     gate, up = saved
     if inplace:
@@ -140,7 +141,7 @@ def _lane_backward(ctx, dout):
         _INC_VERSION(gate)
         _INC_VERSION(up)
         ctx.spent = True
-        return gate, up
+        return gate.detach(), up.detach()  # (the saved tensors carry the forward's graph: a gradient must not)
     dg, du = torch.empty_like(gate, memory_format=_CONTIGUOUS), torch.empty_like(up, memory_format=_CONTIGUOUS)
     _lanes.fire(entry, (gate, up, dg, dout, du))
     return dg, du
@@ -174,7 +175,8 @@ _APPLY, _APPLY_PACKED = _bound(Swiglu), _bound(SwigluPacked)
 
 
 def _plain(t, inplace_backward, backend) -> bool:
-    return (type(t) is _TENSOR and t.layout is _STRIDED and (inplace_backward is False or inplace_backward is True)
+    return (type(t) is _TENSOR and t.layout is _STRIDED and not t.is_nested  # (those refused there)
+            and (inplace_backward is False or inplace_backward is True)
             and (backend is None or type(backend) is str))
 
 
@@ -182,8 +184,9 @@ def forward(gate, up, inplace_backward, backend):
     """swiglu(gate, up, inplace_backward=..., backend=...)'s result, or None where the lane does not take the call
     (module docstring): the caller runs the general path."""
     if not LANE or not _plain(gate, inplace_backward, backend) or type(up) is not _TENSOR or \
-            up.layout is not _STRIDED or not _lanes.eager() or _library._other_device(gate) is not None or \
-            gate.is_neg() or up.is_neg():  # (a negated view: refused there; Dynamo cannot trace is_neg)
+            up.layout is not _STRIDED or up.is_nested or not _lanes.eager() or \
+            _library._other_device(gate) is not None or gate.is_neg() or up.is_neg():  # (a negated view: refused
+        # there; Dynamo cannot trace is_neg)
         return None
     grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
     key = ("swiglu", gate.dtype, gate.device, gate.shape, gate.stride(), up.dtype, up.device, up.shape, up.stride(),

@@ -181,7 +181,8 @@ def _backward(ctx, dout):
     if inplace_backward and not torch.is_grad_enabled() and not traced():
         call(swiglu_bwd_inplace_op, dout, gate, up, backend)
         ctx.spent = True
-        return gate, up, None, None
+        return gate.detach(), up.detach(), None, None  # (the saved tensors carry the forward's graph: a gradient
+        # must not: autograd.grad or a hook would hand the caller a tensor that backpropagates into the forward)
     dg, du = call(swiglu_bwd_op, dout, gate, up, backend)
     return dg, du, None, None
 
@@ -235,7 +236,7 @@ def _backward_packed(ctx, dout):
     if inplace_backward and not torch.is_grad_enabled() and not traced():  # else out of place (see _backward)
         call(swiglu_packed_bwd_inplace_op, dout, x, backend)
         ctx.spent = True
-        return x, None, None
+        return x.detach(), None, None  # (not the saved x, which carries the forward's graph: see _backward)
     return call(swiglu_packed_bwd_op, dout, x, backend), None, None
 
 

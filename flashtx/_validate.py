@@ -31,7 +31,7 @@ def _check_layout(name: str, t) -> None:
         raise TypeError(f"{name} has layout {t.layout}; allowed: torch.strided (a dense tensor: call .to_dense())")
     if t.is_nested:
         raise TypeError(f"{name} is a nested tensor; allowed: a dense tensor (for sequences of different lengths, "
-                        f"pad them and pass key_mask / kv_lens, or pack them for flash_attn_varlen_func)")
+                        "pad or pack them; in attention: key_mask / kv_lens, or flash_attn_varlen_func)")
     if not _COMPILING() and t.is_neg():  # (the kernels read stored values: a wrong sign, which PyTorch's own ops
         # resolve first. Dynamo cannot trace is_neg, a graph break: traced calls are not checked)
         _refuse_negated(name)
@@ -242,10 +242,19 @@ def check_cu_seqlens(name: str, cu, q) -> torch.Tensor:
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:
-    """Do two elements of t share memory? (A stride-0 dim of size > 1, e.g. from expand(): the case
-    PyTorch's in-place ops refuse as definite overlap.)"""
-    st = t.stride()
-    return 0 in st and any(size > 1 and stride == 0 for size, stride in zip(t.shape, st))  # (no 0 stride: fast)
+    """May two elements of t share memory? True for a stride-0 dim of size > 1 (expand(): the overlap PyTorch's
+    in-place ops refuse) and for strides that do not nest (an as_strided view that revisits memory, which PyTorch
+    writes into without a word). Conservative: nesting means each dim's stride, in increasing order, passes the
+    reach of the smaller ones; a layout that fails it is reported even where no two elements coincide."""
+    if t.is_contiguous() or t.numel() == 0:
+        return False
+    reach = 0  # the largest offset the dims of smaller stride reach
+    for stride, size in sorted(zip(t.stride(), t.shape)):
+        if size > 1:
+            if stride <= reach:
+                return True
+            reach += stride * (size - 1)
+    return False
 
 
 _OVERLAP_SEARCH_LIMIT = 10_000  # nodes of the exact search below before answering "may overlap"

@@ -72,9 +72,10 @@ def _check_writable_caches(k_cache: Tensor, v_cache: Tensor, paged: bool) -> Non
         if has_internal_overlap(t):
             dims = ("pages" if paged else "batch", "page rows" if paged else "positions", "heads", "head dim")
             dup = ", ".join(d for d, n, st in zip(dims, t.shape, t.stride()) if n > 1 and st == 0)
-            raise ValueError(f"{name} has stride 0 along {dup} (an expanded view, shape {tuple(t.shape)}, strides "
-                             f"{t.stride()}): appending k, v would write one memory slot for several; pass a cache "
-                             "with its own memory per slot")
+            why = (f"stride 0 along {dup} (an expanded view" if dup else "strides that revisit memory (an as_strided "
+                   "view") + f", shape {tuple(t.shape)}, strides {t.stride()})"
+            raise ValueError(f"{name} has {why}: appending k, v would write one memory slot for several; pass a "
+                             "cache with its own memory per slot")
 
 
 def append_overlap(q, k, v, k_cache, v_cache) -> tuple[str, str] | None:

@@ -52,9 +52,9 @@ def _refuse_overlap(q: Tensor, k: Optional[Tensor], compiling: bool = False) -> 
     which is defined whatever q and k share (one tensor passed as both is refused as in eager mode)."""
     for n, t in (("x" if k is None else "q", q), ("k", k)):
         if t is not None and has_internal_overlap(t):
-            raise ValueError(f"inplace=True cannot rotate {n} in place: some of its elements share memory (a stride-0 "
-                             f"dim, e.g. from expand(); strides {t.stride()} for shape {tuple(t.shape)}); pass "
-                             f"inplace=False or {n}.contiguous()")
+            raise ValueError(f"inplace=True cannot rotate {n} in place: some of its elements may share memory (a "
+                             "stride-0 dim, e.g. from expand(), or strides that do not nest, from as_strided); "
+                             f"strides {t.stride()} for shape {tuple(t.shape)}; pass inplace=False or {n}.contiguous()")
     if k is not None and (q is k if compiling else views_overlap(q, k)):
         raise ValueError("inplace=True needs q and k in separate memory, but they share elements (the same tensor, or "
                          "overlapping slices of one); pass inplace=False")

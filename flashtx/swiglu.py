@@ -81,7 +81,8 @@ def _check(gate, up, inplace_backward) -> None:
     if inplace_backward and (has_internal_overlap(gate) or has_internal_overlap(up)
                              or (not torch.compiler.is_compiling() and views_overlap(gate, up))):
         raise ValueError("inplace_backward=True needs gate and up with no shared elements (the gradients of both are "
-                         "written over them); they overlap (the same tensor, overlapping slices, or a stride-0 dim)")
+                         "written over them); they may overlap (the same tensor, overlapping slices, a stride-0 dim, "
+                         "or strides that do not nest, from as_strided)")
     if inplace_backward:
         _refuse_grad_leaf("gate", gate)
         _refuse_grad_leaf("up", up)
@@ -128,8 +129,9 @@ def _check_packed(x, inplace_backward) -> None:
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x must be (..., 2H) holding [gate | up], with an even last dim; got shape {tuple(x.shape)}")
     if inplace_backward and has_internal_overlap(x):
-        raise ValueError(f"inplace_backward=True writes x's gradient over x, but some elements of x share memory (a "
-                         f"stride-0 dim, e.g. from expand(); x has shape {tuple(x.shape)} and strides {x.stride()}); "
-                         f"pass inplace_backward=False or x.contiguous()")
+        raise ValueError("inplace_backward=True writes x's gradient over x, but some elements of x may share memory "
+                         "(a stride-0 dim, e.g. from expand(), or strides that do not nest, from as_strided; x has "
+                         f"shape {tuple(x.shape)} and strides {x.stride()}); pass inplace_backward=False or "
+                         "x.contiguous()")
     if inplace_backward:
         _refuse_grad_leaf("x", x)

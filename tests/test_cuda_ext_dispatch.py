@@ -198,6 +198,9 @@ def test_direct_rotary_append_refuses_writes_that_share_memory(standin):
         cuda_ext.rotary_append(q, k, v, kc, kc, 5)
     with pytest.raises(ValueError, match="k_cache has stride 0 along batch"):
         cuda_ext.rotary_append(q, k, v, kc[:1].expand_as(kc), vc, 5)
+    revisit = kc.as_strided(kc.shape, (kc.stride(0), kc.stride(1), kc.shape[3] // 2, 1))  # heads overlap
+    with pytest.raises(ValueError, match="k_cache has strides that revisit memory"):
+        cuda_ext.rotary_append(q, k, v, revisit, vc, 5)
     with pytest.raises(ValueError, match="k shares memory with k_cache"):
         cuda_ext.rotary_append(q, kc[:, 5:6], v, kc, vc, 5)
     kc0 = kc.clone()

@@ -129,6 +129,8 @@ def test_rms_norm(dtype):
         RMSNorm(0)
     with pytest.raises(TypeError, match="RMSNorm needs a floating-point x; got dtype torch.int64"):
         norm(torch.ones(2, E, dtype=torch.int64, device=DEVICE))  # (its result was truncated to integers)
+    with pytest.raises(TypeError, match="RMSNorm needs a dense x; got a nested tensor"):
+        norm(torch.nested.nested_tensor([randn(2, E), randn(3, E)]))  # (torch's internal error on its shape)
 
 
 def test_a_bare_layer_cache_is_refused_by_name():

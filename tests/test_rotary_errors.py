@@ -117,6 +117,17 @@ ERRORS = {
         x[:, :, :2], x[:, :, 1:], c, s, inplace=True))(_x()), ValueError, "needs q and k in separate memory"),
     "inplace_expanded": (lambda c, s: flashtx.apply_rotary(randn(2, 4, 1, 8).expand(2, 4, 3, 8), c, s, inplace=True),
                          ValueError, r"cannot rotate x in place: .*stride-0 dim.*strides \(32, 8, 0, 1\)"),
+    # nested tensors reached the fast path's key (torch's internal error on their shape)
+    "x_nested": (lambda c, s: flashtx.apply_rotary(torch.nested.nested_tensor([randn(4, 2, 8), randn(4, 2, 8)]), c, s),
+                 TypeError, "x is a nested tensor"),
+    "k_nested": (lambda c, s: flashtx.apply_rotary_qk(randn(2, 4, 2, 8), torch.nested.nested_tensor(
+        [randn(4, 2, 8), randn(4, 2, 8)]), c, s), TypeError, "k is a nested tensor"),
+    "cos_nested": (lambda c, s: flashtx.apply_rotary(randn(2, 4, 2, 8), torch.nested.nested_tensor([c]), s),
+                   TypeError, "cos is a nested tensor"),
+    # heads that overlap with no 0 stride (head h's second half is head h + 1's first): rotated twice in place
+    "inplace_as_strided": (lambda c, s: flashtx.apply_rotary(randn(80).as_strided((2, 4, 3, 8), (32, 8, 4, 1)), c, s,
+                                                             inplace=True),
+                           ValueError, r"cannot rotate x in place: .*do not nest.*strides \(32, 8, 4, 1\)"),
 }
 
 

@@ -149,9 +149,35 @@ def test_inplace_backward_same_numbers_and_reuses_buffers(dtype, layout):
     assert torch.equal(x0.grad, ref_x) and torch.equal(x.detach(), ref_x)
 
 
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "op"])
+@pytest.mark.parametrize("packed", [False, True], ids=["swiglu", "packed"])
+def test_inplace_gradients_are_detached(packed, lane, monkeypatch):
+    """The in-place backward's gradients are the saved inputs' memory, but not the saved tensors themselves: those
+    carry the forward's graph, so autograd.grad (or a hook) handed the caller a gradient that backpropagated into
+    the projection's weight (W.grad off by ~20 in the review's repro). Eager's gradient is a constant."""
+    from flashtx import _swiglu_lane
+
+    monkeypatch.setattr(_swiglu_lane, "LANE", lane)
+    x, w0 = randn(3, 4, dtype=torch.float64), randn(8, 4, dtype=torch.float64)
+    grads = {}
+    for inplace in (False, True):
+        w = w0.clone().requires_grad_(True)
+        h = x @ w.T  # (3, 8): a projection's fresh output
+        inputs = [h] if packed else [h[:, :4], h[:, 4:]]  # (the gradients of the op's own inputs)
+        out = flashtx.swiglu_packed(*inputs, inplace_backward=inplace) if packed else \
+            flashtx.swiglu(*inputs, inplace_backward=inplace)
+        got = torch.autograd.grad(out.sum(), inputs, retain_graph=not inplace)
+        assert all(not d.requires_grad and d.grad_fn is None for d in got)
+        ((w ** 2).sum() + sum(d.pow(2).sum() for d in got)).backward()  # the gradients are constants: W.grad is 2W
+        torch.testing.assert_close(w.grad, 2 * w0, rtol=0, atol=0)
+        grads[inplace] = [d.clone() for d in got]
+    torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
+
+
 def test_inplace_backward_rejects_overlapping_inputs():
     x = randn(3, 8)
-    for gate, up in ((x, x), (x[:, :5], x[:, 3:]), (randn(3, 1).expand(3, 8), randn(3, 8))):
+    rows = randn(12).as_strided((3, 4), (1, 1))  # rows overlap with no 0 stride: gate[0, 1] is gate[1, 0]
+    for gate, up in ((x, x), (x[:, :5], x[:, 3:]), (randn(3, 1).expand(3, 8), randn(3, 8)), (rows, randn(3, 4))):
         with pytest.raises(ValueError, match="inplace_backward=True needs gate and up with no shared elements"):
             flashtx.swiglu(gate, up, inplace_backward=True)
     y = randn(6, 4)
@@ -264,10 +290,18 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(swiglu_packed_bwd_inplace_op, (d, x.detach().clone(), "triton"))
 
 
+def _nested():
+    return torch.nested.nested_tensor([randn(2, 8), randn(3, 8)])
+
+
 ERRORS = {
     "gate_not_tensor": (lambda: flashtx.swiglu([1.0], randn(1)), TypeError, "gate must be a torch.Tensor"),
     "gate_int": (lambda: flashtx.swiglu(torch.ones(2, dtype=torch.int64, device=DEVICE), randn(2)), TypeError,
                  "gate has dtype torch.int64"),
+    # nested tensors reached the fast path's key (torch's internal error on their shape)
+    "gate_nested": (lambda: flashtx.swiglu(_nested(), _nested()), TypeError, "gate is a nested tensor"),
+    "up_nested": (lambda: flashtx.swiglu(randn(2, 8), _nested()), TypeError, "up is a nested tensor"),
+    "x_nested": (lambda: flashtx.swiglu_packed(_nested()), TypeError, "x is a nested tensor"),
     "dtype_mismatch": (lambda: flashtx.swiglu(randn(2, 4), randn(2, 4, dtype=torch.float16)), TypeError,
                        "same dtype"),
     "shape_mismatch": (lambda: flashtx.swiglu(randn(2, 4), randn(2, 5)), ValueError,

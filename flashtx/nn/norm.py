@@ -47,6 +47,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., dim) -> (..., dim)."""
+        if x.is_nested:
+            raise TypeError("RMSNorm needs a dense x; got a nested tensor (pad the sequences to one length)")
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm({self.dim}) got x of shape {tuple(x.shape)}: the last dim must be {self.dim}")
         if not x.is_floating_point():  # (its result cast back to an integer dtype would be truncated)
