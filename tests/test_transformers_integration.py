@@ -311,8 +311,8 @@ def test_in_place_rope_spares_projection_outputs_a_forward_hook_holds(monkeypatc
         store, seen[:] = {}, []
         h = torch.nn.modules.module.register_module_forward_hook(
             lambda m, i, o: store.update(x=i[0], out=o) if m is attn.k_proj else None)
-        try:
-            assert torch.equal(fused(input_ids=ids).logits, want)
+        try:  # (a global hook would see the MLPs' act_fn: they run the model's own forward, not bit-equal)
+            torch.testing.assert_close(fused(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
         finally:
             h.remove()
         assert torch.equal(store["out"], attn.k_proj(store["x"]))
@@ -344,6 +344,10 @@ def test_fused_mlp_honours_a_swapped_or_hooked_act_fn_and_pickles(monkeypatch):
     torch.testing.assert_close(mlp(x), ref(x), atol=1e-5, rtol=1e-5)
     assert seen == [1] and calls == [1]  # the hook saw the activation; swiglu did not run
     handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, *a: seen.append(type(m).__name__))
+    torch.testing.assert_close(mlp(x), ref(x), atol=1e-5, rtol=1e-5)
+    handle.remove()
+    assert "SiLUActivation" in seen and calls == [1]  # a global hook sees act_fn too: the model's own forward
     mlp.act_fn = ref.act_fn = torch.nn.GELU()
     torch.testing.assert_close(mlp(x), ref(x), atol=1e-6, rtol=1e-6)
     assert calls == [1]
@@ -355,3 +359,30 @@ def test_fused_mlp_honours_a_swapped_or_hooked_act_fn_and_pickles(monkeypatch):
     assert isinstance(loaded, ftx._FusedMLPMixin) and type(loaded) is type(mlp)
     torch.testing.assert_close(loaded(x), mlp(x), atol=0, rtol=0)
     assert calls == [1, 1, 1]
+
+
+def test_apply_flashtx_refuses_before_changing_anything():
+    """A model apply_flashtx cannot serve is left as it was (a gelu Llama was switched to ftx attention, then
+    refused), the error says what it found and the way out; a SiLU subclass (its own forward) is not fused;
+    the flags are bools."""
+    class ClampedSiLU(torch.nn.SiLU):
+        def forward(self, x):
+            return super().forward(x).clamp(max=0.1)
+
+    _, _, gelu = models(config("llama", hidden_act="gelu"))
+    gelu.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match=r"no gated SiLU MLP to fuse \(its gated MLPs' act_fn is GELUActivation;.*"
+                                         r"pass mlp=False"):
+        ftx.apply_flashtx(gelu)
+    assert gelu.config._attn_implementation == "sdpa"
+    ftx.apply_flashtx(gelu, mlp=False)
+    assert gelu.config._attn_implementation == ftx.NAME
+    eager, _, fused = models(config("llama"))
+    fused.model.layers[0].mlp.act_fn = eager.model.layers[0].mlp.act_fn = ClampedSiLU()
+    ftx.apply_flashtx(fused, attention=False, rope=False)
+    assert [isinstance(layer.mlp, ftx._FusedMLPMixin) for layer in fused.model.layers] == [False, True]
+    x = torch.randn(2, 3, fused.config.hidden_size, device=DEVICE)
+    torch.testing.assert_close(fused.model.layers[0].mlp(x), eager.model.layers[0].mlp(x), atol=1e-6, rtol=1e-6)
+    for flag in ("attention", "rope", "mlp", "inplace_backward"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool; got str 'False'"):
+            ftx.apply_flashtx(eager, **{flag: "False"})

@@ -31,9 +31,11 @@ import sys
 import warnings
 
 import torch
+import torch.nn.modules.module as _module_globals
 
 from ..functional import attention
 from ..rotary import apply_rotary_pos_emb as _fused_rotary_pos_emb
+from .._validate import check_flag
 from ..nn.swiglu import forward_hooked
 from ..swiglu import swiglu
 
@@ -279,8 +281,8 @@ class _FusedMLPMixin:
 
     def forward(self, x):
         act = self.act_fn
-        if not _is_silu(act) or act._forward_hooks or act._forward_pre_hooks:  # swapped or hooked since: the
-            return self._flashtx_original_class.forward(self, x)  # model's own forward runs it
+        if not _is_silu(act) or act._forward_hooks or act._forward_pre_hooks or _global_hooks():  # swapped, or
+            return self._flashtx_original_class.forward(self, x)  # a hook would see act_fn: the model's own forward
         inplace = self._flashtx_inplace_backward and not forward_hooked(self.gate_proj, self.up_proj)
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=inplace))
 
@@ -307,7 +309,14 @@ def _fused_mlp_class(cls):
 
 
 def _is_silu(act) -> bool:
-    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' ACT2FN["silu"]
+    """Exactly torch's SiLU or transformers' ACT2FN["silu"] (a subclass may override forward: not fused)."""
+    t = type(act)
+    return t is torch.nn.SiLU or (t.__name__ == "SiLUActivation" and t.__module__ == "transformers.activations")
+
+
+def _global_hooks() -> bool:
+    """Whether a global module forward (pre-)hook would see the act_fn call the fused forward skips."""
+    return bool(_module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks)
 
 
 def _is_silu_mlp(m) -> bool:
@@ -337,30 +346,44 @@ def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool
     Returns:
         the model (modified in place).
     """
+    for name, flag in (("attention", attention), ("rope", rope), ("mlp", mlp), ("inplace_backward", inplace_backward)):
+        check_flag(name, flag)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ROPE_FAMILIES:
         raise ValueError(f"apply_flashtx supports config.model_type in {ROPE_FAMILIES}; got {model_type!r}. "
                          "For other models use attn_implementation='ftx' alone (after register()).")
+    # Everything is checked before anything changes: a refused call leaves the model as it was
+    to_fuse, fused, modules, gated = [], [], set(), []
+    for m in model.modules():
+        if isinstance(m, _FusedMLPMixin):
+            fused.append(m)
+        elif _is_silu_mlp(m):
+            to_fuse.append(m)
+        elif all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+            gated.append(type(getattr(m, "act_fn", None)).__name__)
+        if rope and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
+            modules.add(sys.modules[type(m).__module__])
+    if mlp and not to_fuse and not fused:
+        found = f"its gated MLPs' act_fn is {', '.join(sorted(set(gated)))}" if gated else \
+            "no module has gate_proj/up_proj/down_proj"
+        raise ValueError(f"apply_flashtx(mlp=True) found no gated SiLU MLP to fuse ({found}; fused: exactly "
+                         "torch.nn.SiLU or transformers' SiLUActivation); pass mlp=False to apply the rest")
+    for mod in modules:
+        if not hasattr(mod, "apply_rotary_pos_emb"):
+            raise ValueError(f"{mod.__name__} has no apply_rotary_pos_emb to replace; pass rope=False to apply the "
+                             "rest")
     if attention:
         register()
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(NAME)
         else:  # older transformers
             model.config._attn_implementation = NAME
-    n_mlp, modules = 0, set()
-    for m in model.modules():
-        if mlp and _is_silu_mlp(m) and not isinstance(m, _FusedMLPMixin):
+    if mlp:
+        for m in to_fuse:
             m.__class__ = _fused_mlp_class(type(m))
-            n_mlp += 1
-        if mlp and isinstance(m, _FusedMLPMixin):
-            m._flashtx_inplace_backward = bool(inplace_backward)
-        if rope and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
-            modules.add(sys.modules[type(m).__module__])
-    if mlp and n_mlp == 0 and not any(isinstance(m, _FusedMLPMixin) for m in model.modules()):
-        raise ValueError("apply_flashtx(mlp=True) found no gated SiLU MLP (gate_proj/up_proj/down_proj) to fuse")
+        for m in to_fuse + fused:
+            m._flashtx_inplace_backward = inplace_backward
     for mod in modules:
-        if not hasattr(mod, "apply_rotary_pos_emb"):
-            raise ValueError(f"{mod.__name__} has no apply_rotary_pos_emb to replace")
         if mod not in _patched_rope:
             _patched_rope[mod] = mod.apply_rotary_pos_emb
             mod.apply_rotary_pos_emb = apply_rotary_pos_emb
