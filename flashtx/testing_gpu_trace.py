@@ -20,6 +20,8 @@ fullgraph=True).
     python -m flashtx.testing_gpu_trace [--dynamic] [--tma] [CASE ...]
     python -m flashtx.testing_gpu_trace --growing   # a compiled decode loop over growing K/V: graphs compiled
     python -m flashtx.testing_gpu_trace --packed    # a compiled training step over packed batches of changing sizes
+    python -m flashtx.testing_gpu_trace --varying   # query / row counts that change every step (speculative
+                                                    # decoding): graphs compiled
     python -m flashtx.testing_gpu_trace --export    # torch.export with a dynamic sequence Dim
 
 --tma: the attention kernels' configs are TMA tiles (streamed tiles read through tensor descriptors, as
@@ -188,6 +190,57 @@ def growing_cache(dynamic, case: str = "plain") -> dict:
         for sk in range(100, 108):
             k, v = (torch.randn(2, 2, sk, 64, dtype=torch.float16) for _ in range(2))
             step(q, k, v, torch.ones(2, sk, dtype=torch.bool))
+    return {"graphs": graphs}
+
+
+# speculative decoding's query counts (and decode batches' row counts), one per step: none may cost a graph of its own
+VARYING = ("kvcache", "attention", "rope-swiglu")
+VARYING_COUNTS = (1, 1, 2, 3, 4, 5, 6, 7, 8, 3)
+
+
+def varying_counts(dynamic, case: str = "kvcache") -> dict:
+    """A compiled step whose query (or row) count changes every step as VARYING_COUNTS, without grad: speculative
+    decoding through flash_attn_with_kvcache, flashtx.attention over K/V grown by the count (the small-query
+    kernels), or RoPE and SwiGLU over that many tokens; torch.compile's dynamic=`dynamic` (None: automatic): the
+    graphs it compiled, each a list of its kernels. (Until 2026-12-06 the decode tiles int()-ed the count, and
+    RoPE's and SwiGLU's guarded one bucket per power of two: a graph per count, then fullgraph's recompile limit.)"""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    import flashtx
+
+    graphs = []
+
+    def compiler(gm, example_inputs):
+        graphs.append([_kernel_name(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]))
+                       for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)])
+        return _standin(gm)
+
+    torch._dynamo.reset()
+    h = lambda *shape: torch.randn(*shape, dtype=torch.float16)  # noqa: E731
+    kc, vc, cos = h(2, 256, 2, 64), h(2, 256, 2, 64), torch.rand(256, 32)
+
+    def kvcache(q, k, v, seqlens):  # (B, n, H, D) new tokens appended at seqlens, attending causally
+        return flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
+
+    def rope_swiglu(q, k, x):
+        return (*flashtx.apply_rotary_qk(q, k, cos, cos), flashtx.swiglu_packed(x))
+
+    fn = {"kvcache": kvcache, "rope-swiglu": rope_swiglu,
+          "attention": lambda q, k, v: flashtx.attention(q, k, v, enable_gqa=True)}[case]
+    step = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=aot_autograd(fw_compiler=compiler))
+    t = 20
+    with torch.no_grad():
+        for n in VARYING_COUNTS:
+            if case == "kvcache":
+                step(h(2, n, 8, 64), h(2, n, 2, 64), h(2, n, 2, 64), torch.full((2,), t, dtype=torch.int32))
+            elif case == "attention":
+                step(h(2, 8, n, 64), h(2, 2, t + n, 64), h(2, 2, t + n, 64))
+            else:
+                step(h(1, n, 4, 64), h(1, n, 2, 64), h(n, 1024))
+            t += n
     return {"graphs": graphs}
 
 
@@ -439,7 +492,8 @@ def main(argv: list[str]) -> int:
     if "--export" in argv:
         print(json.dumps(exports(), indent=1))
         return 0
-    for flag, study, names in (("--growing", growing_cache, GROWING), ("--packed", packed_batches, PACKED)):
+    for flag, study, names in (("--growing", growing_cache, GROWING), ("--packed", packed_batches, PACKED),
+                               ("--varying", varying_counts, VARYING)):
         if flag in argv:  # the study for automatic and dynamic shapes, each case
             print(json.dumps(_per_mode(study, names), indent=1))
             return 0

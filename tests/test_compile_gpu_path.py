@@ -112,6 +112,25 @@ def test_a_compiled_decode_loop_over_growing_kv_compiles_once():
             assert all("_decode_fwd" in g and "_attn_fwd" not in g for g in graphs), (name, graphs)
 
 
+def test_query_and_row_counts_that_change_every_step_cost_a_bounded_number_of_graphs():
+    """Speculative decoding: each step's query count differs (1, 2, 3, ... 8). Until 2026-12-06 the decode tiles
+    int()-ed it (a graph per count, then fullgraph's recompile limit after eight, with dynamic=True too) and RoPE's
+    and SwiGLU's row tiles guarded a bucket per power of two (a graph per bucket: 4 here, and the buckets of one
+    model's ops multiplied). Now the count is symbolic past one range guard of the decode tile (query x head rows
+    <= 16, or more): at most 3 graphs (a static first one, then 2; SDPA's: 2-3), and RoPE + SwiGLU 2, as eager."""
+    res = _trace("--varying")
+    assert sorted(res) == sorted(f"{c}/{m}" for c in ("kvcache", "attention", "rope-swiglu")
+                                 for m in ("automatic", "dynamic")), sorted(res)
+    for name, out in res.items():
+        assert "error" not in out, (name, out.get("error"))
+        case, mode = name.split("/")
+        graphs = out["graphs"]
+        most = {"rope-swiglu": 2, "kvcache": 3, "attention": 4 if mode == "automatic" else 3}[case]
+        assert 1 <= len(graphs) <= most, (name, graphs)
+        want = {"kvcache": "_kv_append", "attention": "_decode_fwd", "rope-swiglu": "_swiglu_kernel"}[case]
+        assert all(want in g for g in graphs), (name, graphs)
+
+
 def test_a_compiled_step_over_packed_batches_compiles_once():
     """Packed (varlen) training: a packing loader's batches change total tokens, sequence count and max_seqlen every
     step. Nothing on the varlen path may specialise a graph on them (until 2026-12-04 the launchers' int(max_seqlen)

@@ -156,20 +156,40 @@ def _symbolic(value: int):
     return env, env.create_symintnode(sym, hint=value, source=src)
 
 
-def test_symbolic_lengths_are_bucketed_not_specialised():
-    """A dynamic sequence length / row count gets range guards (one compiled graph per tile variant),
-    never the int() specialisation that made torch.compile's GPU path recompile for every length."""
+def test_symbolic_lengths_take_the_full_tile_unguarded():
+    """A dynamic sequence length / row count takes the full tile with no guard at all: one compiled graph for every
+    length. Neither the int() specialisation that made torch.compile's GPU path recompile for every length, nor
+    the range guards of a bucket per power of two (a graph per bucket of short lengths or decode batches, which
+    multiplied across one model's ops: tests/test_compile_gpu_path.py's varying counts). Ints still shrink."""
     target = configs.KNOWN_TARGETS[86]
     env, seq = _symbolic(12)
     key = (8, 16, 4, 2, torch.float16, False, False, True, False, False, False, True, target)
     st = rotary_kernels._static(key, seq)
-    assert st.block_sq == configs.rotary_config(8, 4, 12, target).block_rows and not env.replacements
-    env, rows = _symbolic(24)
+    assert st.block_sq == configs.rotary_config(8, 4, 1 << 62, target).block_rows > 12
+    assert not env.replacements and not env.guards
+    assert rotary_kernels._static(key, 5).block_sq == configs.rotary_config(8, 4, 5, target).block_rows < st.block_sq
+    env, rows = _symbolic(3)
     st = swiglu_kernels._static(24, rows, torch.float16, False, target)
-    assert st.cfg == configs.swiglu_config(24, 24, target) and not env.replacements
+    assert st.cfg == configs.swiglu_config(24, 1 << 62, target) and not env.replacements and not env.guards
+    assert swiglu_kernels._static(24, 3, torch.float16, False, target).cfg == configs.swiglu_config(24, 3, target)
+    assert configs.swiglu_config(24, 3, target) != st.cfg
     env, seq = _symbolic(12)
     configs.rotary_config(8, 4, seq, target)  # what the launcher called per launch before: specialises
     assert env.replacements
+
+
+def test_decode_row_tiles_guard_one_range_of_a_symbolic_count():
+    """The decode kernels' query x head row tile: 16 for a symbolic count up to 16 (one range guard), the largest
+    past it, never the count's own value (speculative decoding's query counts: a graph per count until
+    2026-12-06); ints keep the exact power of two."""
+    from flashtx.triton_kernels.launch import rows_tile
+
+    env, rows = _symbolic(24)
+    assert rows_tile(rows, 16, 64) == 64 and not env.replacements and len(env.guards) == 1
+    env, rows = _symbolic(6)
+    assert rows_tile(rows, 16, 64) == 16 and not env.replacements and len(env.guards) == 1
+    assert [rows_tile(n, 16, 64) for n in (0, 1, 16, 17, 32, 33, 64, 65, 999)] == [16, 16, 16, 32, 32, 64, 64, 64, 64]
+    assert [rows_tile(n, 1, 16) for n in (0, 1, 2, 3, 5, 9, 16, 17)] == [1, 1, 2, 4, 8, 16, 16, 16]
 
 
 def test_rotary_autograd_graph_has_no_layout_views():

@@ -7,8 +7,8 @@ import torch
 
 from .configs import INTERPRETER_TARGET, KNOWN_TARGETS, ElementwiseConfig, Target, decode_config
 from .decode_kernels import _decode_combine, _decode_fwd, _kv_append
-from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block, split_f32,
-                     target_for)
+from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block, rows_tile,
+                     split_f32, target_for)
 from .limits import MAX_GRID_YZ
 
 MAX_SPLITS = 128
@@ -39,7 +39,7 @@ def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Targe
     B, Sq, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
     cfg = decode_config(D, DV, q.element_size(), target)
-    m_tiles = cdiv(Hq // Hkv * Sq, max(16, min(cfg.max_block_m, _pow2(Hq // Hkv * Sq))))
+    m_tiles = cdiv(Hq // Hkv * Sq, rows_tile(Hq // Hkv * Sq, 16, cfg.max_block_m))
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     if not isinstance(capacity, int):  # symbolic (torch.compile, dynamic shapes: a growing K/V): a choice that
         key_tiles = MAX_SPLITS  # does not guard on it, as for a long one (splits past the keys see none: lse -inf)
@@ -77,7 +77,7 @@ def check_launch_grid(q, k_cache, v_cache, block_table, num_splits: int, target=
     Hkv = k_cache.shape[2]
     target = target if target is not None else target_for(q)
     cfg = decode_config(D, v_cache.shape[3], q.element_size(), target)
-    m_tiles = cdiv(Hq // Hkv * Sq, max(16, min(cfg.max_block_m, _pow2(Hq // Hkv * Sq))))
+    m_tiles = cdiv(Hq // Hkv * Sq, rows_tile(Hq // Hkv * Sq, 16, cfg.max_block_m))
     splits = split_count(q, k_cache, v_cache, block_table, num_splits, target) if Hq > MAX_GRID_YZ else 1
     check_grid(B, Sq, Hq, Hkv, m_tiles, splits)
 
@@ -138,7 +138,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
     target = target if target is not None else target_for(q)
     cfg = decode_config(D, DV, q.element_size(), target)
     group = Hq // Hkv
-    block_m = max(16, min(cfg.max_block_m, _pow2(group * Sq)))
+    block_m = rows_tile(group * Sq, 16, cfg.max_block_m)  # (query x head rows: 16 at least, tl.dot's minimum)
     m_tiles = cdiv(group * Sq, block_m)
     paged = block_table is not None
     num_splits = split_count(q, k_cache, v_cache, block_table, num_splits, target)
@@ -192,7 +192,7 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                 KEY_MASK=key_mask is not None, QUERY_MASK=km_query != 0, DOT_HALVES=dot_halves)
     launches = [Launch(_decode_fwd, (num_splits, Hkv * m_tiles, B), args, cfg)]
     if num_splits > 1:
-        block_r = min(_pow2(Sq), 16)
+        block_r = rows_tile(Sq, 1, 16)  # (a symbolic Sq: 16, one graph for every count)
         cargs = dict(OP=o_dst, LP=l_dst, O=out, LSE=lse2,
                      **dict(zip(("stride_ps", "stride_pb", "stride_pm", "stride_ph", "stride_pd"), o_st)),
                      **dict(zip(("stride_lps", "stride_lpb", "stride_lph", "stride_lpm"), l_st)),

@@ -473,17 +473,29 @@ def cdiv(a: int, b: int) -> int:
 
 
 def pow2_bucket(n, cap: int) -> int:
-    """min(cap, the next power of two >= max(n, 1)) for a power of two `cap`, by comparisons only: a
-    SymInt n (torch.compile, dynamic shapes) gets range guards, not int() specialisation. Launchers
-    use it to key per-row-count tile shrinking (decoding, tiny batches) without a key per length. Under
-    torch.export it is cap, compared with nothing: an exported program serves every size its Dims allow (a guard
-    would cut a dynamic length to one bucket), and any tile is correct."""
-    if cap <= 1 or unbacked(n) or exporting() or n > cap // 2:  # (unbacked: a count read on the
-        return cap  # device, unpad_input's total: not comparable)
+    """min(cap, the next power of two >= max(n, 1)) for a power of two `cap` and an int n. Launchers use it to
+    shrink a per-row-count tile for few rows (decoding, tiny batches). A SymInt n (torch.compile's dynamic shapes,
+    torch.export's Dims) gets cap, compared with nothing: a graph serves every size (any tile is correct), where a
+    bucket's range guards compiled a graph per power of two of short lengths or decode batches, and RoPE's, SwiGLU's
+    and decoding's buckets multiplied in one model's graph up to fullgraph's recompile limit."""
+    if cap <= 1 or type(n) is not int or n > cap // 2:
+        return cap
     b = cap // 2
     while b > 1 and n <= b // 2:
         b //= 2
     return b
+
+
+def rows_tile(n, floor: int, cap: int) -> int:
+    """A tile of rows (a power of two in [floor, cap]) for n rows: floor for n <= floor, else the next power of two
+    >= n up to cap for an int n. A SymInt n past floor gets cap (one graph for every such count: speculative
+    decoding's query counts vary by step), after one range guard (n <= floor); an unbacked or exported one gets cap
+    unguarded."""
+    if unbacked(n) or exporting():
+        return cap
+    if n <= floor:
+        return floor
+    return min(cap, 1 << (n - 1).bit_length()) if type(n) is int else cap
 
 
 def head_block(d: int) -> int:

@@ -202,9 +202,9 @@ def _static(key: tuple, seq) -> _Static:
 
     The key (see _Static) holds no sequence length or token count: rotary_config only shrinks the
     position tile to the next power of two of short sequences (decoding), so seq picks one of a few
-    shrunken variants (pow2_bucket: comparisons, no int() of a SymInt while torch.compile traces, so
-    lengths that share a variant share a compiled graph). A symbolic head count or dim (unhashable)
-    is planned the same way, without the cache."""
+    shrunken variants (pow2_bucket); a symbolic seq (torch.compile's dynamic shapes) takes the full tile, so
+    one graph serves every length. A symbolic head count or dim (unhashable) is planned the same way, without
+    the cache."""
     try:
         st = _STATIC.get(key)
         cached = True

@@ -109,9 +109,8 @@ def _static(hidden, rows, dtype, backward: bool, target: Target) -> _Static:
 
     The key holds no row count (a token count): swiglu_config only shrinks the row tile to the next
     power of two of small row counts, so rows pick one of a config's few shrunken variants
-    (pow2_bucket: comparisons, no int() of a SymInt while torch.compile traces, so row counts that
-    share a variant share a compiled graph). A symbolic hidden size (unhashable) is planned the
-    same way, without the cache."""
+    (pow2_bucket); a symbolic row count (torch.compile's dynamic shapes) takes the full tile, so one graph
+    serves every count. A symbolic hidden size (unhashable) is planned the same way, without the cache."""
     key = (hidden, dtype, backward, target)
     try:
         st = _STATIC.get(key)
