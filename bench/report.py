@@ -141,11 +141,11 @@ def header(data: dict, source: str) -> list[str]:
     else:
         lines.append("- GPU not in bench/gpus.py's peak table: absolute numbers only, no % of peak")
     commit = data.get("commit_info") or {}
-    if commit.get("id"):
-        lines.append(f"- commit {str(commit['id'])[:12]}{' (dirty tree)' if commit.get('dirty') else ''}")
     run = run_info(data)
-    if run.get("commit"):
+    if run.get("commit"):  # (the device's copy of .git may be stale: pytest-benchmark's commit_info reads it)
         lines.append(f"- flashtx tree the device script ran: {run['commit']}")
+    elif commit.get("id"):
+        lines.append(f"- commit {str(commit['id'])[:12]}{' (dirty tree)' if commit.get('dirty') else ''}")
     if isinstance(run.get("bench_env"), dict):
         env = ", ".join(f"{k}={v}" if v is not None else f"{k} unset" for k, v in sorted(run["bench_env"].items()))
         lines.append(f"- benchmark environment: {env or '(none set)'}")
