@@ -382,8 +382,8 @@ def check_cache_args(op, q, k_cache, v_cache, cache_seqlens, block_table, cache_
                   f"{tuple(v_cache.shape)}")
     if k_cache.shape[3] != d:
         _fail(op, f"the caches' head dim must be q's ({d}); got {tuple(k_cache.shape)}")
-    if k_cache.shape[0] == 0 or k_cache.shape[1] == 0:
-        _fail(op, f"the caches must not be empty; got {tuple(k_cache.shape)}")
+    if k_cache.shape[0] == 0 or k_cache.shape[1] == 0 or k_cache.shape[2] == 0:
+        _fail(op, f"the caches must not be empty (rows, positions and heads >= 1); got {tuple(k_cache.shape)}")
     _check_int_vec(op, "cache_seqlens", cache_seqlens, batch)
     capacity = k_cache.shape[1]
     if block_table is not None:

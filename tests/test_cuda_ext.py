@@ -165,6 +165,7 @@ def _args(dtype=torch.float16, d=64, batch=2, sq=1, hq=8, hkv=2, paged=False):
     ("dtype", TypeError, ["q must be float16, bfloat16 or float32", "torch.float64"]),
     ("head_dim", ValueError, ["head dim must be 64 or 128", "(2, 1, 8, 96)"]),
     ("gqa", ValueError, ["q's heads (8) must be a multiple of the caches' heads (3)"]),
+    ("no_heads", ValueError, ["the caches must not be empty", "(2, 64, 0, 64)"]),  # (was a ZeroDivisionError)
     ("lens_dtype", TypeError, ["cache_seqlens must be int32", "torch.int64"]),
     ("lens_shape", ValueError, ["cache_seqlens must have shape (B,) = (2,)", "(3,)"]),
     ("last_dim", ValueError, ["k_cache must be contiguous in its last dim"]),
@@ -184,6 +185,8 @@ def test_decode_argument_checks(case, exc, words):
         q = torch.randn(2, 1, 8, 96, dtype=torch.float16)
     elif case == "gqa":
         kc = vc = torch.randn(2, 64, 3, 64, dtype=torch.float16)
+    elif case == "no_heads":
+        kc = vc = torch.randn(2, 64, 0, 64, dtype=torch.float16)
     elif case == "lens_dtype":
         lens = lens.long()
     elif case == "lens_shape":
