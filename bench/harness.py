@@ -291,11 +291,14 @@ def copy_case(nbytes: float, dtype: torch.dtype):
 
 
 def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = False):
-    """build() (the provider's setup: imports, masks, compiled functions), or skip with the reason."""
+    """build() (the provider's setup: imports, masks, compiled functions), or skip with the reason (fail_fast:
+    raise instead: flashtx must not refuse or fail a case it is benchmarked on)."""
     try:
         return build()
     except Unavailable as exc:
         synchronize()  # a probe's sticky CUDA error (an illegal address) raises here: an error, not a quiet skip
+        if fail_fast:  # flashtx refusing a case it is benchmarked on is a failure, not a "-" in the tables
+            raise
         pytest.skip(f"{provider}: {exc}")
     except (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError) as exc:
         if fail_fast:
@@ -304,11 +307,14 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
         pytest.skip(f"{provider} cannot be set up: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
 
 
+FALLBACK_WARNING = "flashtx.patch_sdpa: this call goes to torch's"  # (sdpa_patch's warning when it hands a call back)
+
+
 def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any], info: dict,
              flops: float | None = None, nbytes: float | None = None, dtype: torch.dtype | None = None,
              fail_fast: bool = False, steady: bool = True) -> dict:
     """Prepare, warm up, measure memory, time; fill benchmark.extra_info. Skips (pytest.skip) with
-    the reason when the provider refuses the case, unless fail_fast (flashtx itself must not fail)."""
+    the reason when the provider refuses the case, unless fail_fast (flashtx itself must not fail or refuse)."""
     benchmark.extra_info.update(info)
     benchmark.extra_info["gpu"] = gpu_name()
     state = None
@@ -334,6 +340,8 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
         return benchmark.extra_info
     except Unavailable as exc:
         synchronize()  # a sticky CUDA error raises here (free_memory's synchronize does on the path below)
+        if fail_fast:
+            raise
         pytest.skip(f"{info.get('provider')}: {exc}")
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         if fail_fast:
@@ -345,6 +353,8 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
         pytest.skip(f"{info.get('provider')} cannot run this case: {type(exc).__name__}: {why}"
                     + (f" (warnings: {hints})" if hints else ""))
     for w in caught:  # a successful warm-up's warnings are not swallowed
+        if fail_fast and str(w.message).startswith(FALLBACK_WARNING):
+            raise RuntimeError(f"flashtx's row would time torch's SDPA: {w.message}")
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if PREWARM:
         benchmark.extra_info.update(status="prewarm")

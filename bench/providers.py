@@ -168,7 +168,7 @@ def _xformers(case: AttnCase):
         try:
             mod = importlib.import_module(f"xformers.ops.fmha.{module}")
             fw, bw = getattr(mod, "FwOp"), getattr(mod, "BwOp", None)
-            op = (fw, bw) if bw is not None else fw
+            op = (fw, bw)  # (a bare FwOp is not an op tuple: xformers indexes op[0])
             fn = make(op)
             with torch.no_grad():
                 fn(*make_qkv(tiny, "bshd", requires_grad=False))  # probe: raises if this op cannot run the case
@@ -223,9 +223,11 @@ def attention_case(provider: str, case: AttnCase, pass_: str):
     elif pass_ == "fwd+bwd":
         def prepare():
             qkv = make_qkv(case, layout, requires_grad=True)
-            o = torch.empty((case.batch, case.hq, case.seqlen, case.d) if layout == "bhsd"
-                            else (case.batch, case.seqlen, case.hq, case.d), device=DEVICE, dtype=case.dtype)
-            return qkv, torch.randn_like(o)
+            with torch.no_grad():  # dout in the layout of the provider's own output, as a model's loss gives it
+                # (flashtx's and SDPA's are (B, S, H, D) in memory: a contiguous (B, H, S, D) dout cost a backward
+                # that wants its output's layout a copy no model pays)
+                dout = torch.randn_like(fn(*qkv))
+            return qkv, dout
 
         def step(s):
             qkv, dout = s

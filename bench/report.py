@@ -385,8 +385,19 @@ def overhead_table(groups: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- plots
+def _steady_or_idle(cases: dict, field: str) -> tuple[str, str]:
+    """(the field to plot, its label): the back-to-back figure (field + "_steady", what a training loop sees and
+    FlashAttention's plots show) when every measured row has it, else the from-idle one (older runs)."""
+    rows = [r for c in cases.values() for r in c.values() if r and r["status"] == "ok"]
+    if rows and all(r.get(f"{field}_steady") is not None for r in rows):
+        return f"{field}_steady", "back to back"
+    return field, "from idle"
+
+
 def _bars(ax, cases: dict, field: str, providers: list[str], xlabels: list, title: str, ylabel: str):
     import numpy as np
+    field, how = _steady_or_idle(cases, field)
+    ylabel = f"{ylabel}, {how}"
     width = 0.8 / max(1, len(providers))
     x = np.arange(len(xlabels))
     for i, p in enumerate(providers):

@@ -112,19 +112,37 @@ def verdict(results: list, minimum: float, what: str, fmt: str = "{:.2f}x") -> s
             + (f"; the {len(values)} measured: {spread}" if values else ""))
 
 
+def judged_on(keys: list) -> str:
+    """The attention cases a verdict was judged on (report._key's tuples), e.g. "judged on D=64 causal Hq/Hkv
+    32/8 at N 2048, 4096; D=128 ..." (a run's -k may leave whole shapes out: a verdict speaks for these only)."""
+    shapes: dict = defaultdict(set)
+    for k in keys:
+        shapes[(k[2], k[3], k[4], k[5])].add(k[7])
+    return "; ".join(f"D={d} {'causal' if causal else 'full'} Hq/Hkv {hq}/{hkv} at N {', '.join(map(str, sorted(ns)))}"
+                     for (d, causal, hq, hkv), ns in sorted(shapes.items()))
+
+
+def _attention_verdict(attn: dict, select, provider: str, field: str, minimum: float, what: str) -> str:
+    """verdict over the attention cases `select` keeps whose baseline was measured, naming the shapes judged."""
+    res = [(k, r) for k, c in attn.items() if select(k) for r in [judged(c, provider, field)] if r is not None]
+    line = verdict([r for _, r in res], minimum, what)
+    return line + (f" [judged on {judged_on([k for k, _ in res])}]" if res else "")
+
+
 def targets(groups: dict) -> list[str]:
     lines = []
     attn = {k: v for k, v in groups.items() if k[0] == "attention"}
     for issue, pass_, provider, minimum, min_n, what in TARGETS:
         for field, how in TIMINGS:
-            res = [r for k, c in attn.items() if k[1] == pass_ and k[7] >= min_n
-                   for r in [judged(c, provider, field)] if r is not None]
-            if res or field == "median_ms":
-                lines.append(verdict(res, minimum, f"{what}, {how} (issue {issue})"))
+            line = _attention_verdict(attn, lambda k: k[1] == pass_ and k[7] >= min_n, provider, field, minimum,
+                                      f"{what}, {how} (issue {issue})")
+            if field == "median_ms" or "not measured" not in line:
+                lines.append(line)
     for field, how in TIMINGS:
-        res = [r for k, c in attn.items() if k[7] == 2048 for r in [judged(c, "eager", field)] if r is not None]
-        if res or field == "median_ms":
-            lines.append(verdict(res, 3.0, f"attention >= 3x eager at N = 2k (every pass, D, causal), {how}"))
+        line = _attention_verdict(attn, lambda k: k[7] == 2048, "eager", field, 3.0,
+                                  f"attention >= 3x eager at N = 2k (each pass and shape measured), {how}")
+        if field == "median_ms" or "not measured" not in line:
+            lines.append(line)
     lines += memory_lines(attn) + model_lines(groups) + overhead_lines(groups)
     for op in ("rope", "swiglu"):
         lines += bandwidth_lines([c for k, c in groups.items() if k[0] == op], 0.8,

@@ -212,7 +212,7 @@ def check_flashtx_takes(cfg: GPTConfig, batch: int, seqlen: int, dtype: torch.dt
     'flashtx' numbers would be torch's)."""
     from flashtx import sdpa_patch
     hd = cfg.n_embd // cfg.n_head
-    q = torch.empty(batch, cfg.n_head, seqlen, hd, device=device, dtype=dtype)
+    q = torch.empty(batch, cfg.n_head, seqlen, hd, device=device, dtype=dtype, requires_grad=True)  # (training)
     reason = sdpa_patch.unsupported_reason(q, q, q, is_causal=True)
     if reason is not None:
         raise RuntimeError(f"flashtx.patch_sdpa would send this model's attention to torch's SDPA: {reason}")

@@ -150,9 +150,11 @@ def test_rope(benchmark, pass_, model, tokens, provider):
     elem = torch.empty((), dtype=DTYPE).element_size()
     nbytes = gpus.rope_bytes(tokens * hq * d, tokens * hkv * d, elem, pass_)
 
-    def make_inputs(grad):
-        q = torch.randn(1, hq, tokens, d, device=providers.DEVICE, dtype=DTYPE).requires_grad_(grad)
-        k = torch.randn(1, hkv, tokens, d, device=providers.DEVICE, dtype=DTYPE).requires_grad_(grad)
+    def make_inputs(grad):  # (1, H, S, D) views of (1, S, H, D) memory: q_proj(x).view(B, S, H, D).transpose(1, 2),
+        # as a transformers model passes them (and Liger's kernel expects: contiguous (1, H, S, D) tensors cost it a
+        # copy of q and k first, up to 2x its bytes)
+        q = torch.randn(1, tokens, hq, d, device=providers.DEVICE, dtype=DTYPE).transpose(1, 2).requires_grad_(grad)
+        k = torch.randn(1, tokens, hkv, d, device=providers.DEVICE, dtype=DTYPE).transpose(1, 2).requires_grad_(grad)
         return q, k
 
     def build():
@@ -161,7 +163,7 @@ def test_rope(benchmark, pass_, model, tokens, provider):
         return _fwd_bwd(_rope_fn(provider, d, tokens), make_inputs, pass_)
 
     _record(benchmark, "rope", provider, pass_, model, tokens,
-            f"q (1, {hq}, {tokens}, {d}), k (1, {hkv}, {tokens}, {d})", nbytes, build)
+            f"q (1, {hq}, {tokens}, {d}), k (1, {hkv}, {tokens}, {d}), (B, S, H, D) in memory", nbytes, build)
 
 
 @pytest.mark.gpu

@@ -75,7 +75,10 @@ def test_report_ratios_oom_and_targets(synthetic_file, tmp_path, capsys):
     assert "attention forward >= 1.0x SDPA-FLASH (FlashAttention-2 inside PyTorch), from idle (issue 3): **MET** in " \
            "all 1 cases" in md
     assert "attention fwd+bwd >= 1.5x SDPA-EFFICIENT" in md and "**MISSED** in 1 of 1 cases (min 1.25x" in md
-    assert "attention >= 3x eager at N = 2k (every pass, D, causal), from idle: **MET** in all 2 cases" in md
+    assert "attention >= 3x eager at N = 2k (each pass and shape measured), from idle: **MET** in all 2 cases" in md
+    # each attention verdict names the shapes it was judged on (a run's -k may leave whole shapes out)
+    line = next(x for x in md.splitlines() if "3x eager at N = 2k (each pass and shape measured), from idle" in x)
+    assert line.endswith("[judged on D=128 causal Hq/Hkv 16/16 at N 2048]"), line
     assert "attention backward >= 0.8x SDPA-FLASH, from idle (issue 3): not measured in this run" in md
     assert "memory, flashtx, fwd+bwd D=128 causal (B*N fixed): 300 MB at N=2048 -> 300 MB at N=8192 (1.0x" in md
     assert "rope >= 80% of the measured copy bandwidth, from idle: **MET** in all 1 cases (min 90%" in md
@@ -402,8 +405,8 @@ def test_a_flashtx_oom_where_the_baseline_ran_is_a_miss():
     for how, low in (("from idle", "1.06x"), ("back to back", "1.18x")):
         assert (f"attention backward >= 1.0x SDPA-FLASH at N >= 2k, {how} (issue 13): **MISSED** in 1 of 4 cases: "
                 f"flashtx absent or failed in 1 of 4 cases (1 OOM); the 3 measured: min {low}") in md
-    assert ("attention >= 3x eager at N = 2k (every pass, D, causal), from idle: **MISSED** in 2 of 6 cases: flashtx "
-            "absent or failed in 1 of 6 cases (1 OOM)") in md
+    assert ("attention >= 3x eager at N = 2k (each pass and shape measured), from idle: **MISSED** in 2 of 6 cases: "
+            "flashtx absent or failed in 1 of 6 cases (1 OOM)") in md
     assert "MET** in all 3" not in md
 
 
@@ -420,7 +423,7 @@ def test_missing_flashtx_rows_are_misses_and_no_baseline_is_not_measured():
     md = report.build_report({"benchmarks": [{"extra_info": ei} for ei in only_baseline]}, "s.json", None)
     assert ("attention backward >= 0.8x SDPA-FLASH, from idle (issue 3): **MISSED** in 1 of 1 cases: flashtx absent "
             "or failed in 1 of 1 cases (1 absent)") in md
-    assert "attention >= 3x eager at N = 2k (every pass, D, causal), from idle: **MISSED** in 1 of 1 cases" in md
+    assert "attention >= 3x eager at N = 2k (each pass and shape measured), from idle: **MISSED** in 1 of 1 cases" in md
     assert "attention forward >= 1.0x SDPA-FLASH (FlashAttention-2 inside PyTorch), from idle (issue 3): not " \
            "measured in this run" in md
     only_ours = [_attn("flashtx", "fwd", 2048, 1.0)]
@@ -473,9 +476,9 @@ def test_every_target_is_judged_back_to_back_too():
     line beside the idle one, and a ratio cell with one side lacking a back-to-back time reads 'x / -' (SDPA-MATH
     at 8k had none: the report printed '20.34x', as if both ways were that)."""
     md = report.build_report(report.load(RUN2), str(RUN2), None)
-    assert ("attention >= 3x eager at N = 2k (every pass, D, causal), from idle: **MISSED** in 1 of 6 cases "
+    assert ("attention >= 3x eager at N = 2k (each pass and shape measured), from idle: **MISSED** in 1 of 6 cases "
             "(min 2.72x") in md
-    assert ("attention >= 3x eager at N = 2k (every pass, D, causal), back to back: **MET** in all 6 cases "
+    assert ("attention >= 3x eager at N = 2k (each pass and shape measured), back to back: **MET** in all 6 cases "
             "(min 3.24x") in md
     row = next(line for line in md.splitlines() if line.startswith("| fwd+bwd | 128 | yes | 16/16 | 8192 |"))
     assert "| 20.34x / - | 12.15x / 12.42x |" in row, row
@@ -573,3 +576,15 @@ def test_attention_flops_general_shapes():
     rec = next(b["extra_info"] for b in report.load(RUN2)["benchmarks"] if _is(b["extra_info"], "flashtx", "fwd", 2048))
     flops = gpus.attention_flops(rec["batch"], rec["heads"], 2048, 2048, 128, True, "fwd")
     assert flops == rec["flops"] and f"{flops / (rec['median_ms'] / 1e3) / 1e12:.1f}" == "274.6"
+
+
+def test_plots_show_back_to_back_figures_where_every_row_has_them():
+    """The plots show the steady-state (back-to-back) TFLOP/s and GB/s, as FlashAttention's do, labelled as such;
+    an older run without them plots from idle, labelled so, never a mix."""
+    ok = {"status": "ok", "tflops": 100.0, "tflops_steady": 120.0}
+    assert report._steady_or_idle({2048: {"flashtx": ok, "eager": dict(ok)}}, "tflops") == ("tflops_steady",
+                                                                                            "back to back")
+    old = {"status": "ok", "tflops": 90.0}
+    assert report._steady_or_idle({2048: {"flashtx": ok, "eager": old}}, "tflops") == ("tflops", "from idle")
+    oom = {"status": "OOM"}
+    assert report._steady_or_idle({2048: {"flashtx": ok, "eager": oom}}, "tflops")[1] == "back to back"

@@ -148,6 +148,37 @@ def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
     assert len(syncs) == 3
 
 
+def test_flashtx_refusing_or_falling_back_fails_its_case(monkeypatch):
+    """flashtx's own rows (fail_fast) fail where it refuses a case (Unavailable: a "-" in the tables and a green run
+    before) and where patch_sdpa warns that it hands the call back to torch (the "flashtx" row would time SDPA);
+    other providers still skip with the reason."""
+    import warnings as _warnings
+
+    from bench import harness
+
+    monkeypatch.setattr(harness, "SMOKE", True)
+
+    def refuse():
+        raise harness.Unavailable("refuses (test)")
+    with pytest.raises(harness.Unavailable, match="test"):
+        harness.build_or_skip("flashtx", refuse, fail_fast=True)
+
+    class Bench:
+        extra_info: dict = {}
+    with pytest.raises(harness.Unavailable, match="test"):
+        harness.run_case(Bench(), prepare=refuse, step=lambda s: None, info={"provider": "flashtx"}, fail_fast=True)
+    with pytest.raises(pytest.skip.Exception, match="test"):
+        harness.run_case(Bench(), prepare=refuse, step=lambda s: None, info={"provider": "p"})
+    monkeypatch.setattr(harness, "PREWARM", True)  # (nothing timed after the warm-up)
+
+    def falls_back(_):
+        _warnings.warn(f"{harness.FALLBACK_WARNING} scaled_dot_product_attention: a reason (test)")
+    with pytest.raises(RuntimeError, match="flashtx's row would time torch's SDPA: .*a reason"):
+        harness.run_case(Bench(), prepare=lambda: None, step=falls_back, info={"provider": "flashtx"}, fail_fast=True)
+    with pytest.warns(UserWarning, match="a reason"):
+        harness.run_case(Bench(), prepare=lambda: None, step=falls_back, info={"provider": "p"})
+
+
 def test_the_decode_append_providers_time_the_same_step(monkeypatch, standin):
     """bench/test_decode.py's RoPE + append step: flashtx's fused path, the CUDA extension's (its ops stood in by
     the float64 references behind the binding's checks: conftest's `standin`) and sdpa-eager (RoPE, index_copy_,
