@@ -239,7 +239,7 @@ def test_backward_kernels_tune_from_inside_a_backward(cache_dir, monkeypatch, gp
     grads = torch.autograd.grad(out, (q, k, v), dout)
 
     entries = json.loads((cache_dir / "autotune.json").read_text())["entries"]
-    kernels = {key.split("|")[3]: e for key, e in entries.items()}
+    kernels = {key.split("|")[4]: e for key, e in entries.items()}
     assert set(kernels) == {"attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"}, list(entries)
     for name, e in kernels.items():
         assert e["timings"] and all(isinstance(ms, float) for ms in e["timings"].values()), (name, e["timings"])

@@ -15,9 +15,12 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_autotune import H100, RTX3090
 
+import flashtx.triton_kernels.attention_bwd_launch  # noqa: F401  (gpu_target stands in imported modules' target)
+import flashtx.triton_kernels.attention_fwd  # noqa: F401
 from flashtx.triton_kernels import autotune, configs
 from flashtx.triton_kernels.configs import TileConfig
 
@@ -271,3 +274,87 @@ def test_a_store_keeps_the_entries_already_loaded(tmp_path, monkeypatch):
         assert _ident(autotune.cached("k2")) == (64, 32, 4, 2, False)
     finally:
         autotune.reset_memory()
+
+
+def _tiny_tuning(monkeypatch):
+    """Tuning on CPU as test_autotune's backward test does it (one small candidate a kernel, one real pass each in
+    the interpreter, its "time" the tile area); returns the list each timed pass appends the forced tile to."""
+    small = {kernel: {2: {64: [TileConfig(32, 32, 4, 1)]}} for kernel in autotune.TUNED_KERNELS}
+    monkeypatch.setattr(autotune, "CANDIDATES", small)
+    for name, value in (("RUNTIME_SEQLEN", 48), ("RUNTIME_TOKENS", 48), ("RUNTIME_HIDDEN", 64),
+                        ("RUNTIME_DTYPE_16", "float16")):
+        monkeypatch.setattr(autotune, name, value)
+    timed = []
+
+    def one_call(fn, warmup_ms, rep_ms):
+        fn()
+        cfg = next(iter(autotune._forced.values()))[0]
+        timed.append(cfg)
+        return float(cfg.block_m * cfg.block_n)
+    monkeypatch.setattr(autotune, "bench", one_call)
+    autotune.autotune()
+    return timed
+
+
+@pytest.mark.parametrize("gpu_target", [86], indirect=True, ids=lambda a: f"sm_{a}")
+def test_tuning_leaves_the_rng_and_saved_tensor_hooks_alone(cache_dir, monkeypatch, gpu_target):
+    """Tuning drew its inputs from the caller's RNG (a reentrant checkpoint's recompute then drew other dropout
+    masks: wrong gradients) and ran under the caller's saved-tensor hooks (non-reentrant checkpointing raised
+    CheckpointError on every run, the keys marked failed; offloading hooks copied the tuner's tensors). Now:
+    a private generator, the RNG state restored, and no tuning while such hooks are active (nor a failure mark:
+    a plain call later tunes)."""
+    import torch
+
+    import flashtx
+
+    timed = _tiny_tuning(monkeypatch)
+    q = torch.randn(1, 2, 40, 64).to(torch.float16).requires_grad_()
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+        out = flashtx.attention(q, q, q, is_causal=True, backend="triton")
+    assert not timed and not autotune._failed  # not tuned under the hooks, and not given up on
+    assert len(packed) < 12  # only the user's own op saved tensors (the tuner's passes saved dozens)
+    torch.autograd.grad(out.float().sum(), q)
+    q = torch.randn(1, 2, 44, 64).to(torch.float16).requires_grad_()  # (a new signature: plans are memoised)
+    state = torch.get_rng_state()
+    flashtx.attention(q, q, q, is_causal=True, backend="triton")  # tunes the three kernels now
+    tuned = {key.split("|")[4] for key in autotune.load_cache()}
+    assert timed and tuned == {"attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"}, tuned
+    assert torch.equal(torch.get_rng_state(), state)  # (each timed pass drew its inputs from a private generator)
+
+
+def test_modified_keys_are_timed_with_a_modifier_and_masked_launches_keep_their_tables(cache_dir, monkeypatch):
+    """A key with score modifiers was timed on the plain kernel (a tile that spills with modifiers could win);
+    masked launches (windows, masks, lengths, varlen) took the tuned plain tile over the MASKED table's."""
+    import flashtx
+
+    seen = []
+    monkeypatch.setattr(flashtx, "attention", lambda *a, **kw: seen.append(kw.get("softcap")) or a[0])
+    monkeypatch.setattr(autotune, "bench", lambda fn, *a: (fn(), 1.0)[1])
+    for modified in (False, True):
+        autotune.time_candidate("attn_fwd", TileConfig(32, 32, 4, 1), d=64, causal=True, dtype=torch.float16,
+                                seqlen=16, tokens=16, hidden=64, device="cpu", modified=modified)
+    assert seen == [0.0, 30.0]
+    key = autotune.runtime_key("attn_fwd", 64, 64, 2, RTX3090, False)
+    autotune.store(key, TileConfig(128, 64, 4, 3, "test"))
+    assert autotune._hook("attn_fwd", 64, 64, 2, RTX3090, False, False) is not None
+    assert autotune._hook("attn_fwd", 64, 64, 2, RTX3090, False, True) is None  # masked: select_config's own
+    assert autotune._hook("attn_fwd", 64, 64, 8, RTX3090, False, False) is None  # float64: never tuned
+
+
+def test_keys_name_the_launch_gpu_and_the_kernels_source(monkeypatch):
+    """The key named the current GPU (cuda:0) for a launch on another one, and nothing tied a timing to the
+    kernels it timed: cuda_target's index picks the GPU, and a hash of the kernels' source is in the key."""
+    import dataclasses
+
+    import torch
+
+    names = {None: "GPU-CURRENT", 1: "GPU-ONE"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: names[i])
+    on_one = dataclasses.replace(H100, device=1)
+    assert on_one == H100 and hash(on_one) == hash(H100)  # (selection is the same for two GPUs of one model)
+    assert autotune.gpu_identity(on_one)[0] == "GPU-ONE" and autotune.gpu_identity(H100)[0] == "GPU-CURRENT"
+    key = autotune.runtime_key("attn_fwd", 64, 64, 2, on_one, False)
+    assert key.startswith("GPU-ONE|sm_90|") and f"|kernels {autotune.kernels_hash()}|attn_fwd|" in key
+    assert len(autotune.kernels_hash()) == 8

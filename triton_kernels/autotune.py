@@ -154,9 +154,27 @@ def cache_path() -> Path:
 
 
 def make_key(*, gpu: str, arch: int, triton_version: str, kernel: str, dtype: str, block_dqk: int, block_dv: int,
-             causal, modified: bool) -> str:
-    return (f"{gpu}|sm_{arch}|triton {triton_version}|{kernel}|{dtype}|d{block_dqk}/{block_dv}|"
+             causal, modified: bool, kernels: str | None = None) -> str:
+    """A cache key; `kernels` (default: this install's kernels_hash()) ties a timing to the kernels' source, so a
+    changed kernel is tuned afresh rather than served an old winner."""
+    kernels = kernels_hash() if kernels is None else kernels
+    return (f"{gpu}|sm_{arch}|triton {triton_version}|kernels {kernels}|{kernel}|{dtype}|d{block_dqk}/{block_dv}|"
             f"causal={causal}|modified={bool(modified)}")
+
+
+_KERNEL_SOURCES = ("attention_fwd.py", "attention_bwd.py", "attention_common.py")
+_kernels_hash: list[str] = []
+
+
+def kernels_hash() -> str:
+    """8 hex digits of a hash of the attention kernels' source files (read once)."""
+    if not _kernels_hash:
+        import hashlib
+        h = hashlib.sha256()
+        for name in _KERNEL_SOURCES:
+            h.update((Path(__file__).parent / name).read_bytes())
+        _kernels_hash.append(h.hexdigest()[:8])
+    return _kernels_hash[0]
 
 
 _lock = threading.Lock()
@@ -436,22 +454,23 @@ def forced(kernel: str, cfg: TileConfig, key: tuple | None = None):
             configs._autotune_hook = None
 
 
-def _hook(kernel, block_dqk, block_dv, elt, target, modified):
+def _hook(kernel, block_dqk, block_dv, elt, target, modified, masked=False):
     """configs.select_config's hook while autotuning is on: a forced, cached or freshly tuned config,
-    or None for select_config's own choice."""
+    or None for select_config's own choice (always for masked launches: the timings ran no visibility masks,
+    and the MASKED tables hold tiles that spill less there)."""
     hit = _forced.get(kernel)
     if hit is not None and (hit[1] is None or hit[1] == (block_dqk, block_dv, elt)):
         return hit[0]
-    if kernel not in TUNED_KERNELS:
-        return None
+    if kernel not in TUNED_KERNELS or elt > 4 or masked:
+        return None  # (float64: the tests' dtype, not tuned)
     key = None
     try:
         key = runtime_key(kernel, block_dqk, block_dv, elt, target, modified)
         hit = _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified)
         if hit is not None:
             return hit
-        if tuning() or _compiling() or _capturing() or key in _failed:
-            return None
+        if tuning() or _compiling() or _capturing() or _saved_tensor_hooks() or key in _failed:
+            return None  # (not marked failed: a later plain eager launch tunes it)
         with _tune_lock:  # another thread may have tuned this key while this one waited
             hit = _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified)
             if hit is not None or key in _failed:
@@ -462,6 +481,15 @@ def _hook(kernel, block_dqk, block_dv, elt, target, modified):
             _failed.add(key)
         _warn(f"flashtx autotune: {kernel} not tuned ({type(exc).__name__}: {exc}); using the default")
         return None
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are active (non-reentrant checkpointing, activation offloading): the timing runs'
+    own forward and backward would go through them (a CheckpointError: the recompute saved other tensors; copies
+    timed with the kernels)."""
+    import torch
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # (private: None where absent)
+    return top is not None and top(False) is not None
 
 
 def _capturing() -> bool:
@@ -487,7 +515,9 @@ def _compiling() -> bool:
 def gpu_identity(target) -> tuple[str, str]:
     import torch
     import triton
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else f"sm_{target.arch}"
+    index = getattr(target, "device", -1)  # (the launch's GPU, not the current one: cuda_target's index)
+    name = torch.cuda.get_device_name(index if index >= 0 else None) if torch.cuda.is_available() \
+        else f"sm_{target.arch}"
     return name, triton.__version__
 
 
@@ -514,12 +544,13 @@ def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn
             import torch
             dtype = getattr(torch, RUNTIME_DTYPE_16) if elt == 2 else torch.float32
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter (tests)
+            index = getattr(target, "device", -1)  # time on the launch's GPU (cpu: Triton's interpreter, tests)
+            device = (f"cuda:{index}" if index >= 0 else "cuda") if torch.cuda.is_available() else "cpu"
 
             def time_fn(cfg):
                 return sum(time_candidate(kernel, cfg, d=block_dqk, dv=block_dv, causal=c, dtype=dtype,
                                           seqlen=RUNTIME_SEQLEN, tokens=RUNTIME_TOKENS, hidden=RUNTIME_HIDDEN,
-                                          device=device) for c in (False, True))
+                                          device=device, modified=modified) for c in (False, True))
         best, timings = best_of(cands, time_fn)
     if best is None:  # say so once, and keep select_config's choice for this key from now on
         _failed.add(key)
@@ -534,19 +565,36 @@ def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn
 
 def time_candidate(kernel: str, cfg: TileConfig, *, d: int, dv: int | None = None, causal: bool, dtype, seqlen: int,
                    tokens: int = 16384, hidden: int = 2048, warmup_ms: float = 10, rep_ms: float = 40,
-                   device: str = "cuda") -> float:
+                   device: str = "cuda", modified: bool = False) -> float:
     """Median ms of the pass that runs `kernel` (forward for attn_fwd, the backward for the others)
     through flashtx.attention on `device` tensors (B * seqlen = tokens, H * d = hidden), with `kernel`'s
     config forced to `cfg`. The backward's forward is recorded with grad enabled whatever the caller's
-    mode: the hook tunes a backward kernel from inside a backward, where autograd has turned grad off."""
+    mode: the hook tunes a backward kernel from inside a backward, where autograd has turned grad off. modified:
+    time the kernels with a score modifier (softcap), as the key's launches run them. The inputs come from a
+    private generator, and the caller's RNG state is restored: a user's dropout masks (and a reentrant
+    checkpoint's recompute of them) never see the tuning."""
+    import torch
+
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
+    with torch.random.fork_rng(devices=[index] if dev.type == "cuda" else []), \
+            (torch.cuda.device(index) if dev.type == "cuda" else contextlib.nullcontext()):
+        return _time_candidate(kernel, cfg, d, dv, causal, dtype, seqlen, tokens, hidden, warmup_ms, rep_ms, device,
+                               modified)
+
+
+def _time_candidate(kernel, cfg, d, dv, causal, dtype, seqlen, tokens, hidden, warmup_ms, rep_ms, device,
+                    modified) -> float:
     import torch
 
     import flashtx
 
     dv = dv or d
     b, h = max(1, tokens // seqlen), max(1, hidden // d)
-    q, k = (torch.randn(b, h, seqlen, d, device=device, dtype=dtype) for _ in range(2))
-    v = torch.randn(b, h, seqlen, dv, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k = (torch.randn(b, h, seqlen, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    v = torch.randn(b, h, seqlen, dv, device=device, dtype=dtype, generator=gen)
+    kw = dict(is_causal=causal, backend="triton", softcap=30.0 if modified else 0.0)
     from .launch import head_split
 
     widths = (sum(head_split(d)), sum(head_split(dv)), q.element_size())  # what select_config sees for them
@@ -554,12 +602,12 @@ def time_candidate(kernel: str, cfg: TileConfig, *, d: int, dv: int | None = Non
         if kernel == "attn_fwd":
             def fn():
                 with torch.no_grad():
-                    return flashtx.attention(q, k, v, is_causal=causal, backend="triton")
+                    return flashtx.attention(q, k, v, **kw)
         else:
             qkv = tuple(t.requires_grad_() for t in (q, k, v))
             with torch.enable_grad():
-                out = flashtx.attention(*qkv, is_causal=causal, backend="triton")
-            dout = torch.randn_like(out)
+                out = flashtx.attention(*qkv, **kw)
+            dout = torch.empty_like(out).normal_(generator=gen)  # (out's layout, as a loss's gradient has it)
 
             def fn():
                 return torch.autograd.grad(out, qkv, dout, retain_graph=True)

@@ -43,6 +43,9 @@ class Target:
     max_shared: int  # max dynamic shared memory per block, bytes
     warp_size: int = 32
     sm_count: int = 0  # streaming multiprocessors (0: unknown), for grid-size decisions
+    # the CUDA device index a cuda_target was read from (-1: none), for autotuning on the launch's own GPU; not
+    # compared or hashed: two GPUs of one model select alike
+    device: int = dataclasses.field(default=-1, compare=False)
 
 
 # Max dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin), from NVIDIA's
@@ -399,10 +402,11 @@ def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: 
 
     modified: the launch uses score modifiers (attn_mask, softcap, ALiBi or dropout).
     masked: a window, key/query masks, lengths or varlen decide visibility (MaskSpec.masks_visibility).
-    An autotuned config (FLASHTX_AUTOTUNE) is keyed by `modified` only: it was timed, so it serves both.
+    An autotuned config (FLASHTX_AUTOTUNE) is keyed by `modified` and timed with a modifier where it is set;
+    masked launches keep the MASKED tables (tuning times no visibility masks, and a plain winner spilled there).
     """
-    if _autotune_hook is not None and target is not INTERPRETER_TARGET:  # a tuned (cached) config, or None
-        tuned = _autotune_hook(kernel, block_dqk, block_dv, elt, target, modified)
+    if _autotune_hook is not None and target is not INTERPRETER_TARGET:  # a forced or tuned config, or None
+        tuned = _autotune_hook(kernel, block_dqk, block_dv, elt, target, modified, masked)
         if tuned is not None:
             return tuned
     if target is INTERPRETER_TARGET:
@@ -455,7 +459,7 @@ def cuda_target(device_index: int) -> Target:
     props = torch.cuda.get_device_properties(device_index)
     arch = props.major * 10 + props.minor
     smem = getattr(props, "shared_memory_per_block_optin", 0) or KNOWN_TARGETS.get(arch, KNOWN_TARGETS[86]).max_shared
-    return Target(arch, int(smem), sm_count=int(props.multi_processor_count))
+    return Target(arch, int(smem), sm_count=int(props.multi_processor_count), device=device_index)
 
 
 # ==================================================================================================
