@@ -39,6 +39,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from flashtx.sdpa_patch import FALLBACK_WARNING  # (how patch_sdpa's warning of a call it hands to torch opens)
+
 from . import gpus
 
 SMOKE = os.environ.get("BENCH_SMOKE", "") == "1"
@@ -305,9 +307,6 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
             raise
         synchronize()
         pytest.skip(f"{provider} cannot be set up: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
-
-
-FALLBACK_WARNING = "flashtx.patch_sdpa: this call goes to torch's"  # (sdpa_patch's warning when it hands a call back)
 
 
 def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any], info: dict,

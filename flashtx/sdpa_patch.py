@@ -34,6 +34,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ORIGINAL = F.scaled_dot_product_attention  # torch's, as found when flashtx was imported
 _saved = None  # what enable() replaced (restored exactly by disable())
 _warned: set[str] = set()
+FALLBACK_WARNING = "flashtx.patch_sdpa: this call goes to torch's"  # how the warning of a handed-back call opens
 _TORCH_ERROR = " (torch reports the error)"  # reasons for calls torch itself rejects: no warning
 # a call flashtx refuses itself: torch 2.11's SDPA divides by the K/V head count (SIGFPE kills the process)
 _NO_KV_HEADS = "key/value have no heads (flashtx reports the error)"
@@ -237,8 +238,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _refuse_no_kv_heads(key, value)  # (whatever the reason: a scale one too)
         if reason not in _warned and not reason.endswith(_TORCH_ERROR):  # torch's own error says it all
             _warned.add(reason)
-            warnings.warn(f"flashtx.patch_sdpa: this call goes to torch's scaled_dot_product_attention: {reason}",
-                          stacklevel=2)
+            warnings.warn(f"{FALLBACK_WARNING} scaled_dot_product_attention: {reason}", stacklevel=2)
         return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
     kw = {}

@@ -319,9 +319,12 @@ def _global_hooks() -> bool:
     return bool(_module_globals._global_forward_hooks or _module_globals._global_forward_pre_hooks)
 
 
+def _is_gated_mlp(m) -> bool:
+    return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
 def _is_silu_mlp(m) -> bool:
-    return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) \
-        and _is_silu(getattr(m, "act_fn", None))
+    return _is_gated_mlp(m) and _is_silu(getattr(m, "act_fn", None))
 
 
 def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool = True,
@@ -359,7 +362,7 @@ def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool
             fused.append(m)
         elif _is_silu_mlp(m):
             to_fuse.append(m)
-        elif all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        elif _is_gated_mlp(m):
             gated.append(type(getattr(m, "act_fn", None)).__name__)
         if rope and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
             modules.add(sys.modules[type(m).__module__])
