@@ -122,9 +122,12 @@ def judged_on(keys: list) -> str:
                      for (d, causal, hq, hkv), ns in sorted(shapes.items()))
 
 
-def _attention_verdict(attn: dict, select, provider: str, field: str, minimum: float, what: str) -> str:
-    """verdict over the attention cases `select` keeps whose baseline was measured, naming the shapes judged."""
+def _attention_verdict(attn: dict, select, provider: str, field: str, minimum: float, what: str) -> str | None:
+    """verdict over the attention cases `select` keeps whose baseline was measured, naming the shapes judged;
+    None when no case was judged and the timing is the steady one (only the from-idle line says "not measured")."""
     res = [(k, r) for k, c in attn.items() if select(k) for r in [judged(c, provider, field)] if r is not None]
+    if not res and field != "median_ms":
+        return None
     line = verdict([r for _, r in res], minimum, what)
     return line + (f" [judged on {judged_on([k for k, _ in res])}]" if res else "")
 
@@ -134,15 +137,12 @@ def targets(groups: dict) -> list[str]:
     attn = {k: v for k, v in groups.items() if k[0] == "attention"}
     for issue, pass_, provider, minimum, min_n, what in TARGETS:
         for field, how in TIMINGS:
-            line = _attention_verdict(attn, lambda k: k[1] == pass_ and k[7] >= min_n, provider, field, minimum,
-                                      f"{what}, {how} (issue {issue})")
-            if field == "median_ms" or "not measured" not in line:
-                lines.append(line)
+            lines.append(_attention_verdict(attn, lambda k: k[1] == pass_ and k[7] >= min_n, provider, field,
+                                            minimum, f"{what}, {how} (issue {issue})"))
     for field, how in TIMINGS:
-        line = _attention_verdict(attn, lambda k: k[7] == 2048, "eager", field, 3.0,
-                                  f"attention >= 3x eager at N = 2k (each pass and shape measured), {how}")
-        if field == "median_ms" or "not measured" not in line:
-            lines.append(line)
+        lines.append(_attention_verdict(attn, lambda k: k[7] == 2048, "eager", field, 3.0,
+                                        f"attention >= 3x eager at N = 2k (each pass and shape measured), {how}"))
+    lines = [line for line in lines if line is not None]
     lines += memory_lines(attn) + model_lines(groups) + overhead_lines(groups)
     for op in ("rope", "swiglu"):
         lines += bandwidth_lines([c for k, c in groups.items() if k[0] == op], 0.8,
