@@ -115,6 +115,8 @@ def resolve_scale(name: str, scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if scale_ok(scale):
         return float(scale)
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool and not scale.is_complex():
+        return resolve_scale(name, scale.item(), head_dim)  # as SDPA takes it (read on the host: a sync)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name} must be None or a real number; got {type(scale).__name__}")
     raise ValueError(f"{name} must be 0 or have a magnitude in [2**-100, 2**100] (the kernels compute in "

@@ -28,7 +28,7 @@ import numbers
 
 import torch
 
-from . import _attention_lane, _small_q, _small_q_lane
+from . import _attention_lane, _sdpa_args, _small_q, _small_q_lane
 from ._attention_op import BIAS_GRAD, GRAD, NO_GRAD, _all_none as _no_aux, attn_fwd, attn_probs
 from ._library import call
 from .triton_kernels.limits import MAX_SEQ, exporting
@@ -203,13 +203,15 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             allowed), any shape broadcastable to (..., Hq, Sq, Sk). Read in tiles through its
             strides (stride 0 on broadcast dims), never expanded. A float mask that requires grad
             (a learned bias) gets its gradient, summed over its broadcast dims, deterministically.
-            May be combined with is_causal and every keyword below.
+            May be combined with is_causal and every keyword below. torch.nn.attention.bias's
+            causal_upper_left / causal_lower_right (CausalBias) run as is_causal, aligned top-left or
+            bottom-right (the window then aligned so too).
         dropout_p: dropout on the attention probabilities, applied whenever > 0 (as SDPA: pass 0
             in eval). The mask comes from Philox in the kernel, seeded from torch's generator.
             In [0, 1]: 1 drops every probability (out 0), and a 0-dim tensor is read on the host, as SDPA.
         is_causal: causal mask aligned top-left, as in SDPA: query i sees keys j <= i. With
             Sq > Sk every row still sees key 0; with Sq < Sk the last keys are never seen.
-        scale: softmax scale; default 1/sqrt(D).
+        scale: softmax scale; default 1/sqrt(D). A 0-dim tensor is read on the host, as SDPA.
         enable_gqa: allow Hq to be a multiple of Hkv (GQA/MQA). Q head h uses K/V head
             h // (Hq // Hkv); K/V are never expanded. Without it Hq must equal Hkv unless Hkv == 1,
             which broadcasts over the query heads, as in SDPA.
@@ -245,6 +247,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     Example:
         >>> out = flashtx.attention(q, k, v, is_causal=True)  # q, k, v: (B, H, S, D)
     """
+    bottom_right = False
+    if attn_mask is not None and type(attn_mask) is not torch.Tensor:  # (CausalBias: is_causal, either alignment)
+        attn_mask, is_causal, bottom_right = _sdpa_args.causal_bias(attn_mask, is_causal, query, key)
     if _AUTOCAST_ANY() and isinstance(query, torch.Tensor):
         query, key, value, attn_mask = _autocast(query.device.type, query, key, value, attn_mask)
     lane = None
@@ -257,27 +262,28 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                      dropout_p) and _small_q_lane.decoding(q.shape[2], k.shape[2]):
             mask, role = (attn_mask, "attn_mask") if key_mask is None else (key_mask, "key_mask")
             res, lane = _small_q_lane.lookup(q, k, v, mask, role, resolve_scale("scale", scale, q.shape[3]),
-                                             is_causal, False, False, _lane_window(window_size),
+                                             is_causal, bottom_right, False, _lane_window(window_size),
                                              _lane_softcap(softcap), backend, return_lse)
             if res is not None:  # a decoding step, planned once per signature (lane: the general path plans it)
                 return res
         if lane is None and _plain(attn_mask, is_causal, return_lse, key_mask, query_mask, kv_lens, q_lens,
                                    alibi_slopes, dropout_p):
-            out = _attention_lane.forward(q, k, v, resolve_scale("scale", scale, q.shape[3]), is_causal, False,
-                                          False, backend, _lane_window(window_size),
+            out = _attention_lane.forward(q, k, v, resolve_scale("scale", scale, q.shape[3]), is_causal,
+                                          bottom_right, False, backend, _lane_window(window_size),
                                           _lane_softcap(softcap))  # the plain call, planned once per signature
             if out is not None:
                 return out
     else:
-        q, k, v = _checked_4d(query, key, value, backend, enable_gqa)
+        q, k, v = _sdpa_args.checked_4d(query, key, value, backend, enable_gqa)
     scale = resolve_scale("scale", scale, q.shape[-1])
     bias = None if attn_mask is None else check_attn_mask(
         "attn_mask", attn_mask, tuple(query.shape[:-3]), q.shape[1], q.shape[2], k.shape[2], q,
         lambda: f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     drop_all = False
-    if type(dropout_p) is not float or dropout_p >= 1.0:  # SDPA's forms: a 0-dim tensor, and p = 1
-        dropout_p, drop_all = _sdpa_dropout_p(dropout_p)
-    res = _run(q, k, v, scale=scale, causal=check_flag("is_causal", is_causal), bottom_right=False, backend=backend,
+    if type(dropout_p) is not float or not 0.0 <= dropout_p < 1.0:  # SDPA's forms (a 0-dim tensor, p = 1), errors
+        dropout_p, drop_all = _sdpa_args.dropout_p(dropout_p)
+    res = _run(q, k, v, scale=scale, causal=check_flag("is_causal", is_causal), bottom_right=bottom_right,
+               backend=backend,
                return_lse=check_flag("return_lse", return_lse), bias=bias, lane=lane,
                **_padding_masks(q.shape[0], q.shape[2], k.shape[2], q, window_size, key_mask, query_mask, q_lens,
                                 kv_lens),
@@ -292,48 +298,6 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         out, lse = res
         return out.reshape(*lead_shape, *out.shape[2:]), lse.reshape(*lead_shape, lse.shape[2])
     return res.reshape(*lead_shape, *res.shape[2:])
-
-
-def _sdpa_dropout_p(p) -> tuple:
-    """SDPA's dropout_p forms the kernels do not take: a 0-dim real tensor (read on the host: a sync, and a
-    graph break under torch.compile) and p = 1 (every probability dropped: run without dropout, then
-    zero the output). -> (p for the kernels, drop everything)."""
-    if isinstance(p, torch.Tensor) and p.dim() == 0 and not p.is_complex() and p.dtype != torch.bool:
-        p = p.item()
-    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) <= 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1] (or a 0-dim tensor of one); got {p!r}")
-    return (0.0, True) if float(p) == 1.0 else (float(p), False)
-
-
-def _checked_4d(query, key, value, backend, enable_gqa) -> tuple:
-    """attention's checks of query, key, value and backend, raising with a message that names the argument;
-    returns (B, H, S, D) views of query, key, value."""
-    for n, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(n, t)
-    if not (query.dim() == key.dim() == value.dim()) or query.dim() < 2:
-        raise ValueError(f"query, key, value must have the same rank, at least 2 ((..., H, S, D) or (S, D)); "
-                         f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    lead = query.shape[:-3]
-    if key.shape[:-3] != lead or value.shape[:-3] != lead:
-        raise ValueError(f"query, key, value must have the same leading (batch) dims; got shapes "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    q, k, v = _as4d(query), _as4d(key), _as4d(value)
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be None or a string; got {type(backend).__name__}")
-    check_qkv(("query", "key", "value"), q, k, v, "(..., H, S, D)", allow_gqa=check_flag("enable_gqa", enable_gqa),
-              gqa_hint="Pass enable_gqa=True for grouped-query attention, as with SDPA.")
-    return q, k, v
-
-
-def _as4d(t: torch.Tensor) -> torch.Tensor:
-    """(..., H, S, D) -> (B, H, S, D), a view whenever the leading dims allow one."""
-    if t.dim() == 4:
-        return t
-    if t.dim() == 2:
-        return t[None, None]
-    if t.dim() == 3:
-        return t[None]
-    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])  # not -1: a size-0 dim makes -1 ambiguous
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=_NO_WINDOW, softcap=0.0,

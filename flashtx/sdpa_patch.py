@@ -17,11 +17,13 @@ that names it. Nothing is decided by catching exceptions on the call path.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import operator
 import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias
 
 from . import _attention_lane, _dispatch, _small_q_lane, functional
 from ._validate import _qkv_ok, is_flag, resolve_scale, scale_ok
@@ -64,7 +66,8 @@ def _plain(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bo
             and query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.dtype in _DTYPES
             and (dropout_p == 0.0 if type(dropout_p) is float or type(dropout_p) is int else False)
             and type(enable_gqa) is bool and _qkv_ok(query, key, value, enable_gqa) and query.shape[2] > 0
-            and key.shape[2] > 0 and not _transformed())
+            and key.shape[2] > 0 and not _transformed()
+            and (_COMPILING() or not (query.is_neg() or key.is_neg() or value.is_neg())))
 
 
 def _plain_reason(query, key, value) -> str | None:
@@ -82,10 +85,13 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
                        enable_gqa=False) -> str | None:
     """Why flashtx should not run this SDPA call (None = it runs it). Reasons name no shapes, so
     each is warned about once. Under autocast, of the inputs as autocast would cast them."""
+    if _subclass_mask(attn_mask):
+        return _subclass_mask_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
+    scale = _host_scale(scale)
     if scale is not None and not scale_ok(scale):
-        return _SCALE_REASON
+        return _scale_reason(scale)
     if _plain(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         return _plain_reason(query, key, value)
     return _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
@@ -105,6 +111,8 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         return what + " not supported by flashtx's kernels"
     if query.is_nested or key.is_nested or value.is_nested:
         return "nested (jagged) tensors are not supported"
+    if not _COMPILING() and any(t.is_neg() for t in (query, key, value, attn_mask) if isinstance(t, torch.Tensor)):
+        return "lazily negated views (negative bit set, e.g. z.conj().imag) are not supported"
     if not (query.layout is key.layout is value.layout is torch.strided):
         return "sparse layouts are not supported"
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _DTYPES:
@@ -159,6 +167,42 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
 _SCALE_REASON = "a scale outside flashtx's range (0, or a real number of magnitude in [2**-100, 2**100])"
 
 
+def _host_scale(scale):
+    """scale as flashtx takes it: a 0-dim real tensor read on the host (a sync), as SDPA reads it."""
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool and not scale.is_complex():
+        return scale.item()
+    return scale
+
+
+def _scale_reason(scale) -> str:
+    """The reason for a scale that scale_ok refuses."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        return "a scale that is not a real number or a 0-dim tensor of one (a bool, say)"
+    return _SCALE_REASON
+
+
+def _subclass_mask(attn_mask) -> bool:
+    """Whether attn_mask is a tensor subclass with its own __torch_function__ (not nn.Parameter), such as
+    torch.nn.attention.bias's CausalBias: such a mask computes SDPA itself, or holds no values to read."""
+    return (attn_mask is not None and type(attn_mask) is not torch.Tensor
+            and torch.overrides.has_torch_function_unary(attn_mask))
+
+
+def _subclass_mask_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
+    """unsupported_reason of a _subclass_mask call: flashtx runs a CausalBias as is_causal (either alignment,
+    flashtx.attention translates it); any other such mask goes to torch."""
+    if not isinstance(attn_mask, CausalBias):
+        return f"an attn_mask of a tensor subclass with its own __torch_function__ ({type(attn_mask).__name__})"
+    if is_causal is not False:
+        return "a CausalBias attn_mask with is_causal" + _TORCH_ERROR
+    if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):
+        query, key, value = functional._autocast(query.device.type, query, key, value)
+    if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() >= 2 and key.dim() >= 2 and (
+            (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (query.shape[-2], key.shape[-2])):
+        return "a CausalBias for other sequence lengths than the inputs'"
+    return _full_reason(query, key, value, None, dropout_p, True, enable_gqa)
+
+
 _GPU = "cuda"  # the device whose calls may lack a kernel config (flashtx.testing_gpu_trace stands in "cpu")
 _FAST_REASONS = _dispatch.plan_table("sdpa_patch")  # (they follow the plans: cleared with them)
 
@@ -206,10 +250,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False):
     """torch's ``scaled_dot_product_attention`` signature and semantics, computed by
     ``flashtx.attention`` when it supports the call, by the original SDPA otherwise."""
+    if _subclass_mask(attn_mask):  # (before autocast, which would cast it)
+        scale = _host_scale(scale)
+        reason = _scale_reason(scale) if scale is not None and not scale_ok(scale) else _subclass_mask_reason(
+            query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        if reason is None:
+            return functional.attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+                                        enable_gqa=bool(enable_gqa))
+        return _fallback(reason, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):  # as autocast casts SDPA's inputs
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
+    if scale is not None and type(scale) is not float:
+        scale = _host_scale(scale)
     if scale is not None and not scale_ok(scale):
-        reason = _SCALE_REASON
+        reason = _scale_reason(scale)
     elif attn_mask is not None and is_causal is False and type(attn_mask) is torch.Tensor and \
             attn_mask.dtype is torch.bool and _plain(query, key, value, None, dropout_p, False, enable_gqa):
         out = _masked_decoding(query, key, value, attn_mask, scale)
@@ -235,12 +289,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     else:  # (unsupported_reason's other checks, already made above)
         reason = _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:
-        _refuse_no_kv_heads(key, value)  # (whatever the reason: a scale one too)
-        if reason not in _warned and not reason.endswith(_TORCH_ERROR):  # torch's own error says it all
-            _warned.add(reason)
-            warnings.warn(f"{FALLBACK_WARNING} scaled_dot_product_attention: {reason}", stacklevel=2)
-        return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                         scale=scale, enable_gqa=enable_gqa)
+        return _fallback(reason, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     kw = {}
     if attn_mask is not None:
         kw["attn_mask"] = attn_mask
@@ -251,6 +300,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 scaled_dot_product_attention.__wrapped__ = _ORIGINAL
+
+
+def _fallback(reason: str, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The call handed to torch's SDPA, with a one-time warning for the reason (none where torch raises)."""
+    _refuse_no_kv_heads(key, value)  # (whatever the reason: a scale one too)
+    if reason not in _warned and not reason.endswith(_TORCH_ERROR):  # torch's own error says it all
+        _warned.add(reason)
+        warnings.warn(f"{FALLBACK_WARNING} scaled_dot_product_attention: {reason}", stacklevel=3)
+    return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                     scale=scale, enable_gqa=enable_gqa)
 
 
 def is_enabled() -> bool:
