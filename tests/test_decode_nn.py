@@ -568,6 +568,17 @@ def test_cross_block_without_memory_refuses_before_the_self_attention_appends():
         with pytest.raises(ValueError, match="cross-attention cache is empty, pass memory on the first call"):
             block(x, cache=cache)
         assert int(cache.self_attn.length) == 0
+        bad = [((randn(2, 4, E + 1, dtype=PRECISE_DTYPE),), {}, r"memory must be \(B, Sm, kdim\)"),
+               ((randn(2, 9, E, dtype=PRECISE_DTYPE),), {}, "memory has 9 positions but the cross-attention cache "
+                                                            "holds 4"),
+               ((mem,), {"memory_mask": torch.ones(2, 4, dtype=torch.int32, device=DEVICE)},
+                "memory_mask must be a bool tensor"),
+               ((mem,), {"memory_mask": torch.ones(2, 5, dtype=torch.bool, device=DEVICE)},
+                r"memory_mask must have shape \(B, S\) = \(2, 4\)")]
+        for args, kw, match in bad:  # each refused before the self-attention appends (it raised after, once)
+            with pytest.raises((ValueError, TypeError), match=match):
+                block(x, *args, cache=cache, **kw)
+            assert int(cache.self_attn.length) == 0
         torch.testing.assert_close(block(x, mem, cache=cache), block(x, mem, cache=fresh), atol=0, rtol=0)
         with pytest.raises(ValueError, match=r"cross-attention needs memory \(B, Sm, kdim\)$"):
             block(x)

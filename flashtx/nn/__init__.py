@@ -6,5 +6,5 @@ from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 from .swiglu import SwiGLU
 
-__all__ = ["RotaryEmbedding", "SwiGLU", "RMSNorm", "MultiheadAttention", "KVCache", "PagedKVCache", "TransformerBlock", "BlockCache",
-           "llama_hidden_dim"]
+__all__ = ["RotaryEmbedding", "SwiGLU", "RMSNorm", "MultiheadAttention", "KVCache", "PagedKVCache", "TransformerBlock",
+           "BlockCache", "llama_hidden_dim"]

@@ -186,17 +186,38 @@ class MultiheadAttention(nn.Module):
         at most max_len tokens a sequence (rounded up to whole pages: its ``max_len`` may be larger). For
         cross-attention max_len is the memory's length (or more)."""
         p = self.out_proj.weight
-        kw = dict(dtype=dtype or p.dtype, device=device or p.device)
+        kw = dict(dtype=p.dtype if dtype is None else dtype, device=p.device if device is None else device)
         if num_pages is not None:
             _check_pos_int("num_pages", num_pages)
         if paged:
             if self.cross:
                 raise ValueError("paged caches are for self-attention; cross-attention's memory uses a KVCache")
             per_seq = -(-_check_pos_int("max_len", max_len) // _check_pos_int("page_size", page_size))
-            return PagedKVCache(batch_size, self.num_kv_heads, self.head_dim, page_size=page_size,
-                                num_pages=batch_size * per_seq if num_pages is None else num_pages,
-                                max_pages_per_seq=per_seq, **kw)
-        return KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, **kw)
+            cache = PagedKVCache(batch_size, self.num_kv_heads, self.head_dim, page_size=page_size,
+                                 num_pages=batch_size * per_seq if num_pages is None else num_pages,
+                                 max_pages_per_seq=per_seq, **kw)
+        else:
+            cache = KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, **kw)
+        sc = None if self.rotary is None else self.rotary.scaling
+        if self.rotary is not None and not self.cross and (sc is None or sc["type"] != "dynamic"):
+            self.rotary.cos_sin(cache.max_len, cache.k.device)  # tables that cover the cache now: a compiled step
+            # that grew them would change their length, and be traced again
+        return cache
+
+    def check_memory(self, memory, memory_mask, B: int, cache: KVCache) -> None:
+        """Raise for a memory (B, Sm, kdim) and memory_mask (B, Sm) bool that an empty cross-attention `cache`
+        cannot take (before anything is stored: TransformerBlock checks them before its self-attention appends)."""
+        if memory is None:
+            raise ValueError("cross-attention needs memory (B, Sm, kdim): the cross-attention cache is empty, pass "
+                             "memory on the first call")
+        if not isinstance(memory, Tensor) or memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != self.kdim:
+            got = tuple(memory.shape) if isinstance(memory, Tensor) else type(memory).__name__
+            raise ValueError(f"memory must be (B, Sm, kdim) = ({B}, Sm, {self.kdim}); got {got}")
+        Sm = memory.shape[1]
+        if Sm > cache.max_len:
+            raise ValueError(f"memory has {Sm} positions but the cross-attention cache holds {cache.max_len}: create "
+                             f"it with new_cache(..., max_len>={Sm}) (a TransformerBlock's: memory_len>={Sm})")
+        _check_mask("memory_mask", memory_mask, B, Sm, memory.device)
 
     def _kv(self, memory: Tensor, B: int) -> tuple[Tensor, Tensor]:
         """memory (B, Sm, kdim) -> k, v (B, Sm, Hkv, D) views of one projection."""
@@ -364,13 +385,8 @@ class MultiheadAttention(nn.Module):
             return attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, dropout_p=p,
                              enable_gqa=True, key_mask=key_mask, backend=self.backend)
         if not cache.filled:
-            if memory is None:
-                raise ValueError("the cross-attention cache is empty: pass memory on the first call")
+            self.check_memory(memory, key_mask, B, cache)
             k, v = self._kv(memory, B)
-            if k.shape[1] > cache.max_len:
-                raise ValueError(f"memory has {k.shape[1]} positions but the cross-attention cache holds "
-                                 f"{cache.max_len}: create it with new_cache(..., max_len>={k.shape[1]}) (a "
-                                 f"TransformerBlock's: memory_len>={k.shape[1]})")
             cache.reset()
             cache.append(k.transpose(1, 2), v.transpose(1, 2))
             cache._store_memory_mask(key_mask, k.shape[1])  # per-row [leftpad, end) of the real memory, or holes

@@ -150,10 +150,11 @@ class TransformerBlock(nn.Module):
                              f"cross-attention: make it with this block's new_cache")
         if self.cross_attn is None and (memory is not None or memory_mask is not None):
             raise ValueError("memory/memory_mask given to a TransformerBlock built with cross=False")
-        if self.cross_attn is not None and memory is None and (cache is None or not cache.cross_attn.filled):
+        if self.cross_attn is not None and memory is None and cache is None:
+            raise ValueError("cross-attention needs memory (B, Sm, kdim)")
+        if cache is not None and self.cross_attn is not None and not cache.cross_attn.filled:
             # before the self-attention appends to its cache: a retry must not store the tokens twice
-            raise ValueError("cross-attention needs memory (B, Sm, kdim)" + (
-                "" if cache is None else ": the cross-attention cache is empty, pass memory on the first call"))
+            self.cross_attn.check_memory(memory, memory_mask, x.shape[0], cache.cross_attn)
         h = self.attn(self.attn_norm(x), key_mask=key_mask, attn_mask=attn_mask,
                       cache=cache.self_attn if cache is not None else None)
         x = x + self._resid(h)

@@ -57,6 +57,17 @@ def _static(t: Tensor) -> Tensor:
     return t
 
 
+def _same_as(name: str, value, like: Tensor) -> Tensor:
+    """value, checked to have like's shape, dtype and device (a cache buffer assigned by the user)."""
+    if not isinstance(value, Tensor) or value.shape != like.shape or value.dtype != like.dtype or \
+            value.device != like.device:
+        got = f"{tuple(value.shape)}, {value.dtype} on {value.device}" if isinstance(value, Tensor) else \
+            type(value).__name__
+        raise ValueError(f"KVCache.{name} must be assigned a tensor of shape {tuple(like.shape)} (B, Hkv, max_len, "
+                         f"D), {like.dtype} on {like.device}; got {got}")
+    return value
+
+
 def _host_readable() -> bool:
     """Whether tensor values may be read on the host now (not traced, not inside a CUDA-graph capture)."""
     if torch.compiler.is_compiling():
@@ -130,13 +141,14 @@ class KVCache:
 
     @property
     def k(self) -> Tensor:
-        """The keys, (B, Hkv, max_len, D): a view of the (B, max_len, Hkv, D) buffer. Assigning a (B, Hkv, max_len,
-        D) tensor (e.g. rows reordered for beam search) keeps its transpose as the buffer."""
+        """The keys, (B, Hkv, max_len, D): a view of the (B, max_len, Hkv, D) buffer. Assigning a tensor of the
+        same shape, dtype and device keeps its transpose as the buffer: the keys only (the lengths, masks and
+        leftpad stay; to reorder the batch's sequences, e.g. for beam search, use reorder())."""
         return self._k.transpose(1, 2)
 
     @k.setter
     def k(self, value: Tensor) -> None:
-        self._k = _static(value.transpose(1, 2))
+        self._k = _static(_same_as("k", value, self.k).transpose(1, 2))
 
     @property
     def v(self) -> Tensor:
@@ -145,7 +157,29 @@ class KVCache:
 
     @v.setter
     def v(self, value: Tensor) -> None:
-        self._v = _static(value.transpose(1, 2))
+        self._v = _static(_same_as("v", value, self.v).transpose(1, 2))
+
+    def reorder(self, index) -> "KVCache":
+        """Reorder the batch's sequences in place: row b becomes what row index[b] was (rows may repeat), its
+        keys, values, key mask and padding together (transformers' reorder_cache, for beam search). index:
+        (B,) ints (a list or an int tensor), each in [0, B). Eager, between steps (reads index on the host)."""
+        B = self.batch_size
+        if isinstance(index, Tensor):
+            if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool or \
+                    index.dim() != 1:
+                raise TypeError(f"KVCache.reorder: index must be ({B},) ints; got a tensor of dtype {index.dtype} "
+                                f"and shape {tuple(index.shape)}")
+            index = index.tolist()
+        if not isinstance(index, (list, tuple)) or len(index) != B or any(
+                isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < B for i in index):
+            raise ValueError(f"KVCache.reorder: index must be {B} ints in [0, {B}) (one source row per row); "
+                             f"got {index!r}")
+        idx = torch.tensor(index, dtype=torch.int64, device=self._k.device)
+        for t in (self._k, self._v, self.key_mask, self.leftpad):  # in place: the buffers keep their addresses
+            t.copy_(t.index_select(0, idx))
+        if self._ends is not None:
+            self._ends = self._ends.index_select(0, idx)
+        return self
 
     @property
     def batch_size(self) -> int:
@@ -204,16 +238,20 @@ class KVCache:
     def _claim(self, S: int) -> None:
         """Check that S more positions fit, and count them: on the host mirror (no sync) while there is one;
         once a step was traced or captured in a CUDA graph (whose replays advance `length` on the device
-        unseen), by a device-side assert until reset()."""
-        if not _host_readable():
+        unseen), by a device-side assert in such steps and by reading `length` (a sync) in eager ones, until
+        reset(). (The mirror stays None: a compiled step guards on it, and a number would retrace it.)"""
+        readable = _host_readable()
+        if not readable:
             self._host_length = None
-        if self._host_length is None:
+        if self._host_length is None and not readable:
             torch._assert_async(self.length + S <= self.max_len,
                                 "flashtx.nn.KVCache is full: more positions were given than max_len holds")
-        else:
-            if self._host_length + S > self.max_len:
-                raise ValueError(f"KVCache is full: it holds {self._host_length} of max_len={self.max_len} positions "
-                                 f"and {S} more were given; create it with a larger max_len")
+            return
+        held = self._host_length if self._host_length is not None else int(self.length)
+        if held + S > self.max_len:
+            raise ValueError(f"KVCache is full: it holds {held} of max_len={self.max_len} positions and {S} more "
+                             f"were given; create it with a larger max_len")
+        if self._host_length is not None:
             self._host_length += S
 
     def append(self, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> None:
@@ -239,14 +277,13 @@ class KVCache:
 
     def _undo(self, mark: tuple, S: int) -> None:
         """Put back what _mark saw, after a failed call of S tokens (`length` advances only on success):
-        positions past `length` hold True again, as since reset() (only if _claim let the call store its
-        mask there: a refused, full cache has no positions past max_len)."""
-        stored = self._host_length is None or self._host_length != mark[0]  # _claim counted the tokens
+        positions past `length` hold True again, as since reset() (those below max_len: a call refused for a full
+        cache stored nothing)."""
         self._host_length, self.padded, self.holes, leftpad = mark
         if leftpad is not None:
             self.leftpad.copy_(leftpad)
-            if stored:
-                self.key_mask.index_fill_(1, self.length + torch.arange(S, device=self._k.device), True)
+            pos = self.length + torch.arange(S, device=self._k.device)  # (S,) where the call stored its mask
+            self.key_mask.index_fill_(1, pos[pos < self.max_len], True)  # (past `length`: True in any case)
 
     def _store_mask(self, key_mask: Tensor | None, S: int) -> None:
         """Store the key mask (B, S) of S tokens about to be written at [length, length + S) and
@@ -454,10 +491,11 @@ class PagedKVCache:
         if not _host_readable():
             self._host_lens = None  # the graph advances seqlens on the device; pages must be allocated already
             return
-        if self._host_lens is None:
-            return  # lengths were advanced by a compiled step: the device asserts check the pages
+        # after a compiled or captured step (no host mirror, which stays None: a compiled step guards on it),
+        # eager calls read seqlens (a sync) and allocate as before
+        lens = self._host_lens if self._host_lens is not None else self.seqlens.tolist()
         need = 0  # every sequence is checked before any is changed: a refusal leaves the cache as it was
-        for b, n in enumerate(self._host_lens):
+        for b, n in enumerate(lens):
             if n + S > self.max_len:
                 raise ValueError(f"PagedKVCache is full: sequence {b} holds {n} of max_len={self.max_len} positions "
                                  f"and {S} more were given")
@@ -466,8 +504,9 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache is out of pages: the batch needs {need} more for {S} tokens each, "
                              f"{len(self._free)} are free; free finished sequences or create more pages")
         for b in range(self.batch_size):
-            self.allocate(b, self._host_lens[b] + S)
-            self._host_lens[b] += S if keep is None else keep[b]
+            self.allocate(b, lens[b] + S)
+            if self._host_lens is not None:
+                self._host_lens[b] += S if keep is None else keep[b]
 
     def _mark(self, masked: bool) -> tuple:
         """What a call's bookkeeping (_take) changes, before it: for _undo if the call fails. Eager only
