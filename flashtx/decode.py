@@ -132,7 +132,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) tables (rotary_dim <= D, read
             in fp32): k is rotated at its cache positions before being written, q at positions
             cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b] (flash-attn's
-            rule). Every position used must be < seqlen_ro.
+            rule). Every position used must be < seqlen_ro. Without k, v only q is rotated (flash-attn
+            refuses rotary tables without new keys).
         cache_seqlens: (B,) int32 (int64 accepted) or an int: tokens already in each sequence's
             cache (before the append); None = the whole cache is in use (then k, v must be None).
         cache_batch_idx: (B,) int32: sequence b uses cache row cache_batch_idx[b] (contiguous
@@ -234,7 +235,10 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         raise ValueError(f"k_cache must be {layout} with D = q's {D} and v_cache must match its first three dims; "
                          f"got k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
-    if Hkv == 0 or Hq % Hkv:
+    if Hkv == 0:
+        raise ValueError(f"k_cache and v_cache need at least 1 kv head (dim 2 of {layout}); got k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if Hq % Hkv:
         raise ValueError(f"q's heads ({Hq}) must be a multiple of the cache's kv heads ({Hkv})")
     if (k is None) != (v is None):
         raise ValueError("pass k and v together (or neither)")
@@ -266,8 +270,12 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         if rotary_cos is None or rotary_sin is None:
             raise ValueError("pass rotary_cos and rotary_sin together (or neither)")
         for n, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() != 2:
-                raise ValueError(f"{n} must be a float tensor (seqlen_ro, rotary_dim / 2)")
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                got = f"dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+                raise TypeError(f"{n} must be a float tensor (seqlen_ro, rotary_dim / 2); got {got}")
+            if t.dim() != 2:
+                raise ValueError(f"{n} must be a float tensor (seqlen_ro, rotary_dim / 2); got shape "
+                                 f"{tuple(t.shape)}")
             if t.device != q.device:
                 raise ValueError(f"{n} must be on q's device {q.device}; got {t.device}")
             _check_layout(n, t)
@@ -372,7 +380,8 @@ def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Sne
         lp = leftpad.long()
         _check_values((lp >= 0) & (lp <= end), readable,
                       lambda ok: f"cache_leftpad[{_first_bad(ok)}] = {int(lp[_first_bad(ok)])} must be in [0, "
-                                 f"cache_seqlens + Snew]", "cache_leftpad")
+                                 f"{int(end[_first_bad(ok)])}] (cache_seqlens[{_first_bad(ok)}] + the {Snew} new "
+                                 f"tokens)", "cache_leftpad")
     if batch_idx is not None:
         bi = batch_idx.long()
         _check_values((bi >= 0) & (bi < k_cache.shape[0]), readable,
