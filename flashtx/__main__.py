@@ -2,10 +2,12 @@
 
 Without a GPU, the Triton kernels are checked in Triton's interpreter on CPU tensors (the
 process re-executes itself with FLASHTX_INTERPRET=1, which must be set before triton loads).
-Exits 1 if any check fails.
+Exits 1 if any check fails, or if a Triton check was skipped where Triton's kernels should run (a GPU, or the
+interpreter).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import sys
@@ -13,7 +15,18 @@ import sys
 import torch
 
 
-def main() -> int:
+def _parse(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m flashtx", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="Without a GPU it re-executes itself with FLASHTX_INTERPRET=1 (Triton's interpreter on CPU tensors; "
+               "a few minutes). Exit status: 0 when every check passed, 1 when one failed or a Triton check that "
+               "should run did not.")
+    return parser.parse_args(argv)
+
+
+def main(argv=()) -> int:
+    """argv: the command line's arguments (python -m flashtx passes sys.argv[1:])."""
+    _parse(list(argv))  # (-h exits here, before any re-execution or check)
     reexecuted = os.environ.pop("_FLASHTX_REEXEC", None) == "1"  # popped: nothing this process starts inherits it
     if not torch.cuda.is_available() and os.environ.get("FLASHTX_INTERPRET") != "1" and not reexecuted:
         env = dict(os.environ, FLASHTX_INTERPRET="1", _FLASHTX_REEXEC="1")
@@ -57,18 +70,22 @@ def main() -> int:
     ran = [r for r in results if not r.skipped]
     failed = [r for r in ran if not r.passed]
     print(f"\n{len(ran) - len(failed)} passed, {len(failed)} failed, {len(results) - len(ran)} skipped "
-          f"(backend unavailable)")
+          f"(backend unavailable: the reasons above)")
     for r in failed:
         print(f"  FAILED: {str(r.dtype).replace('torch.', '')} {r.backend} {r.op}")
     if not ran:
         print("no check ran")
         return 1
-    if (device == "cuda" or _env.INTERPRET) and not any(r.backend == "triton" for r in ran):
+    triton_here = device == "cuda" or _env.INTERPRET
+    if triton_here and not any(r.backend == "triton" for r in ran):
         print("NO KERNEL CHECKED: every Triton check was skipped (see the reasons above), although Triton's kernels "
               "should run here; only the reference backend was compared with itself")
         return 1
-    return 1 if failed else 0
+    unchecked = [r for r in results if r.skipped and r.backend == "triton"] if triton_here else []
+    for r in unchecked:  # a kernel that should run here refused its check: a failure, not a skip
+        print(f"  NOT CHECKED: {str(r.dtype).replace('torch.', '')} triton {r.op}: {r.skipped}")
+    return 1 if failed or unchecked else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

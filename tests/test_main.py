@@ -98,3 +98,31 @@ def test_no_kernel_checked_is_a_failure(monkeypatch):
     monkeypatch.setattr(TritonBackend, "not_supported_reasons", refuse)
     monkeypatch.setattr(selfcheck, "CHECKS", selfcheck.CHECKS[:1])  # the attention checks suffice
     assert main_mod.main() == 1
+
+
+def test_one_triton_check_skipped_is_a_failure(monkeypatch, capsys):
+    """A Triton backend that wrongly refuses one op where its kernels should run (a GPU, or the interpreter): the
+    check is NOT CHECKED and the exit status 1 (it was a skip, exit 0)."""
+    from flashtx import __main__ as main_mod
+    from flashtx.rotary import ROTARY_BACKENDS
+
+    monkeypatch.setattr(type(ROTARY_BACKENDS["triton"]), "not_supported_reasons",
+                        lambda self, inp: ["stand-in: triton refused rotary"])
+    monkeypatch.setattr(selfcheck, "CHECKS", [selfcheck.rotary_checks, selfcheck.swiglu_checks])
+    assert main_mod.main() == 1
+    out = capsys.readouterr().out
+    assert "NOT CHECKED: float16 triton apply_rotary" in out and "stand-in: triton refused rotary" in out
+    assert "PASS  float16  triton    swiglu" in out  # the others still ran
+
+
+def test_help_runs_no_check(capsys):
+    import pytest
+
+    from flashtx import __main__ as main_mod
+
+    with pytest.raises(SystemExit) as e:
+        main_mod.main(["--help"])
+    assert e.value.code == 0 and "Exit status" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main_mod.main(["--bogus"])
+    assert e.value.code == 2
