@@ -225,6 +225,8 @@ def main(argv=None) -> dict:
                          "wait on each other far longer than they compute)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.max_len < 1:
+        ap.error(f"--max-len must be >= 1; got {args.max_len}")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
 
@@ -235,7 +237,8 @@ def main(argv=None) -> dict:
     everything = make_batch(pairs_ids, args.device)  # all pairs, padded on both sides
 
     torch.manual_seed(args.seed)
-    model = Translator(len(src_vocab), len(tgt_vocab), backend=args.backend).to(args.device)
+    model = Translator(len(src_vocab), len(tgt_vocab), max_len=max(64, args.max_len, everything[0].shape[1]),
+                       backend=args.backend).to(args.device)  # (positional encodings for every position decoded)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))  # short warm-up
     lengths = sorted({len(s) for s, _ in pairs}), sorted({len(t) for _, t in pairs})

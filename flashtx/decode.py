@@ -134,6 +134,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b] (flash-attn's
             rule). Every position used must be < seqlen_ro. Without k, v only q is rotated (flash-attn
             refuses rotary tables without new keys).
+        rotary_interleaved: True (the default, flash-attn's) rotates GPT-J's pairs (x[2i], x[2i+1]);
+            False, NeoX/LLaMA's halves (x[i], x[i + rotary_dim / 2]), the default of flashtx's other
+            RoPE functions and of flashtx.nn.
         cache_seqlens: (B,) int32 (int64 accepted) or an int: tokens already in each sequence's
             cache (before the append); None = the whole cache is in use (then k, v must be None).
         cache_batch_idx: (B,) int32: sequence b uses cache row cache_batch_idx[b] (contiguous

@@ -398,7 +398,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, 
             (max_len, rotary_dim) tables plus position_ids (B, S): that form works too.
         position_ids: 4.x's argument: used only with 2-D cos/sin (ignored otherwise, as in
             transformers). An int here is taken as unsqueeze_dim (5.x's fifth argument); passing
-            unsqueeze_dim as well, with another value, is a TypeError.
+            unsqueeze_dim as well, with a value other than that int and the default 1, is a TypeError
+            (an explicit unsqueeze_dim=1 cannot be told from the default: the int wins).
         unsqueeze_dim: 1 or 2 (or -3 / -2, as transformers' cos.unsqueeze takes them), as above.
         inplace: False (default, the drop-in's semantics): new tensors. None: rotate q and k in
             place when autograd records nothing (as flashtx.integrations.transformers does in

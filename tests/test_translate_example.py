@@ -122,3 +122,11 @@ print("ok", steps, layers, diff)
 """
     res = run("-c", script)
     assert res.returncode == 0 and res.stdout.startswith("ok"), res.stdout + res.stderr
+
+
+def test_translate_example_decodes_past_64_positions():
+    """--max-len above the model's old 64 positional encodings: an untrained model decodes every position (it
+    crashed at position 64 with an IndexError from an empty encoding slice)."""
+    res = run(str(EXAMPLE), "--steps", "1", "--max-len", "70", "--min-accuracy", "0")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert check_lines(res.stdout)["KV-cache decoding vs recomputation"], res.stdout
