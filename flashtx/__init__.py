@@ -27,7 +27,8 @@ from . import nn  # noqa: E402
 from .rotary import apply_rotary, apply_rotary_emb, apply_rotary_pos_emb, apply_rotary_qk  # noqa: E402
 from .swiglu import swiglu, swiglu_packed  # noqa: E402
 
-__all__ += ["apply_rotary", "apply_rotary_emb", "apply_rotary_qk", "apply_rotary_pos_emb", "swiglu", "swiglu_packed", "nn"]
+__all__ += ["apply_rotary", "apply_rotary_emb", "apply_rotary_qk", "apply_rotary_pos_emb", "swiglu", "swiglu_packed",
+            "nn"]
 
 # Drop-in paths for existing models: F.scaled_dot_product_attention -> flashtx (flashtx.sdpa_patch)
 from . import sdpa_patch  # noqa: E402
@@ -47,6 +48,7 @@ def autotune(enable: bool = True) -> None:
     dtype size, head dims, score modifiers) times the candidate configs that fit the GPU on
     synthetic inputs of those head dims, keeps the fastest and caches it on disk
     ($FLASHTX_CACHE_DIR/autotune.json, default ~/.cache/flashtx/): later runs pay nothing.
+    autotune(False) turns it off again (the shipped per-GPU configs; tuned results stay on disk).
 
     Example:
         >>> flashtx.autotune()  # then train as usual; `python -m bench.tune` sweeps offline

@@ -109,7 +109,10 @@ class KVCache:
         leftpad: (B,) int32: each sequence's first real position (flash-attn's cache_leftpad).
         holes: True once a stored key mask is not left padding (see below).
 
-    Create one per layer with ``MultiheadAttention.new_cache`` (or ``TransformerBlock.new_cache``);
+    ``KVCache(batch_size, num_kv_heads, max_len, head_dim, v_head_dim=None, *, dtype, device)``: zeroed
+    buffers for batch_size sequences of up to max_len positions, num_kv_heads heads of head_dim (values:
+    v_head_dim, default head_dim). Create one per layer with ``MultiheadAttention.new_cache`` (or
+    ``TransformerBlock.new_cache``), which takes these from the layer;
     ``reset()`` empties it for a new batch, ``crop(n)`` keeps its first n positions (speculative decoding's
     rollback). Positions are shared by the batch: with left padding,
     every sequence's first real token sits at its own position, which RoPE does not notice (it
@@ -183,10 +186,12 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
+        """B, the number of sequences (rows)."""
         return self._k.shape[0]
 
     @property
     def max_len(self) -> int:
+        """The most positions the cache holds."""
         return self._k.shape[1]
 
     def __repr__(self) -> str:
@@ -339,6 +344,12 @@ class PagedKVCache:
         seqlens: (B,) int32: tokens in each sequence (each sequence has its own length).
         leftpad: (B,) int32: each sequence's first real position (its leading padding is hidden).
 
+    ``PagedKVCache(batch_size, num_kv_heads, head_dim, *, num_pages, page_size=16, max_pages_per_seq=None,
+    v_head_dim=None, dtype, device)``: a pool of num_pages zeroed pages of page_size tokens (a multiple of 16),
+    num_kv_heads heads of head_dim (values: v_head_dim, default head_dim), for batch_size sequences of at most
+    max_pages_per_seq pages each (default num_pages). ``MultiheadAttention.new_cache(..., paged=True)`` takes
+    these from the layer.
+
     Pages are handed out on the host: `allocate(b, n)` makes sequence b able to hold n tokens,
     `free(b)` returns its pages and empties it (continuous batching: a finished sequence's slot is
     refilled), `crop(lengths)` drops each sequence's tokens past its length (speculative decoding's
@@ -387,10 +398,12 @@ class PagedKVCache:
 
     @property
     def batch_size(self) -> int:
+        """B, the number of sequences (block-table rows)."""
         return self.block_table.shape[0]
 
     @property
     def page_size(self) -> int:
+        """Tokens per page (a multiple of 16)."""
         return self.k.shape[1]
 
     @property
@@ -400,6 +413,7 @@ class PagedKVCache:
 
     @property
     def free_pages(self) -> int:
+        """Pages in the pool not held by any sequence."""
         return len(self._free)
 
     def __repr__(self) -> str:

@@ -207,7 +207,8 @@ class RotaryEmbedding(nn.Module):
                f"interleaved={self.interleaved}"
 
     def cos_sin(self, seq_len: int, device=None) -> tuple[Tensor, Tensor]:
-        """(cos, sin), each (seq_len, dim/2) float32, for positions 0 .. seq_len - 1 (cached views)."""
+        """(cos, sin), each (seq_len, dim/2) float32, for positions 0 .. seq_len - 1 (cached views), on `device`
+        (default: inv_freq's, which follows module.to())."""
         if isinstance(seq_len, bool) or not isinstance(seq_len, (numbers.Integral, torch.SymInt)) \
                 or not 0 <= seq_len <= MAX_SEQ:  # (a SymInt: a size that torch.export traces)
             raise ValueError(f"seq_len must be an int in [0, {MAX_SEQ}]; got {seq_len!r}")
@@ -257,6 +258,7 @@ class RotaryEmbedding(nn.Module):
         inplace: None (default) rotates q and k in place (and returns them) when autograd records
         nothing (inference, no_grad) and their memory allows it, out of place otherwise (always
         under torch.compile); True always in place, False never (see flashtx.apply_rotary).
+        backend: None (automatic), "triton" or "reference", as flashtx.apply_rotary's.
         """
         check_tensor("q", q)
         sc = self.scaling
