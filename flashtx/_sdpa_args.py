@@ -8,7 +8,7 @@ import numbers
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from ._validate import check_flag, check_qkv, check_tensor
+from ._validate import check_flag, check_qkv, check_tensor, refuse_subclass_mask
 
 
 def dropout_p(p) -> tuple:
@@ -40,10 +40,8 @@ def causal_bias(mask, is_causal, query, key) -> tuple:
             raise ValueError(f"attn_mask is a CausalBias for {sizes[0]} queries and {sizes[1]} keys; the inputs "
                              f"have {query.shape[-2]} and {key.shape[-2]}")
         return None, True, mask.variant == CausalVariant.LOWER_RIGHT
-    if isinstance(mask, torch.Tensor) and torch.overrides.has_torch_function_unary(mask):
-        raise TypeError(f"attn_mask is a {type(mask).__name__}, a tensor subclass with its own __torch_function__; "
-                        f"allowed: a plain bool/float tensor, an nn.Parameter, or torch.nn.attention.bias's "
-                        f"CausalBias (flashtx's kernels read a mask's stored values)")
+    if isinstance(mask, torch.Tensor):
+        refuse_subclass_mask("attn_mask", mask)  # (before autocast would cast it)
     return mask, is_causal, False
 
 

@@ -86,6 +86,11 @@ def test_subclass_mask():
         out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)  # torch's, which knows the subclass
     torch.testing.assert_close(out.as_subclass(torch.Tensor), _math_sdpa(q, q, q, attn_mask=mask.as_subclass(
         torch.Tensor)), atol=1e-12, rtol=0)
+    qb = q.transpose(1, 2)  # (B, S, H, D)
+    with pytest.raises(TypeError, match="attn_bias is a _Wrapped, a tensor subclass with its own __torch_function"):
+        flashtx.flash_attn_func(qb, qb, qb, attn_bias=mask)
+    with pytest.raises(TypeError, match="attn_bias is a CausalBias, a tensor subclass"):
+        flashtx.flash_attn_func(qb, qb, qb, attn_bias=causal_lower_right(4, 4))
     bias = torch.nn.Parameter(randn(4, 4, dtype=torch.float64))  # (a Parameter is a plain mask)
     torch.testing.assert_close(flashtx.attention(q, q, q, attn_mask=bias), _math_sdpa(q, q, q, attn_mask=bias),
                                atol=1e-12, rtol=0)
