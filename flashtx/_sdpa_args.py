@@ -8,7 +8,7 @@ import numbers
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from ._validate import check_flag, check_qkv, check_tensor, refuse_subclass_mask
+from ._validate import check_flag, check_qkv, check_tensor
 
 
 def dropout_p(p) -> tuple:
@@ -27,9 +27,7 @@ def causal_bias(mask, is_causal, query, key) -> tuple:
 
     CausalBias (torch.nn.attention.bias.causal_upper_left / causal_lower_right) computes SDPA in its own
     __torch_function__ and holds no mask values: it becomes is_causal, aligned top-left (upper_left) or
-    bottom-right (lower_right; rows that see no key give 0, as torch). Any other tensor subclass that overrides
-    __torch_function__ is refused: the kernels would read its storage, not what it stands for. nn.Parameter
-    and other masks pass unchanged."""
+    bottom-right (lower_right; rows that see no key give 0, as torch). Other masks pass unchanged."""
     if isinstance(mask, CausalBias):
         if is_causal is not False:
             raise ValueError(f"attn_mask is a CausalBias, which is causal itself: is_causal must be False; got "
@@ -40,8 +38,6 @@ def causal_bias(mask, is_causal, query, key) -> tuple:
             raise ValueError(f"attn_mask is a CausalBias for {sizes[0]} queries and {sizes[1]} keys; the inputs "
                              f"have {query.shape[-2]} and {key.shape[-2]}")
         return None, True, mask.variant == CausalVariant.LOWER_RIGHT
-    if isinstance(mask, torch.Tensor):
-        refuse_subclass_mask("attn_mask", mask)  # (before autocast would cast it)
     return mask, is_causal, False
 
 

@@ -6,6 +6,7 @@ import math
 import numbers
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 from . import _lanes, _library
 from .triton_kernels.limits import INT32_MAX, MAX_SEQ, undecided
@@ -515,7 +516,7 @@ def check_attn_mask(name: str, m, lead: tuple, H: int, Sq: int, Sk: int, q, shap
     if not isinstance(m, torch.Tensor):
         raise TypeError(f"{name} must be None or a bool/float tensor broadcastable to {target}; "
                         f"got {type(m).__name__}")
-    refuse_subclass_mask(name, m)
+    refuse_causal_bias(name, m)
     _check_layout(name, m)
     if m.dtype != torch.bool and m.dtype not in _FLOAT_MASK_DTYPES:
         raise TypeError(f"{name} must be a bool tensor (True = attend) or a float tensor (added to the scores); "
@@ -539,13 +540,13 @@ def check_attn_mask(name: str, m, lead: tuple, H: int, Sq: int, Sk: int, q, shap
     return m.expand(*lead, *m.shape[len(lead):]).reshape(B, *m.shape[len(lead):])
 
 
-def refuse_subclass_mask(name: str, m) -> None:
-    """Raise for a mask whose type overrides __torch_function__ (not nn.Parameter): it may stand for anything
-    (torch.nn.attention.bias's CausalBias holds no values), and the kernels would read its storage."""
-    if type(m) is not torch.Tensor and torch.overrides.has_torch_function_unary(m):
-        raise TypeError(f"{name} is a {type(m).__name__}, a tensor subclass with its own __torch_function__; "
-                        f"allowed: a plain bool/float tensor or an nn.Parameter (flashtx.attention also takes "
-                        f"torch.nn.attention.bias's CausalBias); flashtx's kernels read a mask's stored values")
+def refuse_causal_bias(name: str, m) -> None:
+    """Raise for torch.nn.attention.bias's CausalBias, which computes SDPA in its own __torch_function__ and holds
+    no mask values (the kernels would read uninitialised storage). flashtx.attention translates it before this."""
+    if type(m) is not torch.Tensor and isinstance(m, CausalBias):
+        raise TypeError(f"{name} is a torch.nn.attention.bias.CausalBias, which holds no mask values; pass causal="
+                        f"True (flash-attn's functions align it bottom-right, as causal_lower_right), or give the "
+                        f"CausalBias to flashtx.attention")
 
 
 def check_softcap(name: str, x) -> float:

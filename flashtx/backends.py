@@ -205,7 +205,8 @@ class TritonBackend(Backend):
 
     def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
         q, k, v = (_unit_last(t) for t in (q, k, v))
-        return _kernels().attention_probs(q, k, v, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right, spec=masks)
+        return _kernels().attention_probs(q, k, v, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
+                                          spec=masks)
 
 
 

@@ -85,8 +85,8 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
                        enable_gqa=False) -> str | None:
     """Why flashtx should not run this SDPA call (None = it runs it). Reasons name no shapes, so
     each is warned about once. Under autocast, of the inputs as autocast would cast them."""
-    if _subclass_mask(attn_mask):
-        return _subclass_mask_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    if _causal_bias(attn_mask):
+        return _causal_bias_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
     scale = _host_scale(scale)
@@ -181,18 +181,15 @@ def _scale_reason(scale) -> str:
     return _SCALE_REASON
 
 
-def _subclass_mask(attn_mask) -> bool:
-    """Whether attn_mask is a tensor subclass with its own __torch_function__ (not nn.Parameter), such as
-    torch.nn.attention.bias's CausalBias: such a mask computes SDPA itself, or holds no values to read."""
-    return (attn_mask is not None and type(attn_mask) is not torch.Tensor
-            and torch.overrides.has_torch_function_unary(attn_mask))
+def _causal_bias(attn_mask) -> bool:
+    """Whether attn_mask is torch.nn.attention.bias's CausalBias: it computes SDPA in its own __torch_function__
+    and holds no mask values."""
+    return attn_mask is not None and type(attn_mask) is not torch.Tensor and isinstance(attn_mask, CausalBias)
 
 
-def _subclass_mask_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
-    """unsupported_reason of a _subclass_mask call: flashtx runs a CausalBias as is_causal (either alignment,
-    flashtx.attention translates it); any other such mask goes to torch."""
-    if not isinstance(attn_mask, CausalBias):
-        return f"an attn_mask of a tensor subclass with its own __torch_function__ ({type(attn_mask).__name__})"
+def _causal_bias_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
+    """unsupported_reason of a _causal_bias call: flashtx runs a CausalBias as is_causal (either alignment,
+    flashtx.attention translates it)."""
     if is_causal is not False:
         return "a CausalBias attn_mask with is_causal" + _TORCH_ERROR
     if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):
@@ -250,9 +247,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False):
     """torch's ``scaled_dot_product_attention`` signature and semantics, computed by
     ``flashtx.attention`` when it supports the call, by the original SDPA otherwise."""
-    if _subclass_mask(attn_mask):  # (before autocast, which would cast it)
+    if _causal_bias(attn_mask):  # (before autocast, which would cast it)
         scale = _host_scale(scale)
-        reason = _scale_reason(scale) if scale is not None and not scale_ok(scale) else _subclass_mask_reason(
+        reason = _scale_reason(scale) if scale is not None and not scale_ok(scale) else _causal_bias_reason(
             query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         if reason is None:
             return functional.attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
