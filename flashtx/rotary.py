@@ -194,7 +194,8 @@ def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_
             max_seqlen = S  # no value to read (or one read on the device): the total bounds the grid (as
             # flash_attn_varlen_func's tensor max_seqlen)
         elif max_seqlen is None:  # one device sync; pass max_seqlen to avoid it
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if nb > 0 else 0
+            # (at least 0: negative lengths are cu_seqlens' error, named below)
+            max_seqlen = max(int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), 0) if nb > 0 else 0
         max_seqlen = _check_int("max_seqlen", max_seqlen)
         check_cu_seqlens_values("cu_seqlens", cu_seqlens, S, "total (x.shape[0])", max_seqlen, "max_seqlen")
         # an upper bound (flash-attn); no sequence is longer than the total, so clamping to it bounds the

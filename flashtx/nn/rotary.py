@@ -219,13 +219,15 @@ class RotaryEmbedding(nn.Module):
         if sc is not None and sc["type"] == "dynamic" and (seq_len > sc["original_max_position_embeddings"] or (
                 seq_len == sc["original_max_position_embeddings"] and cached is not None and cached[0] == ("ntk",))):
             key = ("ntk",)  # frequencies depend on the longest length seen: rebuild when it grows
-            if _stale(cached, key, seq_len, device):
-                self._cache = (key, seq_len, *self._tables(seq_len, self._ntk_inv_freq(seq_len, device), device),
+            if _stale(cached, key, seq_len, device):  # (rebuilt for a device or mode: at the longest seen still)
+                length = max(seq_len, cached[1] if cached is not None and cached[0] == key else 0)
+                self._cache = (key, length, *self._tables(length, self._ntk_inv_freq(length, device), device),
                                _inference())
         else:
             key = ("plain",)
-            if _stale(cached, key, seq_len, device):
-                length = max(seq_len, self.max_seq_len, 2 * cached[1] if cached and cached[0] == key else 0)
+            if _stale(cached, key, seq_len, device):  # doubled when it grows (amortised), kept for a device or mode
+                held = cached[1] if cached is not None and cached[0] == key else 0
+                length = max(seq_len, self.max_seq_len, min(2 * held if held < seq_len else held, MAX_SEQ))
                 self._cache = (key, length, *self._tables(length, self._inv_freq32, device), _inference())
         cos, sin = self._cache[2:4]
         return cos[:seq_len], sin[:seq_len]
@@ -283,7 +285,7 @@ class RotaryEmbedding(nn.Module):
                                     "the tables (max_seq_len, or what eager calls grew them to); raise max_seq_len")
         else:
             needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, dynamic)
-        cos, sin = self.cos_sin(needed, q.device)
+        cos, sin = self.cos_sin(max(needed, 1), q.device)  # (>= 1 row: apply_rotary names a bad argument itself)
         kw = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offsets, position_ids=position_ids,
                   cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, inplace=inplace, layout=layout, backend=backend)
         if k is None:
@@ -300,15 +302,19 @@ class RotaryEmbedding(nn.Module):
         for name, t in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens)):
             if t is not None and not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be None or an int tensor; got {type(t).__name__}")
+        for name, t in (("position_ids", position_ids), ("cu_seqlens", cu_seqlens), ("seqlen_offsets", seqlen_offsets)):
+            if isinstance(t, Tensor) and t.device != q.device:  # (before a value is read from it)
+                raise ValueError(f"{name} is on {t.device} but the activations are on {q.device}")
         if position_ids is not None:
             # at least 1 row: negative ids are out of range (NaN rows), not a reason for an empty table
             need, what = (max(int(position_ids.max()) + 1, 1) if position_ids.numel() else 1), "position_ids"
         else:
             offsets = seqlen_offsets
-            if cu_seqlens is None:
-                seq = q.shape[1] if layout == "bshd" else q.shape[2]
+            if cu_seqlens is None:  # (another rank or layout: apply_rotary's error)
+                seq = (q.shape[1] if layout == "bshd" else q.shape[2]) if q.dim() == 4 else 0
             elif max_seqlen is not None and not exact:
-                seq = _check_int("max_seqlen", max_seqlen)  # any bound above the longest: no sync
+                # any bound above the longest (no sync); no sequence is longer than the total, as apply_rotary clamps
+                seq = min(_check_int("max_seqlen", max_seqlen), q.shape[0] if q.dim() else 0)
             else:
                 if max_seqlen is not None:
                     _check_int("max_seqlen", max_seqlen)
