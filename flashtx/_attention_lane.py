@@ -45,7 +45,7 @@ import torch
 
 from . import _env, _lanes, _library, _small_q
 from ._attention_op import (GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd, empty_like_layout, out_layout,
-                            spec_of)
+                            savable, spec_of)
 from ._library import _C_APPLY, _unwrap_if_dead, call
 from ._packing import MIN_NUMEL, grads_like, part_stride
 from .triton_kernels import precision
@@ -136,7 +136,7 @@ class AttnFwd(torch.autograd.Function):
         out, m2, l2 = lane.run(q, k, v, masks)
         ctx.set_materialize_grads(False)
         if masks:  # as the op saves them: bias, then the Aux tensors (its args say none is None: n_none 0)
-            ctx.save_for_backward(q, k, v, out, m2, l2, masks[6], *masks[:6], masks[7], masks[8])
+            ctx.save_for_backward(q, k, v, out, m2, l2, *map(savable, (masks[6], *masks[:6], masks[7], masks[8])))
         else:
             ctx.save_for_backward(q, k, v, out, m2, l2, None)
         ctx.args = lane.args

@@ -258,10 +258,17 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     no_aux = _all_none(aux)
     if no_aux:
-        ctx.save_for_backward(q, k, v, out, m2, l2, bias)  # fewer saved slots to unpack in the common case
+        ctx.save_for_backward(q, k, v, out, m2, l2, savable(bias))  # fewer saved slots to unpack in the common case
     else:
-        ctx.save_for_backward(q, k, v, out, m2, l2, bias, *aux)
+        ctx.save_for_backward(q, k, v, out, m2, l2, *map(savable, (bias, *aux)))
     ctx.args = (ints, floats, backend, len(aux) if no_aux else 0)
+
+
+def savable(t):
+    """t as autograd can save it: an inference tensor (a mask, lengths or slopes made under torch.inference_mode,
+    e.g. cached in an eval pass) cloned (autograd refuses to save one; SDPA, whose backward reads no mask, takes a
+    bool mask made so). Such a tensor cannot change in place outside inference mode, so the clone is its value."""
+    return t.clone() if t is not None and t.is_inference() else t
 
 
 def _backward(ctx, dout, dm2, dl2):

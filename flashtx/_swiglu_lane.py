@@ -104,7 +104,8 @@ def _save(ctx, lane, inplace: bool, *inputs) -> None:
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*inputs)
     hooks_free = _lanes.no_saved_tensor_hooks()
-    ctx.args = (inplace and hooks_free, lane.backend)
+    # (in place only where every input takes a gradient, as the op's setup: one that needs none keeps its values)
+    ctx.args = (inplace and hooks_free and all(t.requires_grad for t in inputs), lane.backend)
     ctx.lane = lane if hooks_free else None  # (hooks may unpack other tensors: the op's path)
 
 

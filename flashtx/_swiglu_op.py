@@ -155,7 +155,9 @@ def _setup(ctx, inputs, output):
     gate, up, inplace_backward, backend = inputs
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(gate, up)  # the only state kept for backward
-    ctx.args = (inplace_backward and no_saved_tensor_hooks(), backend)
+    # in place only where both inputs take a gradient: one that needs none (a frozen projection's output, cached
+    # features) must keep its values
+    ctx.args = (inplace_backward and gate.requires_grad and up.requires_grad and no_saved_tensor_hooks(), backend)
 
 
 def refuse_spent(ctx) -> None:

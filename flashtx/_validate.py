@@ -577,6 +577,9 @@ def check_alibi(name: str, slopes, B: int, H: int, q) -> torch.Tensor | None:
                          f"got {tuple(slopes.shape)}")
     if slopes.device != q.device:
         raise ValueError(f"{name} must be on the inputs' device {q.device}; got {slopes.device}")
+    if slopes.requires_grad and torch.is_grad_enabled():  # (its gradient would be dropped silently)
+        raise NotImplementedError(f"{name} requires grad, but the kernels compute no gradient for the slopes (as "
+                                  f"flash-attn's); pass {name}.detach(), or learn the bias as a float attn_mask")
     return slopes.reshape(-1, H).contiguous()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from . import functional
 from ._packing import unbind
 from ._validate import check_tensor
 from .functional import _VARLEN_NAMES, _varlen, flash_attn_func
@@ -32,7 +33,8 @@ def _check_kv(q, kv, bshd: bool, kwargs: dict) -> None:
                         "caches to flash_attn_varlen_func(..., block_table=...)")
     if not isinstance(q, Tensor) or q.dim() != (4 if bshd else 3) or kv.dim() != q.dim() + 1:
         return
-    if kv.dtype != q.dtype:
+    if kv.dtype != q.dtype and not (functional._AUTOCAST_ANY() and q.dtype in functional._CASTABLE
+                                    and kv.dtype in functional._CASTABLE):  # (autocast casts both, as for k, v)
         raise TypeError(f"kv must have q's dtype {q.dtype}; got {kv.dtype}")
     if bshd and kv.shape[0] != q.shape[0]:
         raise ValueError(f"kv must have q's batch size {q.shape[0]}; got kv of shape {tuple(kv.shape)}")

@@ -42,7 +42,8 @@ def swiglu(gate, up, *, inplace_backward=False, backend=None):
             gradients; use it only when nothing else reads them (e.g. fresh projection outputs).
             gate and up must share no element (the halves of one [gate | up] tensor are fine), and
             neither may be a leaf that requires grad, or a view of one (a parameter or an input).
-            Under torch.compile the backward is out of place (the overlap cannot be checked
+            Where only one of them requires grad, the backward is out of place (the other keeps
+            its values). Under torch.compile the backward is out of place (the overlap cannot be checked
             while tracing), and so it is under saved-tensor hooks (non-reentrant activation
             checkpointing, offloading), which skip autograd's check that saved tensors are unchanged.
         backend: None (automatic), "triton" or "reference".
