@@ -2,10 +2,11 @@
 ragged lengths, cache_batch_idx, left padding, appends across pages, RoPE, GQA, splits, score
 modifiers; nothing written outside the new tokens' cache rows; clear errors for bad input.
 
-Outputs are held to the tolerance rule (conftest.assert_close_to_reference) against the loop reference, with
-the reference backend in the kernels' dtype as the eager baseline. The feature tests run PRECISE_DTYPE
-(float64 in the interpreter, float32 on a GPU, whose Triton backend refuses float64) and a few cases in
-float16; a silent fallback to the reference backend fails (the warning is an error here)."""
+Outputs are held to the tolerance rule (conftest.assert_close_to_reference) against the loop reference in float64,
+with the same loop in the kernels' dtype as the eager baseline (independent of flashtx's own backends: a baseline
+that shared their argument handling would err as they do, and widen the bound for a shared bug). The feature
+tests run PRECISE_DTYPE (float64 in the interpreter, float32 on a GPU, whose Triton backend refuses float64) and a
+few cases in float16; a silent fallback to the reference backend fails (the warning is an error here)."""
 import math
 
 import pytest
@@ -29,15 +30,18 @@ def rotate(x, cos, sin, pos, interleaved):
 
 
 def loop_reference(q, kc, vc, k, v, *, lens, batch_idx=None, leftpad=None, block_table=None, cos=None, sin=None,
-                   interleaved=True, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
-    """(out (B, Sq, Hq, Dv), lse (B, Hq, Sq), k_cache, v_cache after the append), all float64, one
-    sequence, head and query at a time."""
+                   interleaved=True, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None, dtype=None):
+    """(out (B, Sq, Hq, Dv), lse (B, Hq, Sq), k_cache, v_cache after the append), one sequence, head and query at
+    a time: all float64 (dtype None); or the eager baseline in `dtype` (rotated rows and the output rounded to
+    dtype, the math in float32 for half dtypes: out and the caches in dtype, lse in the math's dtype)."""
     B, Sq, Hq, D = q.shape
+    work = torch.float64 if dtype is None else torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    rounded = (lambda t: t) if dtype is None else (lambda t: t.to(dtype).to(torch.float64))
     kc, vc = kc.double().clone(), vc.double().clone()
     Hkv, page = kc.shape[2], kc.shape[1]
     scale = scale or 1 / math.sqrt(D)
-    out = torch.zeros(B, Sq, Hq, vc.shape[-1], dtype=torch.float64)
-    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float64)
+    out = torch.zeros(B, Sq, Hq, vc.shape[-1], dtype=work)
+    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=work)
     moves = causal or tuple(window) != (-1, -1)
 
     def slot(b, j):
@@ -51,11 +55,11 @@ def loop_reference(q, kc, vc, k, v, *, lens, batch_idx=None, leftpad=None, block
         qb = q[b].double()
         if cos is not None:
             qpos = torch.arange(Sq) + L0 if moves else torch.full((Sq,), L0)
-            qb = rotate(qb, cos, sin, qpos, interleaved)
+            qb = rounded(rotate(qb, cos, sin, qpos, interleaved))
         for t in range(Snew):
             kt = k[b, t:t + 1].double()
             if cos is not None:
-                kt = rotate(kt, cos, sin, torch.tensor([L0 + t]), interleaved)
+                kt = rounded(rotate(kt, cos, sin, torch.tensor([L0 + t]), interleaved))
             kc[slot(b, L0 + t)] = kt[0]
             vc[slot(b, L0 + t)] = v[b, t].double()
         end, start = L0 + Snew, int(leftpad[b]) if leftpad is not None else 0
@@ -67,16 +71,18 @@ def loop_reference(q, kc, vc, k, v, *, lens, batch_idx=None, leftpad=None, block
                         window[1])) and (window[0] < 0 or j >= p - window[0])]
                 if not keys:
                     continue
-                K = torch.stack([kc[slot(b, j)][g] for j in keys])
-                V = torch.stack([vc[slot(b, j)][g] for j in keys])
-                s = K @ qb[i, h] * scale
+                K = torch.stack([kc[slot(b, j)][g] for j in keys]).to(work)
+                V = torch.stack([vc[slot(b, j)][g] for j in keys]).to(work)
+                s = K @ qb[i, h].to(work) * scale
                 if softcap:
                     s = softcap * torch.tanh(s / softcap)
                 if alibi is not None:
-                    sl = alibi.reshape(-1, Hq)[b if alibi.dim() == 2 else 0, h].double()
-                    s = s - sl * (p - torch.tensor(keys, dtype=torch.float64)).abs()
+                    sl = alibi.reshape(-1, Hq)[b if alibi.dim() == 2 else 0, h].to(work)
+                    s = s - sl * (p - torch.tensor(keys, dtype=work)).abs()
                 lse[b, h, i] = torch.logsumexp(s, 0)
                 out[b, i, h] = torch.softmax(s, 0) @ V
+    if dtype is not None:
+        return out.to(dtype), lse, kc.to(dtype), vc.to(dtype)
     return out, lse, kc, vc
 
 
@@ -119,14 +125,15 @@ def run_case(dtype, *, B=3, Sq=1, Snew=1, Hq=4, Hkv=2, D=16, cap=80, page=None, 
     lp = torch.tensor(leftpad, dtype=torch.int32).to(DEVICE) if leftpad is not None else None
     ref = loop_reference(q, kc, vc, k, v, lens=lens, batch_idx=bi, leftpad=lp, block_table=bt, cos=cos, sin=sin,
                          interleaved=rotary == "interleaved", **kw)
+    out_e, lse_e, kce, vce = (t.to(DEVICE) for t in loop_reference(  # the eager baseline: the same loop in dtype
+        q, kc, vc, k, v, lens=lens, batch_idx=bi, leftpad=lp, block_table=bt, cos=cos, sin=sin,
+        interleaved=rotary == "interleaved", dtype=dtype, **kw))
     kc0, vc0 = kc.clone(), vc.clone()
     args = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens.to(DEVICE), cache_batch_idx=bi, cache_leftpad=lp,
                 block_table=bt, rotary_interleaved=rotary == "interleaved", num_splits=splits,
                 return_softmax_lse=True, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
                 softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi"))
     out, lse = flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, backend=backend, **args)
-    kce, vce = kc0.clone(), vc0.clone()  # the eager baseline: the reference backend, in dtype, on the same values
-    out_e, lse_e = flashtx.flash_attn_with_kvcache(q, kce, vce, k, v, backend="reference", **args)
     assert out.dtype == dtype and out.shape == (B, Sq, Hq, D)
     assert lse.dtype == lse_e.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close_to_reference("out", out, ref[0].to(DEVICE), out_e)
@@ -201,14 +208,14 @@ def test_pages_the_kernels_never_touch_may_hold_anything(case, lane, monkeypatch
     k, v = rand(B, Snew, Hkv, D, dtype=PRECISE_DTYPE), rand(B, Snew, Hkv, D, dtype=PRECISE_DTYPE)
     lp = leftpad.to(DEVICE) if leftpad is not None else None
     ref = loop_reference(q, kc, vc, k, v, lens=lens, leftpad=lp, block_table=bt.cpu(), causal=True, window=window)
+    out_e, lse_e = (t.to(DEVICE) for t in loop_reference(q, kc, vc, k, v, lens=lens, leftpad=lp, block_table=bt.cpu(),
+                                                         causal=True, window=window, dtype=PRECISE_DTYPE)[:2])
     kc0, vc0 = kc.clone(), vc.clone()
     args = dict(cache_seqlens=lens.to(DEVICE), cache_leftpad=lp, block_table=bt, causal=True, window_size=window,
                 num_splits=2, return_softmax_lse=True)
     for _ in range(2):  # (the second call: a lane's, where on)
         kc.copy_(kc0), vc.copy_(vc0)
         out, lse = flashtx.flash_attn_with_kvcache(q, kc, vc, k, v, **args)
-        kce, vce = kc0.clone(), vc0.clone()
-        out_e, lse_e = flashtx.flash_attn_with_kvcache(q, kce, vce, k, v, backend="reference", **args)
         assert_close_to_reference("out", out, ref[0].to(DEVICE), out_e)
         assert_close_to_reference("lse", lse, ref[1].to(DEVICE), lse_e)
         assert torch.equal(kc.cpu(), ref[2].to(PRECISE_DTYPE)) and torch.equal(vc.cpu(), ref[3].to(PRECISE_DTYPE))

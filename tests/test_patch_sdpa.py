@@ -293,18 +293,28 @@ PLAIN_CASES = {  # 4-D calls without attn_mask or dropout: the patch's shortcut 
     "empty-keys": lambda: (randn(1, 2, 5, 8), randn(1, 2, 0, 8), randn(1, 2, 0, 8), False),
     "strided": lambda: (randn(1, 5, 2, 8).transpose(1, 2), randn(1, 7, 2, 8).transpose(1, 2),
                         randn(1, 7, 2, 8).transpose(1, 2), False),
+    "head-dim-320": lambda: (randn(1, 2, 5, 320), randn(1, 2, 5, 320), randn(1, 2, 5, 320), False),  # no config
 }
 
 
+@pytest.mark.usefixtures("fresh_plans")
+@pytest.mark.parametrize("gpu_branch", [False, True], ids=["device-branch", "gpu-branch"])
 @pytest.mark.parametrize("case", list(PLAIN_CASES))
-def test_plain_call_shortcut_agrees_with_every_check(case):
-    """Where the shortcut accepts a call, the full list of checks finds no reason either (the shortcut
-    runs flashtx without them); where it declines, the full checks decide, as before."""
+def test_plain_call_shortcut_agrees_with_every_check(case, gpu_branch, monkeypatch):
+    """Where the shortcut accepts a call, the full list of checks gives the same reason (the shortcut runs flashtx
+    without them when there is none); where it declines, the full checks decide, as before. gpu-branch: the GPU's
+    checks (a kernel config for the inputs; on CPU sdpa_patch._GPU stood in by "cpu", as
+    flashtx.testing_gpu_trace does), where head dim 320 has a reason."""
+    if gpu_branch and DEVICE == "cpu":
+        monkeypatch.setattr(sdpa_patch, "_GPU", "cpu")
     q, k, v, gqa = PLAIN_CASES[case]()
     full = sdpa_patch._full_reason(q, k, v, None, 0.0, True, gqa)
     if sdpa_patch._plain(q, k, v, None, 0.0, True, gqa):
-        assert full is None and sdpa_patch._plain_reason(q, k, v) is None
+        assert sdpa_patch._plain_reason(q, k, v) == full
     assert sdpa_patch.unsupported_reason(q, k, v, None, 0.0, True, None, gqa) == full
-    expected_plain = case in ("mha", "gqa", "one-kv-head", "dv-differs", "strided")
+    on_gpu_branch = gpu_branch or DEVICE != "cpu"
+    assert (full is not None and full.startswith("no fast flashtx backend")) == (case == "head-dim-320"
+                                                                                and on_gpu_branch), full
+    expected_plain = case in ("mha", "gqa", "one-kv-head", "dv-differs", "strided", "head-dim-320")
     assert sdpa_patch._plain(q, k, v, None, 0.0, True, gqa) == expected_plain
     assert not sdpa_patch._plain(q, k, v, None, 0.0, 1, gqa)  # a non-bool is_causal: torch's error

@@ -63,6 +63,21 @@ def test_fallback_warnings_name_the_callers_line(case):
         assert os.path.abspath(w.filename) == HERE, (w.filename, str(w.message)[:200])
 
 
+def test_patch_fallback_warning_names_the_callers_line_on_the_gpu_branch(monkeypatch):
+    """The patch's own fallback to torch (CUDA inputs no kernel config serves). On CPU "patched-sdpa" above reaches
+    flashtx.attention, whose warning it sees; here the GPU's branch runs, sdpa_patch._GPU stood in by "cpu" (as
+    flashtx.testing_gpu_trace does)."""
+    from flashtx import sdpa_patch
+
+    if not ON_GPU:
+        monkeypatch.setattr(sdpa_patch, "_GPU", "cpu")
+    monkeypatch.setattr(sdpa_patch, "_warned", set())
+    got = _flashtx_warnings(lambda: _patched(*_qkv()))
+    assert any(sdpa_patch.FALLBACK_WARNING in str(w.message) for w in got), [str(w.message) for w in got]
+    for w in got:
+        assert os.path.abspath(w.filename) == HERE, (w.filename, str(w.message)[:200])
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter refuses bfloat16 (Triton's interpreter miscomputes it); "
                                    "a GPU runs it, so nothing warns there")
 @pytest.mark.parametrize("op", ["rope", "swiglu"])
