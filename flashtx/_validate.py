@@ -562,8 +562,10 @@ def check_dropout(name: str, p) -> float:
     return float(p)
 
 
-def check_alibi(name: str, slopes, B: int, H: int, q) -> torch.Tensor | None:
-    """ALiBi slopes (H,) or (B, H) float32 (as flash-attn) -> a contiguous (1 or B, H) tensor."""
+def check_alibi(name: str, slopes, B: int, H: int, q, trains: bool = True) -> torch.Tensor | None:
+    """ALiBi slopes (H,) or (B, H) float32 (as flash-attn) -> a contiguous (1 or B, H) tensor. trains: refuse
+    slopes that require grad where autograd records (their gradient would be dropped: flash-attn drops it
+    silently); False for inference-only callers, which refuse such inputs themselves."""
     if slopes is None:
         return None
     if not isinstance(slopes, torch.Tensor):
@@ -577,7 +579,7 @@ def check_alibi(name: str, slopes, B: int, H: int, q) -> torch.Tensor | None:
                          f"got {tuple(slopes.shape)}")
     if slopes.device != q.device:
         raise ValueError(f"{name} must be on the inputs' device {q.device}; got {slopes.device}")
-    if slopes.requires_grad and torch.is_grad_enabled():  # (its gradient would be dropped silently)
+    if trains and slopes.requires_grad and torch.is_grad_enabled():  # (its gradient would be dropped silently)
         raise NotImplementedError(f"{name} requires grad, but the kernels compute no gradient for the slopes (as "
                                   f"flash-attn's); pass {name}.detach(), or learn the bias as a float attn_mask")
     return slopes.reshape(-1, H).contiguous()

@@ -314,7 +314,7 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     else:
         window = check_window("window_size", window_size)
     softcap = 0.0 if type(softcap) is float and softcap == 0.0 else check_softcap("softcap", softcap)
-    alibi = check_alibi("alibi_slopes", alibi_slopes, B, Hq, q)
+    alibi = check_alibi("alibi_slopes", alibi_slopes, B, Hq, q, trains=False)  # (grad: refused as inference-only)
     scale = resolve_scale("softmax_scale", softmax_scale, D)
     if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
                                        for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes)):

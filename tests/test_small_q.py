@@ -157,13 +157,15 @@ def _with_max(n, fn):
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
 def test_more_routed_calls_match_the_reference(routes, dtype):
     """ALiBi (H,) slopes with a top-left window through attention (its bounds shifted to bottom-right ones),
-    3-D and 5-D inputs, slopes that require grad."""
+    3-D and 5-D inputs; slopes that require grad are refused (the kernels give them no gradient)."""
     B, Hq, Hkv, D = 2, 4, 2, 32
     q, k, v = randn(B, 3, Hq, D, dtype=dtype), randn(B, 7, Hkv, D, dtype=dtype), randn(B, 7, Hkv, D, dtype=dtype)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     slopes = (torch.rand(Hq, device=DEVICE) * 0.5).requires_grad_()
-    out = flashtx.attention(qh, kh, vh, window_size=(2, 4), alibi_slopes=slopes, enable_gqa=True)
-    assert out.grad_fn is None  # slopes get no gradient, as on the training forward
+    with pytest.raises(NotImplementedError, match="alibi_slopes requires grad"):
+        flashtx.attention(qh, kh, vh, window_size=(2, 4), alibi_slopes=slopes, enable_gqa=True)
+    out = flashtx.attention(qh, kh, vh, window_size=(2, 4), alibi_slopes=slopes.detach(), enable_gqa=True)
+    assert out.grad_fn is None
     kw = dict(window=(2, 4), alibi=slopes.detach())
     want, eager = _ref(qh, kh, vh, **kw)[0], _ref(qh, kh, vh, dtype=dtype, **kw)[0]
     assert_close_to_reference("out, ALiBi + window", out, want, eager)
