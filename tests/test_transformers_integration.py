@@ -325,6 +325,30 @@ def test_in_place_rope_spares_projection_outputs_a_forward_hook_holds(monkeypatc
         assert qo is not q and torch.equal(q, q0) and torch.equal(k, k0)
 
 
+def test_whole_model_pickles_with_the_rope_patch_in_place():
+    """torch.save / torch.load of a whole model while apply_flashtx's RoPE patch is in place (it failed on load with
+    transformers 5 and its kernels package: each attention layer's private copy of the modeling module's
+    apply_rotary_pos_emb is rebuilt as type(module.apply_rotary_pos_emb)(), and a function's type cannot be
+    called so); the loaded model computes what the original does, and so does a model never given to
+    apply_flashtx."""
+    import io
+
+    eager, _, fused = models(config("llama"))
+    ftx.apply_flashtx(fused)
+    try:
+        ids = torch.randint(0, fused.config.vocab_size, (2, 5), device=DEVICE)
+        for model in (fused, eager):
+            buf = io.BytesIO()
+            torch.save(model, buf)
+            buf.seek(0)
+            loaded = torch.load(buf, weights_only=False)
+            with torch.no_grad():
+                torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+    finally:
+        ftx.restore_rope()
+        ftx.remove_fused_mlp(fused)
+
+
 def test_fused_mlp_honours_a_swapped_or_hooked_act_fn_and_pickles(monkeypatch):
     """The fused forward is silu(gate) * up: an act_fn hooked or swapped after apply_flashtx runs the model's own
     forward (hooks fire, the new activation is used); a fused MLP pickles as the model's class and is fused again
@@ -386,3 +410,23 @@ def test_apply_flashtx_refuses_before_changing_anything():
     for flag in ("attention", "rope", "mlp", "inplace_backward"):
         with pytest.raises(TypeError, match=f"{flag} must be a bool; got str 'False'"):
             ftx.apply_flashtx(eager, **{flag: "False"})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_sequences_from_flash_attn_kwargs(family):
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True)'s batch: one row of packed sequences, their
+    position_ids, and cu_seq_lens_q/k, max_length_q/k, which flash_attention_2 reads. With a cache in use (no mask
+    then: transformers detects packing from position_ids only without one) each sequence attends within itself, as
+    run alone (they were ignored: attention crossed the sequences, as sdpa's)."""
+    _, ref, fused = models(config(family))
+    lens = [5, 2, 6]
+    seqs = [torch.randint(0, fused.config.vocab_size, (1, n), device=DEVICE) for n in lens]
+    ids = torch.cat(seqs, 1)
+    pos = torch.cat([torch.arange(n, device=DEVICE) for n in lens])[None]
+    cu = torch.tensor([0, 5, 7, 13], dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():
+        got = fused(ids, position_ids=pos, use_cache=True, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6,
+                    max_length_k=6).logits
+        for i, s in enumerate(seqs):
+            want = ref(s).logits
+            torch.testing.assert_close(got[:, int(cu[i]):int(cu[i + 1])].double(), want, atol=1e-4, rtol=1e-4)

@@ -33,7 +33,7 @@ import warnings
 import torch
 import torch.nn.modules.module as _module_globals
 
-from ..functional import attention
+from ..functional import attention, flash_attn_varlen_func
 from ..rotary import apply_rotary_pos_emb as _fused_rotary_pos_emb
 from .._validate import check_flag
 from ..nn.swiglu import forward_hooked
@@ -50,8 +50,9 @@ ROPE_FAMILIES = ("llama", "mistral", "qwen2")  # model_type values apply_flashtx
 _patched_rope: dict = {}  # modeling module -> its original apply_rotary_pos_emb
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """What apply_flashtx puts in place of a modeling module's ``apply_rotary_pos_emb``.
+class _RotaryPosEmb:
+    """What apply_flashtx puts in place of a modeling module's ``apply_rotary_pos_emb``: called as
+    ``apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``.
 
     flashtx.apply_rotary_pos_emb (same signatures and shapes: transformers 5's ``(q, k, cos, sin,
     unsqueeze_dim=1)`` and 4.x's ``(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)``; q (B, Hq,
@@ -62,9 +63,30 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     torch.compile, when a forward hook could have kept the projections' outputs (one on the calling
     attention module's q_proj/k_proj, or on a module inside them, or a global one), and when the
     caller is not such an attention module (its ``self`` has no q_proj and k_proj).
+
+    An object, not a function, so that a pickled model loads while the patch is in place: transformers 5 (with the
+    kernels package it requires) keeps a private copy of the modeling module's function in each attention layer
+    and pickles it as ``type(module.apply_rotary_pos_emb)()`` (a function's type cannot be called so), then hands
+    it its state (ignored here) and calls its ``forward``.
     """
-    inplace = None if _fresh_projections(q, k) else False
-    return _fused_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, inplace=inplace)
+
+    def __call__(self, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        inplace = None if _fresh_projections(q, k) else False  # (this frame is _fresh_projections' caller)
+        return _fused_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, inplace=inplace)
+
+    forward = __call__  # (the kernels package calls its copies' forward)
+
+    def __setstate__(self, state) -> None:
+        pass  # a kernels wrapper's state: nothing this object keeps
+
+    def __reduce__(self):
+        return (_RotaryPosEmb, ())
+
+    def __repr__(self) -> str:
+        return "flashtx.integrations.transformers.apply_rotary_pos_emb"
+
+
+apply_rotary_pos_emb = _RotaryPosEmb()
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "q_norm", "k_norm")  # whose outputs q and k are (q_norm/k_norm where present)
@@ -79,7 +101,8 @@ def _fresh_projections(q, k) -> bool:
     if torch.compiler.is_compiling() or forward_hooked() or (torch.is_grad_enabled() and (
             getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False))):
         return False  # (compiling or recording: out of place anyway; a global hook sees every output)
-    caller = sys._getframe(2).f_locals.get("self")  # 0: here, 1: apply_rotary_pos_emb, 2: the attention forward
+    caller = sys._getframe(2).f_locals.get("self")  # 0: here, 1: apply_rotary_pos_emb's __call__, 2: the attention
+    # forward
     subs = getattr(caller, "_modules", None)
     if not isinstance(caller, torch.nn.Module) or subs.get("q_proj") is None or subs.get("k_proj") is None:
         return False
@@ -107,6 +130,11 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
         is_causal: overrides ``module.is_causal``.
         position_bias (keyword): T5-family relative position bias (1 or B, Hq, Sq, Sk), added to the
             scores before the mask, as their eager attention does; its gradient flows (a learned bias).
+        cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k (keywords): packed sequences in a batch of
+            one (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), read as flash_attention_2 reads
+            them where no attention_mask came (plain causal models): each sequence attends within itself,
+            through flash_attn_varlen_func. A mask that came (sliding-window layers: flashtx_mask gives them
+            a 4-D mask) is used as sdpa uses it, and the lengths are not read.
 
     Returns:
         (out (B, Sq, Hq, D) contiguous, None).
@@ -118,6 +146,10 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
                       stacklevel=2)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     Sq, Sk = query.shape[2], key.shape[2]
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if attention_mask is None and cu_q is not None and cu_k is not None and kwargs.get("position_bias") is None:
+        return _packed_forward(query, key, value, cu_q, cu_k, kwargs, causal, dropout, scaling, sliding_window,
+                               softcap), None
     common = {"scale": scaling, "enable_gqa": True}
     if dropout:
         common["dropout_p"] = float(dropout)
@@ -158,6 +190,27 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
     else:
         raise ValueError(f"attention_mask must be None, (B, Sk) or 4-D; got shape {tuple(attention_mask.shape)}")
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_forward(query, key, value, cu_q, cu_k, kwargs, causal, dropout, scaling, sliding_window, softcap):
+    """flashtx_attention_forward's packed sequences: query (1, Hq, total_q, D), key/value (1, Hkv, total_k, D) and
+    their cumulative lengths -> (1, total_q, Hq, D), each sequence attending within itself (varlen)."""
+    if query.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q/cu_seq_lens_k describe packed sequences in a batch of one; got query "
+                         f"{tuple(query.shape)} (B, H, S, D)")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if max_q is None:
+        max_q = int((cu_q[1:] - cu_q[:-1]).max()) if cu_q.numel() > 1 else 0  # (one sync)
+    if max_k is None:
+        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
+    window = (-1, -1)
+    if sliding_window is not None and max_k > sliding_window:  # flash_attention_2's (sliding_window - 1) each way
+        window = (sliding_window - 1, sliding_window - 1)
+    out = flash_attn_varlen_func(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                 cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
+                                 dropout_p=float(dropout or 0.0), softmax_scale=scaling, causal=causal,
+                                 window_size=window, softcap=float(softcap or 0.0))  # (total_q, Hq, D)
+    return out[None]
 
 
 def _mask_geometry(kwargs) -> tuple | None:
