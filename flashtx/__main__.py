@@ -17,7 +17,7 @@ import torch
 
 def _parse(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m flashtx", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        prog="python -m flashtx", description="the environment, the backends available, and a self-check of every op",
         epilog="Without a GPU it re-executes itself with FLASHTX_INTERPRET=1 (Triton's interpreter on CPU tensors; "
                "a few minutes). Exit status: 0 when every check passed, 1 when one failed or a Triton check that "
                "should run did not.")

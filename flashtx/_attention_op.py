@@ -267,7 +267,8 @@ def _setup_context(ctx, inputs, output):
 def savable(t):
     """t as autograd can save it: an inference tensor (a mask, lengths or slopes made under torch.inference_mode,
     e.g. cached in an eval pass) cloned (autograd refuses to save one; SDPA, whose backward reads no mask, takes a
-    bool mask made so). Such a tensor cannot change in place outside inference mode, so the clone is its value."""
+    bool mask made so). Such a tensor cannot change in place outside inference mode, so the clone is its value.
+    Eager calls (a compiled step's setup sees fake tensors: there such a mask still cannot be saved)."""
     return t.clone() if t is not None and t.is_inference() else t
 
 

@@ -117,6 +117,9 @@ def resolve_scale(name: str, scale, head_dim: int) -> float:
     if scale_ok(scale):
         return float(scale)
     if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool and not scale.is_complex():
+        if scale.requires_grad and torch.is_grad_enabled():  # (its gradient would be dropped; SDPA raises too)
+            raise TypeError(f"{name} is a tensor that requires grad; the kernels take a number and give it no "
+                            f"gradient: pass {name}.detach() (or learn it through the inputs' scale)")
         return resolve_scale(name, scale.item(), head_dim)  # as SDPA takes it (read on the host: a sync)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name} must be None or a real number; got {type(scale).__name__}")
@@ -562,10 +565,14 @@ def check_dropout(name: str, p) -> float:
     return float(p)
 
 
+_warned_alibi: list = []  # check_alibi's one warning given
+
+
 def check_alibi(name: str, slopes, B: int, H: int, q, trains: bool = True) -> torch.Tensor | None:
-    """ALiBi slopes (H,) or (B, H) float32 (as flash-attn) -> a contiguous (1 or B, H) tensor. trains: refuse
-    slopes that require grad where autograd records (their gradient would be dropped: flash-attn drops it
-    silently); False for inference-only callers, which refuse such inputs themselves."""
+    """ALiBi slopes (H,) or (B, H) float32 (as flash-attn) -> a contiguous (1 or B, H) tensor. trains: warn once
+    for slopes that require grad where autograd records (they get no gradient: flash-attn drops it silently; not
+    an error: an eval loop without no_grad over learned slopes is fine); False for inference-only callers, which
+    refuse such inputs themselves."""
     if slopes is None:
         return None
     if not isinstance(slopes, torch.Tensor):
@@ -579,9 +586,12 @@ def check_alibi(name: str, slopes, B: int, H: int, q, trains: bool = True) -> to
                          f"got {tuple(slopes.shape)}")
     if slopes.device != q.device:
         raise ValueError(f"{name} must be on the inputs' device {q.device}; got {slopes.device}")
-    if trains and slopes.requires_grad and torch.is_grad_enabled():  # (its gradient would be dropped silently)
-        raise NotImplementedError(f"{name} requires grad, but the kernels compute no gradient for the slopes (as "
-                                  f"flash-attn's); pass {name}.detach(), or learn the bias as a float attn_mask")
+    if trains and slopes.requires_grad and torch.is_grad_enabled() and not _warned_alibi:
+        _warned_alibi.append(True)  # (once a process)
+        from ._env import warn
+
+        warn(f"flashtx: {name} requires grad, but the kernels compute no gradient for the slopes (as flash-attn's): "
+             f"they get none; pass {name}.detach() to silence this, or learn the bias as a float attn_mask")
     return slopes.reshape(-1, H).contiguous()
 
 

@@ -85,13 +85,13 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
                        enable_gqa=False) -> str | None:
     """Why flashtx should not run this SDPA call (None = it runs it). Reasons name no shapes, so
     each is warned about once. Under autocast, of the inputs as autocast would cast them."""
+    scale = _host_scale(scale)
+    if scale is not None and not scale_ok(scale):  # (first, as the call checks it)
+        return _scale_reason(scale)
     if _causal_bias(attn_mask):
         return _causal_bias_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
-    scale = _host_scale(scale)
-    if scale is not None and not scale_ok(scale):
-        return _scale_reason(scale)
     if _plain(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         return _plain_reason(query, key, value)
     return _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
@@ -168,14 +168,18 @@ _SCALE_REASON = "a scale outside flashtx's range (0, or a real number of magnitu
 
 
 def _host_scale(scale):
-    """scale as flashtx takes it: a 0-dim real tensor read on the host (a sync), as SDPA reads it."""
-    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool and not scale.is_complex():
+    """scale as flashtx takes it: a 0-dim real tensor read on the host (a sync), as SDPA reads it (not one that
+    requires grad, which SDPA refuses)."""
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool and not scale.is_complex() \
+            and not (scale.requires_grad and torch.is_grad_enabled()):
         return scale.item()
     return scale
 
 
 def _scale_reason(scale) -> str:
     """The reason for a scale that scale_ok refuses."""
+    if isinstance(scale, torch.Tensor):
+        return "a scale tensor that requires grad or holds more than one number" + _TORCH_ERROR
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         return "a scale that is not a real number or a 0-dim tensor of one (a bool, say)"
     return _SCALE_REASON

@@ -109,8 +109,9 @@ def test_new_cache_device_index_zero():
             layer.new_cache(2, 8, device=0)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_compiled_steps_traced_once_with_a_cache_longer_than_the_rotary_tables(paged):
+def test_compiled_steps_traced_once_with_a_cache_longer_than_the_rotary_tables(paged, mode):
     """The first step compiled, on a cache longer than the rotary tables: new_cache grows the tables, so no traced
     step does (which changed their length and traced the step again)."""
     layer = _layer(max_seq_len=16)
@@ -119,9 +120,29 @@ def test_compiled_steps_traced_once_with_a_cache_longer_than_the_rotary_tables(p
     step = torch.compile(layer, fullgraph=True, backend=counter)
     with torch.no_grad():
         want = layer(x)
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():  # (inference tables: rebuilt in a trace)
         cache = layer.new_cache(2, 64, paged=paged)
         if paged:
             cache.allocate_all(64)
         outs = [step(x[:, t:t + 1], cache=cache) for t in range(4)]
     _close(torch.cat(outs, 1), want)
     assert counter.frame_count == 1
+
+
+def test_block_cache_reorder():
+    """A cross block's caches reordered together (beam search in an encoder-decoder); a paged one refused."""
+    from flashtx.nn import TransformerBlock
+
+    torch.manual_seed(0)
+    block = TransformerBlock(E, H, HKV, hidden_dim=48, cross=True, kdim=E, dtype=PRECISE_DTYPE).to(DEVICE).eval()
+    x, mem = randn(3, 4, E, dtype=PRECISE_DTYPE), randn(3, 5, E, dtype=PRECISE_DTYPE)
+    perm = [1, 1, 0]
+    with torch.no_grad():
+        cache, want_cache = block.new_cache(3, 8, memory_len=5), block.new_cache(3, 8, memory_len=5)
+        block(x[:, :3], mem, cache=cache)
+        block(x[perm, :3], mem[perm], cache=want_cache)
+        assert cache.reorder(perm) is cache
+        _close(block(x[perm, 3:], cache=cache), block(x[perm, 3:], cache=want_cache))
+        paged = block.new_cache(3, 16, memory_len=5, paged=True)
+        with pytest.raises(TypeError, match="PagedKVCache, which has no reorder"):
+            paged.reorder(perm)

@@ -126,3 +126,10 @@ def test_help_runs_no_check(capsys):
     with pytest.raises(SystemExit) as e:
         main_mod.main(["--bogus"])
     assert e.value.code == 2
+
+
+def test_runs_under_python_OO():
+    """-OO strips docstrings: --help still works (its description was cut from the module docstring)."""
+    proc = subprocess.run([sys.executable, "-OO", "-m", "flashtx", "--help"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "self-check of every op" in proc.stdout, proc.stdout + proc.stderr

@@ -46,7 +46,7 @@ def test_causal_bias_mask(make, sq, sk, patched):
     mask = _causal(make, sq, sk)
     ref = _math_sdpa(q, k, v, attn_mask=mask)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback: flashtx runs it
+        warnings.simplefilter("error", UserWarning)  # no fallback: flashtx runs it
         if patched:
             with flashtx.patch_sdpa():
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -65,7 +65,7 @@ def test_causal_bias_errors():
     with pytest.raises(ValueError, match="CausalBias for 3 queries and 9 keys; the inputs have 4 and 4"):
         flashtx.attention(q, q, q, attn_mask=causal_upper_left(3, 9))
     with flashtx.patch_sdpa(), warnings.catch_warnings(), pytest.raises((ValueError, RuntimeError)):
-        warnings.simplefilter("error")  # torch's error, no fallback warning
+        warnings.simplefilter("error", UserWarning)  # torch's error, no fallback warning
         F.scaled_dot_product_attention(q, q, q, attn_mask=causal_upper_left(4, 4), is_causal=True)
 
 
@@ -86,7 +86,7 @@ def test_subclass_masks():
     torch.testing.assert_close(flashtx.attention(q, q, q, attn_mask=plain.as_subclass(_Wrapped)).as_subclass(
         torch.Tensor), want, atol=1e-12, rtol=0)
     with flashtx.patch_sdpa(), warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", UserWarning)
         out = F.scaled_dot_product_attention(q, q, q, attn_mask=plain.as_subclass(_Wrapped))
     torch.testing.assert_close(out.as_subclass(torch.Tensor), want, atol=1e-12, rtol=0)
     qb = q.transpose(1, 2)  # (B, S, H, D)
@@ -121,7 +121,7 @@ def test_tensor_scale(scale):
     ref = _math_sdpa(q, k, v, scale=float(scale))
     torch.testing.assert_close(flashtx.attention(q, k, v, scale=scale), ref, atol=1e-12, rtol=0)
     with flashtx.patch_sdpa(), warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", UserWarning)
         torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, scale=scale), ref, atol=1e-12, rtol=0)
     with pytest.raises(TypeError, match="scale must be None or a real number; got Tensor"):
         flashtx.attention(q, k, v, scale=scale.reshape(1))
@@ -138,3 +138,26 @@ def test_dropout_p_out_of_range_one_message(p):
     q = randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=r"dropout_p must be a float in \[0, 1\] \(or a 0-dim tensor of one\)"):
         flashtx.attention(q, q, q, dropout_p=p)
+
+
+def test_tensor_scale_that_requires_grad():
+    """Its gradient would be dropped: refused by name (torch's SDPA refuses it too; the patch hands it to torch)."""
+    q = randn(1, 2, 6, 8, dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError, match="scale is a tensor that requires grad"):
+        flashtx.attention(q, q, q, scale=s)
+    with flashtx.patch_sdpa(), warnings.catch_warnings(), pytest.raises(TypeError):
+        warnings.simplefilter("error", UserWarning)  # torch's error, no fallback warning
+        F.scaled_dot_product_attention(q, q, q, scale=s)
+    with torch.no_grad():  # no gradient recorded: read as a number
+        torch.testing.assert_close(flashtx.attention(q, q, q, scale=s), _math_sdpa(q, q, q, scale=0.5), atol=1e-12,
+                                   rtol=0)
+
+
+def test_unsupported_reason_checks_the_scale_before_a_causal_bias():
+    """unsupported_reason agrees with the call: a bad scale is the reason with a CausalBias mask too."""
+    q = randn(1, 2, 4, 8)
+    mask = causal_upper_left(4, 4)
+    assert "scale outside flashtx's range" in sdpa_patch.unsupported_reason(q, q, q, mask, scale=2.0 ** -200)
+    assert "not a real number" in sdpa_patch.unsupported_reason(q, q, q, mask, scale=True)
+    assert sdpa_patch.unsupported_reason(q, q, q, mask, scale=0.5) is None

@@ -80,7 +80,7 @@ class _RotaryPosEmb:
         pass  # a kernels wrapper's state: nothing this object keeps
 
     def __reduce__(self):
-        return (_RotaryPosEmb, ())
+        return "apply_rotary_pos_emb"  # (by name: copies and pickles are the module's one object)
 
     def __repr__(self) -> str:
         return "flashtx.integrations.transformers.apply_rotary_pos_emb"
@@ -447,7 +447,9 @@ def apply_flashtx(model, *, attention: bool = True, rope: bool = True, mlp: bool
 
 
 def restore_rope() -> None:
-    """Undo apply_flashtx's RoPE patch in every modeling module it touched."""
+    """Undo apply_flashtx's RoPE patch in every modeling module it touched. (A model torch.load-ed while the patch
+    was in place keeps flashtx's RoPE, out of place and with the same values, in its layers' private copies that
+    transformers' kernels wrappers rebuilt from the patched module.)"""
     for mod, fn in list(_patched_rope.items()):
         mod.apply_rotary_pos_emb = fn
         del _patched_rope[mod]

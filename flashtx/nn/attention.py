@@ -200,8 +200,9 @@ class MultiheadAttention(nn.Module):
             cache = KVCache(batch_size, self.num_kv_heads, max_len, self.head_dim, **kw)
         sc = None if self.rotary is None else self.rotary.scaling
         if self.rotary is not None and not self.cross and (sc is None or sc["type"] != "dynamic"):
-            self.rotary.cos_sin(cache.max_len, cache.k.device)  # tables that cover the cache now: a compiled step
-            # that grew them would change their length, and be traced again
+            with torch.inference_mode(False):  # (ordinary tensors: a traced step rebuilds inference ones)
+                self.rotary.cos_sin(cache.max_len, cache.k.device)  # tables that cover the cache now: a compiled
+                # step that grew them would change their length, and be traced again
         return cache
 
     def check_memory(self, memory, memory_mask, B: int, cache: KVCache) -> None:

@@ -50,6 +50,17 @@ class BlockCache:
             self.cross_attn.reset()
         return self
 
+    def reorder(self, index) -> "BlockCache":
+        """KVCache.reorder of both caches (beam search): row b becomes what row index[b] was. Contiguous caches
+        only (a PagedKVCache's sequences move by their block tables, which this does not rewrite)."""
+        if not isinstance(self.self_attn, KVCache):
+            raise TypeError("BlockCache.reorder: the self-attention cache is a PagedKVCache, which has no reorder; "
+                            "use a contiguous cache (new_cache(..., paged=False)) for beam search")
+        self.self_attn.reorder(index)
+        if self.cross_attn is not None:
+            self.cross_attn.reorder(index)
+        return self
+
 
 class TransformerBlock(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))`` [``+ cross(norm(.), memory)``] ``+ mlp(norm(.))``.

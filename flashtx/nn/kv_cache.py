@@ -121,7 +121,8 @@ class KVCache:
     holes) cannot be a leftpad: in eager mode the cache then sets ``holes`` and the layer attends
     through flash_attn_func over the stored key_mask; in a traced or captured step (where the
     mask's values cannot be read) it is a device-side assert. Eager calls with a key_mask read it
-    on the host (a sync on a GPU); calls with key_mask=None never do.
+    on the host (a sync on a GPU); calls with key_mask=None do not, except after a compiled or captured
+    step (until reset()), when each eager call reads `length` for its bounds check.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
@@ -244,7 +245,8 @@ class KVCache:
         """Check that S more positions fit, and count them: on the host mirror (no sync) while there is one;
         once a step was traced or captured in a CUDA graph (whose replays advance `length` on the device
         unseen), by a device-side assert in such steps and by reading `length` (a sync) in eager ones, until
-        reset(). (The mirror stays None: a compiled step guards on it, and a number would retrace it.)"""
+        reset(). (The mirror stays None: a captured CUDA graph's replays advance `length` without running any
+        Python, so a mirror restored by an eager call would go stale.)"""
         readable = _host_readable()
         if not readable:
             self._host_length = None
@@ -348,7 +350,7 @@ class PagedKVCache:
     v_head_dim=None, dtype, device)``: a pool of num_pages zeroed pages of page_size tokens (a multiple of 16),
     num_kv_heads heads of head_dim (values: v_head_dim, default head_dim), for batch_size sequences of at most
     max_pages_per_seq pages each (default num_pages). ``MultiheadAttention.new_cache(..., paged=True)`` takes
-    these from the layer.
+    these from the layer. It has no reorder() (beam search): use a contiguous KVCache there.
 
     Pages are handed out on the host: `allocate(b, n)` makes sequence b able to hold n tokens,
     `free(b)` returns its pages and empties it (continuous batching: a finished sequence's slot is
@@ -505,8 +507,8 @@ class PagedKVCache:
         if not _host_readable():
             self._host_lens = None  # the graph advances seqlens on the device; pages must be allocated already
             return
-        # after a compiled or captured step (no host mirror, which stays None: a compiled step guards on it),
-        # eager calls read seqlens (a sync) and allocate as before
+        # after a compiled or captured step (no host mirror, which stays None: a captured graph's replays advance
+        # seqlens without running Python), eager calls read seqlens (a sync) and allocate as before
         lens = self._host_lens if self._host_lens is not None else self.seqlens.tolist()
         need = 0  # every sequence is checked before any is changed: a refusal leaves the cache as it was
         for b, n in enumerate(lens):
