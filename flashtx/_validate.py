@@ -112,16 +112,27 @@ def scale_ok(scale) -> bool:
             and (scale == 0 or SCALAR_MIN <= abs(float(scale)) <= SCALAR_MAX))
 
 
+def host_scale(scale):
+    """scale with a 0-dim real tensor that records no gradient read on the host (a sync), as SDPA reads it;
+    anything else as it is."""
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool and not scale.is_complex() \
+            and not (scale.requires_grad and torch.is_grad_enabled()):
+        return scale.item()
+    return scale
+
+
 def resolve_scale(name: str, scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if scale_ok(scale):
         return float(scale)
-    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool and not scale.is_complex():
-        if scale.requires_grad and torch.is_grad_enabled():  # (its gradient would be dropped; SDPA raises too)
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() == 0 and scale.requires_grad and torch.is_grad_enabled():  # (its gradient would be dropped;
+            # SDPA raises too)
             raise TypeError(f"{name} is a tensor that requires grad; the kernels take a number and give it no "
                             f"gradient: pass {name}.detach() (or learn it through the inputs' scale)")
-        return resolve_scale(name, scale.item(), head_dim)  # as SDPA takes it (read on the host: a sync)
+        if (value := host_scale(scale)) is not scale:
+            return resolve_scale(name, value, head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name} must be None or a real number; got {type(scale).__name__}")
     raise ValueError(f"{name} must be 0 or have a magnitude in [2**-100, 2**100] (the kernels compute in "

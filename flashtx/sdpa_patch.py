@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias
 
 from . import _attention_lane, _dispatch, _small_q_lane, functional
-from ._validate import _qkv_ok, is_flag, resolve_scale, scale_ok
+from ._validate import _qkv_ok, host_scale, is_flag, resolve_scale, scale_ok
 from .backends import BACKENDS, AttentionInputs
 from .triton_kernels.mask_spec import MaskSpec
 
@@ -85,7 +85,7 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
                        enable_gqa=False) -> str | None:
     """Why flashtx should not run this SDPA call (None = it runs it). Reasons name no shapes, so
     each is warned about once. Under autocast, of the inputs as autocast would cast them."""
-    scale = _host_scale(scale)
+    scale = host_scale(scale)
     if scale is not None and not scale_ok(scale):  # (first, as the call checks it)
         return _scale_reason(scale)
     if _causal_bias(attn_mask):
@@ -167,15 +167,6 @@ def _full_reason(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
 _SCALE_REASON = "a scale outside flashtx's range (0, or a real number of magnitude in [2**-100, 2**100])"
 
 
-def _host_scale(scale):
-    """scale as flashtx takes it: a 0-dim real tensor read on the host (a sync), as SDPA reads it (not one that
-    requires grad, which SDPA refuses)."""
-    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool and not scale.is_complex() \
-            and not (scale.requires_grad and torch.is_grad_enabled()):
-        return scale.item()
-    return scale
-
-
 def _scale_reason(scale) -> str:
     """The reason for a scale that scale_ok refuses."""
     if isinstance(scale, torch.Tensor):
@@ -252,7 +243,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """torch's ``scaled_dot_product_attention`` signature and semantics, computed by
     ``flashtx.attention`` when it supports the call, by the original SDPA otherwise."""
     if _causal_bias(attn_mask):  # (before autocast, which would cast it)
-        scale = _host_scale(scale)
+        scale = host_scale(scale)
         reason = _scale_reason(scale) if scale is not None and not scale_ok(scale) else _causal_bias_reason(
             query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         if reason is None:
@@ -262,7 +253,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if functional._AUTOCAST_ANY() and isinstance(query, torch.Tensor):  # as autocast casts SDPA's inputs
         query, key, value, attn_mask = functional._autocast(query.device.type, query, key, value, attn_mask)
     if scale is not None and type(scale) is not float:
-        scale = _host_scale(scale)
+        scale = host_scale(scale)
     if scale is not None and not scale_ok(scale):
         reason = _scale_reason(scale)
     elif attn_mask is not None and is_causal is False and type(attn_mask) is torch.Tensor and \
