@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _env
-from ._library import call, triton_op
+from ._library import call, device_assert, triton_op
 from .backends import triton_device_reasons
 
 _CHECKABLE: dict = {}  # (device type, index) -> the Triton check kernels can run there
@@ -60,7 +60,7 @@ def assert_cu_seqlens(cus: list, limits: list, ints: list, messages: list) -> No
     flag on the device with its message."""
     flag = call(cu_seqlens_check, cus[0], cus[1] if len(cus) == 2 else None, limits, ints)
     if len(cus) == 1:
-        torch._assert_async(flag, messages[0])
+        device_assert(flag, messages[0])
         return
-    torch._assert_async(flag[0], messages[0])
-    torch._assert_async(flag[1], messages[1])
+    device_assert(flag[0], messages[0])
+    device_assert(flag[1], messages[1])

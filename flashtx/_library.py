@@ -146,6 +146,22 @@ def _other_device(t) -> int | None:
     return None
 
 
+# CUDA's torch._assert_async takes a message of at most 254 bytes ("Message length must be smaller than 255",
+# torch 2.11, seen on an H100 on 2026-12-06: every decode call with device-resident cache_seqlens raised it); CPU's
+# has no limit, so a CPU run never saw it. Every flashtx device-side assert goes through device_assert.
+ASSERT_MESSAGE_BYTES = 254
+
+
+def device_assert(cond, message: str) -> None:
+    """torch._assert_async(cond, message) with `message` cut to ASSERT_MESSAGE_BYTES (what CUDA's assert takes): a
+    device-side assert with no host sync, for conditions only the device can read. cond: a bool or integer tensor
+    of one element (nonzero: holds)."""
+    raw = message.encode()
+    if len(raw) > ASSERT_MESSAGE_BYTES:  # (traced by Dynamo on a constant string: nothing left in the graph)
+        message = raw[:ASSERT_MESSAGE_BYTES - 3].decode(errors="ignore") + "..."
+    torch._assert_async(cond, message)
+
+
 def call(op, *args):
     """Run `op` on positional `args` (the first one a tensor): the registered op whenever anything
     traces or intercepts it (torch.compile, AOTAutograd or make_fx and their dispatch modes, tensor

@@ -9,6 +9,7 @@ import torch
 from torch.nn.attention.bias import CausalBias
 
 from . import _lanes, _library
+from ._library import device_assert
 from ._overlap import has_internal_overlap, views_overlap  # noqa: F401 (the validators' names for them)
 from .triton_kernels.limits import INT32_MAX, MAX_SEQ, undecided
 
@@ -301,7 +302,7 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name:
         longest = int(lens.max())
         m = int(max_seqlen) if not isinstance(max_seqlen, torch.Tensor) or _values_readable(max_seqlen) else None
         if m is None:
-            torch._assert_async(lens.max() <= max_seqlen, f"flashtx: {max_name} is less than the longest sequence")
+            device_assert(lens.max() <= max_seqlen, f"flashtx: {max_name} is less than the longest sequence")
         elif longest > m:
             i = int(lens.argmax())
             raise ValueError(f"{max_name} = {m} is less than the longest sequence in {name} (sequence {i}: "
@@ -361,7 +362,7 @@ def check_cu_seqlens_on_device(specs: list) -> None:
         ok = (cu[0] == 0) & ((cu[-1] == total) if exact else (cu[-1] <= total)) & (lens >= 0).all()
         if max_name is not None and lens.numel():
             ok = ok & (lens.max() <= max_seqlen)
-        torch._assert_async(ok, _cu_message(name, total, total_name, max_name, exact))
+        device_assert(ok, _cu_message(name, total, total_name, max_name, exact))
 
 
 def _check_ints(total, exact, max_name, bound) -> list:
@@ -398,10 +399,10 @@ def _check_lane(specs: list) -> bool:
     flag = torch.empty(len(specs), dtype=torch.int32, device=cu_a.device)  # as flashtx::cu_seqlens_check's
     _lanes.fire(entry, (flag, cu_a, specs[1][1] if len(specs) == 2 else None, None, None))  # varlen_check._ROLES
     if len(specs) == 1:
-        torch._assert_async(flag, messages[0])
+        device_assert(flag, messages[0])
     else:
-        torch._assert_async(flag[0], messages[0])
-        torch._assert_async(flag[1], messages[1])
+        device_assert(flag[0], messages[0])
+        device_assert(flag[1], messages[1])
     return True
 
 

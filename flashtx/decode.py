@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import _decode_lane, _decode_op
 from ._device_checks import triton_checks as _triton_checks
-from ._library import call
+from ._library import call, device_assert
 from ._validate import (_check_layout, _values_readable, check_alibi, check_flag, check_softcap, check_tensor,
                         check_window, has_internal_overlap, resolve_scale, views_overlap)
 from .triton_kernels.limits import MAX_GRID_YZ, MAX_SEQ
@@ -61,7 +61,7 @@ def _check_values(ok: Tensor, readable: bool, message, name: str, where: str = "
         if not bool(ok.all()):
             raise ValueError(message(ok))
     else:
-        torch._assert_async(ok.all(), f"flashtx.{where}: {name} out of range")
+        device_assert(ok.all(), f"flashtx.{where}: {name} out of range")
 
 
 def _check_writable_caches(k_cache: Tensor, v_cache: Tensor, paged: bool) -> None:
@@ -334,20 +334,19 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
 
 
 def _assert_message(leftpad: bool, batch_idx: bool, paged: bool, rotary: bool) -> str:
-    """The device-side assert's message: the conditions the check kernel evaluated."""
-    conds = ["cache_seqlens must be >= 0 and stay within the cache with the new tokens (cache_seqlens + Snew <= "
-             "capacity)"]
+    """The device-side assert's message: the conditions the check kernel evaluated, short enough for CUDA's assert
+    (_library.ASSERT_MESSAGE_BYTES; cache_batch_idx and block_table never come together). The host path (CPU
+    tensors) names the entry and its bounds."""
+    conds = ["0 <= cache_seqlens <= capacity - Snew"]
     if leftpad:
-        conds.append("cache_leftpad must be in [0, cache_seqlens + Snew]")
+        conds.append("0 <= cache_leftpad <= cache_seqlens + Snew")
     if batch_idx:
-        conds.append("cache_batch_idx must be in [0, k_cache.shape[0]) (and name no row twice when k, v are "
-                     "appended)")
+        conds.append("0 <= cache_batch_idx < k_cache rows, no row twice")
     if paged:
-        conds.append("the block_table entries of the pages read or written must be in [0, num_pages)")
+        conds.append("0 <= block_table < num_pages")
     if rotary:
-        conds.append("every rotated position must be a row of rotary_cos/rotary_sin")
-    return (f"flashtx.flash_attn_with_kvcache: an index is out of range: {'; '.join(conds)} (run the call on CPU "
-            "tensors for an error that names the exact entry)")
+        conds.append("positions < rotary_cos rows")
+    return f"flashtx.flash_attn_with_kvcache: index out of range; need {'; '.join(conds)} (run on CPU for the entry)"
 
 
 # (cache_leftpad?, cache_batch_idx?, block_table?, rotary?) -> message: built once (a constant under torch.compile)
@@ -370,7 +369,7 @@ def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Sne
         flag = call(_decode_op.kvcache_check, seqlens, leftpad, batch_idx, block_table, Snew, capacity,
                     k_cache.shape[0], k_cache.shape[1] if paged else 1, cos.shape[0] if cos is not None else -1,
                     q.shape[1] - 1 if q_moves and cos is not None else 0, key_span)
-        torch._assert_async(flag, _ASSERT_MESSAGES[leftpad is not None, batch_idx is not None, paged,
+        device_assert(flag, _ASSERT_MESSAGES[leftpad is not None, batch_idx is not None, paged,
                                                    cos is not None])
         return
     lens = seqlens.long()

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch, _rotary_lane
-from ._library import call
+from ._library import call, device_assert
 from ._rotary_op import ROTARY_BACKENDS, RotaryInputs, rotary_inplace_op, rotary_op, rotary_qk_op  # noqa: F401
 from .triton_kernels.limits import least, surely, undecided
 from ._validate import (_values_readable, check_cu_seqlens_values, check_flag, check_tensor, grad_leaf,
@@ -243,7 +243,7 @@ def _check_varlen_table(cu_seqlens: Tensor, cos: Tensor, offset: int) -> None:
         return
     seqlen_ro = cos.shape[-2]
     if not _values_readable(cu_seqlens):
-        torch._assert_async(lens.max() + offset <= seqlen_ro,
+        device_assert(lens.max() + offset <= seqlen_ro,
                             f"flashtx: cos/sin have {seqlen_ro} positions, fewer than a sequence of cu_seqlens "
                             f"plus seqlen_offsets {offset} needs")
         return

@@ -392,6 +392,21 @@ def _bounds_checked():
         yield
 
 
+_ASSERT_ASYNC = torch._assert_async
+
+
+@pytest.fixture
+def cuda_assert_rule(monkeypatch):
+    """torch._assert_async as CUDA's takes it: a message of 255 bytes or more raises, as on a GPU (torch 2.11:
+    "Message length must be smaller than 255"; CPU's has no limit). For the tests that force a GPU's device-side
+    check path on CPU."""
+    def assert_async(cond, msg=None):
+        if msg is not None and len(msg.encode()) >= 255:
+            raise RuntimeError("Message length must be smaller than 255 (CUDA's torch._assert_async; a stand-in)")
+        return _ASSERT_ASYNC(cond) if msg is None else _ASSERT_ASYNC(cond, msg)
+    monkeypatch.setattr(torch, "_assert_async", assert_async)
+
+
 @pytest.fixture(autouse=True)
 def _opt_in_paths(monkeypatch):
     """FLASHTX_TEST_SPLIT_HEAD_DIMS=1 / FLASHTX_TEST_AUTO_GQA_SPLIT=1 run every test with that off-by-default

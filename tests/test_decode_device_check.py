@@ -15,7 +15,7 @@ import flashtx.decode as fd
 from flashtx.triton_kernels import decode as tk_decode
 from flashtx.triton_kernels import launch
 
-MESSAGE = "flashtx.flash_attn_with_kvcache: an index is out of range"
+MESSAGE = "flashtx.flash_attn_with_kvcache: index out of range"
 # The GPU's branch forced on CPU: the assert raises at once there. On a GPU a device-side assert ends the CUDA context
 # instead, so the GPU half runs in processes of its own (tests/test_device_asserts_gpu.py).
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="forces the GPU branch on CPU; on a GPU: "
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="forces the GPU branch o
 
 
 @pytest.fixture
-def device_path(monkeypatch):
+def device_path(monkeypatch, cuda_assert_rule):
     monkeypatch.setattr(fd, "_values_readable", lambda t: False)
 
 
@@ -46,7 +46,7 @@ def _clone(a):
 
 
 @pytest.mark.parametrize("page", [None, 16])
-def test_valid_inputs_pass_with_the_host_paths_results(page, monkeypatch):
+def test_valid_inputs_pass_with_the_host_paths_results(page, monkeypatch, cuda_assert_rule):
     a = _args(page)
     if page is None:
         a.update(cache_batch_idx=torch.tensor([3, 0], dtype=torch.int32, device=DEVICE))
@@ -109,7 +109,7 @@ def test_contiguous_cache_batch_idx_and_the_message(device_path):
         _run(a)
     assert torch.equal(a["k_cache"], kc0)
     msg = str(info.value)
-    for name in ("cache_seqlens", "cache_batch_idx", "rotary_cos", "on CPU tensors", "exact entry"):
+    for name in ("cache_seqlens", "cache_batch_idx", "rotary_cos", "run on CPU for the entry"):
         assert name in msg, (name, msg)
     assert "block_table" not in msg and "cache_leftpad" not in msg  # only the arguments checked
     a["cache_batch_idx"][1] = -1
@@ -155,7 +155,7 @@ def test_the_flag_is_always_written(device_path):
         _run(a)
 
 
-def test_kernel_and_host_agree_on_random_indices():
+def test_kernel_and_host_agree_on_random_indices(cuda_assert_rule):
     """fd._check_ranges on the device path (check kernel) raises exactly when the host path does,
     for random lengths, left pads, batch rows, tables, windows (the pages checked), rotary tables and query
     counts (int32/int64)."""

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="forces the GPU branch o
 
 
 @pytest.fixture
-def device_path(monkeypatch):
+def device_path(monkeypatch, cuda_assert_rule):
     monkeypatch.setattr(validate, "_values_readable", lambda t: False)
 
 

@@ -23,6 +23,8 @@ import numbers
 import torch
 from torch import Tensor
 
+from .._library import device_assert
+
 
 def _check_pos_int(name: str, v, minimum: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
@@ -95,7 +97,7 @@ def _check_ok(ok: Tensor, readable: bool, message: str) -> None:
         if not bool(ok.all()):
             raise ValueError(message.format(int((~ok).nonzero()[0])))
     else:
-        torch._assert_async(ok.all(), message.format("?"))
+        device_assert(ok.all(), message.format("?"))
 
 
 class KVCache:
@@ -251,7 +253,7 @@ class KVCache:
         if not readable:
             self._host_length = None
         if self._host_length is None and not readable:
-            torch._assert_async(self.length + S <= self.max_len,
+            device_assert(self.length + S <= self.max_len,
                                 "flashtx.nn.KVCache is full: more positions were given than max_len holds")
             return
         held = self._host_length if self._host_length is not None else int(self.length)
@@ -310,7 +312,7 @@ class KVCache:
             self.holes = True  # not left padding: flash_attn_func over key_mask from now on
             return
         if not readable:
-            torch._assert_async(ok.all(), "flashtx.nn.KVCache: in a traced or captured step a key_mask must "
+            device_assert(ok.all(), "flashtx.nn.KVCache: in a traced or captured step a key_mask must "
                                           "continue left padding (no padding after a real token)")
         self.leftpad.copy_(torch.where(fresh, self.length + lead, self.leftpad.long()))
 
@@ -330,7 +332,7 @@ class KVCache:
             self.holes = True
             return
         if not readable:
-            torch._assert_async(ok.all(), "flashtx.nn.KVCache: in a traced step a memory mask must be "
+            device_assert(ok.all(), "flashtx.nn.KVCache: in a traced step a memory mask must be "
                                           "padding before and/or after the real tokens")
         self.leftpad.copy_(lead)
         self._ends = (lead + real).to(torch.int32)

@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from .._library import device_assert
 from .._validate import check_flag, check_tensor
 from ..rotary import _check_int, apply_rotary, apply_rotary_qk
 from ..triton_kernels.limits import MAX_SEQ
@@ -281,7 +282,7 @@ class RotaryEmbedding(nn.Module):
             elif isinstance(seqlen_offsets, Tensor) and seqlen_offsets.numel() and cu_seqlens is None:
                 last = seqlen_offsets.max() + (q.shape[1] if layout == "bshd" else q.shape[2]) - 1
             if last is not None:
-                torch._assert_async(last < needed, "flashtx.nn.RotaryEmbedding under torch.compile: a position past "
+                device_assert(last < needed, "flashtx.nn.RotaryEmbedding under torch.compile: a position past "
                                     "the tables (max_seq_len, or what eager calls grew them to); raise max_seq_len")
         else:
             needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, dynamic)
