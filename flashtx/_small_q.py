@@ -118,7 +118,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
     elif key_mask is not None:
         key_mask = key_mask[:, None]  # (B, 1, Sk): every query's
     alibi = aux[6].detach() if aux[6] is not None else None  # slopes get no gradient (as the training forward)
-    key_mask = key_mask.view(torch.uint8) if key_mask is not None else None  # (B, Sq | 1, Sk), nonzero = visible
+    from .triton_kernels.attention_common import as_u8  # (triton: only on this kernels' path)
+
+    key_mask = as_u8(key_mask) if key_mask is not None else None  # (B, Sq | 1, Sk), nonzero = visible
     if lane is not None and alibi is None:
         _small_q_lane.make(lane, qd, kc, vc, key_mask, floats[0], bool(causal), left, right, floats[1], Sk, bool(bshd),
                            return_lse)

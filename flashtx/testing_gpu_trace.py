@@ -120,7 +120,7 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
     out = compiled(*args)
     if backward:
         out.backward()
-    kernels, scatters, written, tma = [], [], {}, set()
+    kernels, scatters, written, tma, bool_views = [], [], {}, set(), 0
     for gm in graphs:
         names, copied = [], []
         for n in gm.graph.nodes:
@@ -135,10 +135,16 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
                     tma.add(names[-1])  # reads through tensor descriptors
             elif "scatter" in str(n.target):  # a kernel that wrote through a view: copied back over its base
                 copied.append(str(n.target))
+            elif n.target is torch.ops.aten.view.dtype and _dtype(n.args[0]) is torch.bool:
+                bool_views += 1  # Inductor of torch 2.11 cannot lower it (2026-12-06, an H100: a LoweringException)
         kernels.append(names)
         scatters.append(copied)
     return {"kernels": kernels, "scatters": scatters,  # fullgraph=True: a graph break would have raised
-            "written": {k: sorted(v) for k, v in written.items()}, "tma": sorted(tma)}
+            "written": {k: sorted(v) for k, v in written.items()}, "tma": sorted(tma), "bool_views": bool_views}
+
+
+def _dtype(node):
+    return getattr(getattr(node, "meta", {}).get("val"), "dtype", None)
 
 
 def _kernel_name(k) -> str:

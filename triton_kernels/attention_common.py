@@ -290,9 +290,16 @@ def stride_args(prefix: str, t: torch.Tensor, spec: MaskSpec = NO_MASKS) -> dict
 MASK_ROLES = ("KM", "QM", "Q_LENS", "KV_LENS", "CU_Q", "CU_K", "MB", "AL", "RNG")
 
 
-def _as_u8(m: torch.Tensor) -> torch.Tensor:
-    """A bool mask as uint8 without a copy (Triton loads it as bytes; nonzero = True)."""
-    return m.view(torch.uint8) if m.dtype == torch.bool else m
+def as_u8(m: torch.Tensor) -> torch.Tensor:
+    """A bool mask as uint8 (Triton loads it as bytes; nonzero = True): a view in eager calls. While torch.compile
+    or export traces it (a FakeTensor or FunctionalTensor, or Dynamo), a conversion instead: Inductor of torch 2.11
+    cannot lower a bool tensor's view(dtype) (a LoweringException in torch.iinfo, seen on an H100 on 2026-12-06; the
+    CPU suite keeps the ops opaque, so only the GPU path traces this)."""
+    if m.dtype != torch.bool:
+        return m
+    if type(m) is torch.Tensor and not torch.compiler.is_compiling():
+        return m.view(torch.uint8)
+    return m.to(torch.uint8)
 
 
 _STATIC: dict = {}  # what decides the constexprs and scalars of mask_args -> those arguments
@@ -369,13 +376,13 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
     for name, sb, sn, t in (("KM", "stride_kmb", "stride_kmn", spec.key_mask),
                             ("QM", "stride_qmb", "stride_qmn", spec.query_mask)):
         if t is not None:
-            t = _as_u8(t)
+            t = as_u8(t)
             args[name], args[sb], args[sn] = t, t.stride(0), t.stride(1)
         else:
             args[name], args[sb], args[sn] = dummy, 0, 0
     m = spec.attn_mask
     if m is not None:
-        args["MB"] = _as_u8(m)
+        args["MB"] = as_u8(m)
         args["stride_mb"], args["stride_mh"], args["stride_mm"], args["stride_mn"] = broadcast_strides(m)
     else:
         args["MB"], args["stride_mb"], args["stride_mh"], args["stride_mm"], args["stride_mn"] = dummy, 0, 0, 0, 0
