@@ -116,7 +116,9 @@ class RotaryReference:
             dev = x.device
             rows = torch.arange(S, device=dev)  # (S,) index along x's sequence dim
             if cu_seqlens is None:
-                tables = torch.arange(B, device=dev).repeat_interleave(S)  # (B * S,)
+                # (B * S,); not repeat_interleave(S): torch.jit.trace on CUDA records its int as a CPU index
+                # (index_select then raised, an H100 on 2026-12-06)
+                tables = torch.arange(B, device=dev)[:, None].expand(B, S).reshape(-1)
                 if position_ids is not None:
                     pos = position_ids.expand(B, S).reshape(-1)
                 elif offsets is not None:
