@@ -97,8 +97,8 @@ def _untimed_no_spill_case(label: str, arch: int) -> bool:
     kernel, dims, dtype, spec = tokens[:4]
     if dims not in ("D=64", "D=128", "D=256") or dtype not in ("float16", "bfloat16"):
         return False
-    if kernel == "attn_bwd_dq+dbias":
-        return True
+    if kernel == "attn_bwd_dq+dbias":  # sm_90's at head dim 128: timed (a learned bias on an H100, 2026-12-06)
+        return not (arch == 90 and dims == "D=128")
     timed = arch == 90 and dims != "D=256" and (
         (kernel == "attn_fwd" and spec != "all-options")
         # dK/dV's plain tiles, timed by bench.tune on an H100 (2026-12-06); a GQA group's launch runs the same loop per
@@ -114,7 +114,7 @@ def test_untimed_tiles_do_not_spill(compile_results, arch):
     # 3 kernels x 3 head dims x (fp16: 5 specs, bf16: 4) + the bias-gradient dQ: 3 head dims x 2 dtypes x 2 layouts
     # + GQA dK/dV at 3 head dims; sm_90's forward at head dims 64 and 128: all-options only (2 of 9), and its dK/dV
     # there: the masked and modified launches only (fp16: causal=False, causal=True and gqa timed; bf16: causal=True)
-    assert len(checked) >= 3 * 3 * 9 + 12 + 3 - (2 * 7 + 2 * 3 + 2 if arch == 90 else 0), len(checked)
+    assert len(checked) >= 3 * 3 * 9 + 12 + 3 - (2 * 7 + 2 * 3 + 2 + 4 if arch == 90 else 0), len(checked)
     assert sum(r["label"].split()[3] == "gqa" for r in checked) == (1 if arch == 90 else 3)
     spilling = [f"{r['label']} {r['config']}: {r['spill_bytes']} bytes" for r in checked if r["spill_bytes"]]
     assert not spilling, "untimed tiles that spill:\n" + "\n".join(spilling)
