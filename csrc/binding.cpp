@@ -4,25 +4,59 @@
 // traces them. The schemas must match flashtx.cuda_ext.SCHEMAS (tests/test_cuda_ext.py checks).
 //
 // What is checked where:
-//   here, always (shapes and metadata, no device sync): device, dtype, rank, sizes, last-dim
-//     contiguity, 16-byte alignment of pointers and strides, head dim, GQA divisibility,
-//     block_table / cache_batch_idx shapes, rotary table length >= cache capacity.
+//   here, always (shapes and metadata, no device sync): defined, device, dtype, rank, sizes,
+//     last-dim contiguity, 16-byte alignment of pointers and strides, head dim, GQA divisibility,
+//     block_table / cache_batch_idx shapes, rotary table length >= cache capacity, and (append)
+//     written caches whose slots share memory or that overlap each other or q/k/v.
 //   here, only with check_values=true (one device->host sync): cache_seqlens in
 //     [0, capacity] (decode) or [0, capacity - Sq] (append), the block_table entries a row uses
 //     in [0, num_blocks), cache_batch_idx in [0, B_cache).
 //   in the kernels, always: every index derived from those values is guarded (flashtx_cuda.h),
 //     so bad values give masked keys / dropped writes, never an out-of-bounds access.
+// Every tensor argument is checked before anything reads it: a required one must be defined, an
+// optional one that holds an undefined tensor counts as None (ATen's convention; Python passes None).
+//
+// FTX_HOST_CHECK: the same checks for CPU tensors, without CUDA: tests/test_cuda_ext_binding_host.py
+// builds this file with csrc/host_check/ (stub launchers that check what the kernels assume, a
+// stand-in cuda_runtime_api.h) and runs every check on a machine without a GPU.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#ifndef FTX_HOST_CHECK
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#endif
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "flashtx_cuda.h"
 
 namespace {
+
+#ifdef FTX_HOST_CHECK
+constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
+constexpr const char* kDeviceName = "CPU (host check)";
+struct DeviceGuard {
+  explicit DeviceGuard(c10::Device) {}
+};
+cudaStream_t current_stream(const at::Tensor&) { return nullptr; }
+#else
+constexpr c10::DeviceType kDevice = c10::DeviceType::CUDA;
+constexpr const char* kDeviceName = "CUDA";
+using DeviceGuard = c10::cuda::OptionalCUDAGuard;
+cudaStream_t current_stream(const at::Tensor& q) {
+  return c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+}
+#endif
+
+// An optional tensor argument as the checks see it: an undefined tensor inside counts as None.
+using OptTensor = std::optional<at::Tensor>;
+OptTensor present(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? OptTensor(*t) : std::nullopt;
+}
 
 constexpr int64_t MAX_SPLITS = 128;
 constexpr int64_t MAX_CAPACITY = int64_t(1) << 30;  // cache positions (check_cache)
@@ -40,8 +74,16 @@ ftx_dtype to_ftx(const char* op, const at::Tensor& q) {
   return FTX_FLOAT32;  // unreachable
 }
 
+void check_defined(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " must be a ", kDeviceName, " tensor; got an undefined tensor");
+}
+
+// A tensor the kernels dereference: defined and on q's device. (Sparse, nested and quantized tensors never get
+// here: their dispatch keys have no kernel of these ops, so the dispatcher refuses them.)
 void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor; got device ", t.device());
+  check_defined(op, name, t);
+  TORCH_CHECK(t.device().type() == kDevice, op, ": ", name, " must be a ", kDeviceName, " tensor; got device ",
+              t.device());
   TORCH_CHECK(t.device() == q.device(), op, ": ", name, " must be on ", q.device(), " like q; got ", t.device());
 }
 
@@ -82,7 +124,7 @@ struct QInfo {
 };
 
 QInfo check_q(const char* op, const at::Tensor& q) {
-  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor; got device ", q.device());
+  check_device(op, "q", q, q);
   const ftx_dtype dt = to_ftx(op, q);
   check_vec_tensor(op, "q", q, q, 4);
   const QInfo info{dt, q.size(0), q.size(1), q.size(2), q.size(3)};
@@ -92,16 +134,16 @@ QInfo check_q(const char* op, const at::Tensor& q) {
 
 // k_cache/v_cache (B_cache, S_cache, Hkv, D) or paged (num_blocks, page_size, Hkv, D) + block_table.
 CacheInfo check_cache(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& block_table,
-                      const c10::optional<at::Tensor>& cache_batch_idx, int64_t B) {
+                      const at::Tensor& cache_seqlens, const OptTensor& block_table, const OptTensor& cache_batch_idx,
+                      int64_t B) {
   check_vec_tensor(op, "k_cache", k_cache, q, 4);
   check_vec_tensor(op, "v_cache", v_cache, q, 4);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), op, ": k_cache and v_cache must have the same shape; got ",
               shape_str(k_cache), " and ", shape_str(v_cache));
   TORCH_CHECK(k_cache.size(3) == q.size(-1), op, ": the caches' head dim must be q's (", q.size(-1), "); got ",
               shape_str(k_cache));
-  TORCH_CHECK(k_cache.size(0) > 0 && k_cache.size(1) > 0, op, ": the caches must not be empty; got ",
-              shape_str(k_cache));
+  TORCH_CHECK(k_cache.size(0) > 0 && k_cache.size(1) > 0 && k_cache.size(2) > 0, op,
+              ": the caches must not be empty (rows, positions and heads >= 1); got ", shape_str(k_cache));
   TORCH_CHECK(k_cache.size(0) <= INT32_MAX && k_cache.size(1) <= INT32_MAX, op, ": cache too large");
   check_int_vec(op, "cache_seqlens", cache_seqlens, q, B);
   CacheInfo c{{cache_seqlens.data_ptr<int>(), nullptr, nullptr, 0, (int)k_cache.size(0), (int)k_cache.size(1), 0},
@@ -132,10 +174,33 @@ CacheInfo check_cache(const char* op, const at::Tensor& q, const at::Tensor& k_c
   return c;
 }
 
+// The append writes k_cache and v_cache in place, from many blocks at once: slots that share memory would race
+// (which value lands depends on scheduling). Refused as far as the metadata tells without a sync (an expanded
+// cache; the caches, or q, k, v and a cache, overlapping where ATen can tell); flashtx.cuda_ext.rotary_append
+// also refuses the views ATen finds too hard (eager calls).
+void check_writes(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const std::pair<const char*, const at::Tensor*> caches[] = {{"k_cache", &k_cache}, {"v_cache", &v_cache}};
+  const std::pair<const char*, const at::Tensor*> reads[] = {{"q", &q}, {"k", &k}, {"v", &v}};
+  for (const auto& [name, t] : caches) {
+    TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, op, ": ", name,
+                " has slots that share memory (stride 0 along a dim of size > 1: an expanded view?); got shape ",
+                shape_str(*t), " strides ", c10::str(t->strides()), ": the append writes it in place");
+  }
+  const auto overlap = [](const at::Tensor& a, const at::Tensor& b) {
+    const auto s = at::get_overlap_status(a, b);
+    return s == at::MemOverlapStatus::Full || s == at::MemOverlapStatus::Partial;
+  };
+  TORCH_CHECK(!overlap(k_cache, v_cache), op, ": k_cache and v_cache share memory: the append writes both in place");
+  for (const auto& [rname, r] : reads)
+    for (const auto& [cname, t] : caches)
+      TORCH_CHECK(!overlap(*r, *t), op, ": ", rname, " shares memory with ", cname,
+                  ", which the append writes in place (pass a copy)");
+}
+
 // check_values: the values behind the in-kernel guards, at the cost of one device sync.
 void check_cache_values(const char* op, const CacheInfo& c, const at::Tensor& cache_seqlens,
-                        const c10::optional<at::Tensor>& block_table,
-                        const c10::optional<at::Tensor>& cache_batch_idx, int64_t extra) {
+                        const OptTensor& block_table, const OptTensor& cache_batch_idx, int64_t extra) {
   const int64_t max_len = c.capacity - extra;
   const auto lens = cache_seqlens.to(at::kLong);
   const int64_t lo = lens.min().item<int64_t>(), hi = lens.max().item<int64_t>();
@@ -152,18 +217,19 @@ void check_cache_values(const char* op, const CacheInfo& c, const at::Tensor& ca
   }
   if (cache_batch_idx.has_value()) {
     const int64_t a = cache_batch_idx->min().item<int64_t>(), b = cache_batch_idx->max().item<int64_t>();
-    TORCH_CHECK(a >= 0 && b < c.map.cache_rows, op, ": cache_batch_idx must lie in [0, ", c.map.cache_rows, "); got [", a,
-                ", ", b, "]");
+    TORCH_CHECK(a >= 0 && b < c.map.cache_rows, op, ": cache_batch_idx must lie in [0, ", c.map.cache_rows,
+                "); got [", a, ", ", b, "]");
   }
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
-                                                    const c10::optional<at::Tensor>& block_table,
-                                                    const c10::optional<at::Tensor>& cache_batch_idx,
+                                                    const c10::optional<at::Tensor>& block_table_arg,
+                                                    const c10::optional<at::Tensor>& cache_batch_idx_arg,
                                                     double softmax_scale, bool causal, int64_t num_splits,
                                                     bool check_values) {
   const char* op = "flashtx_cuda::decode_attention";
+  const OptTensor block_table = present(block_table_arg), cache_batch_idx = present(cache_batch_idx_arg);
   const QInfo qi = check_q(op, q);
   const int64_t B = qi.B, Sq = qi.Sq, Hq = qi.Hq, D = qi.D;
   const CacheInfo c = check_cache(op, q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, B);
@@ -180,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   TORCH_CHECK(Hkv * chunks <= 65535, op, ": Hkv x row chunks = ", Hkv, " x ", chunks, " passes the grid's 65535 ",
               "(chunks of ", rows, " of the (Hq / Hkv) * Sq = ", group_rows, " query rows per KV head): pass fewer "
               "queries per call");
-  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   if (check_values && B > 0) check_cache_values(op, c, cache_seqlens, block_table, cache_batch_idx, 0);
 
   auto out = at::empty({B, Sq, Hq, D}, q.options());                    // (B, Sq, Hq, D)
@@ -206,18 +272,20 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   p.softmax_scale = (float)softmax_scale;
   p.causal = causal ? 1 : 0;
   p.dtype = qi.dtype;
-  const cudaError_t err = ftx_decode_attention(&p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  const cudaError_t err = ftx_decode_attention(&p, current_stream(q));
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return {out, lse};
 }
 
 at::Tensor rotary_append(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                         at::Tensor& v_cache, const c10::optional<at::Tensor>& cos,
-                         const c10::optional<at::Tensor>& sin, const at::Tensor& cache_seqlens,
-                         const c10::optional<at::Tensor>& block_table,
-                         const c10::optional<at::Tensor>& cache_batch_idx, bool interleaved, bool q_causal,
+                         at::Tensor& v_cache, const c10::optional<at::Tensor>& cos_arg,
+                         const c10::optional<at::Tensor>& sin_arg, const at::Tensor& cache_seqlens,
+                         const c10::optional<at::Tensor>& block_table_arg,
+                         const c10::optional<at::Tensor>& cache_batch_idx_arg, bool interleaved, bool q_causal,
                          bool check_values) {
   const char* op = "flashtx_cuda::rotary_append";
+  const OptTensor cos = present(cos_arg), sin = present(sin_arg);
+  const OptTensor block_table = present(block_table_arg), cache_batch_idx = present(cache_batch_idx_arg);
   const QInfo qi = check_q(op, q);
   const int64_t B = qi.B, Sq = qi.Sq, Hq = qi.Hq, D = qi.D;
   check_vec_tensor(op, "k", k, q, 4);
@@ -228,6 +296,7 @@ at::Tensor rotary_append(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const CacheInfo c = check_cache(op, q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, B);
   TORCH_CHECK(k_cache.size(2) == k.size(2), op, ": the caches' heads (", k_cache.size(2), ") must be k's (",
               k.size(2), ")");
+  check_writes(op, q, k, v, k_cache, v_cache);
   int64_t rotary_dim = 0, s_rot = 0;
   bool cos_f32 = false;
   TORCH_CHECK(cos.has_value() == sin.has_value(), op, ": pass both cos and sin, or neither");
@@ -258,7 +327,7 @@ at::Tensor rotary_append(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   TORCH_CHECK((Hq + 2 * k.size(2)) * D <= INT32_MAX, op, ": (Hq + 2 Hkv) * D = (", Hq, " + 2 * ", k.size(2), ") * ",
               D, " elements per token must fit int32");
-  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   if (check_values && B > 0) check_cache_values(op, c, cache_seqlens, block_table, cache_batch_idx, Sq);
 
   auto q_out = at::empty({B, Sq, Hq, D}, q.options());  // (B, Sq, Hq, D)
@@ -275,7 +344,7 @@ at::Tensor rotary_append(const at::Tensor& q, const at::Tensor& k, const at::Ten
   p.rotary_dim = (int)rotary_dim, p.S_rot = (int)s_rot, p.cos_f32 = cos_f32 ? 1 : 0;
   p.interleaved = interleaved ? 1 : 0, p.q_causal = q_causal ? 1 : 0;
   p.dtype = qi.dtype;
-  const cudaError_t err = ftx_rotary_append(&p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  const cudaError_t err = ftx_rotary_append(&p, current_stream(q));
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return q_out;
 }
@@ -291,7 +360,19 @@ TORCH_LIBRARY(flashtx_cuda, m) {
         "bool q_causal, bool check_values) -> Tensor");
 }
 
+#ifndef FTX_HOST_CHECK
 TORCH_LIBRARY_IMPL(flashtx_cuda, CUDA, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rotary_append", &rotary_append);
 }
+#else
+TORCH_LIBRARY_IMPL(flashtx_cuda, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rotary_append", &rotary_append);
+}
+// meta tensors stand for "another device": a call mixing them with CPU ones dispatches here and must be refused
+TORCH_LIBRARY_IMPL(flashtx_cuda, Meta, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rotary_append", &rotary_append);
+}
+#endif

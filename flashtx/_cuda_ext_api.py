@@ -17,8 +17,23 @@ def _ops():
 def _require(op: str, q: torch.Tensor) -> None:
     if not _ext.load():
         raise RuntimeError(f"flashtx.cuda_ext.{op}: the CUDA extension is not available: {_ext.unavailable_reason()}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"flashtx.cuda_ext.{op}: q must be a tensor; got {type(q).__name__}")
     if q.device.type not in _ext.DEVICE_TYPES:
         raise ValueError(f"flashtx.cuda_ext.{op}: q must be a CUDA tensor; got device {q.device}")
+
+
+def _check_tensors(op: str, q: torch.Tensor, required: dict, optional: dict) -> None:
+    """Tensors where tensors go (None only for the optional ones), and the optional ones on q's device: the
+    binding reads them there (cuda_ext's shape checks compare the caches', k's and v's devices with q's;
+    cache_seqlens is moved by _lens)."""
+    for name, t in (*required.items(), *optional.items()):
+        if not isinstance(t, torch.Tensor) and not (t is None and name in optional):
+            raise TypeError(f"flashtx.cuda_ext.{op}: {name} must be a tensor{' or None' if name in optional else ''}; "
+                            f"got {type(t).__name__}")
+    for name, t in optional.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"flashtx.cuda_ext.{op}: {name} must be on {q.device} like q; got {t.device}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,6 +102,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, ca
         (cache_seqlens[b] == 0, or causal with Sq > cache_seqlens[b]) gives out 0 and lse -inf.
     """
     _require("decode_attention", q)
+    _check_tensors("decode_attention", q, dict(k_cache=k_cache, v_cache=v_cache),
+                   dict(block_table=block_table, cache_batch_idx=cache_batch_idx))
     lens = _lens("decode_attention", cache_seqlens, q.shape[0], q.device, check_values)
     cap = _ext.check_decode_args(q, k_cache, v_cache, lens, block_table, cache_batch_idx, num_splits or 1)
     if softmax_scale is None:
@@ -130,6 +147,8 @@ def rotary_append(q, k, v, k_cache, v_cache, cache_seqlens, *, cos=None, sin=Non
         q rotated, (B, Sq, Hq, D) contiguous, q's dtype.
     """
     _require("rotary_append", q)
+    _check_tensors("rotary_append", q, dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache),
+                   dict(cos=cos, sin=sin, block_table=block_table, cache_batch_idx=cache_batch_idx))
     lens = _lens("rotary_append", cache_seqlens, q.shape[0], q.device, check_values)
     _ext.check_rotary_append_args(q, k, v, k_cache, v_cache, cos, sin, lens, block_table, cache_batch_idx)
     if not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()):  # (addresses: eager only)
@@ -156,12 +175,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"flashtx.cuda_ext.{op}: pass both k and v, or neither")
     if rotary_cos is not None and k is None:
         raise ValueError(f"flashtx.cuda_ext.{op}: rotary_cos/rotary_sin need the new k and v to append")
+    _require(op, q)
+    _check_tensors(op, q, dict(k_cache=k_cache, v_cache=v_cache),
+                   dict(k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, block_table=block_table,
+                        cache_batch_idx=cache_batch_idx))
     if cache_seqlens is None:
         if block_table is not None or k is not None:
             raise ValueError(f"flashtx.cuda_ext.{op}: cache_seqlens is needed with a paged cache (block_table) "
                              "or new k, v to append")
         cache_seqlens = k_cache.shape[1]
-    _require(op, q)
     lens = _lens(op, cache_seqlens, q.shape[0], q.device, check_values)
     if k is not None:
         if k.dim() != 4 or k.shape[1] != q.shape[1]:

@@ -218,3 +218,83 @@ def test_direct_api_checks_int64_lengths_before_narrowing(standin):
         cuda_ext.decode_attention(q, kc, vc, -1)
     out = cuda_ext.decode_attention(q, kc, vc, torch.tensor([7]), check_values=True)  # int64 in range: converted
     torch.testing.assert_close(out, cuda_ext.decode_attention(q, kc, vc, 7), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("sq", [1, 3])
+def test_backend_cuda_equals_triton_on_the_device_check_path(standin, monkeypatch, cuda_assert_rule, paged, sq):
+    """tests/test_cuda_ext_gpu.py::test_backend_cuda_equals_triton on CPU: its shapes (fp16, D = 128, rotary_dim =
+    D / 2, a cache of 320 positions, pages of 16), with cache_seqlens treated as device-resident (the index check as
+    a GPU runs it: one kernel and one torch._assert_async, under CUDA's message rule) and the extension's ops stood
+    in by the float64 references. On an H100 (2026-12-06) all four cases failed at the backend="triton" call, before
+    either backend ran: the check's message for a rotary append (299 bytes contiguous, 379 paged) broke CUDA's
+    255-byte limit. The index check runs for both backends (flashtx.decode: _check_ranges before _backend)."""
+    import flashtx.decode as fd
+
+    monkeypatch.setattr(fd, "_values_readable", lambda t: False)
+    torch.manual_seed(5)
+    dtype, batch, hkv, hq, d, cap = torch.float16, 2, 2, 8, 128, 320
+    lens = torch.tensor([17, 200], dtype=torch.int32)
+    if paged:
+        kc = torch.randn(batch * cap // 16 + 3, 16, hkv, d).to(dtype)
+        bt = torch.randperm(kc.shape[0])[:batch * cap // 16].reshape(batch, -1).to(torch.int32)
+    else:
+        kc, bt = torch.randn(batch, cap, hkv, d).to(dtype), None
+    vc = torch.randn_like(kc)
+    theta = torch.arange(cap, dtype=torch.float64)[:, None] * 0.01 * torch.arange(d // 4, dtype=torch.float64)
+    cos, sin = theta.cos().float(), theta.sin().float()
+    q = torch.randn(batch, sq, hq, d).to(dtype)
+    k, v = (torch.randn(batch, sq, hkv, d).to(dtype) for _ in range(2))
+    res = {}
+    for backend in ("triton", "cuda"):
+        kc_b, vc_b = kc.clone(), vc.clone()
+        res[backend] = (*flashtx.flash_attn_with_kvcache(q, kc_b, vc_b, k, v, cos, sin, cache_seqlens=lens,
+                                                         block_table=bt, causal=True, return_softmax_lse=True,
+                                                         backend=backend), kc_b, vc_b)
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), res["triton"], res["cuda"]):
+        torch.testing.assert_close(b.float(), a.float(), atol=2e-3, rtol=1e-2, msg=lambda m: f"{name}: {m}")
+
+
+def test_direct_api_refuses_what_the_binding_cannot_take_before_the_op(standin, monkeypatch):
+    """cuda_ext's functions refuse a non-tensor (None where a tensor is required; a list where an optional tensor
+    goes) and an optional tensor on another device than q before the op, naming the argument (the binding refuses
+    them too: tests/test_cuda_ext_binding_host.py)."""
+    from conftest import StandinOps
+
+    calls = []
+    for name in ("decode_attention", "rotary_append"):
+        real = getattr(StandinOps, name)
+        monkeypatch.setattr(StandinOps, name, lambda *a, _real=real: calls.append(1) or _real(*a))
+    q, kc, vc, bt = _kv_case(paged=True)
+    lens = torch.tensor([5, 30], dtype=torch.int32)
+    k = v = torch.randn(2, 1, 2, 64)
+    cos = torch.randn(48, 16)
+    refusals = [
+        (TypeError, "decode_attention: q must be a tensor; got NoneType",
+         lambda: cuda_ext.decode_attention(None, kc, vc, lens)),
+        (TypeError, "decode_attention: k_cache must be a tensor; got NoneType",
+         lambda: cuda_ext.decode_attention(q, None, vc, lens, block_table=bt)),
+        (TypeError, "decode_attention: block_table must be a tensor or None; got list",
+         lambda: cuda_ext.decode_attention(q, kc, vc, lens, block_table=bt.tolist())),
+        (ValueError, "decode_attention: block_table must be on cpu like q; got meta",
+         lambda: cuda_ext.decode_attention(q, kc, vc, lens, block_table=bt.to("meta"))),
+        (ValueError, "decode_attention: cache_batch_idx must be on cpu like q; got meta",
+         lambda: cuda_ext.decode_attention(q, kc[:2], vc[:2], lens, cache_batch_idx=torch.zeros(2, dtype=torch.int32,
+                                                                                                   device="meta"))),
+        (TypeError, "rotary_append: v must be a tensor; got NoneType",
+         lambda: cuda_ext.rotary_append(q, k, None, kc, vc, lens, block_table=bt)),
+        (ValueError, "rotary_append: sin must be on cpu like q; got meta",
+         lambda: cuda_ext.rotary_append(q, k, v, kc, vc, lens, cos=cos, sin=cos.to("meta"), block_table=bt)),
+        (TypeError, "flash_attn_with_kvcache: v_cache must be a tensor; got NoneType",
+         lambda: cuda_ext.flash_attn_with_kvcache(q, kc, None, cache_seqlens=lens, block_table=bt)),
+        (ValueError, "flash_attn_with_kvcache: rotary_cos must be on cpu like q; got meta",
+         lambda: cuda_ext.flash_attn_with_kvcache(q, kc, vc, k, v, cos.to("meta"), cos, cache_seqlens=lens,
+                                                  block_table=bt)),
+    ]
+    for exc, words, call in refusals:
+        with pytest.raises(exc) as info:
+            call()
+        assert str(info.value) == f"flashtx.cuda_ext.{words}", str(info.value)
+    assert calls == []  # nothing reached the ops
+    cuda_ext.decode_attention(q, kc, vc, lens, block_table=bt)  # the valid call still runs
+    assert calls == [1]

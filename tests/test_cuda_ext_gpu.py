@@ -254,6 +254,74 @@ def _without_positions(cache, bt, keep):
     return out
 
 
+_ERRORS_SCRIPT = r"""
+import faulthandler, sys
+import torch
+faulthandler.enable()
+if sys.argv[1]:
+    torch.ops.load_library(sys.argv[1])
+from flashtx import cuda_ext
+assert cuda_ext.load(), cuda_ext.unavailable_reason()
+ops = torch.ops.flashtx_cuda
+h = dict(device="cuda", dtype=torch.float16)
+lens = torch.tensor([100, 30], dtype=torch.int32, device="cuda")
+q, q96 = torch.randn(2, 1, 4, 64, **h), torch.randn(2, 1, 4, 96, **h)
+kc = torch.randn(43, 16, 1, 64, **h)
+bt = torch.randperm(43, device="cuda")[:40].reshape(2, 20).int()
+bad = bt.clone()
+bad[0, 2], bad[1, 0] = -1, 48
+cases = [  # in this order: the first error without a sync, then the errors after check_values' sync
+    ("head_dim", lambda: ops.decode_attention(q96, kc, kc, lens, None, None, 0.1, False, 1, False)),
+    ("lens_int64", lambda: ops.decode_attention(q, kc, kc, lens.long(), bt, None, 0.1, False, 1, False)),
+    ("bad_pages_checked_op", lambda: ops.decode_attention(q, kc, kc, lens, bad, None, 0.1, False, 1, True)),
+    ("bad_pages_checked", lambda: cuda_ext.decode_attention(q, kc, kc, lens, block_table=bad, check_values=True)),
+    ("lens_checked", lambda: cuda_ext.decode_attention(q, kc, kc, lens + 320, block_table=bt, check_values=True)),
+    ("append_checked", lambda: cuda_ext.rotary_append(q, kc[:2, :1], kc[2:4, :1], kc.clone(), kc.clone(),
+                                                      lens + 300, block_table=bt, check_values=True)),
+]
+for name, call in cases:
+    print("calling", name, flush=True)
+    try:
+        call()
+        print(name, "returned", flush=True)
+    except RuntimeError as e:
+        print(name, "RuntimeError:", str(e).splitlines()[0], flush=True)
+torch.cuda.synchronize()
+print("done", flush=True)
+"""
+
+
+def test_binding_errors_raise_in_a_process_of_their_own():
+    """The binding's errors arrive as RuntimeErrors, checked in a fresh process: on an H100 (2026-12-06) the first
+    error the extension raised in the suite (test_guards_and_check_values, its check_values=True call with bad pages)
+    ended the pytest process with a segmentation fault, taking the other tests' reports with it. Here a crash fails
+    this test only, showing which call crashed (the first error with no device sync, or one after check_values'
+    sync) and, where gdb is installed, the C++ stack."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    loaded = str(cuda_ext._state.get("loaded") or "")
+    lib = loaded.split(" ", 1)[1] if loaded.startswith(("JIT ", "AOT ")) else ""
+    env = dict(os.environ, FLASHTX_CUDA_EXT="1")
+    cmd = [sys.executable, "-c", _ERRORS_SCRIPT, lib]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    report = f"rc {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    if proc.returncode != 0 and shutil.which("gdb"):
+        gdb = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd], capture_output=True,
+                             text=True, timeout=300, env=env)
+        report += "\ngdb:\n" + gdb.stdout[-8000:]
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("done"), report
+    got = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if not line.startswith(("calling", "done")))
+    want = {"head_dim": "head dim must be 64 or 128", "lens_int64": "cache_seqlens must be int32",
+            "bad_pages_checked_op": "block_table has entries outside", "bad_pages_checked": "block_table has entries "
+            "outside", "lens_checked": r"cache_seqlens must lie in [0, 320]",
+            "append_checked": "cache_seqlens must lie in [0, 319]"}
+    for name, words in want.items():
+        assert got.get(name, "").startswith("RuntimeError:") and words in got[name], (name, report)
+
+
 def test_guards_and_check_values():
     dtype, batch, hkv, d = torch.float16, 2, 1, 64
     lens = torch.tensor([100, 30], dtype=torch.int32, device="cuda")
