@@ -14,8 +14,8 @@ implementations are registered here, so torch.compile traces them. Ways to get t
     source checkout: csrc/ is not installed);
   - neither: flashtx runs pure-Python/Triton as always; available() is False with a reason.
 
-Off by default: the kernels have never run or been timed on a GPU, so no automatic choice takes
-them (not_supported_reasons(..., automatic=True) always says so). They are flashtx's backend
+Off by default: timed on an H100 (2026-12-06), their decode took 3.2x the Triton kernel's time, so no
+automatic choice takes them (not_supported_reasons(..., automatic=True) always says so). They are flashtx's backend
 "cuda" of the decode ops (registered in flashtx._dispatch after "triton"):
 `flashtx.flash_attn_with_kvcache(..., backend="cuda")` takes them when they can run those inputs
 (BackendNotSupported with the reasons otherwise); backend=None never does while MEASURED_FASTER
@@ -64,8 +64,9 @@ MEASURED_FASTER = False  # True only once bench/RESULTS.md records it beating th
 # DecodeCUDA.call_key must also go into the automatic plan key: see _decode_op.select)
 STALE_LOCK_S = 900  # a JIT lock file older than this was left by a killed build
 ENV_AUTO = "FLASHTX_CUDA_EXT"  # =1: build/load on first use
-NOT_MEASURED = ("not measured faster than the Triton kernel on a GPU yet: off in automatic dispatch (off by "
-                "default); pass backend='cuda'")
+NOT_MEASURED = ("not measured faster than the Triton kernel on a GPU (an H100, 2026-12-06, bench/RESULTS.md: its "
+                "decode took 3.2x the Triton kernel's time at batch 8 over 8k keys): off in automatic dispatch (off "
+                "by default); pass backend='cuda'")
 
 _state: dict = {"loaded": None, "error": None, "fakes": False}
 

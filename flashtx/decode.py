@@ -163,7 +163,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             log-sum-exp); 0 = a heuristic from the GPU's SM count (flash-attn's), 1 = none.
         return_softmax_lse: also return lse (B, Hq, Sq), float32 (float64 for float64 q), natural log.
         backend: None (automatic), "triton", "reference" or "cuda" (the optional CUDA extension,
-            flashtx.cuda_ext; never chosen automatically until measured). Keyword-only.
+            flashtx.cuda_ext; never chosen automatically: on an H100 its decode took 3.2x the Triton
+            kernel's time, bench/RESULTS.md). Keyword-only.
 
     Returns:
         out (B, Sq, Hq, Dv) in q's dtype [, lse]. Rows that see no key give 0 and lse -inf.
