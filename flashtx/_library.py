@@ -147,8 +147,9 @@ def _other_device(t) -> int | None:
 
 
 # CUDA's torch._assert_async takes a message of at most 254 bytes ("Message length must be smaller than 255",
-# torch 2.11, seen on an H100 on 2026-12-06: every decode call with device-resident cache_seqlens raised it); CPU's
-# has no limit, so a CPU run never saw it. Every flashtx device-side assert goes through device_assert.
+# torch 2.11, seen on an H100 on 2026-12-06: decode calls with device-resident cache_seqlens and leftpad, batch_idx,
+# a block_table or rotary raised it); CPU's has no limit, so a CPU run never saw it. Every flashtx device-side
+# assert goes through device_assert.
 ASSERT_MESSAGE_BYTES = 254
 
 

@@ -371,7 +371,7 @@ def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Sne
                     k_cache.shape[0], k_cache.shape[1] if paged else 1, cos.shape[0] if cos is not None else -1,
                     q.shape[1] - 1 if q_moves and cos is not None else 0, key_span)
         device_assert(flag, _ASSERT_MESSAGES[leftpad is not None, batch_idx is not None, paged,
-                                                   cos is not None])
+                                             cos is not None])
         return
     lens = seqlens.long()
     end = lens + Snew

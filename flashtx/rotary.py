@@ -244,8 +244,8 @@ def _check_varlen_table(cu_seqlens: Tensor, cos: Tensor, offset: int) -> None:
     seqlen_ro = cos.shape[-2]
     if not _values_readable(cu_seqlens):
         device_assert(lens.max() + offset <= seqlen_ro,
-                            f"flashtx: cos/sin have {seqlen_ro} positions, fewer than a sequence of cu_seqlens "
-                            f"plus seqlen_offsets {offset} needs")
+                      f"flashtx: cos/sin have {seqlen_ro} positions, fewer than a sequence of cu_seqlens "
+                      f"plus seqlen_offsets {offset} needs")
         return
     longest = int(lens.max())
     if longest + offset > seqlen_ro:

@@ -120,7 +120,7 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
     out = compiled(*args)
     if backward:
         out.backward()
-    kernels, scatters, written, tma, bool_views = [], [], {}, set(), 0
+    kernels, scatters, written, tma, bool_views, mask_strides = [], [], {}, set(), 0, []
     for gm in graphs:
         names, copied = [], []
         for n in gm.graph.nodes:
@@ -133,6 +133,9 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
                          **kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])}
                 if const.get("TMA") is True:
                     tma.add(names[-1])  # reads through tensor descriptors
+                bad = _mask_strides({**n.kwargs.get("kwargs", {}), **const})
+                if bad:
+                    mask_strides.append(f"{names[-1]}: {bad}")
             elif "scatter" in str(n.target):  # a kernel that wrote through a view: copied back over its base
                 copied.append(str(n.target))
             elif n.target is torch.ops.aten.view.dtype and _dtype(n.args[0]) is torch.bool:
@@ -140,7 +143,24 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
         kernels.append(names)
         scatters.append(copied)
     return {"kernels": kernels, "scatters": scatters,  # fullgraph=True: a graph break would have raised
-            "written": {k: sorted(v) for k, v in written.items()}, "tma": sorted(tma), "bool_views": bool_views}
+            "written": {k: sorted(v) for k, v in written.items()}, "tma": sorted(tma), "bool_views": bool_views,
+            "mask_strides": mask_strides}
+
+
+def _mask_strides(kw: dict) -> str:
+    """'' when a launch's attention mask (MB) strides are those of the tensor it passes (0 on size-1 dims), else
+    what differs. A static trace's strides only (symbolic ones are skipped)."""
+    mb = kw.get("MB")
+    val = getattr(mb, "meta", {}).get("val") if mb is not None else None
+    names = ("stride_mb", "stride_mh", "stride_mm", "stride_mn")
+    if val is None or val.dim() != 4 or not all(isinstance(kw.get(k), int) for k in names):
+        return ""
+    want = tuple(0 if n == 1 else st for n, st in zip(val.shape, val.stride()))
+    got = tuple(kw[k] for k in names)
+    try:
+        return "" if tuple(int(w) for w in want) == got else f"mask strides {got}, the tensor's {want}"
+    except TypeError:  # symbolic sizes (--dynamic)
+        return ""
 
 
 def _dtype(node):
@@ -330,6 +350,9 @@ def cases() -> dict:
         return flashtx.attention(q, k, v, attn_mask=bias, key_mask=key_mask, window_size=(16, 0),
                                  softcap=30.0, is_causal=True).float().sum()
 
+    def bool_mask(q, k, v, mask):  # a bool attn_mask (True = attend) that is a view: expanded or sliced
+        return flashtx.attention(q, k, v, attn_mask=mask).float().sum()
+
     def patched(q, k, v):
         with flashtx.patch_sdpa():
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
@@ -389,6 +412,10 @@ def cases() -> dict:
         "flash-gqa": (flash_gqa, qkv(2, 64, 4, 64), True),
         "masks-bias-softcap": (masks, [*qkv(2, 4, 64, 64), key_mask, bias], True),
         "patch-sdpa": (patched, qkv(2, 4, 64, 64), True),
+        # transformers' padding mask (B, 1, 1, Sk) expanded over the queries, and a slice of a longer mask: the
+        # kernels' mask strides must be those of the bytes they are given (a bool mask is converted while tracing)
+        "bool-mask-expanded": (bool_mask, [*qkv(2, 4, 64, 64), key_mask[:, None, None].expand(2, 1, 64, 64)], True),
+        "bool-mask-sliced": (bool_mask, [*qkv(2, 4, 64, 64), (torch.rand(2, 4, 64, 80) < 0.9)[..., 8:72]], True),
         "transformer-block": (block_step, [torch.randn(2, 64, 64, dtype=torch.float16, requires_grad=True)], True),
         "decode": (decode, [torch.randn(2, 1, 8, 64, dtype=torch.float16),
                             *(torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2)),

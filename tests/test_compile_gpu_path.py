@@ -44,6 +44,8 @@ def traced_dynamic():
     ("attention-causal", FWD, BWD),
     ("flash-gqa", FWD, BWD),
     ("masks-bias-softcap", FWD, BWD),  # the learned bias's gradient comes from the dQ kernel
+    ("bool-mask-expanded", FWD, BWD),  # a bool attn_mask that is an expanded view (transformers' padding mask)
+    ("bool-mask-sliced", FWD, BWD),  # and a slice of a longer one
     ("patch-sdpa", FWD, BWD),
     # RoPE (q and k in one launch, its backward the same kernel conjugated) and SwiGLU, around attention
     ("transformer-block", FWD + ["_rotary_kernel", "_swiglu_kernel"], BWD + ["_rotary_kernel", "_swiglu_kernel"]),
@@ -80,6 +82,9 @@ def test_compiled_graphs_hold_the_kernels(traced, case, fwd, bwd):
     # no view(dtype) of a bool tensor (a mask passed as bytes): Inductor of torch 2.11 cannot lower it (2026-12-06,
     # an H100: test_compiled_training_matches_eager's key_mask); the eager calls keep the zero-copy view
     assert res["bool_views"] == 0
+    # each launch reads its mask with the strides of the tensor it is given (2026-12-06: while tracing, a bool mask
+    # became a contiguous copy read with the view's strides: wrong rows, or reads past it)
+    assert res["mask_strides"] == [], res["mask_strides"]
     # torch's analysis of each kernel's TTIR finds only its outputs written: an input it takes as written (cu_seqlens,
     # lengths, a block table: read through a helper whose result addresses a store) is cloned and copied back in
     # every call, and in a backward kernel it fails AOTAutograd's partition ("was invalid, but is output")

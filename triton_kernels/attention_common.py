@@ -299,7 +299,10 @@ def as_u8(m: torch.Tensor) -> torch.Tensor:
         return m
     if type(m) is torch.Tensor and not torch.compiler.is_compiling():
         return m.view(torch.uint8)
-    return m.to(torch.uint8)
+    # converted once per distinct entry: broadcast (stride-0) dims stay broadcast (a transformers (B, 1, Sq, Sk)
+    # padding mask expanded over heads and queries is not copied out); callers read the strides of what this returns
+    one = tuple(slice(0, 1) if n > 1 and st == 0 else slice(None) for n, st in zip(m.shape, m.stride()))
+    return m[one].to(torch.uint8).expand(m.shape)
 
 
 _STATIC: dict = {}  # what decides the constexprs and scalars of mask_args -> those arguments
@@ -382,7 +385,7 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
             args[name], args[sb], args[sn] = dummy, 0, 0
     m = spec.attn_mask
     if m is not None:
-        args["MB"] = as_u8(m)
+        args["MB"] = m = as_u8(m)  # (its strides: while tracing, a bool mask's bytes are a new tensor)
         args["stride_mb"], args["stride_mh"], args["stride_mm"], args["stride_mn"] = broadcast_strides(m)
     else:
         args["MB"], args["stride_mb"], args["stride_mh"], args["stride_mm"], args["stride_mn"] = dummy, 0, 0, 0, 0

@@ -58,7 +58,8 @@ DTYPE_ANY_16 = "16-bit"
 # the tiles FlashAttention-2's Triton tutorial and Triton's fused-attention tutorial use, and their
 # neighbours; shared memory is checked per GPU with configs.estimate_shared_memory before timing,
 # and a candidate that fails to compile or launch (registers, OutOfResources) is skipped. The dK/dV lists open
-# with FlexAttention's sm_90 tiles, which spill there and which sm_90's table replaced untimed (configs.py).
+# with FlexAttention's sm_90 tiles, which spill there, and end with the 8-warp tiles sm_90's table shipped before
+# an H100 timed them 1.7-1.9x slower (2026-12-06), so a sweep keeps comparing against them.
 _T = TileConfig
 CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
     "attn_fwd": {
@@ -70,9 +71,9 @@ CANDIDATES: dict[str, dict[int, dict[int, list[TileConfig]]]] = {
     },
     "attn_bwd_dkdv": {
         2: {64: [_T(64, 64, 4, 3), _T(32, 128, 8, 2), _T(32, 64, 4, 3), _T(64, 128, 8, 2), _T(16, 64, 4, 3),
-                 _T(32, 128, 4, 3)],
+                 _T(32, 128, 4, 3), _T(64, 64, 8, 3)],
             128: [_T(64, 128, 8, 3), _T(32, 128, 8, 2), _T(64, 128, 8, 2), _T(16, 128, 8, 2), _T(32, 64, 4, 3),
-                  _T(64, 64, 8, 2), _T(16, 64, 4, 2)]},
+                  _T(64, 64, 8, 2), _T(16, 64, 4, 2), _T(32, 64, 8, 3)]},
         4: {64: [_T(16, 64, 4, 2), _T(32, 64, 8, 1)], 128: [_T(16, 32, 4, 1), _T(32, 32, 8, 1)]},
     },
     "attn_bwd_dq": {

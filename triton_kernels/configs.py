@@ -276,17 +276,20 @@ for _family in TABLES.values():
 # none there, no entry. sm_90's plain forward tiles were timed (bench.tune) without modifiers; these were
 # not: bench/test_attention_variants.py's flashtx-plain-tiles provider times them against the plain.
 _MOD = SWEEP + "the plain tile spills with every score modifier at once ("
-# sm_90's timed dK/dV tile at head dim 64 (64x64 4 warps) spills 8-88 bytes with visibility masks and 272 with every
-# score modifier: masked and modified launches take its 4-warp neighbour instead, timed beside it in plain launches
-_SM90_DKDV_64 = (SWEEP + "32x64 4 warps spills none with masks or every score modifier, and keeps wgmma (Triton 3.9); "
-                 "the 64x64 4-warp tile spills 8-272 bytes there. Timed only in plain launches (bench.tune on an H100, "
-                 "2026-12-06): 5-9% slower than 64x64 4 warps at 4k, 1.6x faster than the 8-warp tiles")
+# sm_90's timed dK/dV tile at head dim 64 (64x64 4 warps) spills 8-88 bytes with visibility masks: masked launches
+# take its 4-warp neighbour instead, timed beside it in plain launches
+_SM90_DKDV_64 = (SWEEP + "32x64 4 warps spills none with masks and keeps wgmma (Triton 3.9); the 64x64 4-warp tile "
+                 "spills 8-88 bytes there. Timed only in plain launches (bench.tune on an H100, 2026-12-06): 5-9% "
+                 "slower than 64x64 4 warps at 4k, 1.6x faster than the 8-warp tiles")
 MODIFIED: dict = {
     "sm90": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "4 warps: 2.5 KB; 8 warps 24 bytes under Triton "
                                      "3.8); 8 warps, half the K/V rows, as sm_80/86's"),
                               128: C(64, 32, 4, 3, _MOD + "64x64: 16 bytes); half the K/V rows"),
                               256: C(64, 32, 8, 3, _MOD + "4 warps: 64 bytes); 8 warps, the same tile")}},
-             "attn_bwd_dkdv": {2: {64: C(32, 64, 4, 3, _SM90_DKDV_64),
+             "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "64x64 8 warps: 64-192 bytes); half the K/V rows. It "
+                                         "falls back to mma.sync (fewer than 64 K/V rows); 32x64 4 and 8 warps keep "
+                                         "wgmma without spills but need more shared memory than estimated under "
+                                         "Triton 3.6"),
                                    128: C(32, 32, 8, 3, _MOD + "64x128: 904 bytes; 32x64 still 96-112); a quarter "
                                           "of the K/V rows, half the q rows")}},
              "attn_bwd_dq": {2: {64: C(64, 32, 4, 3, _MOD + "64x64: 624 bytes); half the K/V rows"),

@@ -254,7 +254,7 @@ class KVCache:
             self._host_length = None
         if self._host_length is None and not readable:
             device_assert(self.length + S <= self.max_len,
-                                "flashtx.nn.KVCache is full: more positions were given than max_len holds")
+                          "flashtx.nn.KVCache is full: more positions were given than max_len holds")
             return
         held = self._host_length if self._host_length is not None else int(self.length)
         if held + S > self.max_len:
@@ -313,7 +313,7 @@ class KVCache:
             return
         if not readable:
             device_assert(ok.all(), "flashtx.nn.KVCache: in a traced or captured step a key_mask must "
-                                          "continue left padding (no padding after a real token)")
+                                    "continue left padding (no padding after a real token)")
         self.leftpad.copy_(torch.where(fresh, self.length + lead, self.leftpad.long()))
 
     def _store_memory_mask(self, key_mask: Tensor | None, Sm: int) -> None:
@@ -333,7 +333,7 @@ class KVCache:
             return
         if not readable:
             device_assert(ok.all(), "flashtx.nn.KVCache: in a traced step a memory mask must be "
-                                          "padding before and/or after the real tokens")
+                                    "padding before and/or after the real tokens")
         self.leftpad.copy_(lead)
         self._ends = (lead + real).to(torch.int32)
 

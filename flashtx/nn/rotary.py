@@ -283,7 +283,7 @@ class RotaryEmbedding(nn.Module):
                 last = seqlen_offsets.max() + (q.shape[1] if layout == "bshd" else q.shape[2]) - 1
             if last is not None:
                 device_assert(last < needed, "flashtx.nn.RotaryEmbedding under torch.compile: a position past "
-                                    "the tables (max_seq_len, or what eager calls grew them to); raise max_seq_len")
+                              "the tables (max_seq_len, or what eager calls grew them to); raise max_seq_len")
         else:
             needed = self._needed_length(q, seqlen_offsets, position_ids, cu_seqlens, max_seqlen, layout, dynamic)
         cos, sin = self.cos_sin(max(needed, 1), q.device)  # (>= 1 row: apply_rotary names a bad argument itself)
