@@ -16,8 +16,9 @@ GRAD_FACTOR = 3.0
 # output itself for fp16/bf16/fp32. For fp64 the same-dtype eager computation *is* the reference
 # (error 0), so the floor is the whole bound there: 32 ulps, ~7e-15 relative.
 FLOOR_ULPS = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 32}
-# The most a same-dtype eager baseline may be off, as a share of the result's magnitude: more is not rounding.
-BASELINE_CAP = 0.1
+# The most a same-dtype eager baseline may be off, as a share of the result's largest value: more is not rounding
+# (fp16/bf16 gradients through a whole transformers model reach ~18%).
+BASELINE_CAP = 0.5
 
 
 def max_err(actual: torch.Tensor, ref: torch.Tensor) -> float:
@@ -48,13 +49,15 @@ def tolerance_check(actual: torch.Tensor, ref64: torch.Tensor, eager: torch.Tens
         raise ValueError("the same-dtype eager baseline is not finite where the float64 reference is; "
                          "the tolerance rule cannot be applied")
     finite = ref64[torch.isfinite(ref64)]
-    magnitude = max(float(finite.abs().max()) if finite.numel() else 0.0, scale, 1e-3)
-    if err_e > BASELINE_CAP * magnitude:
-        # rounding in the tested dtype is a small share of the result; a baseline this far off is broken (a wrong
-        # eager formula, or the same bug as the kernel), and the bound it makes would let a wrong kernel pass
+    largest = float(finite.abs().max()) if finite.numel() else 0.0
+    magnitude = max(largest, scale, 1e-3)
+    if largest == magnitude and err_e > BASELINE_CAP * magnitude:
+        # rounding in the tested dtype, even accumulated through a model, is a fraction of the result; a baseline
+        # this far off is broken (a wrong eager formula, or the kernel's own bug), and the bound it makes would let a
+        # wrong kernel pass. (Results that cancel to ~0 are judged at `scale` or the 1e-3 floor: not capped.)
         raise ValueError(f"the same-dtype eager baseline is off the float64 reference by {err_e:.3e}, "
-                         f"{err_e / magnitude:.0%} of the result's magnitude {magnitude:.3e} (at most "
-                         f"{BASELINE_CAP:.0%} is rounding): the tolerance rule needs a sound baseline")
+                         f"{err_e / magnitude:.0%} of the result's magnitude {magnitude:.3e} (rounding stays under "
+                         f"{BASELINE_CAP:.0%}): the tolerance rule needs a sound baseline")
     floor = FLOOR_ULPS.get(dt, 4) * torch.finfo(dt).eps * magnitude
     bound = (GRAD_FACTOR if grad else OUTPUT_FACTOR) * err_e + floor
     return err_k, bound

@@ -1,7 +1,8 @@
 """Hugging Face transformers with flashtx: attn_implementation="ftx" (register()) and apply_flashtx
 (fused RoPE and SwiGLU) on tiny random Llama/Mistral/Qwen2 models built from local configs (no
 downloads). Logits and gradients at real tokens of padded batches follow the tolerance rule against
-the float64 eager model; greedy generation with the cache gives the eager model's tokens."""
+the float64 model (transformers' sdpa, its fp32 run the same-dtype baseline); greedy generation with the cache
+gives the eager model's tokens."""
 import copy
 import os
 
@@ -85,7 +86,13 @@ def test_logits_and_gradients_match_eager(family, side, mask_kind):
     eager, ref, fused = models(cfg)
     ids, mask = padded_batch(side)
     real = mask.bool()
-    logits_e, grads_e = run(eager, ids, mask, mask_kind, torch.float32)
+    # The same-dtype baseline is transformers' "sdpa" in fp32, not its "eager": with left padding, "eager"'s
+    # parameter gradients differ from the fp64 reference's by up to 100% of their magnitude (the logits at real
+    # tokens agree to 1e-7; flashtx's gradients agree to 1e-7), which made the rule's bound vacuous
+    # (flashtx.testing.BASELINE_CAP now refuses such a baseline).
+    base = copy.deepcopy(eager)
+    base.set_attn_implementation("sdpa")
+    logits_e, grads_e = run(base, ids, mask, mask_kind, torch.float32)
     logits_r, grads_r = run(ref, ids, mask, mask_kind, torch.float64)
     ftx.apply_flashtx(fused)  # after the eager runs: the RoPE swap is module-wide
     assert type(fused.model.layers[0].mlp).__name__.startswith("Flashtx")
