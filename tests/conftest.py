@@ -405,6 +405,20 @@ def _release_gpu_memory():
         torch.cuda.empty_cache()
 
 
+def decode_on_both_backends(q, kc, vc, k, v, cos, sin, lens, block_table) -> dict:
+    """flash_attn_with_kvcache (causal, appending k and v, rotary) with backend "triton" and "cuda", each on its own
+    copy of the caches: backend -> (out, lse, k_cache, v_cache)."""
+    import flashtx
+
+    res = {}
+    for backend in ("triton", "cuda"):
+        kc_b, vc_b = kc.clone(), vc.clone()
+        res[backend] = (*flashtx.flash_attn_with_kvcache(q, kc_b, vc_b, k, v, cos, sin, cache_seqlens=lens,
+                                                         block_table=block_table, causal=True,
+                                                         return_softmax_lse=True, backend=backend), kc_b, vc_b)
+    return res
+
+
 _ASSERT_ASYNC = torch._assert_async
 
 

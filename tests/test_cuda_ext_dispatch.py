@@ -10,6 +10,7 @@ from flashtx import cuda_ext
 
 from flashtx import _cuda_ext_api, _decode_op, _dispatch
 from flashtx._dispatch import BackendNotSupported
+from conftest import decode_on_both_backends
 
 
 def _kv_case(B=2, Sq=1, Hq=4, Hkv=2, D=64, cap=48, paged=False, dtype=torch.float32):
@@ -245,12 +246,7 @@ def test_backend_cuda_equals_triton_on_the_device_check_path(standin, monkeypatc
     cos, sin = theta.cos().float(), theta.sin().float()
     q = torch.randn(batch, sq, hq, d).to(dtype)
     k, v = (torch.randn(batch, sq, hkv, d).to(dtype) for _ in range(2))
-    res = {}
-    for backend in ("triton", "cuda"):
-        kc_b, vc_b = kc.clone(), vc.clone()
-        res[backend] = (*flashtx.flash_attn_with_kvcache(q, kc_b, vc_b, k, v, cos, sin, cache_seqlens=lens,
-                                                         block_table=bt, causal=True, return_softmax_lse=True,
-                                                         backend=backend), kc_b, vc_b)
+    res = decode_on_both_backends(q, kc, vc, k, v, cos, sin, lens, bt)
     for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), res["triton"], res["cuda"]):
         torch.testing.assert_close(b.float(), a.float(), atol=2e-3, rtol=1e-2, msg=lambda m: f"{name}: {m}")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flashtx import cuda_ext
-from conftest import assert_close_to_reference
+from conftest import assert_close_to_reference, decode_on_both_backends
 
 from flashtx.cuda_ext_reference import decode_attention_ref, rotary_append_ref
 
@@ -212,7 +212,6 @@ def test_backend_cuda_equals_triton(paged, sq):
     """flashtx.flash_attn_with_kvcache(..., backend="cuda") (RoPE + append + attention) against
     backend="triton" on the same inputs: out, lse (natural log) and the written caches; automatic
     dispatch still takes Triton (MEASURED_FASTER is False)."""
-    import flashtx
     from flashtx import _decode_op
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -225,12 +224,7 @@ def test_backend_cuda_equals_triton(paged, sq):
     cos, sin = theta.cos().float(), theta.sin().float()
     q = torch.randn(batch, sq, hq, d, device="cuda", generator=gen).to(dtype)
     k, v = (torch.randn(batch, sq, hkv, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
-    res = {}
-    for backend in ("triton", "cuda"):
-        kc_b, vc_b = kc.clone(), vc.clone()
-        res[backend] = (*flashtx.flash_attn_with_kvcache(q, kc_b, vc_b, k, v, cos, sin, cache_seqlens=lens,
-                                                         block_table=bt, causal=True, return_softmax_lse=True,
-                                                         backend=backend), kc_b, vc_b)
+    res = decode_on_both_backends(q, kc, vc, k, v, cos, sin, lens, bt)
     for a, b in zip(res["triton"], res["cuda"]):
         torch.testing.assert_close(b.float(), a.float(), atol=ATOL[dtype], rtol=1e-2)
     assert _decode_op.select(q, kc, vc, None, {"capacity": CAP}) == "triton"
