@@ -10,9 +10,9 @@ forward, dK/dV and dQ tile nobody has timed compiles without spills under Triton
 head dims 64, 128 and 256, in every specialisation the compile check covers: plain (causal or not,
 MHA or a GQA group), with visibility masks (MASKED below), with every score modifier at once
 (MODIFIED), and the bias-gradient dQ. That is all of sm_80 and sm_86/89, which nobody here can time,
-and all of sm_90 but its plain forward tiles at head dims 64 and 128 (masked launches use them too),
-which bench.tune timed on an H200 (some spill: they were the fastest or within 2% of it); its
-backward sweep was void (bench/RESULTS.md), so sm_90's dK/dV and dQ tiles are compile-swept too.
+and all of sm_90 but what a GPU timed (some spill: the fastest or within 2% of it): its plain forward
+tiles at head dims 64 and 128 (bench.tune on an H200; masked launches use them too), its plain dK/dV
+tiles there and its bias-gradient dQ at 128 (an H100, 2026-12-06).
 Where the anchor's tile spills, the entry is the nearest spill-free tile of a compile sweep
 (tile_sweep.py), often the same tile with 8 warps; on sm_90 one whose dots issue wgmma
 (compile_check.mma_kind). The compile check (tests/test_compile.py) compiles every entry for its
@@ -90,8 +90,7 @@ FA2_192 = ("FlashAttention-2's hdim-192 forward tile (128x64, 8 warps, sm_80 and
 DERIVED_192 = "no anchor has an fp32 head dim 192 tile (FlexAttention pads it to 256): the "
 TUNE_H200 = ("bench.tune on an H200 (2026-11-30, second run, bench/RESULTS.md; Triton 3.6), the best of 6-7 timed "
              "candidates at N = 4k (1k and 16k not yet timed): ")
-TUNE_H100 = ("bench.tune on an H100 (2026-12-06, bench/RESULTS.md; Triton 3.6, torch 2.11): the whole backward timed "
-             "(triton.testing.do_bench) with this tile, bf16, causal and not, at N = 2k, 4k and 16k: ")
+TUNE_H100 = "bench.tune on an H100 (2026-12-06, Triton 3.6): the whole backward, bf16, causal and not, N = 2k-16k: "
 SWEEP = ("compile sweep (python -m flashtx.triton_kernels.tile_sweep, Triton 3.6 and 3.9; not timed on a GPU): ")
 FA2_BWD = "FlashAttention-2's backward tile for this arch and head dim (flash_bwd_launch_template.h run_mha_bwd_hdim*)"
 FA2_BWD_192 = ("FlashAttention-2's hdim-192 backward tile (64x64, 8 warps; flash_bwd_launch_template.h "
@@ -120,12 +119,10 @@ TABLES = {
                 256: C(32, 32, 4, 2, FLEX_H100 + " with 2 stages: 3 exceed 232,448 bytes by our estimate")},
         },
         "attn_bwd_dkdv": {
-            2: {64: C(64, 64, 4, 3, TUNE_H100 + "1.68-1.80x the 64x64 8-warp tile it replaced (2.42 -> 1.44 ms causal, "
-                       "4.59 -> 2.57 ms full at 2k), the fastest or within 2% at every N; 32x64 4 warps (no spills) "
-                       "5-9% slower at 4k. FlexAttention sm_90's tile; spills 112 bytes causal (Triton 3.9)"),
-                128: C(32, 64, 4, 3, TUNE_H100 + "1.78-1.88x causal, 2.0x full over the same tile with 8 warps it "
-                       "replaced (2.05 -> 1.16 ms causal at 2k), the fastest causal; 64x128 8 warps (the 2026-11-30 "
-                       "default) 5-11% slower causal, 11% faster full at 4k. Spills 40 bytes causal (Triton 3.9)"),
+            2: {64: C(64, 64, 4, 3, TUNE_H100 + "1.7-1.8x the 8-warp tile it replaced (2.42 -> 1.44 ms causal at "
+                       "2k), the fastest or within 2% at every N; FlexAttention's; spills 112 bytes (Triton 3.9)"),
+                128: C(32, 64, 4, 3, TUNE_H100 + "1.8-1.9x causal, 2.0x full over 8 warps (2.05 -> 1.16 ms causal at "
+                       "2k), the fastest causal; 64x128 8 warps 5-11% slower causal, 11% faster full. Spills 40 bytes"),
                 192: C(64, 64, 8, 2, FA2_BWD_192 + " with 2 stages: 180,224 bytes by our estimate"),
                 256: C(32, 32, 8, 3, SWEEP + FLEX_H100 + " is 64x64 4 warps 2 stages (over our shared-memory "
                        "estimate); our previous 32x64 8 warps spilled 328-624 bytes; 32x32 8 warps 3 stages "
@@ -239,10 +236,9 @@ _DB = (SWEEP + "the bias-gradient dQ holds dS and its partial sums too, with bia
 for _fam, _overrides in {
     "sm90": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 64x64 4 warps spills 0.6-1.2 KB, 32x64 3 stages 8 bytes under "
                                     "Triton 3.6"),
-                 128: C(128, 64, 8, 3, "bench/test_attention_variants.py's learned-bias case on an H100 (2026-12-06, "
-                        "bench/RESULTS.md: B=4, H=16, N=4k, bf16, a (1, H, N, N) bias): dQ's own tile, which spills "
-                        "1.1-1.4 KB here, ran fwd+bwd in 9.73 ms with the plain tiles against 17.56 ms with the "
-                        "spill-free 16x64 8-warp tile of a compile sweep and the score-modifier tiles"),
+                 128: C(128, 64, 8, 3, "dQ's own tile (spills 1.1-1.4 KB here): a learned (1, H, N, N) bias at N=4k "
+                        "ran fwd+bwd in 9.73 ms on the plain tiles, 17.56 on a sweep's spill-free 16x64 8 warps and "
+                        "the modifier tiles (an H100, 2026-12-06, bench/RESULTS.md)"),
                  256: C(16, 64, 8, 1, _DB + "dQ's 64x64 spilled 1.3-1.6 KB, 16x64 2 stages 56 bytes under Triton "
                                      "3.6, 16x32 2 stages 32 bytes under 3.8; 16x64 1 stage none under 3.6-3.9")}},
     "sm80": {2: {64: C(32, 64, 8, 2, _DB + "dQ's 128x32 spills 176-304 bytes"),
@@ -276,11 +272,6 @@ for _family in TABLES.values():
 # none there, no entry. sm_90's plain forward tiles were timed (bench.tune) without modifiers; these were
 # not: bench/test_attention_variants.py's flashtx-plain-tiles provider times them against the plain.
 _MOD = SWEEP + "the plain tile spills with every score modifier at once ("
-# sm_90's timed dK/dV tile at head dim 64 (64x64 4 warps) spills 8-88 bytes with visibility masks: masked launches
-# take its 4-warp neighbour instead, timed beside it in plain launches
-_SM90_DKDV_64 = (SWEEP + "32x64 4 warps spills none with masks and keeps wgmma (Triton 3.9); the 64x64 4-warp tile "
-                 "spills 8-88 bytes there. Timed only in plain launches (bench.tune on an H100, 2026-12-06): 5-9% "
-                 "slower than 64x64 4 warps at 4k, 1.6x faster than the 8-warp tiles")
 MODIFIED: dict = {
     "sm90": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "4 warps: 2.5 KB; 8 warps 24 bytes under Triton "
                                      "3.8); 8 warps, half the K/V rows, as sm_80/86's"),
@@ -317,7 +308,8 @@ _MASK = SWEEP + "the plain tile spills with visibility masks ("
 MASKED: dict = {
     "sm90": {"attn_bwd_dq": {2: {128: C(128, 64, 8, 2, _MASK + "64 bytes with varlen + window under Triton 3.9); "
                                       "the same tile, 2 stages")}},
-             "attn_bwd_dkdv": {2: {64: C(32, 64, 4, 3, _SM90_DKDV_64),
+             "attn_bwd_dkdv": {2: {64: C(32, 64, 4, 3, _MASK + "64x64 4 warps: 8-88 bytes); its timed 4-warp "
+                                         "neighbour (plain: 5-9% slower at 4k), wgmma and no spills"),
                                    128: C(16, 64, 4, 3, _MASK + "32x64 4 warps: 32 bytes with varlen + window); half "
                                           "the q rows: wgmma and no spills, masked or not (Triton 3.9). Untimed")}}},
     "sm80": {"attn_fwd": {2: {64: C(128, 64, 8, 3, _MASK + "4 warps: 8 bytes); 8 warps, the same tile"),
