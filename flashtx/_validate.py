@@ -128,12 +128,12 @@ def resolve_scale(name: str, scale, head_dim: int) -> float:
     if scale_ok(scale):
         return float(scale)
     if isinstance(scale, torch.Tensor):
+        if (value := host_scale(scale)) is not scale:
+            return resolve_scale(name, value, head_dim)
         if scale.dim() == 0 and scale.requires_grad and torch.is_grad_enabled():  # (its gradient would be dropped;
             # SDPA raises too)
             raise TypeError(f"{name} is a tensor that requires grad; the kernels take a number and give it no "
                             f"gradient: pass {name}.detach() (or learn it through the inputs' scale)")
-        if (value := host_scale(scale)) is not scale:
-            return resolve_scale(name, value, head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name} must be None or a real number; got {type(scale).__name__}")
     raise ValueError(f"{name} must be 0 or have a magnitude in [2**-100, 2**100] (the kernels compute in "

@@ -244,8 +244,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``flashtx.attention`` when it supports the call, by the original SDPA otherwise."""
     if _causal_bias(attn_mask):  # (before autocast, which would cast it)
         scale = host_scale(scale)
-        reason = _scale_reason(scale) if scale is not None and not scale_ok(scale) else _causal_bias_reason(
-            query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        reason = unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if reason is None:
             return functional.attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
                                         enable_gqa=bool(enable_gqa))

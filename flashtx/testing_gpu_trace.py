@@ -138,7 +138,7 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
                     mask_strides.append(f"{names[-1]}: {bad}")
             elif "scatter" in str(n.target):  # a kernel that wrote through a view: copied back over its base
                 copied.append(str(n.target))
-            elif n.target is torch.ops.aten.view.dtype and _dtype(n.args[0]) is torch.bool:
+            elif n.target is torch.ops.aten.view.dtype and getattr(_val(n.args[0]), "dtype", None) is torch.bool:
                 bool_views += 1  # Inductor of torch 2.11 cannot lower it (2026-12-06, an H100: a LoweringException)
         kernels.append(names)
         scatters.append(copied)
@@ -150,8 +150,7 @@ def _capture(fn, args, backward: bool, dynamic: bool = False) -> dict:
 def _mask_strides(kw: dict) -> str:
     """'' when a launch's attention mask (MB) strides are those of the tensor it passes (0 on size-1 dims), else
     what differs. A static trace's strides only (symbolic ones are skipped)."""
-    mb = kw.get("MB")
-    val = getattr(mb, "meta", {}).get("val") if mb is not None else None
+    val = _val(kw.get("MB"))
     names = ("stride_mb", "stride_mh", "stride_mm", "stride_mn")
     if val is None or val.dim() != 4 or not all(isinstance(kw.get(k), int) for k in names):
         return ""
@@ -163,8 +162,9 @@ def _mask_strides(kw: dict) -> str:
         return ""
 
 
-def _dtype(node):
-    return getattr(getattr(node, "meta", {}).get("val"), "dtype", None)
+def _val(node):
+    """A graph node's example value (None for a constant or a node without one)."""
+    return getattr(node, "meta", {}).get("val")
 
 
 def _kernel_name(k) -> str:

@@ -198,11 +198,10 @@ def _packed_forward(query, key, value, cu_q, cu_k, kwargs, causal, dropout, scal
     if query.shape[0] != 1:
         raise ValueError(f"cu_seq_lens_q/cu_seq_lens_k describe packed sequences in a batch of one; got query "
                          f"{tuple(query.shape)} (B, H, S, D)")
-    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-    if max_q is None:
-        max_q = int((cu_q[1:] - cu_q[:-1]).max()) if cu_q.numel() > 1 else 0  # (one sync)
-    if max_k is None:
-        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
+    def longest(cu, given):  # the keyword, else read from the lengths (one sync)
+        return given if given is not None else int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+    max_q, max_k = longest(cu_q, kwargs.get("max_length_q")), longest(cu_k, kwargs.get("max_length_k"))
     window = (-1, -1)
     if sliding_window is not None and max_k > sliding_window:  # flash_attention_2's (sliding_window - 1) each way
         window = (sliding_window - 1, sliding_window - 1)
