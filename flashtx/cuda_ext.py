@@ -339,9 +339,10 @@ def num_splits_heuristic(ctas: int, num_sms: int, num_n_blocks: int, max_splits:
 
 def choose_num_splits(batch: int, hq: int, hkv: int, sq: int, capacity: int, num_sms: int) -> int:
     """num_splits for a decode launch: flash-attn's heuristic over blocks of MIN_KEYS_PER_SPLIT
-    keys of the cache capacity (an upper bound of every row's length; no device sync)."""
+    keys of the cache capacity (an upper bound of every row's length; no device sync), counting 2 of the
+    128-thread blocks an SM as flash-attn does (flash_api.cpp: multiProcessorCount * 2)."""
     n_blocks = max(1, math.ceil(capacity / MIN_KEYS_PER_SPLIT))
-    return num_splits_heuristic(decode_ctas(batch, hq, hkv, sq), num_sms, n_blocks, MAX_SPLITS)
+    return num_splits_heuristic(decode_ctas(batch, hq, hkv, sq), 2 * num_sms, n_blocks, MAX_SPLITS)
 
 
 def _fail(op: str, msg: str, exc=ValueError):

@@ -158,3 +158,21 @@ def test_elementwise_compile_plans_compile_the_full_tiles(arch):
                 got = (launch.args[f"BLOCK_S{prefix.upper()}"], launch.args[f"BLOCK_H{prefix.upper()}"])
                 assert got == (full.block_rows, full.block_cols), (d, hq, hk, prefix, got, full)
         assert f"rotary_hf_qk_bhsd_d{d}_torch.bfloat16" in plans
+
+
+@pytest.mark.parametrize("batch,ctx,d,splits", [(8, 8192, 128, 4), (1, 8192, 128, 29), (64, 8192, 128, 1),
+                                                (8, 8192, 64, 4), (8, 256, 128, 2)])
+def test_decode_splits_follow_flash_attn_2(batch, ctx, d, splits):
+    """The decode split count is flash-attn 2's for the same grid (B x Hkv GQA-packed programs, Hq/Hkv = 32/8 as
+    LLaMA-3-8B): its heuristic over 2 programs an SM (flash_api.cpp's multiProcessorCount * 2) and the key tiles of
+    the tile's keys (flash-attn's kBlockN, 128 at D = 128), e.g. 4 splits at B = 8 on 132 SMs (256 programs, ~2 an
+    SM), where counting one an SM gave 2; never more splits than key tiles (256 keys at D=128: 2)."""
+    from flashtx.triton_kernels import decode
+
+    target = KNOWN_TARGETS[90]
+    cfg = configs.decode_config(d, d, 2, target)
+    assert cfg.programs_per_sm == 2 and cfg.block_n == 128
+    q = torch.empty(batch, 1, 32, d, dtype=torch.float16)
+    cache = torch.empty(batch, ctx, 8, d, dtype=torch.float16)
+    assert decode.split_count(q, cache, cache, None, 0, target) == splits
+    assert decode.num_splits_heuristic(batch * 8, ctx // cfg.block_n, 2 * target.sm_count) == splits

@@ -147,6 +147,7 @@ def test_num_splits_heuristic():
     # decode: one long sequence splits; a big batch does not; a short cache does not
     assert cuda_ext.choose_num_splits(1, 32, 8, 1, 32768, 132) > 1
     assert cuda_ext.choose_num_splits(64, 32, 8, 1, 32768, 132) == 1
+    assert cuda_ext.choose_num_splits(8, 32, 8, 1, 8192, 132) == 4  # 64 blocks, 2 an SM (flash-attn's count): 4
     assert cuda_ext.choose_num_splits(1, 32, 8, 1, 200, 132) == 1
     assert cuda_ext.choose_num_splits(1, 32, 8, 1, 10**7, 132) <= cuda_ext.MAX_SPLITS
 

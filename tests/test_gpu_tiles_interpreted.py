@@ -60,15 +60,16 @@ def test_decode_tiles_compute_attention_over_the_cache(gpu_target, d, page):
     from flashtx.triton_kernels import decode as decode_kernels
 
     gen = torch.Generator().manual_seed(d + gpu_target.arch)
-    B, Hq, Hkv, cap = 3, 8, 2, 160
+    B, Hq, Hkv, cap = 3, 8, 2, 608  # several key tiles of every GPU tile (256 keys at D = 64)
     q = torch.randn(B, 1, Hq, d, generator=gen, dtype=torch.float64)
     if page:
-        kc, vc = (torch.randn(40, page, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
-        bt = torch.randperm(40, generator=gen)[:B * (cap // page)].view(B, cap // page).to(torch.int32)
+        pages = B * (cap // page) + 6
+        kc, vc = (torch.randn(pages, page, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        bt = torch.randperm(pages, generator=gen)[:B * (cap // page)].view(B, cap // page).to(torch.int32)
     else:
         kc, vc = (torch.randn(B, cap, Hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
         bt = None
-    lens = torch.tensor([0, 77, 159], dtype=torch.int32)
+    lens = torch.tensor([0, 301, cap - 1], dtype=torch.int32)
 
     def run(dtype, backend):
         with torch.no_grad():

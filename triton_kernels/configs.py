@@ -582,15 +582,30 @@ class DecodeConfig:
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs the split heuristic counts an SM as running at once: flash-attn 2 counts 2 of its 128-thread
+        blocks (flash_api.cpp, set_params_splitkv: num_splits_heuristic(..., multiProcessorCount * 2, ...), "to
+        hard-code the fact that we're using 128 threads per block"); so 2 for 4 warps, 1 for 8."""
+        return max(1, 8 // self.num_warps)
 
-# Per element size and head-dim bucket. Decoding is bandwidth-bound: K/V tiles of 64 rows (16 KB
-# each at D = 128 in fp16) in flight, a 16..64-row q tile. Checked by the compile check (no spills,
-# shared memory within sm_86's limit); not yet timed on a GPU.
+
+# Per element size and head-dim bucket. Decoding is bandwidth-bound: what matters is K/V bytes in flight per SM.
+# 16-bit: flash-attn 2's split-KV forward tiles (flash_fwd_launch_template.h run_mha_fwd_splitkv_dispatch: 64 rows,
+# kBlockN = 256 / 128 / 64 keys at head dims <= 64 / 128 / 256, 4 warps), with 2 stages (at head dim 64 half the
+# keys, 3 stages): 72-77 KB of shared memory, within sm_86's 101,376 bytes; no spills with every option on
+# sm_80/86/90 (compile check). The 64-key tiles they replace (untimed) reached 56% of copy bandwidth back to back
+# at B = 8, 8k keys, GQA 32/8 on an H100 (2026-12-06, bench/RESULTS.md), where SDPA's FlashAttention-2 ran 1.6x
+# faster. Not yet timed on a GPU.
+FA2_SPLITKV = "flash-attn 2's split-KV forward tile (kBlockN keys, 4 warps; run_mha_fwd_splitkv_dispatch), 2 stages"
 _DECODE = {
-    2: {64: DecodeConfig(64, 64, 4, 3, "K+V tiles 16 KB a stage"),
-        128: DecodeConfig(64, 64, 4, 2, "K+V tiles 32 KB a stage"),
-        256: DecodeConfig(32, 32, 4, 2, "K+V tiles 32 KB a stage")},
-    4: {64: DecodeConfig(32, 32, 4, 2, "fp32: half the rows of fp16"),
+    2: {64: DecodeConfig(128, 64, 4, 3, FA2_SPLITKV + " is 256 keys: 8 bytes of spills on sm_90 (Triton 3.9, the "
+                         "no-lengths lane) and up to 244 registers; half the keys with 3 stages keeps 64 KB of K/V "
+                         "ahead (71,680 bytes of shared memory), at most 128 registers, no spills"),
+        128: DecodeConfig(128, 64, 4, 2, FA2_SPLITKV + ": K+V tiles 64 KB a stage"),
+        256: DecodeConfig(64, 32, 4, 2, FA2_SPLITKV + ": K+V tiles 64 KB a stage; at most 32 rows (the previous "
+                            "tile's: a (64, 256) fp32 accumulator would spill at 4 warps)")},
+    4: {64: DecodeConfig(32, 32, 4, 2, "fp32: compile-checked (no anchor has an fp32 decode tile)"),
         128: DecodeConfig(16, 16, 8, 2, "fp32 at D = 128: 32-key tiles spilled on sm_86/90; 4 warps spilled"
                             " without lengths or with a key mask, as 8 warps at 1 stage on Triton 3.6"),
         256: DecodeConfig(16, 16, 4, 1, "fp32 at D = 256")},

@@ -21,7 +21,8 @@ def _pow2(n: int) -> int:
 def num_splits_heuristic(programs: int, key_tiles: int, sms: int, max_splits: int = MAX_SPLITS) -> int:
     """flash-attn's rule: with too few (batch x kv head x M tile) programs to fill the GPU, split the
     keys; among split counts up to the tiles available, take the smallest whose wave efficiency
-    (programs / (waves x SMs)) is within 85% of the best."""
+    (programs / (waves x sms)) is within 85% of the best. sms: the programs that run at once (flash-attn passes
+    2 a multiprocessor: DecodeConfig.programs_per_sm)."""
     if programs >= 0.8 * sms or key_tiles <= 1:
         return 1
     max_splits = min(max_splits, sms, key_tiles)
@@ -35,7 +36,8 @@ def num_splits_heuristic(programs: int, key_tiles: int, sms: int, max_splits: in
 
 def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Target) -> int:
     """Key-range splits per sequence: num_splits clamped to the key tiles (at most MAX_SPLITS), or for 0
-    flash-attn's heuristic (num_splits_heuristic) for the target's SM count (4 in the interpreter)."""
+    flash-attn's heuristic (num_splits_heuristic) for the target's SM count times the tile's programs_per_sm (4
+    in the interpreter)."""
     B, Sq, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
     cfg = decode_config(D, DV, q.element_size(), target)
@@ -46,11 +48,12 @@ def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Targe
     else:
         key_tiles = cdiv(capacity, cfg.block_n)
     if num_splits <= 0:
+        slots = target.sm_count * cfg.programs_per_sm if target.sm_count else 4  # (the interpreter: 4)
         programs = B * Hkv * m_tiles
         if not isinstance(programs, int):  # a symbolic batch (torch.compile): decided on this trace's sizes, without
             # a guard (any split count is correct; a guard on the wave arithmetic compiled a graph per batch size)
-            programs = getattr(programs.node, "hint", None) or target.sm_count or 4  # (unknown: no split)
-        num_splits = num_splits_heuristic(programs, key_tiles, target.sm_count or 4)
+            programs = getattr(programs.node, "hint", None) or slots  # (unknown: no split)
+        num_splits = num_splits_heuristic(programs, key_tiles, slots)
     return max(1, min(num_splits, key_tiles, MAX_SPLITS))
 
 
