@@ -53,14 +53,44 @@ def test_each_entry_names_its_source_and_is_what_its_architecture_selects(fam, k
                 assert got == want, (arch, modified, masked)
 
 
+@pytest.mark.parametrize("fam,kernel,elt,bucket,cfg", list(variant_entries(configs.FULL)),
+                         ids=lambda x: "" if hasattr(x, "block_m") else str(x))
+def test_a_full_attention_entry_serves_plain_full_launches_only(fam, kernel, elt, bucket, cfg):
+    """configs.FULL's tile goes to a launch with no causal mask, visibility mask or score modifier (an encoder's);
+    a causal, masked or modified launch keeps its own (the tables' tile, or MASKED's / MODIFIED's)."""
+    for arch in (a for a in KNOWN_TARGETS if family(a) == fam):
+        target = KNOWN_TARGETS[arch]
+        assert select_config(kernel, bucket, bucket, elt, target, causal=False) == cfg
+        assert select_config(kernel, bucket, bucket, elt, target) == TABLES[fam][kernel][elt][bucket] != cfg
+        for modified, masked in ((True, False), (False, True), (True, True)):
+            assert select_config(kernel, bucket, bucket, elt, target, modified, masked, causal=False) == \
+                select_config(kernel, bucket, bucket, elt, target, modified, masked), (modified, masked)
+
+
+def test_the_planners_pass_causality():
+    """plan_backward asks for the full-attention dK/dV tile without a causal mask (sm_90, head dim 128) and the
+    causal one with it; the forward and dQ, which have no FULL entry, take the tables' either way."""
+    from flashtx.triton_kernels.attention_bwd_launch import plan_backward
+
+    target = KNOWN_TARGETS[90]
+    q, k, v, o, do, dq, dk, dv = (torch.empty(1, 2, 256, 128, dtype=torch.bfloat16) for _ in range(8))
+    m2, l2, delta = (torch.empty(1, 2, 256) for _ in range(3))
+    for causal, want in ((False, configs.FULL["sm90"]["attn_bwd_dkdv"][2][128]),
+                         (True, TABLES["sm90"]["attn_bwd_dkdv"][2][128])):
+        _, dkdv, dq_launch = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=0.1, causal=causal,
+                                           bottom_right=False, target=target)
+        assert dkdv.config == want and dq_launch.config == TABLES["sm90"]["attn_bwd_dq"][2][128], causal
+        assert (dkdv.args["BLOCK_M"], dkdv.args["BLOCK_N"]) == (want.block_m, want.block_n)
+
+
 def _entry(table, fam, kernel, elt, bucket):
     return table.get(fam, {}).get(kernel, {}).get(elt, {}).get(bucket)
 
 
-@pytest.mark.parametrize("table", ["MODIFIED", "MASKED"])
+@pytest.mark.parametrize("table", ["MODIFIED", "MASKED", "FULL"])
 def test_specialisation_entries_name_their_source_and_fit_their_architecture(table):
     found = list(variant_entries(getattr(configs, table)))
-    assert found or table == "MASKED", f"{table} has entries for sm_80/86 (compile-swept, spill-free)"
+    assert found or table != "MODIFIED", f"{table} has entries for sm_80/86 (compile-swept, spill-free)"
     for fam, kernel, elt, bucket, cfg in found:
         assert cfg.reason, (table, fam, kernel, elt, bucket)
         for arch in (a for a in KNOWN_TARGETS if family(a) == fam):

@@ -133,7 +133,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
                   BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2, ACC=acc, DOT_PREC=prec, **margs)
     c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
-                       spec.masks_visibility)
+                       spec.masks_visibility, causal)
     group = H // Hkv
     tiles_n = cdiv(Sk, c1.block_n)
     dk_out, dv_out, split = dk, dv, 1
@@ -150,7 +150,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         descriptors=("Q", "DO") if tma1 else ())
     dq_kernel = "attn_bwd_dq" if dbias is None else "attn_bwd_dq_dbias"  # its own tile (configs.py)
     c2 = select_config(dq_kernel, block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
-                       spec.masks_visibility)
+                       spec.masks_visibility, causal)
     finish = None
     if dbias is not None:  # the attn_mask gradient is dS: written by the dQ kernel as it forms dS
         db_args, (grid_h, grid_b), finish = dbias_plan(dbias, B, H, Sq, Sk, c2.block_m, TORCH_ACC_DTYPE[q.dtype])

@@ -204,7 +204,7 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
     (dqk1, dqk2), (dv1, dv2) = head_split(D_QK), head_split(D_V)
     block_dqk, block_dv = dqk1 + dqk2, dv1 + dv2  # the register tile widths configs see
     cfg = config or select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
-                                  spec.masks_visibility)
+                                  spec.masks_visibility, causal)
     hi, lo = split_f32(scale * LOG2E)
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
     tma = cfg.tma and not (dqk2 or dv2) and tma_ok(k) and tma_ok(v)

@@ -343,15 +343,15 @@ def reset_memory() -> None:
 
 # ------------------------------------------------------------------------------------- candidates
 def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
-               modified: bool = False, tma: bool | None = None) -> list[TileConfig]:
-    """configs.py's choice first, then this module's list (on sm_90 and later with `tma`, then the TMA
-    candidates; None: TMA_BY_DEFAULT); only those whose estimated shared memory fits `target`; no duplicates (the
-    reason is not part of the identity)."""
+               modified: bool = False, tma: bool | None = None, causal: bool = True) -> list[TileConfig]:
+    """configs.py's choice first (for a causal launch, or with causal False a full one: configs.FULL), then this
+    module's list (on sm_90 and later with `tma`, then the TMA candidates; None: TMA_BY_DEFAULT); only those whose
+    estimated shared memory fits `target`; no duplicates (the reason is not part of the identity)."""
     size, bucket = (2 if elt <= 2 else 4), configs.head_dim_bucket(max(block_dqk, block_dv))
     out: list[TileConfig] = []
     seen = set()
     try:
-        default = [configs._select(kernel, block_dqk, block_dv, elt, target, modified)]
+        default = [configs._select(kernel, block_dqk, block_dv, elt, target, modified, False, causal)]
     except (RuntimeError, KeyError):
         default = []
     with_tma = (TMA_BY_DEFAULT if tma is None else tma) and target.arch >= TMA_MIN_ARCH

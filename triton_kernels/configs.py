@@ -24,8 +24,8 @@ bench/RESULTS.md records every GPU run.
 Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
 the launch modifies scores and the visibility-mask table (MASKED) first when a window, key/query
 masks, lengths or varlen decide what each query sees (a tile trimmed for one specialisation never
-slows the plain one), then, if nothing fits the target's shared memory (an unknown part), the smaller
-families' entries.
+slows the plain one), the full-attention table (FULL) first for a plain launch without a causal mask,
+then, if nothing fits the target's shared memory (an unknown part), the smaller families' entries.
 """
 from __future__ import annotations
 
@@ -325,6 +325,14 @@ MASKED: dict = {
                                          "twice the q rows")}}},
 }
 
+# Plain launches without a causal mask (no window, masks, lengths or varlen, no score modifier: an encoder's,
+# cross-attention's): tried before TABLES, and only where a GPU timed the full case apart from the causal one.
+FULL: dict = {
+    "sm90": {"attn_bwd_dkdv": {2: {128: C(64, 128, 8, 3, TUNE_H100 + "full attention: the fastest at every N, 2.2-2.3x "
+                                          "the 8-warp 32x64 it replaced and 11% faster than the causal tile (32x64 4 "
+                                          "warps) at 4k; FlexAttention sm_90's dK/dV tile")}}},
+}
+
 # Families in the order selection falls back through when the target's own entries do not fit.
 FALLBACK_ORDER = ("sm86",)
 
@@ -400,11 +408,12 @@ if AUTOTUNE_REQUESTED:
 
 
 def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target,
-                  modified: bool = False, masked: bool = False) -> TileConfig:
+                  modified: bool = False, masked: bool = False, causal: bool = True) -> TileConfig:
     """First candidate that fits `target`'s shared memory (the interpreter has its own).
 
     modified: the launch uses score modifiers (attn_mask, softcap, ALiBi or dropout).
     masked: a window, key/query masks, lengths or varlen decide visibility (MaskSpec.masks_visibility).
+    causal: a causal mask (False with neither of the above: the FULL table first).
     An autotuned config (FLASHTX_AUTOTUNE) is keyed by `modified` and timed with a modifier where it is set;
     masked launches keep the MASKED tables (tuning times no visibility masks, and a plain winner spilled there).
     """
@@ -414,11 +423,11 @@ def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: 
             return tuned
     if target is INTERPRETER_TARGET:
         return _INTERPRETER[kernel]
-    return _select(kernel, block_dqk, block_dv, elt, target, modified, masked)
+    return _select(kernel, block_dqk, block_dv, elt, target, modified, masked, causal)
 
 
 def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool = False,
-               masked: bool = False):
+               masked: bool = False, causal: bool = True):
     """The entries selection tries for `target`, best first (see the module docstring)."""
     size, width = 2 if elt <= 2 else 4, max(block_dqk, block_dv)
     out = []
@@ -426,7 +435,8 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Tar
     for fam in fams:
         main = TABLES[fam].get(kernel, {}).get(size, {})
         bucket = _bucket(main, width)  # a specialisation entry serves exactly the main table's bucket
-        tables = ([MODIFIED[fam]] if modified else []) + ([MASKED[fam]] if masked else [])
+        tables = ([MODIFIED[fam]] if modified else []) + ([MASKED[fam]] if masked else []) + (
+            [FULL.get(fam, {})] if not (causal or masked or modified) else [])
         for cfg in [t.get(kernel, {}).get(size, {}).get(bucket) for t in tables] + [main.get(bucket)]:
             if cfg is not None and cfg not in out:
                 out.append(cfg)
@@ -444,8 +454,8 @@ def _bucket(by_bucket: dict, width: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _select(kernel: str, block_dqk: int, block_dv: int, elt: int, target: Target, modified: bool,
-            masked: bool = False) -> TileConfig:
-    for cfg in candidates(kernel, block_dqk, block_dv, elt, target, modified, masked):
+            masked: bool = False, causal: bool = True) -> TileConfig:
+    for cfg in candidates(kernel, block_dqk, block_dv, elt, target, modified, masked, causal):
         if estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt, target) <= target.max_shared:
             return cfg
     raise RuntimeError(
