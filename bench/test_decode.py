@@ -31,6 +31,7 @@ import flashtx
 from flashtx import _small_q
 
 from . import harness
+from .providers import xformers_ops_without_cpp
 from .harness import DEVICE, Unavailable
 
 BATCHES = (1, 8, 64)
@@ -94,11 +95,8 @@ def _build(provider: str, batch: int, hq: int, hkv: int, ctx: int, dtype):
                 return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=hq != hkv)
         return step
     if provider == "xformers-splitk":
-        try:
-            import xformers.ops as xops
-            from xformers.ops import fmha
-        except ImportError as exc:
-            raise Unavailable(f"xformers is not installed ({exc})") from exc
+        xops, _ = xformers_ops_without_cpp()  # (raises Unavailable without xformers)
+        from xformers.ops import fmha
         op = getattr(fmha.triton_splitk, "FwOp", None)
         if op is None:
             raise Unavailable("this xformers has no triton_splitk.FwOp")
