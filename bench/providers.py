@@ -73,9 +73,10 @@ def optional_import(module: str):
 def xformers_ops_without_cpp():
     """xformers.ops, with its build check cleared when its C++ library did not load (a wheel built for another torch:
     the 0.0.35 wheel, for 2.10+cu128, on torch 2.11+cu130, 2026-12-06). Every CUDA op then refuses every input
-    ("xFormers wasn't build with CUDA support"), though triton_splitKF is pure Triton and fa2F/cutlassF-pt call
-    PyTorch's own kernels: the bench measures those (an op that does need the C++ library still fails, by name).
-    Returns (xformers.ops, note): the note, for the provider's description, says whether the check was cleared."""
+    ("xFormers wasn't build with CUDA support"), though triton_splitKF is pure Triton: the decode bench measures it
+    (an op that does need the C++ library still fails, by name; the attention bench skips xformers then: its
+    PyTorch-backed ops would time PyTorch's own kernels). Returns (xformers.ops, note): the note says whether the
+    check was cleared."""
     xops = optional_import("xformers.ops")
     cpp = importlib.import_module("xformers._cpp_lib")
     common = importlib.import_module("xformers.ops.fmha.common")
@@ -162,7 +163,11 @@ XFORMERS_OPS = (("flash", "fa2 (PyTorch-backed, fa2F/fa2B@pt)"), ("cutlass", "cu
 
 
 def _xformers(case: AttnCase):
-    xops, note = xformers_ops_without_cpp()
+    xops = optional_import("xformers.ops")
+    if getattr(importlib.import_module("xformers._cpp_lib"), "_build_metadata", True) is None:
+        raise Unavailable("xformers' C++ library did not load (built for another torch): its PyTorch-backed ops would "
+                          "time PyTorch's own kernels, which the sdpa rows time (and the bench step's budget has no "
+                          "room for them)")
     bias = xops.LowerTriangularMask() if case.causal else None
 
     def make(op):
@@ -190,7 +195,7 @@ def _xformers(case: AttnCase):
         except Exception as exc:  # noqa: BLE001 - ImportError, NotImplementedError ("no operator"), CUDA errors
             reasons.append(f"{label}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
             continue
-        fn.desc = f"xformers.ops.memory_efficient_attention(op={label}){note}"
+        fn.desc = f"xformers.ops.memory_efficient_attention(op={label})"
         fn.forward_only = bw is None
         fn.forward_only_reason = f"xformers op {label} has no backward"
         return fn

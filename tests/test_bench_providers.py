@@ -1,5 +1,6 @@
 """bench/providers.py's handling of an xformers wheel whose C++ library did not load (built for another torch): its
-build check is cleared so the Triton / PyTorch-backed ops can be measured, and left alone when the library loaded."""
+build check is cleared so the decode bench can time triton_splitKF, and left alone when the library loaded; the
+attention bench skips xformers then, saying why."""
 import sys
 import types
 
@@ -31,3 +32,10 @@ def test_without_xformers_the_provider_is_unavailable(monkeypatch):
     monkeypatch.setitem(sys.modules, "xformers.ops", None)  # import raises ImportError
     with pytest.raises(providers.Unavailable, match="xformers.ops"):
         providers.xformers_ops_without_cpp()
+
+
+def test_the_attention_provider_skips_xformers_without_its_cpp_library(monkeypatch):
+    _fake_xformers(monkeypatch, loaded=False)
+    case = providers.AttnCase(1, 2, 2, 64, 64, True, None)
+    with pytest.raises(providers.Unavailable, match="C\\+\\+ library did not load"):
+        providers.BUILDERS["xformers"](case)
