@@ -1,0 +1,164 @@
+"""Tile configs of the memory-bound kernels: fused RoPE (rotary.py), fused SwiGLU (swiglu.py) and the split-KV
+decode forward (decode_kernels.py). Re-exported by configs, where the attention tables are."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from .targets import INTERPRETER_TARGET, Target, head_dim_bucket
+
+
+# ==================================================================================================
+# Elementwise kernels: fused RoPE (rotary.py) and fused SwiGLU (swiglu.py)
+# ==================================================================================================
+# Both are memory-bound single passes with no tl.dot and no shared-memory staging, so, unlike the
+# attention tiles (configs.py), their configs do not depend on the target's shared memory: the goal is
+# enough bytes in flight per thread to saturate HBM, without spilling registers. They have not
+# been tuned on a GPU yet (bench/RESULTS.md will record it).
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementwiseConfig:
+    block_rows: int  # rotary: positions per program; swiglu: rows per program
+    block_cols: int  # rotary: heads per program; swiglu: columns per program
+    num_warps: int
+    num_stages: int = 1  # no software-pipelined loop to stage
+    reason: str = ""
+
+    @functools.cached_property
+    def launch_kwargs(self) -> dict:  # built once per config (launches read it per call)
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+# --------------------------------------------------------------------------------------- RoPE
+# One program rotates a (positions, heads, rotary_dim / 2) tile of q (or of k): all the heads of a
+# position tile at once when they fit (Liger's layout), so cos/sin are loaded once per position
+# tile and broadcast over the heads. q and k share one launch but have their own tile shapes (a
+# k tile sized for 32 q heads would be 75% masked with 8 KV heads).
+#
+# Tile budget: 2048 pairs per half = 16 elements per thread per half with 4 warps, i.e. two
+# 16-byte fp16/bf16 vectors per thread for x1, two for x2 (the NeoX halves are two contiguous
+# loads; the interleaved pairs are one contiguous load of 2 * R2 columns, split in registers).
+# That is 8 KB read + 8 KB written per program in fp16; at ~16 resident programs per SM that is
+# ~128 KB in flight per SM, several times what an H100/H200 SM needs to cover HBM latency (Little:
+# 4.8 TB/s x ~0.6 us / 132 SMs ~ 22 KB), while the fp32 working set (x1, x2, o1, o2: 64
+# registers, plus the broadcast cos/sin) stays far from spilling.
+# LLaMA-3-8B (32 q / 8 kv heads, R2 = 64): q tiles 1 x 32 x 64, k tiles 4 x 8 x 64.
+ROTARY_TILE_PAIRS = 2048
+ROTARY_NUM_WARPS = 4
+# Interpreter: tiny tiles so that test shapes (S ~ 5-20, H ~ 1-5) span several position tiles and
+# head tiles, exercising every mask.
+ROTARY_INTERPRETER = ElementwiseConfig(2, 2, 1, 1, "interpreter: several tiles in test-sized shapes")
+
+# -------------------------------------------------------------------------------------- SwiGLU
+# (rows, columns) tiles of the (M, H) activations, on a flat grid (column tiles fastest, so
+# consecutive programs stream consecutive memory). 4096 elements over 8 warps = 16 per thread per
+# tensor: two 16-byte fp16/bf16 vectors. Forward: 16 KB read + 8 KB written per program (fp16);
+# backward: 24 KB read + 16 KB written. The backward's fp32 working set (g, u, do, s, dg, du) is
+# ~96 registers per thread: no spills (compile check).
+SWIGLU_TILE_ELEMENTS = 4096
+SWIGLU_NUM_WARPS = 8
+# Column tiles, widest first: the widest that divides H, else the widest whose padding is at most
+# 1/32 of the row (see swiglu_block_h). LLaMA widths get no masked tail at all: 11008 = 43 x 256,
+# 14336 = 7 x 2048, 28672 = 14 x 2048.
+SWIGLU_BLOCK_H_CANDIDATES = (2048, 1024, 512, 256)
+SWIGLU_MAX_PAD_FRACTION = 1 / 32
+# Interpreter: 4 x 16 tiles so test shapes (M ~ 1-20, H ~ 1-40) cover partial tiles both ways.
+SWIGLU_INTERPRETER = ElementwiseConfig(4, 16, 1, 1, "interpreter: several tiles in test-sized shapes")
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def rotary_config(r2: int, heads: int, seqlen: int, target: Target) -> ElementwiseConfig:
+    """(positions, heads) per program of a rotary tile of R2 = rotary_dim / 2 pairs (any target; no
+    shared memory). block_rows x block_cols x pow2(R2) <= ROTARY_TILE_PAIRS, heads first."""
+    if target is INTERPRETER_TARGET:
+        return ROTARY_INTERPRETER
+    width = _pow2_at_least(max(r2, 1))
+    block_h = max(1, min(_pow2_at_least(max(heads, 1)), ROTARY_TILE_PAIRS // width))
+    block_s = max(1, ROTARY_TILE_PAIRS // (width * block_h))
+    block_s = min(block_s, _pow2_at_least(max(seqlen, 1)))  # decoding (S = 1) wastes no lanes on padding
+    return ElementwiseConfig(block_s, block_h, ROTARY_NUM_WARPS, 1,
+                             f"{ROTARY_TILE_PAIRS} pairs per tile, heads first; cos/sin loaded once per tile")
+
+
+def swiglu_block_h(hidden: int) -> int:
+    """Column tile: the widest candidate that divides `hidden` (no masked tail at all), else the
+    widest whose padding is at most SWIGLU_MAX_PAD_FRACTION of the padded row; never wider than
+    the next power of two of `hidden`."""
+    fits = [c for c in SWIGLU_BLOCK_H_CANDIDATES if c <= _pow2_at_least(max(hidden, 1))]
+    for c in fits:
+        if hidden % c == 0:
+            return c
+    for c in fits:
+        padded = -(-hidden // c) * c
+        if padded - hidden <= SWIGLU_MAX_PAD_FRACTION * padded:
+            return c
+    return fits[-1] if fits else _pow2_at_least(max(hidden, 1))
+
+
+def swiglu_config(hidden: int, rows: int, target: Target) -> ElementwiseConfig:
+    """(rows, columns) tile of a SwiGLU launch, forward and backward alike."""
+    if target is INTERPRETER_TARGET:
+        return SWIGLU_INTERPRETER
+    cols = min(swiglu_block_h(hidden), _pow2_at_least(max(hidden, 1)))
+    block_rows = max(1, SWIGLU_TILE_ELEMENTS // cols)
+    block_rows = min(block_rows, _pow2_at_least(max(rows, 1)))
+    return ElementwiseConfig(block_rows, cols, SWIGLU_NUM_WARPS, 1,
+                             f"{SWIGLU_TILE_ELEMENTS}-element tile, {cols} columns (little padding at this width)")
+
+
+# ==================================================================================================
+# Decoding (decode_kernels.py, launched by decode.py): the split-KV forward over a KV cache
+# ==================================================================================================
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per tile
+    max_block_m: int  # rows (query x head pairs) per tile, at most
+    num_warps: int
+    num_stages: int
+    reason: str = ""
+
+    @property
+    def launch_kwargs(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs the split heuristic counts an SM as running at once: flash-attn 2 counts 2 of its 128-thread
+        blocks (flash_api.cpp, set_params_splitkv: num_splits_heuristic(..., multiProcessorCount * 2, ...), "to
+        hard-code the fact that we're using 128 threads per block"); so 2 for 4 warps, 1 for 8."""
+        return max(1, 8 // self.num_warps)
+
+
+# Per element size and head-dim bucket. Decoding is bandwidth-bound: what matters is K/V bytes in flight per SM.
+# 16-bit: flash-attn 2's split-KV forward tiles (flash_fwd_launch_template.h run_mha_fwd_splitkv_dispatch: 64 rows,
+# kBlockN = 256 / 128 / 64 keys at head dims <= 64 / 128 / 256, 4 warps), with 2 stages (at head dim 64 half the
+# keys, 3 stages): 72-77 KB of shared memory, within sm_86's 101,376 bytes; no spills with every option on
+# sm_80/86/90 (compile check). The 64-key tiles they replace (untimed) reached 56% of copy bandwidth back to back
+# at B = 8, 8k keys, GQA 32/8 on an H100 (2026-12-06, bench/RESULTS.md), where SDPA's FlashAttention-2 ran 1.6x
+# faster. Not yet timed on a GPU.
+FA2_SPLITKV = "flash-attn 2's split-KV forward tile (kBlockN keys, 4 warps; run_mha_fwd_splitkv_dispatch), 2 stages"
+_DECODE = {
+    2: {64: DecodeConfig(128, 64, 4, 3, FA2_SPLITKV + " is 256 keys: 8 bytes of spills on sm_90 (Triton 3.9, the "
+                         "no-lengths lane) and up to 244 registers; half the keys with 3 stages keeps 64 KB of K/V "
+                         "ahead (71,680 bytes of shared memory), at most 128 registers, no spills"),
+        128: DecodeConfig(128, 64, 4, 2, FA2_SPLITKV + ": K+V tiles 64 KB a stage"),
+        256: DecodeConfig(64, 32, 4, 2, FA2_SPLITKV + ": K+V tiles 64 KB a stage; at most 32 rows (the previous "
+                            "tile's: a (64, 256) fp32 accumulator would spill at 4 warps)")},
+    4: {64: DecodeConfig(32, 32, 4, 2, "fp32: compile-checked (no anchor has an fp32 decode tile)"),
+        128: DecodeConfig(16, 16, 8, 2, "fp32 at D = 128: 32-key tiles spilled on sm_86/90; 4 warps spilled"
+                            " without lengths or with a key mask, as 8 warps at 1 stage on Triton 3.6"),
+        256: DecodeConfig(16, 16, 4, 1, "fp32 at D = 256")},
+}
+# Interpreter: 16-key tiles so test caches span many tiles, splits and pages.
+_DECODE_INTERPRETER = DecodeConfig(16, 32, 1, 1, "interpreter")
+
+
+def decode_config(d: int, dv: int, elt: int, target: Target) -> DecodeConfig:
+    """The decode forward's tile for head dims (d, dv) at this element size (the same on every arch so far)."""
+    if target is INTERPRETER_TARGET:
+        return _DECODE_INTERPRETER
+    return _DECODE[2 if elt <= 2 else 4][head_dim_bucket(max(d, dv))]
