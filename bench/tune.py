@@ -1,7 +1,7 @@
 """Sweep the attention tile configs on this GPU and print a table ready to paste into configs.py.
 
     python -m bench.tune [--budget-s 330] [--json FILE] [--write-cache] [--quick] [--kernels attn_fwd,...]
-                         [--seqlens 4096,1024,16384]
+                         [--seqlens 4096,1024,16384] [--decode-budget-s 120]
 
 Kernels attn_fwd, attn_bwd_dkdv and attn_bwd_dq; head dims 64 and 128; causal and not; bf16 and
 fp16; N = 1k, 4k and 16k tokens per sequence at B*N = 16k tokens and H*D = 2048 (the shapes of
@@ -25,6 +25,10 @@ Output: a table per group (default ms, best config and ms, speedup) and, per (ke
 the candidates ranked by the geometric mean over dtype, causal and N of their time over the
 default's, as `TileConfig(...)` lines to paste into configs.py's tables. --write-cache stores the
 overall winner per kernel and head dim in the autotune cache (the keys FLASHTX_AUTOTUNE=1 reads).
+
+`--kernels decode` (opt-in; alone or in the comma list) also sweeps the decode (KV-cache) kernel's tiles and split
+counts (bench/tune_decode.py: configs._DECODE's DecodeConfig lines to paste, under "decode" in --json; never
+cached by --write-cache). With attention kernels it runs first, within --decode-budget-s of --budget-s.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+ALL_KERNELS = (*KERNELS, "decode")  # decode: bench/tune_decode.py, opt-in (not in --kernels' default)
 HEADDIMS = (128, 64)
 DTYPES = ("bfloat16", "float16")
 CAUSAL = (True, False)
@@ -122,7 +127,7 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tup
             if clock() - t0 > budget_s:
                 skipped.append(f"{g.name} N={n_first}")
                 continue
-            cands = autotune.candidates(g.kernel, g.d, g.d, 2, target, tma=False)
+            cands = autotune.candidates(g.kernel, g.d, g.d, 2, target, tma=False, causal=g.causal)
             timed: dict = {}
             for cfg in cands:
                 run(g, cfg, n_first, cfg is cands[0], timed)
@@ -142,7 +147,7 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tup
             s = step1.get(g)
             if not s or s["default"] is None or _ident(s["default"]) not in s["timed"]:
                 continue  # no default time at N to compare with
-            tma = [c for c in autotune.candidates(g.kernel, g.d, g.d, 2, target, tma=True) if c.tma]
+            tma = [c for c in autotune.candidates(g.kernel, g.d, g.d, 2, target, tma=True, causal=g.causal) if c.tma]
             timed = {}
             for cfg in tma:
                 run(g, cfg, n_first, False, timed)
@@ -273,50 +278,83 @@ def write_cache(sweep_out: dict, target, gpu: str, triton_version: str) -> list[
     return keys
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """main's arguments; kernels and seqlens as tuples (clear errors for bad input)."""
     ap = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=330.0, help="wall-clock budget for the sweep (seconds)")
     ap.add_argument("--quick", action="store_true", help="bf16 only")
-    ap.add_argument("--json", default=None, help="write every timing here")
-    ap.add_argument("--write-cache", action="store_true", help="store the winners in the autotune cache")
-    ap.add_argument("--kernels", default=",".join(KERNELS), help=f"comma list of {', '.join(KERNELS)}")
+    ap.add_argument("--json", default=None, help="write every timing here (decode's under \"decode\")")
+    ap.add_argument("--write-cache", action="store_true",
+                    help="store the attention winners in the autotune cache (decode is never cached)")
+    ap.add_argument("--kernels", default=",".join(KERNELS),
+                    help=f"comma list of {', '.join(ALL_KERNELS)} (decode is opt-in)")
     ap.add_argument("--seqlens", default=",".join(map(str, (N_FIRST, *N_OTHERS))),
                     help="comma list: every candidate at the first N, the default and the best two at the others")
+    ap.add_argument("--decode-budget-s", type=float, default=120.0,
+                    help="with attention kernels, the decode sweep's share of --budget-s (it runs first); "
+                         "alone it has all of --budget-s")
     args = ap.parse_args(argv)
     kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
-    bad = [k for k in kernels if k not in KERNELS]
+    bad = [k for k in kernels if k not in ALL_KERNELS]
     if bad or not kernels:
-        ap.error(f"--kernels: got {args.kernels!r}; allowed: a comma list of {', '.join(KERNELS)}")
+        ap.error(f"--kernels: got {args.kernels!r}{f' ({bad[0]!r} is unknown)' if bad else ''}; allowed: a comma "
+                 f"list of {', '.join(ALL_KERNELS)}")
     try:
         seqlens = tuple(int(n) for n in args.seqlens.split(","))
     except ValueError:
         seqlens = ()
     if not seqlens or min(seqlens) < 1:
         ap.error(f"--seqlens: got {args.seqlens!r}; allowed: a comma list of positive ints (first: the full sweep)")
+    for name in ("budget_s", "decode_budget_s"):
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')}: got {getattr(args, name)!r}; allowed: seconds > 0")
+    args.kernels, args.seqlens = kernels, seqlens
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    attn = tuple(k for k in args.kernels if k in KERNELS)
     import torch
     if not torch.cuda.is_available():
         print("bench.tune: no CUDA GPU here; nothing to tune (the tuner is tested on CPU with a fake timer: "
-              "tests/test_bench_tune.py)")
+              "tests/test_bench_tune.py, tests/test_bench_tune_decode.py)")
         return 0
     import triton
 
     from flashtx.triton_kernels.launch import target_for
     target = target_for(torch.empty(1, device="cuda"))
     gpu = torch.cuda.get_device_name()
+    t_start = time.monotonic()
+    out: dict = {"results": [], "skipped": [], "elapsed_s": 0.0}
+    dec: dict | None = None
 
-    def dump(out: dict) -> None:
+    def dump() -> None:
         if args.json:
             tmp = args.json + ".tmp"
             with open(tmp, "w") as f:
                 json.dump({"gpu": gpu, "arch": target.arch, "triton": triton.__version__, "torch": torch.__version__,
-                           **out}, f, indent=1)
+                           **out, **({"decode": dec} if dec is not None else {})}, f, indent=1)
             os.replace(tmp, args.json)
-    out = sweep(target, gpu_time_fn(), budget_s=args.budget_s, quick=args.quick, kernels=kernels, seqlens=seqlens,
-                healthy=gpu_healthy, progress=dump)
-    text = table(out, gpu, triton.__version__)
-    print(text)
-    dump(out)
-    if args.write_cache:
+    if "decode" in args.kernels:
+        from bench import tune_decode
+        time_fn, copy_fn, info = tune_decode.gpu_timers()
+        dec = {"results": [], "skipped": [], "elapsed_s": 0.0}
+
+        def dec_progress(d: dict) -> None:
+            dec.update(d, timer=info["timer"])
+            dump()
+        dec_progress(tune_decode.sweep(target, time_fn, copy_fn=copy_fn, healthy=gpu_healthy, progress=dec_progress,
+                                       budget_s=min(args.decode_budget_s, args.budget_s) if attn else args.budget_s))
+    stopped = dec is not None and any(x.startswith(("stopped:", "interrupted")) for x in dec["skipped"])
+    if attn and not stopped:
+        out = sweep(target, gpu_time_fn(), budget_s=args.budget_s - (time.monotonic() - t_start), quick=args.quick,
+                    kernels=attn, seqlens=args.seqlens, healthy=gpu_healthy, progress=lambda o: (out.update(o), dump()))
+        print(table(out, gpu, triton.__version__))
+    if dec is not None:
+        print(tune_decode.table(dec, gpu, triton.__version__))
+    dump()
+    if args.write_cache and attn:
         for key in write_cache(out, target, gpu, triton.__version__):
             print("cached:", key)
     return 0
