@@ -1,6 +1,6 @@
 """Sweep the attention tile configs on this GPU and print a table ready to paste into configs.py.
 
-    python -m bench.tune [--budget-s 330] [--json FILE] [--write-cache] [--quick] [--kernels attn_fwd,...]
+    python -m bench.tune [--budget-s 330] [--json FILE] [--write-cache] [--quick] [--modified] [--kernels ...]
                          [--seqlens 4096,1024,16384] [--decode-budget-s 120]
 
 Kernels attn_fwd, attn_bwd_dkdv and attn_bwd_dq; head dims 64 and 128; causal and not; bf16 and
@@ -25,6 +25,9 @@ Output: a table per group (default ms, best config and ms, speedup) and, per (ke
 the candidates ranked by the geometric mean over dtype, causal and N of their time over the
 default's, as `TileConfig(...)` lines to paste into configs.py's tables. --write-cache stores the
 overall winner per kernel and head dim in the autotune cache (the keys FLASHTX_AUTOTUNE=1 reads).
+
+`--modified` times every attention group with a score modifier (softcap 30; configs.MODIFIED's tiles are the
+defaults, no TMA candidates), for the modifier tables and the modifier keys of --write-cache.
 
 `--kernels decode` (opt-in; alone or in the comma list) also sweeps the decode (KV-cache) kernel's tiles and split
 counts (bench/tune_decode.py: configs._DECODE's DecodeConfig lines to paste, under "decode" in --json; never
@@ -57,16 +60,19 @@ class Group:
     d: int
     causal: bool
     dtype: str
+    modified: bool = False  # timed with a score modifier (softcap): configs.MODIFIED's tiles are the defaults
 
     @property
     def name(self) -> str:
-        return f"{self.kernel} D={self.d} {'causal' if self.causal else 'full'} {self.dtype}"
+        return (f"{self.kernel} D={self.d} {'causal' if self.causal else 'full'} {self.dtype}"
+                + (" softcap" if self.modified else ""))
 
 
-def groups(quick: bool = False, kernels: tuple = KERNELS) -> list[Group]:
+def groups(quick: bool = False, kernels: tuple = KERNELS, modified: bool = False) -> list[Group]:
     """Priority order: bf16 before fp16, D = 128 before 64, causal before full, fwd/dkdv/dq."""
     dtypes = DTYPES[:1] if quick else DTYPES
-    return [Group(k, d, c, dt) for dt in dtypes for d in HEADDIMS for c in CAUSAL for k in KERNELS if k in kernels]
+    return [Group(k, d, c, dt, modified) for dt in dtypes for d in HEADDIMS for c in CAUSAL for k in KERNELS
+            if k in kernels]
 
 
 def _ident(cfg) -> tuple:
@@ -84,9 +90,10 @@ def _config_args(ident) -> tuple[str, bool]:
 def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tuple = KERNELS,
           seqlens: tuple = (N_FIRST, *N_OTHERS), clock=time.monotonic,
           log=lambda *a: print(*a, file=sys.stderr, flush=True), healthy=lambda: True,
-          progress=lambda out: None) -> dict:
+          progress=lambda out: None, modified: bool = False) -> dict:
     """Run the plan. time_fn(group, cfg, seqlen) -> ms (raises when the candidate cannot run).
-    kernels: the KERNELS to tune; seqlens: step 1's N, then step 2's.
+    kernels: the KERNELS to tune; seqlens: step 1's N, then step 2's. modified: every group with a score modifier
+    (softcap), configs.MODIFIED's tiles as the defaults (no TMA candidates).
     The TMA candidates (sm_90 and later; never yet run on a GPU) come last, at step 1's N, after every other
     timing: one that faults costs only their rows; those faster than the group's best other candidate there are
     timed at the other N too. healthy() is asked after a candidate raises; False (the CUDA context is broken: an
@@ -100,14 +107,14 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tup
     results: list[dict] = []
     skipped: list[str] = []
     step1: dict[Group, dict] = {}
-    todo = groups(quick, kernels)
+    todo = groups(quick, kernels, modified)
 
     def run(g: Group, cfg, n: int, default: bool, timed: dict | None = None) -> None:
         if clock() - t0 > budget_s:
             skipped.append(f"{g.name} N={n} {autotune.describe(cfg)}")
             return
-        row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "seqlen": n,
-               "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": default}
+        row = {"kernel": g.kernel, "d": g.d, "causal": g.causal, "dtype": g.dtype, "modified": g.modified,
+               "seqlen": n, "config": autotune.describe(cfg), "ident": list(_ident(cfg)), "default": default}
         try:
             row["ms"] = float(time_fn(g, cfg, n))
             if timed is not None:
@@ -127,7 +134,8 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tup
             if clock() - t0 > budget_s:
                 skipped.append(f"{g.name} N={n_first}")
                 continue
-            cands = autotune.candidates(g.kernel, g.d, g.d, 2, target, tma=False, causal=g.causal)
+            cands = autotune.candidates(g.kernel, g.d, g.d, 2, target, modified=g.modified, tma=False,
+                                        causal=g.causal)
             timed: dict = {}
             for cfg in cands:
                 run(g, cfg, n_first, cfg is cands[0], timed)
@@ -145,8 +153,8 @@ def sweep(target, time_fn, *, budget_s: float, quick: bool = False, kernels: tup
                     run(g, cfg, n, cfg is s["default"])
         for g in todo:  # the TMA candidates, last
             s = step1.get(g)
-            if not s or s["default"] is None or _ident(s["default"]) not in s["timed"]:
-                continue  # no default time at N to compare with
+            if not s or s["default"] is None or _ident(s["default"]) not in s["timed"] or g.modified:
+                continue  # no default time at N to compare with (or a modifier's sweep: no TMA candidates)
             tma = [c for c in autotune.candidates(g.kernel, g.d, g.d, 2, target, tma=True, causal=g.causal) if c.tma]
             timed = {}
             for cfg in tma:
@@ -204,8 +212,11 @@ def rank(results: list[dict]) -> dict[tuple[str, int], list[tuple[tuple, float, 
 
 def table(sweep_out: dict, gpu: str, triton_version: str) -> str:
     res = sweep_out["results"]
+    modified = any(r.get("modified") for r in res)
     lines = [f"Tile-config sweep on {gpu} (triton {triton_version}), {sweep_out['elapsed_s']:.0f} s. "
-             "Times: triton.testing.do_bench medians, ms; fwd kernels time the forward, dK/dV and dQ the backward.",
+             "Times: triton.testing.do_bench medians, ms; fwd kernels time the forward, dK/dV and dQ the backward"
+             + (", with a score modifier (softcap 30); the defaults are configs.MODIFIED's tiles." if modified
+                else "."),
              "", "| kernel | D | causal | dtype | N | default | default ms | best | best ms | speedup | candidates |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     by_case: dict = defaultdict(list)
@@ -229,7 +240,8 @@ def table(sweep_out: dict, gpu: str, triton_version: str) -> str:
     lines += [""] + [f"**{x}**" for x in stops] if stops else []
     if budget:
         lines += ["", f"Not timed (budget): {len(budget)} candidate runs, e.g. " + "; ".join(budget[:6])]
-    lines += ["", "Paste into triton_kernels/configs.py (16-bit tables), best first per kernel and head dim; "
+    lines += ["", f"Paste into triton_kernels/configs.py ({'MODIFIED, ' if modified else ''}16-bit tables), best "
+              "first per kernel and head dim; "
               "the number is the geometric mean of time / default's over the (dtype, causal, N) cases timed:", ""]
     for (kernel, d), ranked in sorted(rank(res).items()):
         lines.append(f"# {kernel}, head dim {d}")
@@ -248,7 +260,7 @@ def gpu_time_fn(seed: int = 0):
 
     def time_fn(g: Group, cfg, seqlen: int) -> float:
         return autotune.time_candidate(g.kernel, cfg, d=g.d, causal=g.causal, dtype=getattr(torch, g.dtype),
-                                       seqlen=seqlen, warmup_ms=5, rep_ms=25)
+                                       seqlen=seqlen, warmup_ms=5, rep_ms=25, modified=g.modified)
     return time_fn
 
 
@@ -260,6 +272,7 @@ def write_cache(sweep_out: dict, target, gpu: str, triton_version: str) -> list[
     from flashtx.triton_kernels import autotune
     from flashtx.triton_kernels.configs import TileConfig
     res = sweep_out["results"]
+    modified = any(r.get("modified") for r in res)  # a --modified sweep: the modifier keys
     tma_ok = not any(x.startswith("stopped:") for x in sweep_out["skipped"]) and \
         not any("error" in r and _config_args(r["ident"])[1] for r in res)
     keys = []
@@ -270,7 +283,7 @@ def write_cache(sweep_out: dict, target, gpu: str, triton_version: str) -> list[
             continue
         (bm, bn, w, s, *tma), gm, cases = eligible[0]
         key = autotune.make_key(gpu=gpu, arch=target.arch, triton_version=triton_version, kernel=kernel,
-                                dtype=autotune.DTYPE_ANY_16, block_dqk=d, block_dv=d, causal="any", modified=False)
+                                dtype=autotune.DTYPE_ANY_16, block_dqk=d, block_dv=d, causal="any", modified=modified)
         autotune.store(key, TileConfig(bm, bn, w, s, f"bench.tune: {gm:.2f}x the default's time over {cases} cases",
                                        bool(tma and tma[0])),
                        ms=None, timings={"geomean_vs_default": gm, "cases": cases})
@@ -283,6 +296,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=330.0, help="wall-clock budget for the sweep (seconds)")
     ap.add_argument("--quick", action="store_true", help="bf16 only")
+    ap.add_argument("--modified", action="store_true",
+                    help="time every attention group with a score modifier (softcap): configs.MODIFIED's tiles against "
+                         "the candidates")
     ap.add_argument("--json", default=None, help="write every timing here (decode's under \"decode\")")
     ap.add_argument("--write-cache", action="store_true",
                     help="store the attention winners in the autotune cache (decode is never cached)")
@@ -349,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     stopped = dec is not None and any(x.startswith(("stopped:", "interrupted")) for x in dec["skipped"])
     if attn and not stopped:
         out = sweep(target, gpu_time_fn(), budget_s=args.budget_s - (time.monotonic() - t_start), quick=args.quick,
+                    modified=args.modified,
                     kernels=attn, seqlens=args.seqlens, healthy=gpu_healthy, progress=lambda o: (out.update(o), dump()))
         print(table(out, gpu, triton.__version__))
     if dec is not None:
