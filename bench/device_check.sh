@@ -349,7 +349,9 @@ BENCH_K=()
 [ -n "$BENCH_K_EXPR" ] && BENCH_K=(-k "$BENCH_K_EXPR")
 want bench && step bench "pytest bench --quick${BENCH_K_EXPR:+ -k $BENCH_K_EXPR}" "$(P $L_BENCH)" \
   "$(reserve_after bench)" $PY -m pytest bench --benchmark-only --quick -q -rs -p no:cacheprovider "${BENCH_K[@]}" \
-  --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds --benchmark-sort=name
+  --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds --benchmark-sort=name --durations=30
+# (--durations: where the step's wall time goes, setup and compiles included: 139 of its 150 s on 2026-12-06, of
+# which the timed rounds were ~10 s; the log is what the next run's plan is cut by)
 
 # The compiled GPT training step (issue 12's GPU check: flashtx tokens/s >= 1.0x SDPA with fullgraph=True).
 MODELS_JSON=$(mktemp "${TMPDIR:-/tmp}/flashtx_models.XXXXXX.json")

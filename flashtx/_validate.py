@@ -311,10 +311,21 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, total_name:
 
 def check_cu_seqlens_pair(a: tuple, b: tuple) -> None:
     """check_cu_seqlens_values for two tensors (each its arguments as a tuple: cu_seqlens_q's and cu_seqlens_k's),
-    on a GPU in one check launch where both are on one device."""
+    on a GPU in one check launch where both are on one device; one tensor checked once where both are the same
+    tensor under the same conditions (self-attention's packed batch: one flag, one assert naming both)."""
     if a[1].device.type != "meta" and not _values_readable(a[1]) and not _values_readable(b[1]) and (
             a[1].device == b[1].device and a[1].shape == b[1].shape):
-        check_cu_seqlens_on_device([a, b])
+        name, cu, total, total_name, max_seqlen, max_name, exact = a
+        # ints only (a tensor bound's == would read it; a traced total's would guard the graph on it)
+        if cu is b[1] and not torch.compiler.is_compiling() and all(
+                x is None or type(x) is int for x in (total, b[2], max_seqlen, b[4])) and (
+                (total, max_seqlen, bool(exact), max_name is None) == (b[2], b[4], bool(b[6]), b[5] is None)):
+            def one(x, y):  # (the packed forms name both alike)
+                return x if x == y or x is None else f"{x} (= {y})"
+            both = (one(name, b[0]), cu, total, one(total_name, b[3]), max_seqlen, one(max_name, b[5]), exact)
+            check_cu_seqlens_on_device([both])
+        else:
+            check_cu_seqlens_on_device([a, b])
         return
     check_cu_seqlens_values(*a)
     check_cu_seqlens_values(*b)

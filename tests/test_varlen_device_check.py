@@ -158,6 +158,27 @@ def test_the_same_tensor_for_q_and_k_is_checked_once_each(device_path):
         _varlen(cu, _cu(0, 4, 11))
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["planned", "replayed"])
+def test_one_tensor_for_q_and_k_under_one_bound_is_one_flag_and_one_assert(device_path, fresh_plans, replay):
+    """Self-attention's packed batch (one cu_seqlens object, equal totals and int bounds): one flag, one device
+    assert, a message naming both arguments; a different bound for k keeps two (each names its own)."""
+    cu = _cu(0, 4, 10)
+    if replay:
+        _varlen(cu, cu)  # the check's lane from the second call
+    ops = _Ops()
+    with torch.no_grad(), ops:
+        _varlen(cu, cu)
+    assert ops.ops.count("aten._assert_async.msg") == 1, ops.ops
+    ops = _Ops()
+    with torch.no_grad(), ops:
+        _varlen(cu, cu, 6, 7)
+    assert ops.ops.count("aten._assert_async.msg") == 2, ops.ops
+    bad = _cu(0, 4, 11)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_q \(= cu_seqlens_k\) must start at 0, never decrease and end "
+                                           r"at total_q \(q.shape\[0\]\) \(= total_k \(k.shape\[0\]\)\) = 10"):
+        _varlen(bad, bad)
+
+
 def test_varlen_rope_checks_on_the_device(device_path):
     x = torch.randn(10, 2, 8, dtype=torch.float64, device=DEVICE)
     cos = torch.rand(16, 4, dtype=torch.float64, device=DEVICE)
