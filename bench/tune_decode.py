@@ -6,11 +6,12 @@ DecodeConfig(block_n, max_block_m, num_warps, num_stages) forced into configs._D
 counts around decode.split_count's heuristic (flash-attn 2's rule, DecodeConfig.programs_per_sm programs an SM).
 
 Plan per head dim (128, then 64), within the wall-clock budget:
-  1. at the first case, every tile (configs.py's default first) at the heuristic's split count;
+  1. at the first case, every tile (the shipped default first) at the heuristic's split count;
   2. there, the best TOP_TILES tiles at 2x, 4x and 0.5x the heuristic's count (clamped, deduplicated);
   3. at the other cases, the default at the heuristic's count and the best TOP_PAIRS (tile, split multiple).
 Output: a table per case (ms, GB/s of K/V read, % of a device copy's bandwidth, speedup over the default) and
-`DecodeConfig(...)` lines to paste into configs.py, ranked by the geometric mean over cases of time / default's.
+`DecodeConfig(...)` lines to paste into configs_bandwidth.py's _DECODE, ranked by the geometric mean over cases
+of time / default's.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def ident(tile) -> tuple:
 
 
 def candidates(d: int, target) -> list:
-    """configs.py's tile first (always: it is the baseline), then every (block_n, warps, stages) whose
+    """The shipped tile first (always: it is the baseline), then every (block_n, warps, stages) whose
     shared_memory fits target.max_shared."""
     from flashtx.triton_kernels.configs import DecodeConfig, decode_config
 
@@ -129,7 +130,7 @@ def sweep(target, time_fn, *, budget_s: float, copy_fn=lambda case, d: None, hea
           clock=time.monotonic, log=lambda *a: print(*a, file=sys.stderr, flush=True), healthy=lambda: True,
           progress=lambda out: None) -> dict:
     """Run the plan. time_fn(d, tile, case, splits) -> ms (raises when the tile cannot run); copy_fn(case, d) ->
-    ms of a device copy moving 2 x kv_bytes (read + write), or None; asked once per (case, d) before its first row.
+    ms of a device copy moving 2 x kv_bytes (read + write), or None; asked once per (case, d), after its first row.
     healthy() is asked after a row raises (False: a sticky CUDA error, the sweep stops); progress(out) gets the
     results after each row; SIGINT (KeyboardInterrupt) keeps what was timed.
     Returns {"results": [row], "copy": [{d, batch, ctx, ms, gbps}], "skipped": [...], "elapsed_s"}."""
@@ -161,8 +162,8 @@ def sweep(target, time_fn, *, budget_s: float, copy_fn=lambda case, d: None, hea
         row = {"d": d, "batch": case[0], "ctx": case[1], "tile": list(ident(tile)), "splits": splits,
                "multiple": mult, "heuristic_splits": h, "default": default, "step": step}
         try:
-            bw = copy_bw(d, case)
             row["ms"] = float(time_fn(d, tile, case, splits))
+            bw = copy_bw(d, case)  # after the case's first row: timed as the rows are (the first one decides how)
             row["gbps"] = kv_bytes(case, d) / (row["ms"] * 1e6)
             if bw:
                 row["pct_copy"] = 100 * row["gbps"] / bw
@@ -269,7 +270,7 @@ def paste_lines(results: list[dict], gpu: str, triton_version: str, date: str | 
     date = date or datetime.date.today().isoformat()
     lines = []
     for d, ranked in sorted(rank(results).items(), reverse=True):
-        lines.append(f"# head dim {d}: configs._DECODE[2][{d}], best first")
+        lines.append(f"# head dim {d}: configs_bandwidth._DECODE[2][{d}], best first")
         at_own = {t: (gm, c) for t, m, gm, c in ranked if m == 1}
         shown: set = set()
         for tile, m, gm, cases in ranked:
@@ -323,8 +324,8 @@ def table(out: dict, gpu: str, triton_version: str) -> str:
     lines += [""] + [f"**{x}**" for x in stops] if stops else []
     if budget:
         lines += ["", f"Not timed (budget): {len(budget)} decode rows, e.g. " + "; ".join(budget[:4])]
-    lines += ["", "Paste into triton_kernels/configs.py's _DECODE[2] (the number: geometric mean over the cases "
-              "timed of time / the default's at the heuristic's split count):", ""]
+    lines += ["", "Paste into triton_kernels/configs_bandwidth.py's _DECODE[2] (the number: geometric mean over the "
+              "cases timed of time / the default's at the heuristic's split count):", ""]
     lines += paste_lines(res, gpu, triton_version)
     return "\n".join(lines)
 
@@ -366,7 +367,8 @@ def gpu_timers(rep_ms: int = 20):
     import torch
     import triton.testing as tt
 
-    l2 = int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 0)
+    l2 = int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 0) \
+        or 64 << 20  # (unknown: more than any GPU here has; H100 50 MB, H200 60 MB)
     info: dict = {"timer": None, "l2_bytes": l2}
     held: dict = {}  # one case's inputs at a time (B = 8, ctx = 32k: 1 GiB of K/V)
 
@@ -409,10 +411,23 @@ def gpu_timers(rep_ms: int = 20):
             return float(tt.do_bench(fn, warmup=10, rep=rep_ms * 2, return_mode="median"))
 
     def copy_fn(case, d) -> float:
+        """A device copy moving kv_bytes (read) + kv_bytes (written), timed as the rows are: back to back (in a CUDA
+        graph where the rows are), taking turns on pairs of buffers of 4x L2 in all."""
         held.clear()
+        torch.cuda.empty_cache()
         n = kv_bytes(case, d) // 2  # bf16 elements: kv_bytes read, as many written
-        src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-        return float(tt.do_bench(lambda: dst.copy_(src), return_mode="median"))  # (L2 flushed; freed on return)
+        pairs = [(torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16,
+                                                                                  device="cuda"))
+                 for _ in range(layers(2 * kv_bytes(case, d), l2))]
+        turn = itertools.cycle(pairs)
+
+        def fn():
+            src, dst = next(turn)
+            dst.copy_(src)
+        fn()
+        torch.cuda.synchronize()
+        if info["timer"] is not None and info["timer"].startswith("triton.testing.do_bench_cudagraph"):
+            return float(tt.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+        return float(tt.do_bench(fn, warmup=10, rep=rep_ms * 2, return_mode="median"))  # (freed on return)
 
     return time_fn, copy_fn, info

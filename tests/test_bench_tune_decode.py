@@ -164,7 +164,7 @@ def test_ranking_and_paste_lines_pick_the_fastest_tile():
     assert all("at 2x the split heuristic's count" in x and x.endswith('"),') for x in first)
     assert "# splits (D=128): 2x the heuristic's was fastest in 4 of 4 cases" in lines
     text = td.table(out, "FAKE-GPU", "0.0")
-    assert first[0].split(" (2099")[0] in text and "Paste into triton_kernels/configs.py" in text
+    assert first[0].split(" (2099")[0] in text and "Paste into triton_kernels/configs_bandwidth.py" in text
 
 
 def test_forced_tile_changes_decode_config_and_restores_it():
@@ -184,20 +184,36 @@ def test_forced_tile_changes_decode_config_and_restores_it():
     assert configs._DECODE[2][64] is before[64]
 
 
-def test_a_forced_tile_runs_end_to_end_in_the_interpreter():
-    """The GPU timer's call (decode_call over make_inputs) inside forced_tile, on CPU: the interpreter runs its
-    own tile (INTERPRETER_TARGET), so the forcing is checked on sm_90's selection while the call runs."""
+@pytest.mark.parametrize("gpu_target", [90], indirect=True, ids=["sm_90"])
+def test_a_forced_tile_runs_end_to_end_in_the_interpreter(gpu_target):
+    """The GPU timer's call (decode_call over make_inputs) inside forced_tile, planned as on an H100 (gpu_target):
+    the interpreter runs the forced tile itself (its 64-key tiles, at the split count asked for), and a plan made
+    inside is forgotten after."""
+    from flashtx.triton_kernels import decode
+
     forced = DecodeConfig(64, 64, 8, 3, "forced")
-    inputs = td.make_inputs((1, 64), 64, "cpu", torch.float16, hq=4, hkv=2)
+    inputs = td.make_inputs((1, 160), 64, "cpu", torch.float16, hq=4, hkv=2)
     q, kc, vc, lens = inputs
-    with td.forced_tile(forced, 64):
-        assert decode_config(64, 64, 2, KNOWN_TARGETS[90]) is forced
-        out = td.decode_call([inputs], 2)()  # (B, 1, Hq, D)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(1, 2), kc.float().transpose(1, 2), vc.float().transpose(1, 2), enable_gqa=True)
-    assert out.shape == q.shape
-    torch.testing.assert_close(out.float(), ref.transpose(1, 2), atol=2e-3, rtol=0)
-    assert decode_config(64, 64, 2, KNOWN_TARGETS[90]) is not forced
+    seen = []
+    real = decode.plan_decode
+
+    def spy(*a, **kw):
+        launches = real(*a, **kw)
+        seen.append((launches[0].args["BLOCK_N"], launches[0].args["NUM_SPLITS"]))
+        return launches
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(decode, "plan_decode", spy)
+        with td.forced_tile(forced, 64):
+            assert decode_config(64, 64, 2, gpu_target) is forced
+            out = td.decode_call([inputs], 2)()  # (B, 1, Hq, D)
+        assert seen == [(64, 2)], seen
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(1, 2), kc.float().transpose(1, 2), vc.float().transpose(1, 2), enable_gqa=True)
+        assert out.shape == q.shape
+        torch.testing.assert_close(out.float(), ref.transpose(1, 2), atol=2e-3, rtol=0)
+        assert decode_config(64, 64, 2, gpu_target) is not forced
+        td.decode_call([inputs], 2)()  # planned afresh: the shipped tile
+        assert seen[-1] == (decode_config(64, 64, 2, gpu_target).block_n, 2), seen
 
 
 def test_cli_accepts_decode_and_keeps_the_default_kernels(capsys):

@@ -88,7 +88,8 @@ def test_sm86_limit_is_the_rtx3090s():
 # tiles at head dims 64 and 128 were timed (bench.tune; masked launches use them too), only the modifier tiles of
 # the forward there, and dK/dV's plain tiles at head dims 64 and 128, timed on an H100 (2026-12-06; bench/RESULTS.md).
 # A GQA group's dK/dV ("gqa": GROUP > 1, its own specialisation) is in the set too.
-NO_SPILL_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window", "all-options", "gqa")
+NO_SPILL_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window", "all-options", "gqa",
+                  "gqa-full")
 
 
 def _untimed_no_spill_case(label: str, arch: int) -> bool:
@@ -104,7 +105,7 @@ def _untimed_no_spill_case(label: str, arch: int) -> bool:
         (kernel == "attn_fwd" and spec != "all-options")
         # dK/dV's plain tiles, timed by bench.tune on an H100 (2026-12-06); a GQA group's launch runs the same loop per
         # query head of the group (its spills match the plain one's: 120 and 56 bytes against 112 and 40)
-        or (kernel == "attn_bwd_dkdv" and spec in ("causal=False", "causal=True", "gqa")))
+        or (kernel == "attn_bwd_dkdv" and spec in ("causal=False", "causal=True", "gqa", "gqa-full")))
     return kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq") and spec in NO_SPILL_SPECS and not timed
 
 

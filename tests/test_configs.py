@@ -190,19 +190,36 @@ def test_elementwise_compile_plans_compile_the_full_tiles(arch):
         assert f"rotary_hf_qk_bhsd_d{d}_torch.bfloat16" in plans
 
 
-@pytest.mark.parametrize("batch,ctx,d,splits", [(8, 8192, 128, 4), (1, 8192, 128, 29), (64, 8192, 128, 1),
-                                                (8, 8192, 64, 4), (8, 256, 128, 2)])
+@pytest.mark.parametrize("batch,ctx,d,splits", [(8, 8192, 128, 4), (1, 8192, 128, 32), (64, 8192, 128, 1),
+                                                (8, 8192, 64, 4), (8, 256, 128, 2), (4, 8192, 128, 7)])
 def test_decode_splits_follow_flash_attn_2(batch, ctx, d, splits):
     """The decode split count is flash-attn 2's for the same grid (B x Hkv GQA-packed programs, Hq/Hkv = 32/8 as
-    LLaMA-3-8B): its heuristic over 2 programs an SM (flash_api.cpp's multiProcessorCount * 2) and the key tiles of
-    the tile's keys (flash-attn's kBlockN, 128 at D = 128), e.g. 4 splits at B = 8 on 132 SMs (256 programs, ~2 an
-    SM), where counting one an SM gave 2; never more splits than key tiles (256 keys at D=128: 2)."""
+    LLaMA-3-8B) on an H100: its heuristic over 2 programs an SM (flash_api.cpp's multiProcessorCount * 2) and the
+    tile's key tiles (flash-attn's kBlockN, 128 at D = 128), skipping counts that leave splits without a tile (64
+    tiles: 32 splits, not 29), as flashtx.cuda_ext's separate implementation of it computes; e.g. 4 splits at B = 8
+    (256 programs, ~2 an SM), where counting one an SM gave 2; never more splits than key tiles."""
+    from flashtx import cuda_ext
     from flashtx.triton_kernels import decode
 
     target = KNOWN_TARGETS[90]
     cfg = configs.decode_config(d, d, 2, target)
-    assert cfg.programs_per_sm == 2 and cfg.block_n == 128
+    assert configs.decode_programs_per_sm(cfg, d, d, 2, target) == 2 and cfg.block_n == 128
     q = torch.empty(batch, 1, 32, d, dtype=torch.float16)
     cache = torch.empty(batch, ctx, 8, d, dtype=torch.float16)
     assert decode.split_count(q, cache, cache, None, 0, target) == splits
-    assert decode.num_splits_heuristic(batch * 8, ctx // cfg.block_n, 2 * target.sm_count) == splits
+    assert cuda_ext.num_splits_heuristic(batch * 8, 2 * target.sm_count, ctx // cfg.block_n, 128) == splits
+
+
+def test_decode_counts_the_programs_an_sms_shared_memory_holds():
+    """An RTX 3090's SM holds one 16-bit decode program at head dim 128 (~80 KB by the estimate, of 101,376 bytes),
+    so its split count counts 82 slots, not flash-attn's 164; an H100's holds two (the 4 warps' limit)."""
+    from flashtx.triton_kernels import decode
+
+    q = torch.empty(8, 1, 32, 128, dtype=torch.float16)
+    cache = torch.empty(8, 8192, 8, 128, dtype=torch.float16)
+    for arch, per_sm in ((86, 1), (80, 2), (90, 2)):
+        target = KNOWN_TARGETS[arch]
+        cfg = configs.decode_config(128, 128, 2, target)
+        assert configs.decode_programs_per_sm(cfg, 128, 128, 2, target) == per_sm, arch
+        assert decode.split_count(q, cache, cache, None, 0, target) == decode.num_splits_heuristic(
+            64, 8192 // cfg.block_n, per_sm * target.sm_count), arch

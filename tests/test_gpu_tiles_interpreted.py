@@ -60,7 +60,7 @@ def test_decode_tiles_compute_attention_over_the_cache(gpu_target, d, page):
     from flashtx.triton_kernels import decode as decode_kernels
 
     gen = torch.Generator().manual_seed(d + gpu_target.arch)
-    B, Hq, Hkv, cap = 3, 8, 2, 608  # several key tiles of every GPU tile (256 keys at D = 64)
+    B, Hq, Hkv, cap = 3, 8, 2, 608  # several key tiles of every GPU tile (128 keys)
     q = torch.randn(B, 1, Hq, d, generator=gen, dtype=torch.float64)
     if page:
         pages = B * (cap // page) + 6

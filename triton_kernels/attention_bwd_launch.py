@@ -291,12 +291,16 @@ def _fused_compile_plans(target) -> list:
         try:
             launches = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
                                      bottom_right=False, target=target)
+            full = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=False,
+                                 bottom_right=False, target=target)
             split = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
                                   bottom_right=False, target=target, gqa_parts=gqa_partials(dk, dv, 4, q.dtype))
         except RuntimeError:
             continue
         # a GQA group (GROUP > 1) is its own specialisation of the dK/dV kernel: the tiles' loop covers its heads
+        # (without a causal mask, on the full-attention tile where configs.FULL has one)
         plans += [(f"attn_bwd_dkdv D={d} float16 gqa", launches[1]),
+                  (f"attn_bwd_dkdv D={d} float16 gqa-full", full[1]),
                   (f"attn_bwd_dkdv+gqa-split D={d} float16 causal", split[1])]
     return plans + _tma_compile_plans(target)
 

@@ -127,10 +127,24 @@ class DecodeConfig:
 
     @property
     def programs_per_sm(self) -> int:
-        """Programs the split heuristic counts an SM as running at once: flash-attn 2 counts 2 of its 128-thread
-        blocks (flash_api.cpp, set_params_splitkv: num_splits_heuristic(..., multiProcessorCount * 2, ...), "to
-        hard-code the fact that we're using 128 threads per block"); so 2 for 4 warps, 1 for 8."""
+        """Programs the split heuristic counts an SM as running at once, by threads: flash-attn 2 counts 2 of its
+        128-thread blocks (flash_api.cpp, set_params_splitkv: num_splits_heuristic(..., multiProcessorCount * 2, ...),
+        "to hard-code the fact that we're using 128 threads per block"); so 2 for 4 warps, 1 for 8. What fits the
+        SM's shared memory may be fewer: decode_programs_per_sm."""
         return max(1, 8 // self.num_warps)
+
+    def shared_memory(self, d: int, dv: int, elt: int) -> int:
+        """Upper estimate of a program's shared memory, bytes: num_stages - 1 K and V buffers (Triton's pipeliner:
+        the compile check reports 38,912 bytes for 64 keys at 2 stages and 71,680 at 3, D = 128 16-bit) and a q tile
+        of max_block_m rows."""
+        return max(self.num_stages - 1, 1) * self.block_n * (d + dv) * elt + self.max_block_m * d * elt
+
+
+def decode_programs_per_sm(cfg: DecodeConfig, d: int, dv: int, elt: int, target: Target) -> int:
+    """cfg.programs_per_sm, but no more than fit the SM's shared memory by cfg.shared_memory (target.max_shared, a
+    block's limit, standing for the SM's): one 72-82 KB 16-bit tile on sm_86/89, where flash-attn 2 still counts
+    two of its 80 KB blocks."""
+    return max(1, min(cfg.programs_per_sm, target.max_shared // max(cfg.shared_memory(d, dv, elt), 1)))
 
 
 # Per element size and head-dim bucket. Decoding is bandwidth-bound: what matters is K/V bytes in flight per SM.
@@ -140,14 +154,14 @@ class DecodeConfig:
 # sm_80/86/90 (compile check). The 64-key tiles they replace (untimed) reached 56% of copy bandwidth back to back
 # at B = 8, 8k keys, GQA 32/8 on an H100 (2026-12-06, bench/RESULTS.md), where SDPA's FlashAttention-2 ran 1.6x
 # faster. Not yet timed on a GPU.
-FA2_SPLITKV = "flash-attn 2's split-KV forward tile (kBlockN keys, 4 warps; run_mha_fwd_splitkv_dispatch), 2 stages"
+FA2_SPLITKV = "flash-attn 2's split-KV forward tile (kBlockN keys, 4 warps; run_mha_fwd_splitkv_dispatch)"
 _DECODE = {
-    2: {64: DecodeConfig(128, 64, 4, 3, FA2_SPLITKV + " is 256 keys: 8 bytes of spills on sm_90 (Triton 3.9, the "
-                         "no-lengths lane) and up to 244 registers; half the keys with 3 stages keeps 64 KB of K/V "
-                         "ahead (71,680 bytes of shared memory), at most 128 registers, no spills"),
-        128: DecodeConfig(128, 64, 4, 2, FA2_SPLITKV + ": K+V tiles 64 KB a stage"),
-        256: DecodeConfig(64, 32, 4, 2, FA2_SPLITKV + ": K+V tiles 64 KB a stage; at most 32 rows (the previous "
-                            "tile's: a (64, 256) fp32 accumulator would spill at 4 warps)")},
+    2: {64: DecodeConfig(128, 64, 4, 3, FA2_SPLITKV + " has 256 keys: with 2 stages, 8 bytes of spills on sm_90 "
+                         "(Triton 3.9, the no-lengths lane) and up to 244 registers; half the keys with 3 stages keeps "
+                         "64 KB of K/V ahead (71,680 bytes of shared memory), at most 128 registers, no spills"),
+        128: DecodeConfig(128, 64, 4, 2, FA2_SPLITKV + ", 2 stages: K+V tiles 64 KB a stage"),
+        256: DecodeConfig(64, 32, 4, 2, FA2_SPLITKV + ", 2 stages: K+V tiles 64 KB a stage; at most 32 rows (the "
+                            "previous tile's: a (64, 256) fp32 accumulator would spill at 4 warps)")},
     4: {64: DecodeConfig(32, 32, 4, 2, "fp32: compile-checked (no anchor has an fp32 decode tile)"),
         128: DecodeConfig(16, 16, 8, 2, "fp32 at D = 128: 32-key tiles spilled on sm_86/90; 4 warps spilled"
                             " without lengths or with a key mask, as 8 warps at 1 stage on Triton 3.6"),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .configs import INTERPRETER_TARGET, KNOWN_TARGETS, ElementwiseConfig, Target, decode_config
+from .configs import (INTERPRETER_TARGET, KNOWN_TARGETS, ElementwiseConfig, Target, decode_config,
+                      decode_programs_per_sm)
 from .decode_kernels import _decode_combine, _decode_fwd, _kv_append
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block, rows_tile,
                      split_f32, target_for)
@@ -21,23 +22,28 @@ def _pow2(n: int) -> int:
 def num_splits_heuristic(programs: int, key_tiles: int, sms: int, max_splits: int = MAX_SPLITS) -> int:
     """flash-attn's rule: with too few (batch x kv head x M tile) programs to fill the GPU, split the
     keys; among split counts up to the tiles available, take the smallest whose wave efficiency
-    (programs / (waves x sms)) is within 85% of the best. sms: the programs that run at once (flash-attn passes
-    2 a multiprocessor: DecodeConfig.programs_per_sm)."""
+    (programs / (waves x sms)) is within 85% of the best, among the counts that change the key tiles a split gets.
+    sms: the programs that run at once (flash-attn passes 2 a multiprocessor: configs.decode_programs_per_sm)."""
     if programs >= 0.8 * sms or key_tiles <= 1:
         return 1
     max_splits = min(max_splits, sms, key_tiles)
-    eff = []
+
+    def eligible(s: int) -> bool:  # flash-attn's is_split_eligible: a count that changes the tiles per split (64
+        # tiles over 29 splits are 3 a split, as over 22: the other 7 would get none)
+        return s == 1 or -(-key_tiles // s) != -(-key_tiles // (s - 1))
+    eff = {}
     for s in range(1, max_splits + 1):
-        waves = (programs * s + sms - 1) // sms
-        eff.append(programs * s / (waves * sms))
-    best = max(eff)
-    return next(s for s, e in enumerate(eff, 1) if e >= 0.85 * best)
+        if eligible(s):
+            waves = (programs * s + sms - 1) // sms
+            eff[s] = programs * s / (waves * sms)
+    best = max(eff.values())
+    return next(s for s, e in eff.items() if e >= 0.85 * best)
 
 
 def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Target) -> int:
     """Key-range splits per sequence: num_splits clamped to the key tiles (at most MAX_SPLITS), or for 0
-    flash-attn's heuristic (num_splits_heuristic) for the target's SM count times the tile's programs_per_sm (4
-    in the interpreter)."""
+    flash-attn's heuristic (num_splits_heuristic) for the target's SM count times the programs of the tile an SM
+    holds (configs.decode_programs_per_sm; 4 programs in all in the interpreter)."""
     B, Sq, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
     cfg = decode_config(D, DV, q.element_size(), target)
@@ -48,7 +54,8 @@ def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Targe
     else:
         key_tiles = cdiv(capacity, cfg.block_n)
     if num_splits <= 0:
-        slots = target.sm_count * cfg.programs_per_sm if target.sm_count else 4  # (the interpreter: 4)
+        slots = (target.sm_count * decode_programs_per_sm(cfg, D, DV, q.element_size(), target) if target.sm_count
+                 else 4)  # (the interpreter: 4)
         programs = B * Hkv * m_tiles
         if not isinstance(programs, int):  # a symbolic batch (torch.compile): decided on this trace's sizes, without
             # a guard (any split count is correct; a guard on the wave arithmetic compiled a graph per batch size)
