@@ -36,7 +36,7 @@ def kernel_paths(monkeypatch):
         monkeypatch.setattr(launch, "SPLIT_HEAD_DIMS", bool(split_head_dims))
         if gqa_split:
             monkeypatch.setattr(attention_bwd_launch, "gqa_split_factor",
-                                lambda q, k, v, spec, g: orig(q, k, v, spec, True if g is None else g))
+                                lambda q, k, v, spec, g, *a: orig(q, k, v, spec, True if g is None else g, *a))
         _dispatch.clear_plans()
 
     yield set_paths

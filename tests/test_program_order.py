@@ -160,7 +160,8 @@ def _gqa_split(monkeypatch):
     from flashtx.triton_kernels.launch import LAUNCHES
 
     LAUNCHES.clear()  # an earlier test's plan for these shapes (lanes included) would replay without the split
-    monkeypatch.setattr(attention_bwd_launch, "gqa_split_factor", lambda q, k, v, spec, split: q.shape[1] // k.shape[1])
+    monkeypatch.setattr(attention_bwd_launch, "gqa_split_factor",
+                        lambda q, k, v, spec, split, *a: q.shape[1] // k.shape[1])
     reduced = []
     run = attention_bwd_launch.GqaReduce.run
     monkeypatch.setattr(attention_bwd_launch.GqaReduce, "run", lambda self: reduced.append(1) or run(self))

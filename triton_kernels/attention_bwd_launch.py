@@ -68,18 +68,18 @@ def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype)
 AUTO_GQA_SPLIT = False
 
 
-def gqa_split_factor(q, k, v, spec: MaskSpec, gqa_split: bool | None) -> int:
+def gqa_split_factor(q, k, v, spec: MaskSpec, gqa_split: bool | None, causal: bool = True) -> int:
     """Programs per K/V head of the dK/dV kernel: the GQA group size (one program per q head, fp32
     partials summed afterwards) when gqa_split, or when None (and AUTO_GQA_SPLIT) and the K/V-head grid
     fills under 2 waves of the GPU; else 1. The tile config and the GPU are looked up only for that
-    last decision. q, k, v: (B, H, S, D) views."""
+    last decision (causal: the launch's, which picks the tile). q, k, v: (B, H, S, D) views."""
     group = q.shape[1] // k.shape[1]
     if group == 1 or gqa_split is False or (gqa_split is None and not AUTO_GQA_SPLIT):
         return 1
     if gqa_split is None:
         target = target_for(q)
         c1 = select_config("attn_bwd_dkdv", sum(head_split(q.shape[3])), sum(head_split(v.shape[3])),
-                           q.element_size(), target, spec.modifies_scores, spec.masks_visibility)
+                           q.element_size(), target, spec.modifies_scores, spec.masks_visibility, causal)
         B = spec.cu_seqlens_q.shape[0] - 1 if spec.varlen else q.shape[0]
         Sk = spec.max_seqlen_k if spec.varlen else k.shape[2]
         if cdiv(Sk, c1.block_n) * k.shape[1] * B >= 2 * target.sm_count:
@@ -195,7 +195,7 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
     delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
     parts, split = (None, None), 1
     if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):  # GQA: maybe split dK/dV
-        split = gqa_split_factor(*bhsd(bshd, q, k, v), spec, gqa_split)
+        split = gqa_split_factor(*bhsd(bshd, q, k, v), spec, gqa_split, causal)
     if split > 1:  # the partials are allocated here, so the plan has no host step and replays from the cache
         parts = gqa_partials(*bhsd(bshd, dk, dv), split, q.dtype)
     LAUNCHES.run(*_cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, delta, parts, split, scale, causal,
@@ -213,7 +213,7 @@ def backward_entry(do, q, k, v, out, m2, l2, dq, dk, dv, delta, *, scale: float,
     and fires them itself, with the tensors in the order of _ROLES_PLAIN, or of _ROLES where spec has mask tensors
     (spec.launch_key's). Raises LimitExceeded as attention_backward does."""
     if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):
-        if gqa_split_factor(*bhsd(bshd, q, k, v), spec, None) > 1:
+        if gqa_split_factor(*bhsd(bshd, q, k, v), spec, None, causal) > 1:
             return None
     return LAUNCHES.entry(*_cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, None, None, delta, (None, None), 1,
                                        scale, causal, bottom_right, spec, bshd))
