@@ -45,7 +45,8 @@
 # the overhead rows fit the step's limit; set it empty (DEVICE_CHECK_BENCH_K=) to run every quick case;
 # DEVICE_CHECK_COMMIT: the commit recorded in bench.json (pass it: the device's copy of .git may be stale;
 # without it, `git rev-parse --short HEAD` plus " (dirty)" when the tree differs from it);
-# DEVICE_CHECK_TUNE_ARGS, extra arguments for bench.tune (--kernels, --seqlens, --quick); DEVICE_CHECK_WHEELS, the
+# DEVICE_CHECK_TUNE_ARGS, bench.tune's arguments (--kernels, --seqlens, --quick, --modified; unset: "--quick --kernels
+# decode,attn_fwd --decode-budget-s 100", empty: the whole attention sweep); DEVICE_CHECK_WHEELS, the
 # folder of carried wheels (default .whl: xformers, Liger-Kernel; every wheel there is installed).
 # tests/test_bench_smoke.py runs the bench,models,report steps of this script with BENCH_SMOKE=1
 # (bench/harness.py: CPU, tiny shapes, Triton's interpreter), so the script cannot rot unseen;
@@ -399,9 +400,11 @@ if want tune; then
     # never tuned (the 2026-11-30 sweep's backward times were void: bench/RESULTS.md), or "--kernels attn_fwd
     # --seqlens 4096,2048,16384" to time sm_90's TMA forward candidates beside the pointer tiles (and confirm the
     # N = 4k sweep's tiles at other lengths)
+    # Unset: the decode kernel's sweep first (never timed; bench/tune_decode.py), then the forward's tiles, bf16.
+    TUNE_ARGS=${DEVICE_CHECK_TUNE_ARGS-"--quick --kernels decode,attn_fwd --decode-budget-s 100"}
     # shellcheck disable=SC2086
-    step tune "bench.tune${DEVICE_CHECK_TUNE_ARGS:+ $DEVICE_CHECK_TUNE_ARGS}" $(( TUNE_MS + $(P 15) )) 0 $PY -m bench.tune \
-      --budget-s "$(secs "$TUNE_MS")" --json "$OUT/tune.json" ${DEVICE_CHECK_TUNE_ARGS:-}
+    step tune "bench.tune${TUNE_ARGS:+ $TUNE_ARGS}" $(( TUNE_MS + $(P 15) )) 0 $PY -m bench.tune \
+      --budget-s "$(secs "$TUNE_MS")" --json "$OUT/tune.json" ${TUNE_ARGS:-}
     rm -f "$OUT/tune.json.tmp"  # bench.tune's half-written rewrite, if it was killed mid-write ($OUT: 8 files at most)
   else
     skip tune "bench.tune" "out of time ($(secs "$TUNE_MS")s left for it)" norc
