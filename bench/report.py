@@ -216,12 +216,14 @@ def variants_table(groups: dict) -> list[str]:
     (query, key) pairs the variant computes (report_targets.variant_ideal), what a perfect skip would take."""
     cases = {k: v.get("flashtx") for k, v in groups.items() if k[0] == "attention-variant"}
     plain = {k: v.get("flashtx-plain-tiles") for k, v in groups.items() if k[0] == "attention-variant"}
+    plain_bwd = {k: v.get("flashtx-plain-bwd-tiles") for k, v in groups.items() if k[0] == "attention-variant"}
     if not cases:
         return []
     rank = {v: i for i, v in enumerate(VARIANT_ORDER)}
     cases = dict(sorted(cases.items(), key=lambda kv: (PASSES.index(kv[0][1]) if kv[0][1] in PASSES else 9,
                                                        *kv[0][2:4], rank.get(kv[0][4], len(rank)), kv[0][4])))
-    # plain tiles / these: the same call with configs.py's specialisation tiles off (> 1: the trimmed tiles win)
+    # plain tiles / these: the same call with configs.py's specialisation tiles off (> 1: the trimmed tiles win);
+    # "bwd": off in the backward's kernels only (the learned bias's fwd+bwd)
     lines = ["| pass | variant | dtype | flashtx ms | time / full causal | ideal (pairs / full causal's) "
              "| effective TFLOP/s | MB | plain tiles / these |", "|---" * 9 + "|"]
     for key, r in cases.items():
@@ -233,9 +235,11 @@ def variants_table(groups: dict) -> list[str]:
             if measured(r, "steady_ms") and measured(full, "steady_ms"):
                 rel += f" / {r['steady_ms'] / full['steady_ms']:.2f}"
         ideal = variant_ideal(variant, n, r or plain.get(key))
-        p = plain.get(key)
+        p, pb = plain.get(key), plain_bwd.get(key)
         if r and p and r.get("status") == p.get("status") == "ok":
             vs_plain = f"{p['median_ms'] / r['median_ms']:.2f}x"
+        if r and pb and r.get("status") == pb.get("status") == "ok":
+            vs_plain = ("" if vs_plain == "-" else vs_plain + ", ") + f"{pb['median_ms'] / r['median_ms']:.2f}x bwd"
         lines.append(f"| {pass_} | {variant} | {dtype} | {_num(r, 'median_ms', '{:.3f}')} | {rel} | "
                      f"{'-' if ideal is None else f'{ideal:.2f}'} | "
                      f"{_num(r, 'tflops')} | {_num(r, 'peak_mem_mb', '{:.0f}')} | {vs_plain} |")

@@ -42,12 +42,15 @@ WINDOW = DOC = N // 4  # window1024 (0.44 of the causal pairs at N = 4096) and v
 VARIANTS = ("full", "window1024", "varlen16x1k", "bias", "boolmask", "softcap+alibi", "dropout0.1")
 QUICK = ("full", "window1024", "varlen16x1k", "bias")
 PLAIN_TILES = "flashtx-plain-tiles"
+PLAIN_BWD_TILES = "flashtx-plain-bwd-tiles"  # the backward's kernels only (the learned bias: which pass lost the time)
+BWD_KERNELS = ("attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq_dbias")
 
 
 @contextlib.contextmanager
-def plain_tiles():
+def plain_tiles(kernels: tuple | None = None):
     """configs.select_config without its specialisation tables: MASKED / MODIFIED empty and the bias-gradient
-    dQ on dQ's plain tiles (what flashtx launched before they existed). Plans are rebuilt inside and after."""
+    dQ on dQ's plain tiles (what flashtx launched before they existed), for every kernel or only `kernels`. Plans
+    are rebuilt inside and after."""
     saved = ({f: dict(t) for f, t in configs.MODIFIED.items()}, {f: dict(t) for f, t in configs.MASKED.items()},
              {f: t["attn_bwd_dq_dbias"] for f, t in configs.TABLES.items()})
 
@@ -57,8 +60,11 @@ def plain_tiles():
 
     try:
         for fam, tables in configs.TABLES.items():
-            configs.MODIFIED[fam], configs.MASKED[fam] = {}, {}
-            tables["attn_bwd_dq_dbias"] = tables["attn_bwd_dq"]
+            configs.MODIFIED[fam], configs.MASKED[fam] = (
+                ({}, {}) if kernels is None else
+                tuple({k: v for k, v in saved[i][fam].items() if k not in kernels} for i in (0, 1)))
+            if kernels is None or "attn_bwd_dq_dbias" in kernels:
+                tables["attn_bwd_dq_dbias"] = tables["attn_bwd_dq"]
         reset()
         yield
     finally:
@@ -92,11 +98,21 @@ def _build(variant: str, requires_grad: bool):
     return (lambda: flashtx.flash_attn_func(q, k, v, causal=True, **kw)), leaves
 
 
+def _params():
+    """(pass, variant, provider): flashtx on every variant; the plain tiles on every variant but full (whose tiles
+    are the plain ones); the plain backward tiles on the learned bias's fwd+bwd. Quick: QUICK's flashtx rows and
+    the bias's others."""
+    for pass_ in ("fwd", "fwd+bwd"):
+        for v in VARIANTS:
+            for p in ("flashtx", PLAIN_TILES, PLAIN_BWD_TILES):
+                if (p == PLAIN_TILES and v == "full") or (p == PLAIN_BWD_TILES and (v, pass_) != ("bias", "fwd+bwd")):
+                    continue
+                quick = v in QUICK and (p == "flashtx" or v == "bias")
+                yield pytest.param(pass_, v, p, marks=[pytest.mark.quick] if quick else [], id=f"{v}-{p}-{pass_}")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("variant,provider", [
-    pytest.param(v, p, marks=[pytest.mark.quick] if v in QUICK and (p == "flashtx" or v == "bias") else [])
-    for v in VARIANTS for p in ("flashtx", PLAIN_TILES) if p == "flashtx" or v != "full"])
+@pytest.mark.parametrize("pass_,variant,provider", list(_params()))
 def test_attention_variant(benchmark, variant, provider, pass_):
     benchmark.group = f"attention variants {pass_} causal B={B} N={N} H={H} D={D}"
 
@@ -112,7 +128,8 @@ def test_attention_variant(benchmark, variant, provider, pass_):
                 return torch.autograd.grad(out, leaves, torch.ones_like(out))
         return (lambda: None), step
 
-    tiles = plain_tiles() if provider == PLAIN_TILES else contextlib.nullcontext()
+    tiles = (plain_tiles() if provider == PLAIN_TILES else plain_tiles(BWD_KERNELS) if provider == PLAIN_BWD_TILES
+             else contextlib.nullcontext())
     with tiles:
         _measure(benchmark, build, variant, provider, pass_)
 

@@ -154,12 +154,17 @@ def test_report_variants_table_relative_to_full_causal(tmp_path):
                 "peak_mem_mb": 50.0, "gpu": SYNTHETIC_GPU}
     data = {"benchmarks": [{"extra_info": var("full", 8.0)}, {"extra_info": var("window1024", 2.0)},
                            {"extra_info": var("varlen16x1k", 2.4)},
-                           {"extra_info": dict(var("window1024", 3.0), provider="flashtx-plain-tiles")}]}
+                           {"extra_info": dict(var("window1024", 3.0), provider="flashtx-plain-tiles")},
+                           {"extra_info": var("bias", 16.0)},
+                           {"extra_info": dict(var("bias", 8.0), provider="flashtx-plain-tiles")},
+                           {"extra_info": dict(var("bias", 4.0), provider="flashtx-plain-bwd-tiles")}]}
     md = report.build_report(data, "synthetic.json", None)
     # beside each, the ideal: the variant's (query, key) pairs over full causal's (window 1024 at 4096: 0.44)
     assert "| fwd+bwd | window1024 | bfloat16 | 2.000 | 0.25 | 0.44 | 50.0 | 50 | 1.50x |" in md  # plain: 3.0
     assert "| fwd+bwd | varlen16x1k | bfloat16 | 2.400 | 0.30 | 0.25 | 41.7 | 50 | - |" in md
     assert "| fwd+bwd | full | bfloat16 | 8.000 | 1.00 | 1.00 |" in md
+    # the learned bias: plain tiles everywhere, and only in the backward's kernels
+    assert "| fwd+bwd | bias | bfloat16 | 16.000 | 2.00 | 1.00 | 6.2 | 50 | 0.50x, 0.25x bwd |" in md
 
 
 def test_report_models_table_tokens_per_s_and_ratios():

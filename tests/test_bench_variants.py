@@ -25,6 +25,22 @@ def test_plain_tiles_turns_the_specialisation_tables_off_and_restores_them():
     assert chosen() == before
 
 
+def test_plain_bwd_tiles_turn_the_specialisation_tables_off_for_the_backward_only():
+    """flashtx-plain-bwd-tiles: the forward keeps MODIFIED's tile, the backward's kernels (the bias-gradient dQ
+    included) take the plain ones; all restored after."""
+    from bench.test_attention_variants import BWD_KERNELS, plain_tiles
+
+    t90 = KNOWN_TARGETS[90]
+    kernels = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq_dbias")
+    before = [select_config(k, 128, 128, 2, t90, True) for k in kernels]
+    assert before[0] == configs.MODIFIED["sm90"]["attn_fwd"][2][128]
+    assert before[1] == configs.MODIFIED["sm90"]["attn_bwd_dkdv"][2][128] != TABLES["sm90"]["attn_bwd_dkdv"][2][128]
+    with plain_tiles(BWD_KERNELS):
+        assert [select_config(k, 128, 128, 2, t90, True) for k in kernels] == [
+            before[0], TABLES["sm90"]["attn_bwd_dkdv"][2][128], TABLES["sm90"]["attn_bwd_dq"][2][128]]
+    assert [select_config(k, 128, 128, 2, t90, True) for k in kernels] == before
+
+
 def _pairs(n, window=None):
     """Brute force: causal (query, key) pairs of an N x N attention, the diagonal as half (FlashAttention's N**2/2)."""
     return sum(min(i + 1, n if window is None else window + 1) - 0.5 for i in range(n))
