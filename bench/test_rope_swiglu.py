@@ -8,7 +8,7 @@ Shapes (issue 14 item 3) as LLaMA-3-8B (32 q and 8 kv heads, D = 128; SwiGLU wid
 70B-like model (64 q and 8 kv heads, D = 128; SwiGLU width 28672) at 1k, 4k, 16k and 64k tokens
 (batch 1). Layout (B, H, S, D) as Hugging Face models call RoPE. Each case records the latency from
 idle (`median_ms`) and the steady-state time back to back (`steady_ms`, bench/harness.py) with GB/s
-of both. The quick subset is LLaMA-3-8B at 4k tokens. A smoke run (BENCH_SMOKE=1) divides tokens
+of both. The quick subset is LLaMA-3-8B at 4k and 16k tokens (QUICK). A smoke run (BENCH_SMOKE=1) divides tokens
 and the MLP width by 64 and the heads by 8.
 """
 from __future__ import annotations
@@ -38,7 +38,9 @@ DESCRIPTION = {
     "liger": "Liger-Kernel",
     "copy": "device-to-device copy of the same number of bytes (bandwidth reference)",
 }
-QUICK = ("llama3-8b", 4096)
+# The quick subset: LLaMA-3-8B at 4k tokens (the latency-from-idle target's size) and at 16k (the bandwidth targets'
+# size: past L2 back to back) without the eager rows
+QUICK = {("llama3-8b", 4096): PROVIDERS, ("llama3-8b", 16384): ("flashtx", "compiled", "liger", "copy")}
 
 
 def _params():
@@ -46,7 +48,7 @@ def _params():
         for model in MODELS:
             for tokens in TOKENS:
                 for provider in PROVIDERS:
-                    marks = [pytest.mark.quick] if (model, tokens) == QUICK else []
+                    marks = [pytest.mark.quick] if provider in QUICK.get((model, tokens), ()) else []
                     yield pytest.param(pass_, model, tokens, provider, marks=marks,
                                        id=f"{pass_}-{model}-t{tokens}-{provider}")
 
