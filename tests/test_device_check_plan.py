@@ -210,6 +210,7 @@ def test_steps_commit_and_bench_env_land_in_bench_json(runs):
     env = run["bench_env"]
     assert env["DEVICE_CHECK_BENCH_K"] == "not d128" and env["BENCH_DTYPE"] == "bf16"
     assert env["BENCH_BUDGET_S"] == "0.12" and "BENCH_STEADY" in env and env["BENCH_STEADY"] is None
+    assert env["OVERHEAD_REPEATS"] == "20"  # the device script's default (room in the bench step)
     # the first record (before the report) held the steps up to the models step
     assert "bench.json: 1 results, flashtx_run: 5 steps, commit abc1234 (test)" in log
 
