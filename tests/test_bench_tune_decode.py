@@ -15,17 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 from bench import tune, tune_decode as td  # noqa: E402
 from flashtx.triton_kernels import configs, decode  # noqa: E402
 from flashtx.triton_kernels.configs import KNOWN_TARGETS, DecodeConfig, Target, decode_config  # noqa: E402
+from test_bench_tune import FakeClock  # noqa: E402  (the attention sweep's tests' clock)
 
 H100 = KNOWN_TARGETS[90]
 FAST = (64, 8, 3)  # the fake timer's fastest (block_n, warps, stages), at 2x the heuristic's splits
-
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def fake_timer(clock, per_call_s=1.0):
