@@ -54,8 +54,8 @@ def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Targe
     else:
         key_tiles = cdiv(capacity, cfg.block_n)
     if num_splits <= 0:
-        slots = (target.sm_count * decode_programs_per_sm(cfg, D, DV, q.element_size(), target) if target.sm_count
-                 else 4)  # (the interpreter: 4)
+        per_sm = decode_programs_per_sm(cfg, _pow2(D), _pow2(DV), q.element_size(), target)  # (padded head dims)
+        slots = target.sm_count * per_sm if target.sm_count else 4  # (the interpreter: 4)
         programs = B * Hkv * m_tiles
         if not isinstance(programs, int):  # a symbolic batch (torch.compile): decided on this trace's sizes, without
             # a guard (any split count is correct; a guard on the wave arithmetic compiled a graph per batch size)
