@@ -34,6 +34,7 @@ import torch
 
 from . import _cuda_build as _b
 from . import _env
+from .triton_kernels.targets import num_splits_heuristic  # flash-attn 2's, shared with the Triton decode kernels
 
 __all__ = [
     # the ops (decode attention, fused RoPE + KV-cache append, and flash-attn's decoding signature over both)
@@ -309,32 +310,6 @@ def decode_ctas(batch: int, hq: int, hkv: int, sq: int) -> int:
     """Blocks per split of a decode launch: B * Hkv * row chunks of (Hq / Hkv) * Sq rows."""
     rows = (hq // hkv) * sq
     return batch * hkv * math.ceil(rows / rows_per_cta(rows))
-
-
-def num_splits_heuristic(ctas: int, num_sms: int, num_n_blocks: int, max_splits: int) -> int:
-    """flash-attn 2's num_splits_heuristic: the fewest splits whose wave efficiency is within 85%
-    of the best; 1 when the blocks of one split already fill 80% of the SMs."""
-    if ctas <= 0 or ctas >= 0.8 * num_sms:  # (no blocks: an empty q, nothing to split)
-        return 1
-    max_splits = min(max_splits, num_sms, num_n_blocks)
-    if max_splits <= 1:
-        return 1
-
-    def eligible(s: int) -> bool:  # a split count that changes the blocks per split
-        return s == 1 or math.ceil(num_n_blocks / s) != math.ceil(num_n_blocks / (s - 1))
-
-    eff = []
-    for s in range(1, max_splits + 1):
-        if not eligible(s):
-            eff.append(0.0)
-            continue
-        waves = ctas * s / num_sms
-        eff.append(waves / math.ceil(waves))
-    best = max(eff)
-    for s in range(1, max_splits + 1):
-        if eligible(s) and eff[s - 1] >= 0.85 * best:
-            return s
-    return 1
 
 
 def choose_num_splits(batch: int, hq: int, hkv: int, sq: int, capacity: int, num_sms: int) -> int:

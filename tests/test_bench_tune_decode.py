@@ -140,7 +140,7 @@ def test_split_multiples_are_clamped_and_deduplicated():
     # the heuristic per tile: flash-attn 2's rule with programs_per_sm programs an SM (2 at 4 warps, 1 at 8)
     assert td.heuristic_splits(DecodeConfig(128, 64, 4, 2), 128, (8, 8192), H100) == 4
     assert td.heuristic_splits(DecodeConfig(128, 64, 8, 2), 128, (1, 8192), H100) == \
-        decode.num_splits_heuristic(8, 64, 132)
+        decode.num_splits_heuristic(8, 132, 64, decode.MAX_SPLITS)
 
 
 def test_ranking_and_paste_lines_pick_the_fastest_tile():

@@ -7,6 +7,7 @@ import torch
 
 from .configs import (INTERPRETER_TARGET, KNOWN_TARGETS, ElementwiseConfig, Target, decode_config,
                       decode_programs_per_sm)
+from .targets import num_splits_heuristic
 from .decode_kernels import _decode_combine, _decode_fwd, _kv_append
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_block, rows_tile,
                      split_f32, target_for)
@@ -17,27 +18,6 @@ MAX_SPLITS = 128
 
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def num_splits_heuristic(programs: int, key_tiles: int, sms: int, max_splits: int = MAX_SPLITS) -> int:
-    """flash-attn's rule: with too few (batch x kv head x M tile) programs to fill the GPU, split the
-    keys; among split counts up to the tiles available, take the smallest whose wave efficiency
-    (programs / (waves x sms)) is within 85% of the best, among the counts that change the key tiles a split gets.
-    sms: the programs that run at once (flash-attn passes 2 a multiprocessor: configs.decode_programs_per_sm)."""
-    if programs >= 0.8 * sms or key_tiles <= 1:
-        return 1
-    max_splits = min(max_splits, sms, key_tiles)
-
-    def eligible(s: int) -> bool:  # flash-attn's is_split_eligible: a count that changes the tiles per split (64
-        # tiles over 29 splits are 3 a split, as over 22: the other 7 would get none)
-        return s == 1 or -(-key_tiles // s) != -(-key_tiles // (s - 1))
-    eff = {}
-    for s in range(1, max_splits + 1):
-        if eligible(s):
-            waves = (programs * s + sms - 1) // sms
-            eff[s] = programs * s / (waves * sms)
-    best = max(eff.values())
-    return next(s for s, e in eff.items() if e >= 0.85 * best)
 
 
 def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Target) -> int:
@@ -60,7 +40,7 @@ def split_count(q, k_cache, v_cache, block_table, num_splits: int, target: Targe
         if not isinstance(programs, int):  # a symbolic batch (torch.compile): decided on this trace's sizes, without
             # a guard (any split count is correct; a guard on the wave arithmetic compiled a graph per batch size)
             programs = getattr(programs.node, "hint", None) or slots  # (unknown: no split)
-        num_splits = num_splits_heuristic(programs, key_tiles, slots)
+        num_splits = num_splits_heuristic(programs, slots, key_tiles, MAX_SPLITS)
     return max(1, min(num_splits, key_tiles, MAX_SPLITS))
 
 
