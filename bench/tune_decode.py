@@ -38,10 +38,10 @@ def max_block_m(d: int) -> int:
 
 
 def shared_memory(tile, d: int, dv: int, elt: int = ELT) -> int:
-    """Bytes of shared memory a tile is assumed to need: num_stages - 1 K and V buffers (Triton's pipeliner; the
-    compile check reports 38,912 bytes for 64 keys at 2 stages and 71,680 at 3, D = 128), a q tile and 8 KB of
-    margin. A tile that still does not fit fails to compile, and its row records that."""
-    return max(tile.num_stages - 1, 1) * tile.block_n * (d + dv) * elt + tile.max_block_m * d * elt + 8192
+    """Bytes of shared memory a tile is assumed to need: DecodeConfig.shared_memory's estimate (num_stages - 1 K
+    and V buffers and a q tile) and 8 KB of margin. A tile that still does not fit fails to compile, and its row
+    records that."""
+    return tile.shared_memory(d, dv, elt) + 8192
 
 
 def ident(tile) -> tuple:
