@@ -70,6 +70,11 @@ def optional_import(module: str):
         raise Unavailable(f"`import {module}` failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
 
 
+def _xformers_cpp_loaded() -> bool:
+    """Whether xformers' C++ library loaded (xformers._cpp_lib._build_metadata is None when it did not)."""
+    return getattr(importlib.import_module("xformers._cpp_lib"), "_build_metadata", True) is not None
+
+
 def xformers_ops_without_cpp():
     """xformers.ops, with its build check cleared when its C++ library did not load (a wheel built for another torch:
     the 0.0.35 wheel, for 2.10+cu128, on torch 2.11+cu130, 2026-12-06). Every CUDA op then refuses every input
@@ -78,9 +83,8 @@ def xformers_ops_without_cpp():
     PyTorch-backed ops would time PyTorch's own kernels). Returns (xformers.ops, note): the note says whether the
     check was cleared."""
     xops = optional_import("xformers.ops")
-    cpp = importlib.import_module("xformers._cpp_lib")
     common = importlib.import_module("xformers.ops.fmha.common")
-    if getattr(cpp, "_build_metadata", True) is None and not getattr(common, "_built_with_cuda", True):
+    if not _xformers_cpp_loaded() and not getattr(common, "_built_with_cuda", True):
         common._built_with_cuda = True
         return xops, " (its C++ library did not load: the build check is cleared for its Triton / PyTorch-backed ops)"
     return xops, ""
@@ -164,7 +168,7 @@ XFORMERS_OPS = (("flash", "fa2 (PyTorch-backed, fa2F/fa2B@pt)"), ("cutlass", "cu
 
 def _xformers(case: AttnCase):
     xops = optional_import("xformers.ops")
-    if getattr(importlib.import_module("xformers._cpp_lib"), "_build_metadata", True) is None:
+    if not _xformers_cpp_loaded():
         raise Unavailable("xformers' C++ library did not load (built for another torch): its PyTorch-backed ops would "
                           "time PyTorch's own kernels, which the sdpa rows time (and the bench step's budget has no "
                           "room for them)")

@@ -3,7 +3,7 @@
 Times triton_kernels/decode_kernels.py's `_decode_fwd` through flashtx.flash_attn_with_kvcache (Sq = 1, bf16,
 Hq/Hkv = 32/8 as LLaMA-3-8B, contiguous caches (B, ctx, Hkv, D) full to ctx, no append) over tiles
 DecodeConfig(block_n, max_block_m, num_warps, num_stages) forced into configs._DECODE (forced_tile) and split
-counts around decode.split_count's heuristic (flash-attn 2's rule, DecodeConfig.programs_per_sm programs an SM).
+counts around decode.split_count's heuristic (flash-attn 2's rule, configs.decode_programs_per_sm programs an SM).
 
 Plan per head dim (128, then 64), within the wall-clock budget:
   1. at the first case, every tile (the shipped default first) at the heuristic's split count;
@@ -279,7 +279,7 @@ def paste_lines(results: list[dict], gpu: str, triton_version: str, date: str | 
             shown.add(tile)
             n = _cases(cases)
             own = at_own.get(tile)
-            at = "" if m == 1 else (f" at {_mult(m)} the split heuristic's count (programs_per_sm)"
+            at = "" if m == 1 else (f" at {_mult(m)} the split heuristic's count (decode_programs_per_sm)"
                                     + (f"; {own[0]:.2f}x at its count over {_cases(own[1])}" if own else ""))
             lines.append(f"{d}: DecodeConfig({', '.join(map(str, tile))}, \"bench.tune on {gpu} ({date}, triton "
                          f"{triton_version}): {gm:.2f}x the default's time over {n}{at}\"),")

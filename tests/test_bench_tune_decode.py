@@ -137,7 +137,7 @@ def test_split_multiples_are_clamped_and_deduplicated():
     assert td.split_multiples(40, 50) == [(1, 40), (2, 50), (0.5, 20)]  # 4x: the 50 key tiles again
     assert td.split_multiples(100, 1000) == [(1, 100), (2, decode.MAX_SPLITS), (0.5, 50)]
     assert td.split_multiples(4, 1) == [(1, 1)]
-    # the heuristic per tile: flash-attn 2's rule with programs_per_sm programs an SM (2 at 4 warps, 1 at 8)
+    # the heuristic per tile: flash-attn 2's rule with decode_programs_per_sm programs an SM (2 at 4 warps, 1 at 8)
     assert td.heuristic_splits(DecodeConfig(128, 64, 4, 2), 128, (8, 8192), H100) == 4
     assert td.heuristic_splits(DecodeConfig(128, 64, 8, 2), 128, (1, 8192), H100) == \
         decode.num_splits_heuristic(8, 132, 64, decode.MAX_SPLITS)

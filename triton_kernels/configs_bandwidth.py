@@ -125,14 +125,6 @@ class DecodeConfig:
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
-    @property
-    def programs_per_sm(self) -> int:
-        """Programs the split heuristic counts an SM as running at once, by threads: flash-attn 2 counts 2 of its
-        128-thread blocks (flash_api.cpp, set_params_splitkv: num_splits_heuristic(..., multiProcessorCount * 2, ...),
-        "to hard-code the fact that we're using 128 threads per block"); so 2 for 4 warps, 1 for 8. What fits the
-        SM's shared memory may be fewer: decode_programs_per_sm."""
-        return max(1, 8 // self.num_warps)
-
     def shared_memory(self, d: int, dv: int, elt: int) -> int:
         """Upper estimate of a program's shared memory, bytes: num_stages - 1 K and V buffers (Triton's pipeliner:
         the compile check reports 38,912 bytes for 64 keys at 2 stages and 71,680 at 3, D = 128 16-bit) and a q tile
@@ -141,10 +133,13 @@ class DecodeConfig:
 
 
 def decode_programs_per_sm(cfg: DecodeConfig, d: int, dv: int, elt: int, target: Target) -> int:
-    """cfg.programs_per_sm, but no more than fit the SM's shared memory by cfg.shared_memory (target.max_shared, a
-    block's limit, standing for the SM's): one 72-82 KB 16-bit tile on sm_86/89, where flash-attn 2 still counts
-    two of its 80 KB blocks."""
-    return max(1, min(cfg.programs_per_sm, target.max_shared // max(cfg.shared_memory(d, dv, elt), 1)))
+    """Programs of this tile the split heuristic counts an SM as running at once. By threads, flash-attn 2's count:
+    2 of its 128-thread blocks (flash_api.cpp, set_params_splitkv: num_splits_heuristic(..., multiProcessorCount *
+    2, ...), "to hard-code the fact that we're using 128 threads per block"), so 2 at 4 warps, 1 at 8; but no more
+    than fit the SM's shared memory by cfg.shared_memory (target.max_shared, a block's limit, standing for the
+    SM's): one 72-82 KB 16-bit tile on sm_86/89, where flash-attn 2 still counts two of its 80 KB blocks."""
+    by_threads = max(1, 8 // cfg.num_warps)
+    return max(1, min(by_threads, target.max_shared // max(cfg.shared_memory(d, dv, elt), 1)))
 
 
 # Per element size and head-dim bucket. Decoding is bandwidth-bound: what matters is K/V bytes in flight per SM.
