@@ -59,13 +59,18 @@ case "$a" in
 esac
 s=$(awk "BEGIN{print $d * $SIM_SCALE}")
 echo "$(date +%s%3N) START $key" >> "$SIM_LOG"
+# The handlers are functions, parsed here once: a trap string is parsed when the signal comes, and a second signal
+# during that parse (the tests_gpu wrapper sends SIGTERM to the run's group and to its pid, maybe twice) left
+# bash with "unexpected EOF while looking for matching `)'" and the stub running on (CI, 2026-12-06). Each
+# handler first ignores both signals, so it runs once.
+on_sig() { trap '' INT TERM; kill $SL 2>/dev/null; echo "$(date +%s%3N) $1 $key" >> "$SIM_LOG"; exit "$2"; }
 if [[ ",${SIM_IGNORE_INT:-}," == *",$key,"* ]]; then
   trap '' INT
 else
-  trap 'kill $SL 2>/dev/null; echo "$(date +%s%3N) INT $key" >> "$SIM_LOG"; exit 130' INT
+  trap 'on_sig INT 130' INT
 fi
 # SIGTERM (the tests_gpu wrapper ends the extension's run with it) ends the sleep too: no orphan keeps the pipe open
-trap 'kill $SL 2>/dev/null; echo "$(date +%s%3N) TERM $key" >> "$SIM_LOG"; exit 143' TERM
+trap 'on_sig TERM 143' TERM
 sleep "$s" & SL=$!
 while ! wait $SL; do kill -0 $SL 2>/dev/null || break; done
 echo "$(date +%s%3N) END $key" >> "$SIM_LOG"
