@@ -23,8 +23,9 @@ so differences between candidates are the tuned kernel's.
 
 Output: a table per group (default ms, best config and ms, speedup) and, per (kernel, head dim),
 the candidates ranked by the geometric mean over dtype, causal and N of their time over the
-default's, as `TileConfig(...)` lines to paste into configs.py's tables. --write-cache stores the
-overall winner per kernel and head dim in the autotune cache (the keys FLASHTX_AUTOTUNE=1 reads).
+default's, as `TileConfig(...)` lines to paste into configs.py's tables (causal: the main tables; full:
+configs.FULL). --write-cache stores the winner per kernel, head dim and causality in the autotune cache (the keys
+FLASHTX_AUTOTUNE=1 reads).
 
 `--modified` times every attention group with a score modifier (softcap 30; configs.MODIFIED's tiles are the
 defaults, no TMA candidates), for the modifier tables and the modifier keys of --write-cache.
@@ -191,9 +192,10 @@ def gpu_healthy() -> bool:
     return True
 
 
-def rank(results: list[dict]) -> dict[tuple[str, int], list[tuple[tuple, float, int]]]:
-    """Per (kernel, D): candidates ranked by the geometric mean, over every (dtype, causal, N) where
-    both it and the default were timed, of its time over the default's: [(ident, geomean, cases)]."""
+def rank(results: list[dict], by_causal: bool = False) -> dict[tuple, list[tuple[tuple, float, int]]]:
+    """Per (kernel, D), or with by_causal per (kernel, D, causal): candidates ranked by the geometric mean, over
+    every (dtype, causal, N) of the group where both it and the default were timed, of its time over the
+    default's: [(ident, geomean, cases)]."""
     default_ms = {}
     for r in results:
         if r.get("default") and "ms" in r:
@@ -202,7 +204,8 @@ def rank(results: list[dict]) -> dict[tuple[str, int], list[tuple[tuple, float, 
     for r in results:
         base = default_ms.get((r["kernel"], r["d"], r["causal"], r["dtype"], r["seqlen"]))
         if "ms" in r and base:
-            logs[(r["kernel"], r["d"])][tuple(r["ident"])].append(math.log(r["ms"] / base))
+            group = (r["kernel"], r["d"], r["causal"]) if by_causal else (r["kernel"], r["d"])
+            logs[group][tuple(r["ident"])].append(math.log(r["ms"] / base))
     out = {}
     for kd, per in logs.items():
         out[kd] = sorted(((ident, math.exp(sum(v) / len(v)), len(v)) for ident, v in per.items()),
@@ -241,10 +244,10 @@ def table(sweep_out: dict, gpu: str, triton_version: str) -> str:
     if budget:
         lines += ["", f"Not timed (budget): {len(budget)} candidate runs, e.g. " + "; ".join(budget[:6])]
     lines += ["", f"Paste into triton_kernels/configs.py ({'MODIFIED, ' if modified else ''}16-bit tables), best "
-              "first per kernel and head dim; "
-              "the number is the geometric mean of time / default's over the (dtype, causal, N) cases timed:", ""]
-    for (kernel, d), ranked in sorted(rank(res).items()):
-        lines.append(f"# {kernel}, head dim {d}")
+              "first per kernel, head dim and causality (causal: the main tables; full: configs.FULL); "
+              "the number is the geometric mean of time / default's over the (dtype, N) cases timed:", ""]
+    for (kernel, d, causal), ranked in sorted(rank(res, by_causal=True).items(), key=lambda x: (x[0][:2], not x[0][2])):
+        lines.append(f"# {kernel}, head dim {d}, {'causal' if causal else 'full (configs.FULL)'}")
         for ident, gm, cases in ranked[:3]:
             args, tma = _config_args(ident)
             lines.append(f"TileConfig({args}, \"tuned on {gpu}, triton {triton_version}: "
@@ -265,7 +268,7 @@ def gpu_time_fn(seed: int = 0):
 
 
 def write_cache(sweep_out: dict, target, gpu: str, triton_version: str) -> list[str]:
-    """The overall winner per (kernel, D) into the autotune cache under the runtime keys: ranked first among the
+    """The winner per (kernel, D, causal) into the autotune cache under the runtime keys: ranked first among the
     configs timed in as many cases as any (a tile timed at one N only cannot win on less evidence). TMA tiles
     are left out when the sweep stopped on a broken GPU or any TMA candidate failed: users' autotuning trusts a
     cached TMA winner."""
@@ -276,14 +279,15 @@ def write_cache(sweep_out: dict, target, gpu: str, triton_version: str) -> list[
     tma_ok = not any(x.startswith("stopped:") for x in sweep_out["skipped"]) and \
         not any("error" in r and _config_args(r["ident"])[1] for r in res)
     keys = []
-    for (kernel, d), ranked in rank(res).items():
+    for (kernel, d, causal), ranked in rank(res, by_causal=True).items():
         most = max(cases for _, _, cases in ranked)
         eligible = [x for x in ranked if x[2] == most and (tma_ok or not _config_args(x[0])[1])]
         if not eligible:
             continue
         (bm, bn, w, s, *tma), gm, cases = eligible[0]
         key = autotune.make_key(gpu=gpu, arch=target.arch, triton_version=triton_version, kernel=kernel,
-                                dtype=autotune.DTYPE_ANY_16, block_dqk=d, block_dv=d, causal="any", modified=modified)
+                                dtype=autotune.DTYPE_ANY_16, block_dqk=d, block_dv=d, causal=bool(causal),
+                                modified=modified)
         autotune.store(key, TileConfig(bm, bn, w, s, f"bench.tune: {gm:.2f}x the default's time over {cases} cases",
                                        bool(tma and tma[0])),
                        ms=None, timings={"geomean_vs_default": gm, "cases": cases})

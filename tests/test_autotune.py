@@ -64,7 +64,7 @@ def test_best_candidate_wins_and_is_cached(cache_dir):
     assert _ident(best) == _ident(winner) and "0.500 ms" in best.reason
     data = json.loads((cache_dir / "autotune.json").read_text())
     assert data["version"] == autotune.CACHE_VERSION and list(data["entries"]) == [key]
-    assert "|sm_90|triton " in key and "|attn_fwd|16-bit|d128/128|causal=any|modified=False" in key
+    assert "|sm_90|triton " in key and "|attn_fwd|16-bit|d128/128|causal=True|modified=False" in key
     autotune.reset_memory()  # round trip through the file
     assert _ident(autotune.cached(key)) == _ident(winner)
 
@@ -82,12 +82,17 @@ def test_hook_tunes_once_per_key_then_uses_the_cache(cache_dir, monkeypatch):
     autotune.autotune()
     got = configs.select_config("attn_fwd", 64, 64, 2, H100)
     n = len(calls)
-    assert n >= 2 and {c[2] for c in calls} == {False, True}  # both causal and not, for the "any" key
+    assert n >= 2 and {c[2] for c in calls} == {True}  # a causal launch's key: timed causal only
     assert got.block_n == 64 and got.reason.startswith("autotuned")
     again = configs.select_config("attn_fwd", 64, 64, 2, H100)
     assert _ident(again) == _ident(got) and len(calls) == n  # cached: no re-tuning
+    full = configs.select_config("attn_fwd", 64, 64, 2, H100, causal=False)  # its own key, timed without the mask
+    n_full = len(calls)
+    assert n_full > n and {c[2] for c in calls[n:]} == {False} and full.reason.startswith("autotuned")
     autotune.reset_memory()
-    assert _ident(configs.select_config("attn_fwd", 64, 64, 2, H100)) == _ident(got) and len(calls) == n  # from disk
+    assert _ident(configs.select_config("attn_fwd", 64, 64, 2, H100)) == _ident(got) and len(calls) == n_full
+    assert _ident(configs.select_config("attn_fwd", 64, 64, 2, H100, causal=False)) == _ident(full)  # from disk
+    assert len(calls) == n_full
     assert _ident(configs.select_config("attn_fwd", 64, 64, 2, configs.INTERPRETER_TARGET)) != _ident(got)
     autotune.autotune(False)
     assert _ident(configs.select_config("attn_fwd", 64, 64, 2, H100)) == _ident(default)
@@ -279,7 +284,7 @@ def test_two_threads_missing_one_key_tune_it_once_and_other_widths_keep_their_co
     for t in threads:
         t.join()
     n_cands = len(autotune.candidates("attn_fwd", 64, 64, 2, H100))
-    assert len(timed) == 2 * n_cands, (len(timed), n_cands)  # one tuning (causal and not per candidate)
+    assert len(timed) == n_cands, (len(timed), n_cands)  # one tuning (of the causal key: one time per candidate)
     tuned = configs.select_config("attn_fwd", 64, 64, 2, H100)
     assert tuned.reason.startswith("autotuned") and len(got) == 4
     default = configs._select("attn_fwd", 64, 64, 2, H100, False)

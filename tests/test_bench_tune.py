@@ -48,7 +48,10 @@ def test_sweep_plan_table_and_ranking():
     assert set(ranked) == {(k, d) for k in tune.KERNELS for d in tune.HEADDIMS}
     text = tune.table(out, "FAKE-GPU", "0.0")
     assert "| attn_fwd | 128 | yes | bfloat16 | 4096 |" in text
-    assert "# attn_bwd_dq, head dim 64" in text and 'TileConfig(' in text and "FAKE-GPU" in text
+    assert "# attn_bwd_dq, head dim 64, causal" in text and 'TileConfig(' in text and "FAKE-GPU" in text
+    assert "# attn_bwd_dq, head dim 64, full (configs.FULL)" in text
+    assert set(tune.rank(res, by_causal=True)) == {(k, d, c) for k in tune.KERNELS for d in tune.HEADDIMS
+                                                   for c in (False, True)}
     winner = ranked[("attn_fwd", 128)][0]
     assert winner[0][1] == 64 and winner[1] <= 1.0
 
@@ -68,11 +71,11 @@ def test_write_cache_stores_the_runtime_keys(tmp_path, monkeypatch):
     clock = FakeClock()
     out = tune.sweep(H100, fake_timer(clock), budget_s=1e9, quick=True, clock=clock, log=lambda *a: None)
     keys = tune.write_cache(out, H100, "FAKE-GPU", "0.0")
-    assert len(keys) == len(tune.KERNELS) * len(tune.HEADDIMS)
+    assert len(keys) == len(tune.KERNELS) * len(tune.HEADDIMS) * 2  # causal and full apart
     data = json.loads((tmp_path / "autotune.json").read_text())
     assert sorted(data["entries"]) == sorted(keys)
     key = autotune.make_key(gpu="FAKE-GPU", arch=90, triton_version="0.0", kernel="attn_fwd",
-                            dtype=autotune.DTYPE_ANY_16, block_dqk=128, block_dv=128, causal="any", modified=False)
+                            dtype=autotune.DTYPE_ANY_16, block_dqk=128, block_dv=128, causal=True, modified=False)
     autotune.reset_memory()
     assert autotune.cached(key).block_n == 64
     autotune.reset_memory()
@@ -175,7 +178,7 @@ def test_a_faster_tma_tile_is_timed_at_every_length_and_cached(tmp_path, monkeyp
     assert {r["seqlen"] for r in tma_rows} == {1024, 4096, 16384}
     tune.write_cache(out, H100, "FAKE-GPU", "0.0")
     key = autotune.make_key(gpu="FAKE-GPU", arch=90, triton_version="0.0", kernel="attn_fwd",
-                            dtype=autotune.DTYPE_ANY_16, block_dqk=128, block_dv=128, causal="any", modified=False)
+                            dtype=autotune.DTYPE_ANY_16, block_dqk=128, block_dv=128, causal=True, modified=False)
     autotune.reset_memory()
     assert autotune.cached(key).tma
     autotune.reset_memory()
@@ -186,7 +189,7 @@ def test_write_cache_needs_every_length_and_a_clean_tma_run(tmp_path, monkeypatc
     after a TMA candidate failed, or the sweep stopped on a broken GPU, no TMA tile is cached."""
     monkeypatch.setenv("FLASHTX_CACHE_DIR", str(tmp_path))
     key = autotune.make_key(gpu="FAKE-GPU", arch=90, triton_version="0.0", kernel="attn_fwd",
-                            dtype=autotune.DTYPE_ANY_16, block_dqk=128, block_dv=128, causal="any", modified=False)
+                            dtype=autotune.DTYPE_ANY_16, block_dqk=128, block_dv=128, causal=True, modified=False)
 
     def cached_after(out):
         autotune.reset_memory()

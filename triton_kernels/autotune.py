@@ -12,10 +12,11 @@ whether score modifiers (mask, softcap, ALiBi, dropout) are on. configs.select_c
 `lookup` through a hook at its top only while autotuning is on; when off (the default) the hook is
 None and nothing extra runs, so compile time is what it was.
 
-select_config is not told the dtype or causality (its signature stays as it is), so the hook's key
-has dtype "16-bit" (fp16 and bf16, one element size) or "float32", and causal "any": such a key is
-tuned on both causal and non-causal inputs and keeps the config with the smallest total time.
-`bench.tune` measures each (dtype, causal, N) on its own.
+select_config is not told the dtype (its signature stays as it is), so the hook's key has dtype "16-bit"
+(fp16 and bf16, one element size) or "float32". Causal and non-causal launches are keyed apart (causal True /
+False), as configs.py's tables are (configs.FULL): their best tiles differ (H100, 2026-12-06: dK/dV at D = 128 is
+fastest at 32x64 w4 causal and 64x128 w8 full, each 11% slower on the other), so each key is timed on its own
+kind of input. `bench.tune` measures each (dtype, causal, N) on its own.
 
 The backward kernels are tuned from inside the first backward that launches them (each candidate's timed
 pass records its own forward with grad on). One key is tuned at a time (a lock: threads that miss the same
@@ -312,7 +313,7 @@ def cached(key: str) -> TileConfig | None:
     return _config_from(entry) if entry is not None else None
 
 
-def _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified) -> TileConfig | None:
+def _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified, causal=True) -> TileConfig | None:
     """cached(key), if it is one of candidates() for the launch (checked once per key and config): a config the
     tuner would not have timed here (edited, or from another flashtx) is ignored with a warning, like a miss. A TMA
     candidate is accepted on sm_90 whatever TMA_BY_DEFAULT says: it was timed on this GPU (bench.tune --write-cache
@@ -320,11 +321,12 @@ def _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified) -> Tile
     cfg = cached(key)
     if cfg is None:
         return None
-    memo = (key, kernel, block_dqk, block_dv, elt, target, modified, ident_of(cfg))
+    memo = (key, kernel, block_dqk, block_dv, elt, target, modified, causal, ident_of(cfg))
     ok = _checked.get(memo)
     if ok is None:
         ok = _checked[memo] = memo[-1] in {ident_of(c) for c in
-                                           candidates(kernel, block_dqk, block_dv, elt, target, modified, tma=True)}
+                                           candidates(kernel, block_dqk, block_dv, elt, target, modified, tma=True,
+                                                                      causal=causal)}
         if not ok:
             _warn(f"flashtx autotune: ignoring the cached config {describe(cfg)} for {key} in {cache_path()}: not "
                   "one of the candidates for this GPU, kernel and head dims; tuning afresh")
@@ -456,7 +458,7 @@ def forced(kernel: str, cfg: TileConfig, key: tuple | None = None):
             configs._autotune_hook = None
 
 
-def _hook(kernel, block_dqk, block_dv, elt, target, modified, masked=False):
+def _hook(kernel, block_dqk, block_dv, elt, target, modified, masked=False, causal=True):
     """configs.select_config's hook while autotuning is on: a forced, cached or freshly tuned config,
     or None for select_config's own choice (always for masked launches: the timings ran no visibility masks,
     and the MASKED tables hold tiles that spill less there)."""
@@ -467,17 +469,17 @@ def _hook(kernel, block_dqk, block_dv, elt, target, modified, masked=False):
         return None  # (float64: the tests' dtype, not tuned)
     key = None
     try:
-        key = runtime_key(kernel, block_dqk, block_dv, elt, target, modified)
-        hit = _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified)
+        key = runtime_key(kernel, block_dqk, block_dv, elt, target, modified, causal)
+        hit = _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified, causal)
         if hit is not None:
             return hit
         if tuning() or _compiling() or _capturing() or _saved_tensor_hooks() or key in _failed:
             return None  # (not marked failed: a later plain eager launch tunes it)
         with _tune_lock:  # another thread may have tuned this key while this one waited
-            hit = _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified)
+            hit = _cached_for(key, kernel, block_dqk, block_dv, elt, target, modified, causal)
             if hit is not None or key in _failed:
                 return hit
-            return tune_now(key, kernel, block_dqk, block_dv, elt, target, modified)
+            return tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, causal=causal)
     except Exception as exc:  # noqa: BLE001 - tuning must never break a launch: fall back to the default
         if key is not None:
             _failed.add(key)
@@ -523,11 +525,11 @@ def gpu_identity(target) -> tuple[str, str]:
     return name, triton.__version__
 
 
-def runtime_key(kernel, block_dqk, block_dv, elt, target, modified) -> str:
+def runtime_key(kernel, block_dqk, block_dv, elt, target, modified, causal=True) -> str:
     gpu, tv = gpu_identity(target)
     return make_key(gpu=gpu, arch=target.arch, triton_version=tv, kernel=kernel,
                     dtype=DTYPE_ANY_16 if elt <= 2 else "float32", block_dqk=block_dqk, block_dv=block_dv,
-                    causal="any", modified=modified)
+                    causal=bool(causal), modified=modified)
 
 
 # Synthetic problem for tuning at run time: B*N = 16k tokens, H*D = 2048 (as bench/test_attention.py).
@@ -535,9 +537,10 @@ RUNTIME_SEQLEN, RUNTIME_TOKENS, RUNTIME_HIDDEN = 4096, 16384, 2048
 RUNTIME_DTYPE_16 = "bfloat16"  # the 16-bit keys are timed in bf16 (fp16 runs the same tiles)
 
 
-def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn=None) -> TileConfig | None:
-    """Time the candidates for one key (both causal and not, summed), store and return the fastest."""
-    cands = candidates(kernel, block_dqk, block_dv, elt, target, modified)
+def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, causal=True,
+             time_fn=None) -> TileConfig | None:
+    """Time the candidates for one key (causal or full inputs, as the key says), store and return the fastest."""
+    cands = candidates(kernel, block_dqk, block_dv, elt, target, modified, causal=causal)
     if not cands:
         _failed.add(key)
         return None
@@ -550,9 +553,9 @@ def tune_now(key, kernel, block_dqk, block_dv, elt, target, modified, *, time_fn
             device = (f"cuda:{index}" if index >= 0 else "cuda") if torch.cuda.is_available() else "cpu"
 
             def time_fn(cfg):
-                return sum(time_candidate(kernel, cfg, d=block_dqk, dv=block_dv, causal=c, dtype=dtype,
-                                          seqlen=RUNTIME_SEQLEN, tokens=RUNTIME_TOKENS, hidden=RUNTIME_HIDDEN,
-                                          device=device, modified=modified) for c in (False, True))
+                return time_candidate(kernel, cfg, d=block_dqk, dv=block_dv, causal=bool(causal), dtype=dtype,
+                                      seqlen=RUNTIME_SEQLEN, tokens=RUNTIME_TOKENS, hidden=RUNTIME_HIDDEN,
+                                      device=device, modified=modified)
         best, timings = best_of(cands, time_fn)
     if best is None:  # say so once, and keep select_config's choice for this key from now on
         _failed.add(key)

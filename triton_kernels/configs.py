@@ -380,11 +380,12 @@ def select_config(kernel: str, block_dqk: int, block_dv: int, elt: int, target: 
     modified: the launch uses score modifiers (attn_mask, softcap, ALiBi or dropout).
     masked: a window, key/query masks, lengths or varlen decide visibility (MaskSpec.masks_visibility).
     causal: a causal mask (False with neither of the above: the FULL table first).
-    An autotuned config (FLASHTX_AUTOTUNE) is keyed by `modified` and timed with a modifier where it is set;
+    An autotuned config (FLASHTX_AUTOTUNE) is keyed by `modified` and `causal` and timed with a modifier where it
+    is set and a causal mask where that is;
     masked launches keep the MASKED tables (tuning times no visibility masks, and a plain winner spilled there).
     """
     if _autotune_hook is not None and target is not INTERPRETER_TARGET:  # a forced or tuned config, or None
-        tuned = _autotune_hook(kernel, block_dqk, block_dv, elt, target, modified, masked)
+        tuned = _autotune_hook(kernel, block_dqk, block_dv, elt, target, modified, masked, causal)
         if tuned is not None:
             return tuned
     if target is INTERPRETER_TARGET:
