@@ -6,8 +6,12 @@
 // a KV head shares each K/V tile the block loads, so K/V are read once per KV head, not per query
 // head. Per tile of BN keys (BN * D * sizeof(T) = 8 KB):
 //   1. slots:  the cache row/slot of each key (block_table or cache_batch_idx), -1 if out of range
-//   2. load:   K and V tiles into shared memory with 16-byte cp.async (zero-filled when masked);
-//              V lands while the scores are computed
+//   2. load:   K and V tiles into shared memory with 16-byte cp.async (zero-filled when masked).
+//              Double-buffered (STAGES = 2, where two K/V buffers fit the 48 KB of static shared
+//              memory: DecodeSmem): the next tile's slots and loads are issued before this tile is
+//              computed, so a block keeps 16 KB more in flight (the H100 of 2026-12-06 ran the
+//              one-tile-at-a-time kernel 3.2x slower than the Triton one). With one buffer, V lands
+//              while the scores are computed.
 //   3. scores: S = Q K^T * scale * log2(e) (fp32 accumulation), masked to -inf
 //   4. online softmax per row (a warp per row): running max M, sum L, rescale factor A
 //   5. O = A * O + P V in registers, 8 contiguous columns per thread
@@ -37,8 +41,21 @@ __device__ __forceinline__ void split_range(int seqlen, int num_splits, int spli
   end = min(begin + per * bn, seqlen);
 }
 
-// One tile of BN keys of KV head kvh into smem (one cp.async group): key n from cache row
-// key_row[n], slot key_slot[n]; zeros where key_row[n] < 0 (masked: nothing is read).
+// Static shared memory of decode_attention_kernel<T, D, ROWS> with `stages` K/V buffers (bytes; csrc/RESOURCES.md
+// records what nvcc allocates, and flashtx/cuda_ext.py's decode_smem_bytes mirrors this for the split count).
+template <typename T, int D, int ROWS>
+struct DecodeSmem {
+  using Tile = DecodeTile<T, D>;
+  static constexpr int bytes(int stages) {
+    return stages * (2 * Tile::BN * Tile::LDK * (int)sizeof(T) + 2 * Tile::BN * (int)sizeof(int)) +
+           ROWS * D * (int)sizeof(T) + ROWS * Tile::BN * (int)sizeof(float) + 3 * ROWS * (int)sizeof(float);
+  }
+  static constexpr int STATIC_LIMIT = 48 * 1024;  // static __shared__ bytes a block may have
+  static constexpr int STAGES = bytes(2) <= STATIC_LIMIT ? 2 : 1;
+};
+
+// One tile of BN keys of KV head kvh into smem (the caller commits the cp.async group): key n from
+// cache row key_row[n], slot key_slot[n]; zeros where key_row[n] < 0 (masked: nothing is read).
 template <typename T, int D>
 __device__ __forceinline__ void load_tile_async(T (&dst)[DecodeTile<T, D>::BN][DecodeTile<T, D>::LDK],
                                                 const T* __restrict__ cache, const ftx_strides& st, int kvh,
@@ -50,7 +67,6 @@ __device__ __forceinline__ void load_tile_async(T (&dst)[DecodeTile<T, D>::BN][D
     const T* src = cache + offset(st, row, key_slot[n], kvh) + c * Tile::VEC;
     cp_async16(&dst[n][c * Tile::VEC], row >= 0 ? src : cache, row >= 0);
   }
-  cp_async_commit();
 }
 
 template <typename T, int D, int ROWS>
@@ -61,13 +77,14 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
   constexpr int RG = NT / BN, RPT = (ROWS + RG - 1) / RG;      // score phase: rows per thread
   constexpr int CG = D / 8, RG2 = NT / CG, RPT2 = (ROWS + RG2 - 1) / RG2;  // PV phase
   constexpr int DV = D / VEC;                                  // 16-byte vectors per row
+  constexpr int STAGES = DecodeSmem<T, D, ROWS>::STAGES;       // K/V buffers: 2 = the next tile loads meanwhile
 
-  __shared__ __align__(16) T Ks[BN][LDK];   // (BN, D) + pad
-  __shared__ __align__(16) T Vs[BN][LDK];   // (BN, D) + pad
-  __shared__ __align__(16) T Qs[ROWS][D];   // (ROWS, D), as given (scale applied to the scores)
-  __shared__ float Ss[ROWS][BN];            // scores, then probabilities
+  __shared__ __align__(16) T Ks[STAGES][BN][LDK];   // (BN, D) + pad, a buffer per stage
+  __shared__ __align__(16) T Vs[STAGES][BN][LDK];   // (BN, D) + pad
+  __shared__ __align__(16) T Qs[ROWS][D];           // (ROWS, D), as given (scale applied to the scores)
+  __shared__ float Ss[ROWS][BN];                    // scores, then probabilities
   __shared__ float Mrow[ROWS], Lrow[ROWS], Arow[ROWS];
-  __shared__ int key_row[BN], key_slot[BN];
+  __shared__ int key_row[STAGES][BN], key_slot[STAGES][BN];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int split = blockIdx.x;
@@ -94,8 +111,18 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc_o[k][j] = 0.f;
 
+  // 1. the cache row/slot of the keys [n0, n0 + BN) into buffer st (threads 0 .. BN - 1)
+  auto slots = [&](int st, int n0) {
+    if (tid < BN) {
+      int row = -1, slot = 0;
+      if (n0 + tid < n_end) cache_slot(b, n0 + tid, p.cache, row, slot);
+      key_row[st][tid] = row;
+      key_slot[st][tid] = slot;
+    }
+  };
+
   if (n_begin < n_end) {
-    // Q rows of this block -> smem (zeros for rows past rows_total)
+    // Q rows of this block -> smem (zeros for rows past rows_total): the first cp.async group
     for (int e = tid; e < ROWS * DV; e += NT) {
       int r = e / DV, c = e % DV, R = row0 + r;
       bool ok = R < rows_total;
@@ -104,22 +131,41 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
       cp_async16(&Qs[r][c * VEC], ok ? src : q, ok);
     }
     cp_async_commit();
+    if constexpr (STAGES > 1) {  // the first tile's K and V: one group, into buffer 0
+      slots(0, n_begin);
+      __syncthreads();
+      load_tile_async<T, D>(Ks[0], kc, p.k_st, kvh, key_row[0], key_slot[0]);
+      load_tile_async<T, D>(Vs[0], vc, p.v_st, kvh, key_row[0], key_slot[0]);
+      cp_async_commit();
+    }
   }
 
-  for (int n0 = n_begin; n0 < n_end; n0 += BN) {
-    // 1. slots
-    if (tid < BN) {
-      int row = -1, slot = 0;
-      if (n0 + tid < n_end)
-        cache_slot(b, n0 + tid, p.cache, row, slot);
-      key_row[tid] = row;
-      key_slot[tid] = slot;
+  for (int t = 0, n0 = n_begin; n0 < n_end; ++t, n0 += BN) {
+    const int cur = STAGES > 1 ? (t & 1) : 0;  // this tile's buffer
+    if constexpr (STAGES > 1) {
+      // 2. the next tile's slots and K/V into the other buffer (free: the previous iteration ended with a barrier
+      // after its last read of it), then wait for this tile's group only
+      const int nn = n0 + BN;
+      if (nn < n_end) slots(cur ^ 1, nn);
+      __syncthreads();
+      if (nn < n_end) {
+        load_tile_async<T, D>(Ks[cur ^ 1], kc, p.k_st, kvh, key_row[cur ^ 1], key_slot[cur ^ 1]);
+        load_tile_async<T, D>(Vs[cur ^ 1], vc, p.v_st, kvh, key_row[cur ^ 1], key_slot[cur ^ 1]);
+        cp_async_commit();
+        cp_async_wait<1>();  // every group but the one just issued: Q and this tile's K and V have landed
+      } else {
+        cp_async_wait<0>();
+      }
+    } else {
+      slots(0, n0);
+      __syncthreads();
+      // 2. K then V tiles (two cp.async groups)
+      load_tile_async<T, D>(Ks[0], kc, p.k_st, kvh, key_row[0], key_slot[0]);
+      cp_async_commit();
+      load_tile_async<T, D>(Vs[0], vc, p.v_st, kvh, key_row[0], key_slot[0]);
+      cp_async_commit();
+      cp_async_wait<1>();  // Q (first tile) and K have landed
     }
-    __syncthreads();
-    // 2. K then V tiles (two cp.async groups)
-    load_tile_async<T, D>(Ks, kc, p.k_st, kvh, key_row, key_slot);
-    load_tile_async<T, D>(Vs, vc, p.v_st, kvh, key_row, key_slot);
-    cp_async_wait<1>();  // Q (first tile) and K have landed
     __syncthreads();
 
     // 3. scores: thread (n, rg) computes rows rg, rg + RG, ... for key n
@@ -131,7 +177,7 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
 #pragma unroll 4
       for (int c = 0; c < D / 8; ++c) {
         float kf[8];
-        load_float<T, 8>(&Ks[n][c * 8], kf);
+        load_float<T, 8>(&Ks[cur][n][c * 8], kf);
 #pragma unroll
         for (int k = 0; k < RPT; ++k) {
           const int r = rg + k * RG;
@@ -144,7 +190,7 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
         }
       }
       const int pos = n0 + n;
-      const bool key_ok = key_row[n] >= 0;
+      const bool key_ok = key_row[cur][n] >= 0;
 #pragma unroll
       for (int k = 0; k < RPT; ++k) {
         const int r = rg + k * RG, R = row0 + r;
@@ -176,7 +222,7 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
         Mrow[r] = m_new;
       }
     }
-    cp_async_wait<0>();  // V has landed
+    if constexpr (STAGES == 1) cp_async_wait<0>();  // V has landed
     __syncthreads();
 
     // 5. O = A * O + P V: thread (cg, rg2) owns columns cg*8 .. cg*8+7 of rows rg2, rg2 + RG2, ...
@@ -194,7 +240,7 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
 #pragma unroll 4
       for (int n = 0; n < BN; ++n) {
         float vf[8];
-        load_float<T, 8>(&Vs[n][cg * 8], vf);
+        load_float<T, 8>(&Vs[cur][n][cg * 8], vf);
 #pragma unroll
         for (int k = 0; k < RPT2; ++k) {
           const int r = rg2 + k * RG2;
@@ -206,7 +252,7 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
         }
       }
     }
-    __syncthreads();  // before the next tile overwrites key_row, Ks, Vs, Ss
+    __syncthreads();  // before the next tile overwrites Ss and (at the next prefetch) this buffer
   }
   __syncthreads();  // Mrow/Lrow initialised when no tile ran
 

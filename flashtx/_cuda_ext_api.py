@@ -37,8 +37,18 @@ def _check_tensors(op: str, q: torch.Tensor, required: dict, optional: dict) -> 
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _sm_resources(index: int) -> tuple[int, int, int, int]:
+    """(SMs, threads, registers, shared memory bytes a multiprocessor) of CUDA device `index`."""
+    props = torch.cuda.get_device_properties(index)
+    # (torch's properties have no register count: 64 K 32-bit registers an SM on every sm_80+ GPU)
+    return (props.multi_processor_count, props.max_threads_per_multi_processor,
+            getattr(props, "regs_per_multiprocessor", 65536), props.shared_memory_per_multiprocessor)
+
+
+def _split_slots(index: int, elt: int, d: int, group_rows: int) -> tuple[int, int]:
+    """(SMs, decode blocks each runs at once) for choose_num_splits."""
+    sms, threads, regs, smem = _sm_resources(index)
+    return sms, _ext.decode_ctas_per_sm(elt, d, _ext.rows_per_cta(group_rows), threads, regs, smem)
 
 
 def _lens(op: str, cache_seqlens, batch: int, device, check_values: bool = False) -> torch.Tensor:
@@ -91,7 +101,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, ca
         cache_batch_idx: (B,) int32: the cache row of batch row b (contiguous caches only).
         softmax_scale: default D ** -0.5.
         causal: bottom-right aligned: query i sees keys j <= cache_seqlens[b] - Sq + i.
-        num_splits: 0 chooses (choose_num_splits, flash-attn's heuristic); 1..128 forces.
+        num_splits: 0 chooses (choose_num_splits: flash-attn's heuristic over this GPU's resident blocks);
+            1..128 forces.
         return_lse: also return the log-sum-exp (B, Hq, Sq) float32 (natural log).
         check_values: check cache_seqlens, block_table and cache_batch_idx values on the host (one
             device sync). Without it, out-of-range values are guarded in the kernel: keys of an
@@ -110,7 +121,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, ca
         softmax_scale = q.shape[-1] ** -0.5
     if num_splits == 0:
         batch, sq, hq, _ = q.shape
-        num_splits = _ext.choose_num_splits(batch, hq, k_cache.shape[2], sq, cap, _num_sms(q.device.index or 0))
+        sms, per_sm = _split_slots(q.device.index or 0, q.element_size(), q.shape[3], (hq // k_cache.shape[2]) * sq)
+        num_splits = _ext.choose_num_splits(batch, hq, k_cache.shape[2], sq, cap, sms, per_sm)
     out, lse = _ops().decode_attention(q, k_cache, v_cache, lens, block_table, cache_batch_idx,
                                                        float(softmax_scale), bool(causal), int(num_splits),
                                                        bool(check_values))

@@ -312,12 +312,41 @@ def decode_ctas(batch: int, hq: int, hkv: int, sq: int) -> int:
     return batch * hkv * math.ceil(rows / rows_per_cta(rows))
 
 
-def choose_num_splits(batch: int, hq: int, hkv: int, sq: int, capacity: int, num_sms: int) -> int:
-    """num_splits for a decode launch: flash-attn's heuristic over blocks of MIN_KEYS_PER_SPLIT
-    keys of the cache capacity (an upper bound of every row's length; no device sync), counting 2 of the
-    128-thread blocks an SM as flash-attn does (flash_api.cpp: multiProcessorCount * 2)."""
+DECODE_THREADS = 128  # decode_attention_kernel's block
+DECODE_REGS_BOUND = 128  # registers a thread of it takes at most (csrc/RESOURCES.md, checked by tests/test_cuda_ext.py)
+SMEM_RESERVED_PER_BLOCK = 1024  # shared memory the driver reserves per block on sm_80 and newer
+STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ bytes a block may have
+
+
+def decode_smem_bytes(elt: int, d: int, rows: int) -> int:
+    """Static shared memory of decode_attention_kernel<T, D, ROWS> (element size elt): a mirror of DecodeSmem
+    (csrc/decode_attention.cu), double-buffered K/V where two buffers fit STATIC_SMEM_LIMIT, else one. Tests check
+    it against what nvcc allocated (csrc/RESOURCES.md)."""
+    bn, ldk = 8192 // (d * elt), d + 16 // elt  # keys a tile (8 KB of K), padded row
+
+    def total(stages: int) -> int:
+        return stages * (2 * bn * ldk * elt + 2 * bn * 4) + rows * d * elt + rows * bn * 4 + 3 * rows * 4
+    return total(2) if total(2) <= STATIC_SMEM_LIMIT else total(1)
+
+
+def decode_ctas_per_sm(elt: int, d: int, rows: int, threads_per_sm: int, regs_per_sm: int, smem_per_sm: int) -> int:
+    """Blocks of decode_attention_kernel an SM runs at once (its occupancy): by threads, registers (at
+    DECODE_REGS_BOUND a thread) and shared memory (decode_smem_bytes plus the per-block reservation)."""
+    by_threads = threads_per_sm // DECODE_THREADS
+    by_regs = regs_per_sm // (DECODE_THREADS * DECODE_REGS_BOUND)
+    by_smem = smem_per_sm // (decode_smem_bytes(elt, d, rows) + SMEM_RESERVED_PER_BLOCK)
+    return max(1, min(by_threads, by_regs, by_smem))
+
+
+def choose_num_splits(batch: int, hq: int, hkv: int, sq: int, capacity: int, num_sms: int, ctas_per_sm: int) -> int:
+    """num_splits for a decode launch: flash-attn's heuristic over blocks of MIN_KEYS_PER_SPLIT keys of the cache
+    capacity (an upper bound of every row's length; no device sync), with `ctas_per_sm` blocks running on each of
+    `num_sms` SMs (decode_ctas_per_sm: 4 on an H100, 2 on an RTX 3090). flash-attn counts 2 (flash_api.cpp:
+    multiProcessorCount * 2, for its 128-thread blocks of 64-128 KB); these blocks hold 16 KB of K/V in flight at a
+    time, and a latency-bound kernel needs every resident block busy: at batch 8 over 8k keys (GQA 32/8) 2 an SM
+    gave 4 splits, 256 blocks for 528 places on an H100; 4 an SM gives 7, 448 blocks."""
     n_blocks = max(1, math.ceil(capacity / MIN_KEYS_PER_SPLIT))
-    return num_splits_heuristic(decode_ctas(batch, hq, hkv, sq), 2 * num_sms, n_blocks, MAX_SPLITS)
+    return num_splits_heuristic(decode_ctas(batch, hq, hkv, sq), ctas_per_sm * num_sms, n_blocks, MAX_SPLITS)
 
 
 def _fail(op: str, msg: str, exc=ValueError):

@@ -239,7 +239,7 @@ def standin(monkeypatch, fresh_plans):
     monkeypatch.setattr(cuda_ext, "load", lambda *a, **k: True)
     monkeypatch.setattr(cuda_ext, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(_cuda_ext_api, "_ops", lambda: StandinOps)
-    monkeypatch.setattr(_cuda_ext_api, "_num_sms", lambda index: 4)
+    monkeypatch.setattr(_cuda_ext_api, "_sm_resources", lambda index: (4, 2048, 65536, 102400))  # 4 sm_86 SMs
 
 
 def count_calls(monkeypatch, owner, name: str) -> list:

@@ -145,11 +145,44 @@ def test_num_splits_heuristic():
         assert eff(s) >= 0.85 * max(eff(n) for n in range(1, min(sms, nb, 128) + 1)
                                     if n == 1 or -(-nb // n) != -(-nb // (n - 1)))
     # decode: one long sequence splits; a big batch does not; a short cache does not
-    assert cuda_ext.choose_num_splits(1, 32, 8, 1, 32768, 132) > 1
-    assert cuda_ext.choose_num_splits(64, 32, 8, 1, 32768, 132) == 1
-    assert cuda_ext.choose_num_splits(8, 32, 8, 1, 8192, 132) == 4  # 64 blocks, 2 an SM (flash-attn's count): 4
-    assert cuda_ext.choose_num_splits(1, 32, 8, 1, 200, 132) == 1
-    assert cuda_ext.choose_num_splits(1, 32, 8, 1, 10**7, 132) <= cuda_ext.MAX_SPLITS
+    assert cuda_ext.choose_num_splits(1, 32, 8, 1, 32768, 132, 4) > 1
+    assert cuda_ext.choose_num_splits(64, 32, 8, 1, 32768, 132, 2) == 1
+    assert cuda_ext.choose_num_splits(8, 32, 8, 1, 8192, 132, 2) == 4  # 64 blocks, 2 an SM (flash-attn's count): 4
+    assert cuda_ext.choose_num_splits(8, 32, 8, 1, 8192, 132, 4) == 7  # 4 an SM (an H100 occupancy): 448 of 528
+    assert cuda_ext.choose_num_splits(1, 32, 8, 1, 200, 132, 4) == 1
+    assert cuda_ext.choose_num_splits(1, 32, 8, 1, 10**7, 132, 4) <= cuda_ext.MAX_SPLITS
+
+
+def _recorded_resources() -> dict:
+    """csrc/RESOURCES.md's decode_attention_kernel rows: {(type, D, ROWS): [(registers, static smem), per arch]}."""
+    out = {}
+    for m in re.finditer(r"^\| `decode_attention_kernel<(\w+), (\d+), (\d+)>` \| [^|]+\|(.*)\|$",
+                         B.RESOURCES_MD.read_text(), re.M):
+        cells = [c.strip() for c in m.group(4).split("|")]
+        out[(m.group(1), int(m.group(2)), int(m.group(3)))] = [
+            tuple(int(x.replace(",", "")) for x in c.split(" / ")[:2]) for c in cells]
+    return out
+
+
+def test_split_count_occupancy_mirrors_the_kernels_resources():
+    """decode_smem_bytes is what nvcc allocated for every decode kernel (csrc/RESOURCES.md, which
+    test_resources_md_is_current keeps current), and no kernel takes more registers than decode_ctas_per_sm
+    assumes; so the blocks an SM runs at once, which the split count fills, are the GPU's real occupancy."""
+    rec = _recorded_resources()
+    assert len(rec) == 12, sorted(rec)
+    for (t, d, rows), per_arch in rec.items():
+        elt = {"half": 2, "bf16": 2, "float": 4}[t]
+        for regs, smem in per_arch:
+            assert smem == cuda_ext.decode_smem_bytes(elt, d, rows), (t, d, rows, smem)
+            assert regs <= cuda_ext.DECODE_REGS_BOUND, (t, d, rows, regs)
+    # double-buffered K/V where two buffers fit the 48 KB of static shared memory
+    assert cuda_ext.decode_smem_bytes(2, 128, 8) == 38496 and cuda_ext.decode_smem_bytes(2, 64, 32) == 31616
+    h100 = dict(threads_per_sm=2048, regs_per_sm=65536, smem_per_sm=233472)
+    rtx3090 = dict(threads_per_sm=1536, regs_per_sm=65536, smem_per_sm=102400)
+    assert cuda_ext.decode_ctas_per_sm(2, 128, 8, **h100) == 4  # registers bound it
+    assert cuda_ext.decode_ctas_per_sm(2, 128, 8, **rtx3090) == 2  # shared memory bounds it
+    assert cuda_ext.decode_ctas_per_sm(4, 128, 32, **rtx3090) == 2
+    assert cuda_ext.decode_ctas_per_sm(2, 128, 8, threads_per_sm=128, regs_per_sm=65536, smem_per_sm=1) == 1
 
 
 def _args(dtype=torch.float16, d=64, batch=2, sq=1, hq=8, hkv=2, paged=False):
