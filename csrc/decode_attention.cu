@@ -143,8 +143,9 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
   for (int t = 0, n0 = n_begin; n0 < n_end; ++t, n0 += BN) {
     const int cur = STAGES > 1 ? (t & 1) : 0;  // this tile's buffer
     if constexpr (STAGES > 1) {
-      // 2. the next tile's slots and K/V into the other buffer (free: the previous iteration ended with a barrier
-      // after its last read of it), then wait for this tile's group only
+      // 2. the next tile's slots and K/V into the other buffer, then wait for this tile's group only. That buffer
+      // was the previous iteration's: its slots were last read in that iteration's scores (barriers since), its
+      // K/V in its scores and PV, which every thread has finished at the barrier below, before the loads
       const int nn = n0 + BN;
       if (nn < n_end) slots(cur ^ 1, nn);
       __syncthreads();
@@ -252,9 +253,10 @@ decode_attention_kernel(const ftx_decode_params p, int n_chunks) {
         }
       }
     }
-    __syncthreads();  // before the next tile overwrites Ss and (at the next prefetch) this buffer
+    // (no barrier here: the next iteration writes only its slot buffer, which no thread reads after this tile's
+    // scores, before the barrier that precedes its loads into this buffer and its scores into Ss)
   }
-  __syncthreads();  // Mrow/Lrow initialised when no tile ran
+  __syncthreads();  // the softmax's Mrow/Lrow (or their initial values when no tile ran) for every thread
 
   // Epilogue: normalise; write the final output or this split's fp32 partial
   const int cg = tid % CG, rg2 = tid / CG;

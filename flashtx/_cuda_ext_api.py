@@ -40,7 +40,7 @@ def _check_tensors(op: str, q: torch.Tensor, required: dict, optional: dict) -> 
 def _sm_resources(index: int) -> tuple[int, int, int, int]:
     """(SMs, threads, registers, shared memory bytes a multiprocessor) of CUDA device `index`."""
     props = torch.cuda.get_device_properties(index)
-    # (torch's properties have no register count: 64 K 32-bit registers an SM on every sm_80+ GPU)
+    # (regs_per_multiprocessor: recent CUDA builds of torch have it; 64 K 32-bit registers on every sm_80+ GPU)
     return (props.multi_processor_count, props.max_threads_per_multi_processor,
             getattr(props, "regs_per_multiprocessor", 65536), props.shared_memory_per_multiprocessor)
 

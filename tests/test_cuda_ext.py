@@ -175,7 +175,8 @@ def test_split_count_occupancy_mirrors_the_kernels_resources():
         for regs, smem in per_arch:
             assert smem == cuda_ext.decode_smem_bytes(elt, d, rows), (t, d, rows, smem)
             assert regs <= cuda_ext.DECODE_REGS_BOUND, (t, d, rows, regs)
-    # double-buffered K/V where two buffers fit the 48 KB of static shared memory
+    # double-buffered K/V where two buffers fit the 48 KB of static shared memory (fp16 D = 128, 8 rows); one buffer
+    # where they do not (fp16 D = 64, 32 rows: 50,560 bytes with two)
     assert cuda_ext.decode_smem_bytes(2, 128, 8) == 38496 and cuda_ext.decode_smem_bytes(2, 64, 32) == 31616
     h100 = dict(threads_per_sm=2048, regs_per_sm=65536, smem_per_sm=233472)
     rtx3090 = dict(threads_per_sm=1536, regs_per_sm=65536, smem_per_sm=102400)
