@@ -18,6 +18,11 @@ Method (see /work/.library/device/METHOD.md, and bench/README.md):
      kernel time a training loop sees, beside `median_ms` (= `latency_ms`), the latency from idle.
      Every provider gets it, sized by time (`steady_plan`): about BENCH_BUDGET_S seconds in all from
      the per-call estimate `median_ms`, 3-20 calls a round, 3-5 rounds.
+  6. Kernel time (`measure_kernel`), only where the back-to-back time was launch-bound (`steady_host_bound`:
+     the host, not the GPU, set the pace, e.g. autograd.grad's ~100 us a call on the H100 host of 2026-12-06,
+     over a 34 us RoPE kernel): the device time of every kernel, copy and memset the step launches, summed
+     per call from torch.profiler's CUPTI records over the same back-to-back calls: `kernel_ms` (and
+     gbs_kernel / tflops_kernel), what the step costs the GPU once the host keeps ahead.
 An out-of-memory during prepare or warm-up is recorded (extra_info status "OOM") instead of failing.
 
 Smoke run (BENCH_SMOKE=1, for machines without a GPU): every benchmark runs on CPU tensors at tiny
@@ -229,6 +234,30 @@ def measure_steady(step: Callable[[Any], Any], state: Any, est_ms: float | None 
     return out
 
 
+KERNEL_METHOD = "torch.profiler (CUPTI): device time of the step's kernels, copies and memsets, summed per call"
+
+
+def measure_kernel(step: Callable[[Any], Any], state: Any, calls: int) -> dict:
+    """Device time per call of what `step` launches (kernels, memcpy, memset), from torch.profiler's CUDA
+    activity over `calls` back-to-back calls after one untimed call: {kernel_ms, kernel_method, kernel_calls}, or
+    {kernel_error} when the profiler gives no CUDA activity or fails (then nothing is claimed)."""
+    from torch.profiler import ProfilerActivity, profile
+    try:
+        step(state)
+        synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                step(state)
+            synchronize()
+        device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total_us = sum(e.time_range.elapsed_us() for e in device)
+    except Exception as exc:  # noqa: BLE001 - CUPTI unavailable, another profiler active, ...
+        return {"kernel_error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
+    if not device or total_us <= 0:
+        return {"kernel_error": "the profiler recorded no CUDA activity"}
+    return {"kernel_ms": total_us / 1e3 / calls, "kernel_method": KERNEL_METHOD, "kernel_calls": calls}
+
+
 def _steady_graph(step, state, rounds: int, calls: int) -> dict:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -309,6 +338,20 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
         pytest.skip(f"{provider} cannot be set up: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
 
 
+def record_steady(extra: dict, step, state, st: dict, *, flops=None, nbytes=None, dtype=None) -> None:
+    """Into `extra`: the back-to-back measurement `st` and its throughput (*_steady) and, where it was launch-bound,
+    the kernel time (measure_kernel) and its throughput (*_kernel)."""
+    extra.update(st)
+    extra.update({f"{k}_steady": v for k, v in throughput(st["steady_ms"], flops=flops, nbytes=nbytes,
+                                                            dtype=dtype).items()})
+    if st.get("steady_host_bound") and not SMOKE:  # the GPU's own time, which the host hid
+        kt = measure_kernel(step, state, st["steady_calls"])
+        extra.update(kt)
+        if "kernel_ms" in kt:
+            extra.update({f"{k}_kernel": v for k, v in throughput(kt["kernel_ms"], flops=flops, nbytes=nbytes,
+                                                                    dtype=dtype).items()})
+
+
 def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any], info: dict,
              flops: float | None = None, nbytes: float | None = None, dtype: torch.dtype | None = None,
              fail_fast: bool = False, steady: bool = True) -> dict:
@@ -366,9 +409,7 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
     benchmark.extra_info.update(throughput(summary["median_ms"], flops=flops, nbytes=nbytes, dtype=dtype))
     if steady:
         st = measure_steady(step, state, est_ms=summary["median_ms"])  # bounded by BENCH_BUDGET_S
-        benchmark.extra_info.update(st)
-        benchmark.extra_info.update({f"{k}_steady": v for k, v in
-                                     throughput(st["steady_ms"], flops=flops, nbytes=nbytes, dtype=dtype).items()})
+        record_steady(benchmark.extra_info, step, state, st, flops=flops, nbytes=nbytes, dtype=dtype)
     if flops is not None:
         benchmark.extra_info["flops"] = flops
     if nbytes is not None:

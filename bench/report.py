@@ -116,12 +116,14 @@ def _num(r: dict | None, field: str, fmt: str = "{:.1f}") -> str:
 
 
 def _steady(r: dict | None) -> str:
-    """Steady-state ms per call (back to back); '*' when the host could not keep ahead (launch-bound)."""
+    """Steady-state ms per call (back to back); '*' when the host could not keep ahead (launch-bound), then with the
+    GPU's own time beside it where the harness measured it (kernel_ms: its kernels' device time, torch.profiler)."""
     if r is None or r.get("status") != "ok" or r.get("steady_ms") is None:
         if r is not None and r.get("cut_off"):
             return "cut off"
         return "-" if r is None or r.get("status") == "ok" else r["status"]
-    return f"{r['steady_ms']:.3f}" + ("*" if r.get("steady_host_bound") else "")
+    kernel = f" (kernel {r['kernel_ms']:.3f})" if r.get("steady_host_bound") and r.get("kernel_ms") else ""
+    return f"{r['steady_ms']:.3f}" + ("*" if r.get("steady_host_bound") else "") + kernel
 
 
 def header(data: dict, source: str) -> list[str]:
@@ -508,7 +510,9 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
            "> 1 means flashtx is faster. OOM: the provider ran out of memory. -: not run (skipped).",
            "flashtx ms is the latency of one call from an idle GPU (synchronized, L2 flushed: launch and host "
            "time included); steady ms is the time per call back to back (the kernel time a training loop sees), "
-           "marked * where the host could not keep ahead of the GPU (launch-bound).", ""]
+           "marked * where the host could not keep ahead of the GPU (launch-bound), with the GPU's own time per call "
+           "beside it (kernel: the device time of the call's kernels, torch.profiler), what the call costs once the "
+           "host keeps ahead.", ""]
     for title, lines in (("Attention", attention_table(groups, gqa=False)),
                          ("Attention, GQA", attention_table(groups, gqa=True)),
                          ("Attention variants (window and varlen skip tiles; masks, bias, softcap, ALiBi, dropout)",

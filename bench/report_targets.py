@@ -89,6 +89,15 @@ def judged_share(case: dict, field: str = "gbs"):
     return copy_share(case, field) if measured(ours, field) else _why_absent(ours, field)
 
 
+def kernel_share(case: dict) -> float | None:
+    """flashtx's GB/s from its kernel time (gbs_kernel: only where its back-to-back time was launch-bound) over the
+    copy's back to back (a single kernel, not launch-bound); None without both."""
+    ours, copy = case.get("flashtx"), case.get("copy")
+    if not (measured(ours, "gbs_kernel") and measured(copy, "gbs_steady")):
+        return None
+    return ours["gbs_kernel"] / copy["gbs_steady"]
+
+
 def case_bytes(case: dict) -> float | None:
     return next((r["bytes"] for r in (case.get("flashtx"), case.get("copy")) if r and r.get("bytes")), None)
 
@@ -163,6 +172,10 @@ def bandwidth_lines(cases: list[dict], floor: float, what: str, fmt: str = "{:.0
     elif big:
         lines.append(verdict([judged_share(c, "gbs_steady") for c in big], floor, f"{what}, back to back ({L2_NOTE})",
                              fmt))
+    kernel = [c for c in big if kernel_share(c) is not None]
+    if kernel:  # the launch-bound cases: the GPU's own time (the host, autograd's, set the back-to-back pace)
+        lines.append(verdict([kernel_share(c) for c in kernel], floor, f"{what}, kernel time of the cases whose back "
+                             "to back was launch-bound (torch.profiler; the copy back to back)", fmt))
     shares = [x for c in cases for x in [copy_share(c)] if x is not None] + [
         x for c in big for x in [copy_share(c, "gbs_steady")] if x is not None]
     if any(x > 1.02 for x in shares):

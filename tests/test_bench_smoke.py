@@ -107,6 +107,62 @@ def test_steady_state_is_sized_by_the_budget(monkeypatch):
     assert harness.steady_plan(None) == harness.steady_plan(0.0) == harness.steady_plan(float("nan")) == (5, 20)
 
 
+def test_launch_bound_cases_get_their_kernel_time(monkeypatch):
+    """bench/harness.py on a GPU (stood in: SMOKE off, a fake torch.profiler): a case whose back-to-back time was
+    launch-bound also records kernel_ms, the summed device time of what one call launched (CUDA activity only,
+    not the host's records), and its GB/s; one that kept the GPU busy is not profiled; a profiler that records
+    no device activity or fails leaves kernel_error and no number."""
+    import torch.profiler
+
+    from bench import harness
+
+    class Ev:
+        def __init__(self, dev, us):
+            self.device_type = torch.autograd.DeviceType.CUDA if dev else torch.autograd.DeviceType.CPU
+            self.time_range = type("R", (), {"elapsed_us": lambda _self: us})()
+
+    recorded = {"events": [Ev(True, 30.0), Ev(True, 10.0), Ev(False, 500.0)] * 3}  # 3 calls: 40 us of device time
+
+    class FakeProfile:
+        def __init__(self, activities):
+            assert torch.profiler.ProfilerActivity.CUDA in activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            if isinstance(recorded["events"], Exception):
+                raise recorded["events"]
+            return recorded["events"]
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(harness, "SMOKE", False)
+    monkeypatch.setattr(harness, "synchronize", lambda: None)
+    calls = []
+    assert harness.measure_kernel(lambda st: calls.append(st), "s", 3) == {
+        "kernel_ms": 0.04, "kernel_method": harness.KERNEL_METHOD, "kernel_calls": 3}
+    assert calls == ["s"] * 4  # one untimed call, then the 3 profiled
+    recorded["events"] = [Ev(False, 500.0)]
+    assert harness.measure_kernel(lambda st: None, "s", 3) == {"kernel_error": "the profiler recorded no CUDA activity"}
+    recorded["events"] = RuntimeError("CUPTI_ERROR_NOT_INITIALIZED (test)")
+    assert "CUPTI_ERROR_NOT_INITIALIZED" in harness.measure_kernel(lambda st: None, "s", 3)["kernel_error"]
+
+    # record_steady (run_case's last step): profiled only when the back-to-back phase was launch-bound
+    recorded["events"] = [Ev(True, 50.0)] * 2
+    monkeypatch.setattr(harness, "gpu_name", lambda: "SYNTHETIC-GPU (test)")
+    for host_bound in (True, False):
+        info = {}
+        st = {"steady_ms": 0.2, "steady_host_bound": host_bound, "steady_calls": 2, "steady_rounds": 3}
+        harness.record_steady(info, lambda s: None, "s", st, nbytes=1e8, dtype=torch.bfloat16)
+        assert info["steady_ms"] == 0.2 and abs(info["gbs_steady"] - 500.0) < 1e-6, info
+        if host_bound:
+            assert info["kernel_ms"] == 0.05 and abs(info["gbs_kernel"] - 2000.0) < 1e-6, info
+        else:
+            assert "kernel_ms" not in info and "kernel_error" not in info, info
+
+
 def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
     """A provider that refuses (Unavailable, or an error while setting up or warming up) is skipped with the
     reason, but only after a synchronize: a sticky CUDA error (an illegal address in a probe) raises there, so
