@@ -50,6 +50,16 @@ def pytest_collection_modifyitems(config, items):
                 it.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session):
+    """After every case has been timed (not after an interrupt or a stop): the kernel times of the launch-bound
+    memory-bound cases (bench/harness.py, Method 6), before pytest-benchmark writes the JSON at session finish."""
+    outcome = yield
+    if outcome.excinfo is None and not session.shouldfail and not session.shouldstop:
+        from . import harness
+        harness.measure_deferred_kernels()
+
+
 def pytest_benchmark_update_machine_info(config, machine_info):
     import flashtx
 

@@ -18,11 +18,14 @@ Method (see /work/.library/device/METHOD.md, and bench/README.md):
      kernel time a training loop sees, beside `median_ms` (= `latency_ms`), the latency from idle.
      Every provider gets it, sized by time (`steady_plan`): about BENCH_BUDGET_S seconds in all from
      the per-call estimate `median_ms`, 3-20 calls a round, 3-5 rounds.
-  6. Kernel time (`measure_kernel`), only where the back-to-back time was launch-bound (`steady_host_bound`:
-     the host, not the GPU, set the pace, e.g. autograd.grad's ~100 us a call on the H100 host of 2026-12-06,
-     over a 34 us RoPE kernel): the device time of every kernel, copy and memset the step launches, summed
-     per call from torch.profiler's CUPTI records over the same back-to-back calls: `kernel_ms` (and
-     gbs_kernel / tflops_kernel), what the step costs the GPU once the host keeps ahead.
+  6. Kernel time (`measure_kernel`), only for the memory-bound cases (bytes given: RoPE, SwiGLU, decoding) whose
+     back-to-back time was launch-bound (`steady_host_bound`: the host, not the GPU, set the pace, e.g.
+     autograd.grad's ~100 us a call on the H100 host of 2026-12-06 over a 34 us RoPE kernel): the device time of
+     every kernel, copy and memset one call launches, summed from torch.profiler's CUPTI records over as many
+     back-to-back calls: `kernel_ms` (and gbs_kernel), what the call costs the GPU once the host keeps ahead.
+     Deferred until every case has been timed (`measure_deferred_kernels`, from bench/conftest.py after the
+     test loop, within BENCH_KERNEL_BUDGET_S, default 20 s): the case is prepared afresh, and no timing runs
+     after a profiler session (one that left CUPTI attached would slow every later launch).
 An out-of-memory during prepare or warm-up is recorded (extra_info status "OOM") instead of failing.
 
 Smoke run (BENCH_SMOKE=1, for machines without a GPU): every benchmark runs on CPU tensors at tiny
@@ -338,18 +341,46 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
         pytest.skip(f"{provider} cannot be set up: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
 
 
-def record_steady(extra: dict, step, state, st: dict, *, flops=None, nbytes=None, dtype=None) -> None:
-    """Into `extra`: the back-to-back measurement `st` and its throughput (*_steady) and, where it was launch-bound,
-    the kernel time (measure_kernel) and its throughput (*_kernel)."""
+KERNEL_BUDGET_S = float(os.environ.get("BENCH_KERNEL_BUDGET_S", "20"))
+_KERNEL_QUEUE: list = []  # (extra_info, prepare, step, calls, nbytes, dtype): for measure_deferred_kernels
+
+
+def record_steady(extra: dict, step, state, st: dict, *, flops=None, nbytes=None, dtype=None, prepare=None) -> None:
+    """Into `extra`: the back-to-back measurement `st` and its throughput (*_steady); a memory-bound case (nbytes)
+    whose back to back was launch-bound is queued for its kernel time (measure_deferred_kernels)."""
     extra.update(st)
     extra.update({f"{k}_steady": v for k, v in throughput(st["steady_ms"], flops=flops, nbytes=nbytes,
                                                             dtype=dtype).items()})
-    if st.get("steady_host_bound") and not SMOKE:  # the GPU's own time, which the host hid
-        kt = measure_kernel(step, state, st["steady_calls"])
+    if st.get("steady_host_bound") and not SMOKE and nbytes is not None and prepare is not None:
+        _KERNEL_QUEUE.append((extra, prepare, step, st["steady_calls"], nbytes, dtype))
+
+
+def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic) -> int:
+    """The kernel time (measure_kernel) of every queued case, each prepared afresh, into its extra_info (kernel_ms,
+    gbs_kernel), until `budget_s` (BENCH_KERNEL_BUDGET_S) has passed: a case not reached gets kernel_error. Run once
+    every case has been timed (bench/conftest.py). Returns how many were timed."""
+    budget_s = KERNEL_BUDGET_S if budget_s is None else budget_s
+    t0, timed = clock(), 0
+    queue, _KERNEL_QUEUE[:] = list(_KERNEL_QUEUE), []
+    for extra, prepare, step, calls, nbytes, dtype in queue:
+        if clock() - t0 > budget_s:
+            extra["kernel_error"] = f"not timed: BENCH_KERNEL_BUDGET_S ({budget_s:g} s) spent"
+            continue
+        state = None
+        try:
+            state = prepare()
+            step(state)  # (compiled and warm already: the case ran)
+            kt = measure_kernel(step, state, calls)
+        except Exception as exc:  # noqa: BLE001 - an OOM, a provider that fails now: no number, the reason
+            kt = {"kernel_error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
+        del state
+        free_memory()
         extra.update(kt)
         if "kernel_ms" in kt:
-            extra.update({f"{k}_kernel": v for k, v in throughput(kt["kernel_ms"], flops=flops, nbytes=nbytes,
+            timed += 1
+            extra.update({f"{k}_kernel": v for k, v in throughput(kt["kernel_ms"], nbytes=nbytes,
                                                                     dtype=dtype).items()})
+    return timed
 
 
 def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any], info: dict,
@@ -409,7 +440,8 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
     benchmark.extra_info.update(throughput(summary["median_ms"], flops=flops, nbytes=nbytes, dtype=dtype))
     if steady:
         st = measure_steady(step, state, est_ms=summary["median_ms"])  # bounded by BENCH_BUDGET_S
-        record_steady(benchmark.extra_info, step, state, st, flops=flops, nbytes=nbytes, dtype=dtype)
+        record_steady(benchmark.extra_info, step, state, st, flops=flops, nbytes=nbytes, dtype=dtype,
+                      prepare=prepare)
     if flops is not None:
         benchmark.extra_info["flops"] = flops
     if nbytes is not None:

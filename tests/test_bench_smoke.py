@@ -149,18 +149,27 @@ def test_launch_bound_cases_get_their_kernel_time(monkeypatch):
     recorded["events"] = RuntimeError("CUPTI_ERROR_NOT_INITIALIZED (test)")
     assert "CUPTI_ERROR_NOT_INITIALIZED" in harness.measure_kernel(lambda st: None, "s", 3)["kernel_error"]
 
-    # record_steady (run_case's last step): profiled only when the back-to-back phase was launch-bound
+    # record_steady (run_case's last step) queues a memory-bound case whose back to back was launch-bound; after the
+    # test loop, measure_deferred_kernels prepares each afresh and profiles it, within its budget
     recorded["events"] = [Ev(True, 50.0)] * 2
     monkeypatch.setattr(harness, "gpu_name", lambda: "SYNTHETIC-GPU (test)")
-    for host_bound in (True, False):
+    monkeypatch.setattr(harness, "free_memory", lambda: None)
+    monkeypatch.setattr(harness, "_KERNEL_QUEUE", [])
+    infos, prepared = [], []
+    for host_bound, nbytes in ((True, 1e8), (False, 1e8), (True, None), (True, 1e8)):
         info = {}
         st = {"steady_ms": 0.2, "steady_host_bound": host_bound, "steady_calls": 2, "steady_rounds": 3}
-        harness.record_steady(info, lambda s: None, "s", st, nbytes=1e8, dtype=torch.bfloat16)
-        assert info["steady_ms"] == 0.2 and abs(info["gbs_steady"] - 500.0) < 1e-6, info
-        if host_bound:
-            assert info["kernel_ms"] == 0.05 and abs(info["gbs_kernel"] - 2000.0) < 1e-6, info
-        else:
-            assert "kernel_ms" not in info and "kernel_error" not in info, info
+        harness.record_steady(info, lambda s: None, "s", st, nbytes=nbytes, dtype=torch.bfloat16,
+                              prepare=lambda: prepared.append(1) or "s")
+        assert info["steady_ms"] == 0.2 and "kernel_ms" not in info, info  # nothing profiled while cases are timed
+        infos.append(info)
+    assert len(harness._KERNEL_QUEUE) == 2 and not prepared  # the launch-bound memory-bound ones, not yet prepared
+    ticks = iter([0.0, 0.0, 5.0])  # the budget (1 s) is spent after the first case
+    assert harness.measure_deferred_kernels(budget_s=1.0, clock=lambda: next(ticks)) == 1
+    assert infos[0]["kernel_ms"] == 0.05 and abs(infos[0]["gbs_kernel"] - 2000.0) < 1e-6, infos[0]
+    assert "kernel_ms" not in infos[1] and "kernel_ms" not in infos[2] and "kernel_error" not in infos[1]
+    assert infos[3]["kernel_error"].startswith("not timed: BENCH_KERNEL_BUDGET_S") and prepared == [1]
+    assert harness._KERNEL_QUEUE == []
 
 
 def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
