@@ -39,6 +39,9 @@ def _fwd_tiles(acc, acc2, m_i, l_i, q, q2, k_base, v_base, km_base, mb_base, off
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     alibi_shift = Sk_b - Sq_b  # ALiBi is aligned bottom-right, as flash-attn's
+    # (tl.range(..., warp_specialize=True) was tried for sm_90, 2026-12-06, with Triton 3.6 and 3.9: their Hopper
+    # NVGPUWarpSpecialization pass fails on this loop at 4 warps, and at 8 warps, TMA tiles included, leaves it
+    # unpartitioned (no ttg.warp_specialize op, no setmaxnreg); issue 13's item 5 rests on TMA alone for now)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_in = offs_n < Sk_b  # keys past Sk_b (padding) read as 0
