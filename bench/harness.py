@@ -342,7 +342,7 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
 
 
 KERNEL_BUDGET_S = float(os.environ.get("BENCH_KERNEL_BUDGET_S", "20"))
-_KERNEL_QUEUE: list = []  # (extra_info, prepare, step, calls, nbytes, dtype): for measure_deferred_kernels
+_KERNEL_QUEUE: list = []  # (extra_info, prepare, step, calls, nbytes, dtype, grad mode): measure_deferred_kernels
 
 
 def record_steady(extra: dict, step, state, st: dict, *, flops=None, nbytes=None, dtype=None, prepare=None) -> None:
@@ -352,7 +352,7 @@ def record_steady(extra: dict, step, state, st: dict, *, flops=None, nbytes=None
     extra.update({f"{k}_steady": v for k, v in throughput(st["steady_ms"], flops=flops, nbytes=nbytes,
                                                             dtype=dtype).items()})
     if st.get("steady_host_bound") and not SMOKE and nbytes is not None and prepare is not None:
-        _KERNEL_QUEUE.append((extra, prepare, step, st["steady_calls"], nbytes, dtype))
+        _KERNEL_QUEUE.append((extra, prepare, step, st["steady_calls"], nbytes, dtype, torch.is_grad_enabled()))
 
 
 def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic) -> int:
@@ -363,16 +363,18 @@ def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic
     t0, timed = clock(), 0
     queue, _KERNEL_QUEUE[:] = list(_KERNEL_QUEUE), []
     queue.sort(key=lambda q: q[0].get("provider") != "flashtx")  # flashtx's first: the targets judge its share
-    for extra, prepare, step, calls, nbytes, dtype in queue:
+    for extra, prepare, step, calls, nbytes, dtype, grad in queue:
         if clock() - t0 > budget_s:
             extra["kernel_error"] = f"not timed: BENCH_KERNEL_BUDGET_S ({budget_s:g} s) spent"
             continue
         state = None
         try:
-            state = prepare()
-            step(state)  # (compiled and warm already: the case ran)
-            kt = measure_kernel(step, state, calls)
-        except Exception as exc:  # noqa: BLE001 - an OOM, a provider that fails now: no number, the reason
+            with torch.set_grad_enabled(grad):  # as the case ran (a decode test runs it under no_grad)
+                state = prepare()
+                step(state)  # (compiled and warm already: the case ran)
+                kt = measure_kernel(step, state, calls)
+        except (Exception, pytest.skip.Exception, pytest.fail.Exception) as exc:  # noqa: BLE001 - an OOM, a provider
+            # that refuses or fails now (build_or_skip skips): no number, the reason
             kt = {"kernel_error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
         del state
         free_memory()

@@ -170,6 +170,18 @@ def test_launch_bound_cases_get_their_kernel_time(monkeypatch):
     assert "kernel_ms" not in infos[1] and "kernel_ms" not in infos[2] and "kernel_error" not in infos[1]
     assert infos[3]["kernel_error"].startswith("not timed: BENCH_KERNEL_BUDGET_S") and prepared == [1]
     assert harness._KERNEL_QUEUE == []
+    # the grad mode the case ran under comes back; a provider that now skips (build_or_skip) leaves the reason
+    modes = []
+    st = {"steady_ms": 0.2, "steady_host_bound": True, "steady_calls": 2, "steady_rounds": 3}
+    with torch.no_grad():
+        harness.record_steady(infos[1], lambda s: modes.append(torch.is_grad_enabled()), "s", st, nbytes=1e8,
+                              prepare=lambda: "s")
+
+    def refuses():
+        pytest.skip("xformers: refuses now (test)")
+    harness.record_steady(infos[2], lambda s: None, "s", st, nbytes=1e8, prepare=refuses)
+    assert harness.measure_deferred_kernels(budget_s=1e9) == 1 and modes and not any(modes)
+    assert infos[1]["kernel_ms"] == 0.05 and "refuses now (test)" in infos[2]["kernel_error"], infos[2]
 
 
 def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
