@@ -301,6 +301,7 @@ def test_binding_errors_raise_in_a_process_of_their_own():
     env = dict(os.environ, FLASHTX_CUDA_EXT="1")
     cmd = [sys.executable, "-c", _ERRORS_SCRIPT, lib]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    _BINDING_ERRORS["crashed"] = proc.returncode != 0  # the in-process raises below then skip (this test fails)
     report = f"rc {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     if proc.returncode != 0 and shutil.which("gdb"):
         gdb = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd], capture_output=True,
@@ -316,7 +317,22 @@ def test_binding_errors_raise_in_a_process_of_their_own():
         assert got.get(name, "").startswith("RuntimeError:") and words in got[name], (name, report)
 
 
+_BINDING_ERRORS: dict = {}
+
+
+def _skip_if_binding_errors_crash() -> None:
+    """The binding's errors raised in this process would end it (and the rest of this file's reports) if they crash
+    it, as one did on the H100 of 2026-12-06: after test_binding_errors_raise_in_a_process_of_their_own saw a crash
+    (it fails, with the stack), the tests that raise them here are skipped."""
+    if _BINDING_ERRORS.get("crashed"):
+        pytest.skip("the binding's errors crashed a fresh process (test_binding_errors_raise_in_a_process_of_their_own "
+                    "failed with its stack): raising them in this process would end the run")
+
+
 def test_guards_and_check_values():
+    """Out-of-range pages and lengths without check_values: the kernels mask the keys of a bad page, clamp lengths to
+    the capacity and drop an append past it (test_check_values_errors_in_process: the same values with
+    check_values)."""
     dtype, batch, hkv, d = torch.float16, 2, 1, 64
     lens = torch.tensor([100, 30], dtype=torch.int32, device="cuda")
     kc, vc, bt = _caches(batch, hkv, d, dtype, lens, 16, gen=torch.Generator(device="cuda").manual_seed(0))
@@ -329,10 +345,6 @@ def test_guards_and_check_values():
     kept_k, kept_v = _without_positions(kc, bt, keep), _without_positions(vc, bt, keep)
     kept = torch.tensor([84, 14], dtype=torch.int32, device="cuda")
     _check_decode(out, lse, dtype, q, kept_k, kept_v, kept)  # attention over the keys that remain
-    with pytest.raises(RuntimeError, match="block_table has entries outside"):
-        cuda_ext.decode_attention(q, kc, vc, lens, block_table=bad, check_values=True)
-    with pytest.raises(RuntimeError, match=r"cache_seqlens must lie in \[0, 320\]"):
-        cuda_ext.decode_attention(q, kc, vc, lens + CAP, block_table=bt, check_values=True)
     full = torch.full_like(lens, CAP)
     kf, vf, btf = _caches(batch, hkv, d, dtype, lens, 16, poison_from=full,
                           gen=torch.Generator(device="cuda").manual_seed(1))  # every position finite
@@ -347,12 +359,30 @@ def test_guards_and_check_values():
     assert torch.equal(kc2[bt[1, pos // 16], pos % 16], k[1, 0])
     changed = ~((kc2 == kc) | (kc2.isnan() & kc.isnan())).all(dim=(2, 3))  # (pages, slots) written
     assert changed.sum().item() == 1
+
+
+def test_check_values_errors_in_process():
+    """check_values=True: the bad pages and lengths test_guards_and_check_values passes are refused by name."""
+    _skip_if_binding_errors_crash()
+    dtype, batch, hkv, d = torch.float16, 2, 1, 64
+    lens = torch.tensor([100, 30], dtype=torch.int32, device="cuda")
+    kc, vc, bt = _caches(batch, hkv, d, dtype, lens, 16, gen=torch.Generator(device="cuda").manual_seed(0))
+    q = torch.randn(batch, 1, 4, d, device="cuda", dtype=dtype)
+    bad = bt.clone()
+    bad[0, 2], bad[1, 0] = -1, kc.shape[0] + 5
+    with pytest.raises(RuntimeError, match="block_table has entries outside"):
+        cuda_ext.decode_attention(q, kc, vc, lens, block_table=bad, check_values=True)
+    with pytest.raises(RuntimeError, match=r"cache_seqlens must lie in \[0, 320\]"):
+        cuda_ext.decode_attention(q, kc, vc, lens + CAP, block_table=bt, check_values=True)
+    k = v = torch.randn(batch, 1, hkv, d, device="cuda", dtype=dtype)
     with pytest.raises(RuntimeError, match=r"cache_seqlens must lie in \[0, 319\]"):
-        cuda_ext.rotary_append(q, k, v, kc2, vc.clone(), torch.tensor([CAP, 5], dtype=torch.int32, device="cuda"),
+        cuda_ext.rotary_append(q, k, v, kc.clone(), vc.clone(), torch.tensor([CAP, 5], dtype=torch.int32,
+                                                                             device="cuda"),
                                block_table=bt, check_values=True)
 
 
 def test_binding_checks_name_the_argument():
+    _skip_if_binding_errors_crash()
     q = torch.randn(1, 1, 4, 96, device="cuda", dtype=torch.float16)
     kc = torch.randn(1, 16, 1, 96, device="cuda", dtype=torch.float16)
     lens = torch.ones(1, dtype=torch.int32, device="cuda")
