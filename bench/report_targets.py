@@ -53,13 +53,15 @@ def ratio(case: dict, provider: str, field: str = "median_ms"):
     return other[field] / ours[field]
 
 
-def copy_share(c: dict, field: str = "gbs") -> float | None:
+def copy_share(c: dict, field: str = "gbs", copy_field: str | None = None) -> float | None:
     """flashtx's GB/s over the same run's copy of as many bytes (field "gbs": from idle, "gbs_steady": back to
-    back); None when either did not run or has no such figure."""
+    back, "gbs_kernel": its kernel time, against the copy's `copy_field`, by default the same field); None when
+    either did not run or has no such figure."""
     ours, copy = c.get("flashtx"), c.get("copy")
-    if not (measured(ours, field) and measured(copy, field)):
+    copy_field = copy_field or field
+    if not (measured(ours, field) and measured(copy, copy_field)):
         return None
-    return ours[field] / copy[field]
+    return ours[field] / copy[copy_field]
 
 
 def _why_absent(r: dict | None, field: str) -> str:
@@ -87,15 +89,6 @@ def judged_share(case: dict, field: str = "gbs"):
         return None
     ours = case.get("flashtx")
     return copy_share(case, field) if measured(ours, field) else _why_absent(ours, field)
-
-
-def kernel_share(case: dict) -> float | None:
-    """flashtx's GB/s from its kernel time (gbs_kernel: only where its back-to-back time was launch-bound) over the
-    copy's back to back (a single kernel, not launch-bound); None without both."""
-    ours, copy = case.get("flashtx"), case.get("copy")
-    if not (measured(ours, "gbs_kernel") and measured(copy, "gbs_steady")):
-        return None
-    return ours["gbs_kernel"] / copy["gbs_steady"]
 
 
 def case_bytes(case: dict) -> float | None:
@@ -172,10 +165,11 @@ def bandwidth_lines(cases: list[dict], floor: float, what: str, fmt: str = "{:.0
     elif big:
         lines.append(verdict([judged_share(c, "gbs_steady") for c in big], floor, f"{what}, back to back ({L2_NOTE})",
                              fmt))
-    kernel = [c for c in big if kernel_share(c) is not None]
-    if kernel:  # the launch-bound cases: the GPU's own time (the host, autograd's, set the back-to-back pace)
-        lines.append(verdict([kernel_share(c) for c in kernel], floor, f"{what}, kernel time of the cases whose back "
-                             "to back was launch-bound (torch.profiler; the copy back to back)", fmt))
+    # the launch-bound cases (gbs_kernel: only there): the GPU's own time, against the copy back to back (one kernel)
+    kernel = [x for c in big for x in [copy_share(c, "gbs_kernel", "gbs_steady")] if x is not None]
+    if kernel:
+        lines.append(verdict(kernel, floor, f"{what}, kernel time of the cases whose back to back was launch-bound "
+                             "(torch.profiler; the copy back to back)", fmt))
     shares = [x for c in cases for x in [copy_share(c)] if x is not None] + [
         x for c in big for x in [copy_share(c, "gbs_steady")] if x is not None]
     if any(x > 1.02 for x in shares):
