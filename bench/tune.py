@@ -192,9 +192,9 @@ def gpu_healthy() -> bool:
     return True
 
 
-def rank(results: list[dict], by_causal: bool = False) -> dict[tuple, list[tuple[tuple, float, int]]]:
-    """Per (kernel, D), or with by_causal per (kernel, D, causal): candidates ranked by the geometric mean, over
-    every (dtype, causal, N) of the group where both it and the default were timed, of its time over the
+def rank(results: list[dict]) -> dict[tuple[str, int, bool], list[tuple[tuple, float, int]]]:
+    """Per (kernel, D, causal), as configs.py's tables (causal: the main ones; full: configs.FULL): candidates ranked
+    by the geometric mean, over every (dtype, N) where both it and the default were timed, of its time over the
     default's: [(ident, geomean, cases)]."""
     default_ms = {}
     for r in results:
@@ -204,8 +204,7 @@ def rank(results: list[dict], by_causal: bool = False) -> dict[tuple, list[tuple
     for r in results:
         base = default_ms.get((r["kernel"], r["d"], r["causal"], r["dtype"], r["seqlen"]))
         if "ms" in r and base:
-            group = (r["kernel"], r["d"], r["causal"]) if by_causal else (r["kernel"], r["d"])
-            logs[group][tuple(r["ident"])].append(math.log(r["ms"] / base))
+            logs[(r["kernel"], r["d"], r["causal"])][tuple(r["ident"])].append(math.log(r["ms"] / base))
     out = {}
     for kd, per in logs.items():
         out[kd] = sorted(((ident, math.exp(sum(v) / len(v)), len(v)) for ident, v in per.items()),
@@ -246,7 +245,7 @@ def table(sweep_out: dict, gpu: str, triton_version: str) -> str:
     lines += ["", f"Paste into triton_kernels/configs.py ({'MODIFIED, ' if modified else ''}16-bit tables), best "
               "first per kernel, head dim and causality (causal: the main tables; full: configs.FULL); "
               "the number is the geometric mean of time / default's over the (dtype, N) cases timed:", ""]
-    for (kernel, d, causal), ranked in sorted(rank(res, by_causal=True).items(), key=lambda x: (x[0][:2], not x[0][2])):
+    for (kernel, d, causal), ranked in sorted(rank(res).items(), key=lambda x: (x[0][:2], not x[0][2])):
         lines.append(f"# {kernel}, head dim {d}, {'causal' if causal else 'full (configs.FULL)'}")
         for ident, gm, cases in ranked[:3]:
             args, tma = _config_args(ident)
@@ -279,7 +278,7 @@ def write_cache(sweep_out: dict, target, gpu: str, triton_version: str) -> list[
     tma_ok = not any(x.startswith("stopped:") for x in sweep_out["skipped"]) and \
         not any("error" in r and _config_args(r["ident"])[1] for r in res)
     keys = []
-    for (kernel, d, causal), ranked in rank(res, by_causal=True).items():
+    for (kernel, d, causal), ranked in rank(res).items():
         most = max(cases for _, _, cases in ranked)
         eligible = [x for x in ranked if x[2] == most and (tma_ok or not _config_args(x[0])[1])]
         if not eligible:

@@ -315,18 +315,18 @@ def decode_ctas(batch: int, hq: int, hkv: int, sq: int) -> int:
 DECODE_THREADS = 128  # decode_attention_kernel's block
 DECODE_REGS_BOUND = 128  # registers a thread of it takes at most (csrc/RESOURCES.md, checked by tests/test_cuda_ext.py)
 SMEM_RESERVED_PER_BLOCK = 1024  # shared memory the driver reserves per block on sm_80 and newer
-STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ bytes a block may have
 
 
 def decode_smem_bytes(elt: int, d: int, rows: int) -> int:
     """Static shared memory of decode_attention_kernel<T, D, ROWS> (element size elt): a mirror of DecodeSmem
-    (csrc/decode_attention.cu), double-buffered K/V where two buffers fit STATIC_SMEM_LIMIT, else one. Tests check
+    (csrc/decode_attention.cu), double-buffered K/V where two buffers fit the static limit (_cuda_build's
+    STATIC_SMEM_LIMIT, 48 KB), else one. Tests check
     it against what nvcc allocated (csrc/RESOURCES.md)."""
     bn, ldk = 8192 // (d * elt), d + 16 // elt  # keys a tile (8 KB of K), padded row
 
     def total(stages: int) -> int:
         return stages * (2 * bn * ldk * elt + 2 * bn * 4) + rows * d * elt + rows * bn * 4 + 3 * rows * 4
-    return total(2) if total(2) <= STATIC_SMEM_LIMIT else total(1)
+    return total(2) if total(2) <= _b.STATIC_SMEM_LIMIT else total(1)
 
 
 def decode_ctas_per_sm(elt: int, d: int, rows: int, threads_per_sm: int, regs_per_sm: int, smem_per_sm: int) -> int:
