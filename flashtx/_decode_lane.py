@@ -9,17 +9,18 @@ requires grad under grad mode, and the automatic backend or `triton`. The key is
 tensor's dtype, device, shape and strides and every scalar.
 
 A lane is made from the general path's own work: its argument checks and normalisation (`decode._prepare`, which
-raises what the general path raises), its backend (`decode._backend`, which must be `triton`), and the launch
-cache's entries for the append and the attention (`triton_kernels.decode.kv_append_entry` / `decode_entry`, the
-ones kv_append and decode_attention would replay), made for the normalised tensors, which must be the caller's own
-or views with their data pointers (a contiguous() that copies, a reshaped ALiBi table of other strides: the general
+raises what the general path raises), its backend (`decode._backend`, which must be `triton`), and the launch cache's
+entries for the append and the attention (`triton_kernels.decode.kv_append_entry` / `decode_entry`, the ones
+kv_append and decode_attention would replay), made for the normalised tensors, which must be the caller's own or
+views with their data pointers (a contiguous() that copies, a reshaped ALiBi table of other strides: the general
 path). Every call still checks what depends on values or addresses, as the general path does: the index ranges
-(`decode._check_ranges`: on the host for CPU tensors, by the check kernel and a device-side assert on a GPU) and,
-when appending, whether the caches share memory with each other or with q, k, v (`decode.append_overlap`). It
-then fires the append (bumping the caches' version counters, as the in-place op's call does) and the attention,
-with the outputs and split partials allocated as the ops allocate them. Every other call returns None, and the
-caller takes the general path: empty inputs, tensors on a CUDA device that is not the current one, and plans that
-are not Triton's (and lanes.remember's and lanes.eager's rules).
+(`decode._check_ranges`: on the host for CPU tensors, by the check kernel and a device-side assert on a GPU, the
+kernel's launch replayed from the lane's entry, `decode._check_entry`) and, when appending, whether the caches share
+memory with each other or with q, k, v (`decode.append_overlap`). It then fires the append (bumping the caches'
+version counters, as the in-place op's call does) and the attention, with the outputs and split partials allocated as
+the ops allocate them. Every other call returns None, and the caller takes the general path: empty inputs, tensors on
+a CUDA device that is not the current one, and plans that are not Triton's (and lanes.remember's and lanes.eager's
+rules).
 
 `LANE = False` turns it off (tests and bench/overhead.py compare both).
 """
@@ -44,11 +45,12 @@ class _Lane:
     """One call signature's plan: the append's and the attention's launch entries, the split partials' shapes,
     what the range check reads (Snew, capacity, q_moves), and the output shapes."""
 
-    __slots__ = ("append", "rotary", "attend", "parts", "snew", "capacity", "q_moves", "left", "out_shape",
+    __slots__ = ("check", "append", "rotary", "attend", "parts", "snew", "capacity", "q_moves", "left", "out_shape",
                  "lse_shape", "acc")
 
-    def __init__(self, append, rotary, attend, parts, snew, capacity, q_moves, left, out_shape, lse_shape, acc):
-        self.append, self.rotary, self.attend, self.parts = append, rotary, attend, parts
+    def __init__(self, check, append, rotary, attend, parts, snew, capacity, q_moves, left, out_shape, lse_shape,
+                 acc):
+        self.check, self.append, self.rotary, self.attend, self.parts = check, append, rotary, attend, parts
         self.snew, self.capacity, self.q_moves, self.left = snew, capacity, q_moves, left
         self.out_shape, self.lse_shape, self.acc = out_shape, lse_shape, acc
 
@@ -105,7 +107,7 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
         if lane.snew and append_overlap(q, k, v, k_cache, v_cache) is not None:
             return None  # refused by the general path (it depends on addresses)
         _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, lane.snew, lane.capacity,
-                      lane.q_moves, lane.left)
+                      lane.q_moves, lane.left, lane.check)
     if lane.append is not None:
         q_out = torch.empty_like(q) if lane.rotary else None
         _lanes.fire(lane.append, (q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table))
@@ -135,7 +137,7 @@ def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
     call, in its order: the argument checks, the index values (which a returned lane's call has then passed), the
     backend's refusal."""
     global _check_ranges, append_overlap
-    from .decode import _backend, _check_ranges, _prepare, append_overlap
+    from .decode import _backend, _check_entry, _check_ranges, _prepare, append_overlap
 
     prepared = _prepare(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, scale, causal,
                         window, softcap, alibi, num_splits)  # raises what the general path raises
@@ -175,6 +177,8 @@ def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
         if type(attend) is not list:
             return False
         parts = ((splits, B, Sq, Hq, v_cache.shape[3]), (splits, B, Hq, Sq)) if splits > 1 else None
-        return _Lane(append, cos is not None, attend, parts, snew, capacity, q_moves, window2[0], out_shape,
+        check = _check_entry(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, snew, capacity, q_moves,
+                             window2[0])  # (the device's branch of the index check, replayed)
+        return _Lane(check, append, cos is not None, attend, parts, snew, capacity, q_moves, window2[0], out_shape,
                      lse_shape, acc)
     return _lanes.remember(key, build)

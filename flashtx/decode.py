@@ -8,7 +8,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from . import _decode_lane, _decode_op
+from . import _decode_lane, _decode_op, _lanes
 from ._device_checks import triton_checks as _triton_checks
 from ._library import call, device_assert
 from ._validate import (_check_layout, _values_readable, check_alibi, check_flag, check_softcap, check_tensor,
@@ -354,25 +354,54 @@ def _assert_message(leftpad: bool, batch_idx: bool, paged: bool, rotary: bool) -
 _ASSERT_MESSAGES = {flags: _assert_message(*flags) for flags in itertools.product((False, True), repeat=4)}
 
 
+def _check_ints(q, k_cache, block_table, cos, Snew: int, capacity: int, q_moves: bool, win_left: int) -> tuple:
+    """The check kernel's integers for a call (flashtx::kvcache_check's, in its order): Snew, capacity, the cache's
+    rows (or pages), the page size (1: contiguous), the RoPE tables' rows (-1: none), the queries' extra rotated
+    positions and the key span (-1: no window)."""
+    return (Snew, capacity, k_cache.shape[0], k_cache.shape[1] if block_table is not None else 1,
+            cos.shape[0] if cos is not None else -1, q.shape[1] - 1 if q_moves and cos is not None else 0,
+            q.shape[1] + win_left if win_left >= 0 else -1)  # (keys before end - key span are never read)
+
+
+def _check_entry(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Snew: int, capacity: int,
+                 q_moves: bool, win_left: int = -1):
+    """The check kernel's memoised launch for these tensors (decode_check.decode_check_entry), which
+    _check_ranges(..., entry) replays on the device's branch, or None where that branch plans each call (no
+    Triton checks on this device, a launch the cache cannot replay). For flashtx._decode_lane (a non-empty
+    batch)."""
+    dev = seqlens.device
+    if not _triton_checks(dev.type, dev.index):
+        return None
+    ints = _check_ints(q, k_cache, block_table, cos, Snew, capacity, q_moves, win_left)
+    entry = _decode_op._TRITON.checks.decode_check_entry(
+        torch.empty(1, dtype=torch.int32, device=dev), seqlens, leftpad, batch_idx, block_table,
+        **dict(zip(("snew", "capacity", "rows", "page", "cos_rows", "q_extra", "key_span"), ints)))
+    return entry if type(entry) is list else None
+
+
 def _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, Snew: int, capacity: int,
-                  q_moves: bool, win_left: int = -1) -> None:
+                  q_moves: bool, win_left: int = -1, entry=None) -> None:
     """Every index the kernels will follow stays inside its tensor: on CPU read on the host (a ValueError
     naming the first bad entry); otherwise on the device without a sync, by the check kernel
     (flashtx::kvcache_check) and one torch._assert_async of its flag, launched before the append and
     attention kernels (an assert stops every later kernel of the stream). win_left: the window's left side
     (-1: none). The block_table entries checked are those of the pages the kernels touch: the appended
-    positions and the keys some query may see (decode_check.py); a serving engine may free the others."""
+    positions and the keys some query may see (decode_check.py); a serving engine may free the others.
+    entry: _check_entry's for these tensors (a decoding lane's), replayed on the device's branch instead of the
+    op's call (the same kernel and arguments, without the op's planning: ~5 us of Python a step)."""
     readable = _values_readable(seqlens)
     dev = seqlens.device
-    key_span = q.shape[1] + win_left if win_left >= 0 else -1  # keys before end - key_span are never read
     if not readable and _triton_checks(dev.type, dev.index):
-        paged = block_table is not None
-        flag = call(_decode_op.kvcache_check, seqlens, leftpad, batch_idx, block_table, Snew, capacity,
-                    k_cache.shape[0], k_cache.shape[1] if paged else 1, cos.shape[0] if cos is not None else -1,
-                    q.shape[1] - 1 if q_moves and cos is not None else 0, key_span)
-        device_assert(flag, _ASSERT_MESSAGES[leftpad is not None, batch_idx is not None, paged,
+        if entry is not None:
+            flag = torch.empty(1, dtype=torch.int32, device=dev)  # (the kernel writes it whole)
+            _lanes.fire(entry, (flag, seqlens, leftpad, batch_idx, block_table))
+        else:
+            flag = call(_decode_op.kvcache_check, seqlens, leftpad, batch_idx, block_table,
+                        *_check_ints(q, k_cache, block_table, cos, Snew, capacity, q_moves, win_left))
+        device_assert(flag, _ASSERT_MESSAGES[leftpad is not None, batch_idx is not None, block_table is not None,
                                              cos is not None])
         return
+    key_span = _check_ints(q, k_cache, block_table, cos, Snew, capacity, q_moves, win_left)[6]
     lens = seqlens.long()
     end = lens + Snew
     _check_values((lens >= 0) & (end <= capacity), readable,

@@ -182,17 +182,25 @@ def test_kernel_and_host_agree_on_random_indices(cuda_assert_rule):
         kc = torch.zeros(rows, page if paged else capacity, 1, 1)
         q = q4.expand(B, Sq, 1, 1)
         results = []
-        for readable in (True, False):
+        for mode in ("host", "op", "lane's entry"):  # the device's branch through the op, or a decoding lane's replay
+            readable = mode == "host"
+            entry = None
+            if mode == "lane's entry":
+                fresh = [t.clone() if t is not None else None for t in (lens, bidx, leftpad, bt)]  # (same signature)
+                entry = fd._check_entry(q, kc, fresh[0], fresh[1], fresh[2], fresh[3], cos, Snew, capacity,
+                                        trial % 2 == 0, win_left)
+                assert type(entry) is list
             with pytest.MonkeyPatch.context() as m:
                 m.setattr(fd, "_values_readable", lambda t: readable)
                 try:
-                    fd._check_ranges(q, kc, lens, bidx, leftpad, bt, cos, Snew, capacity, trial % 2 == 0, win_left)
+                    fd._check_ranges(q, kc, lens, bidx, leftpad, bt, cos, Snew, capacity, trial % 2 == 0, win_left,
+                                     entry)
                     results.append(True)
                 except (ValueError, RuntimeError) as e:
                     assert isinstance(e, ValueError if readable else RuntimeError)
                     results.append(False)
-        assert results[0] == results[1], (trial, lens, leftpad, bidx, bt, cos is not None and cos.shape, Snew, Sq,
-                                          win_left)
+        assert results[0] == results[1] == results[2], (trial, lens, leftpad, bidx, bt,
+                                                        cos is not None and cos.shape, Snew, Sq, win_left)
         outcomes.append(results[0])
     assert 10 <= sum(outcomes) <= 50, sum(outcomes)  # both outcomes well represented
 

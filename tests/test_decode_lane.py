@@ -123,24 +123,30 @@ def device_path(monkeypatch):
                                              "GPU's CUDA context); on a GPU: test_device_asserts_gpu.py")
 def test_on_the_gpu_branch_the_lane_launches_the_check_first(device_path, monkeypatch):
     """With the device check (the GPU's branch), a lane's call launches the check kernel before its own launches,
-    every call, and a bad length stops the call before the append writes anything."""
+    every call: the first through the op (flashtx::kvcache_check, planning the lane), the others from the lane's
+    own entry for it. A bad length stops the call before the append writes anything."""
     from flashtx import _decode_op
+    from flashtx.triton_kernels import launch
 
-    order = []
-    real_fire, real_check = _lanes.fire, _decode_op._TRITON.checks.decode_check
-    monkeypatch.setattr(_lanes, "fire", lambda *a: order.append("fire") or real_fire(*a))
-    monkeypatch.setattr(_decode_op._TRITON.checks, "decode_check", lambda *a, **k: order.append("check") or
+    kernels, op_checks = [], []
+    real_run, real_check = launch.run_kernel, _decode_op._TRITON.checks.decode_check
+    monkeypatch.setattr(launch, "run_kernel", lambda kernel, *a: kernels.append(kernel.fn.__name__) or
+                        real_run(kernel, *a))
+    monkeypatch.setattr(_decode_op._TRITON.checks, "decode_check", lambda *a, **k: op_checks.append(1) or
                         real_check(*a, **k))
     for seed in range(3):
         _call(_inputs(seed, rotary=True))
-    # the first call planned the lane (the general path's planning launches nothing itself)
-    assert order == ["check", "fire", "fire"] * 3 and len(_lanes.TABLE) == 1 and all(_lanes.TABLE.values())
+    per_call = ["_decode_check", "_kv_append", "_decode_fwd"]
+    assert kernels == per_call * 3, kernels
+    assert len(op_checks) == 1 and len(_lanes.TABLE) == 1 and all(_lanes.TABLE.values())
+    (lane,) = _lanes.TABLE.values()
+    assert type(lane.check) is list and len(lane.check) == 1  # the replayed check
     a = _inputs(3, rotary=True)
     a["cache_seqlens"][0] = 70
     k0 = a["k_cache"].clone()
     with pytest.raises(RuntimeError, match="index out of range"):
         _call(a)
-    assert torch.equal(a["k_cache"], k0) and order[-1] == "check"
+    assert torch.equal(a["k_cache"], k0) and kernels[-1] == "_decode_check" and len(op_checks) == 1
 
 
 BAD = {  # name: (a change to a good call's arguments, error type, message)

@@ -109,15 +109,30 @@ def plan_check(flag, seqlens, leftpad, batch_idx, block_table, *, snew: int, cap
 _ROLES = ("FLAG", "SEQLENS", "LEFTPAD", "BIDX", "BT")  # the kernel argument of each launch-cache input
 
 
+def _check_cache_args(flag, seqlens, leftpad, batch_idx, block_table, snew: int, capacity: int, rows: int, page: int,
+                      cos_rows: int, q_extra: int, key_span: int) -> tuple:
+    """(key, roles, tensors, build) of the check's launch-cache entry (LaunchCache.run / .entry)."""
+    return (("decode_check", seqlens.device, snew, capacity, rows, page, cos_rows, q_extra, key_span), _ROLES,
+            (flag, seqlens, leftpad, batch_idx, block_table),
+            lambda: [plan_check(flag, seqlens, leftpad, batch_idx, block_table, snew=snew, capacity=capacity,
+                                rows=rows, page=page, cos_rows=cos_rows, q_extra=q_extra, key_span=key_span)])
+
+
 def decode_check(flag, seqlens, leftpad, batch_idx, block_table, *, snew: int, capacity: int, rows: int, page: int,
                  cos_rows: int, q_extra: int, key_span: int = -1) -> None:
     """Launch the check (see plan_check); nothing for an empty batch (flag stays as the caller set it)."""
     if seqlens.shape[0] == 0:
         return
-    LAUNCHES.run(("decode_check", seqlens.device, snew, capacity, rows, page, cos_rows, q_extra, key_span), _ROLES,
-                 (flag, seqlens, leftpad, batch_idx, block_table),
-                 lambda: [plan_check(flag, seqlens, leftpad, batch_idx, block_table, snew=snew, capacity=capacity,
-                                     rows=rows, page=page, cos_rows=cos_rows, q_extra=q_extra, key_span=key_span)])
+    LAUNCHES.run(*_check_cache_args(flag, seqlens, leftpad, batch_idx, block_table, snew, capacity, rows, page,
+                                    cos_rows, q_extra, key_span))
+
+
+def decode_check_entry(flag, seqlens, leftpad, batch_idx, block_table, *, snew: int, capacity: int, rows: int,
+                       page: int, cos_rows: int, q_extra: int, key_span: int = -1):
+    """The memoised launch (LaunchCache.entry) decode_check would replay for these tensors (in _ROLES' order), or
+    None where it plans every call. flashtx._decode_lane keeps it per call signature (a non-empty batch)."""
+    return LAUNCHES.entry(*_check_cache_args(flag, seqlens, leftpad, batch_idx, block_table, snew, capacity, rows,
+                                             page, cos_rows, q_extra, key_span))
 
 
 def compile_plans(target) -> list:
