@@ -255,8 +255,12 @@ MODIFIED: dict = {
                                          "falls back to mma.sync (fewer than 64 K/V rows); 32x64 4 and 8 warps keep "
                                          "wgmma without spills but need more shared memory than estimated under "
                                          "Triton 3.6"),
-                                   128: C(32, 32, 8, 3, _MOD + "64x128: 904 bytes; 32x64 still 96-112); a quarter "
-                                          "of the K/V rows, half the q rows")}},
+                                   128: C(16, 64, 8, 3, _MOD + "64x128: 904 bytes; 32x64 8 warps 96-152 under "
+                                          "Triton 3.9, 24 under 3.6); half the K/V rows, a quarter of the q rows: "
+                                          "wgmma, no spills under 3.6 and 3.9. It replaces 32x32 8 warps, which "
+                                          "issued mma.sync (fewer than 64 K/V rows) and was the dK/dV tile of the "
+                                          "learned-bias backward that ran 2.0x slower than on the plain tiles (an "
+                                          "H100, 2026-12-06). Untimed")}},
              "attn_bwd_dq": {2: {64: C(64, 32, 4, 3, _MOD + "64x64: 624 bytes); half the K/V rows"),
                                  128: C(128, 32, 8, 3, _MOD + "128x64: 976 bytes); half the K/V rows")}}},
     "sm80": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "128x64 4 warps: 2 KB); 8 warps, half the K/V rows"),
