@@ -110,8 +110,9 @@ TABLES = {
             2: {64: C(64, 64, 4, 3, FLEX_H100),
                 128: C(128, 64, 8, 3, FLEX_H100),
                 192: C(64, 64, 8, 3, FA2_BWD_192 + " with FlexAttention sm_90's 3 stages (its 128 entry's)"),
-                256: C(32, 64, 8, 2, SWEEP + FLEX_H100 + " 64x64 8 warps spilled 176-632 bytes; 32x64 8 warps "
-                       "spills none, masked or modified either")},
+                256: C(64, 32, 8, 3, SWEEP + FLEX_H100 + " 64x64 8 warps spilled 176-632 bytes; 64x32 8 warps 3 "
+                       "stages spills none and issues wgmma (Triton 3.6, 3.9), where the previous 32x64 8 warps "
+                       "issued mma.sync (fewer than 64 q rows); one block an SM by shared memory, against two")},
             4: {64: C(64, 32, 8, 2, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
                 128: C(16, 16, 4, 1, FLEX_H100 + " (fp32)"),
                 192: C(16, 16, 4, 1, DERIVED_192 + "128 and 256 entries' tile (FlexAttention's fp32 16x16)"),
@@ -262,7 +263,9 @@ MODIFIED: dict = {
                                           "learned-bias backward that ran 2.0x slower than on the plain tiles (an "
                                           "H100, 2026-12-06). Untimed")}},
              "attn_bwd_dq": {2: {64: C(64, 32, 4, 3, _MOD + "64x64: 624 bytes); half the K/V rows"),
-                                 128: C(128, 32, 8, 3, _MOD + "128x64: 976 bytes); half the K/V rows")}}},
+                                 128: C(128, 32, 8, 3, _MOD + "128x64: 976 bytes); half the K/V rows"),
+                                 256: C(32, 64, 8, 2, _MOD + "64x32 8 warps: 56-232 bytes); the previous plain "
+                                        "entry (mma.sync)")}}},
     "sm80": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "128x64 4 warps: 2 KB); 8 warps, half the K/V rows"),
                               128: C(64, 64, 8, 2, _MOD + "128x64 8 warps: 552-608 bytes); half the q rows, 2 "
                                      "stages (128x32 spills 8-16 bytes)")}},
@@ -285,7 +288,9 @@ MODIFIED: dict = {
 _MASK = SWEEP + "the plain tile spills with visibility masks ("
 MASKED: dict = {
     "sm90": {"attn_bwd_dq": {2: {128: C(128, 64, 8, 2, _MASK + "64 bytes with varlen + window under Triton 3.9); "
-                                      "the same tile, 2 stages")}},
+                                      "the same tile, 2 stages"),
+                                 256: C(32, 64, 8, 2, _MASK + "88-304 bytes with varlen + window under Triton 3.9); "
+                                      "the previous plain entry (mma.sync)")}},
              "attn_bwd_dkdv": {2: {64: C(32, 64, 4, 3, _MASK + "64x64 4 warps: 8-88 bytes); its timed 4-warp "
                                          "neighbour (plain: 5-9% slower at 4k), wgmma and no spills"),
                                    128: C(16, 64, 4, 3, _MASK + "32x64 4 warps: 32 bytes with varlen + window); half "
