@@ -197,15 +197,17 @@ class _Compiled:
 
     def __init__(self, log):
         self.log = log
+        self.hooks = []  # (launch metadata, enter hook, exit hook) of each direct launch
 
     def _init_handles(self):
         pass
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        return "metadata"
 
     def run(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter, exit, *args):
         self.log.append(("direct", (grid_0, grid_1, grid_2), args, stream))
+        self.hooks.append((launch_metadata, enter, exit))
 
 
 class _Kernel:
@@ -271,6 +273,44 @@ def test_gpu_replays_launch_the_compiled_kernel_directly(monkeypatch):
     with launch.stub_launches():
         call(x, y)
     assert len(kernel.log) == n  # the stub took it
+
+
+def test_direct_launches_feed_triton_launch_hooks_only_when_some_are_set(monkeypatch):
+    """Without launch hooks (Triton's knobs.runtime.launch_enter_hook / launch_exit_hook empty), a direct launch calls
+    the compiled kernel's launcher as JITFunction.run does, with no launch metadata and None hooks (which the
+    launcher skips); with a hook added to either chain, or set as a plain function, it goes through
+    CompiledKernel[grid], whose runner builds the metadata and passes the hooks. The same arguments either way."""
+    from triton import knobs
+
+    driver = _Driver()
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_driver", lambda: driver)
+    kernel = _Kernel()
+    x, y = torch.zeros(8), torch.zeros(8)
+
+    def call():
+        launch.LAUNCHES.run(("hooks-test",), ("X", "Y"), (x, y),
+                            lambda: [launch.Launch(kernel, (3, 1, 1), {"Y": y, "N": 7, "X": x, "BLOCK": 16})])
+        return kernel.log[-1], kernel.compiled.hooks[-1] if kernel.compiled.hooks else None
+
+    call()  # (the first launch: through the kernel)
+    plain, hooks = call()
+    assert plain[0] == "direct" and hooks == (None, None, None)
+    rt = knobs.runtime
+    seen = []
+    for where in ("launch_enter_hook", "launch_exit_hook"):
+        getattr(rt, where).add(seen.append)
+        try:
+            got, hooks = call()
+        finally:
+            getattr(rt, where).remove(seen.append)
+        assert got == plain and hooks == ("metadata", rt.launch_enter_hook, rt.launch_exit_hook), where
+    chain = rt.launch_enter_hook
+    with monkeypatch.context() as m:
+        m.setattr(rt, "launch_enter_hook", seen.append)  # the older form: a plain function
+        got, hooks = call()
+    assert got == plain and hooks == ("metadata", seen.append, rt.launch_exit_hook)
+    assert rt.launch_enter_hook is chain and call()[1] == (None, None, None) and not seen
 
 
 @pytest.mark.parametrize("grid", [(3,), (3, 2)], ids=["1d", "2d"])
