@@ -329,7 +329,8 @@ def _no_launch_hooks() -> bool:
     if _RUNTIME_KNOBS is None:
         from triton import knobs
 
-        _RUNTIME_KNOBS, _HOOK_CHAIN = knobs.runtime, knobs.HookChain
+        # (a Triton without hook chains: a type no hook has, so every direct launch takes the runner)
+        _RUNTIME_KNOBS, _HOOK_CHAIN = knobs.runtime, getattr(knobs, "HookChain", NotImplemented)
     rt = _RUNTIME_KNOBS
     enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
     return type(enter) is _HOOK_CHAIN and type(leave) is _HOOK_CHAIN and not enter.calls and not leave.calls
