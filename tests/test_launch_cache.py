@@ -277,7 +277,7 @@ def test_gpu_replays_launch_the_compiled_kernel_directly(monkeypatch):
 
 def test_direct_launches_feed_triton_launch_hooks_only_when_some_are_set(monkeypatch):
     """Without launch hooks (Triton's knobs.runtime.launch_enter_hook / launch_exit_hook empty), a direct launch calls
-    the compiled kernel's launcher as JITFunction.run does, with no launch metadata and None hooks (which the
+    the compiled kernel's launcher with JITFunction.run's arguments but no launch metadata and None hooks (which the
     launcher skips); with a hook added to either chain, or set as a plain function, it goes through
     CompiledKernel[grid], whose runner builds the metadata and passes the hooks. The same arguments either way."""
     from triton import knobs

@@ -239,13 +239,14 @@ class LaunchCache:
         return True
 
 
-# Eager GPU replays launch Triton's compiled kernel directly (its launcher, called as JITFunction.run calls it;
-# CompiledKernel[grid](*args) where launch hooks are set) instead of going through JITFunction.run again: that skips
-# Triton's argument binding, specialisation and cache-key work, ~10-25 us a launch for kernels with tens of
-# arguments (triton-lang/triton#3503; tritonbench's launch_latency: 12.5 us of JITFunction.run for 19 arguments
-# against 3.4 us for the compiled kernel). A replay's non-tensor arguments are fixed, so Triton would pick the same
-# compiled kernel, as long as each tensor keeps the 16-byte alignment it was specialised on: a change of alignment
-# goes back through JITFunction.run. False: every replay goes through JITFunction.run.
+# Eager GPU replays launch Triton's compiled kernel directly (its launcher, with JITFunction.run's arguments but no
+# launch metadata and no hooks where none is set; CompiledKernel[grid](*args) where one is) instead of going through
+# JITFunction.run again: that skips Triton's argument binding, specialisation and cache-key work, ~10-25 us a launch
+# for kernels with tens of arguments (triton-lang/triton#3503; tritonbench's launch_latency: 12.5 us of
+# JITFunction.run for 19 arguments against 3.4 us for the compiled kernel). A replay's non-tensor arguments are
+# fixed, so Triton would pick the same compiled kernel, as long as each tensor keeps the 16-byte alignment it was
+# specialised on: a change of alignment goes back through JITFunction.run. False: every replay goes through
+# JITFunction.run.
 DIRECT_LAUNCH = True
 _ALIGN = 16  # Triton specialises pointer arguments on data_ptr() % 16 == 0
 
@@ -283,7 +284,7 @@ class _Replay:
                 if self.scratch:
                     ensure_scratch_allocator()
                 compiled, stream = known[0], drv.get_current_stream(device)
-                if _no_launch_hooks():  # JITFunction.run's own call of the launcher, without hooks to feed
+                if _no_launch_hooks():  # JITFunction.run's call of the launcher, without metadata or hooks
                     grid = self.grid
                     compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
                                  None, None, None, *vals)
@@ -321,10 +322,10 @@ _DRIVER = _RUNTIME_KNOBS = _HOOK_CHAIN = None
 
 def _no_launch_hooks() -> bool:
     """Whether no Triton launch hook is set (knobs.runtime.launch_enter_hook / launch_exit_hook: empty HookChains,
-    Triton 3.6 to 3.9). A direct launch then calls the compiled kernel's launcher as JITFunction.run does, with no
-    launch metadata and None hooks, which the launcher skips: CompiledKernel[grid]'s runner would build the
-    metadata (a LazyDict) and the launcher would call both empty chains, ~2 us of Python a launch on a desktop
-    CPU (measured with Triton 3.9's runner and a no-op launcher)."""
+    Triton 3.6 to 3.9). A direct launch then calls the compiled kernel's launcher with the arguments JITFunction.run
+    passes it, but no launch metadata and None hooks, which the launcher skips: JITFunction.run and
+    CompiledKernel[grid]'s runner build the metadata (a LazyDict) and pass both chains, which the launcher calls:
+    ~2 us of Python a launch on a desktop CPU (measured with Triton 3.6's and 3.9's runner and a no-op launcher)."""
     global _RUNTIME_KNOBS, _HOOK_CHAIN
     if _RUNTIME_KNOBS is None:
         from triton import knobs
