@@ -7,7 +7,9 @@ its source: a timed sweep (bench.tune on an H200, sm_90's forward), an anchor's 
 fused-attention tutorial, FlagAttention's RTX 3090 configs) and, where ours differs, why.
 
 Spills: a tile that spills registers should ship only where a GPU timed it faster. Every 16-bit
-forward, dK/dV and dQ tile nobody has timed compiles without spills under Triton 3.6, 3.8 and 3.9, at
+forward, dK/dV and dQ tile nobody has timed compiles without spills under Triton 3.6, 3.8 and 3.9 (those
+changed on 2026-12-06, sm_90's modifier dK/dV at 128 and plain and masked dQ at 256: under 3.6 and 3.9, 3.8 not
+installed), at
 head dims 64, 128 and 256, in every specialisation the compile check covers: plain (causal or not,
 MHA or a GQA group), with visibility masks (MASKED below), with every score modifier at once
 (MODIFIED), and the bias-gradient dQ. That is all of sm_80 and sm_86/89, which nobody here can time,
@@ -111,8 +113,8 @@ TABLES = {
                 128: C(128, 64, 8, 3, FLEX_H100),
                 192: C(64, 64, 8, 3, FA2_BWD_192 + " with FlexAttention sm_90's 3 stages (its 128 entry's)"),
                 256: C(64, 32, 8, 3, SWEEP + FLEX_H100 + " 64x64 8 warps spilled 176-632 bytes; 64x32 8 warps 3 "
-                       "stages spills none and issues wgmma (Triton 3.6, 3.9), where the previous 32x64 8 warps "
-                       "issued mma.sync (fewer than 64 q rows); one block an SM by shared memory, against two")},
+                       "stages spills none and issues wgmma (Triton 3.6 and 3.9; 3.8 not checked), where the "
+                       "previous 32x64 8 warps issued mma.sync (fewer than 64 q rows)")},
             4: {64: C(64, 32, 8, 2, KEPT + "; FlexAttention uses 16x16 for every fp32 backward"),
                 128: C(16, 16, 4, 1, FLEX_H100 + " (fp32)"),
                 192: C(16, 16, 4, 1, DERIVED_192 + "128 and 256 entries' tile (FlexAttention's fp32 16x16)"),
@@ -256,12 +258,14 @@ MODIFIED: dict = {
                                          "falls back to mma.sync (fewer than 64 K/V rows); 32x64 4 and 8 warps keep "
                                          "wgmma without spills but need more shared memory than estimated under "
                                          "Triton 3.6"),
-                                   128: C(16, 64, 8, 3, _MOD + "64x128: 904 bytes; 32x64 8 warps 96-152 under "
-                                          "Triton 3.9, 24 under 3.6); half the K/V rows, a quarter of the q rows: "
-                                          "wgmma, no spills under 3.6 and 3.9. It replaces 32x32 8 warps, which "
-                                          "issued mma.sync (fewer than 64 K/V rows) and was the dK/dV tile of the "
-                                          "learned-bias backward that ran 2.0x slower than on the plain tiles (an "
-                                          "H100, 2026-12-06). Untimed")}},
+                                   128: C(16, 64, 8, 3, _MOD + "the causal 32x64 4 warps: 168-256 bytes under "
+                                          "Triton 3.9, 8 warps 96-152 (24 under 3.6), 16x64 4 warps 8-16); half the "
+                                          "K/V rows and a quarter of the q rows of FlexAttention's 64x128, 8 warps: "
+                                          "wgmma, no spills under 3.6 and 3.9 (3.8 not checked). It replaces 32x32 8 "
+                                          "warps, which issued mma.sync (fewer than 64 K/V rows); that was among the "
+                                          "modifier tiles of the learned-bias backward that ran 2.0x slower than on "
+                                          "the plain tiles (an H100, 2026-12-06; which kernel lost the time is not "
+                                          "known). Untimed")}},
              "attn_bwd_dq": {2: {64: C(64, 32, 4, 3, _MOD + "64x64: 624 bytes); half the K/V rows"),
                                  128: C(128, 32, 8, 3, _MOD + "128x64: 976 bytes); half the K/V rows"),
                                  256: C(32, 64, 8, 2, _MOD + "64x32 8 warps: 56-232 bytes); the previous plain "
@@ -289,8 +293,9 @@ _MASK = SWEEP + "the plain tile spills with visibility masks ("
 MASKED: dict = {
     "sm90": {"attn_bwd_dq": {2: {128: C(128, 64, 8, 2, _MASK + "64 bytes with varlen + window under Triton 3.9); "
                                       "the same tile, 2 stages"),
-                                 256: C(32, 64, 8, 2, _MASK + "88-304 bytes with varlen + window under Triton 3.9); "
-                                      "the previous plain entry (mma.sync)")}},
+                                 256: C(64, 16, 8, 3, _MASK + "64x32: 88-304 bytes with varlen + window under "
+                                      "Triton 3.9); half the K/V rows: wgmma, no spills under 3.6 and 3.9 (3.8 not "
+                                      "checked). Untimed")}},
              "attn_bwd_dkdv": {2: {64: C(32, 64, 4, 3, _MASK + "64x64 4 warps: 8-88 bytes); its timed 4-warp "
                                          "neighbour (plain: 5-9% slower at 4k), wgmma and no spills"),
                                    128: C(16, 64, 4, 3, _MASK + "32x64 4 warps: 32 bytes with varlen + window); half "
