@@ -268,8 +268,8 @@ MODIFIED: dict = {
                                           "known). Untimed")}},
              "attn_bwd_dq": {2: {64: C(64, 32, 4, 3, _MOD + "64x64: 624 bytes); half the K/V rows"),
                                  128: C(128, 32, 8, 3, _MOD + "128x64: 976 bytes); half the K/V rows"),
-                                 256: C(32, 64, 8, 2, _MOD + "64x32 8 warps: 56-232 bytes); the previous plain "
-                                        "entry (mma.sync)")}}},
+                                 256: C(32, 64, 8, 2, _MOD + "64x32 8 warps: 56-232 bytes, 64x16 128); the "
+                                        "previous plain entry: mma.sync, for want of a spill-free wgmma tile")}}},
     "sm80": {"attn_fwd": {2: {64: C(128, 32, 8, 3, _MOD + "128x64 4 warps: 2 KB); 8 warps, half the K/V rows"),
                               128: C(64, 64, 8, 2, _MOD + "128x64 8 warps: 552-608 bytes); half the q rows, 2 "
                                      "stages (128x32 spills 8-16 bytes)")}},
