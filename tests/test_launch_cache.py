@@ -237,16 +237,21 @@ class _Driver:
         return 1000 + device
 
 
+def _on_a_gpu(monkeypatch):
+    """(driver, kernel) stand-ins, with launch.py taking its GPU branch (no interpreter, the stand-in driver)."""
+    driver = _Driver()
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_driver", lambda: driver)
+    return driver, _Kernel()
+
+
 def test_gpu_replays_launch_the_compiled_kernel_directly(monkeypatch):
     """On a GPU (stand-ins for the kernel, Triton's compiled kernel and its driver), a replay's first launch
     goes through the kernel (JITFunction.run) and later ones call the compiled kernel with the arguments in
     the kernel's parameter order, its own tensors rebound, on the current stream. A tensor whose 16-byte
     alignment changed (Triton specialises on it), another current device, DIRECT_LAUNCH = False and stubbed
     launches all go back through the kernel."""
-    driver = _Driver()
-    monkeypatch.setattr(launch, "_INTERPRET", False)
-    monkeypatch.setattr(launch, "_driver", lambda: driver)
-    kernel = _Kernel()
+    driver, kernel = _on_a_gpu(monkeypatch)
 
     def call(x, y):
         launch.LAUNCHES.run(("direct-test",), ("X", "Y"), (x, y),
@@ -282,10 +287,7 @@ def test_direct_launches_feed_triton_launch_hooks_only_when_some_are_set(monkeyp
     CompiledKernel[grid], whose runner builds the metadata and passes the hooks. The same arguments either way."""
     from triton import knobs
 
-    driver = _Driver()
-    monkeypatch.setattr(launch, "_INTERPRET", False)
-    monkeypatch.setattr(launch, "_driver", lambda: driver)
-    kernel = _Kernel()
+    driver, kernel = _on_a_gpu(monkeypatch)
     x, y = torch.zeros(8), torch.zeros(8)
 
     def call():
@@ -318,10 +320,7 @@ def test_gpu_replays_of_a_short_grid_launch_three_dims(monkeypatch, grid):
     """SwiGLU's (n,) grid, RoPE's (n, nb), the KV append's and the index checks': JITFunction.run pads a grid to
     three dims, Triton's compiled kernel does not (it reads grid[2]), so every replay's direct launch of these
     raised IndexError on a GPU. A replay holds its grid padded: the same launch through either path."""
-    driver = _Driver()
-    monkeypatch.setattr(launch, "_INTERPRET", False)
-    monkeypatch.setattr(launch, "_driver", lambda: driver)
-    kernel = _Kernel()
+    driver, kernel = _on_a_gpu(monkeypatch)
     x, y = torch.zeros(8), torch.zeros(8)
     for _ in range(3):
         launch.LAUNCHES.run(("short-grid", grid), ("X", "Y"), (x, y),
@@ -356,10 +355,7 @@ def test_a_direct_launch_uses_the_compiled_kernel_it_checked(monkeypatch):
     """Another thread may recapture a replay's compiled kernel (for other alignment bits) between this thread's
     device and alignment check and its launch; here it does so while the scratch allocator is installed. The
     launch must use the kernel it checked, not the new one with the old one's check."""
-    driver = _Driver()
-    monkeypatch.setattr(launch, "_INTERPRET", False)
-    monkeypatch.setattr(launch, "_driver", lambda: driver)
-    kernel = _Kernel()
+    driver, kernel = _on_a_gpu(monkeypatch)
     x, y = torch.zeros(8), torch.zeros(8)
 
     def call():
