@@ -125,14 +125,13 @@ def test_untimed_tiles_do_not_spill(compile_results, arch):
 # Hopper's tensor cores are fed by wgmma (warpgroup MMA); mma.sync, sm_80's instruction, runs there at a fraction of
 # wgmma's rate, and Triton falls back to it for a dot with fewer than 64 rows per warpgroup (e.g. dK/dV's
 # S^T = K Q^T over 32 K/V rows). sm_90's 16-bit forward, dK/dV and dQ tiles at head dims 64 and 128, plain and with
-# visibility masks, issue wgmma; so do the three with every score modifier at head dim 128, the forward at 256 (every
-# spec) and dQ at 256 (plain and masked); sm_80/86 never do (the measure's control). Where a GPU times an mma.sync
-# tile faster, the table takes it and this list names the exception. No spill-free wgmma tile was found for the
-# modifier dK/dV at 64, dK/dV at 256, and dQ at 256 with score modifiers (configs.py).
+# visibility masks, issue wgmma; so do the three with every score modifier at head dims 64 and 128, the forward at
+# 256 (every spec) and dQ at 256 (plain and masked); sm_80/86 never do (the measure's control). Where a GPU times an
+# mma.sync tile faster, the table takes it and this list names the exception. No spill-free wgmma tile was found for
+# dK/dV at 256, and dQ at 256 with score modifiers (configs.py).
 MMA_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window")
-MMA_MORE = {("attn_fwd", "D=128", "all-options"), ("attn_bwd_dkdv", "D=128", "all-options"),
-            ("attn_bwd_dq", "D=128", "all-options")} | {("attn_bwd_dq", "D=256", s) for s in MMA_SPECS} | {
-    ("attn_fwd", "D=256", s) for s in MMA_SPECS + ("all-options",)}
+MMA_MORE = {(k, d, "all-options") for k in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq") for d in ("D=64", "D=128")} | {
+    ("attn_bwd_dq", "D=256", s) for s in MMA_SPECS} | {("attn_fwd", "D=256", s) for s in MMA_SPECS + ("all-options",)}
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
@@ -150,7 +149,7 @@ def test_hopper_attention_tiles_issue_warpgroup_mma(compile_results, arch):
     assert len(checked) == 3 * 2 * 7, len(checked)  # 3 kernels x 2 head dims x (fp16: 4 specs, bf16: 3)
     more = [r for r in ours if len(r["label"].split()) > 3 and tuple(r["label"].split()[i] for i in (0, 1, 3))
             in MMA_MORE and r["label"].split()[2] in ("float16", "bfloat16")]
-    assert len(more) == 2 * 3 + 4 + 3 + 5 + 4, len(more)  # all-options at 128 (fp16, bf16); dQ, forward at 256
+    assert len(more) == 2 * 2 * 3 + 4 + 3 + 5 + 4, len(more)  # all-options at 64, 128 (fp16, bf16); dQ, forward at 256
     fallback = [f"{r['label']} {r['config']}: {r['mma']}" for r in checked + more if r["mma"] != "wgmma"]
     assert not fallback, "sm_90 tiles without warpgroup MMA:\n" + "\n".join(fallback)
 

@@ -8,8 +8,8 @@ fused-attention tutorial, FlagAttention's RTX 3090 configs) and, where ours diff
 
 Spills: a tile that spills registers should ship only where a GPU timed it faster. Every 16-bit
 forward, dK/dV and dQ tile nobody has timed compiles without spills under Triton 3.6, 3.8 and 3.9 (those
-changed on 2026-12-06, sm_90's modifier dK/dV at 128 and plain and masked dQ at 256: under 3.6 and 3.9, 3.8 not
-installed), at
+changed on 2026-12-06, sm_90's modifier dK/dV at 64 and 128 and plain and masked dQ at 256: under 3.6 and 3.9,
+3.8 not installed), at
 head dims 64, 128 and 256, in every specialisation the compile check covers: plain (causal or not,
 MHA or a GQA group), with visibility masks (MASKED below), with every score modifier at once
 (MODIFIED), and the bias-gradient dQ. That is all of sm_80 and sm_86/89, which nobody here can time,
@@ -254,10 +254,10 @@ MODIFIED: dict = {
                                      "3.8); 8 warps, half the K/V rows, as sm_80/86's"),
                               128: C(64, 32, 4, 3, _MOD + "64x64: 16 bytes); half the K/V rows"),
                               256: C(64, 32, 8, 3, _MOD + "4 warps: 64 bytes); 8 warps, the same tile")}},
-             "attn_bwd_dkdv": {2: {64: C(64, 32, 8, 3, _MOD + "64x64 8 warps: 64-192 bytes); half the K/V rows. It "
-                                         "falls back to mma.sync (fewer than 64 K/V rows); 32x64 4 and 8 warps keep "
-                                         "wgmma without spills but need more shared memory than estimated under "
-                                         "Triton 3.6"),
+             "attn_bwd_dkdv": {2: {64: C(32, 64, 8, 3, _MOD + "64x64 8 warps: 64-192 bytes; 32x64 4 warps 8 under "
+                                         "Triton 3.6); half the q rows, 8 warps: wgmma, no spills under 3.6 and 3.9 "
+                                         "(3.8 not checked). It replaces 64x32 8 warps, which issued mma.sync "
+                                         "(fewer than 64 K/V rows). Untimed"),
                                    128: C(16, 64, 8, 3, _MOD + "the causal 32x64 4 warps: 168-256 bytes under "
                                           "Triton 3.9, 8 warps 96-152 (24 under 3.6), 16x64 4 warps 8-16); half the "
                                           "K/V rows and a quarter of the q rows of FlexAttention's 64x128, 8 warps: "
@@ -366,6 +366,10 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
     elif kernel == "attn_bwd_dkdv":
         streamed = m * (block_dqk + block_dv)  # Q and dO tiles
         resident = n * (block_dqk + block_dv) + m * max(block_dqk, block_dv)  # K, V, a transposed q/dO tile
+        if hopper:  # + the q rows' fp32 statistics (m2, l2, delta) pipelined with them (measured: Triton 3.6's
+            # sm_90 builds with every score modifier staged 384 bytes beyond the tiles at 16 q rows and 1 KB at
+            # 32, 3 stages, head dim 64)
+            return (s * streamed + resident) * elt + hopper + 12 * m * s
     elif kernel in ("attn_bwd_dq", "attn_bwd_dq_dbias", "attn_scores"):
         streamed = n * (block_dqk + block_dv)  # K and V tiles
         resident = m * (block_dqk + block_dv)  # Q and dO tiles
