@@ -320,8 +320,7 @@ SMEM_RESERVED_PER_BLOCK = 1024  # shared memory the driver reserves per block on
 def decode_smem_bytes(elt: int, d: int, rows: int) -> int:
     """Static shared memory of decode_attention_kernel<T, D, ROWS> (element size elt): a mirror of DecodeSmem
     (csrc/decode_attention.cu), double-buffered K/V where two buffers fit the static limit (_cuda_build's
-    STATIC_SMEM_LIMIT, 48 KB), else one. Tests check
-    it against what nvcc allocated (csrc/RESOURCES.md)."""
+    STATIC_SMEM_LIMIT, 48 KB), else one. Tests check it against what nvcc allocated (csrc/RESOURCES.md)."""
     bn, ldk = 8192 // (d * elt), d + 16 // elt  # keys a tile (8 KB of K), padded row
 
     def total(stages: int) -> int:
@@ -342,9 +341,9 @@ def choose_num_splits(batch: int, hq: int, hkv: int, sq: int, capacity: int, num
     """num_splits for a decode launch: flash-attn's heuristic over blocks of MIN_KEYS_PER_SPLIT keys of the cache
     capacity (an upper bound of every row's length; no device sync), with `ctas_per_sm` blocks running on each of
     `num_sms` SMs (decode_ctas_per_sm: 4 on an H100, 2 on an RTX 3090). flash-attn counts 2 (flash_api.cpp:
-    multiProcessorCount * 2, for its 128-thread blocks of 64-128 KB); these blocks hold 16 KB of K/V in flight at a
-    time, and a latency-bound kernel needs every resident block busy: at batch 8 over 8k keys (GQA 32/8) 2 an SM
-    gave 4 splits, 256 blocks for 528 places on an H100; 4 an SM gives 7, 448 blocks."""
+    multiProcessorCount * 2, for its 128-thread blocks of 64-128 KB); these blocks stream 16 KB K/V tiles (two in
+    flight where double-buffered), and a latency-bound kernel needs every resident block busy: at batch 8 over 8k
+    keys (GQA 32/8) 2 an SM gave 4 splits, 256 blocks for 528 places on an H100; 4 an SM gives 7, 448 blocks."""
     n_blocks = max(1, math.ceil(capacity / MIN_KEYS_PER_SPLIT))
     return num_splits_heuristic(decode_ctas(batch, hq, hkv, sq), ctas_per_sm * num_sms, n_blocks, MAX_SPLITS)
 
