@@ -100,12 +100,15 @@ def _flashtx(case: AttnCase):
     return fn
 
 
-def eager_attention(q, k, v, causal_mask, scale):
-    """What a model writes (Hugging Face's eager path): K/V repeated for GQA, fp32 softmax."""
+def eager_attention(q, k, v, causal_mask, scale, bias=None):
+    """What a model writes (Hugging Face's eager path): K/V repeated for GQA, fp32 softmax; `bias` (broadcastable
+    to the scores) added to the scaled scores, as Swin's relative-position bias."""
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if bias is not None:
+        s = s + bias
     if causal_mask is not None:
         s = s.masked_fill(causal_mask, float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)

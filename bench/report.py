@@ -68,6 +68,8 @@ def _key(r: dict) -> tuple:
         return ("model-train", r.get("pass", "train"), r["model"], r["dtype"], r["batch"], r["seqlen"])
     if r["op"] == "attention-variant":
         return ("attention-variant", r["pass"], r["dtype"], r["seqlen"], r["variant"])
+    if r["op"] == "attention-bias":
+        return ("attention-bias", r["pass"], r["dtype"], r["batch"], r["seqlen"], r["heads"], r["headdim"])
     if r["op"] == "decode":
         return ("decode", r.get("pass", "fwd"), r["batch"], r["heads"], r["kv_heads"], r["seqlen"], r["dtype"])
     if r["op"] == "attention":
@@ -209,6 +211,23 @@ def attention_table(groups: dict, gqa: bool) -> list[str]:
                      f"{_num(ours, 'median_ms', '{:.3f}')} | {_steady(ours)} | {_num(ours, 'tflops')} | "
                      f"{_num(ours, 'tflops_steady')} | {_num(ours, 'pct_peak_tflops')} | "
                      f"{_num(ours, 'peak_mem_mb', '{:.0f}')} | " + " | ".join(_pair(c, p) for p in providers) + " |")
+    return lines
+
+
+def bias_table(groups: dict) -> list[str]:
+    """Window attention with a learned (1, H, N, N) bias over many windows (bench/test_attention_bias.py): flashtx's
+    times and the ratio of each provider's."""
+    cases = {k: v for k, v in groups.items() if k[0] == "attention-bias"}
+    if not cases:
+        return []
+    providers = [p for p in ("sdpa-efficient", "sdpa-math", "eager") if any(p in c for c in cases.values())]
+    lines = ["| pass | windows | N | H | D | dtype | flashtx ms | steady ms | TFLOP/s | MB | "
+             + " | ".join(f"vs {p}" for p in providers) + " |", "|" + "---|" * (10 + len(providers))]
+    for (_, pass_, dtype, windows, n, h, d), c in cases.items():
+        ours = c.get("flashtx")
+        lines.append(f"| {pass_} | {windows} | {n} | {h} | {d} | {dtype} | {_num(ours, 'median_ms', '{:.3f}')} | "
+                     f"{_steady(ours)} | {_num(ours, 'tflops')} | {_num(ours, 'peak_mem_mb', '{:.0f}')} | "
+                     + " | ".join(_pair(c, p) for p in providers) + " |")
     return lines
 
 
@@ -517,6 +536,7 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
                          ("Attention, GQA", attention_table(groups, gqa=True)),
                          ("Attention variants (window and varlen skip tiles; masks, bias, softcap, ALiBi, dropout)",
                           variants_table(groups)),
+                         ("Window attention with a learned relative-position bias (Swin)", bias_table(groups)),
                          ("Peak extra memory, attention fwd+bwd (MB)", memory_table(groups)),
                          ("RoPE and SwiGLU (memory-bound: GB/s of the fewest bytes)", memory_bound_table(groups)),
                          ("Decoding, Sq = 1 over a KV cache (GB/s of K/V read)", decode_table(groups)),

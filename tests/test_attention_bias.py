@@ -261,3 +261,74 @@ def test_the_bias_gradient_read_back_is_ordered_by_a_barrier():
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines())
     assert int(counts["attn_bwd_dq+dbias D=64"]) >= 1 and int(counts["attn_bwd_dq D=64"]) == 0, proc.stdout
+
+
+# (mask shape, batch, q heads): each broadcast over batch and/or heads, with few q tiles, so that the dQ kernel's
+# grid is small and dbias_groups splits the summed axis (batch 5: a prime; (1, 1, 1, SK): the per-q-tile partial
+# rows too)
+GROUP_CASES = [((1, 1, SQ, SK), 6, 4), ((1, HQ, SQ, SK), 12, HQ), ((1, 1, 1, SK), 5, 4), ((B, 1, SQ, SK), B, 6)]
+
+
+@pytest.mark.parametrize("shape,nb,nh", GROUP_CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple)
+                         else str(c))
+def test_bias_gradient_summed_in_groups_equals_one_chain(monkeypatch, shape, nb, nh):
+    """A bias broadcast over batch / heads, on a grid that does not fill the GPU: the dQ kernel's programs take
+    groups of the summed (batch, head) pairs, each summing into a partial of its own, and DbiasReduce adds the
+    partials (dbias_groups). The same call with grouping off (one program per gradient tile, looping over every
+    pair) and the float64 reference agree with it. The plan the call made is read back, so a test whose shapes
+    stopped grouping fails."""
+    from flashtx.triton_kernels import attention_bwd_launch as abl
+
+    plans = []
+
+    def recording(dbias, *args, **kwargs):
+        got = real(dbias, *args, **kwargs)
+        plans.append((got[1], got[0]["n_b"], got[0]["n_h"]))
+        return got
+
+    real = abl.dbias_plan
+    monkeypatch.setattr(abl, "dbias_plan", recording)
+    torch.manual_seed(39)
+    q = randn(nb, nh, SQ, D, dtype=PRECISE_DTYPE)
+    k, v = (randn(nb, 2, SK, D, dtype=PRECISE_DTYPE) for _ in range(2))
+    bias, dout = randn(*shape, dtype=PRECISE_DTYPE), randn(nb, nh, SQ, D, dtype=PRECISE_DTYPE)
+    results = []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(abl, "DBIAS_PARTIALS_BYTES", 0)  # one group: the partials' budget holds none
+        ins = to_dtype(PRECISE_DTYPE, q, k, v, bias)
+        with poisoned_allocations():
+            out = flashtx.attention(*ins[:3], attn_mask=ins[3], is_causal=True, enable_gqa=True, backend="triton")
+            results.append(torch.autograd.grad(out, ins, dout))
+    (grid_h, grid_b), chain_b, chain_h = plans[0][0], plans[0][1], plans[0][2]
+    groups = (grid_b if shape[0] == 1 else 1) * (grid_h if shape[1] == 1 else 1)
+    assert groups > 1 and (grid_b * chain_b, grid_h * chain_h) == (nb, nh), plans
+    assert plans[1][1] * plans[1][2] == (nb if shape[0] == 1 else 1) * (nh if shape[1] == 1 else 1), plans
+    ins = to64(q.double(), k.double(), v.double(), bias.double())
+    want = torch.autograd.grad(reference.attention(*ins[:3], causal=True, bias=ins[3]), ins, dout.double())
+    for got in results:
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.allclose(a.double(), b, atol=precise_atol(1e-11)), (a - b).abs().max()
+
+
+def test_bias_gradient_groups_fill_the_gpu_within_the_partials_budget():
+    """dbias_groups on an H100's 132 SMs (meta tensors: nothing is allocated): a Swin-like (1, 3, 49, 49) bias over
+    4096 windows takes 64 groups of 64 windows (3 x 64 programs, not 3 looping over every window); a T5 bias
+    (1, 16, 4k, 4k) at batch 4 already fills the GPU (1024 programs: one group, as before); a (1, 1, 4k, 4k) one at
+    batch 4 x 16 heads gets 4 groups, its 64 MiB fp32 partials held to DBIAS_PARTIALS_BYTES; a prime batch is not
+    split into unequal groups."""
+    from flashtx.triton_kernels.attention_bwd_launch import DBIAS_PARTIALS_BYTES, dbias_plan
+    from flashtx.triton_kernels.targets import KNOWN_TARGETS
+
+    def plan(shape, nb, nh, S, block_m):
+        args, grid, finish = dbias_plan(torch.empty(shape, dtype=torch.bfloat16, device="meta"), nb, nh, S, S,
+                                        block_m, torch.float32, KNOWN_TARGETS[90])
+        return grid, args["n_b"], args["n_h"], tuple(args["DB"].shape), finish is not None
+
+    assert plan((1, 3, 49, 49), 4096, 3, 49, 64) == ((3, 64), 64, 1, (64, 3, 49, 49), True)
+    assert plan((1, 16, 4096, 4096), 4, 16, 4096, 64) == ((16, 1), 4, 1, (1, 16, 4096, 4096), True)
+    got = plan((1, 1, 4096, 4096), 4, 16, 4096, 128)
+    assert got == ((1, 4), 1, 16, (4, 1, 4096, 4096), True) and 4 * 4096 * 4096 * 4 <= DBIAS_PARTIALS_BYTES
+    assert plan((1, 8, 64, 64), 7, 8, 64, 64) == ((8, 7), 1, 1, (7, 8, 64, 64), True)  # 8 programs: want 33 >= 7
+    assert plan((1, 64, 64, 64), 7, 64, 64, 64) == ((64, 1), 7, 1, (1, 64, 64, 64), True)  # 64 programs: want 5
+    assert plan((1, 64, 64, 64), 8, 64, 64, 64) == ((64, 4), 2, 1, (4, 64, 64, 64), True)  # 5 -> 4 groups of 2

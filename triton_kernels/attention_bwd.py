@@ -438,10 +438,12 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
                  DBIAS: tl.constexpr, DB_SUM_M: tl.constexpr, DB_SUM_N: tl.constexpr,
                  ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     """dQ of one q tile for n_b batches x n_h heads in turn (1 x 1 unless the attn_mask gradient is
-    broadcast over batch / heads: then this program owns that gradient tile and sums into it in a
-    fixed order). With DBIAS, dS goes to DB (shaped like the attn_mask, or per-q-tile partials when
-    it broadcasts over queries, DB_SUM_M); tiles the loop bounds skip get 0 there. TMA (sm_90+, unsplit,
-    16-byte aligned rows: launch.tma_ok): the streamed K / V tiles are read through tensor descriptors."""
+    broadcast over batch / heads: then program (m, j, i) takes batches [i n_b, (i + 1) n_b) and heads
+    [j n_h, (j + 1) n_h), n_b and n_h dividing the batch and head counts, and sums their dS into its own
+    partial of that gradient tile, DB[i, j], in a fixed order). With DBIAS, dS goes to DB (shaped like the
+    attn_mask, or per-q-tile partials when it broadcasts over queries, DB_SUM_M); tiles the loop bounds skip
+    get 0 there. TMA (sm_90+, unsplit, 16-byte aligned rows: launch.tma_ok): the streamed K / V tiles are read
+    through tensor descriptors."""
     tl.static_assert(not TMA or (BLOCK_DQK2 == 0 and BLOCK_DV2 == 0), "TMA reads unsplit head dims only")
     pid_m = tl.program_id(0)  # not longest first as the forward: reversed, it spills more on sm_80/86
     m0 = pid_m * BLOCK_M
@@ -450,8 +452,9 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
     offs_dv = tl.arange(0, BLOCK_DV)
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
     drop_scale = scalar_in(drop_scale_hi, drop_scale_lo, ACC)
-    for bi in range(0, n_b):
-        b = tl.program_id(2) + bi  # grid (q tiles, heads, batch); a summed axis has size 1
+    b0, h0 = tl.program_id(2) * n_b, tl.program_id(1) * n_h  # grid (q tiles, heads, batch), or groups of them
+    for bi in range(0, n_b):  # (n_b = 1, specialised by Triton, unless a summed axis groups batches)
+        b = b0 + bi
         lq, lk, cq0, cq1, ck0, ck1 = b, b, b, b, b, b  # read by seq_bounds only under LENS / VARLEN
         if LENS:
             lq, lk = tl.load(Q_LENS + b), tl.load(KV_LENS + b)
@@ -463,7 +466,7 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
         for hi_ in range(0, n_h):
             if DBIAS:  # the bias gradient is read back below where an earlier (batch, head) of this program stored
                 tl.debug_barrier()  # it, by other threads: a barrier orders those stores before these loads
-            h = tl.program_id(1) + hi_
+            h = h0 + hi_
             first = tl.where((bi == 0) & (hi_ == 0), 1, 0)  # the first (batch, head) stores, later ones add
             kvh = h // GROUP
             q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
@@ -500,7 +503,9 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
                                                    block_shape=[BLOCK_N, BLOCK_DV])
             km_base = KM + b.to(tl.int64) * stride_kmb
             mb_base = MB + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
-            db_base = DB + b.to(tl.int64) * stride_dbb + h.to(tl.int64) * stride_dbh
+            # this program's own tile of DB: indexed by (batch, head), or by group along a summed axis (n_b, n_h: 1
+            # where not summed, so the group index is b, h itself)
+            db_base = DB + tl.program_id(2).to(tl.int64) * stride_dbb + tl.program_id(1).to(tl.int64) * stride_dbh
             if DB_SUM_M:
                 db_base += pid_m.to(tl.int64) * stride_dbm  # this q tile's partial row
             lo, full_lo, full_hi, hi = kv_loop_bounds(m0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,

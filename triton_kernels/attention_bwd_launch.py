@@ -26,28 +26,73 @@ class GqaReduce:
 
 
 class DbiasReduce:
-    """Host step after the dQ kernel: the bias gradient from its buffer (a sum over the per-q-tile
-    partials when the mask broadcasts over queries; a cast when the mask broadcasts over batch or heads,
-    which the kernel sums in the fp32 buffer, and the mask is not fp32). torch's sum over a fixed shape is
-    deterministic."""
+    """Host step after the dQ kernel: the bias gradient from its fp32 buffer, summed in a fixed order
+    (torch's sum over a fixed shape is deterministic) over the groups of a summed batch / head axis
+    (dbias_groups) and the per-q-tile partial rows when the mask broadcasts over queries, then cast to
+    the mask's dtype."""
 
     def __init__(self, buf, dbias, sum_m: bool):
         self.buf, self.dbias, self.sum_m = buf, dbias, sum_m
 
     def run(self):
-        self.dbias.copy_(self.buf.sum(2, keepdim=True) if self.sum_m else self.buf)
+        buf = self.buf
+        for dim in (0, 1):
+            if buf.shape[dim] != self.dbias.shape[dim]:  # groups of a summed axis
+                buf = buf.sum(dim, keepdim=True)
+        self.dbias.copy_(buf.sum(2, keepdim=True) if self.sum_m else buf)
 
 
-def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype) -> tuple[dict, tuple, object]:
+# The dQ kernel sums the bias gradient over a broadcast batch / head axis serially, one program per gradient
+# tile; its grid is then q tiles x the other axis alone (a (1, H, S, S) T5 / Swin relative-position bias over
+# thousands of Swin windows: 1 x H programs, each looping over every window). dbias_groups splits a summed
+# axis into groups (divisors of it), each with an fp32 partial of its own, summed after the kernel
+# (DbiasReduce), until the grid has DBIAS_FILL_WAVES programs an SM (2: as gqa_split_factor), or the partials
+# would pass DBIAS_PARTIALS_BYTES (256 MiB: at S = 4k one (S, S) fp32 partial is 64 MiB). Untimed on a GPU:
+# chosen from grid arithmetic.
+DBIAS_FILL_WAVES = 2
+DBIAS_INTERPRETER_PROGRAMS = 8  # the interpreter's Target knows no SM count (decode's split heuristic: 4 slots)
+DBIAS_PARTIALS_BYTES = 256 << 20
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of n that is <= cap (>= 1)."""
+    return next(d for d in range(min(n, max(cap, 1)), 0, -1) if n % d == 0)
+
+
+def dbias_groups(n_b: int, n_h: int, programs: int, group_bytes: int, target, fill: int | None = None
+                 ) -> tuple[int, int]:
+    """The (batches, heads) each group of a bias gradient summed over n_b batches x n_h heads (1 where that axis is
+    not summed) takes: n_b x n_h (one group) when `programs` programs a group fill the target, else divisors of them
+    (the kernel loops over exactly n_b x n_h, so that 1 x 1 stays the specialised constant of the plain dQ kernel),
+    batch split first, each group's fp32 partial `group_bytes`. fill: the programs wanted (None: the target's)."""
+    if fill is None:
+        fill = DBIAS_FILL_WAVES * target.sm_count if target is not None and target.sm_count else \
+            DBIAS_INTERPRETER_PROGRAMS
+    want = max(1, min(cdiv(fill, max(programs, 1)), DBIAS_PARTIALS_BYTES // max(group_bytes, 1)))
+    g_b = _largest_divisor(n_b, want)
+    g_h = _largest_divisor(n_h, want // g_b)
+    return n_b // g_b, n_h // g_h
+
+
+def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype, target=None,
+               fill: int | None = None) -> tuple[dict, tuple, object]:
     """dQ-kernel arguments for writing the attn_mask gradient `dbias` ((B|1, H|1, Sq|1, Sk|1)), the grid's
     (heads, batch) extents, and the host step after it (None when the kernel writes dbias itself: in its
-    dtype, rounded once as a cast would, where no (batch, head) adds to what another stored)."""
+    dtype, rounded once as a cast would, where no (batch, head) adds to what another stored). target: the
+    GPU whose grid a summed axis is split for, or `fill` programs (dbias_groups); None: the interpreter's."""
     sum_b, sum_h = dbias.shape[0] == 1 and B > 1, dbias.shape[1] == 1 and H > 1
     sum_m, sum_n = dbias.shape[2] == 1 and Sq > 1, dbias.shape[3] == 1 and Sk > 1
+    rows = cdiv(Sq, block_m) if sum_m else dbias.shape[2]
+    g_b, g_h, c_b, c_h = 1, 1, 1, 1
+    if sum_b or sum_h:
+        programs = cdiv(Sq, block_m) * (1 if sum_h else H) * (1 if sum_b else B)
+        group_bytes = (1 if sum_h else H) * (1 if sum_b else B) * rows * dbias.shape[3] * acc_dtype.itemsize
+        c_b, c_h = dbias_groups(B if sum_b else 1, H if sum_h else 1, programs, group_bytes, target, fill)
+        g_b, g_h = B // c_b if sum_b else 1, H // c_h if sum_h else 1
     buf, finish = dbias, None
-    if sum_m or ((sum_b or sum_h) and dbias.dtype != acc_dtype):  # partial rows, or sums kept in fp32
-        rows = cdiv(Sq, block_m) if sum_m else dbias.shape[2]
-        buf = torch.empty(*dbias.shape[:2], rows, dbias.shape[3], dtype=acc_dtype, device=dbias.device)
+    if sum_m or g_b * g_h > 1 or ((sum_b or sum_h) and dbias.dtype != acc_dtype):  # partials, or sums in fp32
+        buf = torch.empty(g_b if sum_b else dbias.shape[0], g_h if sum_h else dbias.shape[1], rows, dbias.shape[3],
+                          dtype=acc_dtype, device=dbias.device)
         finish = DbiasReduce(buf, dbias, sum_m)
     strides = [0 if n == 1 else st for n, st in zip(buf.shape, buf.stride())]
     if sum_m:
@@ -56,8 +101,8 @@ def dbias_plan(dbias, B: int, H: int, Sq: int, Sk: int, block_m: int, acc_dtype)
         raise LimitExceeded(f"the attn_mask gradient's (Sq, Sk) = ({Sq}, {Sk}) slice overflows the kernels' int32 "
                             "offsets")
     args = dict(DB=buf, **{f"stride_db{ax}": st for ax, st in zip("bhmn", strides)},
-                n_b=B if sum_b else 1, n_h=H if sum_h else 1, DBIAS=True, DB_SUM_M=sum_m, DB_SUM_N=sum_n)
-    return args, (1 if sum_h else H, 1 if sum_b else B), finish
+                n_b=c_b if sum_b else 1, n_h=c_h if sum_h else 1, DBIAS=True, DB_SUM_M=sum_m, DB_SUM_N=sum_n)
+    return args, (g_h if sum_h else H, g_b if sum_b else B), finish
 
 
 # The automatic GQA dK/dV split (gqa_split=None) is off for now: its first GPU run (2026-11-30, H200) is
@@ -95,17 +140,19 @@ def gqa_partials(dk, dv, split: int, dtype) -> tuple:
 
 def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, causal: bool,
                   bottom_right: bool, dlse2: torch.Tensor | None = None, spec: MaskSpec = NO_MASKS,
-                  dbias: torch.Tensor | None = None, target=None, gqa_parts: tuple | None = None) -> list:
+                  dbias: torch.Tensor | None = None, target=None, gqa_parts: tuple | None = None,
+                  dbias_fill: int | None = None) -> list:
     """The launches of the backward, in order: preprocess, dK/dV, dQ (which also writes the attn_mask
     gradient into `dbias` when given, shaped like spec.attn_mask), and a DbiasReduce host step when the
-    bias gradient goes through a buffer (see dbias_plan).
+    bias gradient goes through a buffer (see dbias_plan; dbias_fill: its `fill`).
 
     gqa_parts: (dk, dv) partials from gqa_partials to split dK/dV over the GQA group (one program per
     q head); the caller sums them (GqaReduce, as attention_backward does). None: no split.
 
     (B, H, S, D) views; varlen: (1, H, total, D) views of the packed tensors, m2/l2/delta (1, H, total).
     """
-    from .attention_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess  # (attention_bwd re-exports this module)
+    # (here: attention_bwd re-exports this module)
+    from .attention_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess
 
     H, Sq_rows, D_QK = q.shape[1], q.shape[2], q.shape[3]
     Hkv, D_V = k.shape[1], v.shape[3]
@@ -153,7 +200,8 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
                        spec.masks_visibility, causal)
     finish = None
     if dbias is not None:  # the attn_mask gradient is dS: written by the dQ kernel as it forms dS
-        db_args, (grid_h, grid_b), finish = dbias_plan(dbias, B, H, Sq, Sk, c2.block_m, TORCH_ACC_DTYPE[q.dtype])
+        db_args, (grid_h, grid_b), finish = dbias_plan(dbias, B, H, Sq, Sk, c2.block_m, TORCH_ACC_DTYPE[q.dtype],
+                                                       target, dbias_fill)
     else:
         db_args, (grid_h, grid_b) = dict(DB=delta, stride_dbb=0, stride_dbh=0, stride_dbm=0, stride_dbn=0, n_b=1,
                                          n_h=1, DBIAS=False, DB_SUM_M=False, DB_SUM_N=False), (H, B)
@@ -265,7 +313,8 @@ def _fused_compile_plans(target) -> list:
     """The dQ kernel writing the attn_mask gradient (fp16/bf16 with every option, the mask broadcast
     over batch, or over heads and queries, or full (stored in its dtype); fp32 with a full mask), and dK/dV of a
     GQA group (4 q heads a K/V head, causal fp16), unsplit and split over its heads; head dims 64/128/192 (split
-    128 + 64)/256."""
+    128 + 64)/256. A broadcast mask's plan loops over the summed axis (as a grid that fills the GPU does), and
+    fp16 (1, H, S, S) once more with a program per (batch, head) (dbias_groups' split, as a small grid)."""
     from .attention_fwd import all_options_spec
 
     B, H, S = 2, 2, 128
@@ -273,7 +322,8 @@ def _fused_compile_plans(target) -> list:
     for d in (64, 128, 192, 256):
         cases = [(dt, shape) for dt in (torch.float16, torch.bfloat16)
                  for shape in ((1, H, S, S), (B, 1, 1, S), (B, H, S, S))]  # the last: stored in its dtype
-        for dtype, shape in cases + [(torch.float32, (B, H, S, S))]:
+        for dtype, shape, fill in [(dt, sh, 1) for dt, sh in cases] + [(torch.float16, (1, H, S, S), None),
+                                                                       (torch.float32, (B, H, S, S), 1)]:
             q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=dtype) for _ in range(8))
             m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
             spec = (MaskSpec(attn_mask=torch.empty(shape, dtype=dtype)) if dtype == torch.float32
@@ -281,10 +331,11 @@ def _fused_compile_plans(target) -> list:
             try:
                 launches = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
                                          bottom_right=False, spec=spec, dbias=torch.empty(shape, dtype=dtype),
-                                         target=target)
+                                         target=target, dbias_fill=fill)
             except RuntimeError:  # no config fits: the backend reports it and never launches
                 continue
-            plans.append((f"attn_bwd_dq+dbias D={d} {str(dtype)[6:]} {'x'.join(map(str, shape))}", launches[2]))
+            plans.append((f"attn_bwd_dq+dbias D={d} {str(dtype)[6:]} {'x'.join(map(str, shape))}"
+                          f"{' split' if fill is None else ''}", launches[2]))
         q, o, do, dq = (torch.empty(1, 4, S, d, dtype=torch.float16) for _ in range(4))
         k, v, dk, dv = (torch.empty(1, 1, S, d, dtype=torch.float16) for _ in range(4))
         m2, l2, delta = (torch.empty(1, 4, S, dtype=torch.float32) for _ in range(3))

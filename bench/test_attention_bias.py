@@ -1,0 +1,73 @@
+"""Window attention with a learned relative-position bias, as Swin Transformer's blocks run it: many short
+sequences (the windows) sharing one (1, H, N, N) bias that requires grad, so its gradient is a sum over every
+window. Swin-T's first stage at batch 32: 56x56 patches in 7x7 windows, 2048 windows of N = 49 tokens, H = 3,
+D = 32 (BENCH_DTYPE, bf16 by default), not causal.
+
+This is the shape where the bias gradient's sum over the batch decides the time: flashtx's dQ kernel splits the
+summed windows into groups that fill the GPU (triton_kernels/attention_bwd_launch.py, dbias_groups) instead of
+one program per (head, q tile) looping over all 2048. Providers: flashtx, SDPA's EFFICIENT (xformers' kernel,
+which computes the bias gradient) and MATH backends, and eager attention (the module's own code).
+A smoke run (BENCH_SMOKE=1) takes 8 windows.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashtx
+
+from . import gpus, harness
+from .providers import eager_attention
+
+DTYPE = harness.DTYPE
+N, H, D = 49, 3, 32
+WINDOWS = harness.smoke_dims(windows=(2048, 256))["windows"]
+PROVIDERS = ("flashtx", "sdpa-efficient", "sdpa-math", "eager")
+QUICK = ("flashtx", "sdpa-efficient", "eager")
+
+
+def _fn(provider: str, bias):
+    """fn(q, k, v) -> out for (WINDOWS, H, N, D) tensors, adding `bias` (1, H, N, N) to the scaled scores."""
+    if provider == "flashtx":
+        return lambda q, k, v: flashtx.attention(q, k, v, attn_mask=bias)
+    if provider == "eager":
+        return lambda q, k, v: eager_attention(q, k, v, None, D ** -0.5, bias=bias)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa-math": SDPBackend.MATH}[provider]
+
+    def fn(q, k, v):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return fn
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pass_", ("fwd", "fwd+bwd"))
+@pytest.mark.parametrize("provider", [pytest.param(p, marks=[pytest.mark.quick] if p in QUICK else [])
+                                      for p in PROVIDERS])
+def test_window_attention_bias(benchmark, provider, pass_):
+    benchmark.group = f"window attention, learned (1, H, N, N) bias {pass_} windows={WINDOWS} N={N} H={H} D={D}"
+
+    def build():
+        dev, grad = harness.DEVICE, pass_ != "fwd"
+        q, k, v = (torch.randn(WINDOWS, H, N, D, device=dev, dtype=DTYPE, requires_grad=grad) for _ in range(3))
+        bias = (0.1 * torch.randn(1, H, N, N, device=dev, dtype=DTYPE)).requires_grad_(grad)
+        fn = _fn(provider, bias)
+        if not grad:
+            def step(_):
+                with torch.no_grad():
+                    return fn(q, k, v)
+        else:
+            def step(_):
+                out = fn(q, k, v)
+                return torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))
+        return (lambda: None), step
+
+    prepare, step = harness.build_or_skip(provider, build, fail_fast=provider == "flashtx")
+    info = {"op": "attention-bias", "provider": provider, "pass": pass_, "batch": WINDOWS, "heads": H,
+            "kv_heads": H, "seqlen": N, "headdim": D, "causal": False, "dtype": str(DTYPE).replace("torch.", ""),
+            "shape": f"windows={WINDOWS} H={H} N={N} D={D}, bias (1, H, N, N)"}
+    harness.run_case(benchmark, prepare=prepare, step=step, info=info,
+                     flops=gpus.attention_flops(WINDOWS, H, N, N, D, False, pass_), dtype=DTYPE,
+                     fail_fast=provider == "flashtx")
