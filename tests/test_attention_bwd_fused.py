@@ -93,3 +93,21 @@ def test_gqa_split_dkdv_equals_unsplit_and_is_deterministic(name):
     _, ref = _run("reference", q, k, v, do, spec, causal, None)
     for a, r in zip(runs[0], ref):
         torch.testing.assert_close(a, r, atol=1e-12, rtol=1e-10)
+
+
+def test_row_statistics_in_any_layout_give_the_same_gradients():
+    """attention_backward indexes m2, l2 and the delta it allocates with m2's strides: m2 / l2 / dlse2 views with
+    other strides (a caller's (Sq, H) row-major buffers seen as (B, H, Sq)) give the gradients of the dense ones."""
+    from flashtx.triton_kernels.attention_bwd import attention_backward
+    from flashtx.triton_kernels.attention_fwd import attention_forward
+
+    torch.manual_seed(64)
+    q, k, v, do = (randn(B, h, s, D, dtype=torch.float64) for h, s in ((HQ, SQ), (HKV, SK), (HKV, SK), (HQ, SQ)))
+    dlse2 = randn(B, HQ, SQ, dtype=torch.float64)
+    out, m2, l2 = attention_forward(q, k, v, scale=SCALE, causal=True, bottom_right=False)
+    want = attention_backward(do, q, k, v, out, m2, l2, scale=SCALE, causal=True, dlse2=dlse2)
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (m2, l2, dlse2)]  # (B, Sq, H) memory
+    assert not any(t.is_contiguous() for t in views)
+    got = attention_backward(do, q, k, v, out, *views[:2], scale=SCALE, causal=True, dlse2=views[2])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

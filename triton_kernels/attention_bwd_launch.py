@@ -240,6 +240,10 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dbias is not None and (undecided(q.numel() == 0) or undecided(k.numel() == 0)):
         dbias.zero_()  # traced over a size read on the device: with no query or key row no kernel writes dbias
+    # the kernels index m2, l2 and delta with m2's strides, and the preprocess writes delta (and reads dlse2) densely:
+    # row statistics another caller made non-contiguous are copied (no-ops for the forward's own)
+    m2, l2 = m2.contiguous(), l2.contiguous()
+    dlse2 = dlse2.contiguous() if dlse2 is not None else None
     delta = torch.empty(m2.shape, dtype=TORCH_ACC_DTYPE[q.dtype], device=q.device)
     parts, split = (None, None), 1
     if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):  # GQA: maybe split dK/dV
@@ -263,6 +267,8 @@ def backward_entry(do, q, k, v, out, m2, l2, dq, dk, dv, delta, *, scale: float,
     if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):
         if gqa_split_factor(*bhsd(bshd, q, k, v), spec, None, causal) > 1:
             return None
+    if not (m2.is_contiguous() and l2.is_contiguous()):  # attention_backward copies them (delta's layout is m2's)
+        return None
     return LAUNCHES.entry(*_cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, None, None, delta, (None, None), 1,
                                        scale, causal, bottom_right, spec, bshd))
 
