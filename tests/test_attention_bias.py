@@ -313,10 +313,10 @@ def test_bias_gradient_summed_in_groups_equals_one_chain(monkeypatch, shape, nb,
 
 def test_bias_gradient_groups_fill_the_gpu_within_the_partials_budget():
     """dbias_groups on an H100's 132 SMs (meta tensors: nothing is allocated): a Swin-like (1, 3, 49, 49) bias over
-    4096 windows takes 64 groups of 64 windows (3 x 64 programs, not 3 looping over every window); a T5 bias
+    4096 windows takes 128 groups of 32 windows (3 x 128 programs, not 3 looping over every window); a T5 bias
     (1, 16, 4k, 4k) at batch 4 already fills the GPU (1024 programs: one group, as before); a (1, 1, 4k, 4k) one at
-    batch 4 x 16 heads gets 4 groups, its 64 MiB fp32 partials held to DBIAS_PARTIALS_BYTES; a prime batch is not
-    split into unequal groups."""
+    batch 4 x 16 heads gets 4 groups, its 64 MiB fp32 partials held to DBIAS_PARTIALS_BYTES; groups are divisors
+    of the summed axis, the fewest that fill the GPU (a prime batch: one a batch)."""
     from flashtx.triton_kernels.attention_bwd_launch import DBIAS_PARTIALS_BYTES, dbias_plan
     from flashtx.triton_kernels.targets import KNOWN_TARGETS
 
@@ -325,10 +325,11 @@ def test_bias_gradient_groups_fill_the_gpu_within_the_partials_budget():
                                         block_m, torch.float32, KNOWN_TARGETS[90])
         return grid, args["n_b"], args["n_h"], tuple(args["DB"].shape), finish is not None
 
-    assert plan((1, 3, 49, 49), 4096, 3, 49, 64) == ((3, 64), 64, 1, (64, 3, 49, 49), True)
+    assert plan((1, 3, 49, 49), 4096, 3, 49, 64) == ((3, 128), 32, 1, (128, 3, 49, 49), True)
     assert plan((1, 16, 4096, 4096), 4, 16, 4096, 64) == ((16, 1), 4, 1, (1, 16, 4096, 4096), True)
     got = plan((1, 1, 4096, 4096), 4, 16, 4096, 128)
     assert got == ((1, 4), 1, 16, (4, 1, 4096, 4096), True) and 4 * 4096 * 4096 * 4 <= DBIAS_PARTIALS_BYTES
     assert plan((1, 8, 64, 64), 7, 8, 64, 64) == ((8, 7), 1, 1, (7, 8, 64, 64), True)  # 8 programs: want 33 >= 7
-    assert plan((1, 64, 64, 64), 7, 64, 64, 64) == ((64, 1), 7, 1, (1, 64, 64, 64), True)  # 64 programs: want 5
-    assert plan((1, 64, 64, 64), 8, 64, 64, 64) == ((64, 4), 2, 1, (4, 64, 64, 64), True)  # 5 -> 4 groups of 2
+    assert plan((1, 64, 64, 64), 7, 64, 64, 64) == ((64, 7), 1, 1, (7, 64, 64, 64), True)  # 64 programs: want 5
+    assert plan((1, 64, 64, 64), 12, 64, 64, 64) == ((64, 6), 2, 1, (6, 64, 64, 64), True)  # 5 -> 6 groups of 2
+    assert plan((1, 1, 64, 64), 6, 100, 64, 64) == ((50, 6), 1, 2, (6, 50, 64, 64), True)  # 1 program: 6 x 50 groups

@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT))  # the repo root, for `import bench`
 from bench import overhead, report  # noqa: E402
 
 # flashtx's quick cases: attention 3 passes x causal/full x N in {2k, 8k}; GQA 3 passes at 2k;
-# 4 variants x (fwd, fwd+bwd); Swin's window attention with a learned bias (fwd, fwd+bwd); RoPE and SwiGLU x (fwd, bwd) x (4k, 16k tokens); two decode cases (attend, RoPE +
+# 4 variants x (fwd, fwd+bwd); Swin's window attention with a learned bias (fwd+bwd); RoPE and SwiGLU x (fwd, bwd) x (4k, 16k tokens); two decode cases (attend, RoPE +
 # append + attend); the model training step;
 # bench/overhead.py's rows (each one once).
 FLASHTX_CASES = {("attention", "mha"): 15, ("attention", "gqa"): 3, ("attention-variant", ""): 8,
-                 ("attention-bias", ""): 2,
+                 ("attention-bias", ""): 1,
                  ("rope", ""): 4, ("swiglu", ""): 4, ("decode", ""): 2, ("model-train", ""): 1,
                  ("overhead", ""): len(overhead.ROWS)}
 ATTENTION_PROVIDERS = ["flashtx", "eager", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "flex",

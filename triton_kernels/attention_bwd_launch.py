@@ -46,31 +46,34 @@ class DbiasReduce:
 # tile; its grid is then q tiles x the other axis alone (a (1, H, S, S) T5 / Swin relative-position bias over
 # thousands of Swin windows: 1 x H programs, each looping over every window). dbias_groups splits a summed
 # axis into groups (divisors of it), each with an fp32 partial of its own, summed after the kernel
-# (DbiasReduce), until the grid has DBIAS_FILL_WAVES programs an SM (2: as gqa_split_factor), or the partials
-# would pass DBIAS_PARTIALS_BYTES (256 MiB: at S = 4k one (S, S) fp32 partial is 64 MiB). Untimed on a GPU:
+# (DbiasReduce), the fewest that give the grid DBIAS_FILL_WAVES programs an SM (2: as gqa_split_factor), unless
+# the partials would pass DBIAS_PARTIALS_BYTES (256 MiB: at S = 4k one (S, S) fp32 partial is 64 MiB). Untimed on a GPU:
 # chosen from grid arithmetic.
 DBIAS_FILL_WAVES = 2
 DBIAS_INTERPRETER_PROGRAMS = 8  # the interpreter's Target knows no SM count (decode's split heuristic: 4 slots)
 DBIAS_PARTIALS_BYTES = 256 << 20
 
 
-def _largest_divisor(n: int, cap: int) -> int:
-    """The largest divisor of n that is <= cap (>= 1)."""
-    return next(d for d in range(min(n, max(cap, 1)), 0, -1) if n % d == 0)
+def _divisor(n: int, want: int, cap: int) -> int:
+    """The smallest divisor of n that is >= want (n when want > n), or when that passes cap the largest one <= cap."""
+    up = next(d for d in range(min(max(want, 1), n), n + 1) if n % d == 0)
+    return up if up <= cap else next(d for d in range(min(n, max(cap, 1)), 0, -1) if n % d == 0)
 
 
 def dbias_groups(n_b: int, n_h: int, programs: int, group_bytes: int, target, fill: int | None = None
                  ) -> tuple[int, int]:
     """The (batches, heads) each group of a bias gradient summed over n_b batches x n_h heads (1 where that axis is
     not summed) takes: n_b x n_h (one group) when `programs` programs a group fill the target, else divisors of them
-    (the kernel loops over exactly n_b x n_h, so that 1 x 1 stays the specialised constant of the plain dQ kernel),
-    batch split first, each group's fp32 partial `group_bytes`. fill: the programs wanted (None: the target's)."""
+    (the kernel loops over exactly n_b x n_h, so that 1 x 1 stays the specialised constant of the plain dQ kernel):
+    the fewest groups that fill it, batch split first, within DBIAS_PARTIALS_BYTES of fp32 partials of `group_bytes`
+    each. fill: the programs wanted (None: the target's)."""
     if fill is None:
         fill = DBIAS_FILL_WAVES * target.sm_count if target is not None and target.sm_count else \
             DBIAS_INTERPRETER_PROGRAMS
-    want = max(1, min(cdiv(fill, max(programs, 1)), DBIAS_PARTIALS_BYTES // max(group_bytes, 1)))
-    g_b = _largest_divisor(n_b, want)
-    g_h = _largest_divisor(n_h, want // g_b)
+    want = cdiv(fill, max(programs, 1))
+    cap = max(1, DBIAS_PARTIALS_BYTES // max(group_bytes, 1))
+    g_b = _divisor(n_b, want, cap)
+    g_h = _divisor(n_h, cdiv(want, g_b), cap // g_b)
     return n_b // g_b, n_h // g_h
 
 
