@@ -7,7 +7,7 @@ from triton.compiler.compiler import CompiledKernel
 
 import flashtx
 from flashtx import reference
-from flashtx.triton_kernels import attention_bwd, attention_fwd, autotune, launch
+from flashtx.triton_kernels import attention_bwd, attention_bwd_launch, attention_fwd, autotune, launch
 from flashtx.triton_kernels.mask_spec import MaskSpec
 
 from conftest import DEVICE, PRECISE_DTYPE, poisoned_allocations, precise_atol, randn, same_launch_args
@@ -141,18 +141,46 @@ def test_split_gqa_backward_replays_with_fresh_partials():
     assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
 
 
-def test_plans_with_host_steps_are_not_stored_and_still_run():
-    """A bias gradient summed over the query dim goes through a buffer the plan allocates and reduces
-    on the host: planned on every call, with the same result."""
+def test_plans_with_a_scratch_buffer_and_a_host_step_are_replayed():
+    """A bias gradient summed over the query dim goes through an fp32 buffer the plan allocates (a Scratch) and is
+    reduced on the host (DbiasReduce, a HostStep): the cache entry replays both, the buffer allocated afresh and
+    the reduce writing the call's own (NaN-poisoned) dbias, with the planned call's result."""
     B, H, S, D = 1, 2, 13, 16
     q, k, v, do = (randn(B, H, S, D, dtype=PRECISE_DTYPE) for _ in range(4))
     spec = MaskSpec(attn_mask=randn(B, H, 1, S, dtype=PRECISE_DTYPE))
     out, m2, l2 = attention_fwd.attention_forward(q, k, v, scale=0.25, causal=True, spec=spec)
-    dbs = [torch.empty(B, H, 1, S, dtype=PRECISE_DTYPE, device=DEVICE) for _ in range(2)]
+    dbs = [torch.full((B, H, 1, S), float("nan"), dtype=PRECISE_DTYPE, device=DEVICE) for _ in range(3)]
     grads = [attention_bwd.attention_backward(do, q, k, v, out, m2, l2, scale=0.25, causal=True, spec=spec, dbias=db)
              for db in dbs]
-    assert len(launch.LAUNCHES.entries) == 1  # the forward only
-    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1])) and torch.equal(dbs[0], dbs[1])
+    assert len(launch.LAUNCHES.entries) == 2  # the forward and the backward
+    entry = next(e for (key, _), e in launch.LAUNCHES.entries.items() if key[0] == "attn_bwd")
+    assert type(entry) is launch._HostEntry
+    assert [type(r).__name__ for r in entry] == ["_ScratchReplay", "_Replay", "_Replay", "_Replay", "_HostReplay"]
+    for g, db in zip(grads[1:], dbs[1:]):
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], g)) and torch.equal(dbs[0], db)
+    assert not dbs[0].isnan().any()
+    planned = torch.empty(3, 5, dtype=torch.float32).t()
+    fresh = []
+    launch._ScratchReplay(planned).fire(fresh)
+    assert fresh[0] is not planned and (fresh[0].shape, fresh[0].stride(), fresh[0].dtype) == (
+        planned.shape, planned.stride(), planned.dtype)
+    assert launch.LAUNCHES.entry(*attention_bwd_launch._cache_args(
+        do, q, k, v, out, m2, l2, *(torch.empty_like(t) for t in (q, k, v)), None, dbs[0], torch.empty_like(m2),
+        (None, None), 1, 0.25, True, False, spec, False)) is None  # (a lane fires launches only)
+
+
+def test_plans_with_other_host_steps_are_not_stored_and_still_run():
+    """A step that is neither a Launch, a Scratch nor a HostStep: planned and run on every call."""
+    q = randn(1, 2, 8, 16, dtype=PRECISE_DTYPE)
+    runs = []
+
+    class Step:
+        def run(self):
+            runs.append(1)
+
+    for _ in range(2):
+        launch.LAUNCHES.run(("test-host",), ("X",), (q,), lambda: [Step()])
+    assert runs == [1, 1] and not any(key[0] == "test-host" for key, _ in launch.LAUNCHES.entries)
 
 
 def test_not_consulted_while_tracing_or_when_disabled():

@@ -7,8 +7,8 @@ import torch
 
 from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_args, wide_dropout_plans
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
-from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
-                     split_f32, target_for, tma_ok)
+from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, HostStep, Launch, Scratch, cdiv, dot_precision,
+                     head_split, split_f32, target_for, tma_ok)
 from .limits import INT32_MAX, LimitExceeded, bhsd, check_limits, check_spans, surely, undecided
 
 
@@ -25,11 +25,13 @@ class GqaReduce:
             out.copy_(part.view(B, Hs // self.split, self.split, *part.shape[2:]).sum(2))
 
 
-class DbiasReduce:
-    """Host step after the dQ kernel: the bias gradient from its fp32 buffer, summed in a fixed order
-    (torch's sum over a fixed shape is deterministic) over the groups of a summed batch / head axis
-    (dbias_groups) and the per-q-tile partial rows when the mask broadcasts over queries, then cast to
-    the mask's dtype."""
+class DbiasReduce(HostStep):
+    """Host step after the dQ kernel: the bias gradient from its fp32 buffer (the plan's Scratch), summed in a
+    fixed order (torch's sum over a fixed shape is deterministic) over the groups of a summed batch / head axis
+    (dbias_groups) and the per-q-tile partial rows when the mask broadcasts over queries, then cast to the mask's
+    dtype. A cached plan replays it on the call's buffer and dbias."""
+
+    TENSORS = ("buf", "dbias")
 
     def __init__(self, buf, dbias, sum_m: bool):
         self.buf, self.dbias, self.sum_m = buf, dbias, sum_m
@@ -214,7 +216,9 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, TMA=tma2), c2,
         estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target),
         descriptors=("K", "V") if tma2 else ())
-    return [pre, dkdv, dqk] + ([finish] if finish is not None else [])
+    if finish is None:
+        return [pre, dkdv, dqk]
+    return [Scratch(finish.buf), pre, dkdv, dqk, finish]  # (the buffer: allocated afresh by each cached replay)
 
 
 # the kernel argument of each launch-cache input; the last three are allocated by attention_backward itself
@@ -343,8 +347,9 @@ def _fused_compile_plans(target) -> list:
                                          target=target, dbias_fill=fill)
             except RuntimeError:  # no config fits: the backend reports it and never launches
                 continue
+            dq_launch = next(st for st in launches if type(st) is Launch and st.kernel.__name__ == "_attn_bwd_dq")
             plans.append((f"attn_bwd_dq+dbias D={d} {str(dtype)[6:]} {'x'.join(map(str, shape))}"
-                          f"{' split' if fill is None else ''}", launches[2]))
+                          f"{' split' if fill is None else ''}", dq_launch))
         q, o, do, dq = (torch.empty(1, 4, S, d, dtype=torch.float16) for _ in range(4))
         k, v, dk, dv = (torch.empty(1, 1, S, d, dtype=torch.float16) for _ in range(4))
         m2, l2, delta = (torch.empty(1, 4, S, dtype=torch.float32) for _ in range(3))

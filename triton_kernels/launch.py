@@ -46,6 +46,27 @@ class Launch:
                    bool(self.descriptors))
 
 
+class Scratch:
+    """A plan step declaring a tensor the plan allocated for its launches (a partial-sum buffer): run() does
+    nothing; a replay (LaunchCache) allocates a fresh uninitialised one of the same shape, strides and dtype."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def run(self):
+        pass
+
+
+class HostStep:
+    """A plan step run on the host between or after launches (torch ops on the plan's tensors). TENSORS names its
+    tensor attributes: a replay (LaunchCache) rebinds each to the call's input or Scratch it was planned on."""
+
+    TENSORS: tuple = ()
+
+    def run(self):
+        raise NotImplementedError
+
+
 _INTERPRET = interpreter_active()  # read once: Triton itself reads the switch only at import
 _STUB = None  # see stub_launches
 
@@ -132,10 +153,12 @@ class LaunchCache:
     strides are added here. `names` gives, for each of `tensors`, the kernel
     argument it is passed as (its role), so that inputs that are one object (self-attention's q is k)
     still rebind by role. An entry stores each launch's arguments without tensors, and the input (and
-    dtype view, as a bool mask read as uint8) each tensor argument takes. A plan with host steps, or
-    one that launches on a tensor it allocated itself, or on an input it cannot tell by role, is built
-    every call. Never consulted while anything traces (fake tensors have symbolic shapes, and a compiled
-    graph calls the kernels from generated code anyway) or on tensor subclasses.
+    dtype view, as a bool mask read as uint8) each tensor argument takes. Tensors the plan allocated are
+    replayed fresh each call when the plan declares them (Scratch), and HostSteps rebound to the call's
+    tensors. A plan that launches on a tensor it allocated without declaring it, or on an input it cannot
+    tell by role, or has another kind of host step, is built every call. Never consulted while anything
+    traces (fake tensors have symbolic shapes, and a compiled graph calls the kernels from generated code
+    anyway) or on tensor subclasses.
     """
 
     MAX_ENTRIES = 512  # signatures kept before the cache starts over (a varlen stream has many shapes)
@@ -176,6 +199,8 @@ class LaunchCache:
             entry = self._miss((key, sig), names, tensors, build, twice)
             if entry is None:  # not cacheable, or planned for aligned inputs that these are not: already run
                 return
+        if type(entry) is _HostEntry:  # its Scratch replays append their fresh tensors
+            tensors = list(tensors)
         for replay in entry:
             replay.fire(tensors)
 
@@ -194,7 +219,7 @@ class LaunchCache:
             entry = _memo(build(), names, tensors)
             if entry is not None:
                 self._store(sig, entry, generation)
-        return entry
+        return None if type(entry) is _HostEntry else entry  # (its callers fire launches only)
 
     def _miss(self, sig: tuple, names: tuple, tensors: tuple, build, twice: bool = False):
         """Plan a call whose signature has no usable entry: the new entry (stored, not yet run), or None after
@@ -367,11 +392,52 @@ class _AlignedEntry(list):
         return all(tensors[i].data_ptr() % _ALIGN == 0 for i in self.need)
 
 
+class _HostEntry(list):
+    """A cache entry with Scratch or HostStep replays: fired with a list of the call's tensors, to which each
+    Scratch replay appends its fresh tensor (index len(inputs) + j for the j-th)."""
+
+
+class _ScratchReplay:
+    __slots__ = ("shape", "stride", "dtype", "device")
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+
+    def fire(self, tensors: list) -> None:
+        tensors.append(torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device))
+
+
+class _HostReplay:
+    __slots__ = ("step", "slots")
+
+    def __init__(self, step: HostStep, slots: tuple):
+        self.step, self.slots = step, slots  # (attribute, index in the call's tensors)
+
+    def fire(self, tensors: list) -> None:
+        step = object.__new__(type(self.step))
+        step.__dict__.update(self.step.__dict__)
+        for name, i in self.slots:
+            setattr(step, name, tensors[i])
+        step.run()
+
+
 def _memo(steps: list, names: tuple, tensors: tuple):
-    """A _Replay per launch, or None when the plan cannot be replayed from `tensors` alone."""
-    entry, need = [], set()
+    """A _Replay per launch (and a _ScratchReplay / _HostReplay per Scratch / HostStep), or None when the plan
+    cannot be replayed from `tensors` alone."""
+    scratch = [step.tensor for step in steps if type(step) is Scratch]
+    host = bool(scratch) or any(type(step) is not Launch for step in steps)
+    entry, need = (_HostEntry() if host else []), set()
     for step in steps:
-        if type(step) is not Launch:
+        if type(step) is Scratch:
+            entry.append(_ScratchReplay(step.tensor))
+            continue
+        if isinstance(step, HostStep):
+            slots = tuple((name, _where(getattr(step, name), tensors, scratch)) for name in step.TENSORS)
+            if any(i is None for _, i in slots):
+                return None
+            entry.append(_HostReplay(step, slots))
+            continue
+        if type(step) is not Launch or (host and step.descriptors):  # (an entry is aligned or host, not both)
             return None
         order = tuple(getattr(step.kernel, "arg_names", ()))
         positional = bool(order) and set(order) == set(step.args)  # every parameter named: launchable by position
@@ -383,7 +449,7 @@ def _memo(steps: list, names: tuple, tensors: tuple):
                 template[name] = a
                 continue
             values.append(None)  # rebound per call
-            slot = _slot(name, a, names, tensors)
+            slot = _slot(name, a, names, tensors, scratch)
             if slot is None:
                 return None
             slots.append((name, pos, *slot))
@@ -397,6 +463,16 @@ def _memo(steps: list, names: tuple, tensors: tuple):
     return entry
 
 
+def _where(t, tensors: tuple, scratch: list) -> int | None:
+    """The index a HostStep's tensor takes in a replay's tensors: a Scratch's (after the inputs), or the one input
+    it is."""
+    for j, s in enumerate(scratch):
+        if t is s:
+            return len(tensors) + j
+    found = [i for i, u in enumerate(tensors) if u is t]
+    return found[0] if len(found) == 1 else None
+
+
 def _same(a: torch.Tensor, t) -> tuple | None:
     """(view dtype or None) when kernel argument `a` is input `t` itself or a same-size dtype view of it."""
     if a is t:
@@ -407,10 +483,13 @@ def _same(a: torch.Tensor, t) -> tuple | None:
     return None
 
 
-def _slot(name: str, a: torch.Tensor, names: tuple, tensors: tuple):
-    """The input kernel argument `name` takes: by role when it has one, else the one input it is (a
-    stand-in for an absent tensor), or the first of several inputs it is when they are one object; None when
-    it is none of them, or several different ones."""
+def _slot(name: str, a: torch.Tensor, names: tuple, tensors: tuple, scratch: list = ()):
+    """The input kernel argument `name` takes: a Scratch tensor of the plan (its index after the inputs), by role
+    when it has one, else the one input it is (a stand-in for an absent tensor), or the first of several inputs it
+    is when they are one object; None when it is none of them, or several different ones."""
+    for j, s in enumerate(scratch):
+        if a is s:
+            return (len(tensors) + j, None)
     i = names.index(name) if name in names else len(tensors)
     if i < len(tensors):  # (a MaskSpec without tensors gives none of the mask roles)
         t = tensors[i]
