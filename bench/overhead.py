@@ -128,7 +128,7 @@ class Result:
 from bench.overhead_calls import (  # noqa: E402
     _fwd, _attention_fwd, _sdpa_fwd, _attention_grad_fwd, _attention_bwd, _attention_fwd_bwd, _flash_attn_func,
     _patched_sdpa, _rope_fwd, _rope_bwd, _swiglu_fwd, _swiglu_bwd, _decode, _decode_device_check, _window_softcap,
-    _key_mask, _varlen_device_check, _hf_decode, _floor_fwd, _floor_bwd, _stub)
+    _key_mask, _varlen_device_check, _hf_decode, _learned_bias, _floor_fwd, _floor_bwd, _stub)
 
 SDPA = "F.scaled_dot_product_attention, same call"
 ROWS = [
@@ -150,6 +150,8 @@ ROWS = [
         lane=True),
     Row("attention key_mask fwd+bwd", None, "SDPA fwd+bwd, the padding and causal mask as a bool attn_mask",
         _key_mask, lane=True),
+    Row("attention learned bias fwd+bwd (its gradient summed over the batch)", None,
+        "SDPA fwd+bwd with the same learned attn_mask", _learned_bias),
     Row("varlen fwd+bwd, the GPU's cu_seqlens check", None, "SDPA causal fwd+bwd over the packed rows",
         _varlen_device_check, lane=True),
     Row("decode step (append + attend)", None, "SDPA over the cached keys (enable_gqa)", _decode, lane=True),

@@ -208,6 +208,18 @@ def _key_mask(dev, dtype):
                 & torch.ones(16, 16, dtype=torch.bool, device=dev).tril()))
 
 
+def _learned_bias(dev, dtype):
+    """flashtx.attention with a learned (1, H, S, S) attn_mask that requires grad (Swin's relative-position bias,
+    shared by the windows: its gradient sums over the batch), forward and backward with the bias's gradient,
+    against SDPA's with the same bias (its EFFICIENT backend on a GPU computes the bias gradient); B=4, H=2, S=16."""
+    def one(fn):
+        qkv = tuple(_rand(4, 2, 16, 64, dev=dev, dtype=dtype, grad=True) for _ in range(3))  # (B, H, S, D)
+        bias = _rand(1, 2, 16, 16, dev=dev, dtype=dtype, grad=True)
+        dout = torch.randn(4, 2, 16, 64, device=dev, dtype=dtype)
+        return lambda: torch.autograd.grad(fn(*qkv, attn_mask=bias), (*qkv, bias), dout)
+    return one(flashtx.attention), one(F.scaled_dot_product_attention)
+
+
 def _hf_decode(dev, dtype):
     """One decoding step as transformers' attn_implementation="ftx" passes it to flashtx.attention (flashtx's
     decoding lane: _small_q_lane): a (B, Sk) key mask with the bottom-right window (-1, Sk - 1); B=2, Hq/Hkv = 8/2,

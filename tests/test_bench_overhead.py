@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU check; on
 EXPECTED_ROWS = ["attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
                  "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
                  "swiglu fwd", "swiglu bwd", "flash_attn_func window+softcap fwd+bwd", "attention key_mask fwd+bwd",
+                 "attention learned bias fwd+bwd (its gradient summed over the batch)",
                  "varlen fwd+bwd, the GPU's cu_seqlens check", "decode step (append + attend)",
                  "attention decode step, transformers' padded form (no grad)", "decode step, the GPU's index check"]
 
@@ -50,6 +51,8 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
     assert rows["attention fwd (no grad)"]["launches_per_call"] == 1
     assert rows["attention bwd"]["launches_per_call"] == 3 and rows["attention fwd+bwd"]["launches_per_call"] == 4
     assert rows["decode step (append + attend)"]["launches_per_call"] == 2  # append, attend (CPU: host-checked)
+    # fwd, then preprocess + dK/dV + dQ, replayed with the bias gradient's buffer and reduce (a cached entry)
+    assert rows["attention learned bias fwd+bwd (its gradient summed over the batch)"]["launches_per_call"] == 4
     assert rows["decode step, the GPU's index check"]["launches_per_call"] == 3  # + the check kernel first
     assert rows["flash_attn_func window+softcap fwd+bwd"]["launches_per_call"] == 4
     assert rows["attention key_mask fwd+bwd"]["launches_per_call"] == 4
