@@ -1,6 +1,9 @@
 """launch.LaunchCache: a repeated attention call replays its planned launches with only its tensors
 rebound. A replay must launch exactly what planning would for the same tensors, rebind by role when
 inputs are one object (self-attention), and fall back to planning where it cannot replay."""
+import gc
+import weakref
+
 import pytest
 import torch
 from triton.compiler.compiler import CompiledKernel
@@ -164,6 +167,12 @@ def test_plans_with_a_scratch_buffer_and_a_host_step_are_replayed():
     launch._ScratchReplay(planned).fire(fresh)
     assert fresh[0] is not planned and (fresh[0].shape, fresh[0].stride(), fresh[0].dtype) == (
         planned.shape, planned.stride(), planned.dtype)
+    planned_dbias = weakref.ref(dbs[0])
+    del dbs[0], grads  # the entry keeps no tensor of the call it was planned on (the plan's fp32 buffer included)
+    gc.collect()
+    assert planned_dbias() is None and not any(type(t) is torch.Tensor for r in entry if type(r) is launch._HostReplay
+                                                 for t in vars(r.step).values())
+    dbs.insert(0, torch.empty(B, H, 1, S, dtype=PRECISE_DTYPE, device=DEVICE))
     assert launch.LAUNCHES.entry(*attention_bwd_launch._cache_args(
         do, q, k, v, out, m2, l2, *(torch.empty_like(t) for t in (q, k, v)), None, dbs[0], torch.empty_like(m2),
         (None, None), 1, 0.25, True, False, spec, False)) is None  # (a lane fires launches only)

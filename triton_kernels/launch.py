@@ -435,7 +435,9 @@ def _memo(steps: list, names: tuple, tensors: tuple):
             slots = tuple((name, _where(getattr(step, name), tensors, scratch)) for name in step.TENSORS)
             if any(i is None for _, i in slots):
                 return None
-            entry.append(_HostReplay(step, slots))
+            kept = object.__new__(type(step))  # its other attributes; not the planned call's tensors (nor memory)
+            kept.__dict__.update(step.__dict__, **dict.fromkeys(step.TENSORS))
+            entry.append(_HostReplay(kept, slots))
             continue
         if type(step) is not Launch or (host and step.descriptors):  # (an entry is aligned or host, not both)
             return None
