@@ -293,7 +293,7 @@ def test_bias_gradient_summed_in_groups_equals_one_chain(monkeypatch, shape, nb,
     k, v = (randn(nb, 2, SK, D, dtype=PRECISE_DTYPE) for _ in range(2))
     bias, dout = randn(*shape, dtype=PRECISE_DTYPE), randn(nb, nh, SQ, D, dtype=PRECISE_DTYPE)
     results = []
-    for grouped in (True, False):
+    for grouped in (True, True, False):  # the second call replays the first's cached plan (a fresh buffer)
         if not grouped:
             monkeypatch.setattr(abl, "DBIAS_PARTIALS_BYTES", 0)  # one group: the partials' budget holds none
             _dispatch.clear_plans()  # (the first call's plan is cached: planned anew with the budget)
@@ -301,6 +301,7 @@ def test_bias_gradient_summed_in_groups_equals_one_chain(monkeypatch, shape, nb,
         with poisoned_allocations():
             out = flashtx.attention(*ins[:3], attn_mask=ins[3], is_causal=True, enable_gqa=True, backend="triton")
             results.append(torch.autograd.grad(out, ins, dout))
+    assert len(plans) == 2 and all(torch.equal(a, b) for a, b in zip(results[0], results[1]))  # (two plans: 3 calls)
     (grid_h, grid_b), chain_b, chain_h = plans[0][0], plans[0][1], plans[0][2]
     groups = (grid_b if shape[0] == 1 else 1) * (grid_h if shape[1] == 1 else 1)
     assert groups > 1 and (grid_b * chain_b, grid_h * chain_h) == (nb, nh), plans
