@@ -44,8 +44,8 @@ from __future__ import annotations
 import torch
 
 from . import _env, _lanes, _library, _small_q
-from ._attention_op import (GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd, empty_like_layout, out_layout,
-                            savable, spec_of)
+from ._attention_op import (BIAS_GRAD, GRAD, NO_GRAD, _all_none, _backward, _plan, attn_bwd, empty_like_layout,
+                            out_layout, savable, spec_of)
 from ._library import _C_APPLY, _unwrap_if_dead, call
 from ._packing import MIN_NUMEL, grads_like, part_stride
 from .triton_kernels import precision
@@ -248,6 +248,58 @@ def _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs: tuple = 
 _apply = _C_APPLY.__get__(None, AttnFwd) if _C_APPLY is not None and _unwrap_if_dead else AttnFwd.apply
 
 
+def _bias_forward(ctx, q, k, v, bias, lane, masks):
+    return AttnFwd.forward(ctx, q, k, v, lane, masks)
+
+
+def _bias_backward(ctx, dout):
+    if ctx.lane is not None and dout is not None:
+        grads = _lane_backward_bias(ctx, dout)
+        if grads is not None:
+            return (*grads, None, None)
+    dq, dk, dv, dbias = _backward(ctx, dout, None, None)[:4]  # (needs_input_grad[3]: the bias's, as the op's)
+    return dq, dk, dv, dbias, None, None
+
+
+# A lane's node for a learned bias (an attn_mask that requires grad): AttnFwd's forward with the bias an input of
+# the node too, and a backward that also returns its gradient. Named AttnFwd, as the op's node and the plain lane's.
+AttnFwdBias = type("AttnFwd", (AttnFwd,), dict(
+    forward=staticmethod(_bias_forward), backward=staticmethod(_bias_backward), __qualname__="AttnFwdBias",
+    __doc__="AttnFwd with the bias an input: the op's node for a call whose attn_mask requires grad."))
+_apply_bias = (_C_APPLY.__get__(None, AttnFwdBias) if _C_APPLY is not None and _unwrap_if_dead
+               else AttnFwdBias.apply)
+
+
+def _lane_backward_bias(ctx, dout):
+    """(dq, dk, dv, dbias) of a learned bias's lane, as the op's backward computes them (the same launches, replayed
+    by attention_backward's LaunchCache entry with its bias-gradient buffer and reduce), or None where the op's
+    backward must run (_lane_backward's refusals, rows of dout too far apart for int32, a limit the plan hits)."""
+    if not LANE or type(dout) is not _TENSOR or dout.stride(-1) != 1 or torch.is_grad_enabled() or not _lanes.eager():
+        return None
+    lane = ctx.lane
+    q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
+    if _library._other_device(q) is not None or not ctx.needs_input_grad[3]:
+        return None
+    if _lanes.layouts(q, k, v, out, *_saved_masks(bias, aux)) != lane.saved:
+        return None  # a saved tensor's .data was swapped since the forward: not what the plan reads
+    ints, floats, backend, _ = lane.args
+    s = 1 if ints[7] else 2
+    if dout.shape[s] * dout.stride(s) > INT32_MAX:
+        return None  # the backend copies it first
+    from .triton_kernels.attention_bwd import attention_backward
+
+    like = lane.like
+    dq, dk, dv = like(q, q.shape[-1]), like(k, k.shape[-1]), like(v, lane.dv)
+    dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)  # as the op's backward allocates them
+    try:
+        attention_backward(dout, q, k, v, out, m2, l2, scale=floats[0], causal=bool(ints[0]),
+                           bottom_right=bool(ints[1]), spec=spec_of(bias, aux, ints, floats, _all_none(aux)),
+                           grads=(dq, dk, dv), dbias=dbias, bshd=bool(ints[7]))
+    except LimitExceeded:
+        return None
+    return dq, dk, dv, dbias
+
+
 def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool, backend: str | None = None,
             window: tuple = _NO_WINDOW, softcap: float = 0.0):
     """out of attention over validated 4-D q, k, v (plain tensors: (B, H, S, D), or (B, S, H, D) with bshd) with
@@ -276,15 +328,19 @@ def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool,
     return _fire(lane, q, k, v, (), grad)
 
 
-def _fire(lane, q, k, v, masks: tuple, grad: bool):
-    """out of a lane's forward on these inputs (through its autograd node when grad), or None where there is no
-    lane or it does not fit them: the caller's general path."""
+def _fire(lane, q, k, v, masks: tuple, grad: bool, learned=None):
+    """out of a lane's forward on these inputs (through its autograd node when grad; learned: the attn_mask that
+    requires grad, an input of that node), or None where there is no lane or it does not fit them: the caller's
+    general path."""
     if not lane:
         return None
     if lane.aligned and not lane.entry.holds((q, k, v)):
         return None  # planned for 16-byte aligned K, V (TMA descriptors) that these are not
     if not grad:
         return lane.run(q, k, v, masks)[0]
+    if learned is not None:
+        return _apply_bias(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), _unwrap_if_dead(learned), lane,
+                           masks)
     return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lane, masks)
 
 
@@ -371,13 +427,13 @@ def forward_op(q, k, v, bias, aux: list, ints: list, floats: list, backend: str)
     for t in masks:
         if t is not None and type(t) is not _TENSOR:
             return None  # a subclass: the registered op
-    grad = ints[6] == GRAD  # (BIAS_GRAD: the caller's general path)
+    grad = ints[6] != NO_GRAD  # (BIAS_GRAD: the bias is an input of the node too)
     key = ("attn_fwd_masks", q.dtype, q.device, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
            tuple(ints), tuple(floats), backend, q.dtype is _F32 and precision.allow_tf32(), _lanes.layouts(*masks))
     lane = _lanes.TABLE.get(key)
     if lane is None:
         lane = _make_op(key, q, k, v, bias, aux, ints, floats, backend, masks)
-    return _fire(lane, q, k, v, masks, grad)
+    return _fire(lane, q, k, v, masks, grad, bias if ints[6] == BIAS_GRAD else None)
 
 
 def _make_op(key, q, k, v, bias, aux, ints, floats, backend, masks, packed: bool = False):

@@ -106,7 +106,7 @@ def _run(q, k, v, *, scale, causal, bottom_right, backend, return_lse, window=(-
             return res
         if lane is not None:
             _small_q_lane.refuse(lane)  # the training forward's, for what the lane key decides
-    if not (return_lse or return_probs) and needs_grad != BIAS_GRAD and (bias is not None or not _no_aux(aux)):
+    if not (return_lse or return_probs) and (bias is not None or not _no_aux(aux)):
         out = _attention_lane.forward_op(q, k, v, bias, aux, ints, floats, backend or "")  # planned once per signature
         if out is not None:
             return out

@@ -220,26 +220,38 @@ def test_the_backward_lane_fires_the_ops_own_entry_and_never_the_ops_backward(mo
 
 
 def test_calls_the_masked_lane_leaves_to_the_op(lane_runs):
-    """A learned bias (its gradient: the op's dQ kernel variant), lse or probabilities returned, a strided last
-    dim: the op runs them, no lane is made, and the results are right."""
+    """lse or probabilities returned, a strided last dim: the op runs them, no lane is made, and the results are
+    right."""
     q, k, v = _qkv(True)
-    bias = randn(1, HQ, SQ, SK, dtype=PRECISE_DTYPE, requires_grad=True)
     km = _key_mask()
     for _ in range(2):
-        learned = flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True)
         out, lse = flashtx.attention(q, k, v, enable_gqa=True, key_mask=km, return_lse=True)
         x = randn(B, HQ, SQ, 2 * D, dtype=PRECISE_DTYPE)[..., ::2]
         strided = flashtx.attention(x, x, x, key_mask=torch.ones(B, SQ, dtype=torch.bool, device=DEVICE))
     assert lane_runs == [] and not any(_lanes.TABLE.values())
-    assert learned.grad_fn.name() == "AttnFwdBackward"
     qd, kd, vd = (t.detach() for t in (q, k, v))
-    assert (learned - reference.attention(qd, kd, vd, bias=bias.detach())).abs().max() < precise_atol(1e-12)
     vis = reference.visibility(SQ, SK, batch=B, key_mask=km, device=DEVICE)
     ref, ref_lse = reference.attention(qd, kd, vd, vis=vis, return_lse=True)
     assert (out - ref).abs().max() < precise_atol(1e-12) and (lse - ref_lse).abs().max() < precise_atol(1e-12)
     assert (strided - reference.attention(x, x, x)).abs().max() < precise_atol(1e-12)
-    db = torch.autograd.grad(learned.sum(), bias)[0]
+
+
+@pytest.mark.parametrize("shape", [(1, HQ, SQ, SK), (B, 1, 1, SK), (SQ, SK)], ids=lambda s: "x".join(map(str, s)))
+def test_a_learned_bias_takes_the_lane_and_gets_the_ops_gradient(shape, lane_runs, monkeypatch):
+    """An attn_mask that requires grad (a relative-position bias, a padding bias, one shared by batch and heads):
+    three calls of one signature with fresh values take one lane, whose node (named as the op's) returns the
+    bias's gradient too; outputs and every gradient equal the op's bit for bit, with its strides, and the bias's
+    equals the float64 reference's."""
+    for seed in range(3):
+        q, k, v = _qkv(True)
+        bias = randn(*shape, dtype=PRECISE_DTYPE, requires_grad=True)
+        got, want = _both(monkeypatch, lambda: flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True), seed)
+        assert torch.equal(got, want) and got.grad_fn.name() == want.grad_fn.name() == "AttnFwdBackward"
+        _same_grads(got, want, (q, k, v, bias))
+    assert len(lane_runs) == 3 and len([key for key in _lanes.TABLE if key[0] == "attn_fwd_masks"]) == 1
+    qd, kd, vd = (t.detach() for t in (q, k, v))
     br = bias.detach().requires_grad_()
+    db = torch.autograd.grad(flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True).sum(), bias)[0]  # (a lane)
     assert (db - torch.autograd.grad(reference.attention(qd, kd, vd, bias=br).sum(), br)[0]).abs().max() < \
         precise_atol(1e-11)
 
