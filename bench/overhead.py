@@ -151,7 +151,7 @@ ROWS = [
     Row("attention key_mask fwd+bwd", None, "SDPA fwd+bwd, the padding and causal mask as a bool attn_mask",
         _key_mask, lane=True),
     Row("attention learned bias fwd+bwd (its gradient summed over the batch)", None,
-        "SDPA fwd+bwd with the same learned attn_mask", _learned_bias),
+        "SDPA fwd+bwd with the same learned attn_mask", _learned_bias, lane=True),
     Row("varlen fwd+bwd, the GPU's cu_seqlens check", None, "SDPA causal fwd+bwd over the packed rows",
         _varlen_device_check, lane=True),
     Row("decode step (append + attend)", None, "SDPA over the cached keys (enable_gqa)", _decode, lane=True),

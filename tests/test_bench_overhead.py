@@ -67,6 +67,7 @@ def test_overhead_tool_reports_every_row(tmp_path, capsys):
     laned = {"attention fwd (no grad)", "attention fwd (with grad)", "attention bwd", "attention fwd+bwd",
              "flash_attn_func fwd (no grad)", "patched SDPA fwd (no grad)", "rope q+k fwd", "rope q+k bwd",
              "swiglu fwd", "swiglu bwd", "flash_attn_func window+softcap fwd+bwd", "attention key_mask fwd+bwd",
+             "attention learned bias fwd+bwd (its gradient summed over the batch)",
              "varlen fwd+bwd, the GPU's cu_seqlens check", "decode step (append + attend)",
              "attention decode step, transformers' padded form (no grad)", "decode step, the GPU's index check"}
     assert {n for n, r in rows.items() if r["general_path_us_per_call"] is not None} == laned
