@@ -37,11 +37,9 @@ class DbiasReduce(HostStep):
         self.buf, self.dbias, self.sum_m = buf, dbias, sum_m
 
     def run(self):
-        buf = self.buf
-        for dim in (0, 1):
-            if buf.shape[dim] != self.dbias.shape[dim]:  # groups of a summed axis
-                buf = buf.sum(dim, keepdim=True)
-        self.dbias.copy_(buf.sum(2, keepdim=True) if self.sum_m else buf)
+        buf, dbias = self.buf, self.dbias
+        dims = [d for d in (0, 1) if buf.shape[d] != dbias.shape[d]] + ([2] if self.sum_m else [])  # groups, rows
+        dbias.copy_(buf.sum(dims, keepdim=True) if dims else buf)  # one reduction, then the cast
 
 
 # The dQ kernel sums the bias gradient over a broadcast batch / head axis serially, one program per gradient
