@@ -271,33 +271,53 @@ _apply_bias = (_C_APPLY.__get__(None, AttnFwdBias) if _C_APPLY is not None and _
 
 
 def _lane_backward_bias(ctx, dout):
-    """(dq, dk, dv, dbias) of a learned bias's lane, as the op's backward computes them (the same launches, replayed
-    by attention_backward's LaunchCache entry with its bias-gradient buffer and reduce), or None where the op's
-    backward must run (_lane_backward's refusals, rows of dout too far apart for int32, a limit the plan hits)."""
+    """(dq, dk, dv, dbias) of a learned bias's lane, as the op's backward computes them: the launch entry
+    attention_backward would replay (with its bias-gradient buffer and reduce), kept per forward lane and dout
+    strides as _lane_backward's, or None where the op's backward must run (_lane_backward's refusals, rows of dout
+    too far apart for int32, a backward the launch cache cannot replay)."""
     if not LANE or type(dout) is not _TENSOR or dout.stride(-1) != 1 or torch.is_grad_enabled() or not _lanes.eager():
         return None
     lane = ctx.lane
     q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
     if _library._other_device(q) is not None or not ctx.needs_input_grad[3]:
         return None
-    if _lanes.layouts(q, k, v, out, *_saved_masks(bias, aux)) != lane.saved:
+    masks = _saved_masks(bias, aux)
+    if _lanes.layouts(q, k, v, out, *masks) != lane.saved:
         return None  # a saved tensor's .data was swapped since the forward: not what the plan reads
-    ints, floats, backend, _ = lane.args
-    s = 1 if ints[7] else 2
-    if dout.shape[s] * dout.stride(s) > INT32_MAX:
-        return None  # the backend copies it first
-    from .triton_kernels.attention_bwd import attention_backward
-
+    key = ("attn_bwd_bias", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32())
+    entry = _lanes.TABLE.get(key)
+    if entry is None:
+        entry = _lanes.remember(key, lambda: _build_backward_bias(dout, q, k, v, out, m2, l2, bias, aux, lane))
+    if not entry:
+        return None
     like = lane.like
     dq, dk, dv = like(q, q.shape[-1]), like(k, k.shape[-1]), like(v, lane.dv)
     dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)  # as the op's backward allocates them
-    try:
-        attention_backward(dout, q, k, v, out, m2, l2, scale=floats[0], causal=bool(ints[0]),
-                           bottom_right=bool(ints[1]), spec=spec_of(bias, aux, ints, floats, _all_none(aux)),
-                           grads=(dq, dk, dv), dbias=dbias, bshd=bool(ints[7]))
-    except LimitExceeded:
-        return None
+    delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
+    _lanes.fire(entry, [dout, q, k, v, out, m2, l2, dq, dk, dv, None, dbias, *masks, delta, None, None])
     return dq, dk, dv, dbias
+
+
+def _build_backward_bias(dout, q, k, v, out, m2, l2, bias, aux, lane):
+    """The backward's launch entry for a learned bias's lane (stored), or False where the op's backward must take
+    it (stored): rows of dout too far apart for int32 (the backend copies it), a plan the cache cannot replay."""
+    from .triton_kernels.attention_bwd import backward_entry
+
+    ints, floats, backend, _ = lane.args
+    s = 1 if ints[7] else 2
+    if dout.shape[s] * dout.stride(s) > INT32_MAX:
+        return False
+    like = lane.like
+    dq, dk, dv = like(q, q.shape[-1]), like(k, k.shape[-1]), like(v, lane.dv)
+    delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
+    try:
+        entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=floats[0], causal=bool(ints[0]),
+                               bottom_right=bool(ints[1]), bshd=bool(ints[7]),
+                               spec=spec_of(bias, aux, ints, floats, _all_none(aux)),
+                               dbias=torch.empty_like(bias, memory_format=torch.contiguous_format))
+    except LimitExceeded:
+        return False  # the op's backward re-plans it (and says why)
+    return entry if entry is not None else False
 
 
 def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool, backend: str | None = None,

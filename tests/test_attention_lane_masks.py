@@ -249,7 +249,16 @@ def test_a_learned_bias_takes_the_lane_and_gets_the_ops_gradient(shape, lane_run
         assert torch.equal(got, want) and got.grad_fn.name() == want.grad_fn.name() == "AttnFwdBackward"
         _same_grads(got, want, (q, k, v, bias))
     assert len(lane_runs) == 3 and len([key for key in _lanes.TABLE if key[0] == "attn_fwd_masks"]) == 1
+    assert [bool(e) for key, e in _lanes.TABLE.items() if key[0] == "attn_bwd_bias"] == [True]  # its backward's too
     qd, kd, vd = (t.detach() for t in (q, k, v))
+    # a dout with a strided last dim: the lane's backward declines, the op's backward (the node's fallback) runs
+    got = flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    dout = torch.randn(*got.shape[:-1], 2 * got.shape[-1], dtype=got.dtype, device=DEVICE)[..., ::2]
+    with monkeypatch.context() as m:
+        m.setattr(_lanes, "fire", lambda *a: pytest.fail("the lane's backward took a strided dout"))
+        fallback = torch.autograd.grad(got, (q, k, v, bias), dout)
+    assert all(torch.equal(a, b) for a, b in zip(fallback, torch.autograd.grad(
+        flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True), (q, k, v, bias), dout.contiguous())))
     br = bias.detach().requires_grad_()
     db = torch.autograd.grad(flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True).sum(), bias)[0]  # (a lane)
     assert (db - torch.autograd.grad(reference.attention(qd, kd, vd, bias=br).sum(), br)[0]).abs().max() < \

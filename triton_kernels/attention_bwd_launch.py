@@ -263,19 +263,21 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool =
 
 
 def backward_entry(do, q, k, v, out, m2, l2, dq, dk, dv, delta, *, scale: float, causal: bool, bottom_right: bool,
-                   bshd: bool, spec: MaskSpec = NO_MASKS):
+                   bshd: bool, spec: MaskSpec = NO_MASKS, dbias=None):
     """The memoised launches (LaunchCache.entry) attention_backward would replay for these tensors without lse
-    cotangent or bias gradient (delta allocated as it allocates it), or None where it plans every call or
-    splits dK/dV over the GQA group (a host step follows). flashtx._attention_lane keeps them per call signature
-    and fires them itself, with the tensors in the order of _ROLES_PLAIN, or of _ROLES where spec has mask tensors
-    (spec.launch_key's). Raises LimitExceeded as attention_backward does."""
+    cotangent (delta allocated as it allocates it), or None where it plans every call or splits dK/dV over the
+    GQA group (a host step follows). flashtx._attention_lane keeps them per call signature and fires them itself,
+    with the tensors in the order of _ROLES_PLAIN, or of _ROLES where spec has mask tensors (spec.launch_key's).
+    With dbias (the attn_mask's gradient, allocated as attention_backward's callers allocate it) the entry may be
+    a _HostEntry (its buffer and DbiasReduce): fired with a list of the tensors. Raises LimitExceeded as
+    attention_backward does."""
     if (q.shape[2] != k.shape[2]) if bshd else (q.shape[1] != k.shape[1]):
         if gqa_split_factor(*bhsd(bshd, q, k, v), spec, None, causal) > 1:
             return None
     if not (m2.is_contiguous() and l2.is_contiguous()):  # attention_backward copies them (delta's layout is m2's)
         return None
-    return LAUNCHES.entry(*_cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, None, None, delta, (None, None), 1,
-                                       scale, causal, bottom_right, spec, bshd))
+    return LAUNCHES.entry(*_cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, None, dbias, delta, (None, None), 1,
+                                       scale, causal, bottom_right, spec, bshd), host=dbias is not None)
 
 
 def _cache_args(do, q, k, v, out, m2, l2, dq, dk, dv, dlse2, dbias, delta, parts, split, scale, causal, bottom_right,

@@ -204,11 +204,12 @@ class LaunchCache:
         for replay in entry:
             replay.fire(tensors)
 
-    def entry(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0):
+    def entry(self, key: tuple, names: tuple, tensors: tuple, build, derived: int = 0, host: bool = False):
         """The memoised launches run() would replay for `tensors` (planned now on a miss, not run), or None where
         run() would plan the call afresh (cache off, tracing, a tensor subclass, a plan that cannot be replayed).
         For a caller that keeps the entry itself (flashtx._attention_lane, _rotary_lane, _swiglu_lane) and fires
-        each launch; an _AlignedEntry replays only for tensors it holds()."""
+        each launch; an _AlignedEntry replays only for tensors it holds(). A _HostEntry (Scratch, HostSteps) only
+        for a caller that says it fires one (host: with a list of the tensors, which its Scratch replays extend)."""
         sig = self.enabled and _signature(tensors, len(tensors) - derived)
         if not sig:
             return None
@@ -219,7 +220,7 @@ class LaunchCache:
             entry = _memo(build(), names, tensors)
             if entry is not None:
                 self._store(sig, entry, generation)
-        return None if type(entry) is _HostEntry else entry  # (its callers fire launches only)
+        return None if type(entry) is _HostEntry and not host else entry
 
     def _miss(self, sig: tuple, names: tuple, tensors: tuple, build, twice: bool = False):
         """Plan a call whose signature has no usable entry: the new entry (stored, not yet run), or None after
