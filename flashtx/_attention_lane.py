@@ -27,7 +27,9 @@ stored (a decode loop's growing key count would fill the table).
 
 Calls with option tensors take two more lanes, built the same way:
 - `forward_op`: what functional._run would hand the op (the padded shells' key/query masks, lengths, attn_mask,
-  ALiBi slopes, dropout's seed; varlen with ALiBi or dropout), without lse, probabilities or a bias gradient.
+  ALiBi slopes, dropout's seed; varlen with ALiBi or dropout), without lse or probabilities. A learned bias (an
+  attn_mask that requires grad) is an input of its node too (AttnFwdBias), whose backward fires the entry
+  attention_backward would replay, its bias-gradient buffer and reduce included.
   The option tensors are keyed by their layouts (dtype, shape, strides), never their values: each call's own
   tensors are bound in their launch roles (MaskSpec.launch_key's order, `masks_of`) and saved as the op saves
   them, so autograd's in-place check covers them too.
@@ -294,7 +296,11 @@ def _lane_backward_bias(ctx, dout):
     dq, dk, dv = like(q, q.shape[-1]), like(k, k.shape[-1]), like(v, lane.dv)
     dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)  # as the op's backward allocates them
     delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
-    _lanes.fire(entry, [dout, q, k, v, out, m2, l2, dq, dk, dv, None, dbias, *masks, delta, None, None])
+    tensors = [dout, q, k, v, out, m2, l2, dq, dk, dv, None, dbias, *masks, delta, None, None]  # attention_bwd's roles
+    holds = getattr(entry, "holds", None)  # (an _AlignedEntry: launches through TMA descriptors)
+    if holds is not None and not holds(tensors):
+        return None  # planned for 16-byte aligned inputs that these are not
+    _lanes.fire(entry, tensors)
     return dq, dk, dv, dbias
 
 
@@ -307,13 +313,16 @@ def _build_backward_bias(dout, q, k, v, out, m2, l2, bias, aux, lane):
     s = 1 if ints[7] else 2
     if dout.shape[s] * dout.stride(s) > INT32_MAX:
         return False
+    no_aux = _all_none(aux)
+    if _plan(q, k, v, bias, aux, ints, floats, backend, no_aux) != "triton":  # as the op's backward plans (again)
+        return False
     like = lane.like
     dq, dk, dv = like(q, q.shape[-1]), like(k, k.shape[-1]), like(v, lane.dv)
     delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
     try:
         entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=floats[0], causal=bool(ints[0]),
                                bottom_right=bool(ints[1]), bshd=bool(ints[7]),
-                               spec=spec_of(bias, aux, ints, floats, _all_none(aux)),
+                               spec=spec_of(bias, aux, ints, floats, no_aux),
                                dbias=torch.empty_like(bias, memory_format=torch.contiguous_format))
     except LimitExceeded:
         return False  # the op's backward re-plans it (and says why)
@@ -432,11 +441,11 @@ def _lane_of(key, entry, aligned_type, q, k, v, lse_shape, acc, dv, args, saved,
 
 def forward_op(q, k, v, bias, aux: list, ints: list, floats: list, backend: str):
     """out of the flashtx::attn_fwd op's call on these arguments (as functional._run builds them: validated, with
-    option tensors, no lse or probabilities returned, no bias gradient), or None where the lane does not take the
-    call (the module docstring's refusals): the caller calls the op. The padded shells' masks, lengths, attn_mask,
-    ALiBi and dropout, and varlen's cu_seqlens, are tensors the lane's launches read in their roles (masks_of),
-    keyed by their layouts (dtype, shape, strides: what the launch entry was planned for), never by their
-    values."""
+    option tensors, no lse or probabilities returned; a learned bias's gradient too), or None where the lane does
+    not take the call (the module docstring's refusals): the caller calls the op. The padded shells' masks,
+    lengths, attn_mask, ALiBi and dropout, and varlen's cu_seqlens, are tensors the lane's launches read in their
+    roles (masks_of), keyed by their layouts (dtype, shape, strides: what the launch entry was planned for), never
+    by their values."""
     if not LANE or not _lanes.eager():
         return None
     if type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR:

@@ -236,7 +236,8 @@ def test_calls_the_masked_lane_leaves_to_the_op(lane_runs):
     assert (strided - reference.attention(x, x, x)).abs().max() < precise_atol(1e-12)
 
 
-@pytest.mark.parametrize("shape", [(1, HQ, SQ, SK), (B, 1, 1, SK), (SQ, SK)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(1, HQ, SQ, SK), (B, 1, 1, SK), (SQ, SK), "expanded"],
+                         ids=lambda s: s if isinstance(s, str) else "x".join(map(str, s)))
 def test_a_learned_bias_takes_the_lane_and_gets_the_ops_gradient(shape, lane_runs, monkeypatch):
     """An attn_mask that requires grad (a relative-position bias, a padding bias, one shared by batch and heads):
     three calls of one signature with fresh values take one lane, whose node (named as the op's) returns the
@@ -244,10 +245,14 @@ def test_a_learned_bias_takes_the_lane_and_gets_the_ops_gradient(shape, lane_run
     equals the float64 reference's."""
     for seed in range(3):
         q, k, v = _qkv(True)
-        bias = randn(*shape, dtype=PRECISE_DTYPE, requires_grad=True)
+        if shape == "expanded":  # a (1, H, 1, Sk) leaf seen as (B, H, Sq, Sk): stride 0 on batch and queries
+            leaf = randn(1, HQ, 1, SK, dtype=PRECISE_DTYPE, requires_grad=True)
+            bias = leaf.expand(B, HQ, SQ, SK)
+        else:
+            bias = leaf = randn(*shape, dtype=PRECISE_DTYPE, requires_grad=True)
         got, want = _both(monkeypatch, lambda: flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True), seed)
         assert torch.equal(got, want) and got.grad_fn.name() == want.grad_fn.name() == "AttnFwdBackward"
-        _same_grads(got, want, (q, k, v, bias))
+        _same_grads(got, want, (q, k, v, leaf))
     assert len(lane_runs) == 3 and len([key for key in _lanes.TABLE if key[0] == "attn_fwd_masks"]) == 1
     assert [bool(e) for key, e in _lanes.TABLE.items() if key[0] == "attn_bwd_bias"] == [True]  # its backward's too
     qd, kd, vd = (t.detach() for t in (q, k, v))
@@ -263,6 +268,17 @@ def test_a_learned_bias_takes_the_lane_and_gets_the_ops_gradient(shape, lane_run
     db = torch.autograd.grad(flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True).sum(), bias)[0]  # (a lane)
     assert (db - torch.autograd.grad(reference.attention(qd, kd, vd, bias=br).sum(), br)[0]).abs().max() < \
         precise_atol(1e-11)
+
+
+def test_a_learned_bias_alone_requiring_grad_takes_the_lane(lane_runs, monkeypatch):
+    """q, k, v without grad, the bias with it (a bias tuned on frozen features): the lane's node, the bias's
+    gradient equal to the op's bit for bit, the q, k, v gradients never asked for."""
+    q, k, v = _qkv(False)
+    bias = randn(1, HQ, SQ, SK, dtype=PRECISE_DTYPE, requires_grad=True)
+    got, want = _both(monkeypatch, lambda: flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True), 0)
+    assert torch.equal(got, want) and got.grad_fn.name() == want.grad_fn.name() == "AttnFwdBackward"
+    _same_grads(got, want, (bias,))
+    assert len(lane_runs) == 1 and [bool(e) for key, e in _lanes.TABLE.items() if key[0] == "attn_bwd_bias"] == [True]
 
 
 def test_a_saved_mask_modified_in_place_is_refused_as_by_the_op():
