@@ -17,6 +17,7 @@ import triton.language as tl
 from .configs import INTERPRETER_TARGET, Target, TileConfig, cuda_target, interpreter_active
 from .precision import TORCH_ACC_DTYPE, dot_precision  # noqa: F401 (the launchers import them from here)
 from .limits import exporting, unbacked
+from .launch_host import HostStep, Scratch, _HostEntry, _HostReplay, _ScratchReplay, _where  # noqa: F401
 
 # Accumulator dtype per input dtype: fp32 for the half types and fp32, fp64 for fp64 (tests).
 ACC_DTYPE = {
@@ -44,27 +45,6 @@ class Launch:
     def run(self):
         run_kernel(self.kernel, self.grid, self.args, self.config.launch_kwargs if self.config is not None else {},
                    bool(self.descriptors))
-
-
-class Scratch:
-    """A plan step declaring a tensor the plan allocated for its launches (a partial-sum buffer): run() does
-    nothing; a replay (LaunchCache) allocates a fresh uninitialised one of the same shape, strides and dtype."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def run(self):
-        pass
-
-
-class HostStep:
-    """A plan step run on the host between or after launches (torch ops on the plan's tensors). TENSORS names its
-    tensor attributes: a replay (LaunchCache) rebinds each to the call's input or Scratch it was planned on."""
-
-    TENSORS: tuple = ()
-
-    def run(self):
-        raise NotImplementedError
 
 
 _INTERPRET = interpreter_active()  # read once: Triton itself reads the switch only at import
@@ -393,35 +373,6 @@ class _AlignedEntry(list):
         return all(tensors[i].data_ptr() % _ALIGN == 0 for i in self.need)
 
 
-class _HostEntry(list):
-    """A cache entry with Scratch or HostStep replays: fired with a list of the call's tensors, to which each
-    Scratch replay appends its fresh tensor (index len(inputs) + j for the j-th)."""
-
-
-class _ScratchReplay:
-    __slots__ = ("shape", "stride", "dtype", "device")
-
-    def __init__(self, t: torch.Tensor):
-        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
-
-    def fire(self, tensors: list) -> None:
-        tensors.append(torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device))
-
-
-class _HostReplay:
-    __slots__ = ("step", "slots")
-
-    def __init__(self, step: HostStep, slots: tuple):
-        self.step, self.slots = step, slots  # (attribute, index in the call's tensors)
-
-    def fire(self, tensors: list) -> None:
-        step = object.__new__(type(self.step))
-        step.__dict__.update(self.step.__dict__)
-        for name, i in self.slots:
-            setattr(step, name, tensors[i])
-        step.run()
-
-
 def _memo(steps: list, names: tuple, tensors: tuple):
     """A _Replay per launch (and a _ScratchReplay / _HostReplay per Scratch / HostStep), or None when the plan
     cannot be replayed from `tensors` alone."""
@@ -464,16 +415,6 @@ def _memo(steps: list, names: tuple, tensors: tuple):
         entry = _AlignedEntry(entry)
         entry.need = tuple(sorted(need))
     return entry
-
-
-def _where(t, tensors: tuple, scratch: list) -> int | None:
-    """The index a HostStep's tensor takes in a replay's tensors: a Scratch's (after the inputs), or the one input
-    it is."""
-    for j, s in enumerate(scratch):
-        if t is s:
-            return len(tensors) + j
-    found = [i for i, u in enumerate(tensors) if u is t]
-    return found[0] if len(found) == 1 else None
 
 
 def _same(a: torch.Tensor, t) -> tuple | None:
