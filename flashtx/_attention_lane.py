@@ -162,19 +162,21 @@ class AttnFwd(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _lane_backward(ctx, dout):
+def _lane_backward(ctx, dout, learned: bool = False):
     """(dq, dk, dv) of a lane's forward from the backward's launch entry, kept per forward lane and dout strides
     (and the TF32 switch, which the backward reads again), as the op's backward (flashtx::attn_bwd) computes them:
-    the same entry, which launch.LaunchCache would replay there. None where the op's backward must run: the
-    lanes off, a dout with a strided last dim (the backend copies it first), create_graph (the op refuses a
-    double backward), anything tracing or intercepting, q not on the current CUDA device, saved tensors whose
-    .data was swapped for another shape or layout, a backward the launch cache cannot replay (a GQA dK/dV split,
-    a plan that does not fit these inputs' alignment)."""
+    the same entry, which launch.LaunchCache would replay there. learned: the node's bias requires grad (its
+    gradient is returned fourth; the entry then holds the bias gradient's buffer and reduce: a _HostEntry). None
+    where the op's backward must run: the lanes off, a dout with a strided last dim or rows too far apart for int32
+    (the backend copies it first), create_graph (the op refuses a double backward), anything tracing or
+    intercepting, q not on the current CUDA device, saved tensors whose .data was swapped for another shape or
+    layout, a backward the launch cache cannot replay (a GQA dK/dV split, a plan that does not fit these inputs'
+    alignment)."""
     if not LANE or type(dout) is not _TENSOR or dout.stride(-1) != 1 or torch.is_grad_enabled() or not _lanes.eager():
         return None
     lane = ctx.lane
     q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
-    if _library._other_device(q) is not None:
+    if _library._other_device(q) is not None or (learned and not ctx.needs_input_grad[3]):
         return None
     masks = _saved_masks(bias, aux)
     if _lanes.layouts(q, k, v, out, *masks) != lane.saved:
@@ -183,15 +185,18 @@ def _lane_backward(ctx, dout):
     key = ("attn_bwd", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32(), packs)
     entry = _lanes.TABLE.get(key)
     if entry is None:
-        entry = _lanes.remember(key, lambda: _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs))
+        entry = _lanes.remember(key, lambda: _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs,
+                                                             learned))
     if not entry:
         return None
     dq, dk, dv, delta = _grads_like(q, k, v, lane, packs)
-    tensors = (dout, q, k, v, out, m2, l2, dq, dk, dv, None, None, *masks, delta, None, None)  # attention_bwd's roles
-    if type(entry) is not list and not entry.holds(tensors):
-        return None  # planned for 16-byte aligned inputs (TMA descriptors) that these are not
+    dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if learned else None  # as the op's
+    tensors = [dout, q, k, v, out, m2, l2, dq, dk, dv, None, dbias, *masks, delta, None, None]  # attention_bwd's roles
+    holds = getattr(entry, "holds", None)  # (an _AlignedEntry's: launches through TMA descriptors)
+    if holds is not None and not holds(tensors):
+        return None  # planned for 16-byte aligned inputs that these are not
     _lanes.fire(entry, tensors)
-    return dq, dk, dv
+    return (dq, dk, dv, dbias) if learned else (dq, dk, dv)
 
 
 def packing(q, k, v) -> tuple:
@@ -225,9 +230,10 @@ def _grads_like(q, k, v, lane, packs: tuple = (0, 0)) -> tuple:
     return dq, like(k, k.shape[-1]), like(v, lane.dv), delta
 
 
-def _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs: tuple = (0, 0)):
+def _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs: tuple = (0, 0), learned: bool = False):
     """The backward's launch entry for a lane (stored), or False where the op's backward must take it (stored):
-    planned for gradients laid out as _grads_like(..., packs) allocates them."""
+    planned for gradients laid out as _grads_like(..., packs) allocates them, and with learned for the bias's
+    gradient allocated as the op's backward allocates it."""
     from .triton_kernels.attention_bwd import backward_entry
 
     ints, floats, backend, _ = lane.args
@@ -236,12 +242,16 @@ def _build_backward(dout, q, k, v, out, m2, l2, bias, aux, lane, packs: tuple = 
     dq, dk, dv, delta = _grads_like(q, k, v, lane, packs)
     if lane.like is packed_like:  # planned on the (1, total, H, D) views the op's backward takes
         dout, q, k, v, out, dq, dk, dv = (t.unsqueeze(0) for t in (dout, q, k, v, out, dq, dk, dv))
+    s = 1 if ints[7] else 2
+    if dout.shape[s] * dout.stride(s) > INT32_MAX:
+        return False  # rows too far apart for int32: the backend copies dout first
     if _plan(q, k, v, bias, aux, ints, floats, backend, no_aux) != "triton":  # as the op's backward plans (again)
         return False
+    dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if learned else None
     try:
         entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=floats[0],
                                causal=bool(ints[0]), bottom_right=bool(ints[1]), bshd=bool(ints[7]),
-                               spec=spec_of(bias, aux, ints, floats, no_aux))
+                               spec=spec_of(bias, aux, ints, floats, no_aux), dbias=dbias)
     except LimitExceeded:
         return False  # the op's backward re-plans it (and says why)
     return entry if entry is not None else False
@@ -256,7 +266,7 @@ def _bias_forward(ctx, q, k, v, bias, lane, masks):
 
 def _bias_backward(ctx, dout):
     if ctx.lane is not None and dout is not None:
-        grads = _lane_backward_bias(ctx, dout)
+        grads = _lane_backward(ctx, dout, learned=True)
         if grads is not None:
             return (*grads, None, None)
     dq, dk, dv, dbias = _backward(ctx, dout, None, None)[:4]  # (needs_input_grad[3]: the bias's, as the op's)
@@ -270,63 +280,6 @@ AttnFwdBias = type("AttnFwd", (AttnFwd,), dict(
     __doc__="AttnFwd with the bias an input: the op's node for a call whose attn_mask requires grad."))
 _apply_bias = (_C_APPLY.__get__(None, AttnFwdBias) if _C_APPLY is not None and _unwrap_if_dead
                else AttnFwdBias.apply)
-
-
-def _lane_backward_bias(ctx, dout):
-    """(dq, dk, dv, dbias) of a learned bias's lane, as the op's backward computes them: the launch entry
-    attention_backward would replay (with its bias-gradient buffer and reduce), kept per forward lane and dout
-    strides as _lane_backward's, or None where the op's backward must run (_lane_backward's refusals, rows of dout
-    too far apart for int32, a backward the launch cache cannot replay)."""
-    if not LANE or type(dout) is not _TENSOR or dout.stride(-1) != 1 or torch.is_grad_enabled() or not _lanes.eager():
-        return None
-    lane = ctx.lane
-    q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
-    if _library._other_device(q) is not None or not ctx.needs_input_grad[3]:
-        return None
-    masks = _saved_masks(bias, aux)
-    if _lanes.layouts(q, k, v, out, *masks) != lane.saved:
-        return None  # a saved tensor's .data was swapped since the forward: not what the plan reads
-    key = ("attn_bwd_bias", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32())
-    entry = _lanes.TABLE.get(key)
-    if entry is None:
-        entry = _lanes.remember(key, lambda: _build_backward_bias(dout, q, k, v, out, m2, l2, bias, aux, lane))
-    if not entry:
-        return None
-    like = lane.like
-    dq, dk, dv = like(q, q.shape[-1]), like(k, k.shape[-1]), like(v, lane.dv)
-    dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)  # as the op's backward allocates them
-    delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
-    tensors = [dout, q, k, v, out, m2, l2, dq, dk, dv, None, dbias, *masks, delta, None, None]  # attention_bwd's roles
-    holds = getattr(entry, "holds", None)  # (an _AlignedEntry: launches through TMA descriptors)
-    if holds is not None and not holds(tensors):
-        return None  # planned for 16-byte aligned inputs that these are not
-    _lanes.fire(entry, tensors)
-    return dq, dk, dv, dbias
-
-
-def _build_backward_bias(dout, q, k, v, out, m2, l2, bias, aux, lane):
-    """The backward's launch entry for a learned bias's lane (stored), or False where the op's backward must take
-    it (stored): rows of dout too far apart for int32 (the backend copies it), a plan the cache cannot replay."""
-    from .triton_kernels.attention_bwd import backward_entry
-
-    ints, floats, backend, _ = lane.args
-    s = 1 if ints[7] else 2
-    if dout.shape[s] * dout.stride(s) > INT32_MAX:
-        return False
-    no_aux = _all_none(aux)
-    if _plan(q, k, v, bias, aux, ints, floats, backend, no_aux) != "triton":  # as the op's backward plans (again)
-        return False
-    like = lane.like
-    dq, dk, dv = like(q, q.shape[-1]), like(k, k.shape[-1]), like(v, lane.dv)
-    delta = torch.empty(lane.lse_shape, dtype=lane.acc, device=q.device)
-    try:
-        entry = backward_entry(dout, q, k, v, out, m2, l2, dq, dk, dv, delta, scale=floats[0], causal=bool(ints[0]),
-                               bottom_right=bool(ints[1]), bshd=bool(ints[7]),
-                               spec=spec_of(bias, aux, ints, floats, no_aux),
-                               dbias=torch.empty_like(bias, memory_format=torch.contiguous_format))
-    except LimitExceeded:
-        return False  # the op's backward re-plans it (and says why)
-    return entry if entry is not None else False
 
 
 def forward(q, k, v, scale: float, causal: bool, bottom_right: bool, bshd: bool, backend: str | None = None,

@@ -254,7 +254,7 @@ def test_a_learned_bias_takes_the_lane_and_gets_the_ops_gradient(shape, lane_run
         assert torch.equal(got, want) and got.grad_fn.name() == want.grad_fn.name() == "AttnFwdBackward"
         _same_grads(got, want, (q, k, v, leaf))
     assert len(lane_runs) == 3 and len([key for key in _lanes.TABLE if key[0] == "attn_fwd_masks"]) == 1
-    assert [bool(e) for key, e in _lanes.TABLE.items() if key[0] == "attn_bwd_bias"] == [True]  # its backward's too
+    assert [bool(e) for key, e in _lanes.TABLE.items() if key[0] == "attn_bwd"] == [True]  # its backward's too
     qd, kd, vd = (t.detach() for t in (q, k, v))
     # a dout with a strided last dim: the lane's backward declines, the op's backward (the node's fallback) runs
     got = flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True)
@@ -278,7 +278,7 @@ def test_a_learned_bias_alone_requiring_grad_takes_the_lane(lane_runs, monkeypat
     got, want = _both(monkeypatch, lambda: flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True), 0)
     assert torch.equal(got, want) and got.grad_fn.name() == want.grad_fn.name() == "AttnFwdBackward"
     _same_grads(got, want, (bias,))
-    assert len(lane_runs) == 1 and [bool(e) for key, e in _lanes.TABLE.items() if key[0] == "attn_bwd_bias"] == [True]
+    assert len(lane_runs) == 1 and [bool(e) for key, e in _lanes.TABLE.items() if key[0] == "attn_bwd"] == [True]
 
 
 def test_a_saved_mask_modified_in_place_is_refused_as_by_the_op():

@@ -17,7 +17,8 @@ import triton.language as tl
 from .configs import INTERPRETER_TARGET, Target, TileConfig, cuda_target, interpreter_active
 from .precision import TORCH_ACC_DTYPE, dot_precision  # noqa: F401 (the launchers import them from here)
 from .limits import exporting, unbacked
-from .launch_host import HostStep, Scratch, _HostEntry, _HostReplay, _ScratchReplay, _where  # noqa: F401
+from .launch_host import (HostStep, Scratch, _HostEntry, _HostReplay, _ScratchReplay,  # noqa: F401
+                          _scratch_index, _where)
 
 # Accumulator dtype per input dtype: fp32 for the half types and fp32, fp64 for fp64 (tests).
 ACC_DTYPE = {
@@ -431,9 +432,9 @@ def _slot(name: str, a: torch.Tensor, names: tuple, tensors: tuple, scratch: lis
     """The input kernel argument `name` takes: a Scratch tensor of the plan (its index after the inputs), by role
     when it has one, else the one input it is (a stand-in for an absent tensor), or the first of several inputs it
     is when they are one object; None when it is none of them, or several different ones."""
-    for j, s in enumerate(scratch):
-        if a is s:
-            return (len(tensors) + j, None)
+    j = _scratch_index(a, tensors, scratch)
+    if j is not None:
+        return (j, None)
     i = names.index(name) if name in names else len(tensors)
     if i < len(tensors):  # (a MaskSpec without tensors gives none of the mask roles)
         t = tensors[i]

@@ -56,11 +56,18 @@ class _HostReplay:
         step.run()
 
 
-def _where(t, tensors: tuple, scratch: list) -> int | None:
-    """The index a HostStep's tensor takes in a replay's tensors: a Scratch's (after the inputs), or the one input
-    it is."""
+def _scratch_index(t, tensors: tuple, scratch: list) -> int | None:
+    """The index Scratch tensor t takes in a replay's tensors (after the inputs), or None where t is no Scratch."""
     for j, s in enumerate(scratch):
         if t is s:
             return len(tensors) + j
+    return None
+
+
+def _where(t, tensors: tuple, scratch: list) -> int | None:
+    """The index a HostStep's tensor takes in a replay's tensors: a Scratch's, or the one input it is."""
+    i = _scratch_index(t, tensors, scratch)
+    if i is not None:
+        return i
     found = [i for i, u in enumerate(tensors) if u is t]
     return found[0] if len(found) == 1 else None
