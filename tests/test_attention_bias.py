@@ -115,7 +115,8 @@ def test_rows_masked_out_by_the_bias_give_zero_output_and_finite_gradients():
     assert torch.all(out[0, :, 5] == 0)
     grads = torch.autograd.grad(out.sum(), (q, k, v, bias))
     assert all(torch.isfinite(g).all() for g in grads)
-    assert torch.all(grads[0][0, :, 5] == 0) and torch.all(grads[3][0, 0, 5] == 0) and torch.all(grads[3][1, 0, :, 3] == 0)
+    assert torch.all(grads[0][0, :, 5] == 0) and torch.all(grads[3][0, 0, 5] == 0)
+    assert torch.all(grads[3][1, 0, :, 3] == 0)
     ref = reference.attention(*to64(q, k, v), bias=bias.detach().double())
     assert torch.allclose(out.double(), ref, atol=precise_atol(1e-12))
 
@@ -335,3 +336,39 @@ def test_bias_gradient_groups_fill_the_gpu_within_the_partials_budget():
     assert plan((1, 64, 64, 64), 7, 64, 64, 64) == ((64, 7), 1, 1, (7, 64, 64, 64), True)  # 64 programs: want 5
     assert plan((1, 64, 64, 64), 12, 64, 64, 64) == ((64, 6), 2, 1, (6, 64, 64, 64), True)  # 5 -> 6 groups of 2
     assert plan((1, 1, 64, 64), 6, 100, 64, 64) == ((50, 6), 1, 2, (6, 50, 64, 64), True)  # 1 program: 6 x 50 groups
+
+
+@pytest.mark.parametrize("shape,by", [((1, HQ, 256, 256), True), ((1, 1, 256, 256), True), ((B, HQ, 256, 256), False),
+                                      ((B, 1, 1, 256), False), ((1, HQ, 256, 256), False)],
+                         ids=["1xHxSxS", "1x1xSxS", "BxHxSxS", "Bx1x1xS", "batch-1"])
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_a_mask_shared_by_the_batch_puts_the_batch_before_heads_in_every_grid(shape, by, kind):
+    """batch_y: a mask broadcast over a batch of two or more is read by every batch's programs, so the forward, dK/dV
+    and dQ grids are (tiles, batch, heads) with BATCH_Y, putting them next to each other (one DRAM read of each mask
+    tile, the rest from L2); other masks keep (tiles, heads, batch). On an H100's plan (meta tensors). The results
+    of such grids are checked against the reference by test_attn_mask_matches_reference and the group tests above
+    (batch != heads there)."""
+    from flashtx.triton_kernels.attention_bwd_launch import plan_backward
+    from flashtx.triton_kernels.attention_fwd import plan_forward
+    from flashtx.triton_kernels.mask_spec import MaskSpec
+    from flashtx.triton_kernels.targets import KNOWN_TARGETS
+
+    nb = 1 if not by and shape[0] == 1 else B
+    S, meta = 256, dict(dtype=torch.bfloat16, device="meta")
+    q, o, do, dq = (torch.empty(nb, HQ, S, 64, **meta) for _ in range(4))
+    k, v, dk, dv = (torch.empty(nb, HKV, S, 64, **meta) for _ in range(4))
+    m2, l2, delta = (torch.empty(nb, HQ, S, dtype=torch.float32, device="meta") for _ in range(3))
+    mask = torch.empty(shape, **meta) if kind == "float" else torch.empty(shape, dtype=torch.bool, device="meta")
+    spec, target = MaskSpec(attn_mask=mask.expand(nb, HQ, S, S)), KNOWN_TARGETS[90]
+    dbias = torch.empty(shape, **meta) if kind == "float" else None
+    fwd = plan_forward(q, k, v, o, m2, l2, scale=0.125, causal=True, bottom_right=False, spec=spec, target=target)
+    steps = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=0.125, causal=True, bottom_right=False,
+                          spec=spec, dbias=dbias, target=target)
+    dkdv, dqk = (next(s for s in steps if getattr(s, "kernel", None) is not None and s.kernel.__name__ == name)
+                 for name in ("_attn_bwd_dkdv", "_attn_bwd_dq"))
+    for launch, heads in ((fwd, HQ), (dkdv, HKV), (dqk, None)):
+        assert launch.args["BATCH_Y"] is by, launch.kernel.__name__
+        if heads is not None:
+            assert launch.grid[1:] == ((nb, heads) if by else (heads, nb)), (launch.kernel.__name__, launch.grid)
+    gb, gh = dqk.grid[1:] if by else dqk.grid[:0:-1]  # dQ's batch and head extents, or groups of them
+    assert (gb * dqk.args["n_b"], gh * dqk.args["n_h"]) == (nb, HQ), dqk.grid

@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_common import (alibi_slope2, dropout_keep, kv_loop_bounds, loop_part, modifier_scalars, q_loop_bounds,
-                               scalar_in, score_mods, seq_bounds, visible)
+from .attention_common import (alibi_slope2, dropout_keep, kv_loop_bounds, loop_part, modifier_scalars, program_hb,
+                               q_loop_bounds, scalar_in, score_mods, seq_bounds, visible)
 
 
 @triton.jit
@@ -195,19 +195,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, M2, L2, DELTA, DK, DV, Q_LENS, KV_LENS, CU_Q, CU
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
                    LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                   ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, ONE_HEAD: tl.constexpr):
+                   ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, ONE_HEAD: tl.constexpr,
+                   BATCH_Y: tl.constexpr):
     """dK/dV of one K/V tile from GROUP // SPLIT of the q heads sharing its K/V head. SPLIT = 1: the
     whole GQA group, reduced in registers, written to DK/DV at the K/V head. SPLIT = GROUP: one q head
-    per program (a grid GROUP times larger), each writing its partial at head index program_id(1)
+    per program (a grid GROUP times larger), each writing its partial at head index pid_h
     of fp32 (B, Hkv * SPLIT, Sk, D) buffers that the host sums in a fixed order (deterministic).
     Split head dims (BLOCK_DQK2 / BLOCK_DV2 > 0, launch.head_split) keep each second column piece in
     its own tiles and accumulators. TMA (sm_90+, unsplit, 16-byte aligned rows: launch.tma_ok): the
     streamed Q / dO tiles are read through device-side tensor descriptors. ONE_HEAD: GROUP // SPLIT == 1
-    (the q tiles of one head; else one loop over the group's (head, q tile) pairs: _dkdv_tiles)."""
+    (the q tiles of one head; else one loop over the group's (head, q tile) pairs: _dkdv_tiles). Grid (K/V
+    tiles, Hkv * SPLIT, batch), or (K/V tiles, batch, Hkv * SPLIT) under BATCH_Y (batch_y)."""
     tl.static_assert(not TMA or (BLOCK_DQK2 == 0 and BLOCK_DV2 == 0), "TMA reads unsplit head dims only")
     pid_n = tl.program_id(0)
-    pid_h = tl.program_id(1)  # kvh * SPLIT + the part of the group
-    b = tl.program_id(2)
+    pid_h, b = program_hb(BATCH_Y)  # pid_h: kvh * SPLIT + the part of the group
     kvh = pid_h // SPLIT
     per_prog = GROUP // SPLIT
     g0 = (pid_h % SPLIT) * per_prog
@@ -436,14 +437,14 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
                  LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                  DBIAS: tl.constexpr, DB_SUM_M: tl.constexpr, DB_SUM_N: tl.constexpr,
-                 ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+                 ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, BATCH_Y: tl.constexpr):
     """dQ of one q tile for n_b batches x n_h heads in turn (1 x 1 unless the attn_mask gradient is
     broadcast over batch / heads: then program (m, j, i) takes batches [i n_b, (i + 1) n_b) and heads
     [j n_h, (j + 1) n_h), n_b and n_h dividing the batch and head counts, and sums their dS into its own
     partial of that gradient tile, DB[i, j], in a fixed order). With DBIAS, dS goes to DB (shaped like the
     attn_mask, or per-q-tile partials when it broadcasts over queries, DB_SUM_M); tiles the loop bounds skip
     get 0 there. TMA (sm_90+, unsplit, 16-byte aligned rows: launch.tma_ok): the streamed K / V tiles are read
-    through tensor descriptors."""
+    through tensor descriptors. Grid (q tiles, heads, batch) or groups of them; BATCH_Y: (q tiles, batch, heads)."""
     tl.static_assert(not TMA or (BLOCK_DQK2 == 0 and BLOCK_DV2 == 0), "TMA reads unsplit head dims only")
     pid_m = tl.program_id(0)  # not longest first as the forward: reversed, it spills more on sm_80/86
     m0 = pid_m * BLOCK_M
@@ -452,7 +453,8 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
     offs_dv = tl.arange(0, BLOCK_DV)
     qk_scale = scalar_in(qk_scale_hi, qk_scale_lo, ACC)
     drop_scale = scalar_in(drop_scale_hi, drop_scale_lo, ACC)
-    b0, h0 = tl.program_id(2) * n_b, tl.program_id(1) * n_h  # grid (q tiles, heads, batch), or groups of them
+    gh, gb = program_hb(BATCH_Y)  # this program's head and batch, or group of them
+    b0, h0 = gb * n_b, gh * n_h
     for bi in range(0, n_b):  # (n_b = 1, specialised by Triton, unless a summed axis groups batches)
         b = b0 + bi
         lq, lk, cq0, cq1, ck0, ck1 = b, b, b, b, b, b  # read by seq_bounds only under LENS / VARLEN
@@ -505,7 +507,7 @@ def _attn_bwd_dq(Q, K, V, DO, M2, L2, DELTA, DQ, DB, Q_LENS, KV_LENS, CU_Q, CU_K
             mb_base = MB + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
             # this program's own tile of DB: indexed by (batch, head), or by group along a summed axis (n_b, n_h: 1
             # where not summed, so the group index is b, h itself)
-            db_base = DB + tl.program_id(2).to(tl.int64) * stride_dbb + tl.program_id(1).to(tl.int64) * stride_dbh
+            db_base = DB + gb.to(tl.int64) * stride_dbb + gh.to(tl.int64) * stride_dbh
             if DB_SUM_M:
                 db_base += pid_m.to(tl.int64) * stride_dbm  # this q tile's partial row
             lo, full_lo, full_hi, hi = kv_loop_bounds(m0, Sq_b, Sk_b, causal_shift, window_shift, BLOCK_M, BLOCK_N,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, mask_args, stride_args, wide_dropout_plans
+from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, batch_y, mask_args, stride_args, wide_dropout_plans
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, HostStep, Launch, Scratch, cdiv, dot_precision,
                      head_split, split_f32, target_for, tma_ok)
@@ -177,11 +177,13 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         BLOCK_M=PREPROCESS_BLOCK_M, BLOCK_DV=dv1, BLOCK_DV2=dv2, HAS_DLSE=dlse2 is not None, ACC=acc))
 
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
+    by = batch_y(margs, B)  # grids (tiles, batch, heads): programs reading one tile of a batch-shared mask adjacent
     common = dict(Q=q, K=k, V=v, DO=do, M2=m2, L2=l2, DELTA=delta,
                   **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
                   **stride_args("do", do, spec), Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
-                  BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2, ACC=acc, DOT_PREC=prec, **margs)
+                  BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2, ACC=acc, DOT_PREC=prec, BATCH_Y=by,
+                  **margs)
     c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
                        spec.masks_visibility, causal)
     group = H // Hkv
@@ -192,7 +194,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         split = dk_out.shape[1] // Hkv
     unsplit = not (dqk2 or dv2)  # descriptors read whole head dims (TileConfig.tma)
     tma1 = c1.tma and unsplit and tma_ok(q) and tma_ok(do)  # the streamed Q / dO tiles
-    dkdv = Launch(_attn_bwd_dkdv, (tiles_n, Hkv * split, B), dict(
+    dkdv = Launch(_attn_bwd_dkdv, (tiles_n, B, Hkv * split) if by else (tiles_n, Hkv * split, B), dict(
         common, DK=dk_out, DV=dv_out, **stride_args("dk", dk_out, spec), **stride_args("dv", dv_out, spec), H=H,
         GROUP=group, SPLIT=split, ONE_HEAD=group // split == 1,
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, TMA=tma1), c1,
@@ -209,7 +211,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         db_args, (grid_h, grid_b) = dict(DB=delta, stride_dbb=0, stride_dbh=0, stride_dbm=0, stride_dbn=0, n_b=1,
                                          n_h=1, DBIAS=False, DB_SUM_M=False, DB_SUM_N=False), (H, B)
     tma2 = c2.tma and unsplit and tma_ok(k) and tma_ok(v)  # the streamed K / V tiles
-    dqk = Launch(_attn_bwd_dq, (cdiv(Sq, c2.block_m), grid_h, grid_b), dict(
+    dqk = Launch(_attn_bwd_dq, (cdiv(Sq, c2.block_m), *((grid_b, grid_h) if by else (grid_h, grid_b))), dict(
         common, DQ=dq, **stride_args("dq", dq, spec), **db_args, H=H, GROUP=H // Hkv,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, TMA=tma2), c2,
         estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target),

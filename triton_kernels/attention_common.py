@@ -266,6 +266,19 @@ def modifier_scalars(b, h, AL, stride_alb, RNG, softcap_hi, softcap_lo, log2e_hi
     return softcap2, log2e, slope2, seed
 
 
+@triton.jit
+def program_hb(BATCH_Y: tl.constexpr):
+    """This program's (head, batch) grid indices (or groups of them): grid (tiles, heads, batch), or
+    (tiles, batch, heads) under BATCH_Y (batch_y: an attn_mask shared by the batch is read by adjacent programs)."""
+    if BATCH_Y:
+        h = tl.program_id(2)
+        b = tl.program_id(1)
+    else:
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+    return h, b
+
+
 # ------------------------------------------------------------------------------------------------
 # Host side: the mask/length arguments every attention kernel takes.
 # ------------------------------------------------------------------------------------------------
@@ -394,6 +407,17 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
     args["stride_alb"] = 0 if al is None or al.shape[0] == 1 else al.stride(0)
     args["RNG"] = spec.rng if args["DROPOUT"] else dummy
     return args, B, Sq, Sk
+
+
+def batch_y(margs: dict, B) -> bool:
+    """Whether a launch's grid is (tiles, batch, heads) rather than (tiles, heads, batch) (program_hb): when an
+    attn_mask broadcasts over a batch of two or more. A GPU starts programs in grid order, x fastest; in the
+    (tiles, heads, batch) order the programs reading one mask tile for different batches are tiles x heads apart,
+    more than run at once (a (1, 16, 4k, 4k) T5 bias at batch 4: 512 apart, 1 MiB a q tile, read 4 times from
+    DRAM by the forward and again by dK/dV); batch first puts them `tiles` apart, so one DRAM read serves the batch
+    from L2. The programs of one (batch, head) stay adjacent either way (their K/V is shared); a GQA group's heads
+    move `batch` times further apart. Untimed on a GPU: chosen from byte counts."""
+    return margs["MASK_KIND"] != MASK_NONE.value and margs["stride_mb"] == 0 and not margs["VARLEN"] and B > 1
 
 
 def broadcast_strides(t: torch.Tensor) -> tuple:

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, dropout_keep, kv_loop_bounds, loop_part,
-                               mask_args, modifier_scalars, scalar_in, score_mods, seq_bounds, stride_args, visible,
-                               wide_dropout_plans)
+from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, batch_y, dropout_keep, kv_loop_bounds, loop_part,
+                               mask_args, modifier_scalars, program_hb, scalar_in, score_mods, seq_bounds, stride_args,
+                               visible, wide_dropout_plans)
 from .configs import estimate_shared_memory, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
@@ -103,19 +103,20 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
               H, GROUP, Sq, Sk, D_QK, D_V, bottom_right, right, left, qk_scale_hi, qk_scale_lo,
               softcap_hi, softcap_lo, log2e_hi, log2e_lo, dropout_p, drop_scale_hi, drop_scale_lo,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
-              BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, KEY_MASK: tl.constexpr, QUERY_MASK: tl.constexpr,
               LENS: tl.constexpr, VARLEN: tl.constexpr, MASK_KIND: tl.constexpr, EVERY_TILE: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
-    """One BLOCK_M tile of one (batch, q head). TMA (sm_90+, unsplit head dims, 16-byte aligned K/V rows:
+              ACC: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, BATCH_Y: tl.constexpr):
+    """One BLOCK_M tile of one (batch, q head), grid (q tiles, heads, batch) (BATCH_Y: (q tiles, batch, heads),
+    batch_y). TMA (sm_90+, unsplit head dims, 16-byte aligned K/V rows:
     tma_ok): K/V tiles are read through device-side tensor descriptors, so the Tensor Memory Accelerator
     copies them and zero-fills rows past the sequence; otherwise through masked pointer loads."""
     tl.static_assert(not TMA or (BLOCK_DQK2 == 0 and BLOCK_DV2 == 0), "TMA reads unsplit head dims only")
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest first: under a causal mask a q tile's work grows with its index (FA3's LPT order)
         pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2)  # grid (q tiles, heads, batch): each axis stays within CUDA's limits
+    h, b = program_hb(BATCH_Y)  # each grid axis stays within CUDA's limits
     kvh = h // GROUP  # GQA/MQA: q heads [kvh*GROUP, (kvh+1)*GROUP) share K/V head kvh
     m0 = pid_m * BLOCK_M
     lq, lk, cq0, cq1, ck0, ck1 = b, b, b, b, b, b  # read by seq_bounds only under LENS / VARLEN
@@ -220,7 +221,8 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
         ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), TMA=tma, **margs,
     )
-    grid = (cdiv(Sq, cfg.block_m), H, B)
+    args["BATCH_Y"] = by = batch_y(margs, B)
+    grid = (cdiv(Sq, cfg.block_m), B, H) if by else (cdiv(Sq, cfg.block_m), H, B)
     est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size(), target)
     return Launch(_attn_fwd, grid, args, cfg, est, descriptors=("K", "V") if tma else ())
 
