@@ -330,7 +330,7 @@ def _fused_compile_plans(target) -> list:
     GQA group (4 q heads a K/V head, causal fp16), unsplit and split over its heads; head dims 64/128/192 (split
     128 + 64)/256. A broadcast mask's plan loops over the summed axis (as a grid that fills the GPU does), and
     fp16 (1, H, S, S) once more with a program per (batch, head) (dbias_groups' split, as a small grid)."""
-    from .attention_fwd import all_options_spec
+    from .attention_fwd import all_options_spec, plan_forward
 
     B, H, S = 2, 2, 128
     plans = []
@@ -352,6 +352,13 @@ def _fused_compile_plans(target) -> list:
             dq_launch = next(st for st in launches if type(st) is Launch and st.kernel.__name__ == "_attn_bwd_dq")
             plans.append((f"attn_bwd_dq+dbias D={d} {str(dtype)[6:]} {'x'.join(map(str, shape))}"
                           f"{' split' if fill is None else ''}", dq_launch))
+            if d in (64, 128) and dtype == torch.float16 and shape[0] == 1 and fill == 1:  # a mask the batch shares:
+                # the forward and dK/dV grids put the batch before heads (batch_y; dQ's is above)
+                dkdv = next(st for st in launches if type(st) is Launch and st.kernel.__name__ == "_attn_bwd_dkdv")
+                fwd = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=True, bottom_right=False, spec=spec,
+                                   target=target)
+                assert fwd.args["BATCH_Y"] and dkdv.args["BATCH_Y"], "a batch-y compile plan must take that grid"
+                plans += [(f"attn_fwd D={d} float16 batch-y", fwd), (f"attn_bwd_dkdv D={d} float16 batch-y", dkdv)]
         q, o, do, dq = (torch.empty(1, 4, S, d, dtype=torch.float16) for _ in range(4))
         k, v, dk, dv = (torch.empty(1, 1, S, d, dtype=torch.float16) for _ in range(4))
         m2, l2, delta = (torch.empty(1, 4, S, dtype=torch.float32) for _ in range(3))
