@@ -444,8 +444,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, 
     half = cos.shape[-1] // 2
     cos_h, sin_h = cos[..., :half], sin[..., :half]  # views: the halves are duplicates
     if cos.dim() == 3:
-        seq = q.shape[2] if unsqueeze_dim == 1 else q.shape[1]
-        if q.dim() == 4 and cos.shape[1] != seq:
+        seq = q.shape[2 if unsqueeze_dim == 1 else 1] if q.dim() == 4 else None  # (apply_rotary_qk names other ranks)
+        if seq is not None and cos.shape[1] != seq:
             raise ValueError(f"cos/sin {tuple(cos.shape)} must cover the sequence length {seq} of q "
                              f"{tuple(q.shape)} exactly (B, S, rotary_dim)")
         position_ids = None

@@ -99,6 +99,9 @@ ERRORS = {
                   ValueError, "cover the sequence length 4"),
     "hf_cos_sin_shapes": (lambda c, s: flashtx.apply_rotary_pos_emb(_x(), _x(), c[None, :4], s[None, :4, :2],
                                                                     unsqueeze_dim=2), ValueError, "same shape"),
+    # a 0-dim q with (B, S, rotary_dim) tables read q.shape[2] first (an IndexError)
+    "hf_q_scalar": (lambda c, s: flashtx.apply_rotary_pos_emb(randn(()), _x(), c[None, :4], s[None, :4]), ValueError,
+                    r"q must be .*; got shape \(\)"),
     # an empty table was read at row 0 (a crash); bad cu_seqlens read and wrote out of bounds
     "cos_no_positions": (lambda c, s: flashtx.apply_rotary(_x(), c[:0], s[:0], position_ids=torch.zeros(
         2, 4, dtype=torch.int64, device=DEVICE)), ValueError,
