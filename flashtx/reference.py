@@ -260,7 +260,7 @@ def _spec_kwargs(spec, causal, bottom_right, q, k) -> dict:
 def _expand_kv(q, k, v):
     """k, v repeated to q's heads (GQA/MQA), and the group size."""
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1  # 0 heads: nothing to repeat
-    if group > 1:
+    if group != 1:  # (0 q heads over K/V heads: group 0, no head of k, v is used)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return k, v, group
 
@@ -328,10 +328,10 @@ def attention_backward(do, q, k, v, out, m2, l2, *, scale: float, causal: bool, 
         ds = ds * (1.0 - t * t)
     dq = torch.matmul(ds, ke) * scale
     dk = torch.matmul(ds.transpose(-2, -1), q) * scale
-    if group > 1:
+    if group != 1:
         B, _, Sk = k.shape[:3]
-        dk = dk.view(B, Hkv, group, Sk, -1).sum(2)
-        dv = dv.view(B, Hkv, group, Sk, -1).sum(2)
+        dk = dk.view(B, Hkv, group, Sk, dk.shape[-1]).sum(2)
+        dv = dv.view(B, Hkv, group, Sk, dv.shape[-1]).sum(2)
     return dq.to(dt), dk.to(dt), dv.to(dt)
 
 

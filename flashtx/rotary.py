@@ -421,6 +421,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, 
             raise TypeError(f"apply_rotary_pos_emb got unsqueeze_dim twice: {position_ids!r} as the fifth argument "
                             f"(transformers 5's position) and unsqueeze_dim={unsqueeze_dim!r}")
         position_ids, unsqueeze_dim = None, position_ids
+    if not isinstance(unsqueeze_dim, numbers.Integral):  # (a tensor compared equal to 1 or 2 below)
+        raise TypeError(f"unsqueeze_dim must be an int (1, 2, -3 or -2); got {type(unsqueeze_dim).__name__} "
+                        f"{unsqueeze_dim!r}")
     if unsqueeze_dim in (-3, -2) and type(unsqueeze_dim) is int:  # as transformers' cos.unsqueeze(unsqueeze_dim)
         unsqueeze_dim += 4
     if unsqueeze_dim not in (1, 2):

@@ -131,13 +131,15 @@ def test_mixed_devices_error():
 
 @pytest.mark.parametrize("shape_q,shape_kv", [((0, 2, 8, 16), (0, 2, 8, 16)), ((2, 2, 0, 16), (2, 2, 8, 16)),
                                               ((2, 3, 2, 0, 16), (2, 3, 2, 8, 16)),
-                                              ((2, 3, 0, 8, 16), (2, 3, 0, 8, 16))],
-                         ids=["batch-0", "seqlen-q-0", "5d-seqlen-q-0", "5d-heads-0"])
+                                              ((2, 3, 0, 8, 16), (2, 3, 0, 8, 16)), ((2, 0, 8, 16), (2, 2, 8, 16))],
+                         ids=["batch-0", "seqlen-q-0", "5d-seqlen-q-0", "5d-heads-0", "gqa-q-heads-0"])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_empty_inputs_return_empty_results(shape_q, shape_kv, backend):
+    """Empty results, and zero K/V gradients, as SDPA (0 q heads over 2 K/V heads too: the reference backward summed
+    a GQA group of 0 heads through view(..., -1), a RuntimeError)."""
     q = randn(*shape_q, requires_grad=True)
     k, v = randn(*shape_kv, requires_grad=True), randn(*shape_kv, requires_grad=True)
-    out = flashtx.attention(q, k, v, is_causal=True, backend=backend)
+    out = flashtx.attention(q, k, v, is_causal=True, backend=backend, enable_gqa=True)
     assert out.shape == shape_q
     out.sum().backward()
     assert q.grad.shape == shape_q and (k.grad == 0).all() and (v.grad == 0).all()

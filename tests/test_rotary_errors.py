@@ -99,6 +99,8 @@ ERRORS = {
                   ValueError, "cover the sequence length 4"),
     "hf_cos_sin_shapes": (lambda c, s: flashtx.apply_rotary_pos_emb(_x(), _x(), c[None, :4], s[None, :4, :2],
                                                                     unsqueeze_dim=2), ValueError, "same shape"),
+    "hf_unsqueeze_dim_tensor": (lambda c, s: flashtx.apply_rotary_pos_emb(_x(), _x(), c, s, unsqueeze_dim=torch.tensor(
+        2)), TypeError, "unsqueeze_dim must be an int"),
     # a 0-dim q with (B, S, rotary_dim) tables read q.shape[2] first (an IndexError)
     "hf_q_scalar": (lambda c, s: flashtx.apply_rotary_pos_emb(randn(()), _x(), c[None, :4], s[None, :4]), ValueError,
                     r"q must be .*; got shape \(\)"),
