@@ -338,22 +338,26 @@ def test_bias_gradient_groups_fill_the_gpu_within_the_partials_budget():
     assert plan((1, 1, 64, 64), 6, 100, 64, 64) == ((50, 6), 1, 2, (6, 50, 64, 64), True)  # 1 program: 6 x 50 groups
 
 
-@pytest.mark.parametrize("shape,by", [((1, HQ, 256, 256), True), ((1, 1, 256, 256), True), ((B, HQ, 256, 256), False),
-                                      ((B, 1, 1, 256), False), ((1, HQ, 256, 256), False)],
+NB = 3  # a batch unlike every head count here (HQ = 4, HKV = 2, 2 x HKV split): a swapped grid changes shape
+
+
+@pytest.mark.parametrize("shape,by", [((1, HQ, 256, 256), True), ((1, 1, 256, 256), True), ((NB, HQ, 256, 256), False),
+                                      ((NB, 1, 1, 256), False), ((1, HQ, 256, 256), False)],
                          ids=["1xHxSxS", "1x1xSxS", "BxHxSxS", "Bx1x1xS", "batch-1"])
 @pytest.mark.parametrize("kind", ["float", "bool"])
-def test_a_mask_shared_by_the_batch_puts_the_batch_before_heads_in_every_grid(shape, by, kind):
+@pytest.mark.parametrize("split", [1, 2], ids=["dkdv", "dkdv-gqa-split"])
+def test_a_mask_shared_by_the_batch_puts_the_batch_before_heads_in_every_grid(shape, by, kind, split):
     """batch_y: a mask broadcast over a batch of two or more is read by every batch's programs, so the forward, dK/dV
-    and dQ grids are (tiles, batch, heads) with BATCH_Y, putting them next to each other (one DRAM read of each mask
-    tile, the rest from L2); other masks keep (tiles, heads, batch). On an H100's plan (meta tensors). The results
-    of such grids are checked against the reference by test_attn_mask_matches_reference and the group tests above
-    (batch != heads there)."""
-    from flashtx.triton_kernels.attention_bwd_launch import plan_backward
+    (also split over a GQA group's heads) and dQ grids are (tiles, batch, heads) with BATCH_Y, putting them next to
+    each other (one DRAM read of each mask tile, the rest from L2); other masks keep (tiles, heads, batch). On an
+    H100's plan (meta tensors), at a batch unlike the head counts. The results of such grids are checked against the
+    reference by test_attn_mask_matches_reference and the group tests above (batch != heads there)."""
+    from flashtx.triton_kernels.attention_bwd_launch import gqa_partials, plan_backward
     from flashtx.triton_kernels.attention_fwd import plan_forward
     from flashtx.triton_kernels.mask_spec import MaskSpec
     from flashtx.triton_kernels.targets import KNOWN_TARGETS
 
-    nb = 1 if not by and shape[0] == 1 else B
+    nb = 1 if not by and shape[0] == 1 else NB
     S, meta = 256, dict(dtype=torch.bfloat16, device="meta")
     q, o, do, dq = (torch.empty(nb, HQ, S, 64, **meta) for _ in range(4))
     k, v, dk, dv = (torch.empty(nb, HKV, S, 64, **meta) for _ in range(4))
@@ -363,10 +367,12 @@ def test_a_mask_shared_by_the_batch_puts_the_batch_before_heads_in_every_grid(sh
     dbias = torch.empty(shape, **meta) if kind == "float" else None
     fwd = plan_forward(q, k, v, o, m2, l2, scale=0.125, causal=True, bottom_right=False, spec=spec, target=target)
     steps = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=0.125, causal=True, bottom_right=False,
-                          spec=spec, dbias=dbias, target=target)
+                          spec=spec, dbias=dbias, target=target,
+                          gqa_parts=gqa_partials(dk, dv, split, q.dtype) if split > 1 else None)
     dkdv, dqk = (next(s for s in steps if getattr(s, "kernel", None) is not None and s.kernel.__name__ == name)
                  for name in ("_attn_bwd_dkdv", "_attn_bwd_dq"))
-    for launch, heads in ((fwd, HQ), (dkdv, HKV), (dqk, None)):
+    assert dkdv.args["SPLIT"] == split
+    for launch, heads in ((fwd, HQ), (dkdv, HKV * split), (dqk, None)):
         assert launch.args["BATCH_Y"] is by, launch.kernel.__name__
         if heads is not None:
             assert launch.grid[1:] == ((nb, heads) if by else (heads, nb)), (launch.kernel.__name__, launch.grid)
