@@ -25,7 +25,10 @@ Method (see /work/.library/device/METHOD.md, and bench/README.md):
      back-to-back calls: `kernel_ms` (and gbs_kernel), what the call costs the GPU once the host keeps ahead.
      Deferred until every case has been timed (`measure_deferred_kernels`, from bench/conftest.py after the
      test loop, within BENCH_KERNEL_BUDGET_S, default 20 s): the case is prepared afresh, and no timing runs
-     after a profiler session (one that left CUPTI attached would slow every later launch).
+     after a profiler session (one that left CUPTI attached would slow every later launch). Cases a benchmark
+     asks it of (`run_case(breakdown=True)`: flashtx's backward, learned bias, decoding) are profiled too, after
+     those: each profile also splits the device time by kernel (`kernel_breakdown_us`), so a run says which
+     kernel of a multi-kernel call took the time.
 An out-of-memory during prepare or warm-up is recorded (extra_info status "OOM") instead of failing.
 
 Smoke run (BENCH_SMOKE=1, for machines without a GPU): every benchmark runs on CPU tensors at tiny
@@ -238,11 +241,13 @@ def measure_steady(step: Callable[[Any], Any], state: Any, est_ms: float | None 
 
 
 KERNEL_METHOD = "torch.profiler (CUPTI): device time of the step's kernels, copies and memsets, summed per call"
+BREAKDOWN_TOP = 8  # kernels named in kernel_breakdown_us (the rest summed under "other")
 
 
 def measure_kernel(step: Callable[[Any], Any], state: Any, calls: int) -> dict:
     """Device time per call of what `step` launches (kernels, memcpy, memset), from torch.profiler's CUDA
-    activity over `calls` back-to-back calls after one untimed call: {kernel_ms, kernel_method, kernel_calls}, or
+    activity over `calls` back-to-back calls after one untimed call: {kernel_ms, kernel_method, kernel_calls,
+    kernel_breakdown_us: {kernel name: us per call}, the BREAKDOWN_TOP longest, largest first, and "other"}, or
     {kernel_error} when the profiler gives no CUDA activity or fails (then nothing is claimed)."""
     from torch.profiler import ProfilerActivity, profile
     try:
@@ -253,12 +258,21 @@ def measure_kernel(step: Callable[[Any], Any], state: Any, calls: int) -> dict:
                 step(state)
             synchronize()
         device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        total_us = sum(e.time_range.elapsed_us() for e in device)
+        by_name: dict = {}
+        for e in device:
+            name = " ".join(str(getattr(e, "name", "?")).split())[:80]  # (C++ kernels' names run to pages)
+            by_name[name] = by_name.get(name, 0.0) + e.time_range.elapsed_us()
+        total_us = sum(by_name.values())
     except Exception as exc:  # noqa: BLE001 - CUPTI unavailable, another profiler active, ...
         return {"kernel_error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
     if not device or total_us <= 0:
         return {"kernel_error": "the profiler recorded no CUDA activity"}
-    return {"kernel_ms": total_us / 1e3 / calls, "kernel_method": KERNEL_METHOD, "kernel_calls": calls}
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
+    breakdown = {name: us / calls for name, us in ranked[:BREAKDOWN_TOP]}
+    if len(ranked) > BREAKDOWN_TOP:
+        breakdown["other"] = sum(us for _, us in ranked[BREAKDOWN_TOP:]) / calls
+    return {"kernel_ms": total_us / 1e3 / calls, "kernel_method": KERNEL_METHOD, "kernel_calls": calls,
+            "kernel_breakdown_us": breakdown}
 
 
 def _steady_graph(step, state, rounds: int, calls: int) -> dict:
@@ -342,17 +356,22 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
 
 
 KERNEL_BUDGET_S = float(os.environ.get("BENCH_KERNEL_BUDGET_S", "20"))
-_KERNEL_QUEUE: list = []  # (extra_info, prepare, step, calls, nbytes, dtype, grad mode): measure_deferred_kernels
+# (extra_info, prepare, step, calls, nbytes, dtype, grad mode, judged by a target): measure_deferred_kernels
+_KERNEL_QUEUE: list = []
 
 
-def record_steady(extra: dict, step, state, st: dict, *, flops=None, nbytes=None, dtype=None, prepare=None) -> None:
+def record_steady(extra: dict, step, state, st: dict, *, flops=None, nbytes=None, dtype=None, prepare=None,
+                  breakdown: bool = False) -> None:
     """Into `extra`: the back-to-back measurement `st` and its throughput (*_steady); a memory-bound case (nbytes)
-    whose back to back was launch-bound is queued for its kernel time (measure_deferred_kernels)."""
+    whose back to back was launch-bound is queued for its kernel time (measure_deferred_kernels), and so is a case
+    that asks for its time by kernel (breakdown), after those."""
     extra.update(st)
     extra.update({f"{k}_steady": v for k, v in throughput(st["steady_ms"], flops=flops, nbytes=nbytes,
                                                             dtype=dtype).items()})
-    if st.get("steady_host_bound") and not SMOKE and nbytes is not None and prepare is not None:
-        _KERNEL_QUEUE.append((extra, prepare, step, st["steady_calls"], nbytes, dtype, torch.is_grad_enabled()))
+    judged = bool(st.get("steady_host_bound")) and nbytes is not None  # (the copy-share targets read its kernel_ms)
+    if (judged or breakdown) and not SMOKE and prepare is not None:
+        _KERNEL_QUEUE.append((extra, prepare, step, st["steady_calls"], nbytes, dtype, torch.is_grad_enabled(),
+                              judged))
 
 
 def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic) -> int:
@@ -362,8 +381,8 @@ def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic
     budget_s = KERNEL_BUDGET_S if budget_s is None else budget_s
     t0, timed = clock(), 0
     queue, _KERNEL_QUEUE[:] = list(_KERNEL_QUEUE), []
-    queue.sort(key=lambda q: q[0].get("provider") != "flashtx")  # flashtx's first: the targets judge its share
-    for extra, prepare, step, calls, nbytes, dtype, grad in queue:
+    queue.sort(key=lambda q: (not q[7], q[0].get("provider") != "flashtx"))  # what targets judge first, flashtx's
+    for extra, prepare, step, calls, nbytes, dtype, grad, _ in queue:
         if clock() - t0 > budget_s:
             extra["kernel_error"] = f"not timed: BENCH_KERNEL_BUDGET_S ({budget_s:g} s) spent"
             continue
@@ -387,9 +406,10 @@ def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic
 
 def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any], info: dict,
              flops: float | None = None, nbytes: float | None = None, dtype: torch.dtype | None = None,
-             fail_fast: bool = False, steady: bool = True) -> dict:
+             fail_fast: bool = False, steady: bool = True, breakdown: bool = False) -> dict:
     """Prepare, warm up, measure memory, time; fill benchmark.extra_info. Skips (pytest.skip) with
-    the reason when the provider refuses the case, unless fail_fast (flashtx itself must not fail or refuse)."""
+    the reason when the provider refuses the case, unless fail_fast (flashtx itself must not fail or refuse).
+    breakdown: also profile the case after the test loop for its device time by kernel (measure_deferred_kernels)."""
     benchmark.extra_info.update(info)
     benchmark.extra_info["gpu"] = gpu_name()
     state = None
@@ -443,7 +463,7 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
     if steady:
         st = measure_steady(step, state, est_ms=summary["median_ms"])  # bounded by BENCH_BUDGET_S
         record_steady(benchmark.extra_info, step, state, st, flops=flops, nbytes=nbytes, dtype=dtype,
-                      prepare=prepare)
+                      prepare=prepare, breakdown=breakdown)
     if flops is not None:
         benchmark.extra_info["flops"] = flops
     if nbytes is not None:

@@ -21,6 +21,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from .report_breakdown import breakdown_table
 from .report_targets import (  # noqa: F401 (ratio, copy_share, TARGETS, TIMINGS: bench.report's API too)
     TARGETS, TIMINGS, copy_share, measured, overhead_met, overhead_ratio, ratio, targets, variant_ideal)
 
@@ -543,7 +544,8 @@ def build_report(data: dict, source: str, out: Path | None) -> str:
                          ("Model training step (tokens/s)", models_table(groups)),
                          ("Host overhead (Python us per call to the kernel launch, launches stubbed; "
                           "the ratio is flashtx / baseline)",
-                          overhead_table(groups))):
+                          overhead_table(groups)),
+                         ("Device time by kernel (torch.profiler, per call, back to back)", breakdown_table(groups))):
         if lines:
             md += [f"## {title}", ""] + lines + [""]
     md += ["## Targets, measured in this run", ""]

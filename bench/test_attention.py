@@ -66,7 +66,7 @@ def run_attention(benchmark, provider: str, case: AttnCase, pass_: str) -> None:
             "pass": pass_}
     flops = gpus.attention_flops(case.batch, case.hq, case.seqlen, case.seqlen, case.d, case.causal, pass_)
     harness.run_case(benchmark, prepare=prepare, step=step, info=info, flops=flops, dtype=case.dtype,
-                     fail_fast=is_ours)
+                     fail_fast=is_ours, breakdown=is_ours and pass_ == "bwd")  # (its time by kernel)
 
 
 @pytest.mark.gpu

@@ -72,4 +72,4 @@ def test_window_attention_bias(benchmark, provider, pass_):
             "shape": f"windows={WINDOWS} H={H} N={N} D={D}, bias (1, H, N, N)"}
     harness.run_case(benchmark, prepare=prepare, step=step, info=info,
                      flops=gpus.attention_flops(WINDOWS, H, N, N, D, False, pass_), dtype=DTYPE,
-                     fail_fast=provider == "flashtx")
+                     fail_fast=provider == "flashtx", breakdown=provider == "flashtx" and pass_ == "fwd+bwd")

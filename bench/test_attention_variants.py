@@ -145,7 +145,11 @@ def _measure(benchmark, build, variant, provider, pass_):
     elif variant == "varlen16x1k":
         info["doc_len"] = DOC
     flops = gpus.attention_flops(B, H, N, N, D, True, pass_)
-    harness.run_case(benchmark, prepare=prepare, step=step, info=info, flops=flops, dtype=DTYPE, fail_fast=True)
+    # the time by kernel of flashtx's learned-bias and plain fwd+bwd (which of the backward's kernels a bias slows;
+    # not the plain-tiles providers: the deferred profile runs after their tiles are restored)
+    breakdown = provider == "flashtx" and pass_ == "fwd+bwd" and variant in ("full", "bias")
+    harness.run_case(benchmark, prepare=prepare, step=step, info=info, flops=flops, dtype=DTYPE, fail_fast=True,
+                     breakdown=breakdown)
 
 
 def ideal_fraction(variant: str) -> float:

@@ -221,4 +221,5 @@ def test_decode(benchmark, pass_, batch, hq, hkv, ctx, provider):
 
     with torch.no_grad():
         harness.run_case(benchmark, prepare=prepare, step=lambda step: step(), info=info,
-                         nbytes=_kv_bytes(batch, hkv, ctx, dtype), dtype=dtype, fail_fast=is_ours)
+                         nbytes=_kv_bytes(batch, hkv, ctx, dtype), dtype=dtype, fail_fast=is_ours,
+                         breakdown=is_ours)  # (the check, append, attention and combine kernels apart)

@@ -29,3 +29,23 @@ def test_launch_bound_cases_are_judged_on_their_kernel_time_too():
     del ours["gbs_kernel"], ours["kernel_ms"]
     md = report.build_report({"benchmarks": [{"extra_info": ei} for ei in recs]}, "s.json", None)
     assert "kernel time of the cases" not in md and "(kernel " not in md
+
+
+def test_profiled_cases_show_their_device_time_by_kernel():
+    """Synthetic (fabricated) records: a learned-bias fwd+bwd whose profile split its device time by kernel
+    (harness.measure_kernel's kernel_breakdown_us) gets a row in the 'Device time by kernel' table, each kernel with
+    its microseconds and share, and its back-to-back time beside the kernel time; a record without a breakdown (or
+    not ok) gets none, and without any the table is absent."""
+    rec = {"op": "attention-variant", "variant": "bias", "provider": "flashtx", "pass": "fwd+bwd", "dtype": "bfloat16",
+           "seqlen": 4096, "status": "ok", "shape": "B=4 H=16 S=4096 D=128 bias", "median_ms": 9.9, "steady_ms": 9.5,
+           "kernel_ms": 9.0, "kernel_breakdown_us": {"_attn_bwd_dq": 4500.0, "_attn_bwd_dkdv": 3600.0,
+                                                    "_attn_fwd": 900.0}}
+    other = dict(rec, variant="full", shape="B=4 H=16 S=4096 D=128 full")
+    del other["kernel_breakdown_us"]
+    md = report.build_report({"benchmarks": [{"extra_info": ei} for ei in (rec, other)]}, "s.json", None)
+    assert "## Device time by kernel (torch.profiler, per call, back to back)" in md
+    assert ("| attention-variant bias fwd+bwd, B=4 H=16 S=4096 D=128 bias | flashtx | 9.000 | 9.500 | "
+            "`_attn_bwd_dq` 4500.0 (50%), `_attn_bwd_dkdv` 3600.0 (40%), `_attn_fwd` 900.0 (10%) |") in md
+    assert "D=128 full | flashtx" not in md
+    md = report.build_report({"benchmarks": [{"extra_info": other}]}, "s.json", None)
+    assert "Device time by kernel" not in md

@@ -118,11 +118,12 @@ def test_launch_bound_cases_get_their_kernel_time(monkeypatch):
     from bench import harness
 
     class Ev:
-        def __init__(self, dev, us):
+        def __init__(self, dev, us, name="_attn_bwd_dq"):
             self.device_type = torch.autograd.DeviceType.CUDA if dev else torch.autograd.DeviceType.CPU
             self.time_range = type("R", (), {"elapsed_us": lambda _self: us})()
+            self.name = name
 
-    recorded = {"events": [Ev(True, 30.0), Ev(True, 10.0), Ev(False, 500.0)] * 3}  # 3 calls: 40 us of device time
+    recorded = {"events": [Ev(True, 30.0), Ev(True, 10.0, "_attn_bwd_preprocess"), Ev(False, 500.0)] * 3}  # 3 calls
 
     class FakeProfile:
         def __init__(self, activities):
@@ -142,8 +143,9 @@ def test_launch_bound_cases_get_their_kernel_time(monkeypatch):
     monkeypatch.setattr(harness, "SMOKE", False)
     monkeypatch.setattr(harness, "synchronize", lambda: None)
     calls = []
-    assert harness.measure_kernel(lambda st: calls.append(st), "s", 3) == {
-        "kernel_ms": 0.04, "kernel_method": harness.KERNEL_METHOD, "kernel_calls": 3}
+    assert harness.measure_kernel(lambda st: calls.append(st), "s", 3) == {  # 40 us of device time a call
+        "kernel_ms": 0.04, "kernel_method": harness.KERNEL_METHOD, "kernel_calls": 3,
+        "kernel_breakdown_us": {"_attn_bwd_dq": 30.0, "_attn_bwd_preprocess": 10.0}}  # by kernel, longest first
     assert calls == ["s"] * 4  # one untimed call, then the 3 profiled
     recorded["events"] = [Ev(False, 500.0)]
     assert harness.measure_kernel(lambda st: None, "s", 3) == {"kernel_error": "the profiler recorded no CUDA activity"}
@@ -183,6 +185,19 @@ def test_launch_bound_cases_get_their_kernel_time(monkeypatch):
     harness.record_steady(infos[2], lambda s: None, "s", st, nbytes=1e8, prepare=refuses)
     assert harness.measure_deferred_kernels(budget_s=1e9) == 1 and modes and not any(modes)
     assert infos[1]["kernel_ms"] == 0.05 and "refuses now (test)" in infos[2]["kernel_error"], infos[2]
+    # a case that asks for its time by kernel (run_case(breakdown=True)) is queued though it kept the GPU busy and
+    # has no bytes, and profiled after what the targets judge (queued before it here); past BREAKDOWN_TOP kernels
+    # the rest is "other"
+    order, asked, judged = [], {}, {}
+    busy = dict(st, steady_host_bound=False)
+    harness.record_steady(asked, lambda s: order.append("asked"), "s", busy, prepare=lambda: "s", breakdown=True)
+    harness.record_steady({}, lambda s: order.append("not asked"), "s", busy, prepare=lambda: "s")
+    harness.record_steady(judged, lambda s: order.append("judged"), "s", st, nbytes=1e8, prepare=lambda: "s")
+    recorded["events"] = [Ev(True, 50.0), Ev(True, 20.0, "_attn_bwd_dkdv"), Ev(True, 5.0, "_attn_bwd_preprocess")] * 2
+    monkeypatch.setattr(harness, "BREAKDOWN_TOP", 2)
+    assert harness.measure_deferred_kernels(budget_s=1e9) == 2 and order == ["judged"] * 3 + ["asked"] * 3, order
+    assert asked["kernel_breakdown_us"] == {"_attn_bwd_dq": 50.0, "_attn_bwd_dkdv": 20.0, "other": 5.0}, asked
+    assert asked["kernel_ms"] == 0.075 and "gbs_kernel" not in asked and "gbs_kernel" in judged
 
 
 def test_a_broken_gpu_after_a_refusal_is_an_error_not_a_skip(monkeypatch):
