@@ -329,7 +329,9 @@ def _fused_compile_plans(target) -> list:
     over batch, or over heads and queries, or full (stored in its dtype); fp32 with a full mask), and dK/dV of a
     GQA group (4 q heads a K/V head, causal fp16), unsplit and split over its heads; head dims 64/128/192 (split
     128 + 64)/256. A broadcast mask's plan loops over the summed axis (as a grid that fills the GPU does), and
-    fp16 (1, H, S, S) once more with a program per (batch, head) (dbias_groups' split, as a small grid)."""
+    fp16 (1, H, S, S) once more with a program per (batch, head) (dbias_groups' split, as a small grid). With that
+    mask (the batch shares it) at head dims 64 and 128, fp16, also the forward and dK/dV: their (tiles, batch,
+    heads) grid ("batch-y", attention_common.batch_y)."""
     from .attention_fwd import all_options_spec, plan_forward
 
     B, H, S = 2, 2, 128

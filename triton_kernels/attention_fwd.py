@@ -219,10 +219,9 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
         H=H, GROUP=H // Hkv, Sq=Sq, Sk=Sk, D_QK=D_QK, D_V=D_V,
         qk_scale_hi=hi, qk_scale_lo=lo,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
-        ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), TMA=tma, **margs,
+        ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), TMA=tma, BATCH_Y=batch_y(margs, B), **margs,
     )
-    args["BATCH_Y"] = by = batch_y(margs, B)
-    grid = (cdiv(Sq, cfg.block_m), B, H) if by else (cdiv(Sq, cfg.block_m), H, B)
+    grid = (cdiv(Sq, cfg.block_m), B, H) if args["BATCH_Y"] else (cdiv(Sq, cfg.block_m), H, B)
     est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size(), target)
     return Launch(_attn_fwd, grid, args, cfg, est, descriptors=("K", "V") if tma else ())
 
