@@ -166,13 +166,14 @@ def _lane_backward(ctx, dout, learned: bool = False):
     """(dq, dk, dv) of a lane's forward from the backward's launch entry, kept per forward lane and dout strides
     (and the TF32 switch, which the backward reads again), as the op's backward (flashtx::attn_bwd) computes them:
     the same entry, which launch.LaunchCache would replay there. learned: the node's bias requires grad (its
-    gradient is returned fourth; the entry then holds the bias gradient's buffer and reduce: a _HostEntry). None
-    where the op's backward must run: the lanes off, a dout with a strided last dim or rows too far apart for int32
-    (the backend copies it first), create_graph (the op refuses a double backward), anything tracing or
+    gradient is returned fourth; the entry then holds the bias gradient's buffer and reduce: a _HostEntry). A dout
+    with a strided last dim (out.sum()'s expanded ones) is copied first, as the backend copies it. None where the
+    op's backward must run: the lanes off, a dout with rows too far apart for int32 (the backend copies it
+    first), create_graph (the op refuses a double backward), anything tracing or
     intercepting, q not on the current CUDA device, saved tensors whose .data was swapped for another shape or
     layout, a backward the launch cache cannot replay (a GQA dK/dV split, a plan that does not fit these inputs'
     alignment)."""
-    if not LANE or type(dout) is not _TENSOR or dout.stride(-1) != 1 or torch.is_grad_enabled() or not _lanes.eager():
+    if not LANE or type(dout) is not _TENSOR or torch.is_grad_enabled() or not _lanes.eager():
         return None
     lane = ctx.lane
     q, k, v, out, m2, l2, bias, *aux = ctx.saved_tensors
@@ -182,6 +183,8 @@ def _lane_backward(ctx, dout, learned: bool = False):
     if _lanes.layouts(q, k, v, out, *masks) != lane.saved:
         return None  # a saved tensor's .data was swapped since the forward: not what the plan reads
     packs = packing(q, k, v)
+    if dout.stride(-1) != 1 and dout.shape[-1] != 1:  # (backends._unit_last's copy: the kernels' unit last stride)
+        dout = dout.contiguous()
     key = ("attn_bwd", lane.key, dout.stride(), q.dtype is _F32 and precision.allow_tf32(), packs)
     entry = _lanes.TABLE.get(key)
     if entry is None:

@@ -171,9 +171,9 @@ def test_varlen_takes_the_lane(grad, same_cu, values, lane_runs, monkeypatch, re
 
 
 def test_varlen_backwards_the_lane_must_not_take(monkeypatch):
-    """The packed lane's node, where its backward lane declines (a dout with a strided last dim, saved-tensor
-    hooks, create_graph), runs the op's backward on the (1, total, H, D) views: the op's gradients, and its
-    refusal of a double backward."""
+    """The packed lane's node, where its backward lane declines (saved-tensor hooks, create_graph), runs the op's
+    backward on the (1, total, H, D) views: the op's gradients, and its refusal of a double backward. A dout with a
+    strided last dim (out.sum()'s) takes the backward lane, copied first: the op's gradients, bit for bit."""
     q, k, v, cq, ck = _varlen_inputs(True)
     dout = randn(SQ, HQ, D, dtype=PRECISE_DTYPE)
 
@@ -193,7 +193,7 @@ def test_varlen_backwards_the_lane_must_not_take(monkeypatch):
         for ga, gb in zip(a, b):
             assert torch.equal(ga, gb)
     monkeypatch.setattr(_attention_lane, "LANE", True)
-    assert not [key for key in _lanes.TABLE if key[0] == "attn_bwd"]
+    assert len([key for key in _lanes.TABLE if key[0] == "attn_bwd"]) == 1  # the sum's (its copy's strides)
     (dq,) = torch.autograd.grad(fwd().square().sum(), q, create_graph=True)
     with pytest.raises(NotImplementedError, match="no double backward"):
         dq.sum().backward()
@@ -256,13 +256,15 @@ def test_a_learned_bias_takes_the_lane_and_gets_the_ops_gradient(shape, lane_run
     assert len(lane_runs) == 3 and len([key for key in _lanes.TABLE if key[0] == "attn_fwd_masks"]) == 1
     assert [bool(e) for key, e in _lanes.TABLE.items() if key[0] == "attn_bwd"] == [True]  # its backward's too
     qd, kd, vd = (t.detach() for t in (q, k, v))
-    # a dout with a strided last dim: the lane's backward declines, the op's backward (the node's fallback) runs
+    # a dout with a strided last dim: the lane's backward copies it (as the backend does) and fires its entry
     got = flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True)
     dout = torch.randn(*got.shape[:-1], 2 * got.shape[-1], dtype=got.dtype, device=DEVICE)[..., ::2]
+    fired, fire = [], _lanes.fire
     with monkeypatch.context() as m:
-        m.setattr(_lanes, "fire", lambda *a: pytest.fail("the lane's backward took a strided dout"))
-        fallback = torch.autograd.grad(got, (q, k, v, bias), dout)
-    assert all(torch.equal(a, b) for a, b in zip(fallback, torch.autograd.grad(
+        m.setattr(_lanes, "fire", lambda *a: fired.append(1) or fire(*a))
+        strided = torch.autograd.grad(got, (q, k, v, bias), dout)
+    assert fired == [1]
+    assert all(torch.equal(a, b) for a, b in zip(strided, torch.autograd.grad(
         flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True), (q, k, v, bias), dout.contiguous())))
     br = bias.detach().requires_grad_()
     db = torch.autograd.grad(flashtx.attention(q, k, v, attn_mask=bias, enable_gqa=True).sum(), bias)[0]  # (a lane)
