@@ -22,12 +22,12 @@
 #   features they concern are off by default), tests_rest, gpu_checks, flashtx (after the rest)
 # The plan (seconds at DEVICE_CHECK_TIME_SCALE=1): each step runs at most its limit and never into its reserve,
 # the limits of the wanted steps after it in the chain xformers(50) bisect(135) tma(60) tests_gpu(150)
-# bench(150) models(120) report(20), plus 10 s for the end (bench.json's run record, the summary). For the
-# default steps and a 540 s budget: report 20 (reserve 10), models 120 (30), bench 150 (150), tests_gpu 150
+# bench(190) models(80) report(20), plus 10 s for the end (bench.json's run record, the summary). For the
+# default steps and a 540 s budget: report 20 (reserve 10), models 80 (30), bench 190 (110), tests_gpu 150
 # (300), xformers 30 + 20 (450); install 60 within the first 70 s; hostprof (opt-in) 60 (10); tune what is left - 30
 # (limit + 15). The prewarm's timeout sends SIGINT when 318 s are left (at the latest) and SIGKILL 10 s later;
-# the wait for it kills what still runs at 305 s left, so bench starts with its full 150 s. With install 20 s and
-# tests_gpu 150 s: bench runs from ~175 s to ~325 s, models to ~445 s, report to ~465 s at the latest.
+# the wait for it kills what still runs at 305 s left, so bench starts with its full 190 s. With install 20 s and
+# tests_gpu 150 s: bench runs from ~175 s to ~365 s, models to ~445 s, report to ~465 s at the latest.
 # Output under $OUT (at most 8 files, at most $OUT/a/b deep), each written as its step runs: log.txt
 # (everything, streamed), bench.json (after bench; models merged in; machine_info.flashtx_run: every step's
 # verdict and seconds, the commit, the bench env), tune.json, gpu_checks.json (if asked),
@@ -93,7 +93,7 @@ left_ms() { echo $(( BUDGET_MS - ($(now_ms) - START_MS) )); }
 elapsed() { secs $(( $(now_ms) - START_MS )); }
 
 # The plan (seconds at scale 1). A step's reserve: END plus the limits of the wanted steps after it in CHAIN.
-L_INSTALL=60 L_XFORMERS=30 L_XFORMERS_INFO=20 L_BISECT=45 L_TMA=60 L_TESTS=150 L_BENCH=150 L_MODELS=120 L_REPORT=20
+L_INSTALL=60 L_XFORMERS=30 L_XFORMERS_INFO=20 L_BISECT=45 L_TMA=60 L_TESTS=150 L_BENCH=190 L_MODELS=80 L_REPORT=20
 L_HOSTPROF=60 L_PREWARM=200
 END=10           # the run record in bench.json and the summary
 MIN_STEP=10      # a step with less than this is skipped
@@ -354,8 +354,10 @@ BENCH_K=()
 want bench && step bench "pytest bench --quick${BENCH_K_EXPR:+ -k $BENCH_K_EXPR}" "$(P $L_BENCH)" \
   "$(reserve_after bench)" $PY -m pytest bench --benchmark-only --quick -q -rs -p no:cacheprovider "${BENCH_K[@]}" \
   --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds --benchmark-sort=name --durations=30
-# (--durations: where the step's wall time goes, setup and compiles included: 139 of its 150 s on 2026-12-06, of
-# which the timed rounds were ~10 s; the log is what the next run's plan is cut by)
+# (--durations: where the step's wall time goes, setup and compiles included: 139 of its then 150 s on 2026-12-06, of
+# which the timed rounds were ~10 s, before the bias cases and the deferred kernel profiles were added; the models
+# step took 20 s of its then 120 after the prewarm: 40 s moved from models to bench. The log is what the next run's
+# plan is cut by)
 
 # The compiled GPT training step (issue 12's GPU check: flashtx tokens/s >= 1.0x SDPA with fullgraph=True).
 MODELS_JSON=$(mktemp "${TMPDIR:-/tmp}/flashtx_models.XXXXXX.json")

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.xdist_group("device-check-plan")  # the module fixture 
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "device_check.sh"
-PLAN = {"install": 60, "tests_gpu": 150, "bench": 150, "models": 120, "report": 20, "hostprof": 60}
+PLAN = {"install": 60, "tests_gpu": 150, "bench": 190, "models": 80, "report": 20, "hostprof": 60}
 
 # A stand-in for python: sleeps SIM_<STEP> plan seconds x SIM_SCALE, logs each start, end and SIGINT to SIM_LOG,
 # ends on SIGINT (130) unless SIM_IGNORE_INT names the step (a hung process: only SIGKILL ends it), and on SIGTERM
@@ -52,7 +52,7 @@ case "$a" in
      j=${a#*--benchmark-json }; j=${j%% *}
      [ "${SIM_BENCH_NOJSON:-}" = 1 ] || echo '{"machine_info": {"flashtx_bench": {"gpu": "stub"}},
        "benchmarks": [{"name": "stub", "extra_info": {}}]}' > "$j";;
-  *"test_models.py --benchmark-only"*) key=models d=${SIM_MODELS:-90};;
+  *"test_models.py --benchmark-only"*) key=models d=${SIM_MODELS:-60};;
   *bench.report*) key=report d=2; o=${a#*--out }; o=${o%% *}; echo "# stub report" > "$o/report.md";;
   *host_profile*) key=hostprof d=30;;
   *bench.tune*) key=tune d=${SIM_TUNE:-5};;
