@@ -183,6 +183,10 @@ def check_window(name: str, window) -> tuple[int, int]:
     sequence the kernels take) becomes -1, which it equals: the kernels add bounds to positions in int32.
     A (2,) integer tensor, or a pair of one-element ones, is read as its values (flash-attn's own tests pass
     window sizes so; a device tensor costs a host sync)."""
+    if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int:
+        left, right = window  # the common form (transformers' and flash-attn's calls), in ints: no ABC checks
+        if left >= -1 and right >= -1:
+            return (-1 if left >= MAX_SEQ else left), (-1 if right >= MAX_SEQ else right)
     if isinstance(window, torch.Tensor):
         if not is_int_dtype(window.dtype) or window.shape != (2,):
             raise TypeError(f"{name} must be a pair (left, right) of ints >= -1; got a {window.dtype} tensor of "
