@@ -477,15 +477,21 @@ def test_appending_without_cache_seqlens_is_refused_by_name():
     (torch.float32, 64, False, True), (torch.float32, 48, False, True), (torch.float32, 32, False, True),
     (torch.float64, 64, False, True), (torch.float32, 16, False, False), (torch.float32, 128, False, False),
     (torch.float32, 64, True, False), (torch.float16, 64, False, False)], ids=str)
-def test_fp32_scores_are_two_half_dots(monkeypatch, dtype, D, tf32, halves):
+def test_fp32_scores_are_two_half_dots(dtype, D, tf32, halves):
     """Inputs as wide as the accumulator dot q.k as two half-D chains (DOT_HALVES), 32- and 64-wide tiles only; half
     types and TF32 one dot. Both tile sets: the interpreter's and sm_86's."""
     from flashtx.triton_kernels import decode
     from flashtx.triton_kernels.configs import INTERPRETER_TARGET, KNOWN_TARGETS
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
-    q, out = torch.empty(1, 3, 6, D, dtype=dtype), torch.empty(1, 3, 6, D, dtype=dtype)
-    kc = torch.empty(1, 70, 1, D, dtype=dtype)
-    for target in (INTERPRETER_TARGET, KNOWN_TARGETS[86]):
-        launches = decode.plan_decode(q, kc, kc, out, torch.empty(1, 6, 3), None, None, None, None, None,
-                                      scale=D ** -0.5, causal=True, num_splits=2, snew=70, target=target)
-        assert launches[0].args["DOT_HALVES"] is halves, target
+    # set and restored by hand: pytest >= 9.2's monkeypatch deletes on undo an attribute that torch's cuBLASModule
+    # serves through __getattr__ (not in its __dict__), which that module refuses (an error at teardown)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        q, out = torch.empty(1, 3, 6, D, dtype=dtype), torch.empty(1, 3, 6, D, dtype=dtype)
+        kc = torch.empty(1, 70, 1, D, dtype=dtype)
+        for target in (INTERPRETER_TARGET, KNOWN_TARGETS[86]):
+            launches = decode.plan_decode(q, kc, kc, out, torch.empty(1, 6, 3), None, None, None, None, None,
+                                          scale=D ** -0.5, causal=True, num_splits=2, snew=70, target=target)
+            assert launches[0].args["DOT_HALVES"] is halves, target
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
