@@ -221,7 +221,8 @@ def bias_table(groups: dict) -> list[str]:
     cases = {k: v for k, v in groups.items() if k[0] == "attention-bias"}
     if not cases:
         return []
-    providers = [p for p in ("sdpa-efficient", "sdpa-math", "eager") if any(p in c for c in cases.values())]
+    providers = [p for p in ("flashtx-128-rows", "sdpa-efficient", "sdpa-math", "eager")
+                 if any(p in c for c in cases.values())]
     lines = ["| pass | windows | N | H | D | dtype | flashtx ms | steady ms | TFLOP/s | MB | "
              + " | ".join(f"vs {p}" for p in providers) + " |", "|" + "---|" * (10 + len(providers))]
     for (_, pass_, dtype, windows, n, h, d), c in cases.items():

@@ -6,16 +6,22 @@ D = 32 (BENCH_DTYPE, bf16 by default), not causal.
 This is the shape where the bias gradient's sum over the batch decides the time: flashtx's dQ kernel splits the
 summed windows into groups that fill the GPU (triton_kernels/attention_bwd_launch.py, dbias_groups) instead of
 one program per (head, q tile) looping over all 2048. Providers: flashtx, SDPA's EFFICIENT (xformers' kernel,
-which computes the bias gradient) and MATH backends, and eager attention (the module's own code).
-The quick subset: fwd+bwd, flashtx and SDPA-EFFICIENT. A smoke run (BENCH_SMOKE=1) takes 8 windows.
+which computes the bias gradient) and MATH backends, and eager attention (the module's own code); and
+`flashtx-128-rows`, flashtx on its tables' q tiles of up to 128 rows (configs.fit_rows off: SHORT_ROWS = 0),
+against which flashtx's own 64-row tiles for these 49-token windows are untimed.
+The quick subset: fwd+bwd, flashtx, flashtx-128-rows and SDPA-EFFICIENT. A smoke run (BENCH_SMOKE=1) takes 8 windows.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flashtx
+from flashtx import _dispatch
+from flashtx.triton_kernels import configs
 
 from . import gpus, harness
 from .providers import eager_attention
@@ -23,15 +29,29 @@ from .providers import eager_attention
 DTYPE = harness.DTYPE
 N, H, D = 49, 3, 32
 WINDOWS = harness.smoke_dims(windows=(2048, 256))["windows"]
-PROVIDERS = ("flashtx", "sdpa-efficient", "sdpa-math", "eager")
+TABLE_ROWS = "flashtx-128-rows"
+PROVIDERS = ("flashtx", TABLE_ROWS, "sdpa-efficient", "sdpa-math", "eager")
 # the quick subset (the device script's bench step used 139 of its 150 s on 2026-12-06): the bias gradient's pass,
 # flashtx against the one fused kernel that computes it too
-QUICK = {("flashtx", "fwd+bwd"), ("sdpa-efficient", "fwd+bwd")}
+QUICK = {("flashtx", "fwd+bwd"), (TABLE_ROWS, "fwd+bwd"), ("sdpa-efficient", "fwd+bwd")}
+
+
+@contextlib.contextmanager
+def table_rows():
+    """configs.fit_rows off (the tables' q tiles whatever the sequence length); plans rebuilt inside and after."""
+    saved = configs.SHORT_ROWS
+    try:
+        configs.SHORT_ROWS = 0
+        _dispatch.clear_plans()
+        yield
+    finally:
+        configs.SHORT_ROWS = saved
+        _dispatch.clear_plans()
 
 
 def _fn(provider: str, bias):
     """fn(q, k, v) -> out for (WINDOWS, H, N, D) tensors, adding `bias` (1, H, N, N) to the scaled scores."""
-    if provider == "flashtx":
+    if provider in ("flashtx", TABLE_ROWS):
         return lambda q, k, v: flashtx.attention(q, k, v, attn_mask=bias)
     if provider == "eager":
         return lambda q, k, v: eager_attention(q, k, v, None, D ** -0.5, bias=bias)
@@ -66,10 +86,16 @@ def test_window_attention_bias(benchmark, provider, pass_):
                 return torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))
         return (lambda: None), step
 
-    prepare, step = harness.build_or_skip(provider, build, fail_fast=provider == "flashtx")
+    with table_rows() if provider == TABLE_ROWS else contextlib.nullcontext():
+        _measure(benchmark, build, provider, pass_)
+
+
+def _measure(benchmark, build, provider, pass_):
+    ours = provider in ("flashtx", TABLE_ROWS)
+    prepare, step = harness.build_or_skip(provider, build, fail_fast=ours)
     info = {"op": "attention-bias", "provider": provider, "pass": pass_, "batch": WINDOWS, "heads": H,
             "kv_heads": H, "seqlen": N, "headdim": D, "causal": False, "dtype": str(DTYPE).replace("torch.", ""),
             "shape": f"windows={WINDOWS} H={H} N={N} D={D}, bias (1, H, N, N)"}
     harness.run_case(benchmark, prepare=prepare, step=step, info=info,
                      flops=gpus.attention_flops(WINDOWS, H, N, N, D, False, pass_), dtype=DTYPE,
-                     fail_fast=provider == "flashtx", breakdown=provider == "flashtx" and pass_ == "fwd+bwd")
+                     fail_fast=ours, breakdown=provider == "flashtx" and pass_ == "fwd+bwd")

@@ -141,6 +141,39 @@ def test_launchers_pass_the_specialisation_they_compile():
         assert got == want, (spec.describe(), got, want)
 
 
+def test_fit_rows_cuts_a_q_tile_a_short_sequence_cannot_fill():
+    """configs.fit_rows: a tile of more than 64 rows over at most 64 rows of a sequence becomes 64 rows, with the
+    table's K/V rows, warps and stages; longer sequences, tiles of 64 rows or fewer and symbolic sizes keep the tile."""
+    C = configs.TileConfig
+    for rows in (1, 49, 64):
+        got = configs.fit_rows(C(128, 64, 8, 3, "t"), rows)
+        assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == (64, 64, 8, 3) and "fit_rows" in got.reason
+    for cfg, rows in ((C(128, 64, 8, 3, "t"), 65), (C(64, 128, 8, 2, "t"), 3), (C(16, 64, 4, 1, "t"), 1)):
+        assert configs.fit_rows(cfg, rows) is cfg
+    sym = torch.fx.experimental.symbolic_shapes.ShapeEnv().create_unbacked_symint()
+    assert configs.fit_rows(C(128, 64, 8, 3, "t"), sym).block_m == 128
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+def test_a_short_sequence_plans_cut_tiles_and_a_long_one_the_tables(arch):
+    """The forward and backward planners cut the GPU's 128-row tiles for a 49-token sequence (Swin's windows) and keep
+    the tables' tiles at 128 tokens."""
+    from flashtx.triton_kernels.attention_bwd_launch import plan_backward
+    from flashtx.triton_kernels.attention_fwd import plan_forward
+
+    target = KNOWN_TARGETS[arch]
+    for S, cut in ((49, True), (128, False)):
+        q = torch.empty(2, 3, S, 64, dtype=torch.float16)
+        rows = torch.empty(2, 3, S)
+        fwd = plan_forward(q, q, q, q, rows, rows, scale=0.125, causal=False, bottom_right=False, target=target)
+        bwd = plan_backward(q, q, q, q, q, rows, rows, rows, q, q, q, scale=0.125, causal=False, bottom_right=False,
+                            target=target)
+        for launch, kernel in ((fwd, "attn_fwd"), (bwd[1], "attn_bwd_dkdv"), (bwd[2], "attn_bwd_dq")):
+            table = select_config(kernel, 64, 64, 2, target, causal=False)
+            assert launch.config == (configs.fit_rows(table, S) if cut else table), (S, kernel)
+        assert (fwd.config.block_m == 64) is cut  # (every table's D = 64 forward tile is 128 rows)
+
+
 def test_an_unknown_small_part_falls_back_to_entries_that_fit():
     tiny = configs.Target(87, 101_376)  # e.g. a Jetson part read from the driver: sm86's tables fit
     assert select_config("attn_bwd_dkdv", 128, 128, 2, tiny) == TABLES["sm86"]["attn_bwd_dkdv"][2][128]

@@ -83,3 +83,97 @@ def test_decode_tiles_compute_attention_over_the_cache(gpu_target, d, page):
     for i, name in enumerate(("out", "lse")):
         err, bound = tolerance_check(got[i], ref64[i], eager[i])
         assert err <= bound, f"decode D={d} page={page} sm_{gpu_target.arch} {name}: error {err:.3g} > {bound:.3g}"
+
+
+
+SHORT = {  # name: ((B, H, Sq, Sk), flash_attn_func keywords, a learned bias's shape or None)
+    "swin-window-bias": ((3, 2, 49, 49), dict(causal=False), (1, 2, 49, 49)),  # 7x7 windows, a relative-position bias
+    "short-queries": ((2, 2, 20, 150), dict(causal=False), None),  # a Q-Former's queries over image tokens
+    "short-causal": ((2, 2, 64, 64), dict(causal=True), None),
+}
+
+
+def _fitted(table, rows: int) -> tuple:
+    """(block_m, block_n, warps) configs.fit_rows should give for a table's tile (its rule, restated)."""
+    return (64 if rows <= 64 < table.block_m else table.block_m), table.block_n, table.num_warps
+
+
+@pytest.mark.parametrize("gpu_target", [80, 86, 90], indirect=True, ids=lambda a: f"sm_{a}")
+@pytest.mark.parametrize("d", [32, 128])
+@pytest.mark.parametrize("case", sorted(SHORT))
+def test_short_sequences_take_64_row_tiles_that_compute_attention(gpu_target, d, case):
+    """At most 64 queries (configs.fit_rows): the GPU's q tiles of more rows cut to 64 in the forward, dK/dV and dQ
+    (bias-gradient dQ too) plans; and those tiles compute attention and every gradient within the tolerance rule
+    (fp16 against the float64 reference)."""
+    from flashtx.triton_kernels import attention_bwd_launch, attention_fwd
+    from flashtx.triton_kernels.launch import head_block
+    from flashtx.triton_kernels.mask_spec import NO_MASKS, MaskSpec
+    (B, H, Sq, Sk), kwargs, bias_shape = SHORT[case]
+    causal = kwargs["causal"]
+    gen = torch.Generator().manual_seed(Sq * d + gpu_target.arch)
+    q, k, v = (torch.randn(B, s, H, d, generator=gen, dtype=torch.float64) for s in (Sq, Sk, Sk))
+    dout = torch.randn(B, Sq, H, d, generator=gen, dtype=torch.float64)
+    bias = None if bias_shape is None else torch.randn(*bias_shape, generator=gen, dtype=torch.float64)
+
+    # the plans' tiles, for (B, H, S, D) views of fp16 tensors as the launchers see them
+    qh, kh, vh, dh = (t.half().transpose(1, 2) for t in (q, k, v, dout))
+    spec = NO_MASKS if bias is None else MaskSpec(attn_mask=bias.half())
+    rows = torch.empty(B, H, Sq, dtype=torch.float32)
+    fwd = attention_fwd.plan_forward(qh, kh, vh, torch.empty_like(qh), rows, rows, scale=d ** -0.5, causal=causal,
+                                     bottom_right=False, spec=spec, target=gpu_target)
+    bwd = attention_bwd_launch.plan_backward(
+        dh, qh, kh, vh, torch.empty_like(qh), rows, rows, rows.clone(), *(torch.empty_like(t) for t in (qh, kh, vh)),
+        scale=d ** -0.5, causal=causal, bottom_right=False, spec=spec, target=gpu_target,
+        dbias=None if bias is None else torch.empty(bias_shape, dtype=torch.float16))
+    dkdv = next(ln for ln in bwd if "DK" in getattr(ln, "args", {}))
+    dq = next(ln for ln in bwd if "DQ" in getattr(ln, "args", {}))
+    for launch, kernel in ((fwd, "attn_fwd"), (dkdv, "attn_bwd_dkdv"),
+                           (dq, "attn_bwd_dq" if bias is None else "attn_bwd_dq_dbias")):
+        table = configs.select_config(kernel, head_block(d), head_block(d), 2, gpu_target, spec.modifies_scores,
+                                      spec.masks_visibility, causal)
+        want = _fitted(table, Sq)
+        assert (launch.args["BLOCK_M"], launch.args["BLOCK_N"], launch.config.num_warps) == want, (kernel, table)
+
+    def run(dtype, backend):
+        ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        extra = {} if bias is None else dict(attn_bias=bias.to(dtype).requires_grad_())
+        out = flashtx.flash_attn_func(*ins, backend=backend, **kwargs, **extra)
+        return [out, *torch.autograd.grad(out, ins + list(extra.values()), dout.to(dtype))]
+
+    got = run(torch.float16, "triton")
+    ref64 = run(torch.float64, "reference")
+    eager = run(torch.float16, "reference")
+    for i, name in enumerate(("out", "dq", "dk", "dv", "dbias")[:len(got)]):
+        err, bound = tolerance_check(got[i], ref64[i], eager[i], grad=i > 0)
+        assert err <= bound, f"{case} D={d} sm_{gpu_target.arch} {name}: error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("gpu_target", [86, 90], indirect=True, ids=lambda a: f"sm_{a}")
+def test_short_packed_sequences_take_64_row_tiles(gpu_target):
+    """Packed documents of at most 64 tokens (varlen: max_seqlen_q = 49) cut the forward's 128-row q tile to 64
+    rows (the per-sequence extent, not the packed total), causal, with an empty document; fp16 forward and
+    gradients against the float64 reference."""
+    from flashtx.triton_kernels import attention_fwd
+    from flashtx.triton_kernels.mask_spec import MaskSpec
+    lens = [5, 49, 0, 30]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total, H, d = int(cu[-1]), 2, 64
+    gen = torch.Generator().manual_seed(gpu_target.arch)
+    q, k, v, dout = (torch.randn(total, H, d, generator=gen, dtype=torch.float64) for _ in range(4))
+    view = q.half().transpose(0, 1)[None]  # (1, H, total, D), as the launcher sees packed rows
+    spec = MaskSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    rows = torch.empty(1, H, total, dtype=torch.float32)
+    launch = attention_fwd.plan_forward(view, view, view, view, rows, rows, scale=d ** -0.5, causal=True,
+                                        bottom_right=True, spec=spec, target=gpu_target)
+    table = configs.select_config("attn_fwd", d, d, 2, gpu_target, False, True, True)
+    assert table.block_m == 128 and launch.args["BLOCK_M"] == 64 and launch.grid[0] == 1
+
+    def run(dtype, backend):
+        ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = flashtx.flash_attn_varlen_func(*ins, cu, cu, max(lens), max(lens), causal=True, backend=backend)
+        return [out, *torch.autograd.grad(out, ins, dout.to(dtype))]
+
+    got, ref64, eager = run(torch.float16, "triton"), run(torch.float64, "reference"), run(torch.float16, "reference")
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        err, bound = tolerance_check(got[i], ref64[i], eager[i], grad=i > 0)
+        assert err <= bound, f"varlen sm_{gpu_target.arch} {name}: error {err:.3g} > {bound:.3g}"

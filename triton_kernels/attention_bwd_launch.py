@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, batch_y, mask_args, stride_args, wide_dropout_plans
-from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, select_config
+from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, fit_rows, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, HostStep, Launch, Scratch, cdiv, dot_precision,
                      head_split, split_f32, target_for, tma_ok)
 from .limits import INT32_MAX, LimitExceeded, bhsd, check_limits, check_spans, surely, undecided
@@ -184,8 +184,8 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
                   qk_scale_hi=qk_hi, qk_scale_lo=qk_lo, sm_scale_hi=sm_hi, sm_scale_lo=sm_lo,
                   BLOCK_DQK=dqk1, BLOCK_DQK2=dqk2, BLOCK_DV=dv1, BLOCK_DV2=dv2, ACC=acc, DOT_PREC=prec, BATCH_Y=by,
                   **margs)
-    c1 = select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
-                       spec.masks_visibility, causal)
+    c1 = fit_rows(select_config("attn_bwd_dkdv", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
+                                spec.masks_visibility, causal), Sq)  # (q rows streamed)
     group = H // Hkv
     tiles_n = cdiv(Sk, c1.block_n)
     dk_out, dv_out, split = dk, dv, 1
@@ -201,8 +201,8 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target),
         descriptors=("Q", "DO") if tma1 else ())
     dq_kernel = "attn_bwd_dq" if dbias is None else "attn_bwd_dq_dbias"  # its own tile (configs.py)
-    c2 = select_config(dq_kernel, block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
-                       spec.masks_visibility, causal)
+    c2 = fit_rows(select_config(dq_kernel, block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
+                                spec.masks_visibility, causal), Sq)  # (q rows owned)
     finish = None
     if dbias is not None:  # the attn_mask gradient is dS: written by the dQ kernel as it forms dS
         db_args, (grid_h, grid_b), finish = dbias_plan(dbias, B, H, Sq, Sk, c2.block_m, TORCH_ACC_DTYPE[q.dtype],
@@ -378,7 +378,35 @@ def _fused_compile_plans(target) -> list:
         plans += [(f"attn_bwd_dkdv D={d} float16 gqa", launches[1]),
                   (f"attn_bwd_dkdv D={d} float16 gqa-full", full[1]),
                   (f"attn_bwd_dkdv+gqa-split D={d} float16 causal", split[1])]
-    return plans + _tma_compile_plans(target)
+    return plans + _tma_compile_plans(target) + _short_compile_plans(target)
+
+
+def _short_compile_plans(target) -> list:
+    """The tiles configs.fit_rows cuts for a short sequence (49 rows, Swin's windows), where it cuts one: the forward,
+    dK/dV and dQ, fp16, plain (no causal mask) and with every option (the dQ then writes the (1, H, S, S) bias's
+    gradient), head dims 64/128/192/256. Labelled "short-<spec>"."""
+    from .attention_fwd import all_options_spec, plan_forward
+
+    B, H, S = 2, 2, 49
+    plans = []
+    for d in (64, 128, 192, 256):
+        for name, causal, spec in (("causal=False", False, NO_MASKS), ("all-options", True, all_options_spec(B, S, H))):
+            q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=torch.float16) for _ in range(8))
+            m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
+            dbias = None if spec.attn_mask is None else torch.empty_like(spec.attn_mask)
+            try:
+                fwd = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=causal, bottom_right=False, spec=spec,
+                                   target=target)
+                bwd = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=causal,
+                                    bottom_right=False, spec=spec, dbias=dbias, target=target)
+            except RuntimeError:  # no config fits: the backend reports it and never launches
+                continue
+            labels = {"_attn_fwd": "attn_fwd", "_attn_bwd_dkdv": "attn_bwd_dkdv",
+                      "_attn_bwd_dq": "attn_bwd_dq" if dbias is None else "attn_bwd_dq+dbias"}
+            for launch in [fwd] + [st for st in bwd if type(st) is Launch and st.kernel.__name__ in labels]:
+                if "fit_rows" in launch.config.reason:  # (an uncut tile is compiled by the plans above)
+                    plans.append((f"{labels[launch.kernel.__name__]} D={d} float16 short-{name}", launch))
+    return plans
 
 
 def _tma_compile_plans(target) -> list:

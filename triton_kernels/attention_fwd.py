@@ -14,7 +14,7 @@ import triton.language as tl
 from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, batch_y, dropout_keep, kv_loop_bounds, loop_part,
                                mask_args, modifier_scalars, program_hb, scalar_in, score_mods, seq_bounds, stride_args,
                                visible, wide_dropout_plans)
-from .configs import estimate_shared_memory, select_config
+from .configs import estimate_shared_memory, fit_rows, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
 from .limits import bhsd, check_limits, check_spans, surely
@@ -201,16 +201,17 @@ def _attn_fwd(Q, K, V, O, M2, L2, Q_LENS, KV_LENS, CU_Q, CU_K, KM, QM, MB, AL, R
 def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_right: bool,
                  spec: MaskSpec = NO_MASKS, target=None, config=None) -> Launch:
     """The launch that computes out, m2 and l2 from q, k, v ((B, H, S, D) views; varlen (1, H, total, D)).
-    config: the tile config to use instead of select_config's (the compile check's TMA candidates)."""
+    config: the tile config to use instead of select_config's, cut for a short sequence (fit_rows; given: the
+    compile check's TMA candidates, as they are)."""
     H, D_QK = q.shape[1], q.shape[3]
     Hkv, D_V = k.shape[1], v.shape[3]
     target = target if target is not None else target_for(q)
     (dqk1, dqk2), (dv1, dv2) = head_split(D_QK), head_split(D_V)
     block_dqk, block_dv = dqk1 + dqk2, dv1 + dv2  # the register tile widths configs see
-    cfg = config or select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
-                                  spec.masks_visibility, causal)
-    hi, lo = split_f32(scale * LOG2E)
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
+    cfg = config or fit_rows(select_config("attn_fwd", block_dqk, block_dv, q.element_size(), target,
+                                           spec.modifies_scores, spec.masks_visibility, causal), Sq)
+    hi, lo = split_f32(scale * LOG2E)
     tma = cfg.tma and not (dqk2 or dv2) and tma_ok(k) and tma_ok(v)
     args = dict(
         Q=q, K=k, V=v, O=out, M2=m2, L2=l2,
