@@ -103,7 +103,7 @@ def test_a_focused_sweep_times_only_the_kernels_and_lengths_asked_for():
 def test_cli_refuses_unknown_kernels_and_bad_seqlens(capsys):
     import pytest
     for argv, what in ((["--kernels", "attn_fwd,attn_bwd"], "--kernels"), (["--seqlens", "2048,x"], "--seqlens"),
-                       (["--seqlens", "0"], "--seqlens")):
+                       (["--seqlens", "0"], "--seqlens"), (["--seqlens", "4096,64"], "--seqlens")):
         with pytest.raises(SystemExit):
             tune.main(argv)
         assert what in capsys.readouterr().err

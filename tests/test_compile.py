@@ -89,7 +89,8 @@ def test_sm86_limit_is_the_rtx3090s():
 # the forward there, and dK/dV's plain tiles at head dims 64 and 128, timed on an H100 (2026-12-06; bench/RESULTS.md).
 # A GQA group's dK/dV ("gqa": GROUP > 1, its own specialisation) is in the set too.
 NO_SPILL_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window", "all-options", "gqa",
-                  "gqa-full", "short-causal=False", "short-all-options")  # short-: configs.fit_rows' cut q tiles
+                  "gqa-full", "short-causal=False", "short-causal=True", "short-window+masks+lens", "short-softcap",
+                  "short-all-options")  # short-: configs.fit_rows' cut q tiles
 
 
 def _untimed_no_spill_case(label: str, arch: int) -> bool:

@@ -150,8 +150,9 @@ def test_fit_rows_cuts_a_q_tile_a_short_sequence_cannot_fill():
         assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == (64, 64, 8, 3) and "fit_rows" in got.reason
     for cfg, rows in ((C(128, 64, 8, 3, "t"), 65), (C(64, 128, 8, 2, "t"), 3), (C(16, 64, 4, 1, "t"), 1)):
         assert configs.fit_rows(cfg, rows) is cfg
-    sym = torch.fx.experimental.symbolic_shapes.ShapeEnv().create_unbacked_symint()
-    assert configs.fit_rows(C(128, 64, 8, 3, "t"), sym).block_m == 128
+    assert configs.fit_rows(C(128, 64, 8, 3, "t"), 0).block_m == 128  # (no rows: nothing to fit)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    assert configs.fit_rows(C(128, 64, 8, 3, "t"), ShapeEnv().create_unbacked_symint()).block_m == 128
 
 
 @pytest.mark.parametrize("arch", [80, 86, 90])
@@ -172,6 +173,24 @@ def test_a_short_sequence_plans_cut_tiles_and_a_long_one_the_tables(arch):
             table = select_config(kernel, 64, 64, 2, target, causal=False)
             assert launch.config == (configs.fit_rows(table, S) if cut else table), (S, kernel)
         assert (fwd.config.block_m == 64) is cut  # (every table's D = 64 forward tile is 128 rows)
+
+
+def test_a_short_masked_sequence_cuts_the_dkdv_q_rows():
+    """sm_80's masked dK/dV tile at head dim 64 streams 128 q rows (configs.MASKED): at 49 tokens its planner cuts
+    them to 64, with the tile's 32 K/V rows, 8 warps and 3 stages; at 128 it keeps them."""
+    from flashtx.triton_kernels.attention_bwd_launch import plan_backward
+    from flashtx.triton_kernels.mask_spec import MaskSpec
+
+    target = KNOWN_TARGETS[80]
+    table = configs.MASKED["sm80"]["attn_bwd_dkdv"][2][64]
+    assert (table.block_m, table.block_n, table.num_warps, table.num_stages) == (128, 32, 8, 3)
+    for S, rows in ((49, 64), (128, 128)):
+        q = torch.empty(1, 2, S, 64, dtype=torch.float16)
+        m = torch.empty(1, 2, S)
+        dkdv = plan_backward(q, q, q, q, q, m, m, m, q, q, q, scale=0.125, causal=True, bottom_right=False,
+                             spec=MaskSpec(window=(16, 0)), target=target)[1]
+        assert (dkdv.args["BLOCK_M"], dkdv.args["BLOCK_N"], dkdv.config.num_warps, dkdv.config.num_stages) == (
+            rows, 32, 8, 3), S
 
 
 def test_an_unknown_small_part_falls_back_to_entries_that_fit():

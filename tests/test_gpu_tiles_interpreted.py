@@ -148,12 +148,12 @@ def test_short_sequences_take_64_row_tiles_that_compute_attention(gpu_target, d,
         assert err <= bound, f"{case} D={d} sm_{gpu_target.arch} {name}: error {err:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("gpu_target", [86, 90], indirect=True, ids=lambda a: f"sm_{a}")
+@pytest.mark.parametrize("gpu_target", [80, 86, 90], indirect=True, ids=lambda a: f"sm_{a}")
 def test_short_packed_sequences_take_64_row_tiles(gpu_target):
-    """Packed documents of at most 64 tokens (varlen: max_seqlen_q = 49) cut the forward's 128-row q tile to 64
-    rows (the per-sequence extent, not the packed total), causal, with an empty document; fp16 forward and
-    gradients against the float64 reference."""
-    from flashtx.triton_kernels import attention_fwd
+    """Packed documents of at most 64 tokens (varlen: max_seqlen_q = 49) cut the 128-row q tiles to 64 rows (the
+    per-sequence extent, not the packed total): the forward's, and on sm_80 the masked dK/dV's; causal, with an
+    empty document; fp16 forward and gradients against the float64 reference."""
+    from flashtx.triton_kernels import attention_bwd_launch, attention_fwd
     from flashtx.triton_kernels.mask_spec import MaskSpec
     lens = [5, 49, 0, 30]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -167,6 +167,14 @@ def test_short_packed_sequences_take_64_row_tiles(gpu_target):
                                         bottom_right=True, spec=spec, target=gpu_target)
     table = configs.select_config("attn_fwd", d, d, 2, gpu_target, False, True, True)
     assert table.block_m == 128 and launch.args["BLOCK_M"] == 64 and launch.grid[0] == 1
+    bwd = attention_bwd_launch.plan_backward(view, view, view, view, view, rows, rows, rows.clone(), view, view, view,
+                                             scale=d ** -0.5, causal=True, bottom_right=True, spec=spec,
+                                             target=gpu_target)
+    for launch, kernel in ((bwd[1], "attn_bwd_dkdv"), (bwd[2], "attn_bwd_dq")):
+        table = configs.select_config(kernel, d, d, 2, gpu_target, False, True, True)
+        assert launch.args["BLOCK_M"] == min(table.block_m, 64), kernel
+    assert gpu_target.arch != 80 or configs.select_config("attn_bwd_dkdv", d, d, 2, gpu_target, False, True,
+                                                          True).block_m == 128  # (sm_80: dK/dV's q rows cut too)
 
     def run(dtype, backend):
         ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]

@@ -383,14 +383,21 @@ def _fused_compile_plans(target) -> list:
 
 def _short_compile_plans(target) -> list:
     """The tiles configs.fit_rows cuts for a short sequence (49 rows, Swin's windows), where it cuts one: the forward,
-    dK/dV and dQ, fp16, plain (no causal mask) and with every option (the dQ then writes the (1, H, S, S) bias's
-    gradient), head dims 64/128/192/256. Labelled "short-<spec>"."""
+    dK/dV and dQ, fp16, plain (causal or not), with visibility masks, with a score modifier (softcap), and with every
+    option (the dQ then writes the (1, H, S, S) bias's gradient), head dims 64/128/192/256. Labelled
+    "short-<spec>"."""
     from .attention_fwd import all_options_spec, plan_forward
 
     B, H, S = 2, 2, 49
+    lens = torch.full((B,), S, dtype=torch.int32)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    specs = (("causal=False", False, NO_MASKS), ("causal=True", True, NO_MASKS),
+             ("window+masks+lens", True, MaskSpec(window=(16, 0), key_mask=mask, query_mask=mask, q_lens=lens,
+                                                  kv_lens=lens)),
+             ("softcap", True, MaskSpec(softcap=30.0)), ("all-options", True, all_options_spec(B, S, H)))
     plans = []
     for d in (64, 128, 192, 256):
-        for name, causal, spec in (("causal=False", False, NO_MASKS), ("all-options", True, all_options_spec(B, S, H))):
+        for name, causal, spec in specs:
             q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=torch.float16) for _ in range(8))
             m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
             dbias = None if spec.attn_mask is None else torch.empty_like(spec.attn_mask)

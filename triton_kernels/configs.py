@@ -332,15 +332,16 @@ def family(arch: int) -> str:
 
 # Short sequences: a q tile longer than the sequence (128 rows over Swin's 49-token windows or a Q-Former's 32 queries)
 # computes scores, exponentials and products for padding rows. fit_rows cuts such a tile to SHORT_ROWS rows (the
-# 64-query tile of the memory-efficient forward that SDPA-EFFICIENT runs at head dims <= 64; on sm_90 the M of one
-# warp group's wgmma), with the table's warps and stages: the program does half the work or less and its loads are
-# the same (rows past a sequence are never read). Derived, untimed: bench/test_attention_bias.py's Swin case runs such
-# tiles. The compile check builds each (attention_bwd_launch._short_compile_plans, fp16, 49 rows): wgmma on sm_90,
-# and no spills where the table's tile spills none, except with every option at head dim 192 (its table tiles
-# spill too: 128-200 bytes, and 56-424 cut). Cutting the warps with the rows (8 -> 4) spilled 8-56 bytes on
-# sm_80/86/90 where the table's tile spilled none; cutting dK/dV's 128 K/V rows (sm_90's full-attention tile at 128)
-# over at most 64 keys spilled 104 bytes (280 with 4 warps). sm_90's bias-gradient dQ at 128 (a timed tile that
-# spills 1.1-1.4 KB) spills 600 bytes cut.
+# 64-query tile of the memory-efficient forward that SDPA-EFFICIENT runs at head dims <= 64; on sm_90 the M of one warp
+# group's wgmma), with the table's warps and stages: the program does half the work or less and its loads are the same
+# (rows past a sequence are never read). Derived, untimed: bench/test_attention_bias.py's Swin case runs such tiles. The
+# compile check builds them (attention_bwd_launch._short_compile_plans: fp16, 49 rows, plain causal or not, with
+# visibility masks, with a score modifier, and every option with the bias gradient): wgmma on sm_90, and no spills where
+# the table's tile spills none, except at head dim 192 (split head dims, off by default) with visibility masks (32-64
+# bytes; the table's 0-48) or every option (56-424; the table's 128-200). Cutting the warps with the rows (8 -> 4)
+# spilled 8-56 bytes on sm_80/86/90 where the table's tile spilled none; cutting dK/dV's 128 K/V rows (sm_90's full-
+# attention tile at 128) over at most 64 keys spilled 104 bytes (280 with 4 warps). sm_90's bias-gradient dQ at 128 (a
+# timed tile that spills 1.1-1.4 KB) spills 600 bytes cut.
 # The interpreter's tiles are 64 rows or fewer already.
 SHORT_ROWS = 64
 
@@ -348,7 +349,7 @@ SHORT_ROWS = 64
 def fit_rows(cfg: TileConfig, rows) -> TileConfig:
     """cfg with block_m cut to SHORT_ROWS where a sequence has at most SHORT_ROWS rows along it (rows: the
     per-sequence extent of the kernel's block_m dim, an int; a SymInt keeps the tile: no guard on a symbolic size)."""
-    if type(rows) is not int or not rows <= SHORT_ROWS < cfg.block_m:
+    if type(rows) is not int or not 0 < rows <= SHORT_ROWS < cfg.block_m:  # (SHORT_ROWS = 0: never)
         return cfg
     return dataclasses.replace(cfg, block_m=SHORT_ROWS,
                                reason=f"{cfg.reason}; {SHORT_ROWS} rows for a short sequence (fit_rows)")
