@@ -22,6 +22,13 @@ Where the anchor's tile spills, the entry is the nearest spill-free tile of a co
 architecture, proves it fits shared memory, reports every spill and fails on one in that set. Still
 spilling, and listed by the compile check: fp32, head dim 192 and the split head dims, and the
 opt-in GQA split and TMA tiles; they wait for a sweep or a GPU.
+All of that holds at sequence lengths that are multiples of 16, the compile check's (128). At other lengths Triton
+compiles another variant of each kernel (no divisibility hint on Sq, Sk), and some of these tiles spill there
+(checked 2026-12-07, fp16 at 113 or 49 tokens, Triton 3.9): sm_80 4 of 18 plain / every-option forward, dK/dV and dQ
+tiles at head dims 64 and 128 (8-40 bytes), sm_86 3 (8-184: the every-option forward at 128), sm_90 6 (24-336).
+sm_80/86's every-option forward at 64 also stages 7 KB more shared memory there than estimate_shared_memory
+allows for (49,152 bytes; still far within either GPU's limit). A sweep at both lengths waits; the short-sequence
+cuts below were compiled at 49 tokens.
 bench/RESULTS.md records every GPU run.
 
 Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
@@ -341,7 +348,9 @@ def family(arch: int) -> str:
 # bytes; the table's 0-48) or every option (56-424; the table's 128-200). Cutting the warps with the rows (8 -> 4)
 # spilled 8-56 bytes on sm_80/86/90 where the table's tile spilled none; cutting dK/dV's 128 K/V rows (sm_90's full-
 # attention tile at 128) over at most 64 keys spilled 104 bytes (280 with 4 warps). sm_90's bias-gradient dQ at 128 (a
-# timed tile that spills 1.1-1.4 KB) spills 600 bytes cut.
+# timed tile that spills 1.1-1.4 KB) spills 600 bytes cut. (Those comparisons are with the tables' tiles at 128
+# tokens; at 49, where both run, the tables' every-option forward tiles spill 24 bytes on sm_90 at 64 and 184 on
+# sm_86 at 128, and the cut ones none.)
 # The interpreter's tiles are 64 rows or fewer already.
 SHORT_ROWS = 64
 
