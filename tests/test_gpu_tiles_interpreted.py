@@ -23,6 +23,23 @@ CASES = {  # name: (flash_attn_func keywords, (modified, masked), a learned bias
 }
 
 
+def check_fp16_against_float64(q, k, v, dout, bias, kwargs: dict, label: str) -> None:
+    """flash_attn_func's fp16 output and gradients (the bias's too, passed as attn_bias) on the Triton backend,
+    against the float64 reference, under the tolerance rule (the fp16 reference's error sets the bound)."""
+    def run(dtype, backend):
+        ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        extra = {} if bias is None else dict(attn_bias=bias.to(dtype).requires_grad_())
+        out = flashtx.flash_attn_func(*ins, backend=backend, **kwargs, **extra)
+        return [out, *torch.autograd.grad(out, ins + list(extra.values()), dout.to(dtype))]
+
+    got = run(torch.float16, "triton")
+    ref64 = run(torch.float64, "reference")
+    eager = run(torch.float16, "reference")
+    for i, name in enumerate(("out", "dq", "dk", "dv", "dbias")[:len(got)]):
+        err, bound = tolerance_check(got[i], ref64[i], eager[i], grad=i > 0)
+        assert err <= bound, f"{label} {name}: error {err:.3g} > {bound:.3g}"
+
+
 @pytest.mark.parametrize("gpu_target", [80, 86, 90], indirect=True, ids=lambda a: f"sm_{a}")
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -38,18 +55,7 @@ def test_specialisation_tiles_compute_attention_and_its_gradients(gpu_target, d,
     dout = torch.randn(B, Sq, H, d, generator=gen, dtype=torch.float64)
     bias = None if bias_shape is None else torch.randn(*bias_shape, generator=gen, dtype=torch.float64)
 
-    def run(dtype, backend):
-        ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        extra = {} if bias is None else dict(attn_bias=bias.to(dtype).requires_grad_())
-        out = flashtx.flash_attn_func(*ins, backend=backend, **kwargs, **extra)
-        return [out, *torch.autograd.grad(out, ins + list(extra.values()), dout.to(dtype))]
-
-    got = run(torch.float16, "triton")
-    ref64 = run(torch.float64, "reference")
-    eager = run(torch.float16, "reference")
-    for i, name in enumerate(("out", "dq", "dk", "dv", "dbias")[:len(got)]):
-        err, bound = tolerance_check(got[i], ref64[i], eager[i], grad=i > 0)
-        assert err <= bound, f"{case} D={d} sm_{gpu_target.arch} {name}: error {err:.3g} > {bound:.3g}"
+    check_fp16_against_float64(q, k, v, dout, bias, kwargs, f"{case} D={d} sm_{gpu_target.arch}")
 
 
 @pytest.mark.parametrize("gpu_target", [80, 86, 90], indirect=True, ids=lambda a: f"sm_{a}")
@@ -134,18 +140,7 @@ def test_short_sequences_take_64_row_tiles_that_compute_attention(gpu_target, d,
         want = _fitted(table, Sq)
         assert (launch.args["BLOCK_M"], launch.args["BLOCK_N"], launch.config.num_warps) == want, (kernel, table)
 
-    def run(dtype, backend):
-        ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        extra = {} if bias is None else dict(attn_bias=bias.to(dtype).requires_grad_())
-        out = flashtx.flash_attn_func(*ins, backend=backend, **kwargs, **extra)
-        return [out, *torch.autograd.grad(out, ins + list(extra.values()), dout.to(dtype))]
-
-    got = run(torch.float16, "triton")
-    ref64 = run(torch.float64, "reference")
-    eager = run(torch.float16, "reference")
-    for i, name in enumerate(("out", "dq", "dk", "dv", "dbias")[:len(got)]):
-        err, bound = tolerance_check(got[i], ref64[i], eager[i], grad=i > 0)
-        assert err <= bound, f"{case} D={d} sm_{gpu_target.arch} {name}: error {err:.3g} > {bound:.3g}"
+    check_fp16_against_float64(q, k, v, dout, bias, kwargs, f"{case} D={d} sm_{gpu_target.arch}")
 
 
 @pytest.mark.parametrize("gpu_target", [80, 86, 90], indirect=True, ids=lambda a: f"sm_{a}")
