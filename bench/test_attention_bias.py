@@ -7,8 +7,8 @@ This is the shape where the bias gradient's sum over the batch decides the time:
 summed windows into groups that fill the GPU (triton_kernels/attention_bwd_launch.py, dbias_groups) instead of
 one program per (head, q tile) looping over all 2048. Providers: flashtx, SDPA's EFFICIENT (xformers' kernel,
 which computes the bias gradient) and MATH backends, and eager attention (the module's own code); and
-`flashtx-128-rows`, flashtx on its tables' q tiles of up to 128 rows (configs.fit_rows off: SHORT_ROWS = 0),
-against which flashtx's own 64-row tiles for these 49-token windows are untimed.
+`flashtx-128-rows`, flashtx on its tables' q tiles of up to 128 rows (configs.fit_rows off: SHORT_ROWS = 0), so a
+run compares them with the 64-row tiles flashtx cuts for these 49-token windows (untimed so far).
 The quick subset: fwd+bwd, flashtx, flashtx-128-rows and SDPA-EFFICIENT. A smoke run (BENCH_SMOKE=1) takes 8 windows.
 """
 from __future__ import annotations
