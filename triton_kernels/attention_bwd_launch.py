@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention_common import MASK_ROLES, NO_MASKS, MaskSpec, batch_y, mask_args, stride_args, wide_dropout_plans
+from . import attention_common
+from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, batch_y, mask_args, stride_args,
+                               wide_dropout_plans)
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, fit_rows, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, HostStep, Launch, Scratch, cdiv, dot_precision,
                      head_split, split_f32, target_for, tma_ok)
@@ -306,12 +308,12 @@ def compile_plans(target) -> list:
     window, key/query masks, lengths and varlen)."""
     from .attention_fwd import _split_cases, compile_cases
 
-    plans = []
+    plans, S = [], attention_common.PLAN_SEQLEN
     cases = [(d, d, *rest) for d, *rest in compile_cases((64, 128, 192, 256))] + list(_split_cases())
     for dqk, dvd, dtype, name, causal, spec in cases:
-        q, k, dq, dk = (torch.empty(1, 2, 128, dqk, dtype=dtype) for _ in range(4))
-        v, o, do, dv = (torch.empty(1, 2, 128, dvd, dtype=dtype) for _ in range(4))
-        m2, l2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(3))
+        q, k, dq, dk = (torch.empty(1, 2, S, dqk, dtype=dtype) for _ in range(4))
+        v, o, do, dv = (torch.empty(1, 2, S, dvd, dtype=dtype) for _ in range(4))
+        m2, l2, delta = (torch.empty(1, 2, S, dtype=torch.float32) for _ in range(3))
         try:
             pre, dkdv, dqk_ = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=dqk ** -0.5,
                                             causal=causal, bottom_right=spec.varlen, spec=spec, target=target)
@@ -334,7 +336,7 @@ def _fused_compile_plans(target) -> list:
     heads) grid ("batch-y", attention_common.batch_y)."""
     from .attention_fwd import all_options_spec, plan_forward
 
-    B, H, S = 2, 2, 128
+    B, H, S = 2, 2, attention_common.PLAN_SEQLEN
     plans = []
     for d in (64, 128, 192, 256):
         cases = [(dt, shape) for dt in (torch.float16, torch.bfloat16)
@@ -394,7 +396,7 @@ def _short_compile_plans(target) -> list:
     specs = (("causal=False", False, NO_MASKS), ("causal=True", True, NO_MASKS),
              ("window+masks+lens", True, MaskSpec(window=(16, 0), key_mask=mask, query_mask=mask, q_lens=lens,
                                                   kv_lens=lens)),
-             ("softcap", True, MaskSpec(softcap=30.0)), ("all-options", True, all_options_spec(B, S, H)))
+             ("softcap", True, MaskSpec(softcap=30.0)), ("all-options", True, all_options_spec(B, S, H, left=64)))
     plans = []
     for d in (64, 128, 192, 256):
         for name, causal, spec in specs:
@@ -432,8 +434,9 @@ def _tma_compile_plans(target) -> list:
                 for dtype, name in [(torch.float16, "causal=True")] + ([(torch.bfloat16, "varlen+window")] if i == 0
                                                                          else []):
                     causal, spec = cases[name]
-                    q, k, v, o, do, dq, dk, dv = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(8))
-                    m2, l2, delta = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(3))
+                    S = attention_common.PLAN_SEQLEN
+                    q, k, v, o, do, dq, dk, dv = (torch.empty(1, 2, S, d, dtype=dtype) for _ in range(8))
+                    m2, l2, delta = (torch.empty(1, 2, S, dtype=torch.float32) for _ in range(3))
                     with forced(kernel, cfg):
                         launch = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5,
                                                causal=causal, bottom_right=spec.varlen, spec=spec,

@@ -351,6 +351,13 @@ DROPOUT_WIDE = 2  # the DROPOUT constexpr of calls with Sq * Sk > WIDE_COUNTER_P
 WIDE_COUNTER_PAST = 2**32  # i * Sk_b + j fits one uint32 counter word up to here
 
 
+# The sequence length (Sq = Sk) and window the compile check's attention plans are built at. Triton specialises
+# an int argument on its divisibility by 16, so a length like 113 (and a bias or key mask whose row stride it is)
+# compiles another variant of each kernel than 128 does, with its own shared memory and registers:
+# `compile_check --seqlen 113` checks that variant (plan_seqlen). The window's left size is half the length.
+PLAN_SEQLEN = 128
+
+
 def wide_dropout_plans(plans: list, tags=("D=64 float16", "D=128 float16")) -> list:
     """The compile check's DROPOUT_WIDE variants of (label, Launch) plans with dropout whose label holds one of
     `tags`, labelled "... dropout-wide" (a spec the untimed no-spill rule does not cover: these launches are

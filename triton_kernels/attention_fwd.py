@@ -11,9 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attention_common
 from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, batch_y, dropout_keep, kv_loop_bounds, loop_part,
-                               mask_args, modifier_scalars, program_hb, scalar_in, score_mods, seq_bounds, stride_args,
-                               visible, wide_dropout_plans)
+                               mask_args, modifier_scalars, program_hb, scalar_in, score_mods, seq_bounds,
+                               stride_args, visible, wide_dropout_plans)
 from .configs import estimate_shared_memory, fit_rows, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
                      split_f32, target_for, tma_ok)
@@ -289,13 +290,15 @@ def _cache_args(q, k, v, out, m2, l2, scale, causal, bottom_right, spec, bshd) -
             2)  # derived: m2, l2, allocated from q
 
 
-def all_options_spec(B: int, S: int, H: int = 2, bias_shape=None, dtype=torch.float16) -> MaskSpec:
-    """Every option at once (the most registers): window, key/query masks, lengths, an additive
-    attn_mask, softcap, ALiBi and dropout."""
+def all_options_spec(B: int, S: int, H: int = 2, bias_shape=None, dtype=torch.float16, left: int | None = None
+                     ) -> MaskSpec:
+    """Every option at once (the most registers): window (left size `left`, default S // 2), key/query masks,
+    lengths, an additive attn_mask, softcap, ALiBi and dropout."""
     lens = torch.full((B,), S, dtype=torch.int32)
     mask = torch.ones(B, S, dtype=torch.bool)
     bias = torch.empty(bias_shape or (1, H, S, S), dtype=dtype)
-    return MaskSpec(window=(64, 0), key_mask=mask, query_mask=mask, q_lens=lens, kv_lens=lens, attn_mask=bias,
+    return MaskSpec(window=(S // 2 if left is None else left, 0), key_mask=mask, query_mask=mask, q_lens=lens,
+                    kv_lens=lens, attn_mask=bias,
                     softcap=30.0, alibi_slopes=torch.ones(1, H), dropout_p=0.1, rng=torch.zeros(1, dtype=torch.int64))
 
 
@@ -305,13 +308,13 @@ def compile_cases(head_dims=(64, 128, 256)):
     causal or not; fp16/bf16 also with the mask options (every option at once is the most registers;
     a separate varlen case covers its addressing), and with every option including attn_mask, softcap,
     ALiBi and dropout."""
-    B, S = 1, 128
+    B, S = 1, attention_common.PLAN_SEQLEN
     lens = torch.full((B,), S, dtype=torch.int32)
     mask = torch.ones(B, S, dtype=torch.bool)
     cu = torch.arange(B + 1, dtype=torch.int32) * S
-    masked = [("window+masks+lens", True, MaskSpec(window=(64, 0), key_mask=mask, query_mask=mask, q_lens=lens,
+    masked = [("window+masks+lens", True, MaskSpec(window=(S // 2, 0), key_mask=mask, query_mask=mask, q_lens=lens,
                                                    kv_lens=lens)),
-              ("varlen+window", True, MaskSpec(window=(64, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
+              ("varlen+window", True, MaskSpec(window=(S // 2, 0), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
                                                max_seqlen_k=S)),
               ("all-options", True, all_options_spec(B, S))]
     for d in head_dims:
@@ -327,7 +330,8 @@ def compile_cases(head_dims=(64, 128, 256)):
 # Split head dims (launch.head_split) the compile check adds beyond compile_cases' 192:
 # (Dqk, Dv, dtype, name, causal, MaskSpec): DeepSeek's MLA 192/128, and 96 (64 + 32) and 160 (128 + 32).
 def _split_cases():
-    masks = all_options_spec(1, 128)
+    S = attention_common.PLAN_SEQLEN
+    masks = all_options_spec(1, S)
     for dqk, dv in ((192, 128), (96, 96), (160, 160)):
         yield dqk, dv, torch.float16, "causal=True", True, NO_MASKS
         yield dqk, dv, torch.float16, "all-options", True, masks
@@ -340,12 +344,12 @@ def compile_plans(target) -> list:
 
     For the compile check: small CPU tensors whose strides match a real (B, H, S, D) launch.
     """
-    plans = []
+    plans, S = [], attention_common.PLAN_SEQLEN
     cases = [(d, d, *rest) for d, *rest in compile_cases((64, 128, 192, 256))] + list(_split_cases())
     for dqk, dv, dtype, name, causal, spec in cases:
-        q, k = (torch.empty(1, 2, 128, dqk, dtype=dtype) for _ in range(2))
-        v, o = (torch.empty(1, 2, 128, dv, dtype=dtype) for _ in range(2))
-        m2, l2 = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(2))
+        q, k = (torch.empty(1, 2, S, dqk, dtype=dtype) for _ in range(2))
+        v, o = (torch.empty(1, 2, S, dv, dtype=dtype) for _ in range(2))
+        m2, l2 = (torch.empty(1, 2, S, dtype=torch.float32) for _ in range(2))
         try:
             launch = plan_forward(q, k, v, o, m2, l2, scale=dqk ** -0.5, causal=causal, bottom_right=spec.varlen,
                                   spec=spec, target=target)
@@ -371,8 +375,9 @@ def _tma_compile_plans(target) -> list:
                 [(torch.float16, "varlen+window")] if i == 0 else [])
             for dtype, name in runs:
                 causal, spec = cases[name]
-                q, k, v, o = (torch.empty(1, 2, 128, d, dtype=dtype) for _ in range(4))
-                m2, l2 = (torch.empty(1, 2, 128, dtype=torch.float32) for _ in range(2))
+                S = attention_common.PLAN_SEQLEN
+                q, k, v, o = (torch.empty(1, 2, S, d, dtype=dtype) for _ in range(4))
+                m2, l2 = (torch.empty(1, 2, S, dtype=torch.float32) for _ in range(2))
                 launch = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=causal, bottom_right=spec.varlen,
                                       spec=spec, target=target, config=cfg)
                 assert launch.args["TMA"], "a TMA compile plan must read K/V through descriptors"

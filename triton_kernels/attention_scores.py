@@ -11,8 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, mask_args, modifier_scalars, scalar_in, score_mods,
-                               seq_bounds, stride_args, visible, wide_dropout_plans)
+from . import attention_common
+from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, mask_args, modifier_scalars, scalar_in,
+                               score_mods, seq_bounds, stride_args, visible, wide_dropout_plans)
 from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32, target_for
 from .limits import INT32_MAX, LimitExceeded, check_limits
@@ -123,7 +124,7 @@ def compile_plans(target) -> list:
     """The probabilities kernel for head dims 64/128/256, fp16 with every option and fp32 causal."""
     from .attention_fwd import all_options_spec
 
-    B, H, S = 2, 2, 128
+    B, H, S = 2, 2, attention_common.PLAN_SEQLEN
     plans = []
     for d in (64, 128, 256):
         for dtype in (torch.float16, torch.float32):

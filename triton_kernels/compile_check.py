@@ -3,6 +3,8 @@
     python -m flashtx.triton_kernels.compile_check            # sm_80, sm_86, sm_90
     python -m flashtx.triton_kernels.compile_check --arch 86
     python -m flashtx.triton_kernels.compile_check --only attn_ --json new.json --compare old.json  # a refactor
+    python -m flashtx.triton_kernels.compile_check --only attn_ --seqlen 113  # the attention kernels' odd variant
+    python -m flashtx.triton_kernels.compile_check --seqlen 113 --mask-tiles  # CI's odd pass (tests/test_compile.py)
 
 For each module of flashtx.triton_kernels that defines `compile_plans(target)`, and each target,
 it builds the launches the launchers would make on that GPU, specialises their arguments the
@@ -54,6 +56,7 @@ class Result:
     st16: float | None = None
     mma: str = ""  # the tensor-core instructions the PTX issues (mma_kind)
     ptx_digest: str = ""  # ptx_digest: equal digests are the same code
+    seqlen: int = 128  # the attention plans' sequence length (attention_common.PLAN_SEQLEN)
 
     @property
     def ok(self) -> bool:
@@ -179,9 +182,9 @@ def compile_launch(launch, target: Target):
     return triton_compile(src, target=gpu, options=options.__dict__)
 
 
-def _check_one(arch: int, index: int) -> Result:
+def _check_one(arch: int, index: int, seqlen: int = 128) -> Result:
     target = KNOWN_TARGETS[arch]
-    label, launch = _all_plans(target)[index]
+    label, launch = _all_plans(target, seqlen)[index]
     cfg = launch.config
     cfg_s = (f"M{cfg.block_m} N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (" tma" if cfg.tma else "")
              if isinstance(cfg, TileConfig) else (str(cfg.launch_kwargs) if cfg is not None else "-"))
@@ -191,40 +194,51 @@ def _check_one(arch: int, index: int) -> Result:
         ld16, st16 = vector_shares(compiled.asm["ptx"])
         return Result(label, arch, int(compiled.metadata.shared), target.max_shared, regs, spill, cfg_s,
                       launch.shared_estimate, ld16=ld16, st16=st16, mma=mma_kind(compiled.asm["ptx"]),
-                      ptx_digest=ptx_digest(compiled.asm["ptx"]))
+                      ptx_digest=ptx_digest(compiled.asm["ptx"]), seqlen=seqlen)
     except Exception as exc:  # report, don't stop: the table shows every failure
         return Result(label, arch, -1, target.max_shared, -1, -1, cfg_s, launch.shared_estimate,
-                      f"{type(exc).__name__}: {exc}"[:300])
+                      f"{type(exc).__name__}: {exc}"[:300], seqlen=seqlen)
 
 
 _PLAN_CACHE: dict = {}
 
 
-def launch_plans(target: Target) -> list:
+def launch_plans(target: Target, seqlen: int = 128) -> list:
     """(label, Launch) of every kernel config `target` can launch, split head dims included (off by default,
-    but they stay compile-checked). Built afresh: tile_sweep calls it with a config forced."""
-    from . import launch
+    but they stay compile-checked), the attention kernels' at sequence length `seqlen` (Triton compiles one
+    variant for lengths that are multiples of 16 and another for the rest). Built afresh: tile_sweep calls it with
+    a config forced."""
+    from . import attention_common, launch
 
     plans = []
     was, launch.SPLIT_HEAD_DIMS = launch.SPLIT_HEAD_DIMS, True
+    was_s, attention_common.PLAN_SEQLEN = attention_common.PLAN_SEQLEN, seqlen
     try:
         for mod in _plan_modules():
             plans += mod.compile_plans(target)
     finally:
-        launch.SPLIT_HEAD_DIMS = was
+        launch.SPLIT_HEAD_DIMS, attention_common.PLAN_SEQLEN = was, was_s
     return plans
 
 
-def _all_plans(target: Target):
-    if target.arch not in _PLAN_CACHE:
-        _PLAN_CACHE[target.arch] = launch_plans(target)
-    return _PLAN_CACHE[target.arch]
+def _all_plans(target: Target, seqlen: int = 128):
+    if (target.arch, seqlen) not in _PLAN_CACHE:
+        _PLAN_CACHE[target.arch, seqlen] = launch_plans(target, seqlen)
+    return _PLAN_CACHE[target.arch, seqlen]
 
 
-def run(archs, jobs: int, only: str = "") -> list[Result]:
-    work = [(a, i) for a in archs for i, (label, _) in enumerate(_all_plans(KNOWN_TARGETS[a])) if only in label]
+def loads_mask_tile(launch) -> bool:
+    """Whether a launch reads an attn_mask tile (an attention kernel's MASK_KIND): the plans whose shared memory
+    depends on the key count's divisibility by 16 (configs.estimate_shared_memory's mask_elt)."""
+    return bool(launch.args.get("MASK_KIND", 0))
+
+
+def run(archs, jobs: int, only: str = "", seqlen: int = 128, mask_tiles: bool = False) -> list[Result]:
+    texts = only.split(",")
+    work = [(a, i, seqlen) for a in archs for i, (label, launch) in enumerate(_all_plans(KNOWN_TARGETS[a], seqlen))
+            if any(t in label for t in texts) and (loads_mask_tile(launch) or not mask_tiles)]
     if jobs <= 1:
-        return [_check_one(a, i) for a, i in work]
+        return [_check_one(*w) for w in work]
     with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
         return list(pool.map(_check_one, *zip(*work)))
 
@@ -247,14 +261,20 @@ def main(argv=None) -> int:
                     help="compute capability, e.g. 86 (repeatable; default 80, 86, 90)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--only", default="", help="check only kernels whose label contains this text")
+    ap.add_argument("--only", default="", help="check only kernels whose label contains this text (or one of these "
+                                               "comma-separated texts)")
     ap.add_argument("--compare", help="an earlier --json: name the plans whose PTX (debug info aside) changed")
+    ap.add_argument("--seqlen", type=int, default=128,
+                    help="the attention plans' sequence length (default 128; 113 checks the variant Triton compiles "
+                         "for lengths that are not multiples of 16)")
+    ap.add_argument("--mask-tiles", action="store_true",
+                    help="check only the launches that read an attn_mask tile (with --seqlen 113: CI's odd pass)")
     args = ap.parse_args(argv)
     if interpreter_active():
         print("compile_check compiles kernels: run it with TRITON_INTERPRET unset", file=sys.stderr)
         return 2
-    results = run(args.arch or [80, 86, 90], args.jobs, args.only)
-    print(format_table(results))
+    results = run(args.arch or [80, 86, 90], args.jobs, args.only, args.seqlen, args.mask_tiles)
+    print(f"attention plans at sequence length {args.seqlen}\n" + format_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) | {"ok": r.ok} for r in results], f, indent=1)
