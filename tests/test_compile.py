@@ -1,6 +1,7 @@
 """Compile check: every kernel config flashtx can launch compiles for sm_80, sm_86 and sm_90
 without a GPU, fits that target's shared memory (sm_86: 101,376 bytes a block), and needs no more
-shared memory than config selection assumed when it pruned for the target. Spills are reported in
+shared memory than config selection assumed when it pruned for the target (the launches that read an attn_mask
+tile also at a key count that is not a multiple of 16, where Triton compiles another variant). Spills are reported in
 the table, not failed (configs.py: only a GPU can weigh them); every attention table entry is compiled
 on its own architecture.
 
@@ -18,17 +19,30 @@ ARCHS = (80, 86, 90)
 pytestmark = pytest.mark.xdist_group("compile-check")
 
 
-@pytest.fixture(scope="module")
-def compile_results(tmp_path_factory):
+def _compile_check(tmp_path_factory, *args, timeout: int):
     out = tmp_path_factory.mktemp("compile") / "results.json"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its default
     proc = subprocess.run([sys.executable, "-m", "flashtx.triton_kernels.compile_check", "--json", str(out),
-                           *[a for arch in ARCHS for a in ("--arch", str(arch))]],
-                          capture_output=True, text=True, env=env, timeout=3000)  # (cold Triton cache, 2 cores: ~25 min)
+                           *[a for arch in ARCHS for a in ("--arch", str(arch))], *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)
     print(proc.stdout)  # the table: kernel, config, target, shared memory, estimate, limit, registers, spills
     assert out.exists(), f"compile check did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def compile_results(tmp_path_factory):
+    return _compile_check(tmp_path_factory, timeout=3000)  # (cold Triton cache, 2 cores: ~25 min)
+
+
+@pytest.fixture(scope="module")
+def odd_length_results(tmp_path_factory):
+    """The launches that read an attn_mask tile, planned at 113 keys (and queries): Triton compiles another variant of
+    each kernel where the key count and the mask's row stride are not multiples of 16, and stages the mask tile in
+    shared memory there (configs.estimate_shared_memory's mask_elt). Found 2026-12-07 by checking every attention
+    plan at 113: only these plans' shared memory differs from 128's (spills differ more widely: reported)."""
+    return _compile_check(tmp_path_factory, "--seqlen", "113", "--mask-tiles", timeout=2400)  # (cold: ~12 min)
 
 
 def test_every_config_compiles_and_fits(compile_results, capsys):
@@ -74,6 +88,22 @@ def test_every_table_entry_of_the_architecture_is_compiled(compile_results, arch
                 for d, c in by_bucket.items():
                     cfg = f"M{c.block_m} N{c.block_n} w{c.num_warps} s{c.num_stages}"
                     assert any((kernel, f"D={d}", dt, cfg) in seen for dt in dtypes[elt]), (kernel, d, cfg, arch)
+
+
+def test_mask_tile_launches_fit_at_a_key_count_that_is_not_a_multiple_of_16(odd_length_results, capsys):
+    proc, results = odd_length_results
+    with capsys.disabled():
+        print("\n" + proc.stdout)
+    bad = [f"{r['label']} sm_{r['arch']} {r['config']}: shared={r['shared']} limit={r['limit']} "
+           f"estimate={r['estimate']} {r['error']}" for r in results if not r["ok"]]
+    assert not bad, "mask-tile launches at 113 keys that fail the compile check:\n" + "\n".join(bad)
+    assert proc.returncode == 0 and {r["seqlen"] for r in results} == {113}
+    for arch in ARCHS:  # forward, dK/dV, dQ (and the bias gradient's) at head dims 64/128/256 in fp16 and bf16
+        labels = {r["label"] for r in results if r["arch"] == arch}
+        for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq+dbias"):
+            for d in (64, 128, 256):
+                for dtype in ("float16", "bfloat16"):
+                    assert any(lab.startswith(f"{kernel} D={d} {dtype} ") for lab in labels), (kernel, d, dtype, arch)
 
 
 def test_sm86_limit_is_the_rtx3090s():

@@ -273,3 +273,30 @@ def test_decode_counts_the_programs_an_sms_shared_memory_holds():
         assert configs.decode_programs_per_sm(cfg, 128, 128, 2, target) == per_sm, arch
         assert decode.split_count(q, cache, cache, None, 0, target) == decode.num_splits_heuristic(
             64, per_sm * target.sm_count, 8192 // cfg.block_n, decode.MAX_SPLITS), arch
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float16, torch.float32])
+def test_launch_estimates_count_the_attn_mask_tile(mask_dtype):
+    """The forward, dK/dV, dQ and probabilities launches with an attn_mask estimate the (block_m, block_n) mask tile
+    Triton stages at key counts that are not multiples of 16 (compile_check --seqlen 113); without one they do not."""
+    from flashtx.triton_kernels.attention_bwd_launch import plan_backward
+    from flashtx.triton_kernels.attention_common import MaskSpec
+    from flashtx.triton_kernels.attention_fwd import plan_forward
+    from flashtx.triton_kernels.attention_scores import plan_probs
+
+    target = KNOWN_TARGETS[86]
+    B, H, S, d = 1, 2, 113, 64
+    q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=torch.float16) for _ in range(8))
+    m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
+    mask = torch.zeros(B, H, S, S, dtype=mask_dtype)
+    for spec, elt in ((MaskSpec(attn_mask=mask), mask.element_size()), (MaskSpec(softcap=30.0), 0)):
+        fwd = plan_forward(q, k, v, o, m2, l2, scale=0.125, causal=True, bottom_right=False, spec=spec, target=target)
+        _, dkdv, dqk = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=0.125, causal=True,
+                                     bottom_right=False, spec=spec, target=target)
+        probs = plan_probs(q, k, m2, l2, torch.empty(B, H, S, S), scale=0.125, causal=True, bottom_right=False,
+                           spec=spec, target=target)
+        for launch, kernel in ((fwd, "attn_fwd"), (dkdv, "attn_bwd_dkdv"), (dqk, "attn_bwd_dq"),
+                               (probs, "attn_scores")):
+            c = launch.config
+            tiles = configs.estimate_shared_memory(kernel, c, d, d, 2, target)
+            assert launch.shared_estimate == tiles + c.block_m * c.block_n * elt, (kernel, spec)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import attention_common
-from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, batch_y, mask_args, stride_args,
+from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, batch_y, mask_args, mask_elt, stride_args,
                                wide_dropout_plans)
 from .configs import PREPROCESS_BLOCK_M, estimate_shared_memory, fit_rows, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, HostStep, Launch, Scratch, cdiv, dot_precision,
@@ -200,7 +200,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         common, DK=dk_out, DV=dv_out, **stride_args("dk", dk_out, spec), **stride_args("dv", dv_out, spec), H=H,
         GROUP=group, SPLIT=split, ONE_HEAD=group // split == 1,
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, TMA=tma1), c1,
-        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target),
+        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target, mask_elt(margs)),
         descriptors=("Q", "DO") if tma1 else ())
     dq_kernel = "attn_bwd_dq" if dbias is None else "attn_bwd_dq_dbias"  # its own tile (configs.py)
     c2 = fit_rows(select_config(dq_kernel, block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
@@ -216,7 +216,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     dqk = Launch(_attn_bwd_dq, (cdiv(Sq, c2.block_m), *((grid_b, grid_h) if by else (grid_h, grid_b))), dict(
         common, DQ=dq, **stride_args("dq", dq, spec), **db_args, H=H, GROUP=H // Hkv,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, TMA=tma2), c2,
-        estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target),
+        estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target, mask_elt(margs)),
         descriptors=("K", "V") if tma2 else ())
     if finish is None:
         return [pre, dkdv, dqk]

@@ -416,6 +416,12 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
     return args, B, Sq, Sk
 
 
+def mask_elt(margs: dict) -> int:
+    """The element size of the attn_mask tile mask_args' launch loads (1 for bool), or 0 without one: what
+    configs.estimate_shared_memory counts for it."""
+    return margs["MB"].element_size() if margs["MASK_KIND"] != MASK_NONE.value else 0
+
+
 def batch_y(margs: dict, B) -> bool:
     """Whether a launch's grid is (tiles, batch, heads) rather than (tiles, heads, batch) (program_hb): when an
     attn_mask broadcasts over a batch of two or more. A GPU starts programs in grid order, x fastest; in the

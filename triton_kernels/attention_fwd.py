@@ -13,7 +13,7 @@ import triton.language as tl
 
 from . import attention_common
 from .attention_common import (MASK_ROLES, NO_MASKS, MaskSpec, batch_y, dropout_keep, kv_loop_bounds, loop_part,
-                               mask_args, modifier_scalars, program_hb, scalar_in, score_mods, seq_bounds,
+                               mask_args, mask_elt, modifier_scalars, program_hb, scalar_in, score_mods, seq_bounds,
                                stride_args, visible, wide_dropout_plans)
 from .configs import estimate_shared_memory, fit_rows, select_config
 from .launch import (ACC_DTYPE, LAUNCHES, LOG2E, TORCH_ACC_DTYPE, Launch, cdiv, dot_precision, head_split,
@@ -224,7 +224,7 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
         ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), TMA=tma, BATCH_Y=batch_y(margs, B), **margs,
     )
     grid = (cdiv(Sq, cfg.block_m), B, H) if args["BATCH_Y"] else (cdiv(Sq, cfg.block_m), H, B)
-    est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size(), target)
+    est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size(), target, mask_elt(margs))
     return Launch(_attn_fwd, grid, args, cfg, est, descriptors=("K", "V") if tma else ())
 
 

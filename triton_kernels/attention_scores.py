@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import attention_common
-from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, mask_args, modifier_scalars, scalar_in,
+from .attention_common import (NO_MASKS, MaskSpec, dropout_keep, mask_args, mask_elt, modifier_scalars, scalar_in,
                                score_mods, seq_bounds, stride_args, visible, wide_dropout_plans)
 from .configs import estimate_shared_memory, select_config
 from .launch import ACC_DTYPE, LOG2E, Launch, cdiv, dot_precision, head_block, split_f32, target_for
@@ -99,7 +99,8 @@ def plan_probs(q, k, m2, l2, out, *, scale: float, causal: bool, bottom_right: b
         ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **margs,
     )
     grid = (cdiv(Sq, cfg.block_m) * tiles_n, H, B)
-    est = estimate_shared_memory("attn_scores", cfg, block_dqk, block_dqk, q.element_size(), target)
+    est = estimate_shared_memory("attn_scores", cfg, block_dqk, block_dqk, q.element_size(), target,
+                                 mask_elt(margs))
     return Launch(_attn_probs, grid, args, cfg, est)
 
 

@@ -348,7 +348,10 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
                modified: bool = False, tma: bool | None = None, causal: bool = True) -> list[TileConfig]:
     """configs.py's choice first (for a causal launch, or with causal False a full one: configs.FULL), then this
     module's list (on sm_90 and later with `tma`, then the TMA candidates; None: TMA_BY_DEFAULT); only those whose
-    estimated shared memory fits `target`; no duplicates (the reason is not part of the identity)."""
+    estimated shared memory fits `target`; no duplicates (the reason is not part of the identity). A modified key's
+    launches may load an attn_mask tile, which Triton stages in shared memory at key counts that are not multiples of
+    16: the candidates beyond configs.py's (which the compile check builds at such a length) must fit with an fp32
+    one (estimate_shared_memory's mask_elt 4), since a tuned tile serves every length."""
     size, bucket = (2 if elt <= 2 else 4), configs.head_dim_bucket(max(block_dqk, block_dv))
     out: list[TileConfig] = []
     seen = set()
@@ -358,11 +361,12 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
         default = []
     with_tma = (TMA_BY_DEFAULT if tma is None else tma) and target.arch >= TMA_MIN_ARCH
     extra = TMA_CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []) if with_tma else []
-    for cfg in default + CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []) + extra:
+    for i, cfg in enumerate(default + CANDIDATES.get(kernel, {}).get(size, {}).get(bucket, []) + extra):
         ident = ident_of(cfg)
         if ident in seen:
             continue
-        if configs.estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt, target) > target.max_shared:
+        mask = 4 if modified and i >= len(default) else 0
+        if configs.estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt, target, mask) > target.max_shared:
             continue
         seen.add(ident)
         out.append(cfg)

@@ -12,7 +12,8 @@ way `JITFunction.run` does (unit strides, 16-byte alignment), compiles them to c
 Triton's bundled ptxas (no driver needed), and reports shared memory (against the target's
 per-block limit), registers, spills and the share of global-memory bytes moved by 16-byte accesses
 (vector_shares). Exits non-zero if any config fails to compile, exceeds
-shared memory, or needs more than config selection estimated. Spills are reported, not failed:
+shared memory, or needs more than its launch estimated (configs.estimate_shared_memory, which config selection
+uses, plus an attn_mask tile's term: --seqlen). Spills are reported, not failed:
 only a GPU run can say whether a spilling tile is slower than a smaller one (configs.py).
 Each result carries a digest of its PTX without debug info (ptx_digest): `--compare` an earlier run's
 JSON to see which plans a source change really changed (an extracted helper should change none).
@@ -285,8 +286,8 @@ def main(argv=None) -> int:
               "PTX (debug info aside)" + "".join("\n  " + line for line in changed))
     bad = [r for r in results if not r.ok]
     spilling = sum(1 for r in results if r.ok and r.spill_bytes)
-    print(f"\n{len(results) - len(bad)} of {len(results)} kernel configs compile and fit shared memory (and the "
-          f"estimate config selection uses); {spilling} of them spill registers (reported, not failed)")
+    print(f"\n{len(results) - len(bad)} of {len(results)} kernel configs compile and fit shared memory (and their "
+          f"launches' estimates); {spilling} of them spill registers (reported, not failed)")
     return 1 if bad else 0
 
 

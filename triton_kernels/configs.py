@@ -22,13 +22,14 @@ Where the anchor's tile spills, the entry is the nearest spill-free tile of a co
 architecture, proves it fits shared memory, reports every spill and fails on one in that set. Still
 spilling, and listed by the compile check: fp32, head dim 192 and the split head dims, and the
 opt-in GQA split and TMA tiles; they wait for a sweep or a GPU.
-All of that holds at sequence lengths that are multiples of 16, the compile check's (128). At other lengths Triton
-compiles another variant of each kernel (no divisibility hint on Sq, Sk), and some of these tiles spill there
-(checked 2026-12-07, fp16 at 113 or 49 tokens, Triton 3.9): sm_80 4 of 18 plain / every-option forward, dK/dV and dQ
-tiles at head dims 64 and 128 (8-40 bytes), sm_86 3 (8-184: the every-option forward at 128), sm_90 6 (24-336).
-sm_80/86's every-option forward at 64 also stages 7 KB more shared memory there than estimate_shared_memory
-allows for (49,152 bytes; still far within either GPU's limit). A sweep at both lengths waits; the short-sequence
-cuts below were compiled at 49 tokens.
+The no-spill rule holds at sequence lengths that are multiples of 16, the compile check's 128. At other lengths
+Triton compiles another variant of each kernel (no divisibility hint on Sq, Sk, the window, a mask's row stride).
+Every attention plan compiled at 113 (`compile_check --seqlen 113`, 2026-12-07, Triton 3.9): all fit their GPU;
+only the launches that read an attn_mask tile need other shared memory (up to one (block_m, block_n) mask tile more:
+estimate_shared_memory's mask_elt; CI checks them at 113 too); of the no-spill set, sm_80 10 of 121 spill there
+(8-40 bytes), sm_86 8 of 122 (8-184) and sm_90 8 of 86 (24-336), nearly all with every option (a mask tile), the
+rest sm_80/86's dK/dV at 64 causal (8-24) and sm_80's full dQ at 128 and dK/dV at 256 (8). Reported, not fixed: a
+sweep at both lengths waits for a GPU to weigh them. The short-sequence cuts below were compiled at 49 tokens.
 bench/RESULTS.md records every GPU run.
 
 Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
@@ -380,7 +381,7 @@ PREPROCESS_BLOCK_M = 64
 
 
 def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_dv: int, elt: int,
-                           target: Target | None = None) -> int:
+                           target: Target | None = None, mask_elt: int = 0) -> int:
     """Upper estimate of the shared memory a config needs, in bytes.
 
     Triton keeps `num_stages` buffers of each streamed tile in shared memory and stages the
@@ -388,9 +389,28 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
     the (block_m, block_n) P / dS operand of the second dot is staged too (measured: the compile
     check's sm_90 builds with score modifiers; the forward with masks stages two). The compile check
     asserts that this estimate is never below what the compiler reports.
+
+    mask_elt: the element size of an attn_mask tile the launch loads (1 for bool; 0: none). Where the key count and
+    the mask's row stride are not multiples of 16, its loads cannot be proven 16-byte aligned and Triton stages the
+    (block_m, block_n) tile in shared memory for the layout change (measured, compile_check --seqlen 113, 2026-12-07:
+    8 KB more at 128x32 fp16 in sm_80/86's forward, and at 64x64 in sm_90's dQ with split head dims 160). Launches
+    count it; config selection does not (see the comment below).
     """
     hopper = cfg.block_m * cfg.block_n * elt if target is not None and target.arch >= 90 else 0
     m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
+    return _estimate_tiles(kernel, m, n, s, block_dqk, block_dv, elt, hopper) + m * n * mask_elt
+
+
+# Why config selection leaves estimate_shared_memory's mask_elt out: it would prune tiles that fit with room to spare
+# (sm_86's dQ at head dim 128 with an attn_mask: estimated 98,304 + 8,192 bytes against its 101,376 limit, compiled
+# 69,632 at 128 keys and at 113), since the tile terms are loose where the mask tile costs most. Instead the compile
+# check builds every plan that loads a mask tile at 113 keys too (tests/test_compile.py) and proves it fits its
+# target and the launch's estimate (with mask_elt); the autotuner, whose candidates no compile check covers at every
+# length, prunes with it (autotune.candidates).
+
+
+def _estimate_tiles(kernel: str, m: int, n: int, s: int, block_dqk: int, block_dv: int, elt: int, hopper: int) -> int:
+    """estimate_shared_memory's tile terms (without a mask tile)."""
     if kernel == "attn_fwd":
         streamed = n * (block_dqk + block_dv)  # K and V tiles
         resident = m * block_dqk  # Q tile
