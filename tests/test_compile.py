@@ -119,8 +119,9 @@ def test_sm86_limit_is_the_rtx3090s():
 # the forward there, and dK/dV's plain tiles at head dims 64 and 128, timed on an H100 (2026-12-06; bench/RESULTS.md).
 # A GQA group's dK/dV ("gqa": GROUP > 1, its own specialisation) is in the set too.
 NO_SPILL_SPECS = ("causal=False", "causal=True", "window+masks+lens", "varlen+window", "all-options", "gqa",
-                  "gqa-full", "short-causal=False", "short-causal=True", "short-window+masks+lens", "short-softcap",
-                  "short-all-options")  # short-: configs.fit_rows' cut q tiles
+                  "gqa-full") + tuple(f"{tag}{spec}" for tag in ("short-", "short64-") for spec in (
+                      "causal=False", "causal=True", "window+masks+lens", "softcap", "all-options"))
+# short-, short64-: configs.fit_rows' cut q tiles, at 49 and 64 tokens
 
 
 def _untimed_no_spill_case(label: str, arch: int) -> bool:
@@ -132,7 +133,7 @@ def _untimed_no_spill_case(label: str, arch: int) -> bool:
         return False
     if kernel == "attn_bwd_dq+dbias":  # sm_90's at head dim 128: timed (a learned bias on an H100, 2026-12-06)
         return not (arch == 90 and dims == "D=128")
-    timed = arch == 90 and dims != "D=256" and not spec.startswith("short-") and (
+    timed = arch == 90 and dims != "D=256" and not spec.startswith("short") and (
         (kernel == "attn_fwd" and spec != "all-options")
         # dK/dV's plain tiles, timed by bench.tune on an H100 (2026-12-06); a GQA group's launch runs the same loop per
         # query head of the group (its spills match the plain one's: 120 and 56 bytes against 112 and 40)
@@ -181,8 +182,9 @@ def test_hopper_attention_tiles_issue_warpgroup_mma(compile_results, arch):
     more = [r for r in ours if len(r["label"].split()) > 3 and tuple(r["label"].split()[i] for i in (0, 1, 3))
             in MMA_MORE and r["label"].split()[2] in ("float16", "bfloat16")]
     assert len(more) == 2 * 2 * 3 + 4 + 3 + 5 + 4, len(more)  # all-options at 64, 128 (fp16, bf16); dQ, forward at 256
-    short = [r for r in ours if len(r["label"].split()) > 3 and r["label"].split()[3].startswith("short-")]
-    assert len(short) >= 3, len(short)  # configs.fit_rows' cut q tiles (64 rows: one warp group's wgmma M)
+    short = [r for r in ours if len(r["label"].split()) > 3 and r["label"].split()[3].startswith("short")]
+    assert sum("short64-" in r["label"] for r in short) >= 3, len(short)  # configs.fit_rows' cut q tiles (64 rows:
+    # one warp group's wgmma M), at 49 and 64 tokens
     fallback = [f"{r['label']} {r['config']}: {r['mma']}" for r in checked + more + short if r["mma"] != "wgmma"]
     assert not fallback, "sm_90 tiles without warpgroup MMA:\n" + "\n".join(fallback)
 

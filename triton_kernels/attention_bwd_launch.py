@@ -384,19 +384,28 @@ def _fused_compile_plans(target) -> list:
 
 
 def _short_compile_plans(target) -> list:
-    """The tiles configs.fit_rows cuts for a short sequence (49 rows, Swin's windows), where it cuts one: the forward,
-    dK/dV and dQ, fp16, plain (causal or not), with visibility masks, with a score modifier (softcap), and with every
-    option (the dQ then writes the (1, H, S, S) bias's gradient), head dims 64/128/192/256. Labelled
-    "short-<spec>"."""
-    from .attention_fwd import all_options_spec, plan_forward
+    """The tiles configs.fit_rows cuts for a short sequence, where it cuts one: the forward, dK/dV and dQ, fp16, plain
+    (causal or not), with visibility masks, with a score modifier (softcap), and with every option (the dQ then writes
+    the (1, H, S, S) bias's gradient), head dims 64/128/192/256; at 49 rows (Swin's windows), labelled "short-<spec>",
+    and at 64, a multiple of 16 (another variant of each kernel: a Q-Former's 32 queries), "short64-<spec>"."""
+    from .attention_fwd import all_options_spec
 
-    B, H, S = 2, 2, 49
-    lens = torch.full((B,), S, dtype=torch.int32)
-    mask = torch.ones(B, S, dtype=torch.bool)
-    specs = (("causal=False", False, NO_MASKS), ("causal=True", True, NO_MASKS),
-             ("window+masks+lens", True, MaskSpec(window=(16, 0), key_mask=mask, query_mask=mask, q_lens=lens,
-                                                  kv_lens=lens)),
-             ("softcap", True, MaskSpec(softcap=30.0)), ("all-options", True, all_options_spec(B, S, H, left=64)))
+    B, H = 2, 2
+    plans = []
+    for S, tag in ((49, "short-"), (64, "short64-")):
+        lens = torch.full((B,), S, dtype=torch.int32)
+        mask = torch.ones(B, S, dtype=torch.bool)
+        specs = (("causal=False", False, NO_MASKS), ("causal=True", True, NO_MASKS),
+                 ("window+masks+lens", True, MaskSpec(window=(16, 0), key_mask=mask, query_mask=mask, q_lens=lens,
+                                                      kv_lens=lens)),
+                 ("softcap", True, MaskSpec(softcap=30.0)), ("all-options", True, all_options_spec(B, S, H, left=64)))
+        plans += _short_plans(target, B, H, S, tag, specs)
+    return plans
+
+
+def _short_plans(target, B: int, H: int, S: int, tag: str, specs) -> list:
+    from .attention_fwd import plan_forward
+
     plans = []
     for d in (64, 128, 192, 256):
         for name, causal, spec in specs:
@@ -414,7 +423,7 @@ def _short_compile_plans(target) -> list:
                       "_attn_bwd_dq": "attn_bwd_dq" if dbias is None else "attn_bwd_dq+dbias"}
             for launch in [fwd] + [st for st in bwd if type(st) is Launch and st.kernel.__name__ in labels]:
                 if "fit_rows" in launch.config.reason:  # (an uncut tile is compiled by the plans above)
-                    plans.append((f"{labels[launch.kernel.__name__]} D={d} float16 short-{name}", launch))
+                    plans.append((f"{labels[launch.kernel.__name__]} D={d} float16 {tag}{name}", launch))
     return plans
 
 

@@ -29,7 +29,7 @@ only the launches that read an attn_mask tile need other shared memory (up to on
 estimate_shared_memory's mask_elt; CI checks them at 113 too); of the no-spill set, sm_80 10 of 121 spill there
 (8-40 bytes), sm_86 8 of 122 (8-184) and sm_90 8 of 86 (24-336), nearly all with every option (a mask tile), the
 rest sm_80/86's dK/dV at 64 causal (8-24) and sm_80's full dQ at 128 and dK/dV at 256 (8). Reported, not fixed: a
-sweep at both lengths waits for a GPU to weigh them. The short-sequence cuts below were compiled at 49 tokens.
+sweep at both lengths waits for a GPU to weigh them. The short-sequence cuts below are compiled at 49 and 64 tokens.
 bench/RESULTS.md records every GPU run.
 
 Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
@@ -343,15 +343,16 @@ def family(arch: int) -> str:
 # 64-query tile of the memory-efficient forward that SDPA-EFFICIENT runs at head dims <= 64; on sm_90 the M of one warp
 # group's wgmma), with the table's warps and stages: the program does half the work or less and its loads are the same
 # (rows past a sequence are never read). Derived, untimed: bench/test_attention_bias.py's Swin case runs such tiles. The
-# compile check builds them (attention_bwd_launch._short_compile_plans: fp16, 49 rows, plain causal or not, with
-# visibility masks, with a score modifier, and every option with the bias gradient): wgmma on sm_90, and no spills where
-# the table's tile spills none, except at head dim 192 (split head dims, off by default) with visibility masks (32-64
-# bytes; the table's 0-48) or every option (56-424; the table's 128-200). Cutting the warps with the rows (8 -> 4)
-# spilled 8-56 bytes on sm_80/86/90 where the table's tile spilled none; cutting dK/dV's 128 K/V rows (sm_90's full-
-# attention tile at 128) over at most 64 keys spilled 104 bytes (280 with 4 warps). sm_90's bias-gradient dQ at 128 (a
-# timed tile that spills 1.1-1.4 KB) spills 600 bytes cut. (Those comparisons are with the tables' tiles at 128
-# tokens; at 49, where both run, the tables' every-option forward tiles spill 24 bytes on sm_90 at 64 and 184 on
-# sm_86 at 128, and the cut ones none.)
+# compile check builds them (attention_bwd_launch._short_compile_plans: fp16, 49 rows and 64 (a multiple of 16: another
+# variant of each kernel), plain causal or not, with visibility masks, with a score modifier, and every option with the
+# bias gradient): wgmma on sm_90, and no spills where the table's tile spills none, except at head dim 192 (split head
+# dims, off by default) with visibility masks (32-64 bytes at either length; the table's 0-48) or every option (56-424
+# at 49, 56-112 at 64; the table's 128-200). Cutting the warps with the rows (8 -> 4) spilled 8-56 bytes on sm_80/86/90
+# where the table's tile spilled none; cutting dK/dV's 128 K/V rows (sm_90's full-attention tile at 128) over at most
+# 64 keys spilled 104 bytes (280 with 4 warps). sm_90's bias-gradient dQ at 128 (a timed tile that spills 1.1-1.4 KB)
+# spills 600 bytes cut at 49 rows, 440 at 64. (Those comparisons are with the tables' tiles at 128 tokens; at 49, where
+# both run, the tables' every-option forward tiles spill 24 bytes on sm_90 at 64 and 184 on sm_86 at 128, and the cut
+# ones none.)
 # The interpreter's tiles are 64 rows or fewer already.
 SHORT_ROWS = 64
 
