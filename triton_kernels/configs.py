@@ -520,7 +520,7 @@ def cuda_target(device_index: int) -> Target:
 from .configs_bandwidth import (  # noqa: E402,F401
     _DECODE, _DECODE_INTERPRETER, FA2_SPLITKV, ROTARY_INTERPRETER, ROTARY_NUM_WARPS, ROTARY_TILE_PAIRS,
     SWIGLU_BLOCK_H_CANDIDATES, SWIGLU_INTERPRETER, SWIGLU_MAX_PAD_FRACTION, SWIGLU_NUM_WARPS,
-    SWIGLU_TILE_ELEMENTS, DecodeConfig, ElementwiseConfig, _pow2_at_least, decode_config, decode_programs_per_sm,
-    rotary_config, swiglu_block_h, swiglu_config)
+    SWIGLU_TILE_ELEMENTS, DecodeConfig, ElementwiseConfig, _pow2_at_least, combine_chunk, decode_config,
+    decode_programs_per_sm, rotary_config, swiglu_block_h, swiglu_config)
 # (re-exported names are bound here too: monkeypatch a memory-bound kernel's number in configs_bandwidth, where its
 # functions read it)

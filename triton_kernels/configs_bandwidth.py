@@ -171,3 +171,19 @@ def decode_config(d: int, dv: int, elt: int, target: Target) -> DecodeConfig:
     if target is INTERPRETER_TARGET:
         return _DECODE_INTERPRETER
     return _DECODE[2 if elt <= 2 else 4][head_dim_bucket(max(d, dv))]
+
+
+# The split-KV combine (decode_kernels._decode_combine) reads its splits' partials a chunk at a time, every load of a
+# chunk in flight at once: COMBINE_CHUNK_ELEMENTS elements of (rows, splits, value head dim) a chunk, so 32 splits at
+# one row and head dim 128 (flash-attn 2's heuristic gives a batch-1 decode on an H100 about 30 splits), 32 fp32
+# registers a thread at 4 warps. Derived, untimed. The interpreter's chunks are 2 splits: tests cross their bounds.
+COMBINE_CHUNK_ELEMENTS = 4096
+COMBINE_CHUNK_INTERPRETER = 2
+
+
+def combine_chunk(block_r: int, block_dv: int, target: Target) -> int:
+    """Splits a chunk of _decode_combine reads at once (BLOCK_S, a power of two), for row tile block_r and value
+    tile block_dv."""
+    if target is INTERPRETER_TARGET:
+        return COMBINE_CHUNK_INTERPRETER
+    return max(1, min(32, COMBINE_CHUNK_ELEMENTS // (block_r * block_dv)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .configs import (INTERPRETER_TARGET, KNOWN_TARGETS, ElementwiseConfig, Target, decode_config,
+from .configs import (INTERPRETER_TARGET, KNOWN_TARGETS, ElementwiseConfig, Target, combine_chunk, decode_config,
                       decode_programs_per_sm)
 from .targets import num_splits_heuristic
 from .decode_kernels import _decode_combine, _decode_fwd, _kv_append
@@ -188,7 +188,8 @@ def plan_decode(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_idx, blo
                      **dict(zip(("stride_lps", "stride_lpb", "stride_lph", "stride_lpm"), l_st)),
                      **dict(zip(("stride_ob", "stride_om", "stride_oh", "stride_od"), out.stride())),
                      **dict(zip(("stride_lb", "stride_lh", "stride_lm"), lse2.stride())),
-                     Sq=Sq, DV=DV, NUM_SPLITS=num_splits, BLOCK_R=block_r, BLOCK_DV=head_block(DV),
+                     Sq=Sq, DV=DV, NUM_SPLITS=num_splits, BLOCK_R=block_r,
+                     BLOCK_S=combine_chunk(block_r, head_block(DV), target), BLOCK_DV=head_block(DV),
                      ACC=ACC_DTYPE[q.dtype])
         warps = 1 if target is INTERPRETER_TARGET else 4
         launches.append(Launch(_decode_combine, (cdiv(Sq, block_r), Hq, B), cargs,
@@ -288,7 +289,8 @@ def _decode_cache_args(q, k_cache, v_cache, out, lse2, seqlens, leftpad, batch_i
 
 def compile_plans(target) -> list:
     """Decode configs for the compile check: D 64/128/256, fp16/bf16/fp32, GQA 4 and MHA, one split and
-    several (the combine kernel), contiguous and paged caches, every option at once, and the append."""
+    several (the combine kernel, for 1 and 4 queries), contiguous and paged caches, every option at once, and the
+    append."""
     plans = []
     B, S, P, Hkv = 2, 1024, 64, 2
     for d in (64, 128, 256):
@@ -315,7 +317,8 @@ def compile_plans(target) -> list:
                                            window=(256, -1) if opts else (-1, -1), softcap=30.0 if opts else 0.0,
                                            num_splits=splits, target=target)
                     plans.append((f"{name} splits={splits}", launches[0]))
-                    if splits > 1 and not opts:
+                    if splits > 1 and (sq, paged) != (1, True):  # (Sq = 1: one plan; Sq = 4: 4-row tiles, chunks of
+                        # fewer splits: configs.combine_chunk)
                         plans.append((f"decode_combine D={d} {str(dtype)[6:]} Sq={sq}", launches[1]))
                 if group > 1 and not paged:  # without lengths: attention over a whole K/V (flashtx._small_q), with
                     # and without a key mask (transformers' padded batches: and a window's right bound)
