@@ -275,21 +275,26 @@ def test_decode_counts_the_programs_an_sms_shared_memory_holds():
             64, per_sm * target.sm_count, 8192 // cfg.block_n, decode.MAX_SPLITS), arch
 
 
+@pytest.mark.parametrize("S", [113, 128])
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float16, torch.float32])
-def test_launch_estimates_count_the_attn_mask_tile(mask_dtype):
+def test_launch_estimates_count_the_attn_mask_tile(mask_dtype, S):
     """The forward, dK/dV, dQ and probabilities launches with an attn_mask estimate the (block_m, block_n) mask tile
-    Triton stages at key counts that are not multiples of 16 (compile_check --seqlen 113); without one they do not."""
+    Triton stages at key counts (and mask strides) that are not multiples of 16 (compile_check --seqlen 113) or for a
+    mask in another dtype than q's (2 bytes an element more than twice the mask's); with an fp16 mask at 128, the
+    variant the compile check builds, and without a mask they do not."""
     from flashtx.triton_kernels.attention_bwd_launch import plan_backward
     from flashtx.triton_kernels.attention_common import MaskSpec
     from flashtx.triton_kernels.attention_fwd import plan_forward
     from flashtx.triton_kernels.attention_scores import plan_probs
 
     target = KNOWN_TARGETS[86]
-    B, H, S, d = 1, 2, 113, 64
+    B, H, d = 1, 2, 64
     q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=torch.float16) for _ in range(8))
     m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
     mask = torch.zeros(B, H, S, S, dtype=mask_dtype)
-    for spec, elt in ((MaskSpec(attn_mask=mask), mask.element_size()), (MaskSpec(softcap=30.0), 0)):
+    staged = S % 16 or mask_dtype != torch.float16
+    for spec, elt in ((MaskSpec(attn_mask=mask), 2 * mask.element_size() + 2 if staged else 0),
+                      (MaskSpec(softcap=30.0), 0)):
         fwd = plan_forward(q, k, v, o, m2, l2, scale=0.125, causal=True, bottom_right=False, spec=spec, target=target)
         _, dkdv, dqk = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=0.125, causal=True,
                                      bottom_right=False, spec=spec, target=target)
@@ -300,3 +305,27 @@ def test_launch_estimates_count_the_attn_mask_tile(mask_dtype):
             c = launch.config
             tiles = configs.estimate_shared_memory(kernel, c, d, d, 2, target)
             assert launch.shared_estimate == tiles + c.block_m * c.block_n * elt, (kernel, spec)
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+def test_a_learned_mask_wider_than_q_takes_the_fp32_bias_gradient_tile(arch):
+    """fp16 q with an fp32 (or fp64) learned attn_mask: the bias-gradient dQ stages the mask like an fp32 launch, and
+    sm_90's 16-bit tile at head dim 128 needed 262,144 bytes of 232,448 with it (compile check, "mask-float32"), so
+    it takes the fp32 table's tile; a mask in q's dtype keeps the 16-bit one. Its launch estimate fits the GPU."""
+    from flashtx.triton_kernels.attention_bwd_launch import plan_backward
+    from flashtx.triton_kernels.attention_common import MaskSpec
+
+    target = KNOWN_TARGETS[arch]
+    B, H, S, d = 1, 2, 128, 128
+    q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=torch.float16) for _ in range(8))
+    m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
+    for mdt, elt in ((torch.float16, 2), (torch.float32, 4), (torch.float64, 4)):
+        mask = torch.empty(1, H, S, S, dtype=mdt)
+        launches = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
+                                 bottom_right=False, spec=MaskSpec(attn_mask=mask), dbias=torch.empty_like(mask),
+                                 target=target)
+        dqk = next(st for st in launches if getattr(getattr(st, "kernel", None), "__name__", "") == "_attn_bwd_dq")
+        want = select_config("attn_bwd_dq_dbias", d, d, elt, target, True, False, True)
+        assert (dqk.config.block_m, dqk.config.block_n, dqk.config.num_warps, dqk.config.num_stages) == (
+            want.block_m, want.block_n, want.num_warps, want.num_stages), (mdt, dqk.config)
+        assert dqk.shared_estimate <= target.max_shared, (mdt, dqk.shared_estimate)

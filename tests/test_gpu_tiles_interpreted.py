@@ -23,12 +23,14 @@ CASES = {  # name: (flash_attn_func keywords, (modified, masked), a learned bias
 }
 
 
-def check_fp16_against_float64(q, k, v, dout, bias, kwargs: dict, label: str) -> None:
-    """flash_attn_func's fp16 output and gradients (the bias's too, passed as attn_bias) on the Triton backend,
-    against the float64 reference, under the tolerance rule (the fp16 reference's error sets the bound)."""
+def check_fp16_against_float64(q, k, v, dout, bias, kwargs: dict, label: str, bias_dtype=None) -> None:
+    """flash_attn_func's fp16 output and gradients (the bias's too, passed as attn_bias: in q's dtype, or
+    bias_dtype for the fp16 runs) on the Triton backend, against the float64 reference, under the tolerance rule (the
+    fp16 reference's error sets the bound)."""
     def run(dtype, backend):
         ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        extra = {} if bias is None else dict(attn_bias=bias.to(dtype).requires_grad_())
+        bdt = bias_dtype if bias_dtype is not None and dtype == torch.float16 else dtype
+        extra = {} if bias is None else dict(attn_bias=bias.to(bdt).requires_grad_())
         out = flashtx.flash_attn_func(*ins, backend=backend, **kwargs, **extra)
         return [out, *torch.autograd.grad(out, ins + list(extra.values()), dout.to(dtype))]
 
@@ -56,6 +58,21 @@ def test_specialisation_tiles_compute_attention_and_its_gradients(gpu_target, d,
     bias = None if bias_shape is None else torch.randn(*bias_shape, generator=gen, dtype=torch.float64)
 
     check_fp16_against_float64(q, k, v, dout, bias, kwargs, f"{case} D={d} sm_{gpu_target.arch}")
+
+
+@pytest.mark.parametrize("gpu_target", [80, 86, 90], indirect=True, ids=lambda a: f"sm_{a}")
+def test_an_fp32_learned_bias_on_fp16_queries_takes_the_fp32_bias_gradient_tile(gpu_target):
+    """fp16 q with an fp32 learned bias (bf16/fp16 autocast with an fp32 bias parameter): the bias-gradient dQ runs
+    the fp32 table's tile (attention_bwd_launch.plan_backward; the 16-bit one overflowed sm_90's shared memory with
+    it), and output and every gradient, the bias's in fp32, stay within the tolerance rule."""
+    d = 128
+    gen = torch.Generator().manual_seed(gpu_target.arch)
+    B, H, Sq, Sk = 1, 2, 40, 72
+    q, k, v = (torch.randn(B, s, H, d, generator=gen, dtype=torch.float64) for s in (Sq, Sk, Sk))
+    dout = torch.randn(B, Sq, H, d, generator=gen, dtype=torch.float64)
+    bias = torch.randn(1, H, Sq, Sk, generator=gen, dtype=torch.float64)
+    check_fp16_against_float64(q, k, v, dout, bias, dict(causal=False), f"fp32 bias sm_{gpu_target.arch}",
+                               bias_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("gpu_target", [80, 86, 90], indirect=True, ids=lambda a: f"sm_{a}")

@@ -179,6 +179,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         BLOCK_M=PREPROCESS_BLOCK_M, BLOCK_DV=dv1, BLOCK_DV2=dv2, HAS_DLSE=dlse2 is not None, ACC=acc))
 
     margs, B, Sq, Sk = mask_args(spec, causal, bottom_right, q, k, m2)
+    tile_elt = mask_elt(margs, Sq, Sk, q.dtype)
     by = batch_y(margs, B)  # grids (tiles, batch, heads): programs reading one tile of a batch-shared mask adjacent
     common = dict(Q=q, K=k, V=v, DO=do, M2=m2, L2=l2, DELTA=delta,
                   **stride_args("q", q, spec), **stride_args("k", k, spec), **stride_args("v", v, spec),
@@ -200,10 +201,15 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
         common, DK=dk_out, DV=dv_out, **stride_args("dk", dk_out, spec), **stride_args("dv", dv_out, spec), H=H,
         GROUP=group, SPLIT=split, ONE_HEAD=group // split == 1,
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, TMA=tma1), c1,
-        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target, mask_elt(margs)),
+        estimate_shared_memory("attn_bwd_dkdv", c1, block_dqk, block_dv, q.element_size(), target, tile_elt),
         descriptors=("Q", "DO") if tma1 else ())
     dq_kernel = "attn_bwd_dq" if dbias is None else "attn_bwd_dq_dbias"  # its own tile (configs.py)
-    c2 = fit_rows(select_config(dq_kernel, block_dqk, block_dv, q.element_size(), target, spec.modifies_scores,
+    # a learned mask wider than q (an fp32 bias under autocast) stages like an fp32 launch: the fp32 tile (configs.py,
+    # the comment after estimate_shared_memory: sm_90's 16-bit tile did not fit with it)
+    dq_elt = q.element_size()
+    if dbias is not None and margs["MB"].element_size() > dq_elt:
+        dq_elt = 4
+    c2 = fit_rows(select_config(dq_kernel, block_dqk, block_dv, dq_elt, target, spec.modifies_scores,
                                 spec.masks_visibility, causal), Sq)  # (q rows owned)
     finish = None
     if dbias is not None:  # the attn_mask gradient is dS: written by the dQ kernel as it forms dS
@@ -216,7 +222,7 @@ def plan_backward(do, q, k, v, out, m2, l2, delta, dq, dk, dv, *, scale: float, 
     dqk = Launch(_attn_bwd_dq, (cdiv(Sq, c2.block_m), *((grid_b, grid_h) if by else (grid_h, grid_b))), dict(
         common, DQ=dq, **stride_args("dq", dq, spec), **db_args, H=H, GROUP=H // Hkv,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, TMA=tma2), c2,
-        estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target, mask_elt(margs)),
+        estimate_shared_memory(dq_kernel, c2, block_dqk, block_dv, q.element_size(), target, tile_elt),
         descriptors=("K", "V") if tma2 else ())
     if finish is None:
         return [pre, dkdv, dqk]
@@ -323,7 +329,7 @@ def compile_plans(target) -> list:
         if name == "causal=True":
             plans.append((f"attn_bwd_preprocess {tag}", pre))
         plans += [(f"attn_bwd_dkdv {tag}", dkdv), (f"attn_bwd_dq {tag}", dqk_)]
-    return plans + wide_dropout_plans(plans) + _fused_compile_plans(target)
+    return plans + wide_dropout_plans(plans) + _fused_compile_plans(target) + _mask_dtype_compile_plans(target)
 
 
 def _fused_compile_plans(target) -> list:
@@ -383,13 +389,44 @@ def _fused_compile_plans(target) -> list:
     return plans + _tma_compile_plans(target) + _short_compile_plans(target)
 
 
+def _mask_dtype_compile_plans(target) -> list:
+    """16-bit queries with an attn_mask of another dtype (flashtx takes bool and every float mask as it is): fp16
+    with every option and a (1, H, S, S) bool, fp32 or fp64 mask (the float ones learned: the dQ writes their
+    gradient), the forward, dK/dV and dQ, head dims 64/128/256. Labelled "mask-<dtype>"."""
+    from .attention_fwd import all_options_spec, plan_forward
+
+    B, H, S = 2, 2, attention_common.PLAN_SEQLEN
+    plans = []
+    for d in (64, 128, 256):
+        for mdt in (torch.bool, torch.float32, torch.float64):
+            q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=torch.float16) for _ in range(8))
+            m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
+            spec = all_options_spec(B, S, H, (1, H, S, S), mdt)
+            dbias = None if mdt == torch.bool else torch.empty(1, H, S, S, dtype=mdt)
+            try:
+                fwd = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=True, bottom_right=False, spec=spec,
+                                   target=target)
+                bwd = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
+                                    bottom_right=False, spec=spec, dbias=dbias, target=target)
+            except RuntimeError:  # no config fits: the backend reports it and never launches
+                continue
+            labels = {"_attn_fwd": "attn_fwd", "_attn_bwd_dkdv": "attn_bwd_dkdv",
+                      "_attn_bwd_dq": "attn_bwd_dq" if dbias is None else "attn_bwd_dq+dbias"}
+            for launch in [fwd] + [st for st in bwd if type(st) is Launch and st.kernel.__name__ in labels]:
+                plans.append((f"{labels[launch.kernel.__name__]} D={d} float16 mask-{str(mdt)[6:]}", launch))
+    return plans
+
+
 def _short_compile_plans(target) -> list:
     """The tiles configs.fit_rows cuts for a short sequence, where it cuts one: the forward, dK/dV and dQ, fp16, plain
     (causal or not), with visibility masks, with a score modifier (softcap), and with every option (the dQ then writes
     the (1, H, S, S) bias's gradient), head dims 64/128/192/256; at 49 rows (Swin's windows), labelled "short-<spec>",
-    and at 64, a multiple of 16 (another variant of each kernel: a Q-Former's 32 queries), "short64-<spec>"."""
+    and at 64, a multiple of 16 (another variant of each kernel: a Q-Former's 32 queries over themselves),
+    "short64-<spec>". None in `compile_check --seqlen`'s other passes (their lengths are their own)."""
     from .attention_fwd import all_options_spec
 
+    if attention_common.PLAN_SEQLEN != 128:
+        return []
     B, H = 2, 2
     plans = []
     for S, tag in ((49, "short-"), (64, "short64-")):

@@ -354,7 +354,8 @@ WIDE_COUNTER_PAST = 2**32  # i * Sk_b + j fits one uint32 counter word up to her
 # The sequence length (Sq = Sk) and window the compile check's attention plans are built at. Triton specialises
 # an int argument on its divisibility by 16, so a length like 113 (and a bias or key mask whose row stride it is)
 # compiles another variant of each kernel than 128 does, with its own shared memory and registers:
-# `compile_check --seqlen 113` checks that variant (plan_seqlen). The window's left size is half the length.
+# `compile_check --seqlen 113` checks that variant (compile_check.launch_plans(target, seqlen) sets this). The
+# window's left size is half the length.
 PLAN_SEQLEN = 128
 
 
@@ -416,10 +417,20 @@ def mask_args(spec: MaskSpec, causal: bool, bottom_right: bool, q, k, lse) -> tu
     return args, B, Sq, Sk
 
 
-def mask_elt(margs: dict) -> int:
-    """The element size of the attn_mask tile mask_args' launch loads (1 for bool), or 0 without one: what
-    configs.estimate_shared_memory counts for it."""
-    return margs["MB"].element_size() if margs["MASK_KIND"] != MASK_NONE.value else 0
+def mask_elt(margs: dict, Sq, Sk, dtype) -> int:
+    """What configs.estimate_shared_memory counts a (block_m, block_n) element for the attn_mask tile of mask_args'
+    launch (Sq, Sk: what it returned; dtype: q's): 0 without a mask, or for a mask in q's dtype whose lengths and
+    batch, head and row strides are multiples of 16 (0 broadcasts) with a contiguous last dim (the variant the compile
+    check builds at 128 tokens, which stages none); else 2 * its element size + 2 (bool: 1), the most the compile
+    check measured (2026-12-07, Triton 3.9: a bool, fp32 or fp64 mask with fp16 q stages 2, 6 and 14 bytes an element
+    in sm_80/86's forward at head dim 64; an fp16 mask at 113 tokens up to 2)."""
+    if margs["MASK_KIND"] == MASK_NONE.value:
+        return 0
+    m = margs["MB"]
+    ints = (Sq, Sk, margs["stride_mb"], margs["stride_mh"], margs["stride_mm"])
+    if m.dtype == dtype and margs["stride_mn"] == 1 and all(type(n) is int and n % 16 == 0 for n in ints):
+        return 0
+    return 2 * m.element_size() + 2
 
 
 def batch_y(margs: dict, B) -> bool:

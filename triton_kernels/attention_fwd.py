@@ -224,7 +224,8 @@ def plan_forward(q, k, v, out, m2, l2, *, scale: float, causal: bool, bottom_rig
         ACC=ACC_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), TMA=tma, BATCH_Y=batch_y(margs, B), **margs,
     )
     grid = (cdiv(Sq, cfg.block_m), B, H) if args["BATCH_Y"] else (cdiv(Sq, cfg.block_m), H, B)
-    est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size(), target, mask_elt(margs))
+    est = estimate_shared_memory("attn_fwd", cfg, block_dqk, block_dv, q.element_size(), target,
+                                 mask_elt(margs, Sq, Sk, q.dtype))
     return Launch(_attn_fwd, grid, args, cfg, est, descriptors=("K", "V") if tma else ())
 
 

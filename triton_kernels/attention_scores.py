@@ -100,7 +100,7 @@ def plan_probs(q, k, m2, l2, out, *, scale: float, causal: bool, bottom_right: b
     )
     grid = (cdiv(Sq, cfg.block_m) * tiles_n, H, B)
     est = estimate_shared_memory("attn_scores", cfg, block_dqk, block_dqk, q.element_size(), target,
-                                 mask_elt(margs))
+                                 mask_elt(margs, Sq, Sk, q.dtype))
     return Launch(_attn_probs, grid, args, cfg, est)
 
 

@@ -350,8 +350,8 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
     module's list (on sm_90 and later with `tma`, then the TMA candidates; None: TMA_BY_DEFAULT); only those whose
     estimated shared memory fits `target`; no duplicates (the reason is not part of the identity). A modified key's
     launches may load an attn_mask tile, which Triton stages in shared memory at key counts that are not multiples of
-    16: the candidates beyond configs.py's (which the compile check builds at such a length) must fit with an fp32
-    one (estimate_shared_memory's mask_elt 4), since a tuned tile serves every length."""
+    16 or in another dtype than q's: the candidates beyond configs.py's (which the compile check builds so) must fit
+    with an fp32 one (estimate_shared_memory's mask_elt 10), since a tuned tile serves every length and mask."""
     size, bucket = (2 if elt <= 2 else 4), configs.head_dim_bucket(max(block_dqk, block_dv))
     out: list[TileConfig] = []
     seen = set()
@@ -365,7 +365,7 @@ def candidates(kernel: str, block_dqk: int, block_dv: int, elt: int, target,
         ident = ident_of(cfg)
         if ident in seen:
             continue
-        mask = 4 if modified and i >= len(default) else 0
+        mask = 10 if modified and i >= len(default) else 0  # (an fp32 mask: attention_common.mask_elt's 2 * 4 + 2)
         if configs.estimate_shared_memory(kernel, cfg, block_dqk, block_dv, elt, target, mask) > target.max_shared:
             continue
         seen.add(ident)

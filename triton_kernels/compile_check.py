@@ -48,7 +48,7 @@ class Result:
     registers: int
     spill_bytes: int
     config: str
-    estimate: int | None = None  # the shared memory config selection assumed, if it assumes any
+    estimate: int | None = None  # the launch's shared-memory estimate (configs.estimate_shared_memory), if it has one
     error: str = ""
     # share of the bytes of the PTX's global load / store instructions that are 16-byte (vector) accesses: a
     # bandwidth-bound kernel whose loads compile to 2- or 4-byte accesses reaches a fraction of the memory
@@ -71,7 +71,7 @@ class Result:
         if self.shared > self.limit:
             return "SHARED>LIMIT"
         if self.estimate is not None and self.estimate < self.shared:
-            return "ESTIMATE<SHARED (selection could launch a config that does not fit)"
+            return "ESTIMATE<SHARED (selection or tuning could launch a config that does not fit)"
         if self.spill_bytes:
             return f"ok, spills {self.spill_bytes} bytes"
         return "ok"
@@ -141,11 +141,12 @@ def ptx_digest(ptx: str) -> str:
 
 
 def compare(results: list, old: list[dict]) -> list[str]:
-    """Lines naming the plans whose ptx_digest differs from `old` (an earlier --json) or that `old` lacks."""
-    before = {(r["label"], r["arch"]): r.get("ptx_digest", "") for r in old}
+    """Lines naming the plans whose ptx_digest differs from `old` (an earlier --json) or that `old` lacks (plans are
+    matched by label, arch and sequence length)."""
+    before = {(r["label"], r["arch"], r.get("seqlen", 128)): r.get("ptx_digest", "") for r in old}
     lines = []
     for r in results:
-        was = before.get((r.label, r.arch))
+        was = before.get((r.label, r.arch, r.seqlen))
         if was is None:
             lines.append(f"new       sm_{r.arch} {r.label}")
         elif was != r.ptx_digest or not was:
@@ -235,7 +236,7 @@ def loads_mask_tile(launch) -> bool:
 
 
 def run(archs, jobs: int, only: str = "", seqlen: int = 128, mask_tiles: bool = False) -> list[Result]:
-    texts = only.split(",")
+    texts = [t for t in only.split(",") if t] or [""]
     work = [(a, i, seqlen) for a in archs for i, (label, launch) in enumerate(_all_plans(KNOWN_TARGETS[a], seqlen))
             if any(t in label for t in texts) and (loads_mask_tile(launch) or not mask_tiles)]
     if jobs <= 1:

@@ -391,11 +391,12 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
     check's sm_90 builds with score modifiers; the forward with masks stages two). The compile check
     asserts that this estimate is never below what the compiler reports.
 
-    mask_elt: the element size of an attn_mask tile the launch loads (1 for bool; 0: none). Where the key count and
-    the mask's row stride are not multiples of 16, its loads cannot be proven 16-byte aligned and Triton stages the
-    (block_m, block_n) tile in shared memory for the layout change (measured, compile_check --seqlen 113, 2026-12-07:
-    8 KB more at 128x32 fp16 in sm_80/86's forward, and at 64x64 in sm_90's dQ with split head dims 160). Launches
-    count it; config selection does not (see the comment below).
+    mask_elt: bytes a (block_m, block_n) element of an attn_mask tile the launch loads may take
+    (attention_common.mask_elt; 0: none or no staging). Where the key count and the mask's strides are not multiples
+    of 16, or its dtype is not q's, Triton stages the tile in shared memory for a layout change (measured,
+    compile_check --seqlen 113 and its "mask-<dtype>" plans, 2026-12-07: 8 KB more at 128x32 with an fp16 mask at 113
+    tokens in sm_80/86's forward, 24 KB with an fp32 mask at 128). Launches count it; config selection does not (see
+    the comment below).
     """
     hopper = cfg.block_m * cfg.block_n * elt if target is not None and target.arch >= 90 else 0
     m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
@@ -403,11 +404,14 @@ def estimate_shared_memory(kernel: str, cfg: TileConfig, block_dqk: int, block_d
 
 
 # Why config selection leaves estimate_shared_memory's mask_elt out: it would prune tiles that fit with room to spare
-# (sm_86's dQ at head dim 128 with an attn_mask: estimated 98,304 + 8,192 bytes against its 101,376 limit, compiled
-# 69,632 at 128 keys and at 113), since the tile terms are loose where the mask tile costs most. Instead the compile
-# check builds every plan that loads a mask tile at 113 keys too (tests/test_compile.py) and proves it fits its
-# target and the launch's estimate (with mask_elt); the autotuner, whose candidates no compile check covers at every
-# length, prunes with it (autotune.candidates).
+# (sm_86's dQ at head dim 128 with an fp16 attn_mask at 113 keys: estimated 98,304 + 24,576 bytes against its 101,376
+# limit, compiled 69,632), since the tile terms are loose where the mask tile costs most. Instead the compile check
+# builds every plan that loads a mask tile at 113 keys too, and with bool, fp32 and fp64 masks on fp16 queries
+# (tests/test_compile.py), and proves each fits its target and the launch's estimate (with mask_elt). One did not:
+# sm_90's bias-gradient dQ at head dim 128 with an fp32 (fp64) mask took 262,144 (327,680) bytes of 232,448, so a
+# bias-gradient dQ whose mask is wider than q takes the fp32 tile (attention_bwd_launch.plan_backward). The
+# autotuner, whose candidates no compile check covers at every length and mask dtype, prunes with it
+# (autotune.candidates).
 
 
 def _estimate_tiles(kernel: str, m: int, n: int, s: int, block_dqk: int, block_dv: int, elt: int, hopper: int) -> int:

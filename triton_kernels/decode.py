@@ -317,9 +317,9 @@ def compile_plans(target) -> list:
                                            window=(256, -1) if opts else (-1, -1), softcap=30.0 if opts else 0.0,
                                            num_splits=splits, target=target)
                     plans.append((f"{name} splits={splits}", launches[0]))
-                    if splits > 1 and (sq, paged) != (1, True):  # (Sq = 1: one plan; Sq = 4: 4-row tiles, chunks of
-                        # fewer splits: configs.combine_chunk)
-                        plans.append((f"decode_combine D={d} {str(dtype)[6:]} Sq={sq}", launches[1]))
+                    if splits > 1:  # (Sq = 4: 4-row tiles, chunks of fewer splits: configs.combine_chunk; the paged
+                        # MHA partials' strides are another variant)
+                        plans.append((f"decode_combine {name.split(' ', 1)[1]}", launches[1]))
                 if group > 1 and not paged:  # without lengths: attention over a whole K/V (flashtx._small_q), with
                     # and without a key mask (transformers' padded batches: and a window's right bound)
                     for km in (None, torch.empty(B, 1, S, dtype=torch.uint8)):

@@ -37,7 +37,7 @@ class Launch:
     grid: tuple
     args: dict  # every kernel argument by name, constexprs included
     config: TileConfig | None = None
-    shared_estimate: int | None = None  # what config selection assumed (configs.estimate_shared_memory)
+    shared_estimate: int | None = None  # configs.estimate_shared_memory's for this launch (its mask tile counted)
     # tensor arguments the kernel reads through device-side tensor descriptors (TMA): the plan relies on their
     # 16-byte alignment (a cached plan replays only for inputs so aligned: LaunchCache), and the launch needs
     # Triton's scratch allocator (ensure_scratch_allocator)
