@@ -389,31 +389,39 @@ def _fused_compile_plans(target) -> list:
     return plans + _tma_compile_plans(target) + _short_compile_plans(target)
 
 
+def _fwd_bwd_launches(target, B: int, H: int, S: int, d: int, causal: bool, spec, dbias) -> list:
+    """(kernel label, Launch) of the forward, dK/dV and dQ ("attn_bwd_dq+dbias" with dbias) of fp16 (B, H, S, d)
+    inputs with `spec`; none where no config fits (the backend reports that and never launches)."""
+    from .attention_fwd import plan_forward
+
+    q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=torch.float16) for _ in range(8))
+    m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
+    try:
+        fwd = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=causal, bottom_right=False, spec=spec,
+                           target=target)
+        bwd = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=causal,
+                            bottom_right=False, spec=spec, dbias=dbias, target=target)
+    except RuntimeError:
+        return []
+    labels = {"_attn_fwd": "attn_fwd", "_attn_bwd_dkdv": "attn_bwd_dkdv",
+              "_attn_bwd_dq": "attn_bwd_dq" if dbias is None else "attn_bwd_dq+dbias"}
+    return [(labels[launch.kernel.__name__], launch)
+            for launch in [fwd] + [st for st in bwd if type(st) is Launch and st.kernel.__name__ in labels]]
+
+
 def _mask_dtype_compile_plans(target) -> list:
     """16-bit queries with an attn_mask of another dtype (flashtx takes bool and every float mask as it is): fp16
     with every option and a (1, H, S, S) bool, fp32 or fp64 mask (the float ones learned: the dQ writes their
     gradient), the forward, dK/dV and dQ, head dims 64/128/256. Labelled "mask-<dtype>"."""
-    from .attention_fwd import all_options_spec, plan_forward
+    from .attention_fwd import all_options_spec
 
     B, H, S = 2, 2, attention_common.PLAN_SEQLEN
     plans = []
     for d in (64, 128, 256):
         for mdt in (torch.bool, torch.float32, torch.float64):
-            q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=torch.float16) for _ in range(8))
-            m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
-            spec = all_options_spec(B, S, H, (1, H, S, S), mdt)
             dbias = None if mdt == torch.bool else torch.empty(1, H, S, S, dtype=mdt)
-            try:
-                fwd = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=True, bottom_right=False, spec=spec,
-                                   target=target)
-                bwd = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=True,
-                                    bottom_right=False, spec=spec, dbias=dbias, target=target)
-            except RuntimeError:  # no config fits: the backend reports it and never launches
-                continue
-            labels = {"_attn_fwd": "attn_fwd", "_attn_bwd_dkdv": "attn_bwd_dkdv",
-                      "_attn_bwd_dq": "attn_bwd_dq" if dbias is None else "attn_bwd_dq+dbias"}
-            for launch in [fwd] + [st for st in bwd if type(st) is Launch and st.kernel.__name__ in labels]:
-                plans.append((f"{labels[launch.kernel.__name__]} D={d} float16 mask-{str(mdt)[6:]}", launch))
+            plans += [(f"{kernel} D={d} float16 mask-{str(mdt)[6:]}", launch) for kernel, launch in _fwd_bwd_launches(
+                target, B, H, S, d, True, all_options_spec(B, S, H, (1, H, S, S), mdt), dbias)]
     return plans
 
 
@@ -436,31 +444,12 @@ def _short_compile_plans(target) -> list:
                  ("window+masks+lens", True, MaskSpec(window=(16, 0), key_mask=mask, query_mask=mask, q_lens=lens,
                                                       kv_lens=lens)),
                  ("softcap", True, MaskSpec(softcap=30.0)), ("all-options", True, all_options_spec(B, S, H, left=64)))
-        plans += _short_plans(target, B, H, S, tag, specs)
-    return plans
-
-
-def _short_plans(target, B: int, H: int, S: int, tag: str, specs) -> list:
-    from .attention_fwd import plan_forward
-
-    plans = []
-    for d in (64, 128, 192, 256):
-        for name, causal, spec in specs:
-            q, k, v, o, do, dq, dk, dv = (torch.empty(B, H, S, d, dtype=torch.float16) for _ in range(8))
-            m2, l2, delta = (torch.empty(B, H, S, dtype=torch.float32) for _ in range(3))
-            dbias = None if spec.attn_mask is None else torch.empty_like(spec.attn_mask)
-            try:
-                fwd = plan_forward(q, k, v, o, m2, l2, scale=d ** -0.5, causal=causal, bottom_right=False, spec=spec,
-                                   target=target)
-                bwd = plan_backward(do, q, k, v, o, m2, l2, delta, dq, dk, dv, scale=d ** -0.5, causal=causal,
-                                    bottom_right=False, spec=spec, dbias=dbias, target=target)
-            except RuntimeError:  # no config fits: the backend reports it and never launches
-                continue
-            labels = {"_attn_fwd": "attn_fwd", "_attn_bwd_dkdv": "attn_bwd_dkdv",
-                      "_attn_bwd_dq": "attn_bwd_dq" if dbias is None else "attn_bwd_dq+dbias"}
-            for launch in [fwd] + [st for st in bwd if type(st) is Launch and st.kernel.__name__ in labels]:
-                if "fit_rows" in launch.config.reason:  # (an uncut tile is compiled by the plans above)
-                    plans.append((f"{labels[launch.kernel.__name__]} D={d} float16 {tag}{name}", launch))
+        for d in (64, 128, 192, 256):
+            for name, causal, spec in specs:
+                dbias = None if spec.attn_mask is None else torch.empty_like(spec.attn_mask)
+                plans += [(f"{kernel} D={d} float16 {tag}{name}", launch)
+                          for kernel, launch in _fwd_bwd_launches(target, B, H, S, d, causal, spec, dbias)
+                          if "fit_rows" in launch.config.reason]  # (an uncut tile is compiled by the plans above)
     return plans
 
 
