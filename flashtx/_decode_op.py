@@ -11,7 +11,10 @@ mutation and the attention a pure function of the written cache:
   cache_seqlens, the first snew positions: flashtx._small_q's attention over a whole K/V tensor), the
   keys where key_mask (B, Sq | 1, capacity) uint8 (a row per query, or one for all) is nonzero when given
   (contiguous caches; flashtx._small_q);
-  returns (out, lse2) with lse2 in log2 units.
+  returns (out, lse2) with lse2 in log2 units; out (B, Sq, Hq, Dv), or with heads_first its (B, Hq, Sq, Dv)
+  transpose as a tensor of its own (SDPA's shape for flashtx._small_q: a transposed view of the op's output,
+  returned from a compiled function, makes torch 2.15's AOT autograd compare its sizes with its base's, and
+  guard the graph on the query count differing from the head count: a recompile where they meet).
 - `flashtx::kvcache_check`: the index check on the device (triton_kernels/decode_check.py): a (1,)
   int32 flag, 1 when every index the other two would follow is in range, for torch._assert_async.
 
@@ -226,16 +229,21 @@ def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
                       cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
                       block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], key_mask: Optional[Tensor],
                       scale: float, causal: bool, window_left: int, window_right: int, softcap: float, num_splits: int,
-                      snew: int, backend: str) -> tuple[Tensor, Tensor]:
+                      snew: int, backend: str, heads_first: bool) -> tuple[Tensor, Tensor]:
     B, Sq, Hq, _ = q.shape
-    out = q.new_empty((B, Sq, Hq, v_cache.shape[-1]))
+    Dv = v_cache.shape[-1]
+    if heads_first:  # returned (B, Hq, Sq, Dv), laid out (B, Sq, Hq, Dv): one allocation, not a view (see above)
+        out_h = q.new_empty_strided((B, Hq, Sq, Dv), (Sq * Hq * Dv, Dv, Hq * Dv, 1))
+        out = out_h.transpose(1, 2)
+    else:
+        out = out_h = q.new_empty((B, Sq, Hq, Dv))
     lse2 = q.new_empty((B, Hq, Sq), dtype=TORCH_ACC_DTYPE[q.dtype])
     kw = {} if key_mask is None else {"key_mask": key_mask}
     IMPLS[backend].attention(q, k_cache, v_cache, out, lse2, cache_seqlens, cache_leftpad, cache_batch_idx,
                              block_table, alibi_slopes, scale=scale, causal=causal,
                              window=(window_left, window_right), softcap=softcap, num_splits=num_splits, snew=snew,
                              **kw)
-    return out, lse2
+    return out_h, lse2
 
 
 @triton_op("flashtx::kvcache_check", mutates_args=())

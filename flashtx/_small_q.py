@@ -126,7 +126,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias, aux: list, ints: list, floa
                            return_lse)
     # no cache_seqlens: every sequence's keys are k's first snew = Sk rows
     out, lse2 = call(_decode_op.kvcache_attention, qd, kc, vc, None, None, None, None, alibi, key_mask, floats[0],
-                     bool(causal), left, right, floats[1], 0, Sk, "triton")  # (B, Sq, Hq, Dv)
-    if not bshd:
-        out = out.transpose(1, 2)  # (B, Hq, Sq, Dv), laid out (B, Sq, Hq, Dv) as the attention op's
+                     bool(causal), left, right, floats[1], 0, Sk, "triton", not bshd)
+    # out (B, Sq, Hq, Dv), or without bshd (B, Hq, Sq, Dv) laid out (B, Sq, Hq, Dv) as the attention op's
     return (out, lse2 * LN2) if return_lse else out

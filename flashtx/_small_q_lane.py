@@ -55,7 +55,12 @@ class _Lane:
     def run(self, q, k, v, mask):
         """What _small_q.attention returns for this call: out [, lse], allocated as the decode op allocates them."""
         dev = q.device
-        out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)  # (B, Sq, Hq, Dv)
+        if self.bshd:
+            out = res = torch.empty(self.out_shape, dtype=q.dtype, device=dev)  # (B, Sq, Hq, Dv)
+        else:  # (B, Hq, Sq, Dv) laid out (B, Sq, Hq, Dv), a tensor of its own (the op's heads_first)
+            B, Sq, Hq, Dv = self.out_shape
+            res = torch.empty_strided((B, Hq, Sq, Dv), (Sq * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=dev)
+            out = res.transpose(1, 2)
         lse2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)  # (B, Hq, Sq), log2
         o_part = l_part = None
         if self.parts is not None:
@@ -63,9 +68,7 @@ class _Lane:
             l_part = torch.empty(self.parts[1], dtype=self.acc, device=dev)
         km = None if mask is None else mask.view(_U8)  # (nonzero = visible, as the launcher's view)
         _lanes.fire(self.entry, (q, k, v, out, lse2, None, None, None, None, None, km, o_part, l_part))
-        if not self.bshd:
-            out = out.transpose(1, 2)  # (B, Hq, Sq, Dv), laid out (B, Sq, Hq, Dv) as the attention op's
-        return (out, lse2 * LN2) if self.return_lse else out
+        return (res, lse2 * LN2) if self.return_lse else res
 
 
 def decoding(Sq, Sk) -> bool:

@@ -203,7 +203,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # the keys end at cache_seqlens + Snew: the kernels add Snew themselves (no device op here)
     out, lse2 = call(_decode_op.kvcache_attention, q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
                      block_table, alibi, None, scale, causal, window[0], window[1], softcap, int(num_splits), Snew,
-                     name)
+                     name, False)
     if return_softmax_lse:
         return out, lse2 * LN2
     return out

@@ -48,6 +48,9 @@ def test_few_queries_run_the_decode_kernels(routes, case, dtype, api):
             out, lse = flashtx.attention(qh, kh, vh, is_causal=causal, enable_gqa=True, return_lse=True)
     assert routes == ["decode"], routes  # q in any layout: out is (B, Sq, Hq, Dv) in memory either way
     assert out.transpose(1, 2).is_contiguous(), out.stride()
+    # attention's (B, Hq, Sq, Dv) out is a tensor of its own, not a transposed view of the op's output: returned
+    # from a compiled function, such a view made torch 2.15 guard on Sq != Hq (a recompile where they met)
+    assert api == "flash" or out._base is None
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     want, want_lse = _ref(qh, kh, vh, causal=causal, bottom_right=True)
     eager, _ = _ref(qh, kh, vh, causal=causal, bottom_right=True, dtype=dtype)
@@ -230,15 +233,23 @@ def test_padded_batches_as_transformers_decodes_them(routes, dtype, Sq):
 
 def test_kvcache_attention_without_lengths_is_attention_over_the_first_snew_keys():
     """The op flashtx._small_q calls: cache_seqlens None, snew = 11 of a 20-row cache; Triton and the reference
-    backend against the float64 reference over those 11 keys."""
+    backend against the float64 reference over those 11 keys, out in both layouts (heads_first: SDPA's shape as a
+    tensor of its own, not a view)."""
     q = randn(2, 1, 4, 32, dtype=PRECISE_DTYPE)
     kc, vc = (randn(2, 20, 2, 32, dtype=PRECISE_DTYPE) for _ in range(2))
     want, want_lse = _ref(q.transpose(1, 2), kc[:, :11].transpose(1, 2), vc[:, :11].transpose(1, 2))
     for backend in ("triton", "reference"):
-        out, lse2 = torch.ops.flashtx.kvcache_attention(q, kc, vc, None, None, None, None, None, None, 32 ** -0.5,
-                                                        False, -1, -1, 0.0, 0, 11, backend)
-        assert (out.transpose(1, 2) - want).abs().max() < precise_atol(1e-12), backend
-        assert (lse2 * _small_q.LN2 - want_lse).abs().max() < precise_atol(1e-12), backend
+        for heads_first in (False, True):
+            out, lse2 = torch.ops.flashtx.kvcache_attention(q, kc, vc, None, None, None, None, None, None,
+                                                            32 ** -0.5, False, -1, -1, 0.0, 0, 11, backend, heads_first)
+            # heads_first: (B, Hq, Sq, Dv) laid out (B, Sq, Hq, Dv), a tensor of its own; else (B, Sq, Hq, Dv)
+            B, Sq, Hq, Dv = q.shape
+            shape = (B, Hq, Sq, Dv) if heads_first else (B, Sq, Hq, Dv)
+            layout = (Sq * Hq * Dv, Dv, Hq * Dv, 1) if heads_first else (Sq * Hq * Dv, Hq * Dv, Dv, 1)
+            assert (out._base, out.shape, out.stride()) == (None, shape, layout), (backend, heads_first)
+            got = out if heads_first else out.transpose(1, 2)
+            assert (got - want).abs().max() < precise_atol(1e-12), (backend, heads_first)
+            assert (lse2 * _small_q.LN2 - want_lse).abs().max() < precise_atol(1e-12), (backend, heads_first)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=dtype_id)
