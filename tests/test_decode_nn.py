@@ -96,10 +96,12 @@ def test_paged_cache_allocates_and_frees_pages():
         PagedKVCache(2, 1, 8, num_pages=2).allocate_all(17)
     with pytest.raises(ValueError, match="page_size must be a multiple of 16"):
         PagedKVCache(1, 1, 8, num_pages=2, page_size=24)
-    for bad in (3, -1, 1.0, True):  # free(-1) used to free the last sequence; free(3) an IndexError from a list
-        with pytest.raises(IndexError, match=r"seq must be an int in \[0, 3\) \(the batch index\)"):
+    for bad in (3, -1, 1.0, True, None, "1"):  # free(-1) used to free the last sequence; free(3) an IndexError from
+        # a list; the wrong types a TypeError
+        error = IndexError if bad in (3, -1) else TypeError
+        with pytest.raises(error, match=r"seq must be an int in \[0, 3\) \(the batch index\)"):
             cache.free(bad)
-        with pytest.raises(IndexError, match=r"seq must be an int in \[0, 3\)"):
+        with pytest.raises(error, match=r"seq must be an int in \[0, 3\)"):
             cache.allocate(bad, 1)
     with pytest.raises(ValueError, match=r"num_tokens must be an int >= 0; got -5"):
         cache.allocate(0, -5)

@@ -146,3 +146,66 @@ def test_block_cache_reorder():
         paged = block.new_cache(3, 16, memory_len=5, paged=True)
         with pytest.raises(TypeError, match="PagedKVCache, which has no reorder"):
             paged.reorder(perm)
+
+
+def _cross_block():
+    from flashtx.nn import TransformerBlock
+
+    torch.manual_seed(0)
+    return TransformerBlock(E, H, HKV, hidden_dim=48, cross=True, kdim=24, dtype=PRECISE_DTYPE).to(DEVICE).eval()
+
+
+def test_cross_block_refuses_a_bad_memory_or_cross_cache_before_the_self_attention_appends():
+    """An invalid-input fuzz: a cross block's cached call with memory of another dtype or device, or a hand-built
+    BlockCache whose cross cache has another dtype, head count or batch, raised inside the cross-attention (torch's
+    Linear error, not naming memory) after the self-attention had appended its tokens: the retry stored them twice
+    and its output was off by ~0.6. Each is now refused by name first, and the retry equals a fresh cache's call."""
+    from flashtx.nn import KVCache
+    from flashtx.nn.block import BlockCache
+
+    block = _cross_block()
+    x, mem = randn(2, 3, E, dtype=PRECISE_DTYPE), randn(2, 9, 24, dtype=PRECISE_DTYPE)
+    other = torch.float32 if PRECISE_DTYPE != torch.float32 else torch.float64
+    cache, fresh = (block.new_cache(2, 16, memory_len=9) for _ in range(2))
+    own = cache.self_attn
+    cross = dict(dtype=PRECISE_DTYPE, device=DEVICE)
+    bad = [(mem.to(other), cache, f"memory must be {PRECISE_DTYPE}, the layer's dtype"),
+           (mem.long(), cache, f"memory must be {PRECISE_DTYPE}"),
+           (mem.to("meta"), cache, "memory must be on the layer's device"),
+           (mem, BlockCache(own, KVCache(2, HKV, 9, 8, dtype=other, device=DEVICE)), "cache.cross_attn holds"),
+           (mem, BlockCache(own, KVCache(2, HKV + 1, 9, 8, **cross)), "cache holds 3 KV heads"),
+           (mem, BlockCache(own, KVCache(3, HKV, 9, 8, **cross)), "for batch size 2")]
+    with torch.no_grad():
+        for memory, c, match in bad:
+            with pytest.raises(ValueError, match=match):
+                block(x, memory, cache=c)
+            assert int(own.length) == 0 and own._host_length == 0, match
+        _close(block(x, mem, cache=cache), block(x, mem, cache=fresh))
+        step = randn(2, 1, E, dtype=PRECISE_DTYPE)
+        _close(block(step, cache=cache), block(step, cache=fresh))
+
+
+def test_a_refused_call_on_a_meta_cache_keeps_its_error():
+    """The undo of a refused masked call indexed the key mask with a boolean mask, which meta tensors cannot
+    (NotImplementedError from torch.nonzero replaced the ValueError naming key_mask); it fills a slice now."""
+    layer = _layer()
+    cache = layer.new_cache(2, 20, device="meta")
+    with torch.no_grad(), pytest.raises(ValueError, match="key_mask must be on the activations' device meta"):
+        layer(randn(2, 3, E, dtype=PRECISE_DTYPE), key_mask=torch.ones(2, 3, dtype=torch.bool, device=DEVICE),
+              cache=cache)
+    assert cache._host_length == 0 and not cache.padded
+
+
+def test_new_cache_flags_and_scaling_without_a_rule_are_refused():
+    """paged="False" (a truthy string) built a PagedKVCache; a scaling dict with a factor and no type applied no
+    scaling (the factor dropped silently)."""
+    from flashtx.nn import TransformerBlock
+
+    layer, block = _layer(), TransformerBlock(E, H, HKV, hidden_dim=48)
+    for make in (lambda p: layer.new_cache(2, 8, paged=p), lambda p: block.new_cache(2, 8, paged=p)):
+        for flag in ("False", [0]):
+            with pytest.raises(TypeError, match="paged"):
+                make(flag)
+    with pytest.raises(ValueError, match="scaling has a factor but no 'type'"):
+        RotaryEmbedding(8, scaling={"factor": 2.0})
+    assert RotaryEmbedding(8, scaling={"rope_theta": 5e5}).scaling is None  # transformers 5's form, no rule: none

@@ -187,6 +187,7 @@ class MultiheadAttention(nn.Module):
         cross-attention max_len is the memory's length (or more)."""
         p = self.out_proj.weight
         kw = dict(dtype=p.dtype if dtype is None else dtype, device=p.device if device is None else device)
+        paged = check_flag("paged", paged)  # ("False" is truthy)
         if num_pages is not None:
             _check_pos_int("num_pages", num_pages)
         if paged:
@@ -214,11 +215,33 @@ class MultiheadAttention(nn.Module):
         if not isinstance(memory, Tensor) or memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != self.kdim:
             got = tuple(memory.shape) if isinstance(memory, Tensor) else type(memory).__name__
             raise ValueError(f"memory must be (B, Sm, kdim) = ({B}, Sm, {self.kdim}); got {got}")
+        w = self.kv_proj.weight
+        if memory.device != w.device:
+            raise ValueError(f"memory must be on the layer's device {w.device}; got {memory.device}")
+        if not memory.is_floating_point() or (memory.dtype != w.dtype
+                                              and not torch.is_autocast_enabled(memory.device.type)):
+            raise ValueError(f"memory must be {w.dtype}, the layer's dtype (any float dtype under torch.autocast); "
+                             f"got {memory.dtype}")
         Sm = memory.shape[1]
         if Sm > cache.max_len:
             raise ValueError(f"memory has {Sm} positions but the cross-attention cache holds {cache.max_len}: create "
                              f"it with new_cache(..., max_len>={Sm}) (a TransformerBlock's: memory_len>={Sm})")
         _check_mask("memory_mask", memory_mask, B, Sm, memory.device)
+
+    def check_cache(self, cache, B: int) -> None:
+        """Raise for a cache this layer cannot use for a batch of B: not a KVCache or PagedKVCache (for
+        cross-attention, a KVCache) of B rows and this layer's KV heads and head dim."""
+        Hkv, D = self.num_kv_heads, self.head_dim
+        if not isinstance(cache, (KVCache, PagedKVCache)) or cache.batch_size != B:
+            raise ValueError(f"cache must be a KVCache or PagedKVCache for batch size {B} (from new_cache); "
+                             f"got {cache!r}")
+        if isinstance(cache, PagedKVCache) and self.cross:
+            raise ValueError("cross-attention caches its memory in a KVCache, not a PagedKVCache")
+        got = _cache_heads(cache)
+        if got != (Hkv, D, D):
+            raise ValueError(f"cache holds {got[0]} KV heads of head_dim {got[1]} (values {got[2]}), but this "
+                             f"layer has num_kv_heads={Hkv}, head_dim={D}: create the cache with this layer's "
+                             f"new_cache; got {cache!r}")
 
     def _kv(self, memory: Tensor, B: int) -> tuple[Tensor, Tensor]:
         """memory (B, Sm, kdim) -> k, v (B, Sm, Hkv, D) views of one projection."""
@@ -267,16 +290,7 @@ class MultiheadAttention(nn.Module):
             if p > 0:
                 raise ValueError(f"a KV cache is for inference, but the layer is in training mode with dropout={p}; "
                                  "call .eval() first")
-            if not isinstance(cache, (KVCache, PagedKVCache)) or cache.batch_size != B:
-                raise ValueError(f"cache must be a KVCache or PagedKVCache for batch size {B} (from new_cache); "
-                                 f"got {cache!r}")
-            if isinstance(cache, PagedKVCache) and self.cross:
-                raise ValueError("cross-attention caches its memory in a KVCache, not a PagedKVCache")
-            got = _cache_heads(cache)
-            if got != (Hkv, D, D):
-                raise ValueError(f"cache holds {got[0]} KV heads of head_dim {got[1]} (values {got[2]}), but this "
-                                 f"layer has num_kv_heads={Hkv}, head_dim={D}: create the cache with this layer's "
-                                 f"new_cache; got {cache!r}")
+            self.check_cache(cache, B)
         if self.cross:
             out = self._cross(x, memory, key_mask, attn_mask, cache, p)  # (B, Hq, S, D)
         else:

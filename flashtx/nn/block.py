@@ -7,7 +7,7 @@ import numbers
 from torch import Tensor, nn
 
 from .._validate import check_flag
-from .attention import MultiheadAttention
+from .attention import MultiheadAttention, _buffers
 from .kv_cache import KVCache, PagedKVCache, _check_pos_int
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
@@ -163,9 +163,16 @@ class TransformerBlock(nn.Module):
             raise ValueError("memory/memory_mask given to a TransformerBlock built with cross=False")
         if self.cross_attn is not None and memory is None and cache is None:
             raise ValueError("cross-attention needs memory (B, Sm, kdim)")
-        if cache is not None and self.cross_attn is not None and not cache.cross_attn.filled:
+        if cache is not None and self.cross_attn is not None:
             # before the self-attention appends to its cache: a retry must not store the tokens twice
-            self.cross_attn.check_memory(memory, memory_mask, x.shape[0], cache.cross_attn)
+            self.cross_attn.check_cache(cache.cross_attn, x.shape[0])
+            own, cross = _buffers(cache.self_attn)[0], _buffers(cache.cross_attn)[0]
+            if (cross.dtype, cross.device) != (own.dtype, own.device):
+                raise ValueError(f"cache.cross_attn holds {cross.dtype} on {cross.device} but cache.self_attn "
+                                 f"{own.dtype} on {own.device}: both hold this block's activations (make them with "
+                                 f"new_cache)")
+            if not cache.cross_attn.filled:
+                self.cross_attn.check_memory(memory, memory_mask, x.shape[0], cache.cross_attn)
         h = self.attn(self.attn_norm(x), key_mask=key_mask, attn_mask=attn_mask,
                       cache=cache.self_attn if cache is not None else None)
         x = x + self._resid(h)

@@ -291,8 +291,12 @@ class KVCache:
         self._host_length, self.padded, self.holes, leftpad = mark
         if leftpad is not None:
             self.leftpad.copy_(leftpad)
-            pos = self.length + torch.arange(S, device=self._k.device)  # (S,) where the call stored its mask
-            self.key_mask.index_fill_(1, pos[pos < self.max_len], True)  # (past `length`: True in any case)
+            held = self._host_length  # where the call stored its mask: [length, length + S), within max_len
+            if held is not None:  # a slice: no device read (and meta tensors have no boolean indexing)
+                self.key_mask[:, held:min(held + S, self.max_len)] = True
+            else:
+                pos = self.length + torch.arange(S, device=self._k.device)  # (S,)
+                self.key_mask.index_fill_(1, pos[pos < self.max_len], True)  # (past `length`: True in any case)
 
     def _store_mask(self, key_mask: Tensor | None, S: int) -> None:
         """Store the key mask (B, S) of S tokens about to be written at [length, length + S) and
@@ -444,7 +448,10 @@ class PagedKVCache:
             have += new
 
     def _check_seq(self, seq) -> None:
-        if isinstance(seq, bool) or not isinstance(seq, numbers.Integral) or not 0 <= seq < self.batch_size:
+        if isinstance(seq, bool) or not isinstance(seq, numbers.Integral):
+            raise TypeError(f"seq must be an int in [0, {self.batch_size}) (the batch index); got "
+                            f"{type(seq).__name__} {seq!r}")
+        if not 0 <= seq < self.batch_size:
             raise IndexError(f"seq must be an int in [0, {self.batch_size}) (the batch index); got {seq!r}")
 
     def allocate_all(self, num_tokens: int) -> "PagedKVCache":

@@ -34,6 +34,9 @@ def _parse_scaling(scaling, max_seq_len: int, dim: int) -> dict | None:
                          f"partial_rotary_factor from the dict (or set it to 1.0); the columns past dim pass through, "
                          f"as in transformers")
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind is None and "factor" in scaling:  # a factor with no rule: applying none would drop it silently
+        raise ValueError(f"scaling has a factor but no 'type' (or 'rope_type') naming its rule, one of {SCALING_TYPES} "
+                         f"(or 'default' for none); got {scaling}")
     if kind in (None, "default"):
         return None
     if kind not in SCALING_TYPES:
