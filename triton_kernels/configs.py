@@ -29,7 +29,12 @@ only the launches that read an attn_mask tile need other shared memory (up to on
 estimate_shared_memory's mask_elt; CI checks them at 113 too); of the no-spill set, sm_80 10 of 121 spill there
 (8-40 bytes), sm_86 8 of 122 (8-184) and sm_90 8 of 86 (24-336), nearly all with every option (a mask tile), the
 rest sm_80/86's dK/dV at 64 causal (8-24) and sm_80's full dQ at 128 and dK/dV at 256 (8). Reported, not fixed: a
-sweep at both lengths waits for a GPU to weigh them. The short-sequence cuts below are compiled at 49 and 64 tokens.
+sweep at both lengths waits for a GPU to weigh them. Query and key counts of different divisibility (e.g. 32 queries
+over 257 keys): once, 2026-12-07, Triton 3.9, fp16 with every option and a bool, fp16 or learned fp16 (1, H, Sq, Sk)
+mask, forward, dK/dV and dQ at head dims 64/128/256 on sm_80/86/90 (324 compiles, not in CI): 128 queries over 113
+keys take the shared memory of 113 over 113, and 113 over 128 that of 128 over 128, with the same spills (the one
+exception fewer: sm_90's bias-gradient dQ at 128, 1,408 bytes against 1,424) and registers within 23 of them; none
+past its GPU or its estimate. The key count decides. The short-sequence cuts below are compiled at 49 and 64 tokens.
 bench/RESULTS.md records every GPU run.
 
 Selection: the table of the target's family, with the score-modifier table (MODIFIED) first when
