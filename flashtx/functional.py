@@ -35,7 +35,7 @@ from .triton_kernels.limits import MAX_SEQ, exporting
 from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
                         check_cu_seqlens_pair, check_dropout, check_lens, check_max_seqlen, check_qkv,
                         check_flag, check_seq_mask, check_softcap, check_tensor, check_window, refuse_negated_qkv,
-                        resolve_scale)
+                        resolve_scale, _values_readable)
 
 LN2 = math.log(2.0)
 _NO_WINDOW = (-1, -1)
@@ -342,6 +342,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Example:
         >>> out = flashtx.flash_attn_func(q, k, v, causal=True)  # q, k, v: (B, S, H, D)
     """
+    if deterministic is not False and deterministic is not True:
+        check_flag("deterministic", deterministic)  # (read nowhere else: the backward is always deterministic)
     if _AUTOCAST_ANY() and isinstance(q, torch.Tensor):
         q, k, v, attn_bias = _autocast(q.device.type, q, k, v, attn_bias)
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor  # the common case
@@ -422,6 +424,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Example:
         >>> out = flashtx.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
     """
+    if deterministic is not False and deterministic is not True:
+        check_flag("deterministic", deterministic)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, return_attn_probs, block_table, backend, _VARLEN_NAMES)
 
@@ -539,7 +543,8 @@ def pad_input(hidden_states, indices, batch, seqlen):
     zeros at padding positions. Inverse of unpad_input; differentiable in hidden_states.
 
     hidden_states (total, ...); indices (total,) int64 into the flattened (batch * seqlen) positions (unpad_input's),
-    each in range (an out-of-range index raises on CPU, a device-side assert on a GPU, as torch's indexing)."""
+    each in [0, batch * seqlen): on CPU a ValueError names one that is not; on a GPU, as torch's indexing (and
+    flash-attn's pad_input), an index past the end is a device-side assert and a negative one counts from the end."""
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
         got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
         raise ValueError(f"hidden_states must be a (total, ...) tensor; got {got}")
@@ -556,6 +561,11 @@ def pad_input(hidden_states, indices, batch, seqlen):
         raise ValueError(f"indices must be on hidden_states' device {hidden_states.device}; got {indices.device}")
     if total > batch * seqlen:
         raise ValueError(f"hidden_states holds {total} tokens, more than batch * seqlen = {batch} * {seqlen} positions")
+    if total and _values_readable(indices):
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= batch * seqlen:
+            raise ValueError(f"indices must lie in [0, batch * seqlen = {batch * seqlen}) (unpad_input's positions); "
+                             f"got values in [{lo}, {hi}]")
     out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
     out = out.index_put((indices,), hidden_states)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from . import functional
 from ._packing import unbind
-from ._validate import check_tensor
+from ._validate import check_flag, check_tensor
 from .functional import _VARLEN_NAMES, _varlen, flash_attn_func
 
 
@@ -23,6 +23,16 @@ def _unpack(name: str, t, dim: int, parts: int, layout: str):
         raise ValueError(f"{name} must be {rank}-D {layout} with {parts} at dim {dim % rank}; got shape "
                          f"{tuple(t.shape)}")
     return unbind(t, dim)
+
+
+_FLASH_KEYWORDS = ("backend", "key_mask", "query_mask", "kv_lens", "q_lens", "attn_bias")  # flash_attn_func's
+
+
+def _check_keywords(fn: str, kwargs: dict) -> None:
+    """Refuse, naming `fn` (the packed form called), a keyword flash_attn_func does not take (its q, k, v too)."""
+    for name in kwargs:
+        if name not in _FLASH_KEYWORDS:
+            raise TypeError(f"{fn}() got an unexpected keyword argument '{name}'")
 
 
 def _check_kv(q, kv, bshd: bool, kwargs: dict) -> None:
@@ -64,6 +74,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
         >>> qkv = fused_proj(x).view(B, S, 3, H, D)
         >>> out = flashtx.flash_attn_qkvpacked_func(qkv, causal=True)  # (B, S, H, D)
     """
+    _check_keywords("flash_attn_qkvpacked_func", kwargs)
     q, k, v = _unpack("qkv", qkv, 2, 3, "(B, S, 3, H, D)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs, **kwargs)
@@ -87,6 +98,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """
     k, v = _unpack("kv", kv, 2, 2, "(B, S, 2, H, D)")
     _check_kv(q, kv, True, kwargs)
+    _check_keywords("flash_attn_kvpacked_func", kwargs)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs, **kwargs)
 
@@ -113,6 +125,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     backend = kwargs.pop("backend", None)
     if kwargs:
         raise TypeError(f"flash_attn_varlen_qkvpacked_func() got an unexpected keyword argument '{next(iter(kwargs))}'")
+    if deterministic is not False and deterministic is not True:
+        check_flag("deterministic", deterministic)
     return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, return_attn_probs, None, backend, _PACKED_NAMES)
 
@@ -142,6 +156,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     backend = kwargs.pop("backend", None)
     if kwargs:
         raise TypeError(f"flash_attn_varlen_kvpacked_func() got an unexpected keyword argument '{next(iter(kwargs))}'")
+    if deterministic is not False and deterministic is not True:
+        check_flag("deterministic", deterministic)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, return_attn_probs, None, backend, _KVPACKED_NAMES)
 

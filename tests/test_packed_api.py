@@ -142,10 +142,36 @@ def test_qkvpacked_traces_without_graph_breaks():
      r"hidden_states holds 5 tokens, more than batch \* seqlen = 1 \* 4 positions"),
     (lambda: flashtx.pad_input("x", torch.arange(5, device=DEVICE), 2, 4),
      r"hidden_states must be a \(total, ...\) tensor; got str"),
-], ids=["indices-list", "indices-shape", "batch", "too-many", "states"])
+    # on CPU (its values are read there): a negative index counted from the end, silently (an edge-case fuzz)
+    (lambda: flashtx.pad_input(torch.randn(3, 2), torch.tensor([0, 1, -1]), 2, 3),
+     r"indices must lie in \[0, batch \* seqlen = 6\) \(unpad_input's positions\); got values in \[-1, 1\]"),
+    (lambda: flashtx.pad_input(torch.randn(3, 2), torch.tensor([0, 1, 6]), 2, 3),
+     r"indices must lie in \[0, batch \* seqlen = 6\) .*got values in \[0, 6\]"),
+], ids=["indices-list", "indices-shape", "batch", "too-many", "states", "negative-index", "index-past-the-end"])
 def test_pad_input_checks_its_arguments(call, pattern):
     with pytest.raises(ValueError, match=pattern):
         call()
+
+
+def test_packed_forms_name_themselves_and_flags_are_checked():
+    """An edge-case fuzz: the packed forms' unknown keywords were refused as flash_attn_func's ("got multiple values
+    for argument 'k'"), and deterministic took any value unchecked (every other flag is a bool)."""
+    qkv = randn(1, 5, 3, 2, 16)
+    q, kv = randn(1, 5, 2, 16), randn(1, 5, 2, 2, 16)
+    with pytest.raises(TypeError, match=r"^flash_attn_qkvpacked_func\(\) got an unexpected keyword argument 'foo'"):
+        flashtx.flash_attn_qkvpacked_func(qkv, foo=1)
+    with pytest.raises(TypeError, match=r"^flash_attn_kvpacked_func\(\) got an unexpected keyword argument 'k'"):
+        flashtx.flash_attn_kvpacked_func(q, kv, k=1)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    calls = [lambda d: flashtx.flash_attn_func(q, q, q, deterministic=d),
+             lambda d: flashtx.flash_attn_qkvpacked_func(qkv, deterministic=d),
+             lambda d: flashtx.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 5, 5, deterministic=d),
+             lambda d: flashtx.flash_attn_varlen_qkvpacked_func(qkv[0], cu, 5, deterministic=d),
+             lambda d: flashtx.flash_attn_varlen_kvpacked_func(q[0], kv[0], cu, cu, 5, 5, deterministic=d)]
+    for call in calls:
+        with pytest.raises(TypeError, match="deterministic must be a bool; got str 'x'"):
+            call("x")
+        torch.testing.assert_close(call(True), call(False), atol=0, rtol=0)
 
 
 def test_varlen_probs_with_tensor_max_seqlen_span_max_seqlen(monkeypatch):
