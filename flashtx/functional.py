@@ -561,7 +561,7 @@ def pad_input(hidden_states, indices, batch, seqlen):
         raise ValueError(f"indices must be on hidden_states' device {hidden_states.device}; got {indices.device}")
     if total > batch * seqlen:
         raise ValueError(f"hidden_states holds {total} tokens, more than batch * seqlen = {batch} * {seqlen} positions")
-    if total and _values_readable(indices):
+    if _values_readable(indices) and indices.numel():  # (readable first: while tracing, total may be unbacked)
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= batch * seqlen:
             raise ValueError(f"indices must lie in [0, batch * seqlen = {batch * seqlen}) (unpad_input's positions); "
