@@ -72,6 +72,14 @@ def _check_cache_dtype(cache, q: Tensor) -> None:
                          f"new_cache(..., dtype={q.dtype})")
 
 
+def _autocasting(device_type: str) -> bool:
+    """Whether torch.autocast is on for `device_type` (False for a type autocast does not know: meta)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
 def _cache_heads(cache) -> tuple[int, int, int]:
     """(Hkv, D, Dv) of a cache's buffers (both (..., Hkv, D), _buffers)."""
     k, v = _buffers(cache)
@@ -218,8 +226,7 @@ class MultiheadAttention(nn.Module):
         w = self.kv_proj.weight
         if memory.device != w.device:
             raise ValueError(f"memory must be on the layer's device {w.device}; got {memory.device}")
-        if not memory.is_floating_point() or (memory.dtype != w.dtype
-                                              and not torch.is_autocast_enabled(memory.device.type)):
+        if not memory.is_floating_point() or (memory.dtype != w.dtype and not _autocasting(memory.device.type)):
             raise ValueError(f"memory must be {w.dtype}, the layer's dtype (any float dtype under torch.autocast); "
                              f"got {memory.dtype}")
         Sm = memory.shape[1]
