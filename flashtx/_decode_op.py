@@ -224,6 +224,16 @@ def kvcache_append(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tens
     return q_out
 
 
+def empty_out(B: int, Sq: int, Hq: int, Dv: int, heads_first: bool, dtype, device) -> tuple[Tensor, Tensor]:
+    """(what kvcache_attention returns, the (B, Sq, Hq, Dv) view its kernels write): one (B, Sq, Hq, Dv) allocation,
+    or with heads_first (B, Hq, Sq, Dv) laid out (B, Sq, Hq, Dv), a tensor of its own (see the module docstring)."""
+    if not heads_first:
+        out = torch.empty((B, Sq, Hq, Dv), dtype=dtype, device=device)
+        return out, out
+    out_h = torch.empty_strided((B, Hq, Sq, Dv), (Sq * Hq * Dv, Dv, Hq * Dv, 1), dtype=dtype, device=device)
+    return out_h, out_h.transpose(1, 2)
+
+
 @triton_op("flashtx::kvcache_attention", mutates_args=())
 def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
                       cache_leftpad: Optional[Tensor], cache_batch_idx: Optional[Tensor],
@@ -231,12 +241,7 @@ def kvcache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
                       scale: float, causal: bool, window_left: int, window_right: int, softcap: float, num_splits: int,
                       snew: int, backend: str, heads_first: bool) -> tuple[Tensor, Tensor]:
     B, Sq, Hq, _ = q.shape
-    Dv = v_cache.shape[-1]
-    if heads_first:  # returned (B, Hq, Sq, Dv), laid out (B, Sq, Hq, Dv): one allocation, not a view (see above)
-        out_h = q.new_empty_strided((B, Hq, Sq, Dv), (Sq * Hq * Dv, Dv, Hq * Dv, 1))
-        out = out_h.transpose(1, 2)
-    else:
-        out = out_h = q.new_empty((B, Sq, Hq, Dv))
+    out_h, out = empty_out(B, Sq, Hq, v_cache.shape[-1], heads_first, q.dtype, q.device)
     lse2 = q.new_empty((B, Hq, Sq), dtype=TORCH_ACC_DTYPE[q.dtype])
     kw = {} if key_mask is None else {"key_mask": key_mask}
     IMPLS[backend].attention(q, k_cache, v_cache, out, lse2, cache_seqlens, cache_leftpad, cache_batch_idx,

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from . import _env, _lanes, _library, _small_q
+from . import _decode_op, _env, _lanes, _library, _small_q
 from .triton_kernels import precision
 
 LANE = _env.HAS_TRITON  # the lanes launch Triton kernels: without triton every call takes the general path
@@ -55,12 +55,7 @@ class _Lane:
     def run(self, q, k, v, mask):
         """What _small_q.attention returns for this call: out [, lse], allocated as the decode op allocates them."""
         dev = q.device
-        if self.bshd:
-            out = res = torch.empty(self.out_shape, dtype=q.dtype, device=dev)  # (B, Sq, Hq, Dv)
-        else:  # (B, Hq, Sq, Dv) laid out (B, Sq, Hq, Dv), a tensor of its own (the op's heads_first)
-            B, Sq, Hq, Dv = self.out_shape
-            res = torch.empty_strided((B, Hq, Sq, Dv), (Sq * Hq * Dv, Dv, Hq * Dv, 1), dtype=q.dtype, device=dev)
-            out = res.transpose(1, 2)
+        res, out = _decode_op.empty_out(*self.out_shape, not self.bshd, q.dtype, dev)  # out: (B, Sq, Hq, Dv)
         lse2 = torch.empty(self.lse_shape, dtype=self.acc, device=dev)  # (B, Hq, Sq), log2
         o_part = l_part = None
         if self.parts is not None:
