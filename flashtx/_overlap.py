@@ -5,6 +5,19 @@ from __future__ import annotations
 import torch
 
 
+def _sorted_by_first(items: list, reverse: bool = False) -> list:
+    """items (tuples) sorted by their first element (ties in any order), by insertion with `<`: under torch.compile
+    each comparison of symbolic sizes becomes a guard, where Dynamo refuses sorted() over symbolic keys (a view's
+    in-place call under dynamic shapes did not compile). A handful of dims: quadratic is nothing."""
+    out: list = []
+    for item in items:
+        i = len(out)
+        while i > 0 and ((out[i - 1][0] < item[0]) if reverse else (item[0] < out[i - 1][0])):
+            i -= 1
+        out.insert(i, item)
+    return out
+
+
 def has_internal_overlap(t: torch.Tensor) -> bool:
     """May two elements of t share memory? True for a stride-0 dim of size > 1 (expand(): the overlap PyTorch's
     in-place ops refuse) and for strides that do not nest (an as_strided view that revisits memory, which PyTorch
@@ -12,8 +25,8 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     reach of the smaller ones; a layout that fails it is reported even where no two elements coincide."""
     if t.is_contiguous() or t.numel() == 0:
         return False
-    reach = 0  # the largest offset the dims of smaller stride reach
-    for stride, size in sorted(zip(t.stride(), t.shape)):
+    reach = 0  # the largest offset the dims of smaller stride reach (ties: the second of equal strides overlaps)
+    for stride, size in _sorted_by_first(list(zip(t.stride(), t.shape))):
         if size > 1:
             if stride <= reach:
                 return True
@@ -47,16 +60,19 @@ def views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """views_overlap's answer for two non-empty tensors of one storage."""
-    if a.dtype != b.dtype or a.dim() != b.dim() or a.stride() != b.stride():
-        def span(t):
-            lo = t.storage_offset() * t.element_size()
-            return lo, lo + (sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-        (a0, a1), (b0, b1) = span(a), span(b)
+    a_shape, a_strides, b_shape, b_strides = a.shape, a.stride(), b.shape, b.stride()
+    a_off, b_off = a.storage_offset(), b.storage_offset()
+    if a.dtype != b.dtype or a.dim() != b.dim() or tuple(a_strides) != tuple(b_strides):
+        def span(shape, strides, off, elt):
+            lo = off * elt
+            return lo, lo + (sum((n - 1) * abs(st) for n, st in zip(shape, strides)) + 1) * elt
+        (a0, a1), (b0, b1) = span(a_shape, a_strides, a_off, a.element_size()), \
+            span(b_shape, b_strides, b_off, b.element_size())
         return a0 < b1 and b0 < a1
     # a's element (i) and b's element (j) coincide iff sum_k (i_k - j_k) * stride_k = offset(b) - offset(a),
     # with i_k - j_k in [-(b.shape[k] - 1), a.shape[k] - 1]. Search the digits, largest stride first.
-    dims = sorted(((abs(st), -(nb - 1), na - 1) for st, na, nb in zip(a.stride(), a.shape, b.shape) if st != 0),
-                  reverse=True)
+    dims = _sorted_by_first([(abs(st), -(nb - 1), na - 1) for st, na, nb in zip(a_strides, a_shape, b_shape)
+                              if st != 0], reverse=True)
     reach = [0] * (len(dims) + 1)  # reach[k]: the most that dims k.. can add or subtract
     for k in range(len(dims) - 1, -1, -1):
         st, lo, hi = dims[k]
@@ -73,4 +89,4 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         first, last = max(lo, -((reach[k + 1] - rest) // st)), min(hi, (rest + reach[k + 1]) // st)
         return any(solvable(k + 1, rest - t * st) for t in range(first, last + 1))
 
-    return solvable(0, b.storage_offset() - a.storage_offset())
+    return solvable(0, b_off - a_off)

@@ -483,7 +483,8 @@ def check_attn_mask(name: str, m, lead: tuple, H: int, Sq: int, Sk: int, q, shap
                         f"got dtype {m.dtype}")
     if m.device != q.device:
         raise ValueError(f"{name} must be on the inputs' device {q.device}; got {m.device}")
-    ok = m.dim() <= len(target) and all(a in (1, b) for a, b in zip(reversed(m.shape), reversed(target)))
+    # (== each, not `a in (1, b)`: Dynamo answers a tuple's `in` by identity for symbolic sizes, refusing equal ones)
+    ok = m.dim() <= len(target) and all(a == 1 or a == b for a, b in zip(reversed(m.shape), reversed(target)))
     if not ok:
         raise ValueError(f"{name} of shape {tuple(m.shape)} cannot broadcast to the attention scores' shape "
                          f"{target} (..., heads, query length, key length) of {shapes()}; each of its dims must "
@@ -538,7 +539,8 @@ def check_alibi(name: str, slopes, B: int, H: int, q, trains: bool = True) -> to
     _check_layout(name, slopes)
     if slopes.dtype != torch.float32:
         raise TypeError(f"{name} must be float32 (as flash-attn's), shape ({H},) or ({B}, {H}); got {slopes.dtype}")
-    if tuple(slopes.shape) not in ((H,), (B, H)):
+    if not (slopes.dim() == 1 and slopes.shape[0] == H or slopes.dim() == 2 and slopes.shape[0] == B
+            and slopes.shape[1] == H):  # (== each: symbolic sizes, as above)
         raise ValueError(f"{name} must have shape (nheads,) = ({H},) or (batch, nheads) = ({B}, {H}); "
                          f"got {tuple(slopes.shape)}")
     if slopes.device != q.device:

@@ -223,8 +223,9 @@ def _positions(B, S, device, cos, seqlen_offsets, position_ids, cu_seqlens, max_
                                 device)
             position_ids = position_ids.unsqueeze(0)  # (1, total)
         else:
-            _check_index_tensor("position_ids", position_ids, lambda s: len(s) == 2 and s[0] in (1, B) and s[1] == S,
-                                lambda: f"({B}, {S}) or (1, {S})", device)
+            _check_index_tensor("position_ids", position_ids,
+                                lambda s: len(s) == 2 and (s[0] == 1 or s[0] == B) and s[1] == S,  # (== each, not
+                                lambda: f"({B}, {S}) or (1, {S})", device)  # `in`: Dynamo's `in` misses symbolic sizes)
             position_ids = position_ids.expand(B, S)
     elif offsets is None and not empty and seq + offset > seqlen_ro:
         if not varlen:
@@ -438,7 +439,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, 
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape; got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if q.dim() == 4:  # (checks apply_rotary_qk makes too, naming the tables the caller passed, not their halves)
-        if cos.dim() == 3 and cos.shape[0] not in (1, q.shape[0]):
+        if cos.dim() == 3 and cos.shape[0] != 1 and cos.shape[0] != q.shape[0]:  # (not `in`: symbolic sizes)
             raise ValueError(f"cos/sin (B, S, rotary_dim) must have batch size 1 or q's {q.shape[0]}; got shape "
                              f"{tuple(cos.shape)}")
         if cos.shape[-1] > q.shape[-1]:
