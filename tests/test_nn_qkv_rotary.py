@@ -2,6 +2,8 @@
 (flashtx/nn/_qkv_rotary.py): the same outputs and gradients as the out-of-place rotation (bitwise in the
 interpreter: the same kernels), attention saving views of the one projection (not rotated copies beside it), and the
 out-of-place rotation wherever the in-place node must not run (a forward hook, no grad)."""
+import warnings
+
 import pytest
 import torch
 from conftest import PRECISE_DTYPE, randn
@@ -115,3 +117,35 @@ def test_small_projections_rotate_out_of_place(monkeypatch):
     m = _layer(4, 2, RotaryEmbedding(16), True, torch.float32)
     _, names = _saved_bytes(m, randn(2, 5, E, requires_grad=True))
     assert not any("RotateQK" in n for n in names)
+
+
+@pytest.mark.parametrize("kind", ["full", "full-global", "legacy", "pre"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_backward_hooks_on_the_projection_fire_with_the_gradient(kind, bias):
+    """A backward hook on qkv (full, global, the legacy kind, a pre-hook) sees the projection's output gradient
+    (fuzz, 2026-12-07: the in-place node rotated the base of the view register_full_backward_hook returns, so the hook
+    never fired): the layer rotates out of place then; gradients as without the hook."""
+    m = _layer(4, 2, RotaryEmbedding(16), bias, PRECISE_DTYPE)
+    x = randn(2, 13, E, dtype=PRECISE_DTYPE, requires_grad=True)
+    g = randn(2, 13, E, dtype=PRECISE_DTYPE)
+    want, want_grads = _run(m, x, g, out_of_place=True)
+    seen = []
+    if kind == "full":
+        handle = m.qkv.register_full_backward_hook(lambda mod, gin, gout: seen.append(gout[0]))
+    elif kind == "full-global":
+        handle = torch.nn.modules.module.register_module_full_backward_hook(
+            lambda mod, gin, gout: seen.append(gout[0]) if mod is m.qkv else None)
+    elif kind == "legacy":
+        handle = m.qkv.register_backward_hook(lambda mod, gin, gout: seen.append(gout[0]))
+    else:
+        handle = m.qkv.register_full_backward_pre_hook(lambda mod, gout: seen.append(gout[0]))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (the legacy kind's deprecation, at backward)
+            out, grads = _run(m, x, g, out_of_place=False)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and seen[0].shape[-1] == m.qkv.out_features
+    assert torch.equal(out, want)
+    for a, b in zip(grads, want_grads):
+        assert torch.equal(a, b)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+from torch.nn.modules import module as _module
 
 from .. import _lanes, _rotary_lane
 from .._library import _C_APPLY, _unwrap_if_dead
@@ -38,6 +39,14 @@ def projection_base(proj: Tensor) -> Tensor | None:
 # measured on CPU with the launches stubbed) costs more than the memory it saves is worth where a step waits on the
 # host; the packed forms' threshold (flashtx._packing.MIN_NUMEL), for the same reason.
 MIN_NUMEL = 1 << 20
+
+
+def backward_hooked(module: torch.nn.Module) -> bool:
+    """Whether a module backward hook (the module's own, full or not, or a global one) watches module's output: it
+    sits on the output's own autograd node (register_full_backward_hook's BackwardHookFunction view), which the node
+    here would leave off the gradient's path by rotating the projection's base (the hook never fired)."""
+    return bool(module._backward_hooks or module._backward_pre_hooks or _module._global_backward_hooks
+                or getattr(_module, "_global_backward_pre_hooks", None))
 
 
 def eligible(proj: Tensor) -> bool:

@@ -53,7 +53,7 @@ from .. import _dispatch
 from .._validate import check_flag
 from ..rotary import apply_rotary_qk
 from ..triton_kernels.limits import MAX_SEQ, exporting
-from ._qkv_rotary import eligible, rotate_qk_
+from ._qkv_rotary import backward_hooked, eligible, rotate_qk_
 from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int, _host_readable, _static
 from .rotary import RotaryEmbedding
 from .swiglu import forward_hooked
@@ -305,7 +305,8 @@ class MultiheadAttention(nn.Module):
                 raise ValueError("memory is for cross-attention; this layer was built with cross=False")
             proj, rotated = self.qkv(x), False  # (B, S, (Hq + 2 Hkv) D)
             if cache is None and type(self.rotary) is RotaryEmbedding and eligible(proj) and S <= MAX_SEQ \
-                    and not forward_hooked(self.qkv, self.rotary):  # training: rotated in place (_qkv_rotary)
+                    and not forward_hooked(self.qkv, self.rotary) and not backward_hooked(self.qkv):
+                # training: rotated in place (_qkv_rotary)
                 cos, sin = self.rotary.cos_sin(S, x.device)  # (S, dim / 2): RotaryEmbedding's for positions 0..S-1
                 proj = rotate_qk_(proj, (B, S, Hq + 2 * Hkv, D), (Hq, Hkv), cos, sin, self.rotary.interleaved,
                                   self.backend)
