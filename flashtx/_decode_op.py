@@ -156,7 +156,9 @@ class DecodeReference:
         bias = None
         if alibi is not None:
             bias = -alibi.to(acc).reshape(-1, Hq)[:, :, None, None] * (qpos - jj).abs()[:, None].to(acc)
-        o, lse = reference.attention(qh, k, v, scale=scale, vis=vis, softcap=softcap, alibi=bias, return_lse=True)
+        with reference.exact(dev):
+            o, lse = reference.attention(qh, k, v, scale=scale, vis=vis, softcap=softcap, alibi=bias,
+                                         return_lse=True)
         out.copy_(o.transpose(1, 2))
         lse2.copy_(lse / reference.LN2)
 

@@ -114,8 +114,9 @@ class ReferenceBackend(Backend):
     def forward(self, q, k, v, out, *, scale, causal, bottom_right, masks=NO_MASKS, bshd=False):
         if bshd:
             q, k, v, out = bhsd(True, q, k, v, out)
-        o, m2, l2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
-                                                spec=masks)
+        with reference.exact(q.device):
+            o, m2, l2 = reference.attention_forward(q, k, v, scale=scale, causal=causal, bottom_right=bottom_right,
+                                                    spec=masks)
         out.copy_(o)
         return m2, l2
 
@@ -123,14 +124,16 @@ class ReferenceBackend(Backend):
                  masks=NO_MASKS, dbias=None, bshd=False):
         if bshd:
             do, q, k, v, out, dq, dk, dv = bhsd(True, do, q, k, v, out, dq, dk, dv)
-        grads = reference.attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal,
-                                             bottom_right=bottom_right, dlse2=dl2, spec=masks, dbias=dbias)
+        with reference.exact(q.device):
+            grads = reference.attention_backward(do, q, k, v, out, m2, l2, scale=scale, causal=causal,
+                                                 bottom_right=bottom_right, dlse2=dl2, spec=masks, dbias=dbias)
         for buf, g in zip((dq, dk, dv), grads):
             buf.copy_(g)
 
     def probs(self, q, k, v, m2, l2, *, scale, causal, bottom_right, masks=NO_MASKS):
-        return reference.attention_probs(q, k, v, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
-                                         spec=masks)
+        with reference.exact(q.device):
+            return reference.attention_probs(q, k, v, m2, l2, scale=scale, causal=causal, bottom_right=bottom_right,
+                                             spec=masks)
 
 
 class TritonBackend(Backend):

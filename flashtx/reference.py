@@ -6,11 +6,22 @@ clarity, not memory: attention here materialises the (Sq, Sk) score matrix.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 LN2 = math.log(2.0)
+
+
+def exact(device: torch.device):
+    """A context where autocast leaves this module's matmuls in the dtype they ask for (the accumulator's, as the
+    kernels compute): the backends' calls run in it, so an eager call under torch.autocast (whose inputs the public
+    functions already cast) computes as its compiled form does (a custom op's body sees no autocast there). A no-op
+    where autocast is off (~0.1 us)."""
+    if not torch._C._is_any_autocast_enabled() or device.type not in ("cuda", "cpu"):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
 LOG2E = 1.0 / LN2
 # The backends clamp additive attn_mask values to [BIAS_FLOOR, -BIAS_FLOOR] (infinities and NaN kept), as the
 # kernels do (triton_kernels.attention_common.BIAS_FLOOR/BIAS_CEIL): bias * log2(e) stays finite in fp32.

@@ -380,6 +380,38 @@ def test_autocast_casts_the_inputs_as_it_casts_sdpas():
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("backend", ["reference", None], ids=["reference", "auto"])
+def test_autocast_computes_as_the_explicit_cast_eager_and_compiled(backend):
+    """Under torch.autocast a call computes exactly as on inputs cast to the autocast dtype, eagerly and compiled
+    (fuzz, 2026-12-07: eagerly the reference backend's fp32 matmuls ran under the caller's autocast, in bf16, so eager
+    and compiled differed by 1-2 bf16 ulps); the forward and the gradients, and flash_attn_with_kvcache's
+    reference."""
+    torch.manual_seed(0)
+    dt = torch.bfloat16 if DEVICE == "cpu" else torch.float16
+    q, k, v = (randn(2, 2, 7, 16, requires_grad=True) for _ in range(3))
+    qe, ke, ve = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+
+    def f(q, k, v):
+        return flashtx.attention(q, k, v, is_causal=True, backend=backend)
+
+    want = f(qe, ke, ve)
+    want_grads = torch.autograd.grad(want.float().sum(), (qe, ke, ve))
+    with torch.autocast(DEVICE, dtype=dt):
+        got = f(q, k, v)
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(compiled, want, atol=0, rtol=0)
+    for g, w in zip(torch.autograd.grad(got.float().sum(), (q, k, v)), want_grads):
+        torch.testing.assert_close(g, w.float(), atol=0, rtol=0)
+    kc, vc, qd = randn(2, 9, 2, 16), randn(2, 9, 2, 16), randn(2, 1, 2, 16)
+    lens = torch.full((2,), 9, dtype=torch.int32, device=DEVICE)
+    want_d = flashtx.flash_attn_with_kvcache(qd.to(dt), kc.to(dt), vc.to(dt), cache_seqlens=lens, backend="reference")
+    with torch.autocast(DEVICE, dtype=dt):
+        got_d = flashtx.flash_attn_with_kvcache(qd.to(dt), kc.to(dt), vc.to(dt), cache_seqlens=lens,
+                                               backend="reference")
+    torch.testing.assert_close(got_d, want_d, atol=0, rtol=0)
+
+
 def test_autocast_leaves_float64_and_other_devices_alone():
     """As torch's autocast: float64 inputs are not cast, and tensors on a device autocast does not know (meta)
     pass through (the check used to raise 'unknown device type for autocast')."""
