@@ -124,6 +124,9 @@ def _refuse_transforms(op, args) -> None:
     if _FUNCTORCH():
         raise NotImplementedError(f"{name}: torch.func transforms (vmap, grad, jacrev, ...) are not supported; call it "
                                   f"outside the transform, or use torch.autograd (backward) for gradients")
+    if torch.compiler.is_compiling():  # a traced tensor shows no tangent, and the compiled op's would be dropped
+        raise NotImplementedError(f"{name}: forward-mode AD is not supported (a dual level is open while "
+                                  f"torch.compile traces it; it has no jvp formula); use backward-mode autograd")
     tensors, lists = _TENSORS[op]
     ts = [args[i] for i in tensors] + [t for i in lists for t in args[i]]
     if any(t is not None and _FORWARD_AD.unpack_dual(t).tangent is not None for t in ts):
@@ -169,10 +172,10 @@ def call(op, *args):
     subclasses) and wherever autograd must record an op without an eager twin (a double backward,
     which it then refuses); otherwise its body, through its autograd.Function when a tensor
     argument requires grad, on the first argument's device (made current for the call if it is not)."""
+    if _FUNCTORCH() or _FORWARD_AD._current_level >= 0:  # (traced too: a compiled jvp gave zero tangents)
+        _refuse_transforms(op, args)
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return op(*args)  # traced: the compiled graph places each kernel itself
-    if _FUNCTORCH() or _FORWARD_AD._current_level >= 0:
-        _refuse_transforms(op, args)
     if _JIT_TRACING():
         _refuse_jit_kernels(op, args)
     other = _other_device(args[0])

@@ -63,6 +63,35 @@ def test_torch_func_transforms_are_refused_clearly(api):
         torch.func.grad(lambda a: CALLS[api](a, k[0:1], v[0:1]).sum())(q[0:1])
 
 
+COMPILED_OPS = {
+    "attention": lambda q: flashtx.attention(q, q, q, is_causal=True),
+    "swiglu": lambda q: flashtx.swiglu(q, q),
+    "rotary": lambda q: flashtx.apply_rotary(q, torch.ones(8, 8, device=q.device, dtype=q.dtype),
+                                             torch.zeros(8, 8, device=q.device, dtype=q.dtype), layout="bhsd"),
+}
+
+
+@pytest.mark.parametrize("how", ["jvp", "dual"])
+@pytest.mark.parametrize("op", sorted(COMPILED_OPS))
+def test_forward_ad_under_torch_compile_is_refused_not_zeroed(op, how):
+    """Compiled, forward-mode AD is refused with flashtx's error too (fuzz, 2026-12-07: torch.compile of a
+    torch.func.jvp through flashtx gave all-zero tangents, and a dual input a None tangent, silently): the check ran
+    after the compiled path's early return; a traced tensor shows no tangent, so an open dual level refuses."""
+    f = COMPILED_OPS[op]
+    x = randn(1, 2, 8, 16)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="not supported") as info:
+        if how == "jvp":
+            torch.compile(lambda x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1], backend="aot_eager",
+                          fullgraph=True)(x)
+        else:
+            with fwAD.dual_level():
+                torch.compile(f, backend="aot_eager", fullgraph=True)(fwAD.make_dual(x, torch.ones_like(x)))
+    assert "flashtx::" in str(info.value)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(f)(x).graph_break_count == 0  # (the check costs plain compiled calls nothing)
+
+
 def test_patched_sdpa_sends_transforms_and_forward_ad_to_torch():
     q, k, v = _qkv(b=3)
     t = torch.randn_like(q)
