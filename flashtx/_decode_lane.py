@@ -15,7 +15,8 @@ kv_append and decode_attention would replay), made for the normalised tensors, w
 views with their data pointers (a contiguous() that copies, a reshaped ALiBi table of other strides: the general
 path). Every call still checks what depends on values or addresses, as the general path does: the index ranges
 (`decode._check_ranges`: on the host for CPU tensors, by the check kernel and a device-side assert on a GPU, the
-kernel's launch replayed from the lane's entry, `decode._check_entry`) and, when appending, whether the caches share
+kernel's launch replayed from the lane's entry, `decode._check_entry`; not where the caller proved them,
+`ranges_known`: flashtx.nn's sealed caches) and, when appending, whether the caches share
 memory with each other or with q, k, v (`decode.append_overlap`). It then fires the append (bumping the caches'
 version counters, as the in-place op's call does) and the attention, with the outputs and split partials allocated as
 the ops allocate them. Every other call returns None, and the caller takes the general path: empty inputs, tensors on
@@ -70,9 +71,10 @@ def _sig(t):
 
 
 def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, scale, causal, window,
-         softcap, interleaved, alibi, num_splits, return_lse, backend):
+         softcap, interleaved, alibi, num_splits, return_lse, backend, ranges_known=False):
     """flash_attn_with_kvcache's result for these arguments (its own, in its order), or None where the lane does not
-    take the call (module docstring): the caller runs the general path."""
+    take the call (module docstring): the caller runs the general path. ranges_known: the caller proved the index
+    values in range (decode.kvcache_step): no index check."""
     if not LANE or type(q) is not _TENSOR or type(k_cache) is not _TENSOR or type(v_cache) is not _TENSOR or \
             type(seqlens) is not _TENSOR or not _lanes.eager() or q.is_neg() or q.layout is not _STRIDED or \
             q.is_nested:  # (Dynamo cannot trace is_neg)
@@ -98,7 +100,7 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
     lane = _lanes.TABLE.get(key)
     if lane is None:  # (_make checks this call's values as the general path does, in its order)
         lane = _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, scale, causal,
-                     window, softcap, interleaved, alibi, num_splits, backend)
+                     window, softcap, interleaved, alibi, num_splits, backend, ranges_known)
         if not lane:
             return None
     elif not lane:
@@ -106,8 +108,9 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
     else:
         if lane.snew and append_overlap(q, k, v, k_cache, v_cache) is not None:
             return None  # refused by the general path (it depends on addresses)
-        _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, lane.snew, lane.capacity,
-                      lane.q_moves, lane.left, lane.check)
+        if not ranges_known:
+            _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, lane.snew, lane.capacity,
+                          lane.q_moves, lane.left, lane.check)
     if lane.append is not None:
         q_out = torch.empty_like(q) if lane.rotary else None
         _lanes.fire(lane.append, (q, q_out, k, v, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table))
@@ -131,7 +134,7 @@ def step(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block
 
 
 def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, scale, causal, window,
-          softcap, interleaved, alibi, num_splits, backend):
+          softcap, interleaved, alibi, num_splits, backend, ranges_known=False):
     """The lane for `key` (stored), False where the general path must take these calls (stored too), or None where
     it must take this one for what the inputs alone show (not stored). Raises what the general path raises for this
     call, in its order: the argument checks, the index values (which a returned lane's call has then passed), the
@@ -146,8 +149,9 @@ def _make(key, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad,
     B, Sq, Hq, _ = q.shape
     if B == 0 or Sq == 0 or Hq == 0:
         return None  # nothing to launch: the general path's
-    _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, snew, capacity, q_moves,
-                  window2[0])  # as it does
+    if not ranges_known:
+        _check_ranges(q, k_cache, seqlens, batch_idx, leftpad, block_table, cos, snew, capacity, q_moves,
+                      window2[0])  # as it does
     same = all(a is b or (a is not None and b is not None and a.data_ptr() == b.data_ptr()
                           and (a.shape == b.shape or a is alibi))
                for a, b in ((cos, cos2), (sin, sin2), (seqlens, seqlens2), (batch_idx, batch_idx2),

@@ -178,9 +178,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         ...                                       rotary_cos=cos, rotary_sin=sin, causal=True)
         >>> lens += 1   # the caller owns the lengths, as with flash-attn
     """
+    return kvcache_step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                        alibi_slopes, num_splits, return_softmax_lse, backend, False)
+
+
+def kvcache_step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                 return_softmax_lse, backend, ranges_known: bool):
+    """flash_attn_with_kvcache's work, its arguments in order (all positional), and ranges_known: True where the
+    caller has proven every index value the kernels follow in range (flashtx.nn's own caches, whose lengths, leftpad
+    and block table only flashtx wrote since it checked them on the host: KVCache.ranges_known), so the per-call
+    index check (_check_ranges: the check kernel and a device-side assert on a GPU) is skipped. Every argument
+    check still runs."""
     done = _decode_lane.step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend)
+                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, ranges_known)
     if done is not None:  # a repeated plain call: one lookup (flashtx._decode_lane)
         return done
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
@@ -189,8 +202,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
      Snew, capacity, causal, window, softcap, alibi, scale, q_moves) = _prepare(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits)
-    _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew, capacity,
-                  q_moves, window[0])
+    if not ranges_known:
+        _check_ranges(q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, Snew,
+                      capacity, q_moves, window[0])
     name = _backend(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, alibi, window, softcap, capacity, backend)
     if name == "triton" and (q.shape[0] > MAX_GRID_YZ or q.shape[1] * q.shape[2] > MAX_GRID_YZ):
         # (kv heads x query tiles <= Hq x Sq) the kernels' grid limits, before the append writes the caches

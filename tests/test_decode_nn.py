@@ -491,7 +491,8 @@ def test_a_call_that_fails_after_the_bookkeeping_leaves_the_cache_as_it_was(page
         for cache in caches:
             layer(x[:, :4], key_mask=prompt_mask, cache=cache)
         before = _cache_state(caches[0])
-        name = "flash_attn_with_kvcache" if paged or S <= 16 else "flash_attn_func"  # the path this call takes
+        name = "kvcache_step" if paged or S <= 16 else "flash_attn_func"  # the path this call takes (decoding:
+        # flash_attn_with_kvcache's body, decode.kvcache_step)
         with monkeypatch.context() as m, pytest.raises(RuntimeError, match="refused"):
             m.setattr(nn_attention, name, fail)
             layer(x[:, 4:], key_mask=step_mask, cache=caches[0])

@@ -21,7 +21,11 @@ the GROUP q heads sharing one K/V head, padded to BLOCK_M >= 16, so every K/V ti
 of them through one tl.dot. Program (split, kv head x M tile, batch) folds its split's share of the
 visible key tiles into an online softmax; with one split it writes out/lse directly, otherwise
 fp32 partials that `_decode_combine` merges by their log-sum-exp. Scores are in log2 units (see
-attention_common); rows that see no key give 0 and lse -inf. With DOT_HALVES (fp32 inputs, 32- and 64-wide
+attention_common); rows that see no key give 0 and lse -inf. Index guards: the index check (decode_check.py) refuses
+out-of-range lengths, rows, pages and table rows before these kernels run; where it did not run (flashtx.nn's
+sealed caches) the kernels still touch nothing outside their tensors: lengths are clamped to the capacity, rows and
+pages out of range are neither read nor written, table rows out of range rotate by nothing.
+With DOT_HALVES (fp32 inputs, 32- and 64-wide
 heads: plan_decode) a score is the sum of two half-D dots, two short rounding chains instead of one long one.
 """
 from __future__ import annotations
@@ -79,13 +83,17 @@ def _kv_append(Q, QO, KN, VN, KC, VC, COS, SIN, SEQLENS, BIDX, BT,
                stride_knb, stride_knm, stride_knh, stride_knd, stride_vnb, stride_vnm, stride_vnh, stride_vnd,
                stride_kcb, stride_kcn, stride_kch, stride_kcd, stride_vcb, stride_vcn, stride_vch, stride_vcd,
                stride_cos, stride_sin, stride_btb,
-               Sq, Snew, Hq, Hkv, D, DV, R2, PAGE,
+               Sq, Snew, Hq, Hkv, D, DV, R2, PAGE, CAPACITY, ROWS, COS_ROWS,
                BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_R2: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, Q_SAME_POS: tl.constexpr,
                HAS_KV: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr, ACC: tl.constexpr):
     """Program (t, b): token t of sequence b. Writes k[b, t] (rotated) and v[b, t] into the cache at
     position cache_seqlens[b] + t, and q[b, t] rotated (position cache_seqlens[b] + t, or + 0 with
-    Q_SAME_POS) into QO, for every head at once."""
+    Q_SAME_POS) into QO, for every head at once.
+
+    Guards (the index check normally refuses such calls first; these keep every access inside its tensor when it
+    did not run, e.g. flashtx.nn's sealed caches): a row is written only at a position in [0, CAPACITY) of a cache
+    row (or page) in [0, ROWS); table rows outside [0, COS_ROWS) read as the identity rotation."""
     t = tl.program_id(0)
     b = tl.program_id(1)
     base = tl.load(SEQLENS + b).to(tl.int32)
@@ -94,7 +102,8 @@ def _kv_append(Q, QO, KN, VN, KC, VC, COS, SIN, SEQLENS, BIDX, BT,
         q_pos = base + t
         if Q_SAME_POS:
             q_pos = base
-        cm = (j < R2) & (j * 0 + t < Sq)  # (scalar & block masks trip the interpreter: keep them blocks)
+        cm = (j < R2) & (j * 0 + t < Sq) & (j * 0 + q_pos >= 0) & (j * 0 + q_pos < COS_ROWS)  # (scalar & block
+        # masks trip the interpreter: keep them blocks)
         cq = tl.load(COS + q_pos.to(tl.int64) * stride_cos + j, mask=cm, other=1.0).to(ACC)
         sq = tl.load(SIN + q_pos.to(tl.int64) * stride_sin + j, mask=cm, other=0.0).to(ACC)
         hq = tl.arange(0, BLOCK_HQ)[:, None]
@@ -107,19 +116,22 @@ def _kv_append(Q, QO, KN, VN, KC, VC, COS, SIN, SEQLENS, BIDX, BT,
         hk = tl.arange(0, BLOCK_HKV)[:, None]
         hk64 = hk.to(tl.int64)  # (BLOCK_HKV, 1): head x stride can pass int32 (a (B, Hkv, S, D) cache)
         pos = hk * 0 + base + t  # (BLOCK_HKV, 1): every head's row is at the same position
-        ok = (hk < Hkv) & (pos - base < Snew)
+        ok = (hk < Hkv) & (pos - base < Snew) & (pos >= 0) & (pos < CAPACITY)
         cb = b.to(tl.int64)
         if BATCH_IDX:
             cb = tl.load(BIDX + b).to(tl.int64)
+            cbv = hk.to(tl.int64) * 0 + cb  # (a block: scalar & block masks trip the interpreter)
+            ok = ok & (cbv >= 0) & (cbv < ROWS)
         page = pos  # block_table entries of the positions (paged only)
         if PAGED:
             page = tl.load(BT + b.to(tl.int64) * stride_btb + pos // PAGE, mask=ok, other=0)
+            ok = ok & (page >= 0) & (page < ROWS)
         row = _cache_rows(pos, page, cb, stride_kcb, stride_kcn, PAGE, PAGED)
         vrow = _cache_rows(pos, page, cb, stride_vcb, stride_vcn, PAGE, PAGED)
         ck = j.to(ACC) * 0.0 + 1.0
         sk = j.to(ACC) * 0.0
         if ROTARY:
-            cm = (j < R2) & (j * 0 + t < Snew)
+            cm = (j < R2) & (j * 0 + t < Snew) & (j * 0 + base + t >= 0) & (j * 0 + base + t < COS_ROWS)
             ck = tl.load(COS + (base + t).to(tl.int64) * stride_cos + j, mask=cm, other=1.0).to(ACC)
             sk = tl.load(SIN + (base + t).to(tl.int64) * stride_sin + j, mask=cm, other=0.0).to(ACC)
         _rope_copy(KN + b.to(tl.int64) * stride_knb + t.to(tl.int64) * stride_knm + hk64 * stride_knh,
@@ -137,7 +149,8 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
                 stride_vb, stride_vn, stride_vh, stride_vd,
                 stride_os, stride_ob, stride_om, stride_oh, stride_od,
                 stride_ls, stride_lb, stride_lh, stride_lm, stride_btb, stride_alb, stride_kmb, stride_kmm, stride_kmn,
-                Sq, SNEW, GROUP, M_TILES, NUM_SPLITS, D, DV, PAGE, right, left, qk_scale_hi, qk_scale_lo,
+                Sq, SNEW, GROUP, M_TILES, NUM_SPLITS, D, DV, PAGE, CAPACITY, ROWS, right, left, qk_scale_hi,
+                qk_scale_lo,
                 softcap_hi, softcap_lo, log2e_hi, log2e_lo,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, LEFTPAD_ON: tl.constexpr, PAGED: tl.constexpr,
@@ -149,14 +162,15 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
     mt = tl.program_id(1) % M_TILES
     b = tl.program_id(2)
     end = SNEW + b * 0  # keys [start, end) of this sequence: without lengths, the first SNEW of the cache
-    if LENS_ON:
-        end = tl.load(SEQLENS + b).to(tl.int32) + SNEW
+    if LENS_ON:  # (guards, as _kv_append's: the keys end within the cache, in a cache row that exists; pages below)
+        end = tl.minimum(tl.load(SEQLENS + b).to(tl.int32) + SNEW, CAPACITY)
     start = end * 0
     if LEFTPAD_ON:
         start = tl.load(LEFTPAD + b).to(tl.int32)
     cb = b.to(tl.int64)
     if BATCH_IDX:
         cb = tl.load(BIDX + b).to(tl.int64)
+        end = tl.where((cb >= 0) & (cb < ROWS), end, 0)
     shift = end - Sq  # query i sits at position shift + i (bottom-right)
 
     offs_r = mt * BLOCK_M + tl.arange(0, BLOCK_M)  # rows (query i, head g) of the KV group
@@ -206,6 +220,9 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
         page = offs_n  # block_table entries of the keys (paged only)
         if PAGED:
             page = tl.load(BT + b.to(tl.int64) * stride_btb + offs_n // PAGE, mask=n_ok, other=0)
+            # a page out of range reads the last page instead (in bounds; such a state's answer is unspecified): a mask
+            # on the loaded page would change the loads' pipelining and vector width (compile check, sm_90)
+            page = tl.minimum(page.to(tl.uint32), (ROWS - 1).to(tl.uint32))  # (one unsigned min: -1 -> the last)
         krow = _cache_rows(offs_n, page, cb, stride_kb, stride_kn, PAGE, PAGED)
         vrow = _cache_rows(offs_n, page, cb, stride_vb, stride_vn, PAGE, PAGED)
         # int64 columns (a D-major cache's column x stride passes int32), hoisted by the compiler: the same loop and

@@ -47,7 +47,7 @@ import numbers
 import torch
 from torch import Tensor, nn
 
-from ..decode import flash_attn_with_kvcache
+from ..decode import kvcache_step
 from ..functional import attention, flash_attn_func
 from .. import _dispatch
 from .._validate import check_flag
@@ -332,16 +332,18 @@ class MultiheadAttention(nn.Module):
         nothing in eager mode: a call that raises leaves the cache as it was (its lengths, leftpad, pages and
         mask), so a retried call sees no trace of it. A traced or captured step cannot be undone this way."""
         if not _host_readable():
-            return self._cached_step(q, k, v, key_mask, cache)
+            return self._cached_step(q, k, v, key_mask, cache, False)
         mark = cache._mark(key_mask is not None)
         try:
-            return self._cached_step(q, k, v, key_mask, cache)
+            return self._cached_step(q, k, v, key_mask, cache, mark[-1] is not None)  # (mark[-1]: sealed, intact)
         except BaseException:
             cache._undo(mark, q.shape[1])
             raise
 
-    def _cached_step(self, q, k, v, key_mask, cache) -> Tensor:
-        """_self_cached's work: the cache's bookkeeping, then the attention; the lengths advance last."""
+    def _cached_step(self, q, k, v, key_mask, cache, known: bool) -> Tensor:
+        """_self_cached's work: the cache's bookkeeping, then the attention; the lengths advance last. known: the
+        cache's index state is sealed (cache.ranges_known(), read before this call's bookkeeping writes it): the
+        decode kernels then run without the per-call index check, and the state is resealed after the call."""
         if not self.causal:
             raise ValueError("a KV cache needs causal=True self-attention: earlier tokens cannot see later ones")
         _check_cache_dtype(cache, q)
@@ -366,15 +368,15 @@ class MultiheadAttention(nn.Module):
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         if paged or (S <= DECODE_MAX_S and not cache.holes and not grad):
             kc, vc = _buffers(cache)  # the buffers themselves: mutated in place
-            out = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=rot[0] if rot else None,
-                                          rotary_sin=rot[1] if rot else None, cache_seqlens=start.to(torch.int32),
-                                          cache_leftpad=cache.leftpad, block_table=cache.block_table if paged else None,
-                                          causal=True, rotary_interleaved=interleaved,
-                                          backend=self.backend)  # (B, S, Hq, D)
+            # (B, S, Hq, D); with ranges_known no index check: the lengths, leftpad and pages are flashtx's own
+            out = kvcache_step(q, kc, vc, k, v, rot[0] if rot else None, rot[1] if rot else None,
+                               start.to(torch.int32), None, cache.leftpad, cache.block_table if paged else None, None,
+                               True, (-1, -1), 0.0, interleaved, None, 0, False, self.backend, known)
             if paged:
                 cache.seqlens.add_(S if keep is None else keep)
             else:
                 cache.length.add_(S)
+            cache._seal(known)
             return out.transpose(1, 2)
         if rot is not None:
             q, k = apply_rotary_qk(q, k, *rot, interleaved=interleaved, seqlen_offsets=start.contiguous(),
@@ -393,6 +395,7 @@ class MultiheadAttention(nn.Module):
                               key_mask=cache.key_mask if cache.padded else None, kv_lens=kv_lens, q_lens=q_lens,
                               backend=self.backend)  # (B, S, Hq, D), bottom-right per sequence
         cache.length.add_(S)
+        cache._seal(known)
         return out.transpose(1, 2)
 
     def _cross(self, x, memory, key_mask, attn_mask, cache, p) -> Tensor:
@@ -412,13 +415,15 @@ class MultiheadAttention(nn.Module):
             k, v = self._kv(memory, B)
             cache.reset()
             cache.append(k.transpose(1, 2), v.transpose(1, 2))
+            intact = cache._intact()
             cache._store_memory_mask(key_mask, k.shape[1])  # per-row [leftpad, end) of the real memory, or holes
+            cache._seal(intact)
             cache.filled = True
         if S <= DECODE_MAX_S and not cache.holes and not (torch.is_grad_enabled() and q.requires_grad):
             ends = cache._ends if cache._ends is not None else cache.length.expand(B).to(torch.int32)
-            out = flash_attn_with_kvcache(q.transpose(1, 2), cache._k, cache._v,
-                                          cache_seqlens=ends, cache_leftpad=cache.leftpad,
-                                          backend=self.backend)  # (B, S, Hq, D), no append
+            out = kvcache_step(q.transpose(1, 2), cache._k, cache._v, None, None, None, None, ends, None,
+                               cache.leftpad, None, None, False, (-1, -1), 0.0, True, None, 0, False, self.backend,
+                               cache.ranges_known())  # (B, S, Hq, D), no append
             return out.transpose(1, 2)
         kv_lens = cache.length.expand(B).contiguous()  # (B,) the memory's length
         return attention(q, cache.k, cache.v, enable_gqa=True, key_mask=cache.key_mask if cache.padded else None,

@@ -24,83 +24,11 @@ import torch
 from torch import Tensor
 
 from .._library import device_assert
+from ._cache_state import (_check_mask, _check_ok, _check_pos_int, _host_readable, _left_padded,  # noqa: F401
+                           _mask_runs, _same_as, _Sealed, _stamp, _static)  # (attention.py and block.py import some)
 
 
-def _check_pos_int(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {v!r}")
-    return int(v)
-
-
-def _check_mask(name: str, m, batch: int, seqlen: int, device) -> Tensor | None:
-    """None, or a (batch, seqlen) bool tensor on `device` (True = real token)."""
-    if m is None:
-        return None
-    if not isinstance(m, Tensor) or m.dtype != torch.bool:
-        got = f"dtype {m.dtype}" if isinstance(m, Tensor) else type(m).__name__
-        raise TypeError(f"{name} must be a bool tensor of shape ({batch}, {seqlen}) with True = real token; got {got}")
-    if tuple(m.shape) != (batch, seqlen):
-        raise ValueError(f"{name} must have shape (B, S) = ({batch}, {seqlen}) (True = real token); "
-                         f"got shape {tuple(m.shape)}")
-    if m.device != device:
-        raise ValueError(f"{name} must be on the activations' device {device}; got {m.device}")
-    return m
-
-
-def _static(t: Tensor) -> Tensor:
-    """t marked as a static address: a compiled step writes the caches' buffers and lengths in place, and CUDA-graph
-    trees (torch.compile(mode="reduce-overhead")) capture a step only when every input it mutates is static (as
-    transformers' StaticCache marks its buffers). Unguarded: another cache's buffers re-record the graph instead of
-    recompiling the step. Only a 16-byte aligned t (what the compiled kernels assume of a static input, whose
-    alignment is not checked again; a fresh allocation is): an unaligned one assigned by the user stays an ordinary
-    input."""
-    if not torch.compiler.is_compiling() and t.data_ptr() % 16 == 0:
-        torch._dynamo.mark_static_address(t, guard=False)
-    return t
-
-
-def _same_as(name: str, value, like: Tensor) -> Tensor:
-    """value, checked to have like's shape, dtype and device (a cache buffer assigned by the user)."""
-    if not isinstance(value, Tensor) or value.shape != like.shape or value.dtype != like.dtype or \
-            value.device != like.device:
-        got = f"{tuple(value.shape)}, {value.dtype} on {value.device}" if isinstance(value, Tensor) else \
-            type(value).__name__
-        raise ValueError(f"KVCache.{name} must be assigned a tensor of shape {tuple(like.shape)} (B, Hkv, max_len, "
-                         f"D), {like.dtype} on {like.device}; got {got}")
-    return value
-
-
-def _host_readable() -> bool:
-    """Whether tensor values may be read on the host now (not traced, not inside a CUDA-graph capture)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def _mask_runs(key_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(lead, real, ar): per row the count of leading False (S when none is True), of True, and arange(S)."""
-    S = key_mask.shape[1]
-    lead = S - key_mask.int().cummax(1).values.sum(1)  # (B,) int64
-    return lead, key_mask.sum(1), torch.arange(S, device=key_mask.device)
-
-
-def _left_padded(key_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(lead, ok): per row the count of leading padding (S for a row of padding only) and whether the row is left
-    padding only (pad* real*)."""
-    lead, _, ar = _mask_runs(key_mask)
-    return lead, (key_mask == (ar[None, :] >= lead[:, None])).all(1)
-
-
-def _check_ok(ok: Tensor, readable: bool, message: str) -> None:
-    """Raise ValueError(message) where a row of ok (B,) is False; traced/captured: a device-side assert."""
-    if readable:
-        if not bool(ok.all()):
-            raise ValueError(message.format(int((~ok).nonzero()[0])))
-    else:
-        device_assert(ok.all(), message.format("?"))
-
-
-class KVCache:
+class KVCache(_Sealed):
     """Preallocated key/value buffers of one attention layer, filled in place while decoding.
 
     Attributes:
@@ -144,6 +72,13 @@ class KVCache:
         self._ends: Tensor | None = None  # cross-attention: (B,) int32 end of each memory's real keys
         self.filled = False  # cross-attention: whether the memory's keys/values are stored
         self._host_length: int | None = 0  # mirror of `length` for bounds checks without a sync
+        self._seal()
+
+    def _state(self) -> tuple | None:
+        return _stamp(self.length, self.leftpad, self._ends)
+
+    def _mirrored(self) -> bool:
+        return self._host_length is not None
 
     @property
     def k(self) -> Tensor:
@@ -180,11 +115,13 @@ class KVCache:
                 isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < B for i in index):
             raise ValueError(f"KVCache.reorder: index must be {B} ints in [0, {B}) (one source row per row); "
                              f"got {index!r}")
+        intact = self._intact()
         idx = torch.tensor(index, dtype=torch.int64, device=self._k.device)
         for t in (self._k, self._v, self.key_mask, self.leftpad):  # in place: the buffers keep their addresses
             t.copy_(t.index_select(0, idx))
         if self._ends is not None:
             self._ends = self._ends.index_select(0, idx)
+        self._seal(intact)
         return self
 
     @property
@@ -213,6 +150,7 @@ class KVCache:
         self.padded = self.filled = self.holes = False
         self._ends = None
         self._host_length = 0
+        self._seal()  # every state tensor rewritten
         return self
 
     def crop(self, length: int) -> "KVCache":
@@ -231,6 +169,7 @@ class KVCache:
         if not 0 <= new <= held:
             raise ValueError(f"KVCache.crop: length must be in [-{held}, {held}] (the cache holds {held} positions); "
                              f"got {length}")
+        intact = self._intact()
         self.length.fill_(new)
         self.key_mask[:, new:] = True  # positions past `length` hold True, as since reset()
         self.leftpad.clamp_(max=new)  # a row whose real tokens were all dropped holds none again
@@ -241,6 +180,7 @@ class KVCache:
                 self.leftpad.copy_(lead)  # (a row of padding only: lead = new, no real token)
         if self._host_length is not None:
             self._host_length = new
+        self._seal(intact)
         return self
 
     def _claim(self, S: int) -> None:
@@ -272,23 +212,27 @@ class KVCache:
                 raise ValueError(f"KVCache.append: {name} must be {want} (B, Hkv, S, D), {buf.dtype} on {buf.device}; "
                                  f"got {tuple(t.shape)}, {t.dtype} on {t.device}")
         _check_mask("key_mask", key_mask, self.batch_size, S, self._k.device)  # before _claim counts the tokens
+        intact = self._intact()
         self._claim(S)
         self._store_mask(key_mask, S)
         idx = self.length + torch.arange(S, device=self._k.device)  # (S,) positions
         self._k.index_copy_(1, idx, k.transpose(1, 2))
         self._v.index_copy_(1, idx, v.transpose(1, 2))
         self.length.add_(S)
+        self._seal(intact)
 
     def _mark(self, masked: bool) -> tuple:
         """What a call's bookkeeping (_claim, _store_mask) changes, before it: for _undo if the call fails.
         Eager only (flashtx.nn.attention); the leftpad copy only when the call has a key mask."""
-        return self._host_length, self.padded, self.holes, self.leftpad.clone() if masked else None
+        return (self._host_length, self.padded, self.holes, self.leftpad.clone() if masked else None,
+                self._sealed if self._intact() else None)
 
     def _undo(self, mark: tuple, S: int) -> None:
         """Put back what _mark saw, after a failed call of S tokens (`length` advances only on success):
         positions past `length` hold True again, as since reset() (those below max_len: a call refused for a full
-        cache stored nothing)."""
-        self._host_length, self.padded, self.holes, leftpad = mark
+        cache stored nothing). Resealed where the state was sealed and `length` was not written since."""
+        self._host_length, self.padded, self.holes, leftpad, sealed = mark
+        length_kept = self._unwritten(sealed, self.length)
         if leftpad is not None:
             self.leftpad.copy_(leftpad)
             held = self._host_length  # where the call stored its mask: [length, length + S), within max_len
@@ -297,6 +241,7 @@ class KVCache:
             else:
                 pos = self.length + torch.arange(S, device=self._k.device)  # (S,)
                 self.key_mask.index_fill_(1, pos[pos < self.max_len], True)  # (past `length`: True in any case)
+        self._seal(length_kept)
 
     def _store_mask(self, key_mask: Tensor | None, S: int) -> None:
         """Store the key mask (B, S) of S tokens about to be written at [length, length + S) and
@@ -342,7 +287,7 @@ class KVCache:
         self._ends = (lead + real).to(torch.int32)
 
 
-class PagedKVCache:
+class PagedKVCache(_Sealed):
     """A pool of K/V pages shared by the sequences of a batch, and each sequence's block table.
 
     Attributes:
@@ -403,6 +348,13 @@ class PagedKVCache:
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
         self._pages: list[list[int]] = [[] for _ in range(batch_size)]
         self._host_lens: list[int] | None = [0] * batch_size  # mirror of seqlens (None once traced)
+        self._seal()
+
+    def _state(self) -> tuple | None:
+        return _stamp(self.seqlens, self.leftpad, self.block_table)
+
+    def _mirrored(self) -> bool:
+        return self._host_lens is not None
 
     @property
     def batch_size(self) -> int:
@@ -444,8 +396,10 @@ class PagedKVCache:
                              f"{len(self._free)} are free; free finished sequences or create more pages")
         new = [self._free.pop() for _ in range(need - len(have))]
         if new:
+            intact = self._intact()
             self.block_table[seq, len(have):need] = torch.tensor(new, dtype=torch.int32)
             have += new
+            self._seal(intact)
 
     def _check_seq(self, seq) -> None:
         if isinstance(seq, bool) or not isinstance(seq, numbers.Integral):
@@ -463,6 +417,7 @@ class PagedKVCache:
     def free(self, seq: int) -> None:
         """Return sequence `seq`'s pages to the pool and empty it."""
         self._check_seq(seq)
+        intact = self._intact()
         self._free.extend(reversed(self._pages[seq]))
         self._pages[seq] = []
         self.block_table[seq].fill_(-1)
@@ -470,12 +425,14 @@ class PagedKVCache:
         self.leftpad[seq] = 0
         if self._host_lens is not None:
             self._host_lens[seq] = 0
+        self._seal(intact)
 
     def reset(self) -> "PagedKVCache":
         """Free every sequence."""
         for b in range(self.batch_size):
             self.free(b)
         self._host_lens = [0] * self.batch_size
+        self._seal()  # every row of every state tensor rewritten
         return self
 
     def crop(self, lengths) -> "PagedKVCache":
@@ -503,11 +460,13 @@ class PagedKVCache:
             if not 0 <= n <= h:
                 raise ValueError(f"PagedKVCache.crop: sequence {b} holds {h} tokens, so it can keep 0 to {h}; "
                                  f"got {n}")
+        intact = self._intact()
         new_t = torch.tensor(new, dtype=torch.int32, device=self.seqlens.device)
         self.seqlens.copy_(new_t)
         torch.minimum(self.leftpad, new_t, out=self.leftpad)  # a sequence whose real tokens were all dropped
         if self._host_lens is not None:
             self._host_lens = new
+        self._seal(intact)
         return self
 
     def _claim(self, S: int, keep: list[int] | None = None) -> None:
@@ -537,12 +496,15 @@ class PagedKVCache:
         """What a call's bookkeeping (_take) changes, before it: for _undo if the call fails. Eager only
         (flashtx.nn.attention); the leftpad copy only when the call has a key mask."""
         lens = None if self._host_lens is None else list(self._host_lens)
-        return lens, [len(p) for p in self._pages], self.leftpad.clone() if masked else None
+        return (lens, [len(p) for p in self._pages], self.leftpad.clone() if masked else None,
+                self._sealed if self._intact() else None)
 
     def _undo(self, mark: tuple, S: int) -> None:
         """Put back what _mark saw, after a failed call (`seqlens` advances only on success): the pages the
-        call was given go back to the pool."""
-        lens, counts, leftpad = mark
+        call was given go back to the pool. Resealed where the state was sealed and `seqlens` was not written
+        since."""
+        lens, counts, leftpad, sealed = mark
+        seqlens_kept = self._unwritten(sealed, self.seqlens)
         for b in reversed(range(len(counts))):  # last given, first back: the pool's order as before
             n = counts[b]
             extra = self._pages[b][n:]
@@ -553,6 +515,7 @@ class PagedKVCache:
         self._host_lens = lens
         if leftpad is not None:
             self.leftpad.copy_(leftpad)
+        self._seal(seqlens_kept)
 
     def _take(self, key_mask: Tensor | None, S: int) -> Tensor | None:
         """Before a call of S tokens: allocate pages and move leftpad past new leading padding; returns
