@@ -47,6 +47,8 @@ def views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     the same q, k layout every layer; the search costs ~6 us, the lookup ~1)."""
     if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
+    if a.is_meta and a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False  # (every meta storage's data pointer is 0: tell them apart by the storage itself)
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor or torch.compiler.is_compiling():
         return _overlap(a, b)  # (a fake or traced tensor's sizes may be symbolic: unhashable)
     key = (a.dtype, a.shape, a.stride(), b.dtype, b.shape, b.stride(), b.storage_offset() - a.storage_offset())

@@ -209,3 +209,20 @@ def test_new_cache_flags_and_scaling_without_a_rule_are_refused():
     with pytest.raises(ValueError, match="scaling has a factor but no 'type'"):
         RotaryEmbedding(8, scaling={"factor": 2.0})
     assert RotaryEmbedding(8, scaling={"rope_theta": 5e5}).scaling is None  # transformers 5's form, no rule: none
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_meta_layer_decodes_with_a_meta_cache(paged):
+    """Shape inference on the meta device: a prompt and a step through a meta cache give meta outputs (fuzz,
+    2026-12-07: every meta storage's data pointer is 0, so k_cache and v_cache 'shared memory' and the contiguous
+    cache's call was refused)."""
+    import warnings
+
+    with torch.device("meta"):
+        layer = MultiheadAttention(E, H, HKV, rotary=RotaryEmbedding(8), causal=True).eval()
+        cache = layer.new_cache(2, 16, paged=paged)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the reference implementation runs meta tensors, and says so)
+            layer(torch.randn(2, 3, E), cache=cache)
+            out = layer(torch.randn(2, 1, E), cache=cache)
+    assert out.is_meta and out.shape == (2, 1, E)
