@@ -75,17 +75,37 @@ def visibility(Sq: int, Sk: int, *, batch: int = 1, causal: bool = False, bottom
     return vis.expand(max(batch, vis.shape[0]), Sq, Sk)
 
 
+def _varlen_rows(cu: torch.Tensor, total: int, device):
+    """Per packed row r < total: (its sequence b (nseq for rows in none), its index within it, that sequence's
+    length), from tensor ops alone (no host read of cu: under torch.compile the reference backend's op body is
+    traced into the graph, where reading the offsets made unbacked sizes that fullgraph refused)."""
+    cu = cu.to(device=device, dtype=torch.long)
+    r = torch.arange(total, device=device)
+    seq = torch.searchsorted(cu[1:], r, right=True)  # (total,) the first b with cu[b + 1] > r
+    nseq = cu.shape[0] - 1
+    b = seq.clamp(max=max(nseq - 1, 0))
+    start, length = cu[b], cu[b + 1] - cu[b]
+    seq = torch.where((r >= cu[0]) & (seq < nseq), seq, nseq)  # (rows before the first or past the last: none)
+    return seq, r - start, length
+
+
 def varlen_visibility(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, causal: bool = False,
                       window=(-1, -1), device=None) -> torch.Tensor:
     """(1, total_q, total_k) bool for packed sequences: block-diagonal, each block as `visibility`
     with bottom-right alignment per sequence (flash-attn's varlen semantics)."""
-    vis = torch.zeros(1, total_q, total_k, dtype=torch.bool, device=device)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(cq) - 1):
-        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        vis[0, cq[b]:cq[b + 1], ck[b]:ck[b + 1]] = visibility(lq, lk, causal=causal, bottom_right=True,
-                                                              window=window, device=device)[0]
-    return vis
+    sq, i, lq = _varlen_rows(cu_seqlens_q, total_q, device)
+    sk, j, lk = _varlen_rows(cu_seqlens_k, total_k, device)
+    nseq = cu_seqlens_q.shape[0] - 1
+    vis = (sq[:, None] == sk[None, :]) & (sq[:, None] < nseq)  # (total_q, total_k) the same sequence
+    align = (lk[None, :] - lq[:, None])  # per pair of rows of one sequence: its kv length - q length
+    left, right = (int(x) for x in window)
+    if causal:
+        right = 0
+    if right >= 0:
+        vis = vis & (j[None, :] <= i[:, None] + align + right)
+    if left >= 0:
+        vis = vis & (j[None, :] >= i[:, None] + align - left)
+    return vis[None]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -165,15 +185,16 @@ def alibi_bias(slopes: torch.Tensor, Sq: int, Sk: int, *, q_lens=None, kv_lens=N
 
 
 def varlen_alibi_bias(slopes, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, device=None):
-    """(1, H, total_q, total_k) ALiBi bias for packed sequences (bottom-right within each sequence)."""
-    slopes = slopes.reshape(-1, slopes.shape[-1]).to(device)
-    out = torch.zeros(1, slopes.shape[1], total_q, total_k, dtype=torch.float64, device=device)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(cq) - 1):
-        sl = slopes[b if slopes.shape[0] > 1 else 0]
-        out[0, :, cq[b]:cq[b + 1], ck[b]:ck[b + 1]] = alibi_bias(sl[None], cq[b + 1] - cq[b], ck[b + 1] - ck[b],
-                                                                 device=device)[0]
-    return out
+    """(1, H, total_q, total_k) ALiBi bias for packed sequences (bottom-right within each sequence; 0 between
+    sequences), from tensor ops alone (see _varlen_rows)."""
+    slopes = slopes.reshape(-1, slopes.shape[-1]).to(device).double()  # (1|nseq, H)
+    sq, i, lq = _varlen_rows(cu_seqlens_q, total_q, device)
+    sk, j, lk = _varlen_rows(cu_seqlens_k, total_k, device)
+    nseq = cu_seqlens_q.shape[0] - 1
+    same = (sq[:, None] == sk[None, :]) & (sq[:, None] < nseq)  # (total_q, total_k)
+    dist = (i[:, None] + (lk[None, :] - lq[:, None]) - j[None, :]).abs().double()
+    per_row = slopes[sq.clamp(max=max(nseq - 1, 0))] if slopes.shape[0] > 1 else slopes.expand(total_q, -1)
+    return torch.where(same, -per_row.t()[:, :, None] * dist, 0.0)[None]  # (1, H, total_q, total_k)
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""Argument checks traced with dynamic shapes (torch.compile(dynamic=True), or a recompile that made a size dynamic):
-each case compiles with fullgraph and equals eager. A fuzz of 2026-12-07 found these refused or failing to compile:
-shape checks written as `size in (1, other)` (Dynamo answers a tuple's `in` by identity for symbolic sizes, so equal
-sizes were refused: a learned (H, S, S) bias, an ALiBi buffer, (B, S) position_ids, per-batch cos/sin), and the
-overlap checks of the in-place paths, which sorted symbolic strides ("sort with non-constant keys": KV caches passed
-as views, RoPE in place on a fused projection's slices, SwiGLU's in-place backward on a projection's halves). The
-kernels are the backend's (the interpreter's in CI): these are checks on the host, traced the same way on a GPU."""
+"""Calls traced with dynamic shapes (torch.compile(dynamic=True), or a recompile that made a size dynamic): each case
+compiles with fullgraph and equals eager. A fuzz of 2026-12-07 found these refused or failing to compile: the
+reference backend's varlen masks, which read cu_seqlens on the host (unbacked sizes fullgraph refused; the default
+backend of CPU tensors without the interpreter); shape checks written as `size in (1, other)` (Dynamo answers a
+tuple's `in` by identity for symbolic sizes, so equal sizes were refused: a learned (H, S, S) bias, an ALiBi buffer,
+(B, S) position_ids, per-batch cos/sin), and the overlap checks of the in-place paths, which sorted symbolic strides
+("sort with non-constant keys": KV caches passed as views, RoPE in place on a fused projection's slices, SwiGLU's
+in-place backward on a projection's halves). The checks are on the host, traced the same way on a GPU."""
 import pytest
 import torch
 
@@ -83,9 +84,17 @@ def _swiglu_halves():
     return f, [torch.randn(2, 5, 4, dtype=DT, requires_grad=True)]
 
 
-CASES = {"learned-bias": _bias_param, "alibi-buffer": _alibi_buffer, "position-ids": _position_ids,
-         "batch-tables": _batch_tables, "kvcache-views": _kvcache_views, "rope-in-place": _rope_in_place,
-         "swiglu-halves": _swiglu_halves}
+def _varlen_reference():
+    def f(q, k, v, cu, slopes):  # (the reference backend's varlen masks read the offsets as tensors, not on the host)
+        return flashtx.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, alibi_slopes=slopes,
+                                              backend="reference")
+    return f, [torch.randn(9, 2, 16, dtype=DT, requires_grad=True) for _ in range(3)] + [
+        torch.tensor([0, 4, 9], dtype=torch.int32), torch.rand(2, dtype=torch.float32)]
+
+
+CASES = {"varlen-reference": _varlen_reference, "learned-bias": _bias_param, "alibi-buffer": _alibi_buffer,
+         "position-ids": _position_ids, "batch-tables": _batch_tables, "kvcache-views": _kvcache_views,
+         "rope-in-place": _rope_in_place, "swiglu-halves": _swiglu_halves}
 
 
 @pytest.mark.parametrize("case", list(CASES))
