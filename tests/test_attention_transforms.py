@@ -80,14 +80,15 @@ def test_forward_ad_under_torch_compile_is_refused_not_zeroed(op, how):
     f = COMPILED_OPS[op]
     x = randn(1, 2, 8, 16)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="not supported") as info:
+    # (torch 2.15's Dynamo refuses a dual input itself: either refusal, never a dropped tangent)
+    with pytest.raises(Exception, match="not supported|does not support input tensors that carry") as info:
         if how == "jvp":
             torch.compile(lambda x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1], backend="aot_eager",
                           fullgraph=True)(x)
         else:
             with fwAD.dual_level():
                 torch.compile(f, backend="aot_eager", fullgraph=True)(fwAD.make_dual(x, torch.ones_like(x)))
-    assert "flashtx::" in str(info.value)
+    assert "flashtx::" in str(info.value) or "carry a forward-mode AD tangent" in str(info.value)
     torch._dynamo.reset()
     assert torch._dynamo.explain(f)(x).graph_break_count == 0  # (the check costs plain compiled calls nothing)
 
