@@ -43,6 +43,19 @@ def _cache(layer, paged: bool, B: int = 2, max_len: int = 64):
     return layer.new_cache(B, max_len, paged=paged, **(dict(page_size=16) if paged else {}))
 
 
+def _prompted_twins(what: str, prompt: int, tokens: int):
+    """(layer, x (2, tokens, E), cache, twin): two caches of max_len 32 (paged where `what` is a paged cache's
+    state) given the same prompt of x's first `prompt` tokens."""
+    paged = what in ("seqlens", "block_table")
+    layer = _layer()
+    x = randn(2, tokens, E, dtype=PRECISE_DTYPE)
+    caches = _cache(layer, paged, max_len=32), _cache(layer, paged, max_len=32)
+    with torch.no_grad():
+        for c in caches:
+            layer(x[:, :prompt], cache=c)
+    return layer, x, *caches
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_a_sealed_cache_decodes_without_the_check_and_equals_a_checked_one(paged, checks, monkeypatch):
     """A prompt and 20 steps (crossing a page bound): no index check on a fresh cache, and outputs bit-equal to the
@@ -66,13 +79,8 @@ def test_a_sealed_cache_decodes_without_the_check_and_equals_a_checked_one(paged
 def test_a_state_write_from_outside_turns_the_check_back_on(what, checks):
     """Lengths, leftpad or the page table written behind the cache's back (here with the values they held): the
     next step checks the indices again; its output is the sealed cache's."""
-    paged = what in ("seqlens", "block_table")
-    layer = _layer()
-    x = randn(2, 5, E, dtype=PRECISE_DTYPE)
+    layer, x, cache, sealed = _prompted_twins(what, prompt=4, tokens=5)
     with torch.no_grad():
-        cache, sealed = _cache(layer, paged, max_len=32), _cache(layer, paged, max_len=32)
-        for c in (cache, sealed):
-            layer(x[:, :4], cache=c)
         assert cache.ranges_known() and checks == []
         state = getattr(cache, what)
         state.copy_(state.clone())
@@ -181,12 +189,8 @@ def test_a_write_that_bypasses_the_version_counter_stays_inside_the_buffers(what
     row outside the cache: lengths are clamped to the capacity, rows and pages out of range are neither read nor
     written. The answer for such a state is unspecified."""
     paged = what in ("seqlens", "block_table")
-    layer = _layer()
-    x = randn(2, 9, E, dtype=PRECISE_DTYPE)
+    layer, x, cache, plain = _prompted_twins(what, prompt=5, tokens=9)
     with torch.no_grad():
-        cache, plain = _cache(layer, paged, max_len=32), _cache(layer, paged, max_len=32)
-        for c in (cache, plain):
-            layer(x[:, :5], cache=c)
         before = (cache.k if paged else cache._k).clone()  # (the pool, or the (B, max_len, Hkv, D) buffer)
         state = getattr(cache, what).data
         if what == "length":
