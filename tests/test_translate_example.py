@@ -84,17 +84,17 @@ import translate
 import flashtx.nn.attention as A
 
 calls, decoding = [], [False]
-kvcache = A.flash_attn_with_kvcache
-def counted(q, k_cache, v_cache, k=None, v=None, **kw):
+kvcache = A.kvcache_step  # (flash_attn_with_kvcache's body: flashtx.nn passes it whether its caches' ranges are known)
+def counted(q, k_cache, v_cache, k, v, *rest):
     calls.append(k is not None)  # True: self-attention (append), False: cross-attention
-    return kvcache(q, k_cache, v_cache, k, v, **kw)
+    return kvcache(q, k_cache, v_cache, k, v, *rest)
 def refused(name, f):
     def g(*a, **kw):
         if decoding[0]:
             raise AssertionError(name + " called while decoding")
         return f(*a, **kw)
     return g
-A.flash_attn_with_kvcache = counted
+A.kvcache_step = counted
 A.attention = refused("attention", A.attention)
 A.flash_attn_func = refused("flash_attn_func", A.flash_attn_func)
 encode = translate.Translator.encode
