@@ -62,19 +62,16 @@ def views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """views_overlap's answer for two non-empty tensors of one storage."""
-    a_shape, a_strides, b_shape, b_strides = a.shape, a.stride(), b.shape, b.stride()
-    a_off, b_off = a.storage_offset(), b.storage_offset()
-    if a.dtype != b.dtype or a.dim() != b.dim() or tuple(a_strides) != tuple(b_strides):
-        def span(shape, strides, off, elt):
-            lo = off * elt
-            return lo, lo + (sum((n - 1) * abs(st) for n, st in zip(shape, strides)) + 1) * elt
-        (a0, a1), (b0, b1) = span(a_shape, a_strides, a_off, a.element_size()), \
-            span(b_shape, b_strides, b_off, b.element_size())
+    if a.dtype != b.dtype or a.dim() != b.dim() or a.stride() != b.stride():
+        def span(t):
+            lo = t.storage_offset() * t.element_size()
+            return lo, lo + (sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        (a0, a1), (b0, b1) = span(a), span(b)
         return a0 < b1 and b0 < a1
     # a's element (i) and b's element (j) coincide iff sum_k (i_k - j_k) * stride_k = offset(b) - offset(a),
     # with i_k - j_k in [-(b.shape[k] - 1), a.shape[k] - 1]. Search the digits, largest stride first.
-    dims = _sorted_by_first([(abs(st), -(nb - 1), na - 1) for st, na, nb in zip(a_strides, a_shape, b_shape)
-                              if st != 0], reverse=True)
+    dims = _sorted_by_first([(abs(st), -(nb - 1), na - 1) for st, na, nb in zip(a.stride(), a.shape, b.shape)
+                             if st != 0], reverse=True)
     reach = [0] * (len(dims) + 1)  # reach[k]: the most that dims k.. can add or subtract
     for k in range(len(dims) - 1, -1, -1):
         st, lo, hi = dims[k]
@@ -91,4 +88,4 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         first, last = max(lo, -((reach[k + 1] - rest) // st)), min(hi, (rest + reach[k + 1]) // st)
         return any(solvable(k + 1, rest - t * st) for t in range(first, last + 1))
 
-    return solvable(0, b_off - a_off)
+    return solvable(0, b.storage_offset() - a.storage_offset())

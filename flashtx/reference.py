@@ -12,6 +12,10 @@ import math
 import torch
 
 LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+# The backends clamp additive attn_mask values to [BIAS_FLOOR, -BIAS_FLOOR] (infinities and NaN kept), as the
+# kernels do (triton_kernels.attention_common.BIAS_FLOOR/BIAS_CEIL): bias * log2(e) stays finite in fp32.
+BIAS_FLOOR = -2.0 ** 125
 
 
 def exact(device: torch.device):
@@ -22,10 +26,6 @@ def exact(device: torch.device):
     if not torch._C._is_any_autocast_enabled() or device.type not in ("cuda", "cpu"):
         return contextlib.nullcontext()
     return torch.autocast(device.type, enabled=False)
-LOG2E = 1.0 / LN2
-# The backends clamp additive attn_mask values to [BIAS_FLOOR, -BIAS_FLOOR] (infinities and NaN kept), as the
-# kernels do (triton_kernels.attention_common.BIAS_FLOOR/BIAS_CEIL): bias * log2(e) stays finite in fp32.
-BIAS_FLOOR = -2.0 ** 125
 
 
 def causal_visibility(Sq: int, Sk: int, bottom_right: bool, device=None) -> torch.Tensor:
@@ -89,22 +89,27 @@ def _varlen_rows(cu: torch.Tensor, total: int, device):
     return seq, r - start, length
 
 
+def _varlen_pairs(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, device):
+    """(same, i, j, align) over (total_q, total_k) row pairs: whether both rows are of one sequence, the query's and
+    the key's index within it ((total_q, 1), (1, total_k)), and that sequence's kv length - q length."""
+    sq, i, lq = _varlen_rows(cu_seqlens_q, total_q, device)
+    sk, j, lk = _varlen_rows(cu_seqlens_k, total_k, device)
+    same = (sq[:, None] == sk[None, :]) & (sq[:, None] < cu_seqlens_q.shape[0] - 1)
+    return same, i[:, None], j[None, :], lk[None, :] - lq[:, None]
+
+
 def varlen_visibility(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, causal: bool = False,
                       window=(-1, -1), device=None) -> torch.Tensor:
     """(1, total_q, total_k) bool for packed sequences: block-diagonal, each block as `visibility`
     with bottom-right alignment per sequence (flash-attn's varlen semantics)."""
-    sq, i, lq = _varlen_rows(cu_seqlens_q, total_q, device)
-    sk, j, lk = _varlen_rows(cu_seqlens_k, total_k, device)
-    nseq = cu_seqlens_q.shape[0] - 1
-    vis = (sq[:, None] == sk[None, :]) & (sq[:, None] < nseq)  # (total_q, total_k) the same sequence
-    align = (lk[None, :] - lq[:, None])  # per pair of rows of one sequence: its kv length - q length
+    vis, i, j, align = _varlen_pairs(cu_seqlens_q, cu_seqlens_k, total_q, total_k, device)
     left, right = (int(x) for x in window)
     if causal:
         right = 0
     if right >= 0:
-        vis = vis & (j[None, :] <= i[:, None] + align + right)
+        vis = vis & (j <= i + align + right)
     if left >= 0:
-        vis = vis & (j[None, :] >= i[:, None] + align - left)
+        vis = vis & (j >= i + align - left)
     return vis[None]
 
 
@@ -188,13 +193,12 @@ def varlen_alibi_bias(slopes, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k:
     """(1, H, total_q, total_k) ALiBi bias for packed sequences (bottom-right within each sequence; 0 between
     sequences), from tensor ops alone (see _varlen_rows)."""
     slopes = slopes.reshape(-1, slopes.shape[-1]).to(device).double()  # (1|nseq, H)
-    sq, i, lq = _varlen_rows(cu_seqlens_q, total_q, device)
-    sk, j, lk = _varlen_rows(cu_seqlens_k, total_k, device)
-    nseq = cu_seqlens_q.shape[0] - 1
-    same = (sq[:, None] == sk[None, :]) & (sq[:, None] < nseq)  # (total_q, total_k)
-    dist = (i[:, None] + (lk[None, :] - lq[:, None]) - j[None, :]).abs().double()
-    per_row = slopes[sq.clamp(max=max(nseq - 1, 0))] if slopes.shape[0] > 1 else slopes.expand(total_q, -1)
-    return torch.where(same, -per_row.t()[:, :, None] * dist, 0.0)[None]  # (1, H, total_q, total_k)
+    same, i, j, align = _varlen_pairs(cu_seqlens_q, cu_seqlens_k, total_q, total_k, device)
+    dist = (i + align - j).abs().double()  # (total_q, total_k)
+    if slopes.shape[0] > 1:  # per sequence: each query row's
+        sq = _varlen_rows(cu_seqlens_q, total_q, device)[0]
+        slopes = slopes[sq.clamp(max=slopes.shape[0] - 1)]  # (total_q, H)
+    return torch.where(same, -slopes.t()[:, :, None] * dist, 0.0)[None]  # (1, H, total_q, total_k)
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ from .._validate import check_flag
 from ..rotary import apply_rotary_qk
 from ..triton_kernels.limits import MAX_SEQ, exporting
 from ._qkv_rotary import backward_hooked, eligible, rotate_qk_
-from .kv_cache import KVCache, PagedKVCache, _check_mask, _check_pos_int, _host_readable, _static
+from ._cache_state import _check_mask, _check_pos_int, _host_readable, _static
+from .kv_cache import KVCache, PagedKVCache
 from .rotary import RotaryEmbedding
 from .swiglu import forward_hooked
 

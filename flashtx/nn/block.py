@@ -8,7 +8,8 @@ from torch import Tensor, nn
 
 from .._validate import check_flag
 from .attention import MultiheadAttention, _buffers
-from .kv_cache import KVCache, PagedKVCache, _check_pos_int
+from ._cache_state import _check_pos_int
+from .kv_cache import KVCache, PagedKVCache
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 from .swiglu import SwiGLU

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from .._library import device_assert
-from ._cache_state import (_check_mask, _check_ok, _check_pos_int, _host_readable, _left_padded,  # noqa: F401
-                           _mask_runs, _same_as, _Sealed, _stamp, _static)  # (attention.py and block.py import some)
+from ._cache_state import (_check_mask, _check_ok, _check_pos_int, _host_readable, _left_padded, _mask_runs,
+                           _same_as, _Sealed, _stamp, _static)
 
 
 class KVCache(_Sealed):
