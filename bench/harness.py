@@ -244,11 +244,11 @@ KERNEL_METHOD = "torch.profiler (CUPTI): device time of the step's kernels, copi
 BREAKDOWN_TOP = 8  # kernels named in kernel_breakdown_us (the rest summed under "other")
 
 
-def measure_kernel(step: Callable[[Any], Any], state: Any, calls: int) -> dict:
+def measure_kernel(step: Callable[[Any], Any], state: Any, calls: int, top: int | None = None) -> dict:
     """Device time per call of what `step` launches (kernels, memcpy, memset), from torch.profiler's CUDA
     activity over `calls` back-to-back calls after one untimed call: {kernel_ms, kernel_method, kernel_calls,
-    kernel_breakdown_us: {kernel name: us per call}, the BREAKDOWN_TOP longest, largest first, and "other"}, or
-    {kernel_error} when the profiler gives no CUDA activity or fails (then nothing is claimed)."""
+    kernel_breakdown_us: {kernel name: us per call}, the `top` (default BREAKDOWN_TOP) longest, largest first, and
+    "other"}, or {kernel_error} when the profiler gives no CUDA activity or fails (then nothing is claimed)."""
     from torch.profiler import ProfilerActivity, profile
     try:
         step(state)
@@ -268,9 +268,10 @@ def measure_kernel(step: Callable[[Any], Any], state: Any, calls: int) -> dict:
     if not device or total_us <= 0:
         return {"kernel_error": "the profiler recorded no CUDA activity"}
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
-    breakdown = {name: us / calls for name, us in ranked[:BREAKDOWN_TOP]}
-    if len(ranked) > BREAKDOWN_TOP:
-        breakdown["other"] = sum(us for _, us in ranked[BREAKDOWN_TOP:]) / calls
+    top = BREAKDOWN_TOP if top is None else top
+    breakdown = {name: us / calls for name, us in ranked[:top]}
+    if len(ranked) > top:
+        breakdown["other"] = sum(us for _, us in ranked[top:]) / calls
     return {"kernel_ms": total_us / 1e3 / calls, "kernel_method": KERNEL_METHOD, "kernel_calls": calls,
             "kernel_breakdown_us": breakdown}
 
@@ -356,22 +357,23 @@ def build_or_skip(provider: str, build: Callable[[], Any], *, fail_fast: bool = 
 
 
 KERNEL_BUDGET_S = float(os.environ.get("BENCH_KERNEL_BUDGET_S", "20"))
-# (extra_info, prepare, step, calls, nbytes, dtype, grad mode, judged by a target): measure_deferred_kernels
+# (extra_info, prepare, step, calls, nbytes, dtype, grad mode, judged by a target, kernels named):
+# measure_deferred_kernels
 _KERNEL_QUEUE: list = []
 
 
 def record_steady(extra: dict, step, state, st: dict, *, flops=None, nbytes=None, dtype=None, prepare=None,
-                  breakdown: bool = False) -> None:
+                  breakdown: bool = False, breakdown_top: int | None = None) -> None:
     """Into `extra`: the back-to-back measurement `st` and its throughput (*_steady); a memory-bound case (nbytes)
     whose back to back was launch-bound is queued for its kernel time (measure_deferred_kernels), and so is a case
-    that asks for its time by kernel (breakdown), after those."""
+    that asks for its time by kernel (breakdown, naming its `breakdown_top` longest kernels), after those."""
     extra.update(st)
     extra.update({f"{k}_steady": v for k, v in throughput(st["steady_ms"], flops=flops, nbytes=nbytes,
                                                             dtype=dtype).items()})
     judged = bool(st.get("steady_host_bound")) and nbytes is not None  # (the copy-share targets read its kernel_ms)
     if (judged or breakdown) and not SMOKE and prepare is not None:
         _KERNEL_QUEUE.append((extra, prepare, step, st["steady_calls"], nbytes, dtype, torch.is_grad_enabled(),
-                              judged))
+                              judged, breakdown_top))
 
 
 def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic) -> int:
@@ -382,7 +384,7 @@ def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic
     t0, timed = clock(), 0
     queue, _KERNEL_QUEUE[:] = list(_KERNEL_QUEUE), []
     queue.sort(key=lambda q: (not q[7], q[0].get("provider") != "flashtx"))  # what targets judge first, flashtx's
-    for extra, prepare, step, calls, nbytes, dtype, grad, _ in queue:
+    for extra, prepare, step, calls, nbytes, dtype, grad, _, top in queue:
         if clock() - t0 > budget_s:
             extra["kernel_error"] = f"not timed: BENCH_KERNEL_BUDGET_S ({budget_s:g} s) spent"
             continue
@@ -390,7 +392,7 @@ def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic
         try:
             with torch.set_grad_enabled(grad):  # as the case ran (a decode test runs it under no_grad)
                 state = prepare()
-                kt = measure_kernel(step, state, calls)  # (one untimed call first: the case ran, so it is warm)
+                kt = measure_kernel(step, state, calls, top)  # (one untimed call first: the case ran, so it is warm)
         except (Exception, pytest.skip.Exception, pytest.fail.Exception) as exc:  # noqa: BLE001 - an OOM, a provider
             # that refuses or fails now (build_or_skip skips): no number, the reason
             kt = {"kernel_error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
@@ -406,10 +408,12 @@ def measure_deferred_kernels(budget_s: float | None = None, clock=time.monotonic
 
 def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any], info: dict,
              flops: float | None = None, nbytes: float | None = None, dtype: torch.dtype | None = None,
-             fail_fast: bool = False, steady: bool = True, breakdown: bool = False) -> dict:
+             fail_fast: bool = False, steady: bool = True, breakdown: bool = False,
+             breakdown_top: int | None = None) -> dict:
     """Prepare, warm up, measure memory, time; fill benchmark.extra_info. Skips (pytest.skip) with
     the reason when the provider refuses the case, unless fail_fast (flashtx itself must not fail or refuse).
-    breakdown: also profile the case after the test loop for its device time by kernel (measure_deferred_kernels)."""
+    breakdown: also profile the case after the test loop for its device time by kernel (measure_deferred_kernels),
+    naming its `breakdown_top` (default BREAKDOWN_TOP) longest kernels."""
     benchmark.extra_info.update(info)
     benchmark.extra_info["gpu"] = gpu_name()
     state = None
@@ -463,7 +467,7 @@ def run_case(benchmark, *, prepare: Callable[[], Any], step: Callable[[Any], Any
     if steady:
         st = measure_steady(step, state, est_ms=summary["median_ms"])  # bounded by BENCH_BUDGET_S
         record_steady(benchmark.extra_info, step, state, st, flops=flops, nbytes=nbytes, dtype=dtype,
-                      prepare=prepare, breakdown=breakdown)
+                      prepare=prepare, breakdown=breakdown, breakdown_top=breakdown_top)
     if flops is not None:
         benchmark.extra_info["flops"] = flops
     if nbytes is not None:

@@ -159,6 +159,12 @@ def test_benchmark_records_tokens_per_s_from_idle_and_back_to_back(monkeypatch):
     bench = SimpleNamespace(group=None, extra_info={})
     tm.test_model_train(bench, "sdpa")
     assert seen["steady"] is True
+    # SDPA's step and flashtx's are profiled kernel by kernel (where the gap between them lies); eager's is not
+    assert seen["breakdown"] is True and seen["breakdown_top"] == tm.BREAKDOWN_TOP > harness.BREAKDOWN_TOP
+    for provider, asked in (("flashtx", True), ("eager", False)):
+        monkeypatch.setattr(harness, "build_or_skip", lambda *a, **k: None)  # (no flashtx probe, no model)
+        tm.test_model_train(SimpleNamespace(group=None, extra_info={}), provider)
+        assert seen["breakdown"] is asked, provider
     tokens = tm.B * tm.S
     assert bench.extra_info["tokens_per_s"] == pytest.approx(tokens / 0.010)
     assert bench.extra_info["tokens_per_s_steady"] == pytest.approx(tokens / 0.008)

@@ -193,10 +193,15 @@ def test_launch_bound_cases_get_their_kernel_time(monkeypatch):
     harness.record_steady(asked, lambda s: order.append("asked"), "s", busy, prepare=lambda: "s", breakdown=True)
     harness.record_steady({}, lambda s: order.append("not asked"), "s", busy, prepare=lambda: "s")
     harness.record_steady(judged, lambda s: order.append("judged"), "s", st, nbytes=1e8, prepare=lambda: "s")
+    few = {}  # one that names its own number of kernels (bench/test_models.py's training steps)
+    harness.record_steady(few, lambda s: order.append("few"), "s", busy, prepare=lambda: "s", breakdown=True,
+                          breakdown_top=1)
     recorded["events"] = [Ev(True, 50.0), Ev(True, 20.0, "_attn_bwd_dkdv"), Ev(True, 5.0, "_attn_bwd_preprocess")] * 2
     monkeypatch.setattr(harness, "BREAKDOWN_TOP", 2)
-    assert harness.measure_deferred_kernels(budget_s=1e9) == 2 and order == ["judged"] * 3 + ["asked"] * 3, order
+    assert harness.measure_deferred_kernels(budget_s=1e9) == 3, order
+    assert order == ["judged"] * 3 + ["asked"] * 3 + ["few"] * 3, order
     assert asked["kernel_breakdown_us"] == {"_attn_bwd_dq": 50.0, "_attn_bwd_dkdv": 20.0, "other": 5.0}, asked
+    assert few["kernel_breakdown_us"] == {"_attn_bwd_dq": 50.0, "other": 25.0}, few
     assert asked["kernel_ms"] == 0.075 and "gbs_kernel" not in asked and "gbs_kernel" in judged
 
 
