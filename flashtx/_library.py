@@ -124,15 +124,18 @@ def _refuse_transforms(op, args) -> None:
     if _FUNCTORCH():
         raise NotImplementedError(f"{name}: torch.func transforms (vmap, grad, jacrev, ...) are not supported; call it "
                                   f"outside the transform, or use torch.autograd (backward) for gradients")
+    # (an op that no differentiable call reaches, e.g. the cache append, has no derivative of either kind)
+    differentiable = op in _EAGER or name in _SDPA_OPS  # (attention's small-query route runs kvcache_attention)
+    instead = "use backward-mode autograd" if differentiable else "it is not differentiable: pass plain tensors"
     if torch.compiler.is_compiling():  # a traced tensor shows no tangent, and the compiled op's would be dropped
         raise NotImplementedError(f"{name}: forward-mode AD is not supported (a dual level is open while "
-                                  f"torch.compile traces it; it has no jvp formula); use backward-mode autograd")
+                                  f"torch.compile traces it; it has no jvp formula); {instead}")
     tensors, lists = _TENSORS[op]
     ts = [args[i] for i in tensors] + [t for i in lists for t in args[i]]
     if any(t is not None and _FORWARD_AD.unpack_dual(t).tangent is not None for t in ts):
         sdpa = " (under flashtx.patch_sdpa, such an SDPA call goes to torch's SDPA)" if name in _SDPA_OPS else ""
         raise NotImplementedError(f"{name}: forward-mode AD (a dual tensor's tangent) is not supported: it has no jvp "
-                                  f"formula; use backward-mode autograd{sdpa}")
+                                  f"formula; {instead}{sdpa}")
 
 
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)  # absent from CPU-only builds (no CUDA tensor there)

@@ -53,6 +53,23 @@ def test_forward_ad_errors_mention_patch_sdpa_only_for_attention():
     assert "patch_sdpa" not in str(info.value)
 
 
+def test_forward_ad_errors_point_to_backward_mode_only_for_differentiable_ops():
+    """The cache append has no derivative at all: its error says so instead of pointing to backward mode."""
+    q, k, v = _qkv()
+    kc, vc = randn(2, 8, 2, 16), randn(2, 8, 2, 16)  # (B, S_cache, Hkv, D)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    with fwAD.dual_level():
+        for sq in (8, 64):  # (no grad: a short query takes the decoding route, kvcache_attention)
+            q = randn(2, 2, sq, 16)
+            with pytest.raises(NotImplementedError, match="forward-mode AD.*use backward-mode autograd"):
+                flashtx.attention(fwAD.make_dual(q, torch.randn_like(q)), k, v)
+        new = randn(2, 1, 2, 16)  # (B, 1, Hkv, D)
+        with pytest.raises(NotImplementedError, match="forward-mode AD") as info:
+            flashtx.flash_attn_with_kvcache(randn(2, 1, 4, 16), kc, vc, fwAD.make_dual(new, torch.randn_like(new)),
+                                            new, cache_seqlens=lens)
+    assert "it is not differentiable" in str(info.value) and "backward-mode" not in str(info.value), info.value
+
+
 @pytest.mark.parametrize("api", sorted(CALLS))
 def test_torch_func_transforms_are_refused_clearly(api):
     q, k, v = _qkv(b=3)
