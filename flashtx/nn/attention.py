@@ -17,7 +17,9 @@ chunks (prefill) and calls that need gradients through flashtx.flash_attn_func w
 PagedKVCache always through flash_attn_with_kvcache (inference only: run it under torch.no_grad()).
 Calls with gradients write a KVCache out of place, as transformers' DynamicCache: the cache then
 holds their graph, and later calls build on it (one backward over all of them; for a backward
-per call, reset() the cache or fill it under no_grad).
+per call, reset() the cache or fill it under no_grad). A call without gradients writes the cache in
+place, so after one, a backward through an earlier call's graph raises autograd's "modified by an
+inplace operation": run that backward first.
 
 Padding with a cache: each call's key_mask describes its new tokens. Left padding (a sequence's
 padding before its first real token) is kept as flash-attn's cache_leftpad (the cache's
