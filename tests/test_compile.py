@@ -46,6 +46,32 @@ def odd_length_results(tmp_path_factory):
     return _compile_check(tmp_path_factory, "--seqlen", "113", "--mask-tiles", timeout=2400)  # (cold: ~12 min)
 
 
+@pytest.fixture(scope="module")
+def ones_results(tmp_path_factory):
+    """Each kernel's flags with every runtime int argument 1 (compile_check.ones_plans), for sm_80: Triton compiles
+    such an argument as a constant, so the paged decode kernel's `(ROWS - 1).to(...)` failed to compile on a GPU for
+    a pool of one page (review, 2026-12-07), a call the interpreter runs."""
+    out = tmp_path_factory.mktemp("ones") / "results.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "flashtx.triton_kernels.compile_check", "--ones", "--arch", "80",
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=1200)  # (cold: ~1 min)
+    assert out.exists(), f"compile check did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc, json.loads(out.read_text())
+
+
+def test_every_kernel_compiles_with_runtime_ints_of_one(ones_results):
+    from flashtx.triton_kernels import compile_check
+    from flashtx.triton_kernels.configs import KNOWN_TARGETS
+
+    proc, results = ones_results
+    bad = [f"{r['label']}: {r['error']}" for r in results if not r["ok"]]
+    assert not bad and proc.returncode == 0, "\n".join(bad)
+    kernels = {compile_check.kernel_name(launch) for _, launch in compile_check.launch_plans(KNOWN_TARGETS[80])}
+    assert len(kernels) >= 10 and len(results) >= len(kernels)  # every kernel function, each flag at least once
+    assert any("paged" in r["label"] and r["label"].startswith("decode D=") for r in results)
+
+
 def test_every_config_compiles_and_fits(compile_results, capsys):
     proc, results = compile_results
     with capsys.disabled():

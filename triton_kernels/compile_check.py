@@ -5,6 +5,7 @@
     python -m flashtx.triton_kernels.compile_check --only attn_ --json new.json --compare old.json  # a refactor
     python -m flashtx.triton_kernels.compile_check --only attn_ --seqlen 113  # the attention kernels' odd variant
     python -m flashtx.triton_kernels.compile_check --seqlen 113 --mask-tiles  # CI's odd pass (tests/test_compile.py)
+    python -m flashtx.triton_kernels.compile_check --ones --arch 80  # runtime ints of 1, compiled as constants
 
 For each module of flashtx.triton_kernels that defines `compile_plans(target)`, and each target,
 it builds the launches the launchers would make on that GPU, specialises their arguments the
@@ -184,9 +185,9 @@ def compile_launch(launch, target: Target):
     return triton_compile(src, target=gpu, options=options.__dict__)
 
 
-def _check_one(arch: int, index: int, seqlen: int = 128) -> Result:
+def _check_one(arch: int, index: int, seqlen: int = 128, ones: bool = False) -> Result:
     target = KNOWN_TARGETS[arch]
-    label, launch = _all_plans(target, seqlen)[index]
+    label, launch = _all_plans(target, seqlen, ones)[index]
     cfg = launch.config
     cfg_s = (f"M{cfg.block_m} N{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (" tma" if cfg.tma else "")
              if isinstance(cfg, TileConfig) else (str(cfg.launch_kwargs) if cfg is not None else "-"))
@@ -223,10 +224,42 @@ def launch_plans(target: Target, seqlen: int = 128) -> list:
     return plans
 
 
-def _all_plans(target: Target, seqlen: int = 128):
-    if (target.arch, seqlen) not in _PLAN_CACHE:
-        _PLAN_CACHE[target.arch, seqlen] = launch_plans(target, seqlen)
-    return _PLAN_CACHE[target.arch, seqlen]
+def _all_plans(target: Target, seqlen: int = 128, ones: bool = False):
+    if (target.arch, seqlen, ones) not in _PLAN_CACHE:
+        _PLAN_CACHE[target.arch, seqlen, ones] = (ones_plans if ones else launch_plans)(target, seqlen)
+    return _PLAN_CACHE[target.arch, seqlen, ones]
+
+
+def kernel_name(launch) -> str:
+    return getattr(getattr(launch.kernel, "fn", None), "__name__", str(launch.kernel))
+
+
+def ones_plans(target: Target, seqlen: int = 128) -> list:
+    """(label, Launch): for each kernel function, the plans that together set each of its bool constexpr flags True
+    at least once (greedy, most flags first), with every runtime int argument (strides, lengths, counts) set to 1.
+    Triton compiles an int argument equal to 1 as a constant (JITFunction.run's specialization), so an expression of
+    such arguments becomes a Python int: `(ROWS - 1).to(tl.uint32)` compiled for every pool but one of a single page
+    (a GPU-only failure: the interpreter passes numpy scalars). Values of 1 that a launch would never pass (a head
+    dim of 1) only compile; nothing runs."""
+    import dataclasses as dc
+
+    by_kernel: dict = {}
+    for label, launch in launch_plans(target, seqlen):
+        by_kernel.setdefault(kernel_name(launch), []).append((label, launch))
+    out = []
+    for plans in by_kernel.values():
+        constexpr = [{p.name for p in launch.kernel.params if p.is_constexpr} for _, launch in plans]
+        flags = [{k for k, v in launch.args.items() if v is True} for _, launch in plans]
+        order = sorted(range(len(plans)), key=lambda i: -len(flags[i]))
+        covered: set = set()
+        for i in order:
+            if covered and flags[i] <= covered:
+                continue
+            covered |= flags[i]
+            label, launch = plans[i]
+            args = {k: (1 if type(v) is int and k not in constexpr[i] else v) for k, v in launch.args.items()}
+            out.append((f"{label} ints=1", dc.replace(launch, args=args)))
+    return out
 
 
 def loads_mask_tile(launch) -> bool:
@@ -235,9 +268,11 @@ def loads_mask_tile(launch) -> bool:
     return bool(launch.args.get("MASK_KIND", 0))
 
 
-def run(archs, jobs: int, only: str = "", seqlen: int = 128, mask_tiles: bool = False) -> list[Result]:
+def run(archs, jobs: int, only: str = "", seqlen: int = 128, mask_tiles: bool = False,
+        ones: bool = False) -> list[Result]:
     texts = [t for t in only.split(",") if t] or [""]
-    work = [(a, i, seqlen) for a in archs for i, (label, launch) in enumerate(_all_plans(KNOWN_TARGETS[a], seqlen))
+    work = [(a, i, seqlen, ones) for a in archs
+            for i, (label, launch) in enumerate(_all_plans(KNOWN_TARGETS[a], seqlen, ones))
             if any(t in label for t in texts) and (loads_mask_tile(launch) or not mask_tiles)]
     if jobs <= 1:
         return [_check_one(*w) for w in work]
@@ -271,11 +306,14 @@ def main(argv=None) -> int:
                          "for lengths that are not multiples of 16)")
     ap.add_argument("--mask-tiles", action="store_true",
                     help="check only the launches that read an attn_mask tile (with --seqlen 113: CI's odd pass)")
+    ap.add_argument("--ones", action="store_true",
+                    help="instead: each kernel's flags, with every runtime int argument 1 (ones_plans; CI runs it "
+                         "for sm_80)")
     args = ap.parse_args(argv)
     if interpreter_active():
         print("compile_check compiles kernels: run it with TRITON_INTERPRET unset", file=sys.stderr)
         return 2
-    results = run(args.arch or [80, 86, 90], args.jobs, args.only, args.seqlen, args.mask_tiles)
+    results = run(args.arch or [80, 86, 90], args.jobs, args.only, args.seqlen, args.mask_tiles, args.ones)
     print(f"attention plans at sequence length {args.seqlen}\n" + format_table(results))
     if args.json:
         with open(args.json, "w") as f:

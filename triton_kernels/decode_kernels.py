@@ -222,7 +222,9 @@ def _decode_fwd(Q, KC, VC, O, LSE, SEQLENS, LEFTPAD, BIDX, BT, AL, KM,
             page = tl.load(BT + b.to(tl.int64) * stride_btb + offs_n // PAGE, mask=n_ok, other=0)
             # a page out of range reads the last page instead (in bounds; such a state's answer is unspecified): a mask
             # on the loaded page would change the loads' pipelining and vector width (compile check, sm_90)
-            page = tl.minimum(page.to(tl.uint32), (ROWS - 1).to(tl.uint32))  # (one unsigned min: -1 -> the last)
+            # (one unsigned min: -1 -> the last; tl.cast, not .to: a pool of one page makes ROWS - 1 a Python int, as
+            # Triton compiles an int argument of 1 as a constant)
+            page = tl.minimum(page.to(tl.uint32), tl.cast(ROWS - 1, tl.uint32))
         krow = _cache_rows(offs_n, page, cb, stride_kb, stride_kn, PAGE, PAGED)
         vrow = _cache_rows(offs_n, page, cb, stride_vb, stride_vn, PAGE, PAGED)
         # int64 columns (a D-major cache's column x stride passes int32), hoisted by the compiler: the same loop and
