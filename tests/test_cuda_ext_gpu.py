@@ -290,7 +290,7 @@ def test_binding_errors_raise_in_a_process_of_their_own():
     error the extension raised in the suite (test_guards_and_check_values, its check_values=True call with bad pages)
     ended the pytest process with a segmentation fault, taking the other tests' reports with it. Here a crash fails
     this test only, showing which call crashed (the first error with no device sync, or one after check_values'
-    sync) and, where gdb is installed, the C++ stack."""
+    sync) and, where gdb or cuda-gdb is installed, the C++ stack."""
     import os
     import shutil
     import subprocess
@@ -303,10 +303,11 @@ def test_binding_errors_raise_in_a_process_of_their_own():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     _BINDING_ERRORS["crashed"] = proc.returncode != 0  # the in-process raises below then skip (this test fails)
     report = f"rc {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    if proc.returncode != 0 and shutil.which("gdb"):
-        gdb = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd], capture_output=True,
+    debugger = shutil.which("gdb") or shutil.which("cuda-gdb")  # (the GPU machines have cuda-gdb only)
+    if proc.returncode != 0 and debugger:
+        gdb = subprocess.run([debugger, "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd], capture_output=True,
                              text=True, timeout=300, env=env)
-        report += "\ngdb:\n" + gdb.stdout[-8000:]
+        report += f"\n{os.path.basename(debugger)}:\n" + gdb.stdout[-8000:] + gdb.stderr[-2000:]
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("done"), report
     got = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if not line.startswith(("calling", "done")))
     want = {"head_dim": "head dim must be 64 or 128", "lens_int64": "cache_seqlens must be int32",
