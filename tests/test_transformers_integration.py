@@ -226,6 +226,19 @@ def test_errors_name_what_is_wrong():
         ftx.flashtx_attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 4, dtype=torch.bool))
 
 
+def test_output_attentions_warns_and_leaves_the_weights_out():
+    """output_attentions=True: flashtx never forms the weights; it warns (naming 'eager') and returns None weights,
+    which transformers leaves out of the model's `attentions`, as for its own 'sdpa'; the logits are unchanged."""
+    eager, _, fused = models(config())
+    ids, mask = padded_batch("right")
+    with pytest.warns(UserWarning, match="never forms the attention weights.*'eager'"):
+        out = fused(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert not out.attentions  # no weights (None per layer, dropped by transformers), never made-up ones
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(out.logits.detach()[1], want[1], atol=1e-4, rtol=1e-4)
+
+
 def test_softcap_is_applied_as_transformers_eager_does():
     """Gemma 2's softcap: q.k^T * scaling -> softcap * tanh(. / softcap) -> + mask -> softmax."""
     torch.manual_seed(5)

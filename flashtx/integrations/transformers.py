@@ -20,7 +20,8 @@ How masks reach flashtx (``flashtx_mask``, registered with transformers' Attenti
 ``softcap`` (Gemma 2) is applied in the kernel, as in transformers' eager attention; T5's
 ``position_bias`` is added to the scores as an additive (learned) mask.
 Not supported (clear errors): attention sinks (``s_aux``/``sinks``),
-``output_attentions`` (flashtx never forms the attention weights; a warning, weights None), and model
+``output_attentions`` (flashtx never forms the attention weights; a warning, and weights None, which
+transformers 5 leaves out of the model's ``attentions``: an empty tuple, as with 'sdpa'), and model
 families whose modeling code computes attention itself instead of calling transformers'
 AttentionInterface (Bloom, MPT: the mask function refuses them; GPT-Neo: transformers itself raises a
 KeyError for any registered name).
@@ -142,7 +143,8 @@ def flashtx_attention_forward(module, query, key, value, attention_mask, dropout
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ValueError("attn_implementation='ftx' does not support attention sinks; use 'eager'")
     if kwargs.get("output_attentions", False):
-        warnings.warn("attn_implementation='ftx' never forms the attention weights: they are returned as None",
+        warnings.warn("attn_implementation='ftx' never forms the attention weights: they are returned as None (the "
+                      "model's `attentions` output holds none of them; use attn_implementation='eager' for them)",
                       stacklevel=2)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     Sq, Sk = query.shape[2], key.shape[2]
