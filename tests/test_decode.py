@@ -86,15 +86,15 @@ def loop_reference(q, kc, vc, k, v, *, lens, batch_idx=None, leftpad=None, block
     return out, lse, kc, vc
 
 
-def make_cache(B, Hkv, D, cap, dtype, page=None, extra_rows=0, seed=0):
+def make_cache(B, Hkv, D, cap, dtype, page=None, extra_rows=0, seed=0, spare_pages=3):
     """(k_cache, v_cache, block_table): contiguous (B + extra_rows, cap, Hkv, D), or paged with
-    shuffled pages (and some unused ones) so that logical and physical order differ."""
+    shuffled pages (and `spare_pages` unused ones) so that logical and physical order differ."""
     g = torch.Generator().manual_seed(seed)
     if page is None:
         shape, bt = (B + extra_rows, cap, Hkv, D), None
     else:
         per = -(-cap // page)
-        npages = B * per + 3
+        npages = B * per + spare_pages
         bt = torch.randperm(npages, generator=g)[:B * per].view(B, per).to(torch.int32)
         shape = (npages, page, Hkv, D)
     kc = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
@@ -107,13 +107,15 @@ def rand(*shape, dtype):
 
 
 def run_case(dtype, *, B=3, Sq=1, Snew=1, Hq=4, Hkv=2, D=16, cap=80, page=None, lens=None, rotary=None,
-             splits=1, batch_idx=None, leftpad=None, extra_rows=0, backend="triton", tables=torch.float32, **kw):
+             splits=1, batch_idx=None, leftpad=None, extra_rows=0, backend="triton", tables=torch.float32,
+             spare_pages=3, **kw):
     """One call of flash_attn_with_kvcache (fresh random caches and tokens) against loop_reference under the
     tolerance rule: out with the reference backend's out in `dtype` as the eager baseline, lse (float32 for
     half inputs) with its lse, computed in lse's dtype (the reference backend computes in float32 for half
     inputs); the caches after the append likewise (new rows copies, or rotated copies with RoPE), every row
     outside the append bit-identical. Returns (out, lse)."""
-    kc, vc, bt = make_cache(B, Hkv, D, cap, dtype, page, extra_rows, seed=int(torch.randint(2**31, ())))
+    kc, vc, bt = make_cache(B, Hkv, D, cap, dtype, page, extra_rows, seed=int(torch.randint(2**31, ())),
+                            spare_pages=spare_pages)
     lens = torch.tensor(lens if lens is not None else [cap - Snew - 7 * b for b in range(B)], dtype=torch.int32)
     q = rand(B, Sq, Hq, D, dtype=dtype)
     k, v = (rand(B, Snew, Hkv, D, dtype=dtype) for _ in range(2)) if Snew else (None, None)
@@ -157,6 +159,14 @@ def run_case(dtype, *, B=3, Sq=1, Snew=1, Hq=4, Hkv=2, D=16, cap=80, page=None, 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_matches_loop_reference(dtype, page, splits):
     run_case(dtype, page=page, splits=splits, causal=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_pool_of_one_page(splits):
+    """A paged cache whose pool is one page: Triton compiles the pool's row count (1) as a constant, and the
+    kernel's clamp of a page to the pool's last one failed to compile on a GPU (2026-12-07)."""
+    run_case(torch.float16, B=1, Snew=2, cap=64, page=64, spare_pages=0, lens=[40], rotary="neox", splits=splits,
+             causal=True)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
