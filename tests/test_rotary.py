@@ -555,6 +555,11 @@ def test_out_of_range_positions_give_nan_on_every_backend():
     for backend in ("triton", "reference"):
         out = flashtx.apply_rotary(x, cos, sin, position_ids=pos, backend=backend)
         assert torch.isfinite(out[0, 0]).all() and torch.isnan(out[0, 1:]).all(), backend
+    x = randn(1, 3, 1, 8)  # partial rotation (rotary_dim 4 of 8): only the rotated columns, as the README says
+    for backend in ("triton", "reference"):
+        out = flashtx.apply_rotary(x, cos, sin, position_ids=pos, backend=backend)
+        assert torch.isfinite(out[0, 0]).all() and torch.isnan(out[0, 1:, :, :4]).all(), backend
+        assert torch.equal(out[0, 1:, :, 4:], x[0, 1:, :, 4:]), backend
 
 
 def test_rotary_embedding_with_only_negative_position_ids_gives_nan():
