@@ -291,7 +291,8 @@ if want tests_gpu; then
     -p no:cacheprovider --ignore=tests/test_compile.py --ignore=tests/test_bench_smoke.py \
     --ignore=tests/test_device_check_plan.py --ignore=tests/test_cuda_ext_gpu.py \
     --ignore=tests/test_compile_gpu_path.py \
-    -k "gpu_large or test_memory or compile or trace or graph or readme or device_asserts or lane_masks or wide_offsets")
+    -k "gpu_large or test_memory or compile or trace or graph or readme or device_asserts or lane_masks or wide_offsets \
+       or one_page")
   EXT=($PY -m pytest tests/test_cuda_ext_gpu.py -v -rf --maxfail=20 -p no:cacheprovider)
   EXT_LOG=$(mktemp "${TMPDIR:-/tmp}/flashtx_cuda_ext.XXXXXX")
   # The step's SIGINT (timeout signals the process group) stops the main run as always; the extension's run, a
