@@ -14,8 +14,9 @@ implementations are registered here, so torch.compile traces them. Ways to get t
     source checkout: csrc/ is not installed);
   - neither: flashtx runs pure-Python/Triton as always; available() is False with a reason.
 
-Off by default: timed on an H100 (2026-12-06), their decode took 3.2x the Triton kernel's time, so no
-automatic choice takes them (not_supported_reasons(..., automatic=True) always says so). They are flashtx's backend
+Off by default: timed on an H100 (2026-12-06, 9d4ae90; both kernels changed since, untimed), their decode took 3.2x
+the Triton kernel's time, so no automatic choice takes them (not_supported_reasons(..., automatic=True) always says
+so). They are flashtx's backend
 "cuda" of the decode ops (registered in flashtx._dispatch after "triton"):
 `flashtx.flash_attn_with_kvcache(..., backend="cuda")` takes them when they can run those inputs
 (BackendNotSupported with the reasons otherwise); backend=None never does while MEASURED_FASTER
@@ -66,8 +67,8 @@ MEASURED_FASTER = False  # True only once bench/RESULTS.md records it beating th
 STALE_LOCK_S = 900  # a JIT lock file older than this was left by a killed build
 ENV_AUTO = "FLASHTX_CUDA_EXT"  # =1: build/load on first use
 NOT_MEASURED = ("not measured faster than the Triton kernel on a GPU (an H100, 2026-12-06, bench/RESULTS.md: its "
-                "decode took 3.2x the Triton kernel's time at batch 8 over 8k keys): off in automatic dispatch (off "
-                "by default); pass backend='cuda'")
+                "decode took 3.2x the Triton kernel's time at batch 8 over 8k keys, at 9d4ae90; both changed since, "
+                "untimed): off in automatic dispatch (off by default); pass backend='cuda'")
 
 _state: dict = {"loaded": None, "error": None, "fakes": False}
 

@@ -116,8 +116,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Args:
         q: (B, Sq, Hq, D): Sq = 1 for decoding, a few tokens for speculative decoding (any Sq runs;
-            long prefills are expected to be faster through flashtx.flash_attn_func: unmeasured, decoding
-            has not been timed on a GPU). float16, bfloat16, float32
+            long prefills are expected to be faster through flashtx.flash_attn_func: unmeasured; decoding
+            was timed once, on an H100 at 9d4ae90, bench/RESULTS.md, and its kernels changed since).
+            float16, bfloat16, float32
             (float64 in Triton's interpreter).
         k_cache, v_cache: (B_cache, S_cache, Hkv, D|Dv) contiguous caches, or with block_table
             paged pools (num_pages, page_size, Hkv, D|Dv), page_size a multiple of 16. q's dtype
@@ -163,8 +164,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             log-sum-exp); 0 = a heuristic from the GPU's SM count (flash-attn's), 1 = none.
         return_softmax_lse: also return lse (B, Hq, Sq), float32 (float64 for float64 q), natural log.
         backend: None (automatic), "triton", "reference" or "cuda" (the optional CUDA extension,
-            flashtx.cuda_ext; never chosen automatically: on an H100 its decode took 3.2x the Triton
-            kernel's time, bench/RESULTS.md). Keyword-only.
+            flashtx.cuda_ext; never chosen automatically: on an H100 at 9d4ae90 its decode took 3.2x the
+            Triton kernel's time, bench/RESULTS.md; both kernels changed since, untimed). Keyword-only.
 
     Returns:
         out (B, Sq, Hq, Dv) in q's dtype [, lse]. Rows that see no key give 0 and lse -inf.

@@ -39,7 +39,14 @@ def llama_hidden_dim(dim: int, multiple_of: int = 32) -> int:
 
 @dataclasses.dataclass
 class BlockCache:
-    """A TransformerBlock's caches: self-attention's KVCache or PagedKVCache and, for cross blocks, the memory's."""
+    """A TransformerBlock's caches, from ``TransformerBlock.new_cache``: pass it as the block's ``cache``.
+
+    self_attn: the self-attention's KVCache ((B, max_len, Hkv, D) key/value buffers) or PagedKVCache (a page pool
+        with a block table), on the parameters' device and dtype unless new_cache was given others; it grows by
+        each call's tokens.
+    cross_attn: for a block with cross-attention, a KVCache of the projected memory (filled on the first call,
+        read afterwards); None otherwise.
+    """
 
     self_attn: KVCache | PagedKVCache
     cross_attn: KVCache | None = None
