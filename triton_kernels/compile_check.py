@@ -252,8 +252,8 @@ def ones_plans(target: Target, seqlen: int = 128) -> list:
         flags = [{k for k, v in launch.args.items() if v is True} for _, launch in plans]
         order = sorted(range(len(plans)), key=lambda i: -len(flags[i]))
         covered: set = set()
-        for i in order:
-            if covered and flags[i] <= covered:
+        for n, i in enumerate(order):
+            if n and flags[i] <= covered:  # (the first plan always: a kernel without bool flags gets one)
                 continue
             covered |= flags[i]
             label, launch = plans[i]
