@@ -20,12 +20,12 @@ ARCHS = (80, 86, 90)
 pytestmark = pytest.mark.xdist_group("compile-check")
 
 
-def _compile_check(tmp_path_factory, *args, timeout: int):
+def _compile_check(tmp_path_factory, *args, timeout: int, archs=ARCHS):
     out = tmp_path_factory.mktemp("compile") / "results.json"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its default
     proc = subprocess.run([sys.executable, "-m", "flashtx.triton_kernels.compile_check", "--json", str(out),
-                           *[a for arch in ARCHS for a in ("--arch", str(arch))], *args],
+                           *[a for arch in archs for a in ("--arch", str(arch))], *args],
                           capture_output=True, text=True, env=env, timeout=timeout)
     print(proc.stdout)  # the table: kernel, config, target, shared memory, estimate, limit, registers, spills
     assert out.exists(), f"compile check did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -51,13 +51,7 @@ def ones_results(tmp_path_factory):
     """Each kernel's flags with every runtime int argument 1 (compile_check.ones_plans), for sm_80: Triton compiles
     such an argument as a constant, so the paged decode kernel's `(ROWS - 1).to(...)` failed to compile on a GPU for
     a pool of one page (review, 2026-12-07), a call the interpreter runs."""
-    out = tmp_path_factory.mktemp("ones") / "results.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTX_INTERPRET")}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "flashtx.triton_kernels.compile_check", "--ones", "--arch", "80",
-                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=1200)  # (cold: ~1 min)
-    assert out.exists(), f"compile check did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc, json.loads(out.read_text())
+    return _compile_check(tmp_path_factory, "--ones", timeout=1200, archs=(80,))  # (cold: ~1 min)
 
 
 def test_every_kernel_compiles_with_runtime_ints_of_one(ones_results):
