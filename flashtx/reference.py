@@ -59,8 +59,17 @@ def visibility(Sq: int, Sk: int, *, batch: int = 1, causal: bool = False, bottom
         return t.to(device).long().clamp(0, s)[:, None, None]
 
     ql, kl = lens(q_lens, Sq), lens(kv_lens, Sk)
-    vis = (i < ql) & (j < kl)
-    align = (kl - ql) if bottom_right else 0
+    vis = _windowed((i < ql) & (j < kl), i, j, (kl - ql) if bottom_right else 0, causal, window)
+    if key_mask is not None:
+        vis = vis & key_mask.to(device, torch.bool)[:, None, :]
+    if query_mask is not None:
+        vis = vis & query_mask.to(device, torch.bool)[:, :, None]
+    return vis.expand(max(batch, vis.shape[0]), Sq, Sk)
+
+
+def _windowed(vis, i, j, align, causal: bool, window):
+    """vis & the keys query i sees through `window` (left, right; -1 unbounded) and `causal` (right 0), with query i
+    aligned to key i + align."""
     left, right = (int(x) for x in window)
     if causal:
         right = 0
@@ -68,11 +77,7 @@ def visibility(Sq: int, Sk: int, *, batch: int = 1, causal: bool = False, bottom
         vis = vis & (j <= i + align + right)
     if left >= 0:
         vis = vis & (j >= i + align - left)
-    if key_mask is not None:
-        vis = vis & key_mask.to(device, torch.bool)[:, None, :]
-    if query_mask is not None:
-        vis = vis & query_mask.to(device, torch.bool)[:, :, None]
-    return vis.expand(max(batch, vis.shape[0]), Sq, Sk)
+    return vis
 
 
 def _varlen_rows(cu: torch.Tensor, total: int, device):
@@ -103,14 +108,7 @@ def varlen_visibility(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *,
     """(1, total_q, total_k) bool for packed sequences: block-diagonal, each block as `visibility`
     with bottom-right alignment per sequence (flash-attn's varlen semantics)."""
     vis, i, j, align = _varlen_pairs(cu_seqlens_q, cu_seqlens_k, total_q, total_k, device)
-    left, right = (int(x) for x in window)
-    if causal:
-        right = 0
-    if right >= 0:
-        vis = vis & (j <= i + align + right)
-    if left >= 0:
-        vis = vis & (j >= i + align - left)
-    return vis[None]
+    return _windowed(vis, i, j, align, causal, window)[None]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
