@@ -26,6 +26,7 @@ def check_tensor(name: str, t) -> None:
 
 
 _STRIDED = torch.strided
+_TENSOR = torch.Tensor
 _COMPILING = torch.compiler.is_compiling
 
 
@@ -63,6 +64,21 @@ def _qkv_ok(q, k, v, allow_gqa: bool, heads: int = 1) -> bool:
             and q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and ks[0] == qs[0] == vs[0]
             and ks[h] == vs[h] and ks[s] == vs[s] and ks[3] == qs[3] and qs[3] > 0 and vs[3] > 0
             and (qs[h] == ks[h] or ks[h] == 1 or (allow_gqa and ks[h] > 0 and qs[h] % ks[h] == 0)))
+
+
+def packed_qkv_ok(q, k, v) -> bool:
+    """True when varlen's packed (total, H, D) q, k, v pass check_tensor, the 3-D rule and check_qkv's rule on their
+    (1, total, H, D) views (GQA allowed): the common case, decided with ints and bools (no views, no messages)."""
+    if not (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and q.dim() == 3 and k.dim() == 3
+            and v.dim() == 3 and q.dtype in ALLOWED_DTYPES) or q.is_nested or k.is_nested or v.is_nested:
+        return False
+    if not _COMPILING() and (q.is_neg() or k.is_neg() or v.is_neg()):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape  # (total, H, D); the totals of q and k may differ
+    return (q.layout is _STRIDED and k.layout is _STRIDED and v.layout is _STRIDED
+            and q.device == k.device == v.device and q.dtype == k.dtype == v.dtype
+            and ks[0] == vs[0] and ks[1] == vs[1] and ks[2] == qs[2] and qs[2] > 0 and vs[2] > 0
+            and (qs[1] == ks[1] or (ks[1] > 0 and qs[1] % ks[1] == 0)))
 
 
 def check_qkv(names: tuple[str, str, str], q, k, v, layout: str, *, allow_gqa: bool, gqa_hint: str = "",

@@ -34,8 +34,8 @@ from ._library import call
 from .triton_kernels.limits import MAX_SEQ, exporting
 from ._validate import (ALLOWED_DTYPES, _qkv_ok, check_alibi, check_attn_mask, check_cu_seqlens,
                         check_cu_seqlens_pair, check_dropout, check_lens, check_max_seqlen, check_qkv,
-                        check_flag, check_seq_mask, check_softcap, check_tensor, check_window, refuse_negated_qkv,
-                        resolve_scale, _values_readable)
+                        check_flag, check_seq_mask, check_softcap, check_tensor, check_window, packed_qkv_ok,
+                        refuse_negated_qkv, resolve_scale, _values_readable)
 
 LN2 = math.log(2.0)
 _NO_WINDOW = (-1, -1)
@@ -446,21 +446,26 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         from ._paged_varlen import unpage
         check_tensor("q", q)
         k, v = unpage(k, v, block_table, check_cu_seqlens(n_cuk, cu_seqlens_k, q), q, max_seqlen_k)
-    for n, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(n, t)
-        if t.dim() != 3:
-            raise ValueError(f"{n} must be 3-D (total, H, D) for varlen; got shape {tuple(t.shape)}")
-    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, H, D): the op reads them as bshd
-    if not _qkv_ok(q4, k4, v4, True, heads=2):
+    if not packed_qkv_ok(q, k, v):  # (the common case in ints and bools; else the checks that name what is wrong)
+        for n, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(n, t)
+            if t.dim() != 3:
+                raise ValueError(f"{n} must be 3-D (total, H, D) for varlen; got shape {tuple(t.shape)}")
         check_qkv(("q", "k", "v"), *(t.transpose(0, 1)[None] for t in (q, k, v)), "(total, H, D)",
                   allow_gqa=True, shown=(q, k, v))  # raises, naming what is wrong
     cuq = check_cu_seqlens(n_cuq, cu_seqlens_q, q)
-    cuk = check_cu_seqlens(n_cuk, cu_seqlens_k, q)
+    # (self-attention passes one tensor twice: checked once)
+    cuk = cuq if cu_seqlens_k is cu_seqlens_q else check_cu_seqlens(n_cuk, cu_seqlens_k, q)
     if cuq.shape != cuk.shape:
         raise ValueError(f"{n_cuq} and {n_cuk} must describe the same number of sequences; got shapes "
                          f"{tuple(cuq.shape)} and {tuple(cuk.shape)}")
-    msq, msk = (check_max_seqlen(n_msq, max_seqlen_q, q.device),
-                check_max_seqlen(n_msk, max_seqlen_k, q.device))
+    # an int >= 0 as it is, eagerly (check_max_seqlen's common case); anything else, and any traced int (a value read
+    # on the device cannot be compared on the host), checked there
+    eager = not torch.compiler.is_compiling()
+    msq = max_seqlen_q if eager and type(max_seqlen_q) is int and max_seqlen_q >= 0 else check_max_seqlen(
+        n_msq, max_seqlen_q, q.device)
+    msk = max_seqlen_k if eager and type(max_seqlen_k) is int and max_seqlen_k >= 0 else check_max_seqlen(
+        n_msk, max_seqlen_k, q.device)
     # an int bound past the total bounds nothing more (no sequence is longer than the total): clamped first, so
     # looser bounds share a launch-cache entry of the check (and of the kernels, below)
     msq = msq if isinstance(msq, torch.Tensor) else min(msq, q.shape[0])
@@ -486,6 +491,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     probs = lse and _with_probs(mods)
     if probs:  # probs are (nseq, Hq, max_seqlen_q, max_seqlen_k), as flash-attn's: a tensor is read
         grid_q, grid_k = min(int(msq), q.shape[0]), min(int(msk), k.shape[0])
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, H, D): the op reads them as bshd
     res = _run(q4, k4, v4, scale=scale, causal=check_flag("causal", causal), bottom_right=True, backend=backend,
                return_lse=lse, return_probs=probs,
                window=check_window("window_size", window_size), cu_seqlens_q=cuq, cu_seqlens_k=cuk,
