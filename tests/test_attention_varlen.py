@@ -3,6 +3,8 @@ same sequence alone and against the float64 reference (outputs and gradients, un
 conftest.assert_close_to_reference), max_seqlen bounds, unpad/pad (bert_padding's), and torch.compile with
 tensor max_seqlen. Split from test_attention_masks.py (windows, padding masks, lengths).
 """
+import warnings
+
 import pytest
 import torch
 from conftest import (DEVICE, KERNEL_DTYPES, ON_GPU, assert_close_to_reference, dtype_id,
@@ -233,3 +235,61 @@ def test_varlen_general_path_backward_copies_no_gradient(option):
         out.backward(randn(16, 2, 16))
     assert not {e.name for e in prof.function_events} & {"aten::select_backward", "aten::zeros"}
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def _full_checks_pass(q, k, v) -> bool:
+    """What flash_attn_varlen_func checks of q, k, v when packed_qkv_ok declines: check_tensor, the 3-D rule and
+    check_qkv on the (1, H, total, D) views. True where none raises."""
+    from flashtx._validate import check_qkv, check_tensor
+
+    try:
+        for n, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(n, t)
+            if t.dim() != 3:
+                return False
+        check_qkv(("q", "k", "v"), *(t.transpose(0, 1)[None] for t in (q, k, v)), "(total, H, D)", allow_gqa=True)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def test_the_common_case_check_accepts_exactly_what_the_full_checks_accept():
+    """packed_qkv_ok, the varlen call's checks in ints and bools, answers True exactly where the checks that name
+    what is wrong pass: over totals, heads (GQA, MQA, a non-multiple, 0), head dims (Dv != D, 0), ranks, dtypes,
+    devices' dtypes mixed, lazily negated views, non-tensors and Parameters (subclasses: the full path)."""
+    from flashtx._validate import packed_qkv_ok
+
+    def t(shape, dtype=torch.float32):
+        return torch.zeros(shape, dtype=dtype)
+
+    neg = torch.zeros(6, 2, 8, dtype=torch.complex64).conj().imag  # (its negative bit set)
+    with warnings.catch_warnings():  # (torch's "prototype stage" warning)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([t((2, 8)), t((3, 8))])  # (2, j, 8)
+    cases = [(t((6, 2, 8)), t((9, 2, 8)), t((9, 2, 16))), (t((6, 4, 8)), t((9, 2, 8)), t((9, 2, 8))),
+             (t((6, 4, 8)), t((9, 1, 8)), t((9, 1, 8))), (t((6, 3, 8)), t((9, 2, 8)), t((9, 2, 8))),
+             (t((6, 2, 8)), t((9, 0, 8)), t((9, 0, 8))), (t((6, 0, 8)), t((9, 2, 8)), t((9, 2, 8))),
+             (t((6, 2, 8)), t((9, 2, 8)), t((8, 2, 8))), (t((6, 2, 8)), t((9, 2, 4)), t((9, 2, 8))),
+             (t((6, 2, 8)), t((9, 3, 8)), t((9, 2, 8))), (t((6, 2, 0)), t((9, 2, 0)), t((9, 2, 8))),
+             (t((6, 2, 8)), t((9, 2, 8)), t((9, 2, 0))), (t((0, 2, 8)), t((0, 2, 8)), t((0, 2, 8))),
+             (t((1, 6, 2, 8)), t((9, 2, 8)), t((9, 2, 8))), (t((6, 2, 8)), t((9, 2)), t((9, 2, 8))),
+             (t((6, 2, 8), torch.int32), t((9, 2, 8)), t((9, 2, 8))),
+             (t((6, 2, 8), torch.float16), t((9, 2, 8)), t((9, 2, 8))),
+             (t((6, 2, 8), torch.float16),) * 3, (t((6, 2, 8), torch.float64),) * 3, (t((6, 2, 8), torch.int32),) * 3,
+             (t((6, 6, 8)), t((9, 3, 8)), t((9, 2, 8))), (t((6, 2, 8, 5)), t((9, 2, 8)), t((9, 2, 8))),
+             (nested, t((9, 2, 8)), t((9, 2, 8))),
+             (neg, t((6, 2, 8)), t((6, 2, 8))), (t((6, 2, 8)), neg, t((6, 2, 8))),
+             (t((6, 2, 8)), t((6, 2, 8)), neg), (t((6, 2, 8)), t((9, 2, 8)).transpose(0, 1).contiguous()
+                                                 .transpose(0, 1), t((9, 2, 8))[:, :, :]),
+             (torch.nn.Parameter(t((6, 2, 8))), t((9, 2, 8)), t((9, 2, 8))), ([[0.0]], t((9, 2, 8)), t((9, 2, 8)))]
+    decided = 0
+    for q, k, v in cases:
+        fast = packed_qkv_ok(q, k, v)
+        full = _full_checks_pass(q, k, v)
+        if fast:
+            assert full, f"packed_qkv_ok took a call the full checks refuse: {[x.shape for x in (q, k, v)]}"
+        elif type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+            assert not full, f"packed_qkv_ok declined plain tensors the full checks pass: " \
+                             f"{[(x.shape, x.dtype) for x in (q, k, v)]}"
+        decided += fast
+    assert 0 < decided < len(cases)  # both answers were given
