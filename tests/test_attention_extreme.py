@@ -13,7 +13,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import DEVICE, assert_close_to_reference, dtype_id, randn
+from conftest import DEVICE, KERNEL_DTYPES, assert_close_to_reference, dtype_id, randn
 
 import flashtx
 from flashtx.testing import FLOOR_ULPS
@@ -266,3 +266,58 @@ def test_loop_bounds_do_not_wrap_at_max_seq(bottom_right):
                 _bounds[(1,)](out, Sq, Sk, bottom_right, right, left, m0, n0, BM=BM, BN=BN)
                 want = _exact_bounds(Sq, Sk, bottom_right, right, left, m0, n0, BM, BN)
                 assert out.tolist() == list(want), (Sq, Sk, right, left, m0, n0)
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN inputs propagate as in the reference: a query row or key with a NaN makes NaN exactly the output rows
+# whose scores it reaches (softcap's tanh once turned a NaN score into -softcap: a finite answer)
+# ----------------------------------------------------------------------------------------------
+def _nan_case(mod: str, where: str):
+    torch.manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 40, 16, dtype=torch.float64, device=DEVICE) for _ in range(3))
+    {"q": q, "k": k}[where][0, 1, 17, 3] = float("nan")  # (query 17, or key 17: rows 17.. see it, causal)
+    kw = dict(is_causal=True)
+    if mod == "softcap":
+        kw["softcap"] = 5.0
+    elif mod == "alibi":
+        kw["alibi_slopes"] = torch.tensor([0.5, 0.25], device=DEVICE)
+    elif mod == "window":
+        kw["window_size"] = (8, 0)  # (key 17 is seen by rows 17..25 only)
+    elif mod == "bias":
+        kw["attn_mask"] = torch.randn(1, 2, 40, 40, dtype=torch.float64, device=DEVICE)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("mod", ["plain", "softcap", "alibi", "window", "bias"])
+def test_a_nan_query_or_key_gives_nan_rows_where_the_reference_does(mod, where):
+    q, k, v, kw = _nan_case(mod, where)
+    ref = flashtx.attention(q, k, v, backend="reference", **kw)
+    expect = torch.isnan(ref).any(-1)  # (B, H, S): the rows the NaN reaches
+    assert expect.any() and not expect.all()
+    for dtype in KERNEL_DTYPES:
+        cast = {n: (t.to(dtype) if n == "attn_mask" else t) for n, t in kw.items()}
+        out = flashtx.attention(q.to(dtype), k.to(dtype), v.to(dtype), backend="triton", **cast)
+        got = torch.isnan(out)
+        assert torch.equal(got.any(-1), expect), f"{dtype_id(dtype)}: NaN rows differ from the reference's"
+        assert torch.equal(got.all(-1), expect), f"{dtype_id(dtype)}: a row the NaN reaches is not all NaN"
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_a_nan_in_the_kv_cache_gives_nan_rows_where_the_reference_does(softcap):
+    """flash_attn_with_kvcache (the split-KV decode kernels, several splits): a NaN key at cache position 9 of
+    sequence 0 makes that sequence's query heads of its kv head NaN, nothing else; as the reference backend."""
+    torch.manual_seed(12)
+    B, Hq, Hkv, D, cap = 2, 4, 2, 16, 64
+    q = torch.randn(B, 1, Hq, D, dtype=torch.float64, device=DEVICE)
+    kc, vc = (torch.randn(B, cap, Hkv, D, dtype=torch.float64, device=DEVICE) for _ in range(2))
+    kc[0, 9, 1, 4] = float("nan")
+    lens = torch.tensor([40, 33], dtype=torch.int32, device=DEVICE)
+    ref = flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, softcap=softcap, backend="reference")
+    expect = torch.isnan(ref).any(-1)  # (B, 1, Hq)
+    assert expect[0, 0, 2:].all() and expect.sum() == 2
+    for dtype in KERNEL_DTYPES:
+        out = flashtx.flash_attn_with_kvcache(q.to(dtype), kc.to(dtype), vc.to(dtype), cache_seqlens=lens,
+                                              softcap=softcap, num_splits=3, backend="triton")
+        got = torch.isnan(out)
+        assert torch.equal(got.any(-1), expect) and torch.equal(got.all(-1), expect), dtype_id(dtype)

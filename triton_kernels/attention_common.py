@@ -187,9 +187,10 @@ def tanh(x):
     tanh(x) = m / (m + 2) with m = expm1(2x), and expm1 by Kahan's trick (u - 1) * y / log(u),
     u = exp(y): accurate near 0, where 1 - 2 / (exp(2x) + 1) would lose all relative precision
     (that cost fp32 softcap 30x the eager error). |x| is clamped at 20, where tanh is 1 to
-    float64 precision, so nothing overflows.
+    float64 precision, so nothing overflows. NaN stays NaN (torch.tanh's): tl.minimum/maximum would drop it,
+    turning a NaN score into -softcap and hiding a NaN input behind a finite output.
     """
-    y = 2.0 * tl.minimum(tl.maximum(x, -20.0), 20.0)
+    y = 2.0 * tl.clamp(x, -20.0, 20.0, propagate_nan=tl.PropagateNan.ALL)
     u = tl.exp2(y * 1.4426950408889634)  # exp(y)
     log_u = tl.where(u == 1.0, 1.0, tl.log2(u) * 0.6931471805599453)  # log(u); 1 where unused (no 0 / 0)
     m = tl.where(u == 1.0, y, (u - 1.0) * y / log_u)  # expm1(y)
