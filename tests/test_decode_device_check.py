@@ -273,6 +273,8 @@ def test_decode_replays_launch_what_planning_would(device_path, splits, append):
     ("an append longer than the window writes pages before it", 20, 1, 5, None, 1, False),  # writes 21..40
     ("left padding: the pages before it are not read", 1, 1, -1, 33, 1, True),
     ("left padding past the old length: the appended pages are written", 10, 1, -1, 33, 1, False),  # writes 31..40
+    ("left padding on a page boundary: the page before it is not read", 1, 1, -1, 32, 1, True),  # reads 32..40
+    ("left padding one key before the boundary: that page is read", 1, 1, -1, 31, 1, False),
 ])
 def test_the_pages_checked_are_those_the_kernels_touch(case, Snew, Sq, win_left, leftpad, bad_page, ok):
     """One sequence of 41 keys after the append (16-row pages): a -1 block_table entry is refused exactly where
@@ -291,3 +293,26 @@ def test_the_pages_checked_are_those_the_kernels_touch(case, Snew, Sq, win_left,
             except (ValueError, RuntimeError):
                 passed = False
         assert passed == ok, (case, readable)
+
+
+@pytest.mark.parametrize("case, lens, leftpad, ok", [
+    ("a cache filled exactly to its capacity", 63, None, True),  # 63 + 1 appended = 64 = capacity
+    ("one key past the capacity", 64, None, False),
+    ("left padding equal to the end (no key)", 3, 4, True),  # keys [4, 4): the sequence sees nothing
+    ("left padding past the end", 3, 5, False),
+])
+def test_the_accepted_lengths_end_exactly_where_the_host_check_ends(case, lens, leftpad, ok):
+    """The boundaries of the lengths and left padding (capacity 64, one key appended), on the host and by the check
+    kernel alike: the random agreement test never lands on them."""
+    lens = torch.tensor([lens], dtype=torch.int32)
+    lp = torch.tensor([leftpad], dtype=torch.int32) if leftpad is not None else None
+    kc, q = torch.zeros(2, 64, 1, 1), torch.zeros(1, 1, 1, 1)
+    for readable in (True, False):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(fd, "_values_readable", lambda t: readable)
+            try:
+                fd._check_ranges(q, kc, lens, None, lp, None, None, 1, 64, True, -1)
+                passed = True
+            except (ValueError, RuntimeError):
+                passed = False
+        assert passed == ok, (case, "host" if readable else "check kernel")
