@@ -476,3 +476,35 @@ def test_padded_shells_trace_under_torch_compile():
     eager = fn(q, k, v, key_mask, lens)
     eager_grads = torch.autograd.grad(eager, (q, k, v))
     assert torch.allclose(loss, eager) and all(torch.allclose(a, b) for a, b in zip(grads, eager_grads))
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_rows_past_q_lens_get_zero_output_and_neg_inf_lse(lane, monkeypatch):
+    """Rows past q_lens are padding: out 0 and lse -inf (the lse store must cover the padded rows, not only the
+    sequence's own: poisoned allocations would show a row left unwritten)."""
+    from flashtx import _attention_lane
+
+    monkeypatch.setattr(_attention_lane, "LANE", lane)
+    torch.manual_seed(21)
+    q, k, v = (randn(2, 2, 24, 16, dtype=PRECISE_DTYPE) for _ in range(3))
+    ql = torch.tensor([10, 24], dtype=torch.int32, device=DEVICE)
+    with poisoned_allocations():
+        out, lse = flashtx.attention(q, k, v, q_lens=ql, return_lse=True)
+    assert torch.isneginf(lse[0, :, 10:]).all() and torch.isfinite(lse[0, :, :10]).all() and \
+        torch.isfinite(lse[1]).all()
+    assert (out[0, :, 10:] == 0).all() and torch.isfinite(out).all()
+
+
+def test_dropout_probabilities_respect_both_lengths():
+    """return_attn_probs with dropout (flash-attn's probabilities: dropped entries negated) over q_lens and kv_lens:
+    each real row's |P| sums to 1 over its sequence's keys and puts nothing past kv_lens; padded rows are 0."""
+    torch.manual_seed(22)
+    B, S, H, D = 2, 20, 2, 16
+    q, k, v = (randn(B, S, H, D, dtype=PRECISE_DTYPE) for _ in range(3))
+    ql = torch.tensor([8, 20], dtype=torch.int32, device=DEVICE)
+    kl = torch.tensor([17, 20], dtype=torch.int32, device=DEVICE)
+    _, _, probs = flashtx.flash_attn_func(q, k, v, dropout_p=0.25, return_attn_probs=True, q_lens=ql, kv_lens=kl)
+    p = probs.abs().double()  # (B, H, S, S)
+    torch.testing.assert_close(p[0, :, :8].sum(-1), torch.ones(H, 8, dtype=torch.float64, device=DEVICE))
+    torch.testing.assert_close(p[1].sum(-1), torch.ones(H, S, dtype=torch.float64, device=DEVICE))
+    assert (p[0, :, :, 17:] == 0).all() and (p[0, :, 8:] == 0).all()
