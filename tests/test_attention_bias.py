@@ -378,3 +378,31 @@ def test_a_mask_shared_by_the_batch_puts_the_batch_before_heads_in_every_grid(sh
             assert launch.grid[1:] == ((nb, heads) if by else (heads, nb)), (launch.kernel.__name__, launch.grid)
     gb, gh = dqk.grid[1:] if by else dqk.grid[:0:-1]  # dQ's batch and head extents, or groups of them
     assert (gb * dqk.args["n_b"], gh * dqk.args["n_h"]) == (nb, HQ), dqk.grid
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["grouped", "one-chain"])
+def test_a_shared_bias_gradient_over_batches_of_different_lengths(monkeypatch, chain):
+    """A (1, H, Sq, Sk) learned bias over a batch whose kv_lens differ: a dQ program summing several batches into one
+    gradient tile meets key loops of different bounds (sequence 1 skips the tiles past its 8 keys). The first
+    batch it takes stores, later ones add, whatever tiles each visits: the gradient is the float64 reference's
+    (keys past a length contribute nothing)."""
+    from flashtx.triton_kernels import attention_bwd_launch as abl
+
+    if chain:
+        monkeypatch.setattr(abl, "DBIAS_PARTIALS_BYTES", 0)  # one program per gradient tile loops over the batch
+        _dispatch.clear_plans()
+    torch.manual_seed(41)
+    B, H, Sq, Sk = 2, 8, 32, 40
+    q, k, v = (randn(B, H, S, 16, dtype=PRECISE_DTYPE) for S in (Sq, Sk, Sk))
+    bias, g = randn(1, H, Sq, Sk, dtype=PRECISE_DTYPE), randn(B, H, Sq, 16, dtype=PRECISE_DTYPE)
+    kl = torch.tensor([40, 8], dtype=torch.int32, device=DEVICE)
+    ins = to_dtype(PRECISE_DTYPE, q, k, v, bias)
+    with poisoned_allocations():
+        got = torch.autograd.grad(flashtx.attention(*ins[:3], attn_mask=ins[3], kv_lens=kl, backend="triton"), ins,
+                                  g)
+    ins = to64(q.double(), k.double(), v.double(), bias.double())
+    s = ins[0] @ ins[1].transpose(-1, -2) * 16 ** -0.5 + ins[3]
+    s = s.masked_fill(torch.arange(Sk, device=DEVICE) >= kl.to(DEVICE)[:, None, None, None], float("-inf"))
+    want = torch.autograd.grad(s.softmax(-1) @ ins[2], ins, g.double())
+    for a, b in zip(got, want):
+        assert torch.allclose(a.double(), b, atol=precise_atol(1e-11)), (a.double() - b).abs().max()
