@@ -242,6 +242,29 @@ def test_elementwise_compile_plans_compile_the_full_tiles(arch):
         assert f"rotary_hf_qk_bhsd_d{d}_torch.bfloat16" in plans
 
 
+def test_the_interpreters_elementwise_tiles_split_every_width_into_several():
+    """The interpreter keeps its tiny RoPE/SwiGLU tiles at test-sized widths (every mask of several tiles), and
+    splits a wide head count or row into at most INTERPRETER_TILES power-of-two tiles, more than half that many
+    (the interpreter runs programs one after another: 32 heads were 16 tiles)."""
+    from flashtx.triton_kernels.targets import INTERPRETER_TARGET
+
+    n = configs.INTERPRETER_TILES
+    for make, base, widths in ((lambda w: configs.rotary_config(32, w, 1 << 20, INTERPRETER_TARGET),
+                                configs.ROTARY_INTERPRETER, range(1, 70)),
+                               (lambda w: configs.swiglu_config(w, 1 << 20, INTERPRETER_TARGET),
+                                configs.SWIGLU_INTERPRETER, range(1, 300))):
+        for w in widths:
+            cfg = make(w)
+            cols, tiles = cfg.block_cols, -(-w // cfg.block_cols)
+            assert cfg.block_rows == base.block_rows and cols & (cols - 1) == 0, (w, cfg)
+            if w <= n * base.block_cols:
+                assert cfg == base, (w, cfg)  # test-sized widths: the tiny tiles
+            else:
+                assert cols > base.block_cols and n // 2 < tiles <= n, (w, cfg)
+    assert configs.rotary_config(32, 32, 128, INTERPRETER_TARGET).block_cols == 8  # q of LLaMA: 4 head tiles
+    assert configs.swiglu_config(224, 256, INTERPRETER_TARGET).block_cols == 64  # 64, 64, 64 and 32 columns
+
+
 @pytest.mark.parametrize("batch,ctx,d,splits", [(8, 8192, 128, 4), (1, 8192, 128, 32), (64, 8192, 128, 1),
                                                 (8, 8192, 64, 4), (8, 256, 128, 2), (4, 8192, 128, 7)])
 def test_decode_splits_follow_flash_attn_2(batch, ctx, d, splits):

@@ -527,7 +527,8 @@ def cuda_target(device_index: int) -> Target:
 # The memory-bound kernels' configs (RoPE, SwiGLU, decoding) live in configs_bandwidth; re-exported here, so
 # every tile config is found through this module.
 from .configs_bandwidth import (  # noqa: E402,F401
-    _DECODE, _DECODE_INTERPRETER, FA2_SPLITKV, ROTARY_INTERPRETER, ROTARY_NUM_WARPS, ROTARY_TILE_PAIRS,
+    _DECODE, _DECODE_INTERPRETER, FA2_SPLITKV, INTERPRETER_TILES, ROTARY_INTERPRETER, ROTARY_NUM_WARPS,
+    ROTARY_TILE_PAIRS,
     SWIGLU_BLOCK_H_CANDIDATES, SWIGLU_INTERPRETER, SWIGLU_MAX_PAD_FRACTION, SWIGLU_NUM_WARPS,
     SWIGLU_TILE_ELEMENTS, DecodeConfig, ElementwiseConfig, _pow2_at_least, combine_chunk, decode_config,
     decode_programs_per_sm, rotary_config, swiglu_block_h, swiglu_config)

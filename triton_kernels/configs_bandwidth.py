@@ -47,8 +47,11 @@ class ElementwiseConfig:
 ROTARY_TILE_PAIRS = 2048
 ROTARY_NUM_WARPS = 4
 # Interpreter: tiny tiles so that test shapes (S ~ 5-20, H ~ 1-5) span several position tiles and
-# head tiles, exercising every mask.
+# head tiles, exercising every mask. Wider head counts get wider head tiles, at most INTERPRETER_TILES
+# of them (still several): the interpreter runs programs one after another, so README- and
+# benchmark-sized calls (32 heads) took 16 head tiles.
 ROTARY_INTERPRETER = ElementwiseConfig(2, 2, 1, 1, "interpreter: several tiles in test-sized shapes")
+INTERPRETER_TILES = 4  # tiles along a keyed width (heads, SwiGLU columns) the interpreter's tiles aim at
 
 # -------------------------------------------------------------------------------------- SwiGLU
 # (rows, columns) tiles of the (M, H) activations, on a flat grid (column tiles fastest, so
@@ -63,7 +66,8 @@ SWIGLU_NUM_WARPS = 8
 # 14336 = 7 x 2048, 28672 = 14 x 2048.
 SWIGLU_BLOCK_H_CANDIDATES = (2048, 1024, 512, 256)
 SWIGLU_MAX_PAD_FRACTION = 1 / 32
-# Interpreter: 4 x 16 tiles so test shapes (M ~ 1-20, H ~ 1-40) cover partial tiles both ways.
+# Interpreter: 4 x 16 tiles so test shapes (M ~ 1-20, H ~ 1-40) cover partial tiles both ways; wider rows
+# get wider column tiles, INTERPRETER_TILES of them (as RoPE's head tiles).
 SWIGLU_INTERPRETER = ElementwiseConfig(4, 16, 1, 1, "interpreter: several tiles in test-sized shapes")
 
 
@@ -71,11 +75,21 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _interpreter_config(base: ElementwiseConfig, width: int) -> ElementwiseConfig:
+    """base, or for a width (heads, columns) that base's column tile splits into more than INTERPRETER_TILES
+    tiles, the narrowest power-of-two column tile that splits it into at most INTERPRETER_TILES."""
+    cols = _pow2_at_least(-(-max(width, 1) // INTERPRETER_TILES))
+    if cols <= base.block_cols:
+        return base
+    return dataclasses.replace(base, block_cols=cols,
+                               reason=f"{base.reason}; {cols}-wide column tiles at width {width}")
+
+
 def rotary_config(r2: int, heads: int, seqlen: int, target: Target) -> ElementwiseConfig:
     """(positions, heads) per program of a rotary tile of R2 = rotary_dim / 2 pairs (any target; no
     shared memory). block_rows x block_cols x pow2(R2) <= ROTARY_TILE_PAIRS, heads first."""
     if target is INTERPRETER_TARGET:
-        return ROTARY_INTERPRETER
+        return _interpreter_config(ROTARY_INTERPRETER, heads)
     width = _pow2_at_least(max(r2, 1))
     block_h = max(1, min(_pow2_at_least(max(heads, 1)), ROTARY_TILE_PAIRS // width))
     block_s = max(1, ROTARY_TILE_PAIRS // (width * block_h))
@@ -102,7 +116,7 @@ def swiglu_block_h(hidden: int) -> int:
 def swiglu_config(hidden: int, rows: int, target: Target) -> ElementwiseConfig:
     """(rows, columns) tile of a SwiGLU launch, forward and backward alike."""
     if target is INTERPRETER_TARGET:
-        return SWIGLU_INTERPRETER
+        return _interpreter_config(SWIGLU_INTERPRETER, hidden)
     cols = min(swiglu_block_h(hidden), _pow2_at_least(max(hidden, 1)))
     block_rows = max(1, SWIGLU_TILE_ELEMENTS // cols)
     block_rows = min(block_rows, _pow2_at_least(max(rows, 1)))
