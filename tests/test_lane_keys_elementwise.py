@@ -6,13 +6,15 @@ whether the backward runs in place) must not share a plan, and a lane must refus
 Each test here failed under a mutation that dropped that field or check (a mutation-testing round; the other
 mutations were caught by the lanes' own test files). The in-place backward tests pin the general path's rules
 (rows that are not a view, saved-tensor hooks, create_graph, torch.compile), which the lane tests do not reach."""
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flashtx
 
-from conftest import DEVICE, PRECISE_DTYPE
+from conftest import DEVICE, PRECISE_DTYPE, randn
 
 pytestmark = pytest.mark.usefixtures("fresh_plans")
 P = PRECISE_DTYPE
@@ -22,8 +24,7 @@ def _rand(*shape, dtype=P):
     return torch.rand(*shape, dtype=dtype, device=DEVICE)
 
 
-def _randn(*shape, dtype=P, requires_grad=False):
-    return torch.randn(*shape, dtype=dtype, device=DEVICE, requires_grad=requires_grad)
+_randn = functools.partial(randn, dtype=P)  # conftest's, in the precise dtype
 
 
 # ------------------------------------------------------------------------------------------ RoPE

@@ -2,6 +2,7 @@
 refusals (forward-mode AD, dispatch modes), the small-q route's keys and top-left windows, paged varlen's unpaging
 and checks, and the autotune cache's memory. Each test failed under one surviving mutation (the others were caught by
 the modules' own test files)."""
+import functools
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from flashtx import _small_q, _small_q_lane
 from flashtx.triton_kernels import autotune, configs, launch
 from flashtx.triton_kernels.configs import TileConfig
 
-from conftest import DEVICE, ON_GPU, PRECISE_DTYPE
+from conftest import DEVICE, ON_GPU, PRECISE_DTYPE, randn
 
 P = PRECISE_DTYPE
 pytestmark = pytest.mark.usefixtures("fresh_plans")
@@ -25,8 +26,7 @@ def small_q_lane_on(monkeypatch):
     monkeypatch.setattr(_small_q_lane, "LANE", True)
 
 
-def _randn(*shape, dtype=P):
-    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+_randn = functools.partial(randn, dtype=P)  # conftest's, in the precise dtype
 
 
 def test_calls_differing_only_in_dtype_use_their_own_plan():
