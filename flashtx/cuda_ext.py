@@ -194,12 +194,13 @@ def not_supported_reasons(q: torch.Tensor | None = None, k_cache: torch.Tensor |
 
 def build_directory(name: str = _b.EXT_NAME) -> str:
     """Where the JIT build lives: $TORCH_EXTENSIONS_DIR/<name>, else torch's default root
-    (~/.cache/torch_extensions/py<ver>_cu<ver>/<name>), as torch.utils.cpp_extension chooses."""
+    (~/.cache/torch_extensions/py<ver><abiflags>_<cu|rocm><ver>/<name>), as torch.utils.cpp_extension chooses."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
         from torch.utils.cpp_extension import get_default_build_root
 
-        acc = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        hip, cuda = getattr(torch.version, "hip", None), torch.version.cuda
+        acc = f"rocm{hip.replace('.', '')}" if hip else f"cu{cuda.replace('.', '')}" if cuda else "cpu"
         root = os.path.join(get_default_build_root(),
                             f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{acc}")
     return os.path.join(root, name)
@@ -240,7 +241,8 @@ def wait_for_lock(build_dir: str, *, wait_s: float = 600, poll_s: float = 2.0,
 
 
 def _build_archs() -> list[int] | None:
-    """The GPU's arch if one is visible; None (torch's TORCH_CUDA_ARCH_LIST) if that is set; else ARCHS."""
+    """None (torch reads TORCH_CUDA_ARCH_LIST) if that is set, as torch's own builds; else the visible GPU's
+    arch; else ARCHS."""
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         return None
     if torch.cuda.is_available():
@@ -257,7 +259,8 @@ def build(*, verbose: bool = False, archs: list[int] | None = None, lock_wait_s:
     """JIT-build and load the extension with torch.utils.cpp_extension.load (needs ninja).
 
     Cached in build_directory(): a rebuild with nothing changed takes ~2 s. Prints progress.
-    archs: e.g. [90]; default the visible GPU, else TORCH_CUDA_ARCH_LIST, else sm_80/86/90.
+    archs: e.g. [90]; default TORCH_CUDA_ARCH_LIST if set (torch's rule), else the visible GPU, else
+    sm_80/86/90.
     Returns the library path; raises RuntimeError saying why when it cannot build."""
     reasons = build_env_reasons()
     if reasons:
