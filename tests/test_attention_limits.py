@@ -189,3 +189,29 @@ def test_gpus_before_ampere_and_interpreter_clashes_are_refused(monkeypatch):
     assert any("float64" in r for r in triton_device_reasons(cuda, torch.float64))
     monkeypatch.setattr(_env, "INTERPRET", True)
     assert any("interpreter" in r for r in triton_device_reasons(cuda, torch.float16))
+
+
+def test_the_triton_backends_shape_reasons_at_each_limit():
+    """Each limit the Triton backend refuses by reason, at its edge: head dim 256 is taken and 257 refused (query
+    /key or value), heads (the grid's y) past 65535, an attn_mask whose (batch, head) slice spans more than int32
+    offsets. Expanded views: nothing this large is allocated."""
+    from flashtx.backends import AttentionInputs, AttentionMasks, TritonBackend
+
+    def reasons(q, k, v, **masks):
+        return "\n".join(TritonBackend().not_supported_reasons(AttentionInputs(q, k, v, masks=AttentionMasks(**masks))))
+
+    def t(*shape):
+        return torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=DEVICE).expand(*shape)
+
+    assert "head dim" not in reasons(t(1, 2, 8, 256), t(1, 2, 8, 256), t(1, 2, 8, 256))
+    assert "query/key head dim 257 is above 256" in reasons(t(1, 2, 8, 257), t(1, 2, 8, 257), t(1, 2, 8, 64))
+    assert "value head dim 257 is above 256" in reasons(t(1, 2, 8, 64), t(1, 2, 8, 64), t(1, 2, 8, 257))
+    heads = reasons(t(1, MAX_GRID_YZ + 1, 8, 64), t(1, MAX_GRID_YZ + 1, 8, 64), t(1, MAX_GRID_YZ + 1, 8, 64))
+    assert f"batch 1 x heads {MAX_GRID_YZ + 1}: each must be <= {MAX_GRID_YZ}" in heads
+    assert "heads" not in reasons(t(1, MAX_GRID_YZ, 8, 64), t(1, MAX_GRID_YZ, 8, 64), t(1, MAX_GRID_YZ, 8, 64))
+    q = t(1, 2, 2, 64)
+    wide = torch.empty_strided((1, 1, 2, 2), (0, 0, 2**30, 2**30), dtype=torch.bool, device="meta")  # (no memory)
+    assert "attn_mask (1, 1, 2, 2): one (batch, head) slice spans more than int32 offsets" in reasons(
+        q, q, q, attn_mask=wide)
+    narrow = torch.empty_strided((1, 1, 2, 2), (0, 0, 2**30, 2**30 - 1), dtype=torch.bool, device="meta")  # 2**31 - 1
+    assert "attn_mask" not in reasons(q, q, q, attn_mask=narrow)
