@@ -116,6 +116,9 @@ def gpu_branch_without(monkeypatch):
     """patch_sdpa's per-kind check on DEVICE's calls (on CPU a stand-in for CUDA's: sdpa_patch._GPU), with the tile
     tables refusing the kernels whose names start with the given prefix."""
     monkeypatch.setattr(sdpa_patch, "_GPU", torch.device(DEVICE).type)
+    # the launchers bind select_config when first imported: imported before the stand-in, they keep the real one
+    from flashtx.triton_kernels import attention_bwd_launch, attention_fwd, attention_scores  # noqa: F401
+
     real = configs.select_config
 
     def refuse(prefix):
