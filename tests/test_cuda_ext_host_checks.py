@@ -160,7 +160,7 @@ def test_the_heuristic_sizes_a_decode_call_by_its_capacity_and_rows(standin, mon
     assert seen == [("decode", want)]
     assert want == cuda_ext.choose_num_splits(1, hq, hkv, sq, 1024 if paged else 32768, 4, per_sm)
     ref, _ = decode_attention_ref(q, kc, vc, lens, bt)
-    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)  # (the fp16 output: ~2 ulp)
 
 
 def test_split_slots_size_blocks_by_the_kernels_rows(standin):
@@ -202,7 +202,7 @@ def test_flash_attn_defaults_interleaved_rotary_and_rotates_q_as_flash_attn(stan
     q_rot, kc_ref, vc_ref = rotary_append_ref(q, k, v, kc0, vc0, lens, cos, sin, True, causal)
     ref, _ = decode_attention_ref(q_rot.half(), kc_ref.half(), vc_ref.half(), lens + 2, causal=causal)
     torch.testing.assert_close(kc.double(), kc_ref.half().double(), atol=0, rtol=0)
-    torch.testing.assert_close(out.double(), ref, atol=3e-3, rtol=0)
+    torch.testing.assert_close(out.double(), ref, atol=3e-3, rtol=2e-3)
 
 
 def test_the_attentions_checks_run_before_the_append_writes(standin):
@@ -232,4 +232,4 @@ def test_the_backend_clamps_a_split_count_past_the_kernels_limit(standin, monkey
     out = flashtx.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=200, backend="cuda")
     assert ("decode", cuda_ext.MAX_SPLITS) in seen
     ref, _ = decode_attention_ref(q, kc, vc, lens)
-    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=0)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)  # (the fp16 output: ~2 ulp)

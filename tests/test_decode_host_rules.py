@@ -101,7 +101,7 @@ def test_a_q_of_other_strides_after_a_lane_is_read_as_given():
         qt = rand(2, 2, 2, 16, seed=3).transpose(1, 2)  # (B, Sq, H, D) with other strides
         got = flashtx.flash_attn_with_kvcache(qt, kc, vc, cache_seqlens=lens(4, 9), causal=True)
         want = flashtx.flash_attn_with_kvcache(qt, kc, vc, cache_seqlens=lens(4, 9), causal=True, backend="reference")
-    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)  # (the fp16 output: ~2 ulp)
 
 
 def test_a_column_major_sin_beside_a_contiguous_cos_is_read_as_given():
