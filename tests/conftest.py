@@ -50,6 +50,12 @@ def randn(*shape, dtype=torch.float32, device=DEVICE, requires_grad=False, scale
     return t.requires_grad_(requires_grad)
 
 
+def precise_randn(*shape, **kw):
+    """randn in PRECISE_DTYPE (float64 in the interpreter, float32 on a GPU) unless a dtype is given."""
+    kw.setdefault("dtype", PRECISE_DTYPE)
+    return randn(*shape, **kw)
+
+
 def to64(*ts):
     """Detached float64 leaf copies that require grad, for the reference."""
     return tuple(t.detach().to(torch.float64).requires_grad_(True) for t in ts)
@@ -240,6 +246,27 @@ def standin(monkeypatch, fresh_plans):
     monkeypatch.setattr(cuda_ext, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(_cuda_ext_api, "_ops", lambda: StandinOps)
     monkeypatch.setattr(_cuda_ext_api, "_sm_resources", lambda index: (4, 2048, 65536, 102400))  # 4 sm_86 SMs
+
+
+@pytest.fixture
+def refuse_tiles(monkeypatch, fresh_plans):
+    """refuse_tiles(prefix): a GPU whose tile tables hold no config for the kernels whose names start with prefix
+    (configs.select_config raises for them, as on CUDA when none fits); plans are forgotten each time."""
+    from flashtx import _dispatch
+    from flashtx.triton_kernels import configs
+    # the launchers bind select_config when first imported: imported before the stand-in, they keep the real one
+    from flashtx.triton_kernels import attention_bwd_launch, attention_fwd, attention_scores  # noqa: F401
+
+    real = configs.select_config
+
+    def refuse(prefix: str) -> None:
+        def select(kernel, *a, **kw):
+            if kernel.startswith(prefix):
+                raise RuntimeError(f"stand-in: no {kernel} tile fits this GPU's shared memory")
+            return real(kernel, *a, **kw)
+        monkeypatch.setattr(configs, "select_config", select)
+        _dispatch.clear_plans()
+    return refuse
 
 
 def count_calls(monkeypatch, owner, name: str) -> list:

@@ -3,7 +3,6 @@ ALiBi slopes), refusals by name (ALiBi's batch, a bool softcap, varlen's sequenc
 lead dims), what the small-query route keeps (v's gradient alone, dropout without grad), lengths given for one side
 only, patched SDPA's error for a mask that broadcasts the output, its per-kind check on the GPU's branch, and the
 op's backward through out or lse alone."""
-import functools
 
 import pytest
 import torch
@@ -11,18 +10,17 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import flashtx
-from flashtx import _dispatch, sdpa_patch
-from flashtx.triton_kernels import configs
+from flashtx import sdpa_patch
 
-from conftest import DEVICE, PRECISE_DTYPE, precise_atol, randn
+from conftest import DEVICE, precise_atol, precise_randn
 
 pytestmark = pytest.mark.usefixtures("fresh_plans")
-_randn = functools.partial(randn, dtype=PRECISE_DTYPE)
 ATOL = precise_atol(1e-10)
 
 
 def _qkv(b=2, h=3, sq=20, sk=20, d=16, grad=False):
-    return _randn(b, h, sq, d, requires_grad=grad), *(_randn(b, h, sk, d, requires_grad=grad) for _ in range(2))
+    q = precise_randn(b, h, sq, d, requires_grad=grad)
+    return q, *(precise_randn(b, h, sk, d, requires_grad=grad) for _ in range(2))
 
 
 def _ref(q, k, v, **kw):
@@ -71,8 +69,8 @@ def test_refused_by_name(call, words):
 
 
 def test_a_decode_shaped_call_where_only_v_learns_gets_vs_gradient():
-    q, k = _randn(1, 2, 4, 16), _randn(1, 2, 20, 16)
-    v = _randn(1, 2, 20, 16, requires_grad=True)
+    q, k = precise_randn(1, 2, 4, 16), precise_randn(1, 2, 20, 16)
+    v = precise_randn(1, 2, 20, 16, requires_grad=True)
     km = torch.ones(1, 20, dtype=torch.bool, device=DEVICE)
     km[0, -3:] = False
     flashtx.attention(q, k, v, key_mask=km).sum().backward()
@@ -82,7 +80,7 @@ def test_a_decode_shaped_call_where_only_v_learns_gets_vs_gradient():
 
 
 def test_dropout_applies_without_grad_on_the_small_query_route():
-    q, k, v = _randn(1, 2, 4, 16), _randn(1, 2, 40, 16), _randn(1, 2, 40, 16)
+    q, k, v = precise_randn(1, 2, 4, 16), precise_randn(1, 2, 40, 16), precise_randn(1, 2, 40, 16)
     km = torch.ones(1, 40, dtype=torch.bool, device=DEVICE)
     with torch.no_grad():
         plain = flashtx.attention(q, k, v, key_mask=km)
@@ -92,8 +90,8 @@ def test_dropout_applies_without_grad_on_the_small_query_route():
 
 def test_kv_lens_alone_leaves_every_query_row():
     """flash_attn_func with kv_lens only (Sq = 20 > Sk = 10): every query row is real, as with full q_lens."""
-    q = _randn(2, 20, 2, 16)
-    k, v = _randn(2, 10, 2, 16), _randn(2, 10, 2, 16)
+    q = precise_randn(2, 20, 2, 16)
+    k, v = precise_randn(2, 10, 2, 16), precise_randn(2, 10, 2, 16)
     kv = torch.tensor([10, 6], device=DEVICE)
     got = flashtx.flash_attn_func(q, k, v, kv_lens=kv)
     want = flashtx.flash_attn_func(q, k, v, kv_lens=kv, q_lens=torch.tensor([20, 20], device=DEVICE))
@@ -112,23 +110,11 @@ def test_patched_sdpa_gives_torchs_error_for_a_mask_that_broadcasts_the_output()
 
 
 @pytest.fixture
-def gpu_branch_without(monkeypatch):
+def gpu_branch_without(monkeypatch, refuse_tiles):
     """patch_sdpa's per-kind check on DEVICE's calls (on CPU a stand-in for CUDA's: sdpa_patch._GPU), with the tile
-    tables refusing the kernels whose names start with the given prefix."""
+    tables refusing the kernels whose names start with the given prefix (refuse_tiles)."""
     monkeypatch.setattr(sdpa_patch, "_GPU", torch.device(DEVICE).type)
-    # the launchers bind select_config when first imported: imported before the stand-in, they keep the real one
-    from flashtx.triton_kernels import attention_bwd_launch, attention_fwd, attention_scores  # noqa: F401
-
-    real = configs.select_config
-
-    def refuse(prefix):
-        def select(kernel, *a, **kw):
-            if kernel.startswith(prefix):
-                raise RuntimeError(f"stand-in: no {kernel} tile fits")
-            return real(kernel, *a, **kw)
-        monkeypatch.setattr(configs, "select_config", select)
-        _dispatch.clear_plans()
-    return refuse
+    return refuse_tiles
 
 
 def test_patched_sdpa_asks_the_tiles_a_learned_bias_needs(gpu_branch_without):

@@ -3,7 +3,6 @@ one argument only (scale, causality, the backend asked for, a score modifier, a 
 longest sequence, grad) gets its own lane or plan, not the first call's. And the dispatch tables' bookkeeping: one
 fallback warning per set of reasons, clear_plans() forgetting device answers, a requested backend in the plan key.
 Each test failed under one surviving mutation of a mutation round over the attention host code."""
-import functools
 import warnings
 
 import pytest
@@ -12,17 +11,15 @@ import torch
 import flashtx
 from flashtx import _dispatch, _env
 from flashtx.backends import BACKENDS
-from flashtx.triton_kernels import configs
 
-from conftest import DEVICE, ON_GPU, PRECISE_DTYPE, precise_atol, randn
+from conftest import DEVICE, ON_GPU, precise_atol, precise_randn
 
 pytestmark = pytest.mark.usefixtures("fresh_plans")
-_randn = functools.partial(randn, dtype=PRECISE_DTYPE)  # conftest's, in the precise dtype
 ATOL = precise_atol(1e-10)
 
 
 def _qkv(b=1, h=2, s=20, d=16):
-    return tuple(_randn(b, h, s, d) for _ in range(3))
+    return tuple(precise_randn(b, h, s, d) for _ in range(3))
 
 
 def _key_mask(s=20):
@@ -40,7 +37,7 @@ def _key_mask(s=20):
 ], ids=["scale", "causal", "masked-scale", "masked-softcap", "mask-layout"])
 def test_a_call_differing_in_one_argument_gets_its_own_lane(first, second):
     q, k, v = _qkv()
-    masks = {"km": _key_mask(), "per-batch": _randn(1, 1, 20, 20), "per-head": _randn(1, 2, 20, 20)}
+    masks = {"km": _key_mask(), "per-batch": precise_randn(1, 1, 20, 20), "per-head": precise_randn(1, 2, 20, 20)}
 
     def kw(d):
         return {n: masks.get(a, a) if isinstance(a, str) else a for n, a in d.items()}
@@ -71,8 +68,8 @@ def test_backend_reference_after_automatic_calls_runs_the_reference(monkeypatch)
 def test_varlen_lanes_key_causality_and_the_longest_sequence(first, second):
     """The second call's grid is planned for its own longest sequence (150 query rows, not 80: rows left
     unwritten otherwise) and its own causality."""
-    q = _randn(160, 2, 16)
-    k, v = _randn(20, 2, 16), _randn(20, 2, 16)
+    q = precise_randn(160, 2, 16)
+    k, v = precise_randn(20, 2, 16), precise_randn(20, 2, 16)
     cu_k = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEVICE)
 
     def call(c, backend=None):
@@ -86,21 +83,9 @@ def test_varlen_lanes_key_causality_and_the_longest_sequence(first, second):
 
 
 @pytest.fixture
-def no_backward_tile(monkeypatch):
-    """A GPU whose tile tables hold no backward config (the forward's fit): configs.select_config refuses the
-    backward's kernels, as on CUDA; plans are forgotten before and after (fresh_plans)."""
-    # the launchers bind select_config when first imported: imported before the stand-in, they keep the real one
-    from flashtx.triton_kernels import attention_bwd_launch, attention_fwd, attention_scores  # noqa: F401
-
-    real = configs.select_config
-
-    def select(kernel, *a, **kw):
-        if kernel.startswith("attn_bwd"):
-            raise RuntimeError("stand-in: no backward tile fits this GPU's shared memory")
-        return real(kernel, *a, **kw)
-
-    monkeypatch.setattr(configs, "select_config", select)
-    _dispatch.clear_plans()
+def no_backward_tile(refuse_tiles):
+    """A GPU whose tile tables hold no backward config (the forward's fit)."""
+    refuse_tiles("attn_bwd")
 
 
 @pytest.mark.parametrize("lse", [False, True], ids=["lane", "op"])
@@ -124,7 +109,7 @@ def test_inference_runs_triton_and_a_grad_call_after_it_falls_back(no_backward_t
 def test_one_fallback_warning_per_set_of_reasons():
     """Head dim 320 (past the Triton tiles): the reasons are the same for a non-causal and a causal call, two plan
     keys: one warning."""
-    q, k, v = (_randn(1, 2, 8, 320) for _ in range(3))
+    q, k, v = (precise_randn(1, 2, 8, 320) for _ in range(3))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         flashtx.attention(q, k, v)
@@ -134,7 +119,7 @@ def test_one_fallback_warning_per_set_of_reasons():
 
 @pytest.mark.skipif(ON_GPU, reason="switches Triton's interpreter off for CPU tensors (CPU only)")
 def test_clear_plans_forgets_what_each_device_ran(monkeypatch):
-    g, u = _randn(8, 64), _randn(8, 64)
+    g, u = precise_randn(8, 64), precise_randn(8, 64)
     flashtx.swiglu(g, u)
     assert _dispatch.plan_device("swiglu", None, g.device, g.dtype) == "triton"
     monkeypatch.setattr(_env, "INTERPRET", False)  # no interpreter: CPU tensors have no Triton backend
@@ -143,7 +128,7 @@ def test_clear_plans_forgets_what_each_device_ran(monkeypatch):
 
 
 def test_a_requested_backend_is_part_of_the_plan_key():
-    g, u = _randn(8, 64), _randn(8, 64)
+    g, u = precise_randn(8, 64), precise_randn(8, 64)
     flashtx.swiglu(g, u)  # automatic: Triton, planned
     assert _dispatch.plan_kinds("swiglu", None, g.device.type, g.device.index, g.dtype) == "triton"
     assert _dispatch.plan_kinds("swiglu", "reference", g.device.type, g.device.index, g.dtype) == "reference"

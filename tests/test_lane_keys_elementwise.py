@@ -6,7 +6,6 @@ whether the backward runs in place) must not share a plan, and a lane must refus
 Each test here failed under a mutation that dropped that field or check (a mutation-testing round; the other
 mutations were caught by the lanes' own test files). The in-place backward tests pin the general path's rules
 (rows that are not a view, saved-tensor hooks, create_graph, torch.compile), which the lane tests do not reach."""
-import functools
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 
 import flashtx
 
-from conftest import DEVICE, PRECISE_DTYPE, randn
+from conftest import DEVICE, PRECISE_DTYPE, precise_randn
 
 pytestmark = pytest.mark.usefixtures("fresh_plans")
 P = PRECISE_DTYPE
@@ -24,12 +23,11 @@ def _rand(*shape, dtype=P):
     return torch.rand(*shape, dtype=dtype, device=DEVICE)
 
 
-_randn = functools.partial(randn, dtype=P)  # conftest's, in the precise dtype
 
 
 # ------------------------------------------------------------------------------------------ RoPE
 def test_a_rotary_lane_still_refuses_tables_of_different_lengths():
-    x, cos, sin = _randn(1, 3, 2, 8), _rand(8, 4), _rand(8, 4)
+    x, cos, sin = precise_randn(1, 3, 2, 8), _rand(8, 4), _rand(8, 4)
     flashtx.apply_rotary(x, cos, sin, seqlen_offsets=2)  # a lane for this signature
     with pytest.raises(ValueError, match="cos and sin must have the same shape"):
         flashtx.apply_rotary(x, cos, _rand(12, 4), seqlen_offsets=2)
@@ -37,9 +35,9 @@ def test_a_rotary_lane_still_refuses_tables_of_different_lengths():
 
 def test_a_rotary_lane_is_keyed_by_ks_and_each_tables_strides():
     cos, sin = _rand(8, 4), _rand(8, 4)
-    q = _randn(2, 5, 3, 8)
-    flashtx.apply_rotary_qk(q, _randn(2, 5, 2, 8), cos, sin)  # lane: contiguous k
-    k = _randn(2, 2, 5, 8).transpose(1, 2)  # the same shape, other strides
+    q = precise_randn(2, 5, 3, 8)
+    flashtx.apply_rotary_qk(q, precise_randn(2, 5, 2, 8), cos, sin)  # lane: contiguous k
+    k = precise_randn(2, 2, 5, 8).transpose(1, 2)  # the same shape, other strides
     _, got = flashtx.apply_rotary_qk(q, k, cos, sin)
     _, want = flashtx.apply_rotary_qk(q, k.contiguous(), cos, sin, backend="reference")
     torch.testing.assert_close(got, want)
@@ -53,8 +51,8 @@ def test_a_rotary_lane_is_keyed_by_ks_and_each_tables_strides():
 def test_an_in_place_rotary_under_autograd_after_a_no_grad_one_of_the_same_signature():
     cos, sin = _rand(8, 4), _rand(8, 4)
     with torch.no_grad():
-        flashtx.apply_rotary(_randn(1, 4, 2, 8), cos, sin, inplace=True)  # the no-grad lane
-    x = _randn(1, 4, 2, 8, requires_grad=True)
+        flashtx.apply_rotary(precise_randn(1, 4, 2, 8), cos, sin, inplace=True)  # the no-grad lane
+    x = precise_randn(1, 4, 2, 8, requires_grad=True)
     out = flashtx.apply_rotary(x * 1.0, cos, sin, inplace=True)
     dout = torch.randn_like(out)
     (got,) = torch.autograd.grad(out, x, dout)
@@ -63,7 +61,7 @@ def test_an_in_place_rotary_under_autograd_after_a_no_grad_one_of_the_same_signa
 
 
 def test_an_int_interleaved_is_refused_after_a_lane_with_interleaved_true():
-    x, cos, sin = _randn(1, 4, 2, 8), _rand(8, 4), _rand(8, 4)
+    x, cos, sin = precise_randn(1, 4, 2, 8), _rand(8, 4), _rand(8, 4)
     flashtx.apply_rotary(x, cos, sin, interleaved=True)  # 1 == True hashes alike: the lane's key would match
     with pytest.raises(TypeError, match="interleaved must be a bool"):
         flashtx.apply_rotary(x, cos, sin, interleaved=1)
@@ -72,33 +70,33 @@ def test_an_int_interleaved_is_refused_after_a_lane_with_interleaved_true():
 def test_apply_rotary_qk_refuses_a_k_with_another_head_dim():
     cos, sin = _rand(8, 4), _rand(8, 4)
     with pytest.raises(ValueError, match="must differ only in the number of heads"):
-        flashtx.apply_rotary_qk(_randn(1, 4, 2, 16), _randn(1, 4, 1, 8), cos, sin)
+        flashtx.apply_rotary_qk(precise_randn(1, 4, 2, 16), precise_randn(1, 4, 1, 8), cos, sin)
 
 
 def test_position_ids_with_a_batch_neither_one_nor_b_are_refused_by_name():
-    x, cos, sin = _randn(2, 4, 2, 8), _rand(8, 4), _rand(8, 4)
+    x, cos, sin = precise_randn(2, 4, 2, 8), _rand(8, 4), _rand(8, 4)
     with pytest.raises(ValueError, match=r"position_ids must have shape \(2, 4\) or \(1, 4\)"):
         flashtx.apply_rotary(x, cos, sin, position_ids=torch.arange(4, device=DEVICE).expand(3, 4))
 
 
 # ---------------------------------------------------------------------------------------- SwiGLU
 def test_a_swiglu_lane_is_keyed_by_ups_strides_and_gates_dtype():
-    g = _randn(4, 8)
-    flashtx.swiglu(g, _randn(4, 8))  # lane: contiguous gate and up
-    u = _randn(8, 4).t()  # the same shape, strides (1, 4)
+    g = precise_randn(4, 8)
+    flashtx.swiglu(g, precise_randn(4, 8))  # lane: contiguous gate and up
+    u = precise_randn(8, 4).t()  # the same shape, strides (1, 4)
     torch.testing.assert_close(flashtx.swiglu(g, u), F.silu(g) * u)
-    flashtx.swiglu(_randn(4, 8, dtype=torch.float16), _randn(4, 8, dtype=torch.float16))  # lane: float16
+    flashtx.swiglu(precise_randn(4, 8, dtype=torch.float16), precise_randn(4, 8, dtype=torch.float16))  # lane: float16
     with pytest.raises(TypeError, match="same dtype"):
-        flashtx.swiglu(_randn(4, 8, dtype=torch.float32), _randn(4, 8, dtype=torch.float16))
+        flashtx.swiglu(precise_randn(4, 8, dtype=torch.float32), precise_randn(4, 8, dtype=torch.float16))
 
 
 def test_one_forward_lane_serves_in_place_and_out_of_place_backwards():
     """inplace_backward=True runs in place only where both inputs take a gradient: with a frozen up the same lane's
     backward runs out of place, into contiguous gradients, not with the in-place entry's strides (row stride 16)."""
     def run(up_grad):
-        base = _randn(2, 4, 16, requires_grad=True)
+        base = precise_randn(2, 4, 16, requires_grad=True)
         g = (base * 1.0)[..., :8]  # row stride 16
-        u = (_randn(2, 4, 16, requires_grad=up_grad) * 1.0)[..., :8]
+        u = (precise_randn(2, 4, 16, requires_grad=up_grad) * 1.0)[..., :8]
         g0, u0 = g.detach().clone().requires_grad_(), u.detach().clone()
         out = flashtx.swiglu(g, u, inplace_backward=True)
         dout = torch.randn_like(out)
@@ -112,9 +110,9 @@ def test_one_forward_lane_serves_in_place_and_out_of_place_backwards():
 
 
 def test_the_general_paths_in_place_backward_keeps_a_frozen_up():
-    live = _randn(3, 2, 8, requires_grad=True)
+    live = precise_randn(3, 2, 8, requires_grad=True)
     gate = (live * 1.0).transpose(0, 1)  # (2, 3, 8) whose rows are not a view: the general path
-    up = _randn(3, 2, 8).transpose(0, 1)
+    up = precise_randn(3, 2, 8).transpose(0, 1)
     keep = up.clone()
     out = flashtx.swiglu(gate, up, inplace_backward=True)
     out.backward(torch.ones_like(out))
@@ -122,7 +120,7 @@ def test_the_general_paths_in_place_backward_keeps_a_frozen_up():
 
 
 def test_the_general_paths_packed_backward_is_out_of_place_under_saved_tensor_hooks():
-    x0 = _randn(4, 3, 20)
+    x0 = precise_randn(4, 3, 20)
 
     def grad(hooks, inplace):
         w = x0.clone().requires_grad_(True)
@@ -135,7 +133,7 @@ def test_the_general_paths_packed_backward_is_out_of_place_under_saved_tensor_ho
 
 
 def test_create_graph_with_inplace_backward_runs_out_of_place_and_names_the_missing_double_backward():
-    g0, u0 = _randn(4, 8, requires_grad=True), _randn(4, 8, requires_grad=True)
+    g0, u0 = precise_randn(4, 8, requires_grad=True), precise_randn(4, 8, requires_grad=True)
     g, u = g0 * 1.0, u0 * 1.0
     out = flashtx.swiglu(g, u, inplace_backward=True)
     dg, _ = torch.autograd.grad(out, (g, u), torch.ones_like(out), create_graph=True)
@@ -150,7 +148,7 @@ def test_a_compiled_swiglu_of_one_tensor_with_inplace_backward_has_the_right_gra
     import torch._dynamo
 
     torch._dynamo.reset()
-    w = _randn(4, 8, requires_grad=True)
+    w = precise_randn(4, 8, requires_grad=True)
     f = torch.compile(lambda x: flashtx.swiglu(x, x, inplace_backward=True), backend="eager", fullgraph=True)
     out = f(w * 1.0)
     (got,) = torch.autograd.grad(out, w, torch.ones_like(out))

@@ -2,7 +2,6 @@
 refusals (forward-mode AD, dispatch modes), the small-q route's keys and top-left windows, paged varlen's unpaging
 and checks, and the autotune cache's memory. Each test failed under one surviving mutation (the others were caught by
 the modules' own test files)."""
-import functools
 import json
 
 import pytest
@@ -15,7 +14,7 @@ from flashtx import _small_q, _small_q_lane
 from flashtx.triton_kernels import autotune, configs, launch
 from flashtx.triton_kernels.configs import TileConfig
 
-from conftest import DEVICE, ON_GPU, PRECISE_DTYPE, randn
+from conftest import DEVICE, ON_GPU, PRECISE_DTYPE, precise_randn
 
 P = PRECISE_DTYPE
 pytestmark = pytest.mark.usefixtures("fresh_plans")
@@ -26,7 +25,6 @@ def small_q_lane_on(monkeypatch):
     monkeypatch.setattr(_small_q_lane, "LANE", True)
 
 
-_randn = functools.partial(randn, dtype=P)  # conftest's, in the precise dtype
 
 
 def test_calls_differing_only_in_dtype_use_their_own_plan():
@@ -34,7 +32,7 @@ def test_calls_differing_only_in_dtype_use_their_own_plan():
     gets its own plan. (The interpreter reads the dtype from the tensors: only the accumulator's differs between
     float32 and float64 there. A GPU's compiled kernel is specialised on the pointers' dtype: float16 shows it.)"""
     other, atol = (torch.float16, 2e-3) if ON_GPU else (torch.float64, 1e-12)
-    g, u = _randn(8, 64, dtype=torch.float32), _randn(8, 64, dtype=torch.float32)
+    g, u = precise_randn(8, 64, dtype=torch.float32), precise_randn(8, 64, dtype=torch.float32)
     for _ in range(3):
         flashtx.swiglu(g, u)  # the float32 plan, memoised
     g2, u2 = g.to(other), u.to(other)  # the same shapes and strides
@@ -83,7 +81,7 @@ def test_a_tensor_8_bytes_off_16_byte_alignment_is_not_launched_directly(monkeyp
 
 
 def test_forward_ad_is_refused_once_a_lane_exists():
-    g, u = _randn(8, 64), _randn(8, 64)
+    g, u = precise_randn(8, 64), precise_randn(8, 64)
     with torch.no_grad():
         for _ in range(3):
             flashtx.swiglu(g, u)
@@ -98,7 +96,7 @@ def test_a_dispatch_mode_sees_the_op_once_a_lane_exists():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
-    g, u = _randn(8, 64), _randn(8, 64)
+    g, u = precise_randn(8, 64), precise_randn(8, 64)
     with torch.no_grad():
         for _ in range(3):
             flashtx.swiglu(g, u)
@@ -109,7 +107,7 @@ def test_a_dispatch_mode_sees_the_op_once_a_lane_exists():
 
 @pytest.mark.parametrize("window", [(0, -1), (1, -1), (2, 1)])
 def test_top_left_windows_on_the_decode_route(window):
-    q, k, v = _randn(1, 2, 4, 16), _randn(1, 2, 37, 16), _randn(1, 2, 37, 16)
+    q, k, v = precise_randn(1, 2, 4, 16), precise_randn(1, 2, 37, 16), precise_randn(1, 2, 37, 16)
     with torch.no_grad():
         got = flashtx.attention(q, k, v, window_size=window)
         want = flashtx.attention(q, k, v, window_size=window, backend="reference")
@@ -125,7 +123,7 @@ def test_triton_takes_is_answered_per_dtype():
 @pytest.mark.parametrize("which", ["q", "v", "mask"])
 def test_same_shapes_other_strides_are_another_lane_key(which):
     B, H, Sq, Sk, D = 2, 2, 2, 37, 16
-    q, k, v = _randn(B, H, Sq, D), _randn(B, H, Sk, D), _randn(B, H, Sk, D)
+    q, k, v = precise_randn(B, H, Sq, D), precise_randn(B, H, Sk, D), precise_randn(B, H, Sk, D)
     m = torch.rand(B, Sk, device=DEVICE) > 0.3
     m[:, -1] = True
     m = m[:, None, None, :].clone()
@@ -133,9 +131,9 @@ def test_same_shapes_other_strides_are_another_lane_key(which):
         for _ in range(3):
             flashtx.attention(q, k, v, attn_mask=m)
         if which == "q":
-            q = _randn(B, H, Sq, 2 * D)[..., :D]
+            q = precise_randn(B, H, Sq, 2 * D)[..., :D]
         elif which == "v":
-            v = _randn(B, Sk, H, D).transpose(1, 2)
+            v = precise_randn(B, Sk, H, D).transpose(1, 2)
         else:
             mt = torch.rand(Sk, B, device=DEVICE) > 0.3
             mt[-1] = True
@@ -146,7 +144,7 @@ def test_same_shapes_other_strides_are_another_lane_key(which):
 
 
 def test_bottom_right_lane_is_not_used_for_top_left_causal():
-    q, k, v = _randn(1, 2, 2, 16), _randn(1, 2, 37, 16), _randn(1, 2, 37, 16)
+    q, k, v = precise_randn(1, 2, 2, 16), precise_randn(1, 2, 37, 16), precise_randn(1, 2, 37, 16)
     with torch.no_grad():
         for _ in range(3):
             flashtx.attention(q, k, v, attn_mask=causal_lower_right(2, 37))
@@ -159,7 +157,7 @@ def test_an_empty_last_sequence_with_padding_table_entries():
     page, D = 4, 16
     cuq = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
     cuk = torch.tensor([0, 5, 5], dtype=torch.int32, device=DEVICE)  # the last sequence has no keys
-    q, k, v = _randn(3, 2, D), _randn(5, 2, D), _randn(5, 2, D)
+    q, k, v = precise_randn(3, 2, D), precise_randn(5, 2, D), precise_randn(5, 2, D)
     kc, vc = torch.zeros(6, page, 2, D, dtype=P, device=DEVICE), torch.zeros(6, page, 2, D, dtype=P, device=DEVICE)
     table = torch.full((2, 2), 10**6, dtype=torch.int32, device=DEVICE)  # past a sequence's pages: never read
     table[0] = torch.tensor([3, 1])
@@ -171,10 +169,10 @@ def test_an_empty_last_sequence_with_padding_table_entries():
 
 @pytest.mark.parametrize("case", ["heads", "device"])
 def test_paged_caches_and_table_are_checked_by_name(case):
-    q = _randn(3, 4, 16)
+    q = precise_randn(3, 4, 16)
     cuq = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
     cuk = torch.tensor([0, 5, 9], dtype=torch.int32, device=DEVICE)
-    kc, vc = _randn(4, 4, 2, 16), _randn(4, 4, 1 if case == "heads" else 2, 16)
+    kc, vc = precise_randn(4, 4, 2, 16), precise_randn(4, 4, 1 if case == "heads" else 2, 16)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device="meta" if case == "device" else DEVICE)
     pattern = r"k and v must have the same \(num_blocks" if case == "heads" else "block_table must be on q's device"
     with pytest.raises(ValueError, match=pattern):
@@ -220,7 +218,7 @@ def test_keep_rechecks_after_its_store():
 
 
 def test_clear_forgets_the_seen_signatures():
-    q, k, v = _randn(1, 2, 1, 16), _randn(1, 2, 37, 16), _randn(1, 2, 37, 16)
+    q, k, v = precise_randn(1, 2, 1, 16), precise_randn(1, 2, 37, 16), precise_randn(1, 2, 37, 16)
     with torch.no_grad():
         flashtx.attention(q, k, v)
     assert launch.LAUNCHES.seen
